@@ -1,0 +1,952 @@
+"""
+clip_model.py -- OpenAI's CLIP (ViT image tower + causal text tower), written out by hand.
+
+What this file holds, bottom-up (each part only uses the parts above it):
+
+    1. building blocks ........ QuickGELU, per-head multi-head attention, the residual block
+    2. the two towers ......... VisionTransformer (image -> embedding), the text transformer
+    3. CLIP ................... encode_image / encode_text / forward (logits), as OpenAI's
+    4. weights ................ build_model(state_dict) infers the architecture from tensor
+                                shapes; load(name_or_path) reads OpenAI's TorchScript files or
+                                plain state dicts, downloading (SHA-256 checked) when it can
+    5. image preprocessing .... OpenAI's test transform
+    6. tokenizer .............. CLIP's byte-level BPE (SimpleTokenizer, tokenize)
+    7. analysis ............... head_contributions: the image embedding as an exact sum of
+                                direct contributions, one per attention head (TextSpan)
+
+How it fits the project: this file imports nothing from the project, so it can be copied
+out alone. `dear.py` builds the DeAR method on top of it (it reuses the blocks, the per-head
+mask argument of the attention and `head_contributions`); `train.py` calls `load` and
+`tokenize`. The method spec is `../shared/DESIGN.md`; this file is its section 2.
+
+Why write CLIP out instead of importing it: DeAR (Ma et al., CVPR 2026) works *per attention
+head*. It measures what each head of the last vision layers contributes (Sec. 3.2) and then
+gives every head its own attention mask (Sec. 3.3). `nn.MultiheadAttention` hides the heads
+and accepts one mask per sample, so here the heads are explicit: q, k and v are reshaped to
+(batch, heads, tokens, head_dim) and a mask of shape (heads, tokens, tokens) is simply added
+to each head's scores. Everything else follows OpenAI's `clip/model.py` exactly, down to the
+parameter names, so OpenAI's checkpoints load with `load_state_dict(strict=True)` and the
+strict load is itself a check that the architecture is right.
+
+Conventions: float32, batch-first. Shapes are written as
+    B = batch, N = tokens, C = width (channels), H = heads, D = head_dim = C // H, E = embed dim.
+Mixed precision, where wanted, is an autocast context in the caller (train.py), never a
+conversion baked into the model.
+
+Try it (needs a checkpoint; with no network pass a local file):
+
+    python clip_model.py --weights ViT-B/16 --image cat.jpg --texts "a cat" "a dog"
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import html
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+import warnings
+import zipfile
+from collections import OrderedDict
+from typing import NamedTuple, Optional, Sequence, Union
+
+import ftfy
+import regex as re
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class CLIPFileError(RuntimeError):
+    """A checkpoint or BPE file that cannot be found, fetched or read.
+
+    The message is always one line that names the file (or model name) and says what to do,
+    so a command-line program can print it as it is and exit.
+    """
+
+
+def _one_line(text: object, limit: int = 200) -> str:
+    """Squash an exception text into a short single line (for CLIPFileError messages)."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+# ------------------------------------------------------------------------------------------
+# 1. Building blocks
+# ------------------------------------------------------------------------------------------
+# LayerNorm is torch's own nn.LayerNorm. (OpenAI subclasses it only to run it in float32
+# inside an fp16 model; we keep the model in float32, and autocast keeps LayerNorm in float32
+# anyway.)
+
+
+class QuickGELU(nn.Module):
+    """x * sigmoid(1.702 x): the GELU approximation OpenAI trained CLIP with.
+
+    Using the exact GELU instead changes every activation slightly, so the pretrained
+    weights would no longer give the published numbers.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+class AttentionDetails(NamedTuple):
+    """What an attention layer can hand back for teaching and analysis.
+
+    weights:      (B, H, N, N) softmax attention of every head (row = query, column = key)
+    head_outputs: (B, H, N, D) each head's output, *before* the output projection mixes the
+                  heads; head h's share of the layer output is head_outputs[:, h] @ W_o[:, h].T
+    """
+
+    weights: torch.Tensor
+    head_outputs: torch.Tensor
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head self-attention with every head in plain sight.
+
+    Why not `nn.MultiheadAttention`: it does the per-head split internally and takes one
+    mask per sample, while DeAR needs a different mask for every head (the role-based
+    mask, DESIGN.md Sec. 4) and per-head outputs for the head analysis. The parameter names
+    are `nn.MultiheadAttention`'s (`in_proj_weight`, `in_proj_bias`, `out_proj`), because
+    those are the keys in OpenAI's checkpoints.
+
+    attn_mask is *additive* (0 = may attend, -inf = may not), float, and one of
+        (N, N)        one mask for every head and every sample (e.g. the causal text mask)
+        (H, N, N)     one mask per head (DeAR's role-based mask)
+        (B, H, N, N)  one mask per sample and head
+    A row that is all -inf would make the softmax NaN; the mask builders never produce one.
+    """
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        assert width % heads == 0, f"width {width} is not divisible by heads {heads}"
+        self.width, self.heads, self.head_dim = width, heads, width // heads
+        # q, k and v projections stacked into one matrix, as OpenAI (and nn.MultiheadAttention)
+        # store them: rows [0:C] make q, [C:2C] make k, [2C:3C] make v.
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * width, width))
+        self.in_proj_bias = nn.Parameter(torch.zeros(3 * width))
+        self.out_proj = nn.Linear(width, width)
+        nn.init.xavier_uniform_(self.in_proj_weight)
+
+    def _check_mask(self, attn_mask: torch.Tensor, B: int, N: int) -> torch.Tensor:
+        """Validate an additive mask and bring it to a shape that broadcasts to (B, H, N, N)."""
+        assert attn_mask.is_floating_point(), (
+            f"attn_mask must be an additive float mask (0 / -inf), got dtype {attn_mask.dtype}"
+        )
+        H = self.heads
+        if attn_mask.dim() == 2:
+            expected = (N, N)
+        elif attn_mask.dim() == 3:
+            expected = (H, N, N)
+        elif attn_mask.dim() == 4:
+            expected = (B, H, N, N)
+        else:
+            expected = None
+        assert expected is not None and tuple(attn_mask.shape) == expected, (
+            f"attn_mask has shape {tuple(attn_mask.shape)}; expected (N, N), (H, N, N) or "
+            f"(B, H, N, N) with B={B}, H={H}, N={N}"
+        )
+        return attn_mask if attn_mask.dim() != 3 else attn_mask.unsqueeze(0)  # (1, H, N, N)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: Optional[torch.Tensor] = None,
+        return_details: bool = False,
+    ):
+        B, N, C = x.shape  # batch, tokens, width
+        H, D = self.heads, self.head_dim
+
+        # One matrix product makes q, k and v for all heads at once ...
+        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)  # (B, N, 3C)
+        q, k, v = qkv.split(C, dim=-1)  # each (B, N, C)
+        # ... and a reshape splits the width into H heads of D channels each.
+        q = q.view(B, N, H, D).transpose(1, 2)  # (B, H, N, D)
+        k = k.view(B, N, H, D).transpose(1, 2)  # (B, H, N, D)
+        v = v.view(B, N, H, D).transpose(1, 2)  # (B, H, N, D)
+
+        mask = None
+        if attn_mask is not None:
+            # Under autocast q is fp16/bf16 and the fused kernel wants the mask in q's dtype.
+            mask = self._check_mask(attn_mask, B, N).to(q.dtype)
+
+        if return_details:
+            # The same computation spelled out, so the weights can be returned.
+            scores = (q @ k.transpose(-2, -1)) * D**-0.5  # (B, H, N, N)
+            if mask is not None:
+                scores = scores + mask  # each head gets its own mask
+            weights = scores.softmax(dim=-1)  # (B, H, N, N)
+            head_outputs = weights @ v  # (B, H, N, D)
+        else:
+            # softmax(q k^T / sqrt(D) + mask) v in one fused kernel: identical maths, less
+            # memory (the (B, H, N, N) matrix is never stored on the fast paths).
+            head_outputs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, N, D)
+
+        merged = head_outputs.transpose(1, 2).reshape(B, N, C)  # (B, N, C): heads side by side
+        out = self.out_proj(merged)  # (B, N, C): W_o mixes the heads
+        if return_details:
+            return out, AttentionDetails(weights=weights, head_outputs=head_outputs)
+        return out
+
+
+class ResidualAttentionBlock(nn.Module):
+    """A pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)).
+
+    The MLP is c_fc (C -> 4C), QuickGELU, c_proj (4C -> C); the names are OpenAI's.
+    """
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.attn = MultiHeadAttention(width, heads)
+        self.ln_1 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(
+            OrderedDict(
+                [
+                    ("c_fc", nn.Linear(width, width * 4)),
+                    ("gelu", QuickGELU()),
+                    ("c_proj", nn.Linear(width * 4, width)),
+                ]
+            )
+        )
+        self.ln_2 = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attn_mask)  # (B, N, C)
+        x = x + self.mlp(self.ln_2(x))  # (B, N, C)
+        return x
+
+
+class Transformer(nn.Module):
+    """A stack of residual blocks. `resblocks` is a ModuleList (OpenAI uses nn.Sequential;
+    the state-dict keys `resblocks.<i>.` are the same) so callers can run any slice of
+    layers with a mask of their own, as dear.py does from layer J on."""
+
+    def __init__(self, width: int, layers: int, heads: int):
+        super().__init__()
+        self.width, self.layers, self.heads = width, layers, heads
+        self.resblocks = nn.ModuleList([ResidualAttentionBlock(width, heads) for _ in range(layers)])
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        for block in self.resblocks:
+            x = block(x, attn_mask)
+        return x
+
+
+# ------------------------------------------------------------------------------------------
+# 2. The two towers
+# ------------------------------------------------------------------------------------------
+
+
+class VisionTransformer(nn.Module):
+    """Image (B, 3, R, R) -> embedding (B, E).
+
+    The image is cut into (R/P)^2 patches of P x P pixels, each linearly embedded (a conv
+    with stride P and no bias); a learnable class token is put in front, positions are
+    added, and after the transformer the class token's final state, through ln_post and
+    the projection `proj` (C -> E), is the image embedding.
+    """
+
+    def __init__(self, *, input_resolution: int, patch_size: int, width: int, layers: int,
+                 heads: int, output_dim: int):
+        super().__init__()
+        assert input_resolution % patch_size == 0, (
+            f"input resolution {input_resolution} is not a multiple of patch size {patch_size}"
+        )
+        self.input_resolution, self.patch_size = input_resolution, patch_size
+        self.grid_size = input_resolution // patch_size
+        scale = width**-0.5
+        self.conv1 = nn.Conv2d(3, width, kernel_size=patch_size, stride=patch_size, bias=False)
+        self.class_embedding = nn.Parameter(scale * torch.randn(width))
+        self.positional_embedding = nn.Parameter(scale * torch.randn(self.grid_size**2 + 1, width))
+        self.ln_pre = nn.LayerNorm(width)
+        self.transformer = Transformer(width, layers, heads)
+        self.ln_post = nn.LayerNorm(width)
+        self.proj = nn.Parameter(scale * torch.randn(width, output_dim))
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """Images (B, 3, R, R) -> the token sequence that enters layer 0, (B, 1 + G*G, C)."""
+        B, _, height, width = images.shape
+        assert height == width == self.input_resolution, (
+            f"images are {height}x{width}; this model expects "
+            f"{self.input_resolution}x{self.input_resolution} (use the model's preprocess)"
+        )
+        x = self.conv1(images)  # (B, C, G, G): one C-vector per patch
+        x = x.flatten(2).transpose(1, 2)  # (B, G*G, C): patches in row-major order
+        cls = self.class_embedding.to(x.dtype).expand(B, 1, -1)  # (B, 1, C)
+        x = torch.cat([cls, x], dim=1)  # (B, 1 + G*G, C): class token first
+        x = x + self.positional_embedding.to(x.dtype)  # (B, N, C)
+        return self.ln_pre(x)  # (B, N, C)
+
+    def head(self, cls_token: torch.Tensor) -> torch.Tensor:
+        """Final class-token state (B, C) -> image embedding (B, E)."""
+        return self.ln_post(cls_token) @ self.proj
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.embed(images)  # (B, N, C)
+        x = self.transformer(x)  # (B, N, C)
+        return self.head(x[:, 0])  # (B, E)
+
+
+def causal_mask(num_tokens: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """(N, N) additive mask: token i may attend to tokens 0..i only (-inf above the diagonal).
+
+    Because of it, token i's state never depends on tokens after i; that is why a text
+    sequence can be cut right after its last real token without changing its features.
+    """
+    return torch.full((num_tokens, num_tokens), float("-inf"), device=device, dtype=dtype).triu_(1)
+
+
+# ------------------------------------------------------------------------------------------
+# 3. CLIP
+# ------------------------------------------------------------------------------------------
+
+
+class CLIP(nn.Module):
+    """The two towers and the temperature. The text tower's parts sit at the top level
+    (`token_embedding`, `positional_embedding`, `transformer`, `ln_final`,
+    `text_projection`) because that is where OpenAI's state dict has them."""
+
+    def __init__(self, *, embed_dim: int, image_resolution: int, vision_layers: int,
+                 vision_width: int, vision_patch_size: int, vision_heads: int,
+                 context_length: int, vocab_size: int, transformer_width: int,
+                 transformer_heads: int, transformer_layers: int):
+        super().__init__()
+        self.context_length = context_length
+        self.visual = VisionTransformer(
+            input_resolution=image_resolution, patch_size=vision_patch_size, width=vision_width,
+            layers=vision_layers, heads=vision_heads, output_dim=embed_dim,
+        )
+        self.transformer = Transformer(transformer_width, transformer_layers, transformer_heads)
+        self.token_embedding = nn.Embedding(vocab_size, transformer_width)
+        self.positional_embedding = nn.Parameter(torch.empty(context_length, transformer_width))
+        self.ln_final = nn.LayerNorm(transformer_width)
+        self.text_projection = nn.Parameter(torch.empty(transformer_width, embed_dim))
+        # CLIP learns the softmax temperature as a log, so it stays positive: s = exp(logit_scale).
+        self.logit_scale = nn.Parameter(torch.ones([]) * torch.log(torch.tensor(1 / 0.07)))
+        self.initialize_parameters()
+
+    def initialize_parameters(self) -> None:
+        """OpenAI's initialisation (used when training a CLIP from scratch, e.g. the toy world)."""
+        nn.init.normal_(self.token_embedding.weight, std=0.02)
+        nn.init.normal_(self.positional_embedding, std=0.01)
+        for tower in (self.transformer, self.visual.transformer):
+            width, layers = tower.width, tower.layers
+            proj_std = width**-0.5 * (2 * layers) ** -0.5  # scaled down: outputs add up over layers
+            attn_std, fc_std = width**-0.5, (2 * width) ** -0.5
+            for block in tower.resblocks:
+                nn.init.normal_(block.attn.in_proj_weight, std=attn_std)
+                nn.init.normal_(block.attn.out_proj.weight, std=proj_std)
+                nn.init.normal_(block.mlp.c_fc.weight, std=fc_std)
+                nn.init.normal_(block.mlp.c_proj.weight, std=proj_std)
+        nn.init.normal_(self.text_projection, std=self.transformer.width**-0.5)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.visual.conv1.weight.dtype
+
+    def encode_image(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, 3, R, R) -> (B, E), not normalised (as OpenAI's)."""
+        return self.visual(images.to(self.dtype))
+
+    def embed_text(self, text: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, L) -> the sequence entering text layer 0, (B, L, C). L may be shorter
+        than the context length (see `causal_mask`)."""
+        L = text.shape[1]
+        assert L <= self.context_length, f"text has {L} tokens; context length is {self.context_length}"
+        return self.token_embedding(text) + self.positional_embedding[:L]  # (B, L, C)
+
+    def text_head(self, x: torch.Tensor, eot_positions: torch.Tensor) -> torch.Tensor:
+        """Final text states (B, L, C) -> text embedding (B, E), read at each end-of-text token."""
+        x = self.ln_final(x)
+        return x[torch.arange(x.shape[0], device=x.device), eot_positions] @ self.text_projection
+
+    def encode_text(self, text: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, L) -> (B, E), not normalised.
+
+        The feature is read at the end-of-text token. Its id (49407) is the largest in the
+        vocabulary, so `text.argmax(-1)` finds it (OpenAI's trick; it holds for any BPE
+        file built like CLIP's, where the two special tokens come last).
+        """
+        x = self.embed_text(text)  # (B, L, C)
+        x = self.transformer(x, causal_mask(x.shape[1], x.device, x.dtype))  # (B, L, C)
+        return self.text_head(x, text.argmax(dim=-1))  # (B, E)
+
+    def forward(self, images: torch.Tensor, text: torch.Tensor):
+        """Cosine similarities times the learned temperature, as OpenAI's forward:
+        (logits_per_image (B_img, B_txt), logits_per_text (B_txt, B_img))."""
+        image_features = F.normalize(self.encode_image(images), dim=-1)
+        text_features = F.normalize(self.encode_text(text), dim=-1)
+        logits_per_image = self.logit_scale.exp() * image_features @ text_features.t()
+        return logits_per_image, logits_per_image.t()
+
+
+# ------------------------------------------------------------------------------------------
+# 4. Weights: build_model infers the architecture, load finds and reads the file
+# ------------------------------------------------------------------------------------------
+
+# OpenAI's published ViT checkpoints. The long hex string in each address is the file's
+# SHA-256, which is how a download is checked.
+_MODELS = {
+    "ViT-B/32": "https://openaipublic.azureedge.net/clip/models/"
+    "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af/ViT-B-32.pt",
+    "ViT-B/16": "https://openaipublic.azureedge.net/clip/models/"
+    "5806e77cd80f8b59890b7e101eabd078d9fb84e6937f9e85e4ecb61988df416f/ViT-B-16.pt",
+    "ViT-L/14": "https://openaipublic.azureedge.net/clip/models/"
+    "b8cca3fd41ae0c99ba7e8951adf17d267cdb84cd88be6f7c2e0eca1737a03836/ViT-L-14.pt",
+}
+
+# Integers that OpenAI's TorchScript state dicts carry next to the tensors; not parameters.
+_METADATA_KEYS = ("input_resolution", "context_length", "vocab_size")
+
+
+def available_models() -> list:
+    """The model names `load` can fetch by name."""
+    return list(_MODELS)
+
+
+def default_cache_dir() -> str:
+    """Where downloaded files are kept: $DEAR_CACHE_DIR, else ~/.cache/dear-from-scratch."""
+    return os.environ.get("DEAR_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "dear-from-scratch"
+    )
+
+
+def build_model(state_dict: dict, head_width: int = 64) -> CLIP:
+    """Build a CLIP whose shape matches `state_dict`, load the weights strictly, return it in
+    eval mode and float32.
+
+    Every dimension is read off a tensor (OpenAI's rule), so ViT-B/32, B/16, L/14 and any
+    small model saved with the same keys load through this one path. The only thing a state
+    dict cannot tell is how the width splits into heads: OpenAI's models all use heads of
+    64 channels, which is the default `head_width`.
+    """
+    state_dict = {k: v for k, v in state_dict.items() if k not in _METADATA_KEYS}
+
+    if any(k.startswith("visual.layer1.") or k.startswith("visual.attnpool.") for k in state_dict):
+        raise CLIPFileError(
+            "this is a ResNet CLIP checkpoint (visual.layer1 / visual.attnpool keys); only the "
+            "ViT models are supported: use ViT-B/32, ViT-B/16 or ViT-L/14"
+        )
+    required = ["visual.conv1.weight", "visual.positional_embedding", "visual.proj",
+                "token_embedding.weight", "positional_embedding", "ln_final.weight",
+                "text_projection"]
+    missing = [k for k in required if k not in state_dict]
+    if missing:
+        raise CLIPFileError(
+            f"not an OpenAI CLIP ViT state dict: missing {', '.join(missing[:4])}"
+            + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        )
+
+    # Vision tower: width from the patch conv, patch size from its kernel, grid from the
+    # number of positions, depth from the number of attention blocks.
+    vision_width = state_dict["visual.conv1.weight"].shape[0]
+    vision_patch_size = state_dict["visual.conv1.weight"].shape[-1]
+    vision_layers = len({k.split(".")[3] for k in state_dict
+                         if k.startswith("visual.transformer.resblocks.")})
+    grid_size = round((state_dict["visual.positional_embedding"].shape[0] - 1) ** 0.5)
+    image_resolution = vision_patch_size * grid_size
+    # Text tower.
+    embed_dim = state_dict["text_projection"].shape[1]
+    context_length = state_dict["positional_embedding"].shape[0]
+    vocab_size = state_dict["token_embedding.weight"].shape[0]
+    transformer_width = state_dict["ln_final.weight"].shape[0]
+    transformer_layers = len({k.split(".")[2] for k in state_dict
+                              if k.startswith("transformer.resblocks.")})
+    for what, width in (("vision", vision_width), ("text", transformer_width)):
+        if width % head_width:
+            raise CLIPFileError(
+                f"the {what} width {width} is not a multiple of head_width={head_width}; "
+                "pass the head_width the model was trained with"
+            )
+
+    model = CLIP(
+        embed_dim=embed_dim, image_resolution=image_resolution, vision_layers=vision_layers,
+        vision_width=vision_width, vision_patch_size=vision_patch_size,
+        vision_heads=vision_width // head_width, context_length=context_length,
+        vocab_size=vocab_size, transformer_width=transformer_width,
+        transformer_heads=transformer_width // head_width, transformer_layers=transformer_layers,
+    )
+
+    # Compare the key sets first: load_state_dict's own message is many lines long.
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    wrong_shape = [k for k in expected if k in state_dict
+                   and tuple(state_dict[k].shape) != tuple(expected[k].shape)]
+    for problem, keys in (("missing keys", missing), ("unexpected keys", unexpected),
+                          ("keys with the wrong shape", wrong_shape)):
+        if keys:
+            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+            raise CLIPFileError(f"state dict does not fit a CLIP ViT: {problem} {', '.join(keys[:3])}{more}")
+
+    model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
+    return model.eval()
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def download(url: str, sha256: str, root: Optional[str] = None, what: str = "file") -> str:
+    """Fetch `url` into `root` (the cache), check its SHA-256, return the local path.
+
+    A file already in the cache with the right checksum is reused. The download goes to a
+    temporary file that is renamed only once complete and verified, so an interrupted
+    download never leaves a half-written file under the real name. Progress goes to stderr.
+    """
+    root = root or default_cache_dir()
+    os.makedirs(root, exist_ok=True)
+    target = os.path.join(root, os.path.basename(url))
+    if os.path.isfile(target):
+        if _sha256(target) == sha256:
+            return target
+        print(f"{target}: checksum does not match; downloading it again", file=sys.stderr)
+
+    partial = f"{target}.part{os.getpid()}"
+    try:
+        with urllib.request.urlopen(url, timeout=30) as source, open(partial, "wb") as sink:
+            total = int(source.headers.get("Content-Length") or 0)
+            done, last_report = 0, 0.0
+            while chunk := source.read(1 << 20):
+                sink.write(chunk)
+                done += len(chunk)
+                if time.time() - last_report > 2 or done == total:  # a line every 2 s
+                    last_report = time.time()
+                    share = f" ({100 * done / total:.0f}%)" if total else ""
+                    print(f"downloading {what}: {done / 2**20:.1f} MiB{share}", file=sys.stderr)
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        if os.path.exists(partial):
+            os.remove(partial)
+        raise CLIPFileError(
+            f"{what}: cannot download {url} ({_one_line(getattr(error, 'reason', error), 120)}); "
+            f"without network, get the file elsewhere and pass its local path"
+        ) from None
+    if _sha256(partial) != sha256:
+        os.remove(partial)
+        raise CLIPFileError(f"{what}: the file downloaded from {url} fails its SHA-256 check; try again")
+    os.replace(partial, target)  # atomic: the name appears only for a complete, checked file
+    return target
+
+
+def _is_torchscript_archive(path: str) -> bool:
+    """TorchScript archives (what OpenAI publishes) are zip files with a code/ folder and a
+    constants.pkl; `torch.save` zip files have neither."""
+    with zipfile.ZipFile(path) as archive:
+        names = archive.namelist()
+    return any(n.endswith("/constants.pkl") or "/code/" in n for n in names)
+
+
+def read_state_dict(path: str) -> dict:
+    """Read a checkpoint file into a {name: tensor} dict on the CPU.
+
+    OpenAI's files are TorchScript archives: `torch.jit.load(...).state_dict()` reads their
+    weights without running any of their code paths. Anything else must be a plain state
+    dict, read with `weights_only=True` so that a checkpoint cannot execute code on load.
+    """
+    if not os.path.isfile(path):
+        raise CLIPFileError(f"{path}: no such file; pass the path to a CLIP checkpoint")
+    try:
+        if zipfile.is_zipfile(path) and _is_torchscript_archive(path):
+            # Recent torch marks TorchScript deprecated; OpenAI's files exist only in it.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                state_dict = torch.jit.load(path, map_location="cpu").state_dict()
+        else:
+            state_dict = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises many kinds here; they all mean "unreadable"
+        raise CLIPFileError(
+            f"{path}: cannot be read as a checkpoint (truncated, corrupt or not a PyTorch "
+            f"file: {_one_line(error, 100)}); download it again or pass another file"
+        ) from None
+    if isinstance(state_dict, dict) and isinstance(state_dict.get("state_dict"), dict):
+        state_dict = state_dict["state_dict"]  # a common wrapper around the weights
+    if not isinstance(state_dict, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state_dict.items()
+    ):
+        raise CLIPFileError(f"{path}: holds a {type(state_dict).__name__}, not a state dict of tensors")
+    return dict(state_dict)
+
+
+def load(name_or_path: str, device: Union[str, torch.device] = "cpu",
+         download_root: Optional[str] = None, head_width: int = 64):
+    """Load a CLIP ViT -> (model in eval mode, float32, on `device`; its test transform).
+
+    name_or_path: one of `available_models()` ("ViT-B/16", ...) -- taken from the cache or
+    downloaded with a SHA-256 check -- or the path of a checkpoint file: an OpenAI
+    TorchScript archive or a plain state dict in OpenAI's key format.
+    """
+    if name_or_path in _MODELS:
+        url = _MODELS[name_or_path]
+        path = download(url, url.split("/")[-2], download_root, what=f"CLIP {name_or_path}")
+    elif os.path.isfile(name_or_path):
+        path = name_or_path
+    else:
+        raise CLIPFileError(
+            f"{name_or_path}: neither a model name ({', '.join(_MODELS)}) nor an existing "
+            "file; pass one of those names or the path to a checkpoint"
+        )
+    state_dict = read_state_dict(path)
+    try:
+        model = build_model(state_dict, head_width=head_width)
+    except CLIPFileError as error:
+        raise CLIPFileError(f"{path}: {error}") from None
+    return model.to(device), image_transform(model.visual.input_resolution)
+
+
+# ------------------------------------------------------------------------------------------
+# 5. Image preprocessing (OpenAI's test transform)
+# ------------------------------------------------------------------------------------------
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # the RGB statistics of CLIP's training set
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def _to_rgb(image):
+    """PIL image -> RGB (greyscale, palette and RGBA images all exist in the benchmarks).
+    A named function, not a lambda, so the transform can be pickled into DataLoader workers."""
+    return image.convert("RGB")
+
+
+def image_transform(resolution: int = 224):
+    """Resize the short side to `resolution` (bicubic), centre-crop a square, RGB, to tensor,
+    normalise with CLIP's mean and std: exactly what OpenAI's `preprocess` does."""
+    from torchvision import transforms as T  # torchvision is needed only here
+
+    return T.Compose([
+        T.Resize(resolution, interpolation=T.InterpolationMode.BICUBIC),
+        T.CenterCrop(resolution),
+        _to_rgb,
+        T.ToTensor(),
+        T.Normalize(CLIP_MEAN, CLIP_STD),
+    ])
+
+
+# ------------------------------------------------------------------------------------------
+# 6. Tokenizer: CLIP's byte-level BPE
+# ------------------------------------------------------------------------------------------
+# Text -> clean (ftfy, HTML entities, whitespace, lower case) -> split into words and
+# punctuation runs with a regex -> each word's UTF-8 bytes, as printable characters ->
+# byte-pair merges, applied in the order the merges file lists them -> ids.
+
+BPE_FILENAME = "bpe_simple_vocab_16e6.txt.gz"
+BPE_URL = "https://github.com/openai/CLIP/raw/main/clip/bpe_simple_vocab_16e6.txt.gz"
+BPE_SHA256 = "924691ac288e54409236115652ad4aa250f48203de50a9e4722a6ecd48d6804a"
+_MAX_MERGES = 49152 - 256 - 2  # CLIP's vocabulary is 49408 = 2*256 bytes + 48894 merges + 2 specials
+
+
+def bytes_to_unicode() -> dict:
+    """A map from each of the 256 byte values to a printable unicode character.
+
+    BPE works on strings, and we want it to work on *bytes* (so any text, emoji included,
+    has a spelling) without whitespace or control characters inside tokens. Bytes that are
+    already printable map to themselves; the other 68 are moved to characters from 256 on.
+    Worked example: b"a" (97) -> "a", b" " (32) -> "Ġ" (chr(256 + 32)), so "é" (UTF-8 bytes
+    195, 169) is spelled "Ã©".
+    """
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    characters = printable[:]
+    moved = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            characters.append(256 + moved)
+            moved += 1
+    return dict(zip(printable, map(chr, characters)))
+
+
+def basic_clean(text: str) -> str:
+    """Fix mojibake (ftfy) and HTML entities (twice: some web text is double-escaped)."""
+    text = ftfy.fix_text(text)
+    return html.unescape(html.unescape(text)).strip()
+
+
+def whitespace_clean(text: str) -> str:
+    """Collapse every run of whitespace to one space."""
+    return " ".join(text.split())
+
+
+def find_bpe_file(bpe_path: Optional[str] = None) -> str:
+    """Find CLIP's merges file: the explicit path, then $DEAR_BPE_PATH, then the cache, then a
+    download (SHA-256 checked). Without any of them: a one-line error saying what to pass."""
+    for source, path in (("bpe_path", bpe_path), ("$DEAR_BPE_PATH", os.environ.get("DEAR_BPE_PATH"))):
+        if path:
+            if not os.path.isfile(path):
+                raise CLIPFileError(f"{path} (from {source}): no such BPE merges file")
+            return path
+    cached = os.path.join(default_cache_dir(), BPE_FILENAME)
+    if os.path.isfile(cached):
+        return cached
+    try:
+        return download(BPE_URL, BPE_SHA256, what="CLIP's BPE merges file")
+    except CLIPFileError as error:
+        raise CLIPFileError(
+            f"{error} -- or pass bpe_path= / set DEAR_BPE_PATH to a {BPE_FILENAME} "
+            f"(open_clip and openai/CLIP ship one), or copy it to {cached}"
+        ) from None
+
+
+class SimpleTokenizer:
+    """CLIP's tokenizer: `encode(text) -> ids`, `decode(ids) -> text`.
+
+    bpe_path: a merges file in OpenAI's format (a header line, then one "left right" merge
+    per line, in priority order; gzipped or plain). The real file has far more lines than
+    CLIP uses, so only the first 48,894 merges are read, as OpenAI does; a smaller file
+    (e.g. the toy world's) gives a smaller vocabulary of 512 + merges + 2 ids.
+    """
+
+    def __init__(self, bpe_path: Optional[str] = None):
+        self.bpe_path = find_bpe_file(bpe_path)
+        self.byte_encoder = bytes_to_unicode()
+        self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
+
+        try:
+            opener = gzip.open if self.bpe_path.endswith(".gz") else open
+            with opener(self.bpe_path, "rt", encoding="utf-8") as f:
+                lines = f.read().split("\n")
+        except (OSError, UnicodeDecodeError, EOFError) as error:
+            raise CLIPFileError(f"{self.bpe_path}: cannot read the BPE merges file ({_one_line(error, 80)})") from None
+        merges = []
+        for number, line in enumerate(lines[1:], start=2):  # line 1 is the "#version" header
+            if len(merges) == _MAX_MERGES:
+                break
+            if not line.strip():
+                continue
+            pair = tuple(line.split())
+            if len(pair) != 2:
+                raise CLIPFileError(f"{self.bpe_path}: line {number} is not a 'left right' merge: {line[:40]!r}")
+            merges.append(pair)
+
+        # The vocabulary: 256 bytes, the same 256 as word endings, one entry per merge, and the
+        # two special tokens last (so the end-of-text id is the largest; see encode_text).
+        vocab = list(self.byte_encoder.values())
+        vocab += [v + "</w>" for v in vocab]
+        vocab += ["".join(pair) for pair in merges]
+        vocab += ["<|startoftext|>", "<|endoftext|>"]
+        self.encoder = {token: index for index, token in enumerate(vocab)}
+        self.decoder = {index: token for token, index in self.encoder.items()}
+        self.bpe_ranks = {pair: rank for rank, pair in enumerate(merges)}  # lower = merged first
+        self.sot_token, self.eot_token = self.encoder["<|startoftext|>"], self.encoder["<|endoftext|>"]
+        self.cache = {"<|startoftext|>": "<|startoftext|>", "<|endoftext|>": "<|endoftext|>"}
+        # Words, single digits, and runs of other non-space characters; English contractions
+        # split off ("don't" -> "don", "'t").
+        self.pattern = re.compile(
+            r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+""",
+            re.IGNORECASE,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.encoder)
+
+    def bpe(self, token: str) -> str:
+        """Apply the merges to one word; returns its pieces separated by spaces.
+
+        Start from single characters, the last one marked as a word end ("</w>"); then
+        repeatedly merge the adjacent pair that ranks best in the merges file, everywhere
+        it occurs, until no adjacent pair is in the file.
+        """
+        if token in self.cache:
+            return self.cache[token]
+        word = list(token[:-1]) + [token[-1] + "</w>"]
+        while len(word) > 1:
+            pairs = set(zip(word, word[1:]))
+            best = min(pairs, key=lambda pair: self.bpe_ranks.get(pair, float("inf")))
+            if best not in self.bpe_ranks:
+                break
+            merged, i = [], 0
+            while i < len(word):
+                if i < len(word) - 1 and (word[i], word[i + 1]) == best:
+                    merged.append(word[i] + word[i + 1])
+                    i += 2
+                else:
+                    merged.append(word[i])
+                    i += 1
+            word = merged
+        result = " ".join(word)
+        self.cache[token] = result
+        return result
+
+    def encode(self, text: str) -> list:
+        text = whitespace_clean(basic_clean(text)).lower()
+        ids = []
+        for word in re.findall(self.pattern, text):
+            spelled = "".join(self.byte_encoder[b] for b in word.encode("utf-8"))
+            ids.extend(self.encoder[piece] for piece in self.bpe(spelled).split(" "))
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        text = "".join(self.decoder[int(i)] for i in ids)
+        raw = bytearray(self.byte_decoder[c] for c in text)
+        return raw.decode("utf-8", errors="replace").replace("</w>", " ")
+
+    def tokenize(self, texts: Union[str, Sequence[str]], context_length: int = 77,
+                 truncate: bool = False) -> torch.Tensor:
+        """Texts -> (len(texts), context_length) ids: start token, the text, end token, zeros.
+
+        A text longer than the context is an error unless truncate=True, which keeps the
+        first context_length - 1 ids and ends with the end-of-text token (OpenAI's rule).
+        """
+        if isinstance(texts, str):
+            texts = [texts]
+        result = torch.zeros(len(texts), context_length, dtype=torch.long)
+        for row, text in enumerate(texts):
+            ids = [self.sot_token] + self.encode(text) + [self.eot_token]
+            if len(ids) > context_length:
+                if not truncate:
+                    raise ValueError(
+                        f"text {text[:40]!r}... is {len(ids)} tokens, longer than the context "
+                        f"length {context_length}; shorten it or pass truncate=True"
+                    )
+                ids = ids[:context_length]
+                ids[-1] = self.eot_token
+            result[row, : len(ids)] = torch.tensor(ids)
+        return result
+
+
+_default_tokenizer: Optional[SimpleTokenizer] = None
+
+
+def tokenize(texts: Union[str, Sequence[str]], context_length: int = 77, truncate: bool = False,
+             tokenizer: Optional[SimpleTokenizer] = None) -> torch.Tensor:
+    """OpenAI's `clip.tokenize`: (len(texts), context_length) token ids.
+
+    Uses `tokenizer` if given, else one shared SimpleTokenizer built on first use (which
+    needs CLIP's BPE file: see `find_bpe_file`).
+    """
+    global _default_tokenizer
+    if tokenizer is None:
+        if _default_tokenizer is None:
+            _default_tokenizer = SimpleTokenizer()
+        tokenizer = _default_tokenizer
+    return tokenizer.tokenize(texts, context_length, truncate)
+
+
+# ------------------------------------------------------------------------------------------
+# 7. Analysis: the image embedding as a sum of per-head contributions (TextSpan)
+# ------------------------------------------------------------------------------------------
+# The class token's final state is a sum of everything ever added to the residual stream:
+#     r = (embeddings after ln_pre) + sum_layers [ attn_l + mlp_l ]
+# and each attention output splits further over heads, because the output projection is
+# linear:  attn_l = sum_h W_o[:, h] @ o_h + b_o.  Only ln_post is not linear; but with the
+# mean and standard deviation of the *full* r held fixed it is (Gandelsman et al., "TextSpan",
+# ICLR 2024, Sec. 3), and every term can be pushed through ln_post and `proj` on its own:
+#     embedding = sum_terms  gamma * (t - mean(t)) / std(r) @ proj   +   beta @ proj.
+
+
+class HeadContributions(NamedTuple):
+    """The direct contributions to each image embedding (all in embedding space, E).
+
+    heads: (B, L, H, E)  every head of the last L layers (a share b_o / H of its layer's
+                         output-projection bias is counted with each head)
+    mlps:  (B, L, E)     the MLPs of the same L layers
+    rest:  (B, E)        the embeddings and every layer before those L
+    bias:  (E,)          ln_post's bias pushed through proj
+    layers: the 0-based indices of the L layers (the paper counts from 1: layer 8 is "layer 9")
+    Invariant: heads.sum((1, 2)) + mlps.sum(1) + rest + bias == model.encode_image(images).
+    """
+
+    heads: torch.Tensor
+    mlps: torch.Tensor
+    rest: torch.Tensor
+    bias: torch.Tensor
+    layers: tuple
+
+    def total(self) -> torch.Tensor:
+        """The sum of all terms: the image embedding (B, E)."""
+        return self.heads.sum((1, 2)) + self.mlps.sum(1) + self.rest + self.bias
+
+
+@torch.no_grad()
+def head_contributions(model: CLIP, images: torch.Tensor, num_layers: int = 4) -> HeadContributions:
+    """Decompose `model.encode_image(images)` into per-head direct contributions.
+
+    images: (B, 3, R, R) preprocessed. Returns a HeadContributions; its `heads` tensor,
+    (B, num_layers, H, E), is what DeAR's head analysis (dear.py, DESIGN.md Sec. 3) reads.
+    """
+    visual = model.visual
+    blocks = visual.transformer.resblocks
+    assert 1 <= num_layers <= len(blocks), f"num_layers must be in 1..{len(blocks)}, got {num_layers}"
+    first = len(blocks) - num_layers
+
+    x = visual.embed(images.to(model.dtype))  # (B, N, C)
+    for block in blocks[:first]:
+        x = block(x)
+    rest = x[:, 0]  # (B, C): embeddings + all earlier layers, as seen by the class token
+
+    head_terms, mlp_terms = [], []
+    for block in blocks[first:]:
+        attn = block.attn
+        attn_out, details = attn(block.ln_1(x), return_details=True)
+        # Head h's part of the class token's update: W_o[:, hD:(h+1)D] @ o_h (+ its bias share).
+        C, H, D = attn.width, attn.heads, attn.head_dim
+        w_out = attn.out_proj.weight.view(C, H, D)  # (C, H, D): columns of W_o, grouped by head
+        cls_heads = details.head_outputs[:, :, 0]  # (B, H, D): each head's output at the class token
+        per_head = torch.einsum("bhd,chd->bhc", cls_heads, w_out) + attn.out_proj.bias / H  # (B, H, C)
+        head_terms.append(per_head)
+        x = x + attn_out
+        mlp_out = block.mlp(block.ln_2(x))  # (B, N, C)
+        mlp_terms.append(mlp_out[:, 0])
+        x = x + mlp_out
+
+    # Linearise ln_post with the statistics of the full residual at the class token.
+    final = x[:, 0]  # (B, C)
+    ln = visual.ln_post
+    std = (final.var(dim=-1, unbiased=False, keepdim=True) + ln.eps).sqrt()  # (B, 1)
+
+    def through_ln_post_and_proj(term: torch.Tensor) -> torch.Tensor:
+        """(B, ..., C) -> (B, ..., E): the term's share of ln_post(final) @ proj."""
+        scale = std.view(std.shape[0], *([1] * (term.dim() - 1)))  # broadcast over the middle dims
+        centred = term - term.mean(dim=-1, keepdim=True)  # centring is linear: shares add up
+        return (centred / scale * ln.weight) @ visual.proj
+
+    return HeadContributions(
+        heads=through_ln_post_and_proj(torch.stack(head_terms, dim=1)),  # (B, L, H, E)
+        mlps=through_ln_post_and_proj(torch.stack(mlp_terms, dim=1)),  # (B, L, E)
+        rest=through_ln_post_and_proj(rest),  # (B, E)
+        bias=ln.bias @ visual.proj,  # (E,)
+        layers=tuple(range(first, len(blocks))),
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# Command line: zero-shot scores of one image against a few texts
+# ------------------------------------------------------------------------------------------
+
+def _main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Score an image against texts with CLIP.")
+    parser.add_argument("--weights", default="ViT-B/16", help="model name or checkpoint path")
+    parser.add_argument("--bpe", default=None, help="path to CLIP's BPE merges file (optional)")
+    parser.add_argument("--image", required=True, help="an image file")
+    parser.add_argument("--texts", nargs="+", required=True, help="candidate captions")
+    args = parser.parse_args(argv)
+    try:
+        from PIL import Image
+
+        model, preprocess = load(args.weights)
+        tokenizer = SimpleTokenizer(args.bpe)
+        if not os.path.isfile(args.image):
+            raise CLIPFileError(f"{args.image}: no such image file")
+        image = preprocess(Image.open(args.image)).unsqueeze(0)
+    except CLIPFileError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    with torch.no_grad():
+        logits, _ = model(image, tokenize(args.texts, model.context_length, truncate=True, tokenizer=tokenizer))
+    for text, p in zip(args.texts, logits.softmax(-1)[0].tolist()):
+        print(f"{p:6.1%}  {text}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

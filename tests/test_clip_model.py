@@ -1,0 +1,392 @@
+"""Tests for clip_model.py: numerical parity with open_clip, the loading paths, per-head
+attention, the per-head decomposition, and what bad input gets.
+
+    python -m pytest -q tests/test_clip_model.py
+"""
+
+import functools
+import http.server
+import os
+import socket
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+import clip_model
+from conftest import TINY, assert_close, perturb_
+
+# ------------------------------------------------------------------------------------------
+# Parity with open_clip's ViT-B/16 (the reference implementation), same random weights
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def openclip_b16(tmp_path_factory):
+    """open_clip's ViT-B-16-quickgelu with perturbed random weights, saved as an OpenAI-format
+    state dict and loaded back through our `load(path)`."""
+    open_clip = pytest.importorskip("open_clip")
+    torch.manual_seed(0)
+    reference = open_clip.create_model("ViT-B-16-quickgelu", pretrained=None)
+    perturb_(reference, scale=0.02).eval()
+    path = tmp_path_factory.mktemp("b16") / "ViT-B-16-random.pt"
+    torch.save(reference.state_dict(), path)
+    ours, preprocess = clip_model.load(str(path))
+    tokenizer = open_clip.get_tokenizer("ViT-B-16-quickgelu")
+    return reference, ours, preprocess, tokenizer
+
+
+def test_b16_image_and_text_features_and_logits_match_open_clip(openclip_b16):
+    reference, ours, _, tokenizer = openclip_b16
+    torch.manual_seed(1)
+    images = torch.randn(3, 3, 224, 224)
+    text = tokenizer(["a photo of a cat.", "a centered satellite photo of Sea or Lake.",
+                      "zigzagged texture.", "an émoji 🙂 &amp; friends"])
+    with torch.no_grad():
+        assert_close(ours.encode_image(images), reference.encode_image(images), 1e-4, "encode_image")
+        assert_close(ours.encode_text(text), reference.encode_text(text), 1e-4, "encode_text")
+        logits_per_image, logits_per_text = ours(images, text)
+        image_features, text_features, scale = reference(images, text)[:3]
+        expected = scale * image_features @ text_features.t()
+    assert_close(logits_per_image, expected, 1e-4, "logits_per_image")
+    assert_close(logits_per_text, expected.t(), 1e-4, "logits_per_text")
+
+
+def test_b16_architecture_is_inferred_from_the_state_dict(openclip_b16):
+    _, ours, _, _ = openclip_b16
+    visual = ours.visual
+    assert (visual.input_resolution, visual.patch_size, visual.grid_size) == (224, 16, 14)
+    assert (visual.transformer.layers, visual.transformer.heads, visual.transformer.width) == (12, 12, 768)
+    assert (ours.transformer.layers, ours.transformer.heads, ours.transformer.width) == (12, 8, 512)
+    assert ours.token_embedding.num_embeddings == 49408 and ours.context_length == 77
+    assert visual.proj.shape == (768, 512)
+    assert all(p.dtype == torch.float32 for p in ours.parameters())
+
+
+def test_b16_head_decomposition_sums_to_encode_image(openclip_b16):
+    _, ours, _, _ = openclip_b16
+    torch.manual_seed(2)
+    images = torch.randn(2, 3, 224, 224)
+    parts = clip_model.head_contributions(ours, images, num_layers=4)
+    assert parts.heads.shape == (2, 4, 12, 512)
+    assert parts.layers == (8, 9, 10, 11)
+    with torch.no_grad():
+        assert_close(parts.total(), ours.encode_image(images), 1e-4, "sum of contributions")
+
+
+def test_preprocess_matches_open_clip(openclip_b16):
+    open_clip = pytest.importorskip("open_clip")
+    from PIL import Image
+
+    _, _, preprocess, _ = openclip_b16
+    _, _, reference_preprocess = open_clip.create_model_and_transforms("ViT-B-16-quickgelu", pretrained=None)
+    generator = torch.Generator().manual_seed(3)
+    for mode, size in (("RGB", (300, 200)), ("RGBA", (97, 151)), ("L", (224, 224))):
+        pixels = torch.randint(0, 256, (size[1], size[0], len(mode)), generator=generator, dtype=torch.uint8)
+        image = Image.fromarray(pixels.squeeze(-1).numpy(), mode=mode)
+        ours, expected = preprocess(image), reference_preprocess(image)
+        assert ours.shape == (3, 224, 224)
+        assert_close(ours, expected, 1e-6, f"preprocess {mode} {size}")
+
+
+# ------------------------------------------------------------------------------------------
+# Per-head attention
+# ------------------------------------------------------------------------------------------
+
+
+def _attention_pair(width=64, heads=4, seed=0):
+    torch.manual_seed(seed)
+    ours = perturb_(clip_model.MultiHeadAttention(width, heads), scale=0.1, seed=seed)
+    reference = nn.MultiheadAttention(width, heads, batch_first=True)
+    reference.load_state_dict(ours.state_dict())  # same parameter names, by design
+    return ours, reference
+
+
+def test_attention_equals_nn_multiheadattention():
+    ours, reference = _attention_pair()
+    x = torch.randn(3, 10, 64)
+    causal = clip_model.causal_mask(10)
+    with torch.no_grad():
+        for mask in (None, causal):
+            expected = reference(x, x, x, attn_mask=mask, need_weights=False)[0]
+            assert_close(ours(x, mask), expected, 1e-5, f"attention, mask={mask is not None}")
+            out, details = ours(x, mask, return_details=True)
+            assert_close(out, expected, 1e-5, "attention with details")
+            _, reference_weights = reference(x, x, x, attn_mask=mask, average_attn_weights=False)
+            assert_close(details.weights, reference_weights, 1e-5, "per-head attention weights")
+
+
+def test_mask_on_one_head_changes_only_that_head():
+    ours, _ = _attention_pair()
+    x = torch.randn(2, 7, 64)
+    H, N, h = 4, 7, 2
+    mask = torch.zeros(H, N, N)
+    mask[h, :, 3:] = float("-inf")  # head 2 may only look at tokens 0..2
+    with torch.no_grad():
+        _, free = ours(x, return_details=True)
+        _, masked = ours(x, mask, return_details=True)
+    for head in range(H):
+        same = torch.equal(free.head_outputs[:, head], masked.head_outputs[:, head])
+        assert same == (head != h), f"head {head}: changed={not same}, masked head is {h}"
+    assert masked.weights[:, h, :, 3:].abs().max() == 0, "the masked head still attends to masked keys"
+
+
+@pytest.mark.parametrize("shape", ["N,N", "H,N,N", "B,H,N,N"])
+def test_fused_attention_equals_the_spelled_out_one_for_every_mask_shape(shape):
+    ours, _ = _attention_pair()
+    B, H, N = 2, 4, 6
+    x = torch.randn(B, N, 64)
+    sizes = {"N,N": (N, N), "H,N,N": (H, N, N), "B,H,N,N": (B, H, N, N)}[shape]
+    mask = torch.where(torch.rand(sizes) < 0.3, float("-inf"), 0.0)
+    mask[..., 0] = 0.0  # every query may see token 0: no row is all -inf
+    with torch.no_grad():
+        fused = ours(x, mask)
+        spelled_out, _ = ours(x, mask, return_details=True)
+    assert_close(fused, spelled_out, 1e-5, f"mask {shape}")
+
+
+def test_attention_rejects_a_mask_of_the_wrong_shape():
+    ours, _ = _attention_pair()
+    with pytest.raises(AssertionError, match=r"attn_mask has shape \(3, 6, 6\)"):
+        ours(torch.randn(2, 6, 64), torch.zeros(3, 6, 6))
+
+
+# ------------------------------------------------------------------------------------------
+# Loading: plain state dicts, TorchScript archives, downloads and the cache
+# ------------------------------------------------------------------------------------------
+
+
+def _tiny_inputs(tokens_per_text=5):
+    torch.manual_seed(4)
+    images = torch.randn(2, 3, TINY["image_resolution"], TINY["image_resolution"])
+    text = torch.randint(1, TINY["vocab_size"] - 1, (3, TINY["context_length"]))
+    text[:, tokens_per_text:] = 0
+    text[:, tokens_per_text - 1] = TINY["vocab_size"] - 1  # end-of-text: the largest id
+    return images, text
+
+
+def test_plain_state_dict_loads_with_the_same_outputs(tiny_clip, tiny_checkpoint):
+    loaded, _ = clip_model.load(tiny_checkpoint)
+    images, text = _tiny_inputs()
+    with torch.no_grad():
+        assert torch.equal(loaded.encode_image(images), tiny_clip.encode_image(images))
+        assert torch.equal(loaded.encode_text(text), tiny_clip.encode_text(text))
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::torch.jit.TracerWarning")
+def test_torchscript_archive_loads(tmp_path, tiny_clip):
+    # OpenAI publishes traced TorchScript archives whose state dicts also carry integer entries
+    # (input_resolution, context_length, vocab_size) next to the weights; reproduce both.
+    images, text = _tiny_inputs()
+    for key, value in (("input_resolution", 32), ("vocab_size", 600)):
+        tiny_clip.register_buffer(key, torch.tensor(value))
+    traced = torch.jit.trace(tiny_clip, (images, text), check_trace=False)
+    path = tmp_path / "tiny_jit.pt"
+    torch.jit.save(traced, str(path))
+    assert clip_model._is_torchscript_archive(str(path))
+    assert "vocab_size" in torch.jit.load(str(path)).state_dict()
+    loaded, preprocess = clip_model.load(str(path))
+    with torch.no_grad():
+        assert_close(loaded(images, text)[0], tiny_clip(images, text)[0], 1e-6, "TorchScript logits")
+    assert preprocess.transforms[1].size == (32, 32)
+
+
+def test_a_half_precision_checkpoint_is_cast_to_float32(tmp_path, tiny_clip):
+    path = tmp_path / "tiny_fp16.pt"
+    torch.save({k: v.half() for k, v in tiny_clip.state_dict().items()}, path)
+    loaded, _ = clip_model.load(str(path))
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+
+
+def test_text_features_do_not_depend_on_padding_after_the_end_token(tiny_clip):
+    # The causal mask makes a text cut after its end-of-text token exact (dear.py relies on it).
+    _, text = _tiny_inputs(tokens_per_text=5)
+    with torch.no_grad():
+        assert_close(tiny_clip.encode_text(text[:, :5]), tiny_clip.encode_text(text), 1e-5, "cut text")
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def loopback_server(tmp_path):
+    """An HTTP server on 127.0.0.1 serving tmp_path/served (loopback only: no real network)."""
+    served = tmp_path / "served"
+    served.mkdir()
+    handler = functools.partial(_QuietHandler, directory=str(served))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield served, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens there once the socket is closed
+
+
+def test_a_model_name_downloads_checks_sha256_and_is_cached(tmp_path, tiny_checkpoint, loopback_server,
+                                                            monkeypatch, capsys):
+    served, address = loopback_server
+    data = open(tiny_checkpoint, "rb").read()
+    (served / "tiny.pt").write_bytes(data)
+    sha = clip_model._sha256(tiny_checkpoint)
+    monkeypatch.setitem(clip_model._MODELS, "Tiny/8", f"{address}/{sha}/tiny.pt")
+    (served / sha).mkdir()
+    (served / sha / "tiny.pt").write_bytes(data)
+    cache = tmp_path / "cache"
+
+    model, _ = clip_model.load("Tiny/8", download_root=str(cache))
+    assert (cache / "tiny.pt").read_bytes() == data
+    assert "downloading CLIP Tiny/8" in capsys.readouterr().err
+    assert model.visual.input_resolution == 32
+
+    (served / sha / "tiny.pt").unlink()  # the cache must be used from now on
+    clip_model.load("Tiny/8", download_root=str(cache))
+    assert capsys.readouterr().err == ""
+
+
+def test_a_download_with_the_wrong_checksum_leaves_nothing_behind(tmp_path, loopback_server):
+    served, address = loopback_server
+    (served / "tiny.pt").write_bytes(b"not what the checksum promises")
+    cache = tmp_path / "cache"
+    with pytest.raises(clip_model.CLIPFileError, match="SHA-256") as error:
+        clip_model.download(f"{address}/tiny.pt", "0" * 64, str(cache), what="CLIP Tiny/8")
+    assert "\n" not in str(error.value)
+    assert os.listdir(cache) == []
+
+
+def test_no_network_gives_a_one_line_error_that_says_to_pass_a_path(tmp_path, monkeypatch):
+    url = f"http://127.0.0.1:{_closed_port()}/{'0' * 64}/ViT-B-16.pt"
+    monkeypatch.setitem(clip_model._MODELS, "ViT-B/16", url)
+    with pytest.raises(clip_model.CLIPFileError) as error:
+        clip_model.load("ViT-B/16", download_root=str(tmp_path))
+    message = str(error.value)
+    assert "\n" not in message and "ViT-B/16" in message and "local path" in message
+    assert os.listdir(tmp_path) == []  # no partial download left
+
+
+# ------------------------------------------------------------------------------------------
+# Bad input: one line that names the file and the problem
+# ------------------------------------------------------------------------------------------
+
+
+def _load_error(path_or_name) -> str:
+    with pytest.raises(clip_model.CLIPFileError) as error:
+        clip_model.load(str(path_or_name))
+    message = str(error.value)
+    assert "\n" not in message, f"not one line: {message!r}"
+    return message
+
+
+def test_a_file_that_is_not_a_checkpoint_is_named(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("these are not weights\n")
+    message = _load_error(path)
+    assert str(path) in message and "cannot be read as a checkpoint" in message
+
+
+def test_a_truncated_checkpoint_is_named(tmp_path, tiny_checkpoint):
+    path = tmp_path / "truncated.pt"
+    data = open(tiny_checkpoint, "rb").read()
+    path.write_bytes(data[: len(data) // 2])
+    message = _load_error(path)
+    assert str(path) in message and "truncated" in message
+
+
+def test_a_state_dict_with_missing_keys_is_named(tmp_path, tiny_clip):
+    state_dict = tiny_clip.state_dict()
+    del state_dict["visual.transformer.resblocks.1.mlp.c_fc.bias"]
+    path = tmp_path / "missing.pt"
+    torch.save(state_dict, path)
+    message = _load_error(path)
+    assert str(path) in message and "missing keys visual.transformer.resblocks.1.mlp.c_fc.bias" in message
+
+
+def test_a_state_dict_that_is_not_clip_is_named(tmp_path):
+    path = tmp_path / "resnet.pt"
+    torch.save({"conv.weight": torch.zeros(3, 3)}, path)
+    message = _load_error(path)
+    assert str(path) in message and "not an OpenAI CLIP ViT state dict" in message
+
+
+def test_a_resnet_clip_checkpoint_is_not_supported(tmp_path, tiny_clip):
+    state_dict = tiny_clip.state_dict()
+    state_dict["visual.layer1.0.conv1.weight"] = torch.zeros(1)
+    path = tmp_path / "rn50.pt"
+    torch.save(state_dict, path)
+    message = _load_error(path)
+    assert str(path) in message and "ResNet" in message
+
+
+def test_an_unknown_model_name_lists_the_known_ones():
+    message = _load_error("ViT-H/99")
+    assert "ViT-H/99" in message and "ViT-B/16" in message and "path" in message
+
+
+def test_a_width_that_does_not_split_into_heads_is_explained(tmp_path, tiny_checkpoint):
+    with pytest.raises(clip_model.CLIPFileError, match="head_width=48"):
+        clip_model.load(tiny_checkpoint, head_width=48)
+
+
+# ------------------------------------------------------------------------------------------
+# Per-head decomposition on the tiny model (every layer count)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 3])
+def test_tiny_head_decomposition_sums_to_encode_image(tiny_clip, num_layers):
+    images, _ = _tiny_inputs()
+    parts = clip_model.head_contributions(tiny_clip, images, num_layers=num_layers)
+    assert parts.heads.shape == (2, num_layers, 2, TINY["embed_dim"])
+    assert parts.layers == tuple(range(3 - num_layers, 3))
+    with torch.no_grad():
+        assert_close(parts.total(), tiny_clip.encode_image(images), 1e-5, "sum of contributions")
+
+
+def test_a_head_contribution_is_that_heads_own_output(tiny_clip):
+    # Silencing head 0 of the last layer (its columns of W_o) must make its contribution
+    # exactly zero and leave head 1's direction alone (head 1's size changes only through
+    # the shared ln_post scale of the full residual).
+    images, _ = _tiny_inputs()
+    attn = tiny_clip.visual.transformer.resblocks[-1].attn
+    with torch.no_grad():
+        attn.out_proj.bias.zero_()  # no bias share, so a silent head contributes nothing
+    parts = clip_model.head_contributions(tiny_clip, images, num_layers=1)
+    with torch.no_grad():
+        attn.out_proj.weight[:, 0:64] = 0.0
+    silenced = clip_model.head_contributions(tiny_clip, images, num_layers=1)
+    assert parts.heads[:, 0, 0].abs().max() > 0
+    assert silenced.heads[:, 0, 0].abs().max() == 0
+    cosine = torch.nn.functional.cosine_similarity(silenced.heads[:, 0, 1], parts.heads[:, 0, 1], dim=-1)
+    assert_close(cosine, torch.ones_like(cosine), 1e-5, "head 1 direction")
+
+
+# ------------------------------------------------------------------------------------------
+# The command line
+# ------------------------------------------------------------------------------------------
+
+
+def test_command_line_scores_an_image_and_reports_bad_weights_in_one_line(tmp_path, tiny_checkpoint, capsys):
+    from PIL import Image
+
+    bpe = tmp_path / "bpe.txt"
+    bpe.write_text("#version: 0.2\nr e\nre d</w>\n")
+    image = tmp_path / "red.png"
+    Image.new("RGB", (40, 50), (200, 10, 10)).save(image)
+    status = clip_model._main(["--weights", tiny_checkpoint, "--bpe", str(bpe), "--image", str(image),
+                               "--texts", "a red thing", "a blue thing"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert status == 0 and len(lines) == 2
+    shares = [float(line.split("%")[0]) for line in lines]
+    assert abs(sum(shares) - 100) < 0.2 and lines[0].endswith("a red thing")
+
+    status = clip_model._main(["--weights", str(tmp_path / "absent.pt"), "--bpe", str(bpe),
+                               "--image", str(image), "--texts", "x"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and "absent.pt" in err
