@@ -11,6 +11,7 @@ Run the whole suite with:  python -m pytest -q
 """
 
 import os
+import socket
 import sys
 
 import pytest
@@ -64,6 +65,13 @@ def openclip_bpe_path() -> str:
     path = os.path.join(os.path.dirname(open_clip.__file__), "bpe_simple_vocab_16e6.txt.gz")
     assert os.path.isfile(path), f"open_clip ships no BPE file at {path}"
     return path
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on: a download from it fails at once, as with no network."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # the socket closes on leaving the block
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, what: str = "") -> None:

@@ -7,7 +7,6 @@ attention, the per-head decomposition, and what bad input gets.
 import functools
 import http.server
 import os
-import socket
 import threading
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import clip_model
-from conftest import TINY, assert_close, perturb_
+from conftest import TINY, assert_close, closed_port, perturb_
 
 # ------------------------------------------------------------------------------------------
 # Parity with open_clip's ViT-B/16 (the reference implementation), same random weights
@@ -224,17 +223,10 @@ def loopback_server(tmp_path):
     server.shutdown()
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # nothing listens there once the socket is closed
-
-
 def test_a_model_name_downloads_checks_sha256_and_is_cached(tmp_path, tiny_checkpoint, loopback_server,
                                                             monkeypatch, capsys):
     served, address = loopback_server
     data = open(tiny_checkpoint, "rb").read()
-    (served / "tiny.pt").write_bytes(data)
     sha = clip_model._sha256(tiny_checkpoint)
     monkeypatch.setitem(clip_model._MODELS, "Tiny/8", f"{address}/{sha}/tiny.pt")
     (served / sha).mkdir()
@@ -262,7 +254,7 @@ def test_a_download_with_the_wrong_checksum_leaves_nothing_behind(tmp_path, loop
 
 
 def test_no_network_gives_a_one_line_error_that_says_to_pass_a_path(tmp_path, monkeypatch):
-    url = f"http://127.0.0.1:{_closed_port()}/{'0' * 64}/ViT-B-16.pt"
+    url = f"http://127.0.0.1:{closed_port()}/{'0' * 64}/ViT-B-16.pt"
     monkeypatch.setitem(clip_model._MODELS, "ViT-B/16", url)
     with pytest.raises(clip_model.CLIPFileError) as error:
         clip_model.load("ViT-B/16", download_root=str(tmp_path))
@@ -329,7 +321,7 @@ def test_an_unknown_model_name_lists_the_known_ones():
     assert "ViT-H/99" in message and "ViT-B/16" in message and "path" in message
 
 
-def test_a_width_that_does_not_split_into_heads_is_explained(tmp_path, tiny_checkpoint):
+def test_a_width_that_does_not_split_into_heads_is_explained(tiny_checkpoint):
     with pytest.raises(clip_model.CLIPFileError, match="head_width=48"):
         clip_model.load(tiny_checkpoint, head_width=48)
 

@@ -13,6 +13,7 @@ import torch
 
 import clip_model
 from clip_model import SimpleTokenizer, basic_clean, whitespace_clean
+from conftest import closed_port
 
 
 def varied_strings(count: int = 300, seed: int = 0) -> list:
@@ -154,11 +155,7 @@ def test_a_missing_merges_file_is_named(tmp_path):
 
 
 def test_no_merges_file_and_no_network_says_what_to_pass(tmp_path, monkeypatch):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = closed_port()
     monkeypatch.delenv("DEAR_BPE_PATH", raising=False)
     monkeypatch.setenv("DEAR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(clip_model, "BPE_URL", f"http://127.0.0.1:{port}/bpe_simple_vocab_16e6.txt.gz")
