@@ -1,0 +1,802 @@
+"""
+The fifteen benchmark datasets of prompt learning, read from CoOp's on-disk layout.
+
+What this file holds, top to bottom:
+  - the registry: one table row (a `DatasetSpec`) per dataset, saying its folder under
+    $DATA, where its split comes from, how its class names are found and its prompt template;
+  - readers for the four kinds of layout: CoOp's `split_zhou_*.json` files, ImageNet's
+    `classnames.txt` + class folders, FGVC-Aircraft's text lists, and the ImageNet variants;
+  - few-shot sampling (K images per class with the run's seed) and its JSON cache;
+  - the base/novel class split of the base-to-novel protocol;
+  - the CLIP image transforms and a torch `Dataset` that yields (image tensor, label);
+  - `load_dataset(name, root, num_shots, seed, subsample)`, the one public entry point.
+
+How it fits the other files: clip_model.py is the CLIP model, dear.py is the method,
+train.py is the command line that calls `load_dataset` and wraps its items in
+`ImageDataset`. This file imports nothing from them (only the standard library, torch,
+torchvision and PIL), so it can be copied out and used on its own.
+
+It implements DESIGN.md section 6 ("Protocols and data"). Users of CoOp, CoCoOp, MaPLe,
+PromptSRC or MMRL already have a `$DATA` folder laid out as CoOp's DATASETS.md describes
+(https://github.com/KaiyangZhou/CoOp/blob/main/DATASETS.md); this file reads that folder as
+it is, with no Dassl. Where we differ from CoOp, the comment says so:
+  - the few-shot cache is JSON (`split_fewshot/shot_16-seed_1.json`), not pickle, and it
+    records a fingerprint of the split it was drawn from, so a changed split is re-sampled;
+  - the sampling uses its own `random.Random(seed)`, so the same seed draws the same images
+    on every machine, but not the same images as CoOp's global-state sampling does.
+
+Try it:
+    python data.py --root $DATA --dataset oxford_pets --shots 16
+    python data.py --root $DATA --dataset imagenet_a
+    python data.py            # prints the registry table
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import warnings
+from collections import Counter, defaultdict
+from dataclasses import dataclass, replace
+
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+from torchvision import transforms as T
+from torchvision.transforms import InterpolationMode
+
+COOP_DATASETS_MD = "https://github.com/KaiyangZhou/CoOp/blob/main/DATASETS.md"
+
+# -----------------------------------------------------------------------------
+# Errors and warnings
+
+
+class DatasetError(Exception):
+    """Anything wrong with a dataset on disk or with the arguments of `load_dataset`.
+
+    The message is always one line: the path (or flag) at fault, what is wrong, and what to
+    do. A command line can print it as is, with no traceback.
+    """
+
+    def __init__(self, message: str):
+        super().__init__(str(message).replace("\r", " ").replace("\n", " "))
+
+
+class DatasetWarning(UserWarning):
+    """Something the user should know but that does not stop the run (a rebuilt cache, a
+    class with fewer than K images)."""
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, DatasetWarning, stacklevel=2)
+
+
+# -----------------------------------------------------------------------------
+# Items and what load_dataset returns
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One image of a dataset."""
+
+    path: str  # full path of the image file ($DATA/<folder>/<image folder>/<relative path>)
+    label: int  # class index, 0..n_classes-1 in the returned class list
+    classname: str  # cleaned class name (underscores -> spaces), as the prompt uses it
+
+
+@dataclass
+class DatasetSplits:
+    """What `load_dataset` returns: the three item lists, the class names and the template.
+
+    `classnames[i]` is the name of label i in every list; `template.format(name)` is the
+    class's prompt ("a photo of a {}, a type of pet." -> "a photo of a abyssinian, ...").
+    """
+
+    name: str  # registry name, e.g. "oxford_pets"
+    dataset_dir: str  # $DATA/<folder>, where the split and the few-shot cache live
+    train: list[Item]
+    val: list[Item]
+    test: list[Item]
+    classnames: list[str]
+    template: str
+
+    @property
+    def prompts(self) -> list[str]:
+        """One prompt per class, in label order."""
+        return [self.template.format(name) for name in self.classnames]
+
+
+# -----------------------------------------------------------------------------
+# The registry: one row per dataset
+#
+# Readers (the `reader` column):
+#   "split_json"        CoOp's split_zhou_*.json: {"train"|"val"|"test": [[path, label, name]]}
+#   "imagenet"          classnames.txt ("<wnid> <name>" per line, the label order) and
+#                       images/train/<wnid>/, images/val/<wnid>/ class folders
+#   "fgvc_aircraft"     variants.txt (label order) and images_variant_{train,val,test}.txt
+#   "imagenet_variant"  classnames.txt (a copy of ImageNet's) and one folder per class
+#
+# Templates are CoOp's CUSTOM_TEMPLATES (CoOp, trainers/cocoop.py / zsclip.py).
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    name: str  # what the user types: load_dataset("oxford_pets", ...), --dataset oxford_pets
+    folder: str  # folder under $DATA (CoOp's DATASETS.md)
+    reader: str  # which reader below understands the layout
+    image_dir: str  # folder, inside `folder`, that image paths are relative to ("" = `folder`)
+    split_file: str | None  # CoOp's split file inside `folder`, for reader "split_json"
+    class_names: str  # where class names come from, for people reading this table
+    template: str  # CoOp's prompt template; "{}" is replaced by the class name
+    protocols: str  # the protocols of DESIGN.md section 6 the dataset takes part in
+
+    @property
+    def evaluation_only(self) -> bool:
+        # The four ImageNet variants are test sets only (domain generalization): a model
+        # trained on ImageNet is evaluated on them, nothing is trained or sampled on them.
+        return self.reader == "imagenet_variant"
+
+
+_B2N = "base-to-novel, few-shot, cross-dataset (target)"
+_DG = "domain generalization (target)"
+
+# fmt: off
+DATASETS: dict[str, DatasetSpec] = {spec.name: spec for spec in [
+    #           name              folder                  reader              image_dir                                  split_file                              class_names                         template                                  protocols
+    DatasetSpec("imagenet",       "imagenet",             "imagenet",         "images",                                  None,                                   "classnames.txt (line order)",      "a photo of a {}.",                       "base-to-novel, few-shot, cross-dataset and DG (source)"),
+    DatasetSpec("caltech101",     "caltech-101",          "split_json",       "101_ObjectCategories",                    "split_zhou_Caltech101.json",           "split file, third column",         "a photo of a {}.",                       _B2N),
+    DatasetSpec("oxford_pets",    "oxford_pets",          "split_json",       "images",                                  "split_zhou_OxfordPets.json",           "split file, third column",         "a photo of a {}, a type of pet.",        _B2N),
+    DatasetSpec("stanford_cars",  "stanford_cars",        "split_json",       "",                                        "split_zhou_StanfordCars.json",         "split file, third column",         "a photo of a {}.",                       _B2N),
+    DatasetSpec("oxford_flowers", "oxford_flowers",       "split_json",       "jpg",                                     "split_zhou_OxfordFlowers.json",        "split file, third column",         "a photo of a {}, a type of flower.",     _B2N),
+    DatasetSpec("food101",        "food-101",             "split_json",       "images",                                  "split_zhou_Food101.json",              "split file, third column",         "a photo of {}, a type of food.",         _B2N),
+    DatasetSpec("fgvc_aircraft",  "fgvc_aircraft",        "fgvc_aircraft",    "images",                                  None,                                   "variants.txt (line order)",        "a photo of a {}, a type of aircraft.",   _B2N),
+    DatasetSpec("sun397",         "sun397",               "split_json",       "SUN397",                                  "split_zhou_SUN397.json",               "split file, third column",         "a photo of a {}.",                       _B2N),
+    DatasetSpec("dtd",            "dtd",                  "split_json",       "images",                                  "split_zhou_DescribableTextures.json",  "split file, third column",         "{} texture.",                            _B2N),
+    DatasetSpec("eurosat",        "eurosat",              "split_json",       "2750",                                    "split_zhou_EuroSAT.json",              "split file, third column",         "a centered satellite photo of {}.",      _B2N),
+    DatasetSpec("ucf101",         "ucf101",               "split_json",       "UCF-101-midframes",                       "split_zhou_UCF101.json",               "split file, third column",         "a photo of a person doing {}.",          _B2N),
+    DatasetSpec("imagenet_v2",    "imagenetv2",           "imagenet_variant", "imagenetv2-matched-frequency-format-val", None,                                   "classnames.txt; folder i = line i", "a photo of a {}.",                      _DG),
+    DatasetSpec("imagenet_sketch", "imagenet-sketch",     "imagenet_variant", "images",                                  None,                                   "classnames.txt; folders are wnids", "a photo of a {}.",                      _DG),
+    DatasetSpec("imagenet_a",     "imagenet-adversarial", "imagenet_variant", "imagenet-a",                              None,                                   "classnames.txt; folders are wnids", "a photo of a {}.",                      _DG),
+    DatasetSpec("imagenet_r",     "imagenet-rendition",   "imagenet_variant", "imagenet-r",                              None,                                   "classnames.txt; folders are wnids", "a photo of a {}.",                      _DG),
+]}
+# fmt: on
+
+SUBSAMPLE_CHOICES = ("all", "base", "new", "novel")  # CoOp says "new"; "novel" is the same
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")  # for folder-listed datasets
+
+
+def get_spec(name: str) -> DatasetSpec:
+    """The registry row for `name` ("oxford_pets"; case and "-" vs "_" do not matter)."""
+    key = str(name).strip().lower().replace("-", "_")
+    if key not in DATASETS:
+        known = ", ".join(DATASETS)
+        raise DatasetError(f"unknown dataset {name!r}; expected one of: {known}")
+    return DATASETS[key]
+
+
+def clean_classname(name: str) -> str:
+    """CoOp's cleaning of a class name for the prompt: underscores become spaces
+    ("american_pit_bull_terrier" -> "american pit bull terrier")."""
+    return name.replace("_", " ")
+
+
+# -----------------------------------------------------------------------------
+# Small helpers shared by the readers
+
+
+def _require_file(path: str, what: str) -> None:
+    """Stop with a one-line error if a file the layout needs is not there."""
+    if not os.path.isfile(path):
+        raise DatasetError(f"{path}: {what} not found; put it there as CoOp's DATASETS.md "
+                           f"({COOP_DATASETS_MD}) describes")
+
+
+def _require_dir(path: str, what: str) -> None:
+    if not os.path.isdir(path):
+        raise DatasetError(f"{path}: {what} not found; put it there as CoOp's DATASETS.md "
+                           f"({COOP_DATASETS_MD}) describes")
+
+
+def _check_images_exist(items: list[Item], listed_in: str) -> None:
+    """Every image a list names must exist. One os.path.isfile per image is fast (tens of
+    thousands per second), and finding a missing file now beats a crash mid-epoch."""
+    missing = [item.path for item in items if not os.path.isfile(item.path)]
+    if missing:
+        raise DatasetError(
+            f"{missing[0]}: image listed in {listed_in} not found "
+            f"({len(missing)} of {len(items)} listed images are missing); "
+            f"expected the images where CoOp's DATASETS.md puts them ({COOP_DATASETS_MD})")
+
+
+def _classnames_from_items(items: list[Item], source: str) -> list[str]:
+    """The class list (index = label) that a split's items define. Each label must carry one
+    name, and the labels must be 0..n-1 with none skipped."""
+    name_of: dict[int, str] = {}
+    for item in items:
+        known = name_of.setdefault(item.label, item.classname)
+        if known != item.classname:
+            raise DatasetError(f"{source}: label {item.label} has two class names, {known!r} "
+                               f"and {item.classname!r}; expected one name per label")
+    n_classes = len(name_of)
+    if sorted(name_of) != list(range(n_classes)):
+        raise DatasetError(f"{source}: labels are {sorted(name_of)[:3]}...{sorted(name_of)[-3:]} "
+                           f"for {n_classes} classes; expected consecutive labels 0..{n_classes - 1}")
+    return [name_of[label] for label in range(n_classes)]
+
+
+def _list_images(folder: str) -> list[str]:
+    """Image files directly inside `folder`, sorted by name (hidden files and other
+    extensions skipped)."""
+    return sorted(entry.name for entry in os.scandir(folder)
+                  if entry.is_file() and not entry.name.startswith(".")
+                  and entry.name.lower().endswith(IMAGE_EXTENSIONS))
+
+
+def _list_subfolders(folder: str) -> list[str]:
+    """Subfolders of `folder`, sorted; files such as README.txt are ignored."""
+    return sorted(entry.name for entry in os.scandir(folder)
+                  if entry.is_dir() and not entry.name.startswith("."))
+
+
+# A reader returns (train, val, test) with the class list. `val` is None when the dataset has
+# no validation split of its own (ImageNet: CoOp validates on the test set); load_dataset then
+# uses the test list. Class names are already cleaned.
+ReaderResult = tuple[list[Item], list[Item] | None, list[Item], list[str]]
+
+# -----------------------------------------------------------------------------
+# Reader: CoOp's split_zhou_*.json (caltech101, oxford_pets, stanford_cars, oxford_flowers,
+# food101, sun397, dtd, eurosat, ucf101)
+
+
+def read_split_json(spec: DatasetSpec, dataset_dir: str) -> ReaderResult:
+    """Read `{"train"|"val"|"test": [[relative_path, label, classname], ...]}`.
+
+    Paths are relative to `dataset_dir/spec.image_dir` (for Stanford Cars, whose paths start
+    with "cars_train/" or "cars_test/", that is the dataset folder itself).
+    """
+    split_path = os.path.join(dataset_dir, spec.split_file)
+    if not os.path.isfile(split_path):
+        raise DatasetError(
+            f"{split_path}: split file not found; download {spec.split_file} from the link in "
+            f"CoOp's DATASETS.md ({COOP_DATASETS_MD}) and put it there")
+    try:
+        with open(split_path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DatasetError(f"{split_path}: not a valid JSON split file ({e}); "
+                           f"download it again from CoOp's DATASETS.md ({COOP_DATASETS_MD})") from e
+    if not isinstance(raw, dict) or not all(isinstance(raw.get(k), list) for k in ("train", "val", "test")):
+        raise DatasetError(f"{split_path}: expected a JSON object with lists 'train', 'val' and "
+                           f"'test'; download it again from CoOp's DATASETS.md ({COOP_DATASETS_MD})")
+
+    image_root = os.path.join(dataset_dir, spec.image_dir)
+    _require_dir(image_root, "image folder")
+
+    splits = {}
+    for split_name in ("train", "val", "test"):
+        items = []
+        for position, entry in enumerate(raw[split_name]):
+            ok = (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+                  and isinstance(entry[1], int) and isinstance(entry[2], str))
+            if not ok:
+                raise DatasetError(f"{split_path}: entry {position} of '{split_name}' is {entry!r}; "
+                                   f"expected [relative_image_path, label, classname]")
+            relative_path, label, classname = entry
+            items.append(Item(os.path.join(image_root, relative_path), label, clean_classname(classname)))
+        splits[split_name] = items
+
+    every_item = splits["train"] + splits["val"] + splits["test"]
+    classnames = _classnames_from_items(every_item, split_path)
+    _check_images_exist(every_item, split_path)
+    return splits["train"], splits["val"], splits["test"], classnames
+
+
+# -----------------------------------------------------------------------------
+# Reader: ImageNet (classnames.txt + class folders) and the four ImageNet variants
+
+
+def _read_imagenet_classnames(dataset_dir: str) -> dict[str, str]:
+    """classnames.txt: one "<wnid> <class name>" per line, in label order. CoOp's copy uses
+    CLIP's class names (e.g. "n01514668 rooster"). Returns wnid -> cleaned name, in order."""
+    path = os.path.join(dataset_dir, "classnames.txt")
+    if not os.path.isfile(path):
+        raise DatasetError(
+            f"{path}: classnames.txt not found; it is ImageNet's class list, one '<wnid> <name>' "
+            f"per line; download it from the link in CoOp's DATASETS.md ({COOP_DATASETS_MD}) "
+            f"(the ImageNet variants hold a copy of the same file)")
+    names: dict[str, str] = {}
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            wnid, _, name = line.strip().partition(" ")
+            if not name.strip() or wnid in names:
+                raise DatasetError(f"{path}: line {line_number} is {line.strip()!r}; expected "
+                                   f"'<wnid> <class name>' with each wnid once")
+            names[wnid] = clean_classname(name.strip())
+    return names
+
+
+def _read_class_folders(image_root: str, label_of: dict[str, int], classnames: list[str],
+                        what: str) -> list[Item]:
+    """Items from `image_root/<folder>/<image>`, the folder naming the class. Every folder
+    must be a known class; files beside the folders (README.txt) are ignored."""
+    _require_dir(image_root, what)
+    items = []
+    for folder in _list_subfolders(image_root):
+        if folder not in label_of:
+            raise DatasetError(f"{os.path.join(image_root, folder)}: class folder not listed in "
+                               f"classnames.txt; expected only the folders classnames.txt names")
+        label = label_of[folder]
+        for filename in _list_images(os.path.join(image_root, folder)):
+            items.append(Item(os.path.join(image_root, folder, filename), label, classnames[label]))
+    return items
+
+
+def read_imagenet(spec: DatasetSpec, dataset_dir: str) -> ReaderResult:
+    """ImageNet as CoOp reads it: train from images/train/<wnid>/, test from images/val/<wnid>/
+    (the 50,000 validation images), and no validation split of its own (CoOp validates on
+    the test set). Labels follow the line order of classnames.txt (sorted wnids in CoOp's copy,
+    which is also the order of CoOp's sorted folders)."""
+    name_of_wnid = _read_imagenet_classnames(dataset_dir)
+    label_of = {wnid: label for label, wnid in enumerate(name_of_wnid)}
+    classnames = list(name_of_wnid.values())
+    image_root = os.path.join(dataset_dir, spec.image_dir)
+    train = _read_class_folders(os.path.join(image_root, "train"), label_of, classnames, "training image folder")
+    test = _read_class_folders(os.path.join(image_root, "val"), label_of, classnames,
+                               "validation image folder (the val images sorted into <wnid>/ folders)")
+    for split_name, items in (("train", train), ("val", test)):
+        labels_present = {item.label for item in items}
+        absent = [wnid for wnid, label in label_of.items() if label not in labels_present]
+        if absent:
+            raise DatasetError(f"{os.path.join(image_root, split_name, absent[0])}: no images for this "
+                               f"class ({len(absent)} of {len(label_of)} classes of classnames.txt have none); "
+                               f"expected one folder of images per line of classnames.txt")
+    return train, None, test, classnames
+
+
+def read_imagenet_variant(spec: DatasetSpec, dataset_dir: str) -> ReaderResult:
+    """ImageNet-V2, -Sketch, -A and -R: test sets only.
+
+    Labelling (CoOp's, documented here because ImageNet-A and -R hold only 200 of the 1000
+    classes): the classes are those that have a folder, taken in the order of classnames.txt
+    and labelled 0..n-1; the returned class names are those n names. For -V2 and -Sketch
+    (all 1000 classes) this is exactly ImageNet's index space. For -A and -R it is a 200-way
+    problem: label i is the i-th present wnid in classnames.txt order (= sorted wnid order,
+    as CoOp's imagenet_a.py/imagenet_r.py label them), and `classnames[i]` its name, so a
+    model trained on ImageNet classifies among these 200 names, as CoOp, CoCoOp, MaPLe and
+    PromptSRC report it. ImageNet's index of label i is the line of `classnames[i]`'s wnid in
+    classnames.txt.
+
+    Folders: -V2 names them "0".."999" (folder i is line i of classnames.txt); the others
+    name them by wnid. Non-folder entries such as README.txt are ignored.
+    """
+    name_of_wnid = _read_imagenet_classnames(dataset_dir)
+    wnids_in_order = list(name_of_wnid)
+    image_root = os.path.join(dataset_dir, spec.image_dir)
+    _require_dir(image_root, "image folder")
+    folders = _list_subfolders(image_root)
+
+    # Map each folder to its wnid.
+    if spec.name == "imagenet_v2":
+        wnid_of_folder = {}
+        for folder in folders:
+            if not (folder.isdigit() and int(folder) < len(wnids_in_order)):
+                raise DatasetError(f"{os.path.join(image_root, folder)}: unexpected folder; expected folders "
+                                   f"named 0..{len(wnids_in_order) - 1}, folder i holding class i of classnames.txt")
+            wnid_of_folder[folder] = wnids_in_order[int(folder)]
+    else:
+        wnid_of_folder = {folder: folder for folder in folders}
+
+    # Present classes in classnames.txt order, labelled 0..n-1.
+    present_wnids = set(wnid_of_folder.values())
+    for folder, wnid in wnid_of_folder.items():
+        if wnid not in name_of_wnid:
+            raise DatasetError(f"{os.path.join(image_root, folder)}: class folder not listed in "
+                               f"{os.path.join(dataset_dir, 'classnames.txt')}; expected ImageNet wnids only")
+    kept_wnids = [wnid for wnid in wnids_in_order if wnid in present_wnids]
+    if not kept_wnids:
+        raise DatasetError(f"{image_root}: no class folders found; expected one folder of images per class")
+    label_of_wnid = {wnid: label for label, wnid in enumerate(kept_wnids)}
+    classnames = [name_of_wnid[wnid] for wnid in kept_wnids]
+    label_of_folder = {folder: label_of_wnid[wnid] for folder, wnid in wnid_of_folder.items()}
+
+    test = _read_class_folders(image_root, label_of_folder, classnames, "image folder")
+    return [], [], test, classnames
+
+
+# -----------------------------------------------------------------------------
+# Reader: FGVC-Aircraft's text lists
+
+
+def read_fgvc_aircraft(spec: DatasetSpec, dataset_dir: str) -> ReaderResult:
+    """FGVC-Aircraft (the archive's data/ folder, renamed fgvc_aircraft): variants.txt holds
+    one variant per line (line order = label order); images_variant_{train,val,test}.txt hold
+    "<image id> <variant name>" per line, where the name may contain spaces ("1025794 Cessna
+    172"); the image is images/<image id>.jpg."""
+    variants_path = os.path.join(dataset_dir, "variants.txt")
+    _require_file(variants_path, "FGVC-Aircraft class list (variants.txt, from the archive's data/ folder)")
+    with open(variants_path, encoding="utf-8") as f:
+        variants = [line.strip() for line in f if line.strip()]
+    label_of = {variant: label for label, variant in enumerate(variants)}
+    classnames = [clean_classname(variant) for variant in variants]
+    image_root = os.path.join(dataset_dir, spec.image_dir)
+    _require_dir(image_root, "image folder")
+
+    splits = {}
+    for split_name in ("train", "val", "test"):
+        list_path = os.path.join(dataset_dir, f"images_variant_{split_name}.txt")
+        _require_file(list_path, "FGVC-Aircraft image list (from the archive's data/ folder)")
+        items = []
+        with open(list_path, encoding="utf-8") as f:
+            for line_number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                image_id, _, variant = line.strip().partition(" ")
+                if variant not in label_of:
+                    raise DatasetError(f"{list_path}: line {line_number} is {line.strip()!r}; expected "
+                                       f"'<image id> <variant>' with a variant listed in {variants_path}")
+                label = label_of[variant]
+                items.append(Item(os.path.join(image_root, image_id + ".jpg"), label, classnames[label]))
+        _check_images_exist(items, list_path)
+        splits[split_name] = items
+    return splits["train"], splits["val"], splits["test"], classnames
+
+
+READERS = {
+    "split_json": read_split_json,
+    "imagenet": read_imagenet,
+    "fgvc_aircraft": read_fgvc_aircraft,
+    "imagenet_variant": read_imagenet_variant,
+}
+
+# -----------------------------------------------------------------------------
+# Few-shot sampling
+
+
+def sample_few_shot(items: list[Item], num_shots: int, rng: random.Random) -> list[Item]:
+    """K images per class, drawn without replacement with `rng` (Dassl's
+    generate_fewshot_dataset without `repeat`). A class with fewer than K images keeps all
+    of them. The output is grouped by label, in ascending label order."""
+    by_label: dict[int, list[Item]] = defaultdict(list)
+    for item in items:
+        by_label[item.label].append(item)
+    sampled = []
+    for label in sorted(by_label):
+        pool = by_label[label]
+        sampled.extend(rng.sample(pool, num_shots) if len(pool) >= num_shots else pool)
+    return sampled
+
+
+def _warn_short_classes(items: list[Item], num_shots: int, where: str) -> None:
+    """Say which classes have fewer than K images (they use all they have)."""
+    counts = Counter(item.label for item in items)
+    short = sorted((label, count) for label, count in counts.items() if count < num_shots)
+    if short:
+        names = {item.label: item.classname for item in items}
+        listed = ", ".join(f"{names[label]!r} has {count}" for label, count in short[:5])
+        more = f", and {len(short) - 5} more" if len(short) > 5 else ""
+        _warn(f"{where}: {len(short)} of {len(counts)} classes have fewer than {num_shots} images "
+              f"and use all they have ({listed}{more})")
+
+
+# -----------------------------------------------------------------------------
+# The few-shot cache: $DATA/<folder>/split_fewshot/shot_{K}-seed_{seed}.json
+#
+# CoOp pickles the sampled items to split_fewshot/shot_{K}-seed_{seed}.pkl so that every run
+# with the same (K, seed) trains on the same images. We write JSON instead (readable, and
+# loading it runs no code), atomically (temp file + os.replace, so an interrupted run never
+# leaves half a file), with a fingerprint of the full split it was drawn from. A cache that
+# does not parse, does not match, or names images the split does not have is rebuilt with a
+# warning, never trusted.
+
+FEWSHOT_CACHE_FORMAT = "dear-from-scratch few-shot split, version 1"
+
+
+def fewshot_cache_path(dataset_dir: str, num_shots: int, seed: int) -> str:
+    return os.path.join(dataset_dir, "split_fewshot", f"shot_{num_shots}-seed_{seed}.json")
+
+
+def _relative(path: str, dataset_dir: str) -> str:
+    """An item's path relative to the dataset folder, as the cache stores it (so the cache
+    stays valid when $DATA moves). Readers build every path under dataset_dir."""
+    assert path.startswith(dataset_dir + os.sep), f"{path} is not inside {dataset_dir}"
+    return path[len(dataset_dir) + 1:].replace(os.sep, "/")
+
+
+def _entries(items: list[Item], dataset_dir: str) -> list[list]:
+    """Items as the cache (and the split files) write them: [relative path, label, name]."""
+    return [[_relative(item.path, dataset_dir), item.label, item.classname] for item in items]
+
+
+def _fingerprint(full_entries: dict[str, list[list]]) -> str:
+    """SHA-256 of the full (unsampled) splits a cache is drawn from."""
+    return hashlib.sha256(json.dumps(full_entries, sort_keys=True).encode()).hexdigest()
+
+
+def _read_fewshot_cache(cache_path: str, full: dict[str, list[Item]], full_entries: dict[str, list[list]],
+                        shots: dict[str, int], fingerprint: str) -> dict[str, list[Item]] | None:
+    """The cached few-shot lists, or None (with a warning saying why) if the cache cannot be
+    trusted. `shots` gives K per split name ({"train": 16, "val": 4})."""
+    if not os.path.exists(cache_path):
+        return None
+
+    def reject(reason: str) -> None:
+        _warn(f"{cache_path}: few-shot cache {reason}; rebuilding it")
+
+    try:
+        with open(cache_path, encoding="utf-8") as f:
+            cached = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return reject(f"cannot be read as JSON ({type(e).__name__})")
+    if not isinstance(cached, dict) or cached.get("format") != FEWSHOT_CACHE_FORMAT:
+        return reject("is not in this file's format")
+    if cached.get("fingerprint") != fingerprint:
+        return reject("was drawn from a different split (fingerprint mismatch)")
+
+    result = {}
+    for split_name, num_shots in shots.items():
+        item_of = {tuple(entry): item for entry, item in zip(full_entries[split_name], full[split_name])}
+        entries = cached.get(split_name)
+        if not isinstance(entries, list):
+            return reject(f"has no '{split_name}' list")
+        items = []
+        for entry in entries:
+            well_formed = isinstance(entry, list) and all(isinstance(field, (str, int)) for field in entry)
+            key = tuple(entry) if well_formed else None
+            if key not in item_of:
+                return reject(f"lists {entry!r} in '{split_name}', which the split does not have")
+            items.append(item_of[key])
+        # Each class must hold min(K, images it has) distinct images, as the sampler makes it.
+        expected = {label: min(count, num_shots)
+                    for label, count in Counter(item.label for item in full[split_name]).items()}
+        if len(set(items)) != len(items) or Counter(item.label for item in items) != expected:
+            return reject(f"does not hold min({num_shots}, available) distinct images per class in '{split_name}'")
+        result[split_name] = items
+    return result
+
+
+def _write_json_atomically(path: str, header: dict, lists: dict[str, list[list]]) -> None:
+    """Write {**header, **lists} as JSON, one list entry per line, through a temp file in the
+    same folder and os.replace (atomic on POSIX and Windows)."""
+    fields = [f"  {json.dumps(key)}: {json.dumps(value)}" for key, value in header.items()]
+    for key, entries in lists.items():
+        rows = ",\n".join(f"    {json.dumps(entry)}" for entry in entries)
+        fields.append(f"  {json.dumps(key)}: [\n{rows}\n  ]")
+    text = "{\n" + ",\n".join(fields) + "\n}\n"
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    fd, temp_path = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp_path, path)
+    except BaseException:
+        if os.path.exists(temp_path):
+            os.remove(temp_path)
+        raise
+
+
+def few_shot_splits(spec: DatasetSpec, dataset_dir: str, full: dict[str, list[Item]],
+                    num_shots: int, seed: int) -> dict[str, list[Item]]:
+    """K per class for train and min(K, 4) for val (CoOp), read from the cache when it is
+    valid, otherwise sampled with `random.Random(seed)` and cached."""
+    shots = {split_name: (num_shots if split_name == "train" else min(num_shots, 4)) for split_name in full}
+    for split_name, k in shots.items():
+        _warn_short_classes(full[split_name], k, f"{spec.name} {split_name}")
+
+    cache_path = fewshot_cache_path(dataset_dir, num_shots, seed)
+    full_entries = {split_name: _entries(items, dataset_dir) for split_name, items in full.items()}
+    fingerprint = _fingerprint(full_entries)
+    cached = _read_fewshot_cache(cache_path, full, full_entries, shots, fingerprint)
+    if cached is not None:
+        return cached
+
+    rng = random.Random(seed)  # train first, then val, from one stream
+    sampled = {split_name: sample_few_shot(full[split_name], shots[split_name], rng) for split_name in full}
+    header = {"format": FEWSHOT_CACHE_FORMAT, "dataset": spec.name, "num_shots": num_shots,
+              "seed": seed, "fingerprint": fingerprint}
+    try:
+        _write_json_atomically(cache_path, header,
+                               {split_name: _entries(items, dataset_dir) for split_name, items in sampled.items()})
+    except OSError as e:
+        _warn(f"{cache_path}: cannot write the few-shot cache ({e.strerror or e}); continuing without it")
+    return sampled
+
+
+# -----------------------------------------------------------------------------
+# Base/novel split (DESIGN.md section 6; CoOp's OxfordPets.subsample_classes)
+
+
+def subsample_classes(classnames: list[str], splits: list[list[Item]],
+                      subsample: str) -> tuple[list[str], list[list[Item]]]:
+    """Keep the base or the novel half of the classes in every list and relabel from 0.
+
+    Sort the labels; the first ceil(n/2) are base, the remaining floor(n/2) novel ("new").
+    The same selection and relabelling applies to train, val and test, and the class names
+    keep their order. CoOp calls this after few-shot sampling, so the few-shot images of a
+    base class are the same whether or not the run subsamples.
+    """
+    if subsample == "all":
+        return classnames, splits
+    labels = sorted(range(len(classnames)))
+    n_base = math.ceil(len(labels) / 2)
+    selected = labels[:n_base] if subsample == "base" else labels[n_base:]
+    new_label = {old: new for new, old in enumerate(selected)}
+    kept_names = [classnames[old] for old in selected]
+    kept_splits = [[replace(item, label=new_label[item.label]) for item in items if item.label in new_label]
+                   for items in splits]
+    return kept_names, kept_splits
+
+
+# -----------------------------------------------------------------------------
+# The entry point
+
+
+def load_dataset(name: str, root: str, num_shots: int | None = None, seed: int = 1,
+                 subsample: str = "all") -> DatasetSplits:
+    """Read dataset `name` from `root` ($DATA, laid out as CoOp's DATASETS.md describes).
+
+    num_shots: None for every training image, or K >= 1 for K images per class (validation:
+                min(K, 4)), drawn with `seed` and cached in split_fewshot/shot_{K}-seed_{seed}.json.
+    subsample: "all", "base" (first ceil(n/2) classes) or "new"/"novel" (the rest), relabelled
+               from 0; applied after few-shot sampling, as in CoOp.
+
+    ImageNet has no validation split of its own: `val` is the test list (CoOp). The ImageNet
+    variants are test sets only: `train` and `val` are empty, and num_shots and subsample
+    must be left at None and "all". Raises DatasetError (one line) on any bad input.
+    """
+    spec = get_spec(name)
+    subsample = str(subsample).lower()
+    if subsample not in SUBSAMPLE_CHOICES:
+        raise DatasetError(f"subsample={subsample!r}: expected one of {', '.join(SUBSAMPLE_CHOICES)}")
+    subsample = "new" if subsample == "novel" else subsample
+    if num_shots is not None and (isinstance(num_shots, bool) or not isinstance(num_shots, int) or num_shots < 1):
+        raise DatasetError(f"num_shots={num_shots!r}: expected None (all training images) or an integer >= 1")
+    if spec.evaluation_only and (num_shots is not None or subsample != "all"):
+        raise DatasetError(f"{spec.name}: a test set only (domain generalization); load it with "
+                           f"num_shots=None and subsample='all'")
+
+    if not root:
+        raise DatasetError(f"root={root!r}: no data root (--root) given; expected the $DATA folder "
+                           f"of CoOp's DATASETS.md ({COOP_DATASETS_MD})")
+    root = os.path.abspath(os.path.expanduser(str(root)))
+    if not os.path.isdir(root):
+        raise DatasetError(f"{root}: data root (--root) not found; expected the $DATA folder of "
+                           f"CoOp's DATASETS.md ({COOP_DATASETS_MD}) that holds {spec.folder}/")
+    dataset_dir = os.path.join(root, spec.folder)
+    if not os.path.isdir(dataset_dir):
+        raise DatasetError(f"{dataset_dir}: dataset folder not found; expected {spec.name} in "
+                           f"{spec.folder}/ as CoOp's DATASETS.md lays it out ({COOP_DATASETS_MD})")
+
+    train, val, test, classnames = READERS[spec.reader](spec, dataset_dir)
+
+    if num_shots is not None:
+        full = {"train": train} if val is None else {"train": train, "val": val}
+        sampled = few_shot_splits(spec, dataset_dir, full, num_shots, seed)
+        train, val = sampled["train"], sampled.get("val")
+    if val is None:
+        val = test  # ImageNet: CoOp validates on the test set
+
+    classnames, (train, val, test) = subsample_classes(classnames, [train, val, test], subsample)
+    return DatasetSplits(spec.name, dataset_dir, train, val, test, classnames, spec.template)
+
+
+# -----------------------------------------------------------------------------
+# Transforms and the torch Dataset
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP's preprocessing
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def train_transform(size: int = 224) -> T.Compose:
+    """Training augmentation of CoOp/MMRL: random resized crop (scale 0.5-1, bicubic),
+    horizontal flip, CLIP normalisation."""
+    return T.Compose([
+        T.RandomResizedCrop(size, scale=(0.5, 1.0), interpolation=InterpolationMode.BICUBIC),
+        T.RandomHorizontalFlip(),
+        T.ToTensor(),
+        T.Normalize(CLIP_MEAN, CLIP_STD),
+    ])
+
+
+def test_transform(size: int = 224) -> T.Compose:
+    """CLIP's own preprocessing: shorter side to `size` (bicubic), centre crop, normalise."""
+    return T.Compose([
+        T.Resize(size, interpolation=InterpolationMode.BICUBIC),
+        T.CenterCrop(size),
+        T.ToTensor(),
+        T.Normalize(CLIP_MEAN, CLIP_STD),
+    ])
+
+
+def load_image(path: str) -> Image.Image:
+    """Open an image as RGB, or stop with one line naming the file."""
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")  # convert() decodes the whole file: truncation shows here
+    except FileNotFoundError as e:
+        raise DatasetError(f"{path}: image not found; expected the file the split lists") from e
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise DatasetError(f"{path}: cannot read image ({type(e).__name__}: {e}); the file is "
+                           f"corrupt or not an image, replace it with the original") from e
+
+
+class ImageDataset(Dataset):
+    """A list of Items as a torch Dataset yielding (image tensor (3, size, size), label)."""
+
+    def __init__(self, items: list[Item], transform=None):
+        self.items = list(items)
+        self.transform = transform if transform is not None else test_transform()
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        item = self.items[index]
+        return self.transform(load_image(item.path)), item.label
+
+
+# -----------------------------------------------------------------------------
+# Command line: a summary of one dataset, or the registry
+
+
+def _print_registry() -> None:
+    print(f"{'name':<16} {'folder under $DATA':<22} {'reader':<17} template")
+    for spec in DATASETS.values():
+        print(f"{spec.name:<16} {spec.folder + '/':<22} {spec.reader:<17} {spec.template!r}")
+
+
+def _print_summary(data: DatasetSplits, num_shots: int | None, seed: int, subsample: str) -> None:
+    def per_class(items: list[Item]) -> str:
+        counts = Counter(item.label for item in items).values()
+        return f"{min(counts)}-{max(counts)} per class" if counts else "empty"
+
+    shots = "all images" if num_shots is None else f"{num_shots} shots, seed {seed}"
+    print(f"{data.name}  ({data.dataset_dir})  {shots}, subsample={subsample}")
+    print(f"  classes   {len(data.classnames)}: {', '.join(data.classnames[:5])}"
+          f"{', ...' if len(data.classnames) > 5 else ''}")
+    for split_name in ("train", "val", "test"):
+        items = getattr(data, split_name)
+        print(f"  {split_name:<9} {len(items):>6} images ({per_class(items)})")
+    print(f"  template  {data.template!r}")
+    if data.classnames:
+        print(f"  prompt    {data.prompts[0]!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Summarise a dataset read from CoOp's layout "
+                                                 "(no --dataset: print the registry).")
+    parser.add_argument("--root", help="the $DATA folder of CoOp's DATASETS.md")
+    parser.add_argument("--dataset", help=f"one of: {', '.join(DATASETS)}")
+    parser.add_argument("--shots", type=int, default=None, help="K images per class (default: all)")
+    parser.add_argument("--seed", type=int, default=1, help="seed of the few-shot draw")
+    parser.add_argument("--subsample", default="all", choices=SUBSAMPLE_CHOICES, help="which classes to keep")
+    args = parser.parse_args(argv)
+    # Warnings (a rebuilt cache, a short class) as one line each, without the source line.
+    warnings.formatwarning = lambda message, category, *rest: f"warning: {message}\n"
+    if args.dataset is None:
+        _print_registry()
+        return 0
+    if args.root is None:
+        parser.error("--root is required with --dataset")
+    try:
+        data = load_dataset(args.dataset, args.root, num_shots=args.shots, seed=args.seed,
+                            subsample=args.subsample)
+    except DatasetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    _print_summary(data, args.shots, args.seed, args.subsample)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

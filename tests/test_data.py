@@ -1,0 +1,702 @@
+"""
+Tests for data.py: every reader on a tiny dataset written in CoOp's layout, the base/novel
+split, few-shot sampling and its cache, the transforms, the one-line errors, and the real
+CoOp split files of shared/coop_splits read through load_dataset.
+
+Run:  python -m pytest -q tests/test_data.py
+
+No dataset is downloaded: fixtures write a few classes of 8x8 images (and, for the real split
+files, a 1x1 placeholder at every listed path) under pytest's tmp_path.
+"""
+
+import hashlib
+import io
+import json
+import os
+import random
+import subprocess
+import sys
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from torchvision import transforms as T
+from torchvision.transforms import InterpolationMode
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import data  # noqa: E402
+from data import DatasetError, DatasetWarning, ImageDataset, load_dataset  # noqa: E402
+
+# -----------------------------------------------------------------------------
+# Writing tiny datasets in CoOp's layout
+
+
+def write_image(path: Path, color=(128, 64, 32), size=(8, 8)) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, color).save(path)  # format from the suffix (.jpg, .JPEG, .png)
+
+
+# How each split-json dataset names its files (relative to its image folder), modelled on
+# the real split files: flat for pets and flowers, class folders for the others, and
+# cars_train/ + cars_test/ for Stanford Cars (relative to the dataset folder itself).
+RELATIVE_PATH = {
+    "oxford_pets": lambda cls, split, i: f"{cls.title()}_{split}{i}.jpg",
+    "oxford_flowers": lambda cls, split, i: f"image_{cls[:3]}{split}{i}.jpg",
+    "stanford_cars": lambda cls, split, i: f"cars_{'test' if split == 'test' else 'train'}/{split}{i}.jpg",
+    "caltech101": lambda cls, split, i: f"{cls}/image_{split}{i}.jpg",
+    "food101": lambda cls, split, i: f"{cls}/{split}{i}.jpg",
+    "sun397": lambda cls, split, i: f"a/{cls}/sun_{split}{i}.jpg",
+    "dtd": lambda cls, split, i: f"{cls}/{cls}_{split}{i}.jpg",
+    "eurosat": lambda cls, split, i: f"{EUROSAT_FOLDER[cls]}/{EUROSAT_FOLDER[cls]}_{split}{i}.jpg",
+    "ucf101": lambda cls, split, i: f"{cls}/v_{cls}_{split}{i}.jpg",
+}
+EUROSAT_FOLDER = {"Annual Crop Land": "AnnualCrop", "Forest": "Forest",
+                  "Herbaceous Vegetation Land": "HerbaceousVegetation"}  # CoOp renames the classes
+CLASSES = {
+    "oxford_pets": ["abyssinian", "american_bulldog", "basset_hound", "beagle", "bengal"],
+    "oxford_flowers": ["pink primrose", "globe thistle", "blanket flower"],
+    "stanford_cars": ["2012 Audi TTS Coupe", "2007 Suzuki Aerio Sedan", "2012 Ferrari 458 Italia Convertible"],
+    "caltech101": ["face", "leopard", "car_side"],
+    "food101": ["apple_pie", "baby_back_ribs", "baklava"],
+    "sun397": ["abbey", "airplane_cabin", "alley"],
+    "dtd": ["banded", "blotchy", "braided", "bubbly"],
+    "eurosat": ["Annual Crop Land", "Forest", "Herbaceous Vegetation Land"],
+    "ucf101": ["Apply_Eye_Makeup", "Archery", "Baby_Crawling"],
+}
+
+
+def write_split_dataset(root: Path, name: str, counts=(8, 6, 2), train_counts=None) -> dict:
+    """Write images and split_zhou_*.json for `name`; `counts` = images per class in
+    (train, val, test), `train_counts` overrides train per class. Returns the split."""
+    spec = data.DATASETS[name]
+    image_root = root / spec.folder / spec.image_dir
+    split = {"train": [], "val": [], "test": []}
+    for label, classname in enumerate(CLASSES[name]):
+        n_train = train_counts[label] if train_counts else counts[0]
+        for split_name, n in zip(("train", "val", "test"), (n_train, counts[1], counts[2])):
+            for i in range(n):
+                relative = RELATIVE_PATH[name](classname, split_name, f"{label}_{i}")
+                write_image(image_root / relative, color=(label * 40, i * 20, 100))
+                split[split_name].append([relative, label, classname])
+    (root / spec.folder / spec.split_file).write_text(json.dumps(split, indent=4))
+    return split
+
+
+@pytest.fixture
+def pets_root(tmp_path) -> Path:
+    """oxford_pets: 5 classes (underscores in names), 8 train / 6 val / 2 test each."""
+    write_split_dataset(tmp_path, "oxford_pets")
+    return tmp_path
+
+
+IMAGENET_CLASSES = [  # CLIP's names, as in CoOp's classnames.txt (sorted by wnid)
+    ("n01440764", "tench"), ("n01443537", "goldfish"), ("n01484850", "great white shark"),
+    ("n01491361", "tiger shark"), ("n01494475", "hammerhead shark"),
+]
+
+
+def write_classnames_txt(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "classnames.txt").write_text("".join(f"{wnid} {name}\n" for wnid, name in IMAGENET_CLASSES))
+
+
+@pytest.fixture
+def imagenet_root(tmp_path) -> Path:
+    """imagenet: classnames.txt, images/train/<wnid>/ (6 each), images/val/<wnid>/ (2 each)."""
+    write_classnames_txt(tmp_path / "imagenet")
+    for label, (wnid, _) in enumerate(IMAGENET_CLASSES):
+        for i in range(6):
+            write_image(tmp_path / "imagenet" / "images" / "train" / wnid / f"{wnid}_{i}.JPEG", (label * 40, i, 0))
+        for i in range(2):
+            write_image(tmp_path / "imagenet" / "images" / "val" / wnid / f"ILSVRC2012_val_{label}{i}.JPEG")
+    return tmp_path
+
+
+@pytest.fixture
+def fgvc_root(tmp_path) -> Path:
+    """fgvc_aircraft: variants.txt, images_variant_{train,val,test}.txt, images/<id>.jpg."""
+    folder = tmp_path / "fgvc_aircraft"
+    folder.mkdir()
+    variants = ["707-320", "A300B4", "Cessna 172", "F-16A/B"]
+    (folder / "variants.txt").write_text("\n".join(variants) + "\n")
+    image_id = 1000000
+    for split_name, n in (("train", 5), ("val", 3), ("test", 2)):
+        lines = []
+        for variant in variants:
+            for _ in range(n):
+                image_id += 1
+                write_image(folder / "images" / f"{image_id}.jpg")
+                lines.append(f"{image_id} {variant}")
+        (folder / f"images_variant_{split_name}.txt").write_text("\n".join(lines) + "\n")
+    return tmp_path
+
+
+def labels_of(items) -> Counter:
+    return Counter(item.label for item in items)
+
+
+def assert_one_line_naming(error: pytest.ExceptionInfo, *fragments: str) -> None:
+    message = str(error.value)
+    assert "\n" not in message, f"error spans several lines: {message!r}"
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in error: {message!r}"
+
+
+# -----------------------------------------------------------------------------
+# The registry
+
+
+def test_registry_holds_the_fifteen_datasets_with_coop_templates():
+    assert list(data.DATASETS) == [
+        "imagenet", "caltech101", "oxford_pets", "stanford_cars", "oxford_flowers", "food101",
+        "fgvc_aircraft", "sun397", "dtd", "eurosat", "ucf101",
+        "imagenet_v2", "imagenet_sketch", "imagenet_a", "imagenet_r"]
+    templates = {name: spec.template for name, spec in data.DATASETS.items()}
+    assert templates["oxford_pets"] == "a photo of a {}, a type of pet."
+    assert templates["oxford_flowers"] == "a photo of a {}, a type of flower."
+    assert templates["fgvc_aircraft"] == "a photo of a {}, a type of aircraft."
+    assert templates["dtd"] == "{} texture."
+    assert templates["eurosat"] == "a centered satellite photo of {}."
+    assert templates["food101"] == "a photo of {}, a type of food."
+    assert templates["ucf101"] == "a photo of a person doing {}."
+    for name in ("imagenet", "caltech101", "stanford_cars", "sun397", "imagenet_v2",
+                 "imagenet_sketch", "imagenet_a", "imagenet_r"):
+        assert templates[name] == "a photo of a {}."
+    assert {spec.name for spec in data.DATASETS.values() if spec.evaluation_only} == {
+        "imagenet_v2", "imagenet_sketch", "imagenet_a", "imagenet_r"}
+
+
+# -----------------------------------------------------------------------------
+# Readers, each on its own layout
+
+
+@pytest.mark.parametrize("name", sorted(RELATIVE_PATH))
+def test_split_json_reader_joins_paths_to_the_image_folder_and_cleans_names(tmp_path, name):
+    split = write_split_dataset(tmp_path, name)
+    spec = data.DATASETS[name]
+    result = load_dataset(name, tmp_path)
+    image_root = os.path.join(str(tmp_path), spec.folder, spec.image_dir)
+    for split_name in ("train", "val", "test"):
+        items = getattr(result, split_name)
+        assert [os.path.relpath(item.path, image_root) for item in items] == [e[0] for e in split[split_name]]
+        assert [item.label for item in items] == [e[1] for e in split[split_name]]
+        assert all(os.path.isfile(item.path) for item in items)
+    assert result.classnames == [name.replace("_", " ") for name in CLASSES[name]]
+    assert result.template == spec.template
+    assert result.prompts[0] == spec.template.format(result.classnames[0])
+
+
+def test_oxford_pets_reader_reads_its_split_with_clean_names(pets_root):
+    result = load_dataset("oxford_pets", pets_root)
+    assert result.classnames == ["abyssinian", "american bulldog", "basset hound", "beagle", "bengal"]
+    assert (len(result.train), len(result.val), len(result.test)) == (40, 30, 10)
+    assert result.train[0].path == str(pets_root / "oxford_pets" / "images" / "Abyssinian_train0_0.jpg")
+    assert {item.classname for item in result.train if item.label == 1} == {"american bulldog"}
+    assert result.prompts[1] == "a photo of a american bulldog, a type of pet."
+
+
+def test_dtd_reader_uses_class_folders_under_images_and_texture_template(tmp_path):
+    write_split_dataset(tmp_path, "dtd")
+    result = load_dataset("dtd", tmp_path)
+    assert result.classnames == ["banded", "blotchy", "braided", "bubbly"]
+    assert result.train[0].path == str(tmp_path / "dtd" / "images" / "banded" / "banded_train0_0.jpg")
+    assert result.prompts == ["banded texture.", "blotchy texture.", "braided texture.", "bubbly texture."]
+
+
+def test_eurosat_reader_keeps_coop_class_names_under_2750(tmp_path):
+    write_split_dataset(tmp_path, "eurosat")
+    result = load_dataset("eurosat", tmp_path)
+    assert result.classnames == ["Annual Crop Land", "Forest", "Herbaceous Vegetation Land"]
+    assert result.test[0].path.startswith(str(tmp_path / "eurosat" / "2750" / "AnnualCrop") + os.sep)
+    assert result.prompts[1] == "a centered satellite photo of Forest."
+
+
+def test_stanford_cars_paths_are_relative_to_the_dataset_folder(tmp_path):
+    write_split_dataset(tmp_path, "stanford_cars")
+    result = load_dataset("stanford_cars", tmp_path)
+    cars = tmp_path / "stanford_cars"
+    assert all(Path(item.path).parent == cars / "cars_train" for item in result.train + result.val)
+    assert all(Path(item.path).parent == cars / "cars_test" for item in result.test)
+    assert result.classnames[2] == "2012 Ferrari 458 Italia Convertible"
+
+
+def test_fgvc_aircraft_reads_variant_lists_with_spaces_in_names(fgvc_root):
+    result = load_dataset("fgvc_aircraft", fgvc_root)
+    assert result.classnames == ["707-320", "A300B4", "Cessna 172", "F-16A/B"]  # variants.txt order
+    assert labels_of(result.train) == {0: 5, 1: 5, 2: 5, 3: 5}
+    assert (len(result.val), len(result.test)) == (12, 8)
+    cessna = [item for item in result.train if item.label == 2]
+    assert all(item.classname == "Cessna 172" for item in cessna)
+    assert Path(cessna[0].path).parent == fgvc_root / "fgvc_aircraft" / "images"
+    assert result.prompts[3] == "a photo of a F-16A/B, a type of aircraft."
+
+
+def test_imagenet_labels_follow_classnames_txt_and_val_is_the_test_set(imagenet_root):
+    result = load_dataset("imagenet", imagenet_root)
+    assert result.classnames == [name for _, name in IMAGENET_CLASSES]
+    assert labels_of(result.train) == {label: 6 for label in range(5)}
+    assert labels_of(result.test) == {label: 2 for label in range(5)}
+    assert result.val == result.test  # CoOp validates ImageNet on its 50k val (= test) set
+    for item in result.train + result.test:
+        wnid = IMAGENET_CLASSES[item.label][0]
+        assert Path(item.path).parent.name == wnid
+
+
+@pytest.mark.parametrize("name,folder,image_dir", [
+    ("imagenet_a", "imagenet-adversarial", "imagenet-a"),
+    ("imagenet_r", "imagenet-rendition", "imagenet-r"),
+])
+def test_imagenet_a_and_r_label_their_own_classes_in_classnames_order(tmp_path, name, folder, image_dir):
+    # Two of the five classes present (as A and R hold 200 of 1000), listed out of order on
+    # disk, plus a README.txt beside the folders that must be ignored.
+    write_classnames_txt(tmp_path / folder)
+    for wnid in ("n01491361", "n01443537"):
+        for i in range(3):
+            write_image(tmp_path / folder / image_dir / wnid / f"{i}.jpg")
+    (tmp_path / folder / image_dir / "README.txt").write_text("not a class")
+    result = load_dataset(name, tmp_path)
+    assert result.classnames == ["goldfish", "tiger shark"]  # classnames.txt order, present only
+    assert (result.train, result.val) == ([], [])
+    assert labels_of(result.test) == {0: 3, 1: 3}
+    for item in result.test:
+        assert Path(item.path).parent.name == ["n01443537", "n01491361"][item.label]
+        assert item.classname == result.classnames[item.label]
+
+
+def test_imagenet_sketch_with_every_class_uses_imagenet_indices(tmp_path):
+    write_classnames_txt(tmp_path / "imagenet-sketch")
+    for wnid, _ in reversed(IMAGENET_CLASSES):
+        write_image(tmp_path / "imagenet-sketch" / "images" / wnid / "sketch_1.JPEG")
+    result = load_dataset("imagenet_sketch", tmp_path)
+    assert result.classnames == [name for _, name in IMAGENET_CLASSES]
+    assert sorted((item.label, Path(item.path).parent.name) for item in result.test) == [
+        (label, wnid) for label, (wnid, _) in enumerate(IMAGENET_CLASSES)]
+
+
+def test_imagenet_v2_folder_number_is_the_line_of_classnames_txt(tmp_path):
+    write_classnames_txt(tmp_path / "imagenetv2")
+    image_root = tmp_path / "imagenetv2" / "imagenetv2-matched-frequency-format-val"
+    for index in range(5):
+        write_image(image_root / str(index) / f"img{index}.jpeg")
+    result = load_dataset("imagenet_v2", tmp_path)
+    assert result.classnames == [name for _, name in IMAGENET_CLASSES]
+    assert sorted((item.label, Path(item.path).parent.name) for item in result.test) == [
+        (index, str(index)) for index in range(5)]
+
+
+# -----------------------------------------------------------------------------
+# Base/novel split
+
+
+@pytest.mark.parametrize("name,n_base,n_novel", [("oxford_pets", 3, 2), ("dtd", 2, 2)])
+def test_base_novel_split_has_ceil_and_floor_classes_relabelled_from_zero(tmp_path, name, n_base, n_novel):
+    write_split_dataset(tmp_path, name)
+    every = load_dataset(name, tmp_path)
+    base = load_dataset(name, tmp_path, subsample="base")
+    novel = load_dataset(name, tmp_path, subsample="new")
+    assert base.classnames == every.classnames[:n_base]
+    assert novel.classnames == every.classnames[n_base:]
+    assert len(novel.classnames) == n_novel
+    for split_name in ("train", "val", "test"):
+        all_items = getattr(every, split_name)
+        assert sorted(labels_of(getattr(base, split_name))) == list(range(n_base))
+        assert sorted(labels_of(getattr(novel, split_name))) == list(range(n_novel))
+        # Same images, labels shifted by n_base for the novel half, names unchanged.
+        assert [(i.path, i.label, i.classname) for i in getattr(base, split_name)] == [
+            (i.path, i.label, i.classname) for i in all_items if i.label < n_base]
+        assert [(i.path, i.label + n_base, i.classname) for i in getattr(novel, split_name)] == [
+            (i.path, i.label, i.classname) for i in all_items if i.label >= n_base]
+    for result in (base, novel):
+        assert all(item.classname == result.classnames[item.label] for item in result.train + result.test)
+
+
+def test_novel_is_accepted_as_coops_new(pets_root):
+    assert load_dataset("oxford_pets", pets_root, subsample="novel") == load_dataset(
+        "oxford_pets", pets_root, subsample="new")
+
+
+def test_base_subsample_comes_after_few_shot_as_in_coop(pets_root):
+    every = load_dataset("oxford_pets", pets_root, num_shots=2, seed=3)
+    base = load_dataset("oxford_pets", pets_root, num_shots=2, seed=3, subsample="base")
+    assert [item.path for item in base.train] == [item.path for item in every.train if item.label < 3]
+    assert labels_of(base.train) == {0: 2, 1: 2, 2: 2}
+
+
+# -----------------------------------------------------------------------------
+# Few-shot sampling and its cache
+
+
+@pytest.mark.parametrize("shots,val_per_class", [(1, 1), (2, 2), (5, 4), (8, 4)])
+def test_few_shot_draws_k_per_class_and_min_k_4_for_validation(pets_root, shots, val_per_class):
+    result = load_dataset("oxford_pets", pets_root, num_shots=shots)
+    assert labels_of(result.train) == {label: shots for label in range(5)}
+    assert labels_of(result.val) == {label: val_per_class for label in range(5)}
+    assert len(result.test) == 10  # the test set is never sampled
+    every = load_dataset("oxford_pets", pets_root)
+    assert set(result.train) <= set(every.train) and set(result.val) <= set(every.val)
+    assert len(set(result.train)) == len(result.train)
+
+
+def test_few_shot_same_seed_same_images_other_seed_other_images(pets_root):
+    first = load_dataset("oxford_pets", pets_root, num_shots=2, seed=1)
+    cache = Path(data.fewshot_cache_path(first.dataset_dir, 2, 1))
+    cache.unlink()  # draw again from scratch, not from the cache
+    again = load_dataset("oxford_pets", pets_root, num_shots=2, seed=1)
+    other = load_dataset("oxford_pets", pets_root, num_shots=2, seed=2)
+    assert again.train == first.train and again.val == first.val
+    assert set(other.train) != set(first.train)
+
+
+def test_few_shot_cache_is_json_written_atomically_and_reused(pets_root, monkeypatch):
+    first = load_dataset("oxford_pets", pets_root, num_shots=4, seed=7)
+    cache = pets_root / "oxford_pets" / "split_fewshot" / "shot_4-seed_7.json"
+    stored = json.loads(cache.read_text())
+    assert (stored["num_shots"], stored["seed"], stored["dataset"]) == (4, 7, "oxford_pets")
+    assert [entry[0] for entry in stored["train"]] == [
+        os.path.relpath(item.path, first.dataset_dir) for item in first.train]
+    assert os.listdir(cache.parent) == [cache.name]  # no temp file left behind
+
+    def must_not_sample(*args, **kwargs):
+        raise AssertionError("the cache should have been reused")
+
+    monkeypatch.setattr(data, "sample_few_shot", must_not_sample)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DatasetWarning)
+        second = load_dataset("oxford_pets", pets_root, num_shots=4, seed=7)
+    assert (second.train, second.val) == (first.train, first.val)
+
+
+def test_failed_cache_write_leaves_no_partial_file_and_the_run_goes_on(pets_root, monkeypatch):
+    load_dataset("oxford_pets", pets_root, num_shots=2, seed=1)
+    folder = pets_root / "oxford_pets" / "split_fewshot"
+
+    def replace_fails(source, target):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(data.os, "replace", replace_fails)
+    with pytest.warns(DatasetWarning, match=r"shot_2-seed_2\.json: cannot write the few-shot cache"):
+        result = load_dataset("oxford_pets", pets_root, num_shots=2, seed=2)
+    assert labels_of(result.train) == {label: 2 for label in range(5)}
+    assert sorted(os.listdir(folder)) == ["shot_2-seed_1.json"]  # no temp file, no half-written cache
+
+
+def test_few_shot_cache_survives_moving_the_data_root(pets_root, tmp_path_factory, monkeypatch):
+    first = load_dataset("oxford_pets", pets_root, num_shots=2)
+    moved = tmp_path_factory.mktemp("moved") / "data"
+    pets_root.rename(moved)
+    monkeypatch.setattr(data, "sample_few_shot", lambda *a, **k: pytest.fail("cache not reused"))
+    second = load_dataset("oxford_pets", moved, num_shots=2)
+    assert [os.path.relpath(i.path, moved) for i in second.train] == [
+        os.path.relpath(i.path, pets_root) for i in first.train]
+
+
+def test_class_with_fewer_than_k_images_uses_all_it_has_and_says_so(tmp_path):
+    write_split_dataset(tmp_path, "oxford_pets", train_counts=[2, 8, 8, 8, 8])
+    with pytest.warns(DatasetWarning, match=r"oxford_pets train: 1 of 5 classes have fewer than 4 images.*'abyssinian' has 2"):
+        result = load_dataset("oxford_pets", tmp_path, num_shots=4)
+    assert labels_of(result.train) == {0: 2, 1: 4, 2: 4, 3: 4, 4: 4}
+
+
+@pytest.mark.parametrize("corruption", [
+    "{not json",
+    '{"format": "something else"}',
+    "[]",
+    "",
+])
+def test_corrupt_few_shot_cache_is_rebuilt_not_trusted(pets_root, corruption):
+    fresh = load_dataset("oxford_pets", pets_root, num_shots=2)
+    cache = Path(data.fewshot_cache_path(fresh.dataset_dir, 2, 1))
+    cache.write_text(corruption)
+    with pytest.warns(DatasetWarning, match=r"shot_2-seed_1\.json: few-shot cache .*rebuilding it"):
+        rebuilt = load_dataset("oxford_pets", pets_root, num_shots=2)
+    assert (rebuilt.train, rebuilt.val) == (fresh.train, fresh.val)
+    assert json.loads(cache.read_text())["fingerprint"]  # rewritten as a valid cache
+
+
+def test_few_shot_cache_naming_images_outside_the_split_is_rebuilt(pets_root):
+    fresh = load_dataset("oxford_pets", pets_root, num_shots=2)
+    cache = Path(data.fewshot_cache_path(fresh.dataset_dir, 2, 1))
+    stored = json.loads(cache.read_text())
+    stored["train"][0][0] = "images/not_in_the_split.jpg"
+    cache.write_text(json.dumps(stored))
+    with pytest.warns(DatasetWarning, match="which the split does not have"):
+        rebuilt = load_dataset("oxford_pets", pets_root, num_shots=2)
+    assert rebuilt.train == fresh.train
+
+
+def test_few_shot_cache_of_a_changed_split_is_rebuilt(pets_root):
+    load_dataset("oxford_pets", pets_root, num_shots=2)
+    split_path = pets_root / "oxford_pets" / "split_zhou_OxfordPets.json"
+    split = json.loads(split_path.read_text())
+    split["train"] = split["train"][1:]  # the split changed under the cache
+    split_path.write_text(json.dumps(split))
+    with pytest.warns(DatasetWarning, match="different split"):
+        result = load_dataset("oxford_pets", pets_root, num_shots=2)
+    every_train = {item.path for item in load_dataset("oxford_pets", pets_root).train}
+    assert {item.path for item in result.train} <= every_train
+
+
+def test_imagenet_few_shot_samples_train_only_and_caches_it(imagenet_root):
+    result = load_dataset("imagenet", imagenet_root, num_shots=3, seed=1)
+    assert labels_of(result.train) == {label: 3 for label in range(5)}
+    assert result.val == result.test and len(result.test) == 10
+    stored = json.loads((imagenet_root / "imagenet" / "split_fewshot" / "shot_3-seed_1.json").read_text())
+    assert "val" not in stored and len(stored["train"]) == 15
+
+
+# -----------------------------------------------------------------------------
+# Bad input: one line, naming the path or flag, saying what is expected
+
+
+def test_unknown_dataset_name_lists_the_known_ones(tmp_path):
+    with pytest.raises(DatasetError) as error:
+        load_dataset("oxford_pet", tmp_path)
+    assert_one_line_naming(error, "'oxford_pet'", "oxford_pets", "imagenet_r", "eurosat")
+
+
+def test_missing_root_is_named(tmp_path):
+    with pytest.raises(DatasetError) as error:
+        load_dataset("dtd", tmp_path / "no_such_root")
+    assert_one_line_naming(error, str(tmp_path / "no_such_root"), "--root", "dtd/")
+
+
+def test_missing_dataset_folder_is_named(tmp_path):
+    with pytest.raises(DatasetError) as error:
+        load_dataset("eurosat", tmp_path)
+    assert_one_line_naming(error, str(tmp_path / "eurosat"), "dataset folder not found", "DATASETS.md")
+
+
+def test_missing_split_file_says_where_it_comes_from(tmp_path):
+    (tmp_path / "oxford_pets" / "images").mkdir(parents=True)
+    with pytest.raises(DatasetError) as error:
+        load_dataset("oxford_pets", tmp_path)
+    assert_one_line_naming(error, str(tmp_path / "oxford_pets" / "split_zhou_OxfordPets.json"),
+                           "split file not found", "https://github.com/KaiyangZhou/CoOp/blob/main/DATASETS.md")
+
+
+def test_image_listed_in_split_but_absent_names_the_first_missing_file(pets_root):
+    missing = pets_root / "oxford_pets" / "images" / "Beagle_val3_2.jpg"
+    missing.unlink()
+    (pets_root / "oxford_pets" / "images" / "Bengal_test4_0.jpg").unlink()
+    with pytest.raises(DatasetError) as error:
+        load_dataset("oxford_pets", pets_root)
+    assert_one_line_naming(error, str(missing), "split_zhou_OxfordPets.json", "2 of 80")
+
+
+def test_fgvc_image_listed_but_absent_names_the_file(fgvc_root):
+    missing = fgvc_root / "fgvc_aircraft" / "images" / "1000003.jpg"
+    missing.unlink()
+    with pytest.raises(DatasetError) as error:
+        load_dataset("fgvc_aircraft", fgvc_root)
+    assert_one_line_naming(error, str(missing), "images_variant_train.txt", "1 of 20")
+
+
+def test_missing_imagenet_classnames_txt_says_what_it_is(tmp_path):
+    (tmp_path / "imagenet-adversarial" / "imagenet-a").mkdir(parents=True)
+    with pytest.raises(DatasetError) as error:
+        load_dataset("imagenet_a", tmp_path)
+    assert_one_line_naming(error, str(tmp_path / "imagenet-adversarial" / "classnames.txt"), "<wnid> <name>")
+
+
+def test_malformed_split_file_is_named(tmp_path):
+    (tmp_path / "dtd" / "images").mkdir(parents=True)
+    (tmp_path / "dtd" / "split_zhou_DescribableTextures.json").write_text('{"train": [["a.jpg", 0]], "val": [], "test": []}')
+    with pytest.raises(DatasetError) as error:
+        load_dataset("dtd", tmp_path)
+    assert_one_line_naming(error, "split_zhou_DescribableTextures.json", "entry 0 of 'train'",
+                           "[relative_image_path, label, classname]")
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    ({"subsample": "half"}, "subsample='half'"),
+    ({"num_shots": 0}, "num_shots=0"),
+    ({"num_shots": 2.5}, "num_shots=2.5"),
+])
+def test_bad_arguments_name_the_flag(pets_root, kwargs, fragment):
+    with pytest.raises(DatasetError) as error:
+        load_dataset("oxford_pets", pets_root, **kwargs)
+    assert_one_line_naming(error, fragment, "expected")
+
+
+def test_few_shot_on_an_evaluation_only_variant_is_refused(tmp_path):
+    with pytest.raises(DatasetError) as error:
+        load_dataset("imagenet_r", tmp_path, num_shots=16)
+    assert_one_line_naming(error, "imagenet_r", "test set only", "num_shots=None")
+
+
+def write_truncated_jpeg(path: Path) -> None:
+    noise = Image.frombytes("RGB", (64, 64), random.Random(0).randbytes(64 * 64 * 3))
+    buffer = io.BytesIO()
+    noise.save(buffer, format="JPEG")
+    path.write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+
+
+@pytest.mark.parametrize("corrupt", [
+    lambda path: path.write_bytes(b"this is not an image"),
+    write_truncated_jpeg,
+], ids=["not_an_image", "truncated_jpeg"])
+def test_corrupt_image_fails_at_load_time_naming_the_file(pets_root, corrupt):
+    result = load_dataset("oxford_pets", pets_root)  # loading the lists does not open images
+    bad = result.test[3]
+    corrupt(Path(bad.path))
+    dataset = ImageDataset(result.test)
+    dataset[2]  # its neighbours still load
+    with pytest.raises(DatasetError) as error:
+        dataset[3]
+    assert_one_line_naming(error, bad.path, "cannot read image", "corrupt")
+
+
+# -----------------------------------------------------------------------------
+# Transforms and the torch Dataset
+
+
+def test_image_dataset_yields_normalised_224_tensors_and_labels(pets_root):
+    result = load_dataset("oxford_pets", pets_root)
+    dataset = ImageDataset(result.train, data.train_transform())
+    image, label = dataset[9]
+    assert image.shape == (3, 224, 224) and image.dtype == torch.float32
+    assert label == result.train[9].label == 1
+    assert len(dataset) == 40
+
+
+def test_test_transform_resizes_centre_crops_and_uses_clip_mean_std(tmp_path):
+    color = (200, 100, 50)
+    image = Image.new("RGB", (300, 200), color)  # not square: resize short side, crop the long one
+    tensor = data.test_transform()(image)
+    assert tensor.shape == (3, 224, 224)
+    expected = torch.tensor([(c / 255 - m) / s for c, m, s in zip(color, data.CLIP_MEAN, data.CLIP_STD)])
+    torch.testing.assert_close(tensor.mean(dim=(1, 2)), expected, atol=1e-3, rtol=0)
+    steps = data.test_transform().transforms
+    assert isinstance(steps[0], T.Resize) and steps[0].interpolation == InterpolationMode.BICUBIC
+    assert isinstance(steps[1], T.CenterCrop)
+
+
+def test_train_transform_is_random_resized_crop_half_to_full_with_flip():
+    steps = data.train_transform().transforms
+    crop = steps[0]
+    assert isinstance(crop, T.RandomResizedCrop)
+    assert (crop.size, crop.scale, crop.interpolation) == ((224, 224), (0.5, 1.0), InterpolationMode.BICUBIC)
+    assert isinstance(steps[1], T.RandomHorizontalFlip)
+    assert tuple(steps[-1].mean) == data.CLIP_MEAN and tuple(steps[-1].std) == data.CLIP_STD
+    # Random: two draws of one asymmetric image differ.
+    image = Image.frombytes("RGB", (64, 48), bytes(range(256)) * 36)
+    torch.manual_seed(0)
+    draws = [data.train_transform()(image) for _ in range(4)]
+    assert any(not torch.equal(draws[0], other) for other in draws[1:])
+
+
+# -----------------------------------------------------------------------------
+# The command line
+
+
+def test_command_line_prints_a_summary(pets_root):
+    run = subprocess.run([sys.executable, str(REPO / "data.py"), "--root", str(pets_root),
+                          "--dataset", "oxford_pets", "--shots", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "classes   5: abyssinian, american bulldog" in run.stdout
+    assert "train         10 images (2-2 per class)" in run.stdout
+    assert "'a photo of a {}, a type of pet.'" in run.stdout
+
+
+def test_command_line_reports_bad_root_in_one_line(tmp_path):
+    run = subprocess.run([sys.executable, str(REPO / "data.py"), "--root", str(tmp_path / "nowhere"),
+                          "--dataset", "dtd"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert "Traceback" not in run.stderr
+    assert run.stderr.count("\n") == 1 and run.stderr.startswith("error: ")
+    assert str(tmp_path / "nowhere") in run.stderr
+
+
+# -----------------------------------------------------------------------------
+# The real CoOp split files (shared/coop_splits), a placeholder image at every listed path
+
+
+def find_coop_splits() -> Path | None:
+    candidates = [os.environ.get("COOP_SPLITS_DIR"), REPO / "shared" / "coop_splits",
+                  REPO.parent / "shared" / "coop_splits", "/work/shared/coop_splits"]
+    for candidate in candidates:
+        if candidate and (Path(candidate) / "split_zhou_OxfordPets.json").is_file():
+            return Path(candidate)
+    return None
+
+
+COOP_SPLITS = find_coop_splits()
+
+# name, file, classes, train, val, test, sha256 (SOURCES.md)
+REAL_SPLITS = [
+    ("oxford_pets", "split_zhou_OxfordPets.json", 37, 2944, 736, 3669,
+     "d7f3ffe65b3919f95132e51422894ae18686b83c331fd8c0adcdc3dc2de6301e"),
+    ("caltech101", "split_zhou_Caltech101.json", 100, 4128, 1649, 2465,
+     "52ce83205ff8ff8a1a18119aad6376120ae35c36e783a984bc560cbf10e73fa5"),
+    ("stanford_cars", "split_zhou_StanfordCars.json", 196, 6509, 1635, 8041,
+     "40acee7aa65c8e4727a32d90e884b7c3f8960b523422317e163f7af65432959d"),
+    ("oxford_flowers", "split_zhou_OxfordFlowers.json", 102, 4093, 1633, 2463,
+     "2f50c42fc1a17ca13c271cb4269b1347bdb43d2be672e34f74a4e4cbfbcca794"),
+    ("dtd", "split_zhou_DescribableTextures.json", 47, 2820, 1128, 1692,
+     "f26ebeccd2b58e68d70f07a0dc39fe49bf7b69024bac34396b954dfd87969c38"),
+    ("eurosat", "split_zhou_EuroSAT.json", 10, 13500, 5400, 8100,
+     "541503a77d0b26b735d85ec7a3e672804fe0aa466c2e5f07da772cc6c0af8ad2"),
+    ("ucf101", "split_zhou_UCF101.json", 101, 7639, 1898, 3783,
+     "d78cb834f7c5792ceaff2c5ee2d7c76a9e4086e48a3a6b01232989d29cbefdd8"),
+]
+
+
+def place_images(image_root: Path, relative_paths: set[str]) -> None:
+    """A 1x1 JPEG at every path. Hard links to one file: tens of thousands of placeholders
+    cost a link each instead of a written file (about 10x faster on a busy disk)."""
+    image_root.mkdir(parents=True, exist_ok=True)
+    placeholder = image_root.parent / "placeholder.jpg"
+    Image.new("RGB", (1, 1), (90, 120, 150)).save(placeholder)
+    made_folders = set()
+    for relative in relative_paths:
+        path = image_root / relative
+        if path.parent not in made_folders:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            made_folders.add(path.parent)
+        try:
+            os.link(placeholder, path)
+        except OSError:  # a file system without hard links
+            path.write_bytes(placeholder.read_bytes())
+
+
+@pytest.mark.skipif(COOP_SPLITS is None, reason="shared/coop_splits not found (set COOP_SPLITS_DIR)")
+@pytest.mark.parametrize("name,filename,n_classes,n_train,n_val,n_test,sha256", REAL_SPLITS,
+                         ids=[row[0] for row in REAL_SPLITS])
+def test_real_coop_split_reads_with_the_published_sizes(tmp_path, name, filename, n_classes,
+                                                        n_train, n_val, n_test, sha256):
+    raw = (COOP_SPLITS / filename).read_bytes()
+    assert hashlib.sha256(raw).hexdigest() == sha256, f"{filename} differs from SOURCES.md"
+    spec = data.DATASETS[name]
+    assert spec.split_file == filename
+    dataset_dir = tmp_path / spec.folder
+    image_root = dataset_dir / spec.image_dir
+    dataset_dir.mkdir()
+    (dataset_dir / filename).write_bytes(raw)
+    split = json.loads(raw)
+    place_images(image_root, {entry[0] for entries in split.values() for entry in entries})
+
+    every = load_dataset(name, tmp_path)
+    assert (len(every.classnames), len(every.train), len(every.val), len(every.test)) == (
+        n_classes, n_train, n_val, n_test)
+    assert all("_" not in classname for classname in every.classnames)
+    assert every.train[0].path == str(image_root / split["train"][0][0])
+
+    base = load_dataset(name, tmp_path, subsample="base")
+    novel = load_dataset(name, tmp_path, subsample="new")
+    assert (len(base.classnames), len(novel.classnames)) == (-(-n_classes // 2), n_classes // 2)
+    assert base.classnames + novel.classnames == every.classnames
+    assert len(base.test) + len(novel.test) == n_test
+
+    sixteen = load_dataset(name, tmp_path, num_shots=16, seed=1)
+    available = labels_of(every.train)
+    assert labels_of(sixteen.train) == {label: min(16, count) for label, count in available.items()}
+    assert labels_of(sixteen.val) == {label: min(4, count) for label, count in labels_of(every.val).items()}
+
+    image, label = ImageDataset(every.test[:1])[0]
+    assert image.shape == (3, 224, 224) and label == every.test[0].label
