@@ -122,7 +122,7 @@ class DatasetSplits:
 #   "fgvc_aircraft"     variants.txt (label order) and images_variant_{train,val,test}.txt
 #   "imagenet_variant"  classnames.txt (a copy of ImageNet's) and one folder per class
 #
-# Templates are CoOp's CUSTOM_TEMPLATES (CoOp, trainers/cocoop.py / zsclip.py).
+# Templates are CoOp's CUSTOM_TEMPLATES (CoOp, trainers/coop.py).
 
 
 @dataclass(frozen=True)
@@ -132,9 +132,10 @@ class DatasetSpec:
     reader: str  # which reader below understands the layout
     image_dir: str  # folder, inside `folder`, that image paths are relative to ("" = `folder`)
     split_file: str | None  # CoOp's split file inside `folder`, for reader "split_json"
-    class_names: str  # where class names come from, for people reading this table
+    class_names: str  # where class names come from: the split file's third column,
+    #                   ImageNet's classnames.txt ("<wnid> <name>" per line) or variants.txt
     template: str  # CoOp's prompt template; "{}" is replaced by the class name
-    protocols: str  # the protocols of DESIGN.md section 6 the dataset takes part in
+    protocols: str  # the protocols the dataset takes part in (legend above DATASETS)
 
     @property
     def evaluation_only(self) -> bool:
@@ -143,27 +144,27 @@ class DatasetSpec:
         return self.reader == "imagenet_variant"
 
 
-_B2N = "base-to-novel, few-shot, cross-dataset (target)"
-_DG = "domain generalization (target)"
+# Protocols (DESIGN.md section 6): B2N base-to-novel, FS few-shot, XD cross-dataset,
+# DG domain generalization. ImageNet is the source of XD and DG; the others are targets.
 
 # fmt: off
 DATASETS: dict[str, DatasetSpec] = {spec.name: spec for spec in [
-    #           name              folder                  reader              image_dir                                  split_file                              class_names                         template                                  protocols
-    DatasetSpec("imagenet",       "imagenet",             "imagenet",         "images",                                  None,                                   "classnames.txt (line order)",      "a photo of a {}.",                       "base-to-novel, few-shot, cross-dataset and DG (source)"),
-    DatasetSpec("caltech101",     "caltech-101",          "split_json",       "101_ObjectCategories",                    "split_zhou_Caltech101.json",           "split file, third column",         "a photo of a {}.",                       _B2N),
-    DatasetSpec("oxford_pets",    "oxford_pets",          "split_json",       "images",                                  "split_zhou_OxfordPets.json",           "split file, third column",         "a photo of a {}, a type of pet.",        _B2N),
-    DatasetSpec("stanford_cars",  "stanford_cars",        "split_json",       "",                                        "split_zhou_StanfordCars.json",         "split file, third column",         "a photo of a {}.",                       _B2N),
-    DatasetSpec("oxford_flowers", "oxford_flowers",       "split_json",       "jpg",                                     "split_zhou_OxfordFlowers.json",        "split file, third column",         "a photo of a {}, a type of flower.",     _B2N),
-    DatasetSpec("food101",        "food-101",             "split_json",       "images",                                  "split_zhou_Food101.json",              "split file, third column",         "a photo of {}, a type of food.",         _B2N),
-    DatasetSpec("fgvc_aircraft",  "fgvc_aircraft",        "fgvc_aircraft",    "images",                                  None,                                   "variants.txt (line order)",        "a photo of a {}, a type of aircraft.",   _B2N),
-    DatasetSpec("sun397",         "sun397",               "split_json",       "SUN397",                                  "split_zhou_SUN397.json",               "split file, third column",         "a photo of a {}.",                       _B2N),
-    DatasetSpec("dtd",            "dtd",                  "split_json",       "images",                                  "split_zhou_DescribableTextures.json",  "split file, third column",         "{} texture.",                            _B2N),
-    DatasetSpec("eurosat",        "eurosat",              "split_json",       "2750",                                    "split_zhou_EuroSAT.json",              "split file, third column",         "a centered satellite photo of {}.",      _B2N),
-    DatasetSpec("ucf101",         "ucf101",               "split_json",       "UCF-101-midframes",                       "split_zhou_UCF101.json",               "split file, third column",         "a photo of a person doing {}.",          _B2N),
-    DatasetSpec("imagenet_v2",    "imagenetv2",           "imagenet_variant", "imagenetv2-matched-frequency-format-val", None,                                   "classnames.txt; folder i = line i", "a photo of a {}.",                      _DG),
-    DatasetSpec("imagenet_sketch", "imagenet-sketch",     "imagenet_variant", "images",                                  None,                                   "classnames.txt; folders are wnids", "a photo of a {}.",                      _DG),
-    DatasetSpec("imagenet_a",     "imagenet-adversarial", "imagenet_variant", "imagenet-a",                              None,                                   "classnames.txt; folders are wnids", "a photo of a {}.",                      _DG),
-    DatasetSpec("imagenet_r",     "imagenet-rendition",   "imagenet_variant", "imagenet-r",                              None,                                   "classnames.txt; folders are wnids", "a photo of a {}.",                      _DG),
+    #           name               folder                  reader              image_dir                                  split_file                              class_names          template                                  protocols
+    DatasetSpec("imagenet",        "imagenet",             "imagenet",         "images",                                  None,                                   "classnames.txt",    "a photo of a {}.",                       "B2N FS XD DG"),
+    DatasetSpec("caltech101",      "caltech-101",          "split_json",       "101_ObjectCategories",                    "split_zhou_Caltech101.json",           "split file",        "a photo of a {}.",                       "B2N FS XD"),
+    DatasetSpec("oxford_pets",     "oxford_pets",          "split_json",       "images",                                  "split_zhou_OxfordPets.json",           "split file",        "a photo of a {}, a type of pet.",        "B2N FS XD"),
+    DatasetSpec("stanford_cars",   "stanford_cars",        "split_json",       "",                                        "split_zhou_StanfordCars.json",         "split file",        "a photo of a {}.",                       "B2N FS XD"),
+    DatasetSpec("oxford_flowers",  "oxford_flowers",       "split_json",       "jpg",                                     "split_zhou_OxfordFlowers.json",        "split file",        "a photo of a {}, a type of flower.",     "B2N FS XD"),
+    DatasetSpec("food101",         "food-101",             "split_json",       "images",                                  "split_zhou_Food101.json",              "split file",        "a photo of {}, a type of food.",         "B2N FS XD"),
+    DatasetSpec("fgvc_aircraft",   "fgvc_aircraft",        "fgvc_aircraft",    "images",                                  None,                                   "variants.txt",      "a photo of a {}, a type of aircraft.",   "B2N FS XD"),
+    DatasetSpec("sun397",          "sun397",               "split_json",       "SUN397",                                  "split_zhou_SUN397.json",               "split file",        "a photo of a {}.",                       "B2N FS XD"),
+    DatasetSpec("dtd",             "dtd",                  "split_json",       "images",                                  "split_zhou_DescribableTextures.json",  "split file",        "{} texture.",                            "B2N FS XD"),
+    DatasetSpec("eurosat",         "eurosat",              "split_json",       "2750",                                    "split_zhou_EuroSAT.json",              "split file",        "a centered satellite photo of {}.",      "B2N FS XD"),
+    DatasetSpec("ucf101",          "ucf101",               "split_json",       "UCF-101-midframes",                       "split_zhou_UCF101.json",               "split file",        "a photo of a person doing {}.",          "B2N FS XD"),
+    DatasetSpec("imagenet_v2",     "imagenetv2",           "imagenet_variant", "imagenetv2-matched-frequency-format-val", None,                                   "classnames.txt",    "a photo of a {}.",                       "DG"),
+    DatasetSpec("imagenet_sketch", "imagenet-sketch",      "imagenet_variant", "images",                                  None,                                   "classnames.txt",    "a photo of a {}.",                       "DG"),
+    DatasetSpec("imagenet_a",      "imagenet-adversarial", "imagenet_variant", "imagenet-a",                              None,                                   "classnames.txt",    "a photo of a {}.",                       "DG"),
+    DatasetSpec("imagenet_r",      "imagenet-rendition",   "imagenet_variant", "imagenet-r",                              None,                                   "classnames.txt",    "a photo of a {}.",                       "DG"),
 ]}
 # fmt: on
 
@@ -331,8 +332,8 @@ def _read_class_folders(image_root: str, label_of: dict[str, int], classnames: l
     items = []
     for folder in _list_subfolders(image_root):
         if folder not in label_of:
-            raise DatasetError(f"{os.path.join(image_root, folder)}: class folder not listed in "
-                               f"classnames.txt; expected only the folders classnames.txt names")
+            raise DatasetError(f"{os.path.join(image_root, folder)}: class folder not listed in the "
+                               f"dataset's classnames.txt; expected only the classes classnames.txt names")
         label = label_of[folder]
         for filename in _list_images(os.path.join(image_root, folder)):
             items.append(Item(os.path.join(image_root, folder, filename), label, classnames[label]))
@@ -394,20 +395,18 @@ def read_imagenet_variant(spec: DatasetSpec, dataset_dir: str) -> ReaderResult:
     else:
         wnid_of_folder = {folder: folder for folder in folders}
 
-    # Present classes in classnames.txt order, labelled 0..n-1.
+    # Present classes in classnames.txt order, labelled 0..n-1. A folder whose wnid is not in
+    # classnames.txt gets no label, and _read_class_folders names it in its error.
     present_wnids = set(wnid_of_folder.values())
-    for folder, wnid in wnid_of_folder.items():
-        if wnid not in name_of_wnid:
-            raise DatasetError(f"{os.path.join(image_root, folder)}: class folder not listed in "
-                               f"{os.path.join(dataset_dir, 'classnames.txt')}; expected ImageNet wnids only")
     kept_wnids = [wnid for wnid in wnids_in_order if wnid in present_wnids]
-    if not kept_wnids:
-        raise DatasetError(f"{image_root}: no class folders found; expected one folder of images per class")
     label_of_wnid = {wnid: label for label, wnid in enumerate(kept_wnids)}
     classnames = [name_of_wnid[wnid] for wnid in kept_wnids]
-    label_of_folder = {folder: label_of_wnid[wnid] for folder, wnid in wnid_of_folder.items()}
+    label_of_folder = {folder: label_of_wnid[wnid] for folder, wnid in wnid_of_folder.items()
+                       if wnid in label_of_wnid}
 
     test = _read_class_folders(image_root, label_of_folder, classnames, "image folder")
+    if not test:
+        raise DatasetError(f"{image_root}: no images found; expected one folder of images per class")
     return [], [], test, classnames
 
 
@@ -627,7 +626,7 @@ def subsample_classes(classnames: list[str], splits: list[list[Item]],
     """
     if subsample == "all":
         return classnames, splits
-    labels = sorted(range(len(classnames)))
+    labels = list(range(len(classnames)))  # the labels, sorted: 0..n-1 (checked by the readers)
     n_base = math.ceil(len(labels) / 2)
     selected = labels[:n_base] if subsample == "base" else labels[n_base:]
     new_label = {old: new for new, old in enumerate(selected)}
@@ -661,6 +660,8 @@ def load_dataset(name: str, root: str, num_shots: int | None = None, seed: int =
     subsample = "new" if subsample == "novel" else subsample
     if num_shots is not None and (isinstance(num_shots, bool) or not isinstance(num_shots, int) or num_shots < 1):
         raise DatasetError(f"num_shots={num_shots!r}: expected None (all training images) or an integer >= 1")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise DatasetError(f"seed={seed!r}: expected an integer")
     if spec.evaluation_only and (num_shots is not None or subsample != "all"):
         raise DatasetError(f"{spec.name}: a test set only (domain generalization); load it with "
                            f"num_shots=None and subsample='all'")

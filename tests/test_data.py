@@ -13,6 +13,7 @@ import hashlib
 import io
 import json
 import os
+import pickle
 import random
 import subprocess
 import sys
@@ -429,6 +430,17 @@ def test_few_shot_cache_naming_images_outside_the_split_is_rebuilt(pets_root):
     assert rebuilt.train == fresh.train
 
 
+def test_few_shot_cache_with_wrong_counts_per_class_is_rebuilt(pets_root):
+    fresh = load_dataset("oxford_pets", pets_root, num_shots=2)
+    cache = Path(data.fewshot_cache_path(fresh.dataset_dir, 2, 1))
+    stored = json.loads(cache.read_text())
+    stored["train"][1] = stored["train"][0]  # class 0: one image twice instead of two images
+    cache.write_text(json.dumps(stored))
+    with pytest.warns(DatasetWarning, match=r"min\(2, available\) distinct images per class"):
+        rebuilt = load_dataset("oxford_pets", pets_root, num_shots=2)
+    assert rebuilt.train == fresh.train
+
+
 def test_few_shot_cache_of_a_changed_split_is_rebuilt(pets_root):
     load_dataset("oxford_pets", pets_root, num_shots=2)
     split_path = pets_root / "oxford_pets" / "split_zhou_OxfordPets.json"
@@ -516,6 +528,7 @@ def test_malformed_split_file_is_named(tmp_path):
     ({"subsample": "half"}, "subsample='half'"),
     ({"num_shots": 0}, "num_shots=0"),
     ({"num_shots": 2.5}, "num_shots=2.5"),
+    ({"num_shots": 2, "seed": "1"}, "seed='1'"),
 ])
 def test_bad_arguments_name_the_flag(pets_root, kwargs, fragment):
     with pytest.raises(DatasetError) as error:
@@ -562,6 +575,9 @@ def test_image_dataset_yields_normalised_224_tensors_and_labels(pets_root):
     assert image.shape == (3, 224, 224) and image.dtype == torch.float32
     assert label == result.train[9].label == 1
     assert len(dataset) == 40
+    # DataLoader workers receive the dataset pickled (spawn start method): it must survive that.
+    copy = pickle.loads(pickle.dumps(dataset))
+    assert copy.items == dataset.items and copy[9][1] == 1
 
 
 def test_test_transform_resizes_centre_crops_and_uses_clip_mean_std(tmp_path):
