@@ -515,13 +515,24 @@ def test_missing_imagenet_classnames_txt_says_what_it_is(tmp_path):
     assert_one_line_naming(error, str(tmp_path / "imagenet-adversarial" / "classnames.txt"), "<wnid> <name>")
 
 
-def test_malformed_split_file_is_named(tmp_path):
+@pytest.mark.parametrize("entry", [["a.jpg", 0], ["/abs/a.jpg", 0, "banded"], ["a.jpg", "0", "banded"]])
+def test_malformed_split_entry_is_named(tmp_path, entry):
     (tmp_path / "dtd" / "images").mkdir(parents=True)
-    (tmp_path / "dtd" / "split_zhou_DescribableTextures.json").write_text('{"train": [["a.jpg", 0]], "val": [], "test": []}')
+    split = {"train": [entry], "val": [], "test": []}
+    (tmp_path / "dtd" / "split_zhou_DescribableTextures.json").write_text(json.dumps(split))
     with pytest.raises(DatasetError) as error:
         load_dataset("dtd", tmp_path)
     assert_one_line_naming(error, "split_zhou_DescribableTextures.json", "entry 0 of 'train'",
                            "[relative_image_path, label, classname]")
+
+
+def test_split_file_that_is_not_json_is_named(tmp_path):
+    (tmp_path / "dtd" / "images").mkdir(parents=True)
+    (tmp_path / "dtd" / "split_zhou_DescribableTextures.json").write_text('{"train": [')
+    with pytest.raises(DatasetError) as error:
+        load_dataset("dtd", tmp_path)
+    assert_one_line_naming(error, str(tmp_path / "dtd" / "split_zhou_DescribableTextures.json"),
+                           "not a valid JSON split file", "download it again")
 
 
 @pytest.mark.parametrize("kwargs,fragment", [
@@ -580,7 +591,7 @@ def test_image_dataset_yields_normalised_224_tensors_and_labels(pets_root):
     assert copy.items == dataset.items and copy[9][1] == 1
 
 
-def test_test_transform_resizes_centre_crops_and_uses_clip_mean_std(tmp_path):
+def test_test_transform_resizes_centre_crops_and_uses_clip_mean_std():
     color = (200, 100, 50)
     image = Image.new("RGB", (300, 200), color)  # not square: resize short side, crop the long one
     tensor = data.test_transform()(image)
