@@ -1,0 +1,865 @@
+"""
+dear.py -- DeAR, the method: head roles by concept entropy, attribute tokens, the role-based
+attention mask, the losses and task-adaptive fusion.
+
+Paper: "DeAR: Fine-Grained VLM Adaptation by Decomposing Attention Head Roles"
+(Ma, Yang, Wang, Chen, Xian, Teng; CVPR 2026). Spec with our choices where the paper is
+silent: ../shared/DESIGN.md, sections 3 (head roles), 4 (tokens and mask) and 5 (losses).
+
+What this file holds, in the order the method runs:
+
+    1. the description bank ...... >500 short phrases, each labelled with its concept
+    2. head analysis ............. TextSpan's greedy description search per head, concept
+                                   entropy, role assignment -> a RoleMap (JSON, table, heatmap)
+    3. the role-based mask ....... one additive (heads, tokens, tokens) mask per layer from J on
+    4. the model ................. DeAR: frozen CLIP + attribute tokens (vision), insert tokens
+                                   (text), attribute projection, fusion weights
+    5. the losses ................ cross-entropy on fused logits, self-regularisation, fusion
+                                   regularisation
+
+How it fits: it imports only clip_model.py (the hand-written CLIP whose attention takes a
+per-head mask, and `head_contributions`). train.py builds a DeAR from a loaded CLIP, data.py's
+class names and a RoleMap, and trains `learnable_parameters()`.
+
+Layer numbers: the paper counts layers from 1 ("layers 9-12", "J = 9"); Python indexes them
+from 0 (8-11). Arguments named `first_layer` take the paper's 1-based J; everything stored
+(`RoleMap.layers`, `HeadRole.layer`) is 0-based; every printed line says which.
+
+Try it on a random small CLIP:  python dear.py
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable, List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import clip_model
+from clip_model import CLIP, causal_mask, head_contributions
+
+# The paper's five core attributes, in order: one attribute token each (Sec. 3.3).
+CORE_ATTRIBUTES = ("colour", "shape", "texture", "object", "location")
+ROLES = ("attribute", "generalization", "mixed")
+
+
+class DeARError(ValueError):
+    """Bad input to the method (a role file, an attribute name, J, beta): the message is one
+    line that names the file or argument and says what to do."""
+
+
+def _atomic_write(path: str, write: Callable[[str], None]) -> None:
+    """Call write(temporary_path), then rename onto `path`: readers never see half a file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
+    os.close(handle)
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+# ------------------------------------------------------------------------------------------
+# 1. The description bank (DESIGN.md Sec. 3, step 2)
+# ------------------------------------------------------------------------------------------
+# TextSpan explains a head by the text directions its outputs vary along. To turn "which
+# descriptions" into "which concept", every phrase is labelled with its concept *by
+# construction*: it is made from a word list of that concept and a template. The non-core
+# concepts are there so that a head that is about none of the five attributes can spread its
+# descriptions over many concepts and get a high entropy.
+
+
+@dataclass(frozen=True)
+class Description:
+    text: str
+    concept: str
+
+
+_BANK_WORDS = {
+    # core attributes
+    "colour": (["red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black",
+                "white", "grey", "gold", "silver", "beige", "turquoise", "maroon", "navy blue",
+                "teal", "violet", "crimson"],
+               ["a bright {} colour", "an image dominated by the colour {}", "something coloured {}",
+                "a {} tint"]),
+    "shape": (["round", "square", "triangular", "rectangular", "oval", "cylindrical", "spherical",
+               "star-shaped", "heart-shaped", "hexagonal", "curved", "pointed", "elongated", "flat",
+               "cone-shaped", "spiral"],
+              ["a {} shape", "an object with a {} form", "a {} outline", "something {} in shape"]),
+    "texture": (["striped", "dotted", "checkered", "furry", "smooth", "rough", "fluffy", "woven",
+                 "scaly", "wrinkled", "glossy", "matte", "grainy", "bumpy", "metallic", "wooden",
+                 "knitted", "cracked", "porous", "velvety"],
+                ["a {} texture", "a {} surface", "a close-up of a {} pattern"]),
+    "object": (["bicycle", "car", "dog", "cat", "bird", "flower", "tree", "chair", "airplane", "boat",
+                "house", "cup", "guitar", "clock", "horse", "fish", "shoe", "book", "phone", "lamp",
+                "bottle", "apple", "pizza", "bridge", "train", "butterfly", "mushroom", "umbrella",
+                "laptop", "piano"],
+               ["a photo of a {}", "a picture of a {}", "a close-up of a {}"]),
+    "location": (["beach", "forest", "city street", "kitchen", "desert", "mountain top", "lake shore",
+                  "snowy field", "office", "garden", "classroom", "stadium", "farm", "coral reef",
+                  "highway", "river bank", "park", "living room", "harbour", "airport"],
+                 ["a photo taken at a {}", "a scene in a {}", "the background is a {}"]),
+    # non-core concepts
+    "style": (["watercolour painting", "pencil sketch", "oil painting", "cartoon", "3D render",
+               "pixel art", "comic drawing", "mosaic", "embroidery", "origami model", "marble sculpture",
+               "graffiti", "tattoo", "low-poly model", "woodcut print"],
+              ["an image in the style of a {}", "a {} of something", "art made as a {}"]),
+    "count": (["one", "two", "three", "four", "five", "six", "seven", "a dozen", "many", "hundreds of"],
+              ["{} objects in the picture", "an image with {} things in it", "a group of {} items"]),
+    "lighting": (["bright sunlight", "dim light", "backlight", "neon light", "candlelight",
+                  "harsh shadows", "soft light", "golden hour light", "flash", "overcast light",
+                  "studio lighting", "moonlight"],
+                 ["a photo taken with {}", "a scene lit by {}", "an image full of {}"]),
+    "mood": (["happy", "sad", "peaceful", "scary", "romantic", "energetic", "lonely", "nostalgic",
+              "dramatic", "playful", "calm", "mysterious"],
+             ["a {} mood", "a {} atmosphere", "a picture that feels {}"]),
+    "text": (["a sign with words", "a logo", "handwritten letters", "a newspaper page", "a street sign",
+              "a label with numbers", "a caption", "a book title", "a licence plate", "a price tag"],
+             ["an image containing {}", "a photo with {} in it", "a close-up of {}"]),
+    "viewpoint": (["an aerial view", "a close-up view", "a wide-angle view", "a side view",
+                   "a top-down view", "a low-angle view", "a fisheye view", "a macro view",
+                   "a panoramic view", "a rear view"],
+                  ["a photo taken from {}", "{} of a scene", "a picture shot as {}"]),
+    "time": (["morning", "noon", "evening", "night", "winter", "summer", "autumn", "spring",
+              "sunset", "dawn"],
+             ["a photo taken in the {}", "a scene at {}", "an image from the {}"]),
+}
+
+
+def description_bank() -> List[Description]:
+    """The project's own bank: every word of a concept in every template of that concept.
+
+    591 phrases over 12 concepts (the 5 core attributes first). No phrase appears twice.
+    """
+    bank, seen = [], set()
+    for concept, (words, templates) in _BANK_WORDS.items():
+        for template in templates:
+            for word in words:
+                text = template.format(word)
+                if text not in seen:
+                    seen.add(text)
+                    bank.append(Description(text, concept))
+    return bank
+
+
+# ------------------------------------------------------------------------------------------
+# 2. Head analysis: TextSpan, concept entropy, roles (DESIGN.md Sec. 3, paper Sec. 3.2)
+# ------------------------------------------------------------------------------------------
+
+
+def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
+             num_descriptions: int = 20, rank: int = 80) -> List[int]:
+    """TextSpan's greedy search (Gandelsman et al., ICLR 2024, Alg. 1) for one head.
+
+    contributions:   (n_images, E) the head's direct contributions to the image embeddings
+    text_embeddings: (n_texts, E)  the description bank, encoded and normalised
+    returns: the indices of `num_descriptions` descriptions, most explanatory first.
+
+    1. Centre the contributions and keep the top r = min(rank, n_images - 1) right singular
+       vectors: the subspace the head actually writes into.
+    2. Project every text embedding onto that subspace.
+    3. Repeat: pick the description whose projection varies most across images (largest
+       standard deviation of contributions @ text), then remove its direction from both the
+       contributions and the remaining texts, so the next pick explains something new.
+    """
+    n_images = contributions.shape[0]
+    assert n_images >= 2, "TextSpan needs at least 2 images (it measures variation across them)"
+    data = contributions.double()
+    data = data - data.mean(dim=0, keepdim=True)  # (n, E)
+    r = min(rank, n_images - 1, data.shape[1])
+    _, _, right = torch.linalg.svd(data, full_matrices=False)  # right: (min(n, E), E)
+    span = right[:r]  # (r, E), orthonormal rows
+    texts = text_embeddings.double() @ span.T @ span  # (T, E): each text inside the head's span
+
+    chosen: List[int] = []
+    for _ in range(min(num_descriptions, texts.shape[0])):
+        spread = (data @ texts.T).std(dim=0)  # (T,): how much each text direction varies
+        if chosen:
+            spread[chosen] = -1.0  # already explained (their spread is ~0 anyway)
+        best = int(spread.argmax())
+        chosen.append(best)
+        direction = texts[best] / texts[best].norm().clamp_min(1e-12)  # (E,)
+        data = data - (data @ direction)[:, None] * direction[None]  # remove it from the head ...
+        texts = texts - (texts @ direction)[:, None] * direction[None]  # ... and from the bank
+    return chosen
+
+
+def concept_entropy(concepts: Sequence[str]) -> float:
+    """DeAR's concept entropy (paper Eq. 2): H = -sum_c P(c) log2 P(c), where P(c) is the share
+    of the head's descriptions that belong to concept c.
+
+    0 bits: every description is about one concept (an attribute specialist);
+    log2(k) bits: spread evenly over k concepts.
+    """
+    counts = Counter(concepts)
+    total = len(concepts)
+    return float(-sum((c / total) * math.log2(c / total) for c in counts.values()))
+
+
+def dominant_concept(concepts: Sequence[str]) -> str:
+    """The most frequent concept; a tie goes to the one TextSpan found first (its first
+    description ranks higher, i.e. explains more of the head's variance)."""
+    counts = Counter(concepts)
+    best = max(counts.values())
+    return next(c for c in concepts if counts[c] == best)
+
+
+@dataclass
+class HeadRole:
+    layer: int  # 0-based layer index (the paper's layer number is layer + 1)
+    head: int  # 0-based head index
+    role: str  # "attribute" | "generalization" | "mixed"
+    attribute: Optional[str] = None  # for attribute heads: which core attribute
+    entropy: Optional[float] = None  # concept entropy in bits (None when not analysed)
+    descriptions: List[str] = field(default_factory=list)  # TextSpan's picks, in order
+    concepts: List[str] = field(default_factory=list)  # the concept of each pick
+
+
+def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequence[str]],
+                 attributes: Sequence[str], low_bits: Optional[float] = None,
+                 high_bits: Optional[float] = None):
+    """Heads -> roles (DESIGN.md Sec. 3, step 5). Returns (roles, low_bits, high_bits), roles a
+    list of (role, attribute or None) in the order of the inputs.
+
+    low_bits / high_bits default to the lower and upper thirds of the observed entropies.
+      H <= low:  a specialist. Its dominant concept is a core attribute -> attribute head for
+                 it; otherwise (e.g. a "style" head) -> generalization head, because no
+                 attribute token exists for it and it should keep CLIP's general knowledge.
+      H >= high: spread over many concepts -> generalization head.
+      between:   mixed head.
+    """
+    values = torch.tensor(list(entropies), dtype=torch.float64)
+    if low_bits is None:
+        low_bits = float(torch.quantile(values, 1 / 3))
+    if high_bits is None:
+        high_bits = float(torch.quantile(values, 2 / 3))
+    if low_bits > high_bits:
+        raise DeARError(f"--low-bits {low_bits:g} is above --high-bits {high_bits:g}; the low threshold must be the smaller")
+    roles = []
+    for entropy, concepts in zip(values.tolist(), concepts_per_head):
+        if entropy <= low_bits:
+            concept = dominant_concept(concepts)
+            roles.append(("attribute", concept) if concept in attributes else ("generalization", None))
+        elif entropy >= high_bits:
+            roles.append(("generalization", None))
+        else:
+            roles.append(("mixed", None))
+    return roles, low_bits, high_bits
+
+
+@dataclass
+class RoleMap:
+    """The role of every head of the analysed vision layers: what the mask is built from.
+
+    Saved as readable JSON (`save`/`load`), printed by `table()`, drawn by `draw_heatmap`.
+    """
+
+    vision_layers: int  # depth of the vision tower it was made for
+    num_heads: int  # heads per layer of that tower
+    attributes: List[str]  # the attribute tokens' names, in token order
+    heads: List[HeadRole]  # one per (layer, head), layer-major
+    low_bits: Optional[float] = None
+    high_bits: Optional[float] = None
+    source: str = "analysis"  # "analysis" or the name of a fixed choice ("all-mixed", ...)
+
+    @property
+    def layers(self) -> List[int]:
+        """0-based indices of the layers this map covers, ascending."""
+        return sorted({h.layer for h in self.heads})
+
+    def role_of(self, layer: int, head: int) -> Optional[HeadRole]:
+        for entry in self.heads:
+            if entry.layer == layer and entry.head == head:
+                return entry
+        return None
+
+    @classmethod
+    def uniform(cls, role: str, vision_layers: int, num_heads: int, layers: Sequence[int],
+                attributes: Sequence[str] = CORE_ATTRIBUTES) -> "RoleMap":
+        """Every head the same role: "mixed" (= plain deep prompting, no mask) or
+        "generalization" (attribute tokens isolated everywhere) -- the ablation choices."""
+        if role not in ("mixed", "generalization"):
+            raise DeARError(f"uniform role must be 'mixed' or 'generalization', not {role!r}")
+        heads = [HeadRole(layer, head, role) for layer in layers for head in range(num_heads)]
+        return cls(vision_layers, num_heads, list(attributes), heads, source=f"all-{role}")
+
+    # -- reading and writing --------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        return {
+            "what": "DeAR head roles (layer and head are 0-based; the paper's layer = layer + 1)",
+            "source": self.source,
+            "vision_layers": self.vision_layers,
+            "num_heads": self.num_heads,
+            "attributes": list(self.attributes),
+            "thresholds_bits": {"low": self.low_bits, "high": self.high_bits},
+            "heads": [asdict(h) for h in self.heads],
+        }
+
+    def save(self, path: str) -> None:
+        text = json.dumps(self.to_json(), indent=2, ensure_ascii=False)
+        _atomic_write(path, lambda tmp: open(tmp, "w", encoding="utf-8").write(text + "\n"))
+
+    @classmethod
+    def load(cls, path: str) -> "RoleMap":
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            thresholds = data.get("thresholds_bits") or {}
+            role_map = cls(
+                vision_layers=int(data["vision_layers"]), num_heads=int(data["num_heads"]),
+                attributes=list(data["attributes"]),
+                heads=[HeadRole(**entry) for entry in data["heads"]],
+                low_bits=thresholds.get("low"), high_bits=thresholds.get("high"),
+                source=data.get("source", "analysis"),
+            )
+        except FileNotFoundError:
+            raise DeARError(f"{path}: no such role file; run the head analysis first (train.py does "
+                            "it when --roles is not given) or pass --roles all-mixed") from None
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise DeARError(f"{path}: not a DeAR role file ({type(error).__name__}: "
+                            f"{' '.join(str(error).split())[:80]}); re-run the head analysis") from None
+        try:
+            role_map.validate()
+        except DeARError as error:
+            raise DeARError(f"{path}: {error}") from None
+        return role_map
+
+    def validate(self, vision_layers: Optional[int] = None, num_heads: Optional[int] = None,
+                 attributes: Optional[Sequence[str]] = None) -> None:
+        """Check the map is complete and fits a model (when its sizes are given)."""
+        if vision_layers is not None and self.vision_layers != vision_layers:
+            raise DeARError(f"made for a vision tower of {self.vision_layers} layers, this model has "
+                            f"{vision_layers}; re-run the head analysis for this model")
+        if num_heads is not None and self.num_heads != num_heads:
+            raise DeARError(f"made for {self.num_heads} heads per layer, this model has {num_heads}; "
+                            "re-run the head analysis for this model")
+        if attributes is not None and list(attributes) != list(self.attributes):
+            raise DeARError(f"made for attributes {', '.join(self.attributes)}, the model uses "
+                            f"{', '.join(attributes)}; re-run the head analysis with the same attributes")
+        for entry in self.heads:
+            where = f"layer {entry.layer + 1} (index {entry.layer}), head {entry.head}"
+            if not (0 <= entry.layer < self.vision_layers and 0 <= entry.head < self.num_heads):
+                raise DeARError(f"{where} does not exist in a tower of {self.vision_layers} layers x {self.num_heads} heads")
+            if entry.role not in ROLES:
+                raise DeARError(f"{where} has role {entry.role!r}; roles are {', '.join(ROLES)}")
+            if entry.role == "attribute" and entry.attribute not in self.attributes:
+                raise DeARError(f"{where} is an attribute head for {entry.attribute!r}, which is not "
+                                f"one of the attributes ({', '.join(self.attributes)})")
+        for layer in self.layers:
+            present = sorted(h.head for h in self.heads if h.layer == layer)
+            if present != list(range(self.num_heads)):
+                raise DeARError(f"layer {layer + 1} (index {layer}) lists heads {present}, expected each of 0..{self.num_heads - 1} once")
+
+    # -- showing it -----------------------------------------------------------------------
+
+    def table(self) -> str:
+        """One row per layer (1-based, as in the paper), one cell per head:
+        A:col = attribute head for colour, G = generalization, M = mixed; entropy in bits."""
+        lines = [f"Head roles ({self.source}); layers numbered as in the paper (1-based), heads 0-based; "
+                 f"thresholds low={_bits(self.low_bits)} high={_bits(self.high_bits)} bits"]
+        lines.append("layer | " + " ".join(f"{'h' + str(h):>9}" for h in range(self.num_heads)))
+        for layer in self.layers:
+            cells = []
+            for head in range(self.num_heads):
+                entry = self.role_of(layer, head)
+                tag = {"attribute": f"A:{(entry.attribute or '')[:3]}", "generalization": "G",
+                       "mixed": "M"}[entry.role]
+                cells.append(f"{tag}{'' if entry.entropy is None else f' {entry.entropy:.2f}'}".rjust(9))
+            lines.append(f"{layer + 1:>5} | " + " ".join(cells))
+        counts = Counter(h.role if h.role != "attribute" else f"attribute:{h.attribute}" for h in self.heads)
+        lines.append("counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+        return "\n".join(lines)
+
+
+def _bits(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+@torch.no_grad()
+def encode_descriptions(clip: CLIP, tokenizer: clip_model.SimpleTokenizer,
+                        texts: Sequence[str], batch_size: int = 256) -> torch.Tensor:
+    """Texts -> (n_texts, E) normalised CLIP text embeddings."""
+    device = clip.positional_embedding.device
+    chunks = []
+    for start in range(0, len(texts), batch_size):
+        ids = tokenizer.tokenize(texts[start:start + batch_size], clip.context_length, truncate=True)
+        chunks.append(F.normalize(clip.encode_text(ids.to(device)), dim=-1))
+    return torch.cat(chunks)
+
+
+@torch.no_grad()
+def analyze_heads(clip: CLIP, image_batches: Iterable[torch.Tensor],
+                  tokenizer: clip_model.SimpleTokenizer, bank: Optional[Sequence[Description]] = None,
+                  attributes: Sequence[str] = CORE_ATTRIBUTES, num_layers: int = 4,
+                  num_descriptions: int = 20, rank: int = 80, low_bits: Optional[float] = None,
+                  high_bits: Optional[float] = None, log: Callable[[str], None] = print) -> RoleMap:
+    """DeAR's head analysis (paper Sec. 3.2, DESIGN.md Sec. 3) -> RoleMap.
+
+    image_batches: preprocessed images, (B, 3, R, R) tensors (e.g. the task's training images).
+    For every head of the last `num_layers` layers: its direct contributions to the image
+    embeddings (divided by each embedding's norm, as TextSpan does), TextSpan's top
+    `num_descriptions` descriptions from the bank, their concept entropy, and its role.
+    """
+    bank = list(bank) if bank is not None else description_bank()
+    device = clip.visual.conv1.weight.device
+    per_image = []
+    for batch in image_batches:
+        parts = head_contributions(clip, batch.to(device), num_layers)
+        norm = parts.total().norm(dim=-1)  # (B,)
+        per_image.append((parts.heads / norm[:, None, None, None]).cpu())  # (B, L, H, E)
+        log(f"  head analysis: contributions of {sum(len(p) for p in per_image)} images")
+    contributions = torch.cat(per_image)  # (n_images, L, H, E)
+    n_images, L, H, _ = contributions.shape
+    first = len(clip.visual.transformer.resblocks) - num_layers
+    text = encode_descriptions(clip, tokenizer, [d.text for d in bank]).cpu()  # (T, E)
+    log(f"  head analysis: {len(bank)} descriptions over {len(set(d.concept for d in bank))} concepts; "
+        f"TextSpan with rank {min(rank, n_images - 1)} and {num_descriptions} picks per head")
+
+    analysed = []
+    for li in range(L):
+        for head in range(H):
+            picks = textspan(contributions[:, li, head], text, num_descriptions, rank)
+            concepts = [bank[i].concept for i in picks]
+            analysed.append(HeadRole(first + li, head, "mixed", None, concept_entropy(concepts),
+                                     [bank[i].text for i in picks], concepts))
+        log(f"  head analysis: layer {first + li + 1} (index {first + li}) done")
+    roles, low, high = assign_roles([h.entropy for h in analysed], [h.concepts for h in analysed],
+                                    attributes, low_bits, high_bits)
+    for entry, (role, attribute) in zip(analysed, roles):
+        entry.role, entry.attribute = role, attribute
+    return RoleMap(len(clip.visual.transformer.resblocks), H, list(attributes), analysed, low, high)
+
+
+# Colours of the pictures: one hue per attribute, grey-blue for generalization, light grey mixed.
+_ATTRIBUTE_COLOURS = [(214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14), (23, 190, 207),
+                      (227, 119, 194), (188, 189, 34), (140, 86, 75)]
+_GENERALIZATION_COLOUR, _MIXED_COLOUR = (52, 78, 120), (200, 200, 200)
+
+
+def _role_colour(entry: HeadRole, attributes: Sequence[str]):
+    if entry.role == "attribute":
+        return _ATTRIBUTE_COLOURS[list(attributes).index(entry.attribute) % len(_ATTRIBUTE_COLOURS)]
+    return _GENERALIZATION_COLOUR if entry.role == "generalization" else _MIXED_COLOUR
+
+
+def draw_heatmap(role_map: RoleMap, path: str) -> None:
+    """A PNG: layers (rows, 1-based) x heads (columns); each cell coloured by role, with the
+    head's concept entropy written in it, and a legend. Pillow is torchvision's own dependency."""
+    from PIL import Image, ImageDraw
+
+    cell_w, cell_h, left, top = 58, 34, 96, 40
+    layers, H = role_map.layers, role_map.num_heads
+    legend = [(f"attribute: {a}", _ATTRIBUTE_COLOURS[i % len(_ATTRIBUTE_COLOURS)])
+              for i, a in enumerate(role_map.attributes)]
+    legend += [("generalization", _GENERALIZATION_COLOUR), ("mixed", _MIXED_COLOUR)]
+    width = max(left + H * cell_w + 10, 560)
+    height = top + len(layers) * cell_h + 30 + 18 * ((len(legend) + 2) // 3)
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    draw.text((8, 6), f"DeAR head roles ({role_map.source}); number = concept entropy (bits)", fill="black")
+    for head in range(H):
+        draw.text((left + head * cell_w + cell_w // 2 - 8, top - 16), f"h{head}", fill="black")
+    for row, layer in enumerate(layers):
+        y = top + row * cell_h
+        draw.text((8, y + cell_h // 2 - 6), f"layer {layer + 1}", fill="black")
+        for head in range(H):
+            entry = role_map.role_of(layer, head)
+            colour = _role_colour(entry, role_map.attributes)
+            x = left + head * cell_w
+            draw.rectangle([x, y, x + cell_w - 2, y + cell_h - 2], fill=colour)
+            label = "" if entry.entropy is None else f"{entry.entropy:.2f}"
+            ink = "black" if sum(colour) > 450 else "white"
+            draw.text((x + 6, y + cell_h // 2 - 6), label, fill=ink)
+    y = top + len(layers) * cell_h + 12
+    for i, (name, colour) in enumerate(legend):
+        x, yy = 8 + (i % 3) * 180, y + (i // 3) * 18
+        draw.rectangle([x, yy, x + 12, yy + 12], fill=colour)
+        draw.text((x + 18, yy), name, fill="black")
+    _atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))
+
+
+# ------------------------------------------------------------------------------------------
+# 3. The role-based attention mask (paper Sec. 3.3, DESIGN.md Sec. 4)
+# ------------------------------------------------------------------------------------------
+# Tokens from layer J on: [CLS, patches (the image's own tokens), attribute tokens]. Each
+# head gets its own additive mask (0 = may attend, -inf = may not):
+#   generalization head: image tokens and attribute tokens never see each other, in either
+#                        direction; each attribute token sees only itself. So no task
+#                        knowledge enters the head's output at the image tokens.
+#   attribute head (a):  attribute token a and the image tokens see each other; the other
+#                        attribute tokens see only themselves.
+#   mixed head:          no restriction.
+# Every row keeps at least one 0 (a token always sees itself), so no softmax is over nothing.
+
+
+def head_mask(role: str, attribute_index: Optional[int], num_image_tokens: int,
+              num_attribute_tokens: int) -> torch.Tensor:
+    """One head's mask, (T, T) with T = image tokens + attribute tokens; row = query."""
+    N, A = num_image_tokens, num_attribute_tokens
+    T = N + A
+    allowed = torch.zeros(T, T, dtype=torch.bool)
+    allowed[:N, :N] = True  # the image's own tokens always see each other, as in CLIP
+    allowed[torch.arange(N, T), torch.arange(N, T)] = True  # each attribute token sees itself
+    if role == "mixed":
+        allowed[:] = True
+    elif role == "attribute":
+        a = N + attribute_index
+        allowed[:N, a] = True  # image tokens read attribute token a ...
+        allowed[a, :N] = True  # ... and token a reads the image
+    elif role != "generalization":
+        raise DeARError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
+    return torch.zeros(T, T).masked_fill(~allowed, float("-inf"))
+
+
+def build_role_masks(role_map: RoleMap, first_layer: int, num_layers: int,
+                     num_image_tokens: int) -> torch.Tensor:
+    """Masks for every vision layer from J on: (num_layers - J + 1, H, T, T).
+
+    first_layer is the paper's 1-based J. A layer from J on that the map does not cover
+    (possible when J is earlier than the analysed layers) gets mixed heads, i.e. no mask.
+    """
+    A, H = len(role_map.attributes), role_map.num_heads
+    masks = []
+    for layer in range(first_layer - 1, num_layers):
+        per_head = []
+        for head in range(H):
+            entry = role_map.role_of(layer, head)
+            role = entry.role if entry else "mixed"
+            index = role_map.attributes.index(entry.attribute) if role == "attribute" else None
+            per_head.append(head_mask(role, index, num_image_tokens, A))
+        masks.append(torch.stack(per_head))  # (H, T, T)
+    return torch.stack(masks)  # (layers from J, H, T, T)
+
+
+def format_head_mask(mask: torch.Tensor, num_image_tokens: int, attributes: Sequence[str]) -> str:
+    """A (T, T) mask as a small text grid, the image tokens folded into one row/column
+    ('image'; they are treated alike by construction). '#' = may attend, '.' = may not."""
+    N = num_image_tokens
+    image_block = mask[:N, :N]
+    assert (mask[:N, N:] == mask[:1, N:]).all() and (mask[N:, :N] == mask[N:, :1]).all() and \
+        (image_block == 0).all(), "mask is not uniform over the image tokens"
+    names = ["image"] + [a[:8] for a in attributes]
+    folded = torch.cat([mask[:1, :1], mask[:1, N:]], 1)  # image row
+    folded = torch.cat([folded, torch.cat([mask[N:, :1], mask[N:, N:]], 1)], 0)  # (1 + A, 1 + A)
+    lines = ["query \\ key " + " ".join(f"{n:>8}" for n in names)]
+    for name, row in zip(names, folded):
+        lines.append(f"{name:>11} " + " ".join(f"{'#' if v == 0 else '.':>8}" for v in row))
+    return "\n".join(lines)
+
+
+def draw_role_masks(masks: torch.Tensor, num_image_tokens: int, attributes: Sequence[str],
+                    first_layer: int, path: str) -> None:
+    """A PNG of the folded masks: one small (1 + A) x (1 + A) grid per head, one row of
+    grids per layer (1-based). White = may attend, black = may not."""
+    from PIL import Image, ImageDraw
+
+    layers, H = masks.shape[0], masks.shape[1]
+    A, N = len(attributes), num_image_tokens
+    cell = 9
+    grid = (1 + A) * cell
+    left, top, gap = 80, 30, 10
+    image = Image.new("RGB", (left + H * (grid + gap), top + layers * (grid + gap) + 20), "white")
+    draw = ImageDraw.Draw(image)
+    draw.text((6, 6), "role masks: row = query, column = key; order image, " + ", ".join(attributes)
+              + "; white = may attend", fill="black")
+    for li in range(layers):
+        y0 = top + li * (grid + gap)
+        draw.text((6, y0 + grid // 2 - 6), f"layer {first_layer + li}", fill="black")
+        for head in range(H):
+            m = masks[li, head]
+            folded = torch.cat([torch.cat([m[:1, :1], m[:1, N:]], 1), torch.cat([m[N:, :1], m[N:, N:]], 1)], 0)
+            x0 = left + head * (grid + gap)
+            for r in range(1 + A):
+                for c in range(1 + A):
+                    fill = "white" if folded[r, c] == 0 else "black"
+                    draw.rectangle([x0 + c * cell, y0 + r * cell, x0 + (c + 1) * cell - 1, y0 + (r + 1) * cell - 1],
+                                   fill=fill, outline=(150, 150, 150))
+    _atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))
+
+
+# ------------------------------------------------------------------------------------------
+# 4. The model (paper Sec. 3.3-3.4, DESIGN.md Sec. 4)
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DeAROutput:
+    logits: torch.Tensor  # (B, C) fused: sum_k alpha_k * branch_logits[:, k]
+    branch_logits: torch.Tensor  # (B, 1 + A, C): the class branch first, then one per attribute
+    alpha: torch.Tensor  # (1 + A,) fusion weights, softmax of the learnable fusion_logits
+    image_features: torch.Tensor  # (B, 1 + A, E) [f_cls, f_attr_1, ...], not normalised
+    text_features: torch.Tensor  # (C, E) t_c, shared by every branch
+    frozen_image_features: Optional[torch.Tensor] = None  # (B, E) plain CLIP (for L_reg)
+    frozen_text_features: Optional[torch.Tensor] = None  # (C, E) plain CLIP (for L_reg)
+
+
+class DeAR(nn.Module):
+    """Frozen CLIP + DeAR's learnable pieces.
+
+    Learnable (everything else is CLIP, frozen):
+      vision_tokens   (layers from J, A, C_v)  one attribute token per attribute, fresh at each
+                                               layer from J (the MMRL++ beta rule)
+      text_tokens     (layers from J, K, C_t)  K tokens inserted after the start token
+      attribute_proj  (C_v, E)                 attribute tokens -> embedding, init = visual.proj
+      fusion_logits   (1 + A,)                 alpha = softmax(fusion_logits)
+
+    Cost savings, each exact (tests compare them with the plain computation) and each a flag
+    so the benchmark can switch it off:
+      no_grad_prefix      the vision layers before J run under torch.no_grad()
+      share_frozen_prefix the frozen pass (for L_reg) reuses the adapted pass's layers before J
+      cache_text_prefix   the text layers before J run once per class list, then are reused
+      cut_text_context    text sequences end at the longest prompt instead of 77 tokens
+    """
+
+    def __init__(self, clip: CLIP, role_map: RoleMap, attributes: Sequence[str] = CORE_ATTRIBUTES,
+                 first_layer: int = 9, beta: float = 0.5, num_text_tokens: int = 4,
+                 cls_fusion_weight: float = 0.5):
+        super().__init__()
+        vision_layers = len(clip.visual.transformer.resblocks)
+        text_layers = len(clip.transformer.resblocks)
+        if not 1 <= first_layer <= min(vision_layers, text_layers):
+            raise DeARError(f"first_layer J={first_layer} is out of range: use 1..{min(vision_layers, text_layers)} "
+                            "(1-based, the paper's J = 9 for ViT-B/16)")
+        if not 0.0 <= beta <= 1.0:
+            raise DeARError(f"beta={beta} is outside [0, 1]; beta weighs the fresh tokens against the previous layer's")
+        if num_text_tokens < 0:
+            raise DeARError(f"num_text_tokens={num_text_tokens} must be 0 or more")
+        if not 0.0 < cls_fusion_weight < 1.0:
+            raise DeARError(f"cls_fusion_weight={cls_fusion_weight} must be in (0, 1)")
+        for name in attributes:
+            if not isinstance(name, str) or not name:
+                raise DeARError(f"attribute names must be non-empty strings, got {name!r}")
+        role_map.validate(vision_layers, clip.visual.transformer.heads, attributes)
+
+        self.clip = clip.eval().requires_grad_(False)  # frozen: only the pieces below learn
+        self.role_map = role_map
+        self.attributes = list(attributes)
+        self.first_layer, self.beta, self.num_text_tokens = first_layer, beta, num_text_tokens
+        self.no_grad_prefix = self.share_frozen_prefix = True
+        self.cache_text_prefix = self.cut_text_context = True
+
+        A, K = len(self.attributes), num_text_tokens
+        width_v, width_t = clip.visual.transformer.width, clip.transformer.width
+        self.vision_tokens = nn.Parameter(torch.randn(vision_layers - first_layer + 1, A, width_v) * 0.02)
+        self.text_tokens = nn.Parameter(torch.randn(text_layers - first_layer + 1, K, width_t) * 0.02)
+        self.attribute_proj = nn.Parameter(clip.visual.proj.detach().clone())
+        # alpha_cls = cls_fusion_weight at the start, the rest shared evenly by the attributes.
+        rest = (1 - cls_fusion_weight) / max(A, 1)
+        self.fusion_logits = nn.Parameter(torch.tensor([math.log(cls_fusion_weight)] + [math.log(rest)] * A))
+
+        num_image_tokens = 1 + clip.visual.grid_size**2
+        self.num_image_tokens = num_image_tokens
+        masks = build_role_masks(role_map, first_layer, vision_layers, num_image_tokens)
+        self.register_buffer("role_masks", masks, persistent=False)  # (layers from J, H, T, T)
+        self._text_cache: dict = {}
+
+    # -- bookkeeping ------------------------------------------------------------------------
+
+    def learnable_parameters(self) -> List[nn.Parameter]:
+        return [self.vision_tokens, self.text_tokens, self.attribute_proj, self.fusion_logits]
+
+    def learnable_state_dict(self) -> dict:
+        """Only what training changes; a checkpoint needs nothing else (CLIP is frozen)."""
+        return {name: getattr(self, name).detach().cpu().clone()
+                for name in ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits")}
+
+    def load_learnable_state_dict(self, state: dict) -> None:
+        for name, value in state.items():
+            target = getattr(self, name)
+            if tuple(value.shape) != tuple(target.shape):
+                raise DeARError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, the model "
+                                f"expects {tuple(target.shape)}; it was made with other settings")
+            with torch.no_grad():
+                target.copy_(value)
+
+    def parameter_summary(self) -> str:
+        learnable = sum(p.numel() for p in self.learnable_parameters())
+        frozen = sum(p.numel() for p in self.clip.parameters())
+        parts = ", ".join(f"{name} {tuple(getattr(self, name).shape)}" for name in
+                          ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits"))
+        return (f"learnable {learnable:,} parameters ({parts}); frozen CLIP {frozen:,} "
+                f"({100 * learnable / (learnable + frozen):.2f}% learnable)")
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.clip.eval()  # CLIP stays in eval mode (it has no dropout, but keep it explicit)
+        return self
+
+    def fusion_weights(self) -> torch.Tensor:
+        """alpha = softmax(w): (1 + A,), alpha[0] for the class branch."""
+        return self.fusion_logits.softmax(dim=0)
+
+    # -- vision ------------------------------------------------------------------------------
+
+    def encode_image(self, images: torch.Tensor, with_frozen: bool = False):
+        """images (B, 3, R, R) -> (f_cls (B, E), f_attr (B, A, E), f_frozen (B, E) or None).
+
+        Layers before J: plain CLIP (no learnable token). From J on: the attribute tokens are
+        appended after the image tokens and every head uses its role mask.
+        """
+        visual = self.clip.visual
+        blocks = visual.transformer.resblocks
+        j = self.first_layer - 1  # 0-based index of layer J
+
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.no_grad_prefix):
+            x = visual.embed(images.to(self.clip.dtype))  # (B, N, C)
+            for block in blocks[:j]:
+                x = block(x)  # (B, N, C)
+
+        frozen = None
+        if with_frozen:  # plain CLIP's image feature, for the self-regularisation (Sec. 3.4)
+            with torch.no_grad():
+                if self.share_frozen_prefix:
+                    plain = x
+                    for block in blocks[j:]:
+                        plain = block(plain)
+                    frozen = visual.head(plain[:, 0])
+                else:
+                    frozen = self.clip.encode_image(images)
+
+        B, N, _ = x.shape
+        tokens = None
+        for i, block in enumerate(blocks[j:]):
+            fresh = self.vision_tokens[i].to(x.dtype).expand(B, -1, -1)  # (B, A, C)
+            # MMRL++ rule: tokens entering layer l = beta * p_l + (1 - beta) * out_{l-1}.
+            tokens = fresh if i == 0 else self.beta * fresh + (1 - self.beta) * tokens
+            sequence = torch.cat([x, tokens], dim=1)  # (B, N + A, C)
+            sequence = block(sequence, self.role_masks[i])  # every head its own (T, T) mask
+            x, tokens = sequence[:, :N], sequence[:, N:]
+
+        f_cls = visual.head(x[:, 0])  # (B, E): CLS through ln_post and the frozen proj
+        f_attr = visual.ln_post(tokens) @ self.attribute_proj  # (B, A, E)
+        return f_cls, f_attr, frozen
+
+    # -- text ----------------------------------------------------------------------------
+
+    def _text_prefix(self, token_ids: torch.Tensor):
+        """The frozen part of the text tower for one class list: (hidden states entering
+        layer J (C, L, W), end-of-text positions (C,), plain CLIP text features (C, E))."""
+        key = (token_ids.device, self.cut_text_context, tuple(map(tuple, token_ids.tolist())))
+        if self.cache_text_prefix and key in self._text_cache:
+            return self._text_cache[key]
+        clip, j = self.clip, self.first_layer - 1
+        eot = token_ids.argmax(dim=-1)  # (C,)
+        if self.cut_text_context:
+            token_ids = token_ids[:, : int(eot.max()) + 1]  # exact: the causal mask hides the tail
+        with torch.no_grad():
+            x = clip.embed_text(token_ids)  # (C, L, W)
+            mask = causal_mask(x.shape[1], x.device, x.dtype)
+            for block in clip.transformer.resblocks[:j]:
+                x = block(x, mask)
+            plain = x
+            for block in clip.transformer.resblocks[j:]:
+                plain = block(plain, mask)
+            frozen = clip.text_head(plain, eot)  # (C, E)
+        result = (x, eot, frozen)
+        if self.cache_text_prefix:
+            self._text_cache = {key: result}  # one class list at a time is all training needs
+        return result
+
+    def encode_text(self, token_ids: torch.Tensor):
+        """Class prompts (C, 77) -> (t_c (C, E), plain CLIP t_c (C, E)).
+
+        From layer J on, K learnable tokens sit right after the start token (positions 1..K);
+        the causal mask lets every later token, the end-of-text one included, read them.
+        """
+        x, eot, frozen = self._text_prefix(token_ids)
+        C, K = x.shape[0], self.num_text_tokens
+        mask = causal_mask(x.shape[1] + K, x.device, x.dtype)  # (L + K, L + K)
+        for i, block in enumerate(self.clip.transformer.resblocks[self.first_layer - 1:]):
+            fresh = self.text_tokens[i].to(x.dtype).expand(C, -1, -1)  # (C, K, W)
+            if i == 0:
+                x = torch.cat([x[:, :1], fresh, x[:, 1:]], dim=1)  # insert after the start token
+            else:
+                tokens = self.beta * fresh + (1 - self.beta) * x[:, 1:1 + K]
+                x = torch.cat([x[:, :1], tokens, x[:, 1 + K:]], dim=1)
+            x = block(x, mask)
+        return self.clip.text_head(x, eot + K), frozen  # end-of-text moved K places right
+
+    # -- both ------------------------------------------------------------------------------
+
+    def forward(self, images: torch.Tensor, class_token_ids: torch.Tensor,
+                with_frozen: bool = False) -> DeAROutput:
+        """Logits of every image for every class (paper Eq. 6-7).
+
+        branch k in {cls, attr_1..attr_A}: logits_k = s * cos(f_k, t_c), s CLIP's frozen scale;
+        fused logits = sum_k alpha_k * logits_k, used in training and at test time alike.
+        """
+        f_cls, f_attr, f_frozen = self.encode_image(images, with_frozen)
+        t, t_frozen = self.encode_text(class_token_ids)
+        features = torch.cat([f_cls[:, None], f_attr], dim=1)  # (B, 1 + A, E)
+        scale = self.clip.logit_scale.exp()
+        branch_logits = scale * F.normalize(features, dim=-1) @ F.normalize(t, dim=-1).T  # (B, 1 + A, C)
+        alpha = self.fusion_weights()
+        logits = torch.einsum("bkc,k->bc", branch_logits, alpha.to(branch_logits.dtype))  # (B, C)
+        return DeAROutput(logits, branch_logits, alpha, features, t, f_frozen,
+                          t_frozen if with_frozen else None)
+
+
+# ------------------------------------------------------------------------------------------
+# 5. The losses (paper Sec. 3.4, DESIGN.md Sec. 5)
+# ------------------------------------------------------------------------------------------
+
+
+def self_regularization_loss(f_cls: torch.Tensor, f_cls_frozen: torch.Tensor,
+                             t: torch.Tensor, t_frozen: torch.Tensor) -> torch.Tensor:
+    """L_reg = mean_i (1 - cos(f_cls_i, f_cls_frozen_i)) + mean_c (1 - cos(t_c, t_c_frozen)).
+
+    Keeps the class feature and the text features close to plain CLIP's, which is where the
+    zero-shot knowledge of novel classes lives."""
+    image_term = 1 - F.cosine_similarity(f_cls, f_cls_frozen, dim=-1).mean()
+    text_term = 1 - F.cosine_similarity(t, t_frozen, dim=-1).mean()
+    return image_term + text_term
+
+
+def fusion_regularization_loss(alpha: torch.Tensor) -> torch.Tensor:
+    """L_fusion = -log(alpha_cls): stops the fusion from abandoning the class branch."""
+    return -torch.log(alpha[0])
+
+
+def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0,
+              lambda_fusion: float = 0.1) -> dict:
+    """Total = CE(fused logits) + lambda_reg * L_reg + lambda_fusion * L_fusion.
+    Returns every term (for logging) and 'total' (to backpropagate)."""
+    assert output.frozen_image_features is not None, "call the model with with_frozen=True to train"
+    ce = F.cross_entropy(output.logits.float(), labels)
+    reg = self_regularization_loss(output.image_features[:, 0].float(), output.frozen_image_features.float(),
+                                   output.text_features.float(), output.frozen_text_features.float())
+    fusion = fusion_regularization_loss(output.alpha.float())
+    return {"total": ce + lambda_reg * reg + lambda_fusion * fusion, "ce": ce, "reg": reg, "fusion": fusion}
+
+
+# ------------------------------------------------------------------------------------------
+# A small demonstration on a random CLIP (no weights needed)
+# ------------------------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    demo_clip = CLIP(embed_dim=64, image_resolution=32, vision_layers=4, vision_width=128,
+                     vision_patch_size=8, vision_heads=4, context_length=16, vocab_size=100,
+                     transformer_width=64, transformer_heads=2, transformer_layers=4).eval()
+    heads = [HeadRole(3, 0, "attribute", "colour"), HeadRole(3, 1, "attribute", "shape"),
+             HeadRole(3, 2, "generalization"), HeadRole(3, 3, "mixed")]
+    demo_roles = RoleMap(4, 4, ["colour", "shape"], heads, source="hand-made demo")
+    print(demo_roles.table())
+    demo = DeAR(demo_clip, demo_roles, attributes=["colour", "shape"], first_layer=4)
+    print(demo.parameter_summary())
+    for head, entry in enumerate(heads):
+        print(f"\nlayer 4 (index 3), head {head}: {entry.role} {entry.attribute or ''}")
+        print(format_head_mask(demo.role_masks[0, head], demo.num_image_tokens, demo.attributes))
+    ids = torch.zeros(3, 16, dtype=torch.long)
+    ids[:, 0], ids[:, 1:4], ids[:, 4] = 98, torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]]), 99
+    out = demo(torch.randn(2, 3, 32, 32), ids, with_frozen=True)
+    losses = dear_loss(out, torch.tensor([0, 2]))
+    print("\nfused logits", tuple(out.logits.shape), "losses", {k: round(v.item(), 4) for k, v in losses.items()})

@@ -1,0 +1,415 @@
+"""Tests for dear.py: the method's invariants on a small random CLIP.
+
+    python -m pytest -q tests/test_dear.py
+
+What they pin down: generalization heads are untouched by attribute tokens (checked by
+gradients, not by reading the mask); an attribute head carries exactly its own token into
+the image; TextSpan finds planted directions; concept entropy and roles on hand-computed
+cases; every cost saving equals the plain computation, gradients included; bad input.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+
+import clip_model
+import dear
+from conftest import TINY, assert_close
+from dear import DeAR, DeARError, HeadRole, RoleMap
+
+ATTRIBUTES = list(dear.CORE_ATTRIBUTES)
+LAYERS, HEADS = TINY["vision_layers"], TINY["vision_heads"]  # 3 layers of 2 heads
+N_IMAGE = 1 + (TINY["image_resolution"] // TINY["vision_patch_size"]) ** 2  # CLS + 16 patches
+
+
+def role_map(spec: dict, layers=None) -> RoleMap:
+    """spec: {(layer, head): "G" | "M" | attribute name}; unlisted heads are mixed."""
+    layers = range(LAYERS) if layers is None else layers
+    heads = []
+    for layer in layers:
+        for head in range(HEADS):
+            tag = spec.get((layer, head), "M")
+            if tag in ("G", "M"):
+                heads.append(HeadRole(layer, head, {"G": "generalization", "M": "mixed"}[tag]))
+            else:
+                heads.append(HeadRole(layer, head, "attribute", tag))
+    return RoleMap(LAYERS, HEADS, ATTRIBUTES, heads)
+
+
+def class_prompts(num_classes=4, seed=0):
+    """Token ids (C, context) of different lengths, end-of-text = the largest id."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(num_classes, TINY["context_length"], dtype=torch.long)
+    for c in range(num_classes):
+        length = 3 + c % 4
+        ids[c, 0] = TINY["vocab_size"] - 2  # start
+        ids[c, 1:length] = torch.randint(1, TINY["vocab_size"] - 2, (length - 1,), generator=generator)
+        ids[c, length] = TINY["vocab_size"] - 1  # end
+    return ids
+
+
+def images(batch=3, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 3, TINY["image_resolution"], TINY["image_resolution"], generator=generator)
+
+
+def make_model(tiny_clip, spec=None, first_layer=2, **kwargs) -> DeAR:
+    torch.manual_seed(5)
+    model = DeAR(tiny_clip, role_map(spec or {}), ATTRIBUTES, first_layer=first_layer, **kwargs)
+    with torch.no_grad():
+        model.vision_tokens.normal_(0, 1.0)  # large tokens: any leak would show
+        model.text_tokens.normal_(0, 1.0)
+    return model
+
+
+# ------------------------------------------------------------------------------------------
+# Isolation: generalization heads never see attribute tokens
+# ------------------------------------------------------------------------------------------
+
+
+def test_all_generalization_heads_give_the_frozen_class_feature_whatever_the_tokens(tiny_clip):
+    all_general = {(l, h): "G" for l in range(LAYERS) for h in range(HEADS)}
+    model = make_model(tiny_clip, all_general, first_layer=1)
+    x = images()
+    with torch.no_grad():
+        f_cls, _, _ = model.encode_image(x)
+        model.vision_tokens.mul_(-3.0).add_(7.0)  # entirely different attribute tokens
+        f_cls_other, _, _ = model.encode_image(x)
+        frozen = tiny_clip.encode_image(x)
+    assert torch.equal(f_cls, f_cls_other), "the class feature depends on the attribute tokens"
+    assert_close(f_cls, frozen, 1e-5, "class feature vs frozen CLIP")
+
+
+def test_no_gradient_reaches_attribute_tokens_when_every_head_is_generalization(tiny_clip):
+    all_general = {(l, h): "G" for l in range(LAYERS) for h in range(HEADS)}
+    model = make_model(tiny_clip, all_general, first_layer=1)
+    f_cls, f_attr, _ = model.encode_image(images())
+    f_cls.square().sum().backward()
+    assert model.vision_tokens.grad is None or model.vision_tokens.grad.abs().max() == 0
+    # Sanity check that the same test fails when heads are mixed:
+    mixed = make_model(tiny_clip, {}, first_layer=1)
+    f_cls, _, _ = mixed.encode_image(images())
+    f_cls.square().sum().backward()
+    assert mixed.vision_tokens.grad.abs().max() > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_no_gradient_flows_from_attribute_tokens_into_a_generalization_heads_output(tiny_clip, seed):
+    # Random role maps; in every layer from J on, the output of each generalization head at
+    # the image tokens must have an exactly zero gradient with respect to the attribute tokens
+    # entering that layer. Mixed and attribute heads must have a nonzero one (else the test
+    # could not fail).
+    generator = torch.Generator().manual_seed(seed)
+    choices = ["G", "M"] + ATTRIBUTES
+    spec = {(l, h): choices[int(torch.randint(len(choices), (1,), generator=generator))]
+            for l in range(LAYERS) for h in range(HEADS)}
+    spec[(1, 0)], spec[(2, 1)] = "G", "colour"  # each kind present at least once
+    model = make_model(tiny_clip, spec, first_layer=2)
+    blocks = tiny_clip.visual.transformer.resblocks
+    image_tokens = torch.randn(2, N_IMAGE, TINY["vision_width"])
+    for i, layer in enumerate(range(1, LAYERS)):
+        attribute_tokens = torch.randn(2, len(ATTRIBUTES), TINY["vision_width"], requires_grad=True)
+        sequence = torch.cat([image_tokens, attribute_tokens], dim=1)
+        _, details = blocks[layer].attn(blocks[layer].ln_1(sequence), model.role_masks[i], return_details=True)
+        for head in range(HEADS):
+            (grad,) = torch.autograd.grad(details.head_outputs[:, head, :N_IMAGE].sum(), attribute_tokens,
+                                          retain_graph=True)
+            per_token = grad.abs().sum(dim=(0, 2))  # (A,)
+            tag = spec[(layer, head)]
+            if tag == "G":
+                assert per_token.max() == 0, f"layer {layer} head {head}: generalization head reads tokens"
+            elif tag == "M":
+                assert (per_token > 0).all(), f"layer {layer} head {head}: mixed head blind to tokens"
+            else:
+                a = ATTRIBUTES.index(tag)
+                assert per_token[a] > 0 and per_token[torch.arange(len(ATTRIBUTES)) != a].max() == 0, (
+                    f"layer {layer} head {head}: attribute head for {tag} reads {per_token.tolist()}")
+
+
+def test_an_attribute_head_carries_only_its_own_token_to_the_cls_token(tiny_clip):
+    # Layers 2 and 3 (1-based) from J = 2: head 0 is the colour head, head 1 a generalization head.
+    spec = {(l, 0): "colour" for l in range(1, LAYERS)} | {(l, 1): "G" for l in range(1, LAYERS)}
+    model = make_model(tiny_clip, spec, first_layer=2)
+    f_cls, _, _ = model.encode_image(images())
+    f_cls.square().sum().backward()
+    grad = model.vision_tokens.grad.abs().sum(dim=(0, 2))  # (A,): over layers and channels
+    colour = ATTRIBUTES.index("colour")
+    assert grad[colour] > 0
+    others = [a for a in range(len(ATTRIBUTES)) if a != colour]
+    assert grad[others].max() == 0, f"other attribute tokens reach the CLS token: {grad.tolist()}"
+
+
+def test_no_mask_row_is_all_minus_infinity(tiny_clip):
+    for spec in ({}, {(l, h): "G" for l in range(LAYERS) for h in range(HEADS)},
+                 {(l, h): ATTRIBUTES[(l + h) % 5] for l in range(LAYERS) for h in range(HEADS)}):
+        masks = make_model(tiny_clip, spec, first_layer=1).role_masks  # (layers, H, T, T)
+        assert masks.shape == (LAYERS, HEADS, N_IMAGE + 5, N_IMAGE + 5)
+        assert (masks == 0).any(dim=-1).all()
+
+
+def test_head_mask_rules_by_hand():
+    N, A = 2, 3
+    minus = float("-inf")
+    general = dear.head_mask("generalization", None, N, A)
+    expected = torch.full((5, 5), minus)
+    expected[:2, :2] = 0
+    expected[2, 2] = expected[3, 3] = expected[4, 4] = 0
+    assert torch.equal(general, expected)
+    attribute = dear.head_mask("attribute", 1, N, A)  # token index 2 + 1 = 3
+    expected[:2, 3] = 0
+    expected[3, :2] = 0
+    assert torch.equal(attribute, expected)
+    assert torch.equal(dear.head_mask("mixed", None, N, A), torch.zeros(5, 5))
+    text = dear.format_head_mask(attribute, N, ["colour", "shape", "texture"])
+    assert text.splitlines()[1].split() == ["image", "#", ".", "#", "."]
+
+
+# ------------------------------------------------------------------------------------------
+# TextSpan, concept entropy, roles
+# ------------------------------------------------------------------------------------------
+
+
+def test_textspan_recovers_planted_directions():
+    generator = torch.Generator().manual_seed(0)
+    E, T = 64, 200
+    bank = torch.nn.functional.normalize(torch.randn(T, E, generator=generator), dim=-1)
+    planted = [17, 123, 5]
+    strengths = [5.0, 3.0, 1.5]  # most variance first
+    n = 300
+    contributions = sum(s * torch.randn(n, 1, generator=generator) * bank[p] for s, p in zip(strengths, planted))
+    contributions = contributions + 0.05 * torch.randn(n, E, generator=generator)
+    picks = dear.textspan(contributions, bank, num_descriptions=5, rank=80)
+    assert picks[:3] == planted
+    assert len(set(picks)) == 5
+
+
+@pytest.mark.parametrize("concepts, bits", [
+    (["colour"] * 20, 0.0),
+    (["colour"] * 10 + ["shape"] * 10, 1.0),
+    (["colour", "shape", "texture", "object"] * 5, 2.0),
+    (["colour", "colour", "shape", "texture"], 1.5),
+    (["colour"] * 15 + ["style"] * 5, -(0.75 * math.log2(0.75) + 0.25 * math.log2(0.25))),
+])
+def test_concept_entropy_by_hand(concepts, bits):
+    assert dear.concept_entropy(concepts) == pytest.approx(bits, abs=1e-12)
+
+
+def test_roles_by_hand():
+    entropies = [0.0, 0.2, 1.0, 1.5, 2.5, 3.0]
+    concepts = [["colour"] * 3, ["style"] * 3, ["shape"], ["shape"], ["object"], ["object"]]
+    roles, low, high = dear.assign_roles(entropies, concepts, ATTRIBUTES)
+    # thirds of [0, .2, 1, 1.5, 2.5, 3]: quantile(1/3) = 0.6..., quantile(2/3) = 1.83...
+    assert low == pytest.approx(0.2 + (1.0 - 0.2) * (5 / 3 - 1))
+    assert roles == [("attribute", "colour"), ("generalization", None), ("mixed", None), ("mixed", None),
+                     ("generalization", None), ("generalization", None)]
+    roles, _, _ = dear.assign_roles(entropies, concepts, ATTRIBUTES, low_bits=1.0, high_bits=2.9)
+    assert roles[2] == ("attribute", "shape") and roles[4] == ("mixed", None)
+    with pytest.raises(DeARError, match="low threshold"):
+        dear.assign_roles(entropies, concepts, ATTRIBUTES, low_bits=2.0, high_bits=1.0)
+
+
+def test_dominant_concept_ties_go_to_the_first_found():
+    assert dear.dominant_concept(["shape", "colour", "colour", "shape", "texture"]) == "shape"
+
+
+def test_the_description_bank_is_large_labelled_and_unique():
+    bank = dear.description_bank()
+    concepts = {d.concept for d in bank}
+    assert len(bank) >= 500 and len(concepts) >= 10
+    assert set(dear.CORE_ATTRIBUTES) <= concepts
+    assert len({d.text for d in bank}) == len(bank)
+
+
+def test_analysis_end_to_end_writes_json_table_and_heatmap(tiny_clip, tmp_path):
+    bpe = tmp_path / "bpe.txt"
+    bpe.write_text("#version: 0.2\nr e\nre d</w>\n")
+    tokenizer = clip_model.SimpleTokenizer(str(bpe))
+    # The tiny model's vocabulary (600) is larger than this tokenizer's (517): ids fit.
+    batches = [images(8, seed=s) for s in range(3)]
+    lines = []
+    result = dear.analyze_heads(tiny_clip, batches, tokenizer, num_layers=2, num_descriptions=6,
+                                log=lines.append)
+    assert result.layers == [1, 2] and len(result.heads) == 2 * HEADS
+    assert all(len(h.descriptions) == 6 and h.entropy is not None for h in result.heads)
+    assert {h.role for h in result.heads} <= set(dear.ROLES)
+    assert any("layer 3 (index 2)" in line for line in lines)
+
+    path = tmp_path / "roles.json"
+    result.save(str(path))
+    again = RoleMap.load(str(path))
+    assert again == result
+    assert json.loads(path.read_text())["heads"][0]["layer"] == 1
+    table = result.table()
+    assert "\n    2 |" in table and "\n    3 |" in table  # 1-based layer numbers
+    picture = tmp_path / "roles.png"
+    dear.draw_heatmap(result, str(picture))
+    from PIL import Image
+
+    with Image.open(picture) as drawn:
+        assert drawn.size[0] >= 200 and len(drawn.getcolors(maxcolors=1 << 16)) > 3
+
+
+# ------------------------------------------------------------------------------------------
+# The forward pass and the losses
+# ------------------------------------------------------------------------------------------
+
+
+def test_fused_logits_are_the_alpha_weighted_branches_and_losses_are_as_specified(tiny_clip):
+    model = make_model(tiny_clip, {(1, 0): "shape", (2, 1): "G"})
+    out = model(images(), class_prompts(), with_frozen=True)
+    assert out.branch_logits.shape == (3, 1 + 5, 4) and out.logits.shape == (3, 4)
+    assert_close(out.alpha, torch.tensor([0.5] + [0.1] * 5), 1e-6, "initial fusion weights")
+    assert_close(out.logits, (out.branch_logits * out.alpha[None, :, None]).sum(1), 1e-5, "fusion")
+    labels = torch.tensor([0, 3, 1])
+    losses = dear.dear_loss(out, labels, lambda_reg=2.0, lambda_fusion=0.5)
+    assert losses["fusion"].item() == pytest.approx(math.log(2))
+    expected_reg = (1 - torch.cosine_similarity(out.image_features[:, 0], out.frozen_image_features).mean()
+                    + 1 - torch.cosine_similarity(out.text_features, out.frozen_text_features).mean())
+    assert losses["reg"].item() == pytest.approx(expected_reg.item(), abs=1e-6)
+    ce = torch.nn.functional.cross_entropy(out.logits, labels)
+    assert losses["total"].item() == pytest.approx((ce + 2.0 * expected_reg + 0.5 * math.log(2)).item(), abs=1e-5)
+    losses["total"].backward()
+    assert all(p.grad is not None and p.grad.abs().max() > 0 for p in model.learnable_parameters())
+    assert all(p.grad is None for p in tiny_clip.parameters())  # CLIP stays frozen
+
+
+def test_frozen_features_are_plain_clip(tiny_clip):
+    model = make_model(tiny_clip)
+    prompts = class_prompts()
+    out = model(images(), prompts, with_frozen=True)
+    with torch.no_grad():
+        assert_close(out.frozen_image_features, tiny_clip.encode_image(images()), 1e-5, "frozen image")
+        assert_close(out.frozen_text_features, tiny_clip.encode_text(prompts), 1e-5, "frozen text")
+
+
+def test_zero_text_tokens_leave_clip_text_features_unchanged(tiny_clip):
+    model = make_model(tiny_clip, num_text_tokens=0)
+    prompts = class_prompts()
+    t, frozen = model.encode_text(prompts)
+    assert_close(t, frozen, 1e-5, "no text tokens = plain CLIP")
+
+
+def _features_and_gradients(model, x, prompts):
+    for p in model.learnable_parameters():
+        p.grad = None
+    out = model(x, prompts, with_frozen=True)
+    loss = dear.dear_loss(out, torch.arange(x.shape[0]) % prompts.shape[0])["total"]
+    loss.backward()
+    return out, [p.grad.clone() for p in model.learnable_parameters()]
+
+
+def test_every_cost_saving_equals_the_plain_computation(tiny_clip):
+    model = make_model(tiny_clip, {(1, 0): "colour", (1, 1): "G", (2, 0): "G", (2, 1): "texture"})
+    x, prompts = images(), class_prompts(6)
+    for flag in ("no_grad_prefix", "share_frozen_prefix", "cache_text_prefix", "cut_text_context"):
+        setattr(model, flag, True)
+    _features_and_gradients(model, x, prompts)  # fills the text cache
+    fast, fast_grads = _features_and_gradients(model, x, prompts)  # now served from it
+    assert model._text_cache, "the text prefix was not cached"
+    for flag in ("no_grad_prefix", "share_frozen_prefix", "cache_text_prefix", "cut_text_context"):
+        setattr(model, flag, False)
+        plain, plain_grads = _features_and_gradients(model, x, prompts)
+        for name in ("logits", "image_features", "text_features", "frozen_image_features", "frozen_text_features"):
+            assert_close(getattr(fast, name), getattr(plain, name), 1e-5, f"{name} without {flag}")
+        for p_fast, p_plain, name in zip(fast_grads, plain_grads, ("vision", "text", "proj", "fusion")):
+            assert_close(p_fast, p_plain, 1e-5, f"{name} gradient without {flag}")
+
+
+def test_the_text_prefix_cache_follows_the_class_list(tiny_clip):
+    model = make_model(tiny_clip)
+    first, second = class_prompts(4, seed=0), class_prompts(3, seed=9)
+    t_first, _ = model.encode_text(first)
+    t_second, _ = model.encode_text(second)
+    assert t_second.shape[0] == 3
+    model.cache_text_prefix = False
+    assert_close(model.encode_text(second)[0], t_second, 1e-6, "cache switched to the new list")
+
+
+def test_learnable_state_round_trips(tiny_clip):
+    model = make_model(tiny_clip)
+    state = model.learnable_state_dict()
+    other = make_model(tiny_clip)
+    with torch.no_grad():
+        other.vision_tokens.zero_()
+    other.load_learnable_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(model.learnable_parameters(), other.learnable_parameters()))
+    with pytest.raises(DeARError, match="vision_tokens has shape"):
+        other.load_learnable_state_dict({"vision_tokens": torch.zeros(1, 2, 3)})
+
+
+# ------------------------------------------------------------------------------------------
+# Bad input
+# ------------------------------------------------------------------------------------------
+
+
+def _one_line(error) -> str:
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+def test_a_role_file_for_another_architecture_is_refused(tiny_clip, tmp_path):
+    wrong_heads = RoleMap(LAYERS, 12, ATTRIBUTES, [HeadRole(2, h, "mixed") for h in range(12)])
+    path = tmp_path / "b16_roles.json"
+    wrong_heads.save(str(path))
+    loaded = RoleMap.load(str(path))
+    with pytest.raises(DeARError) as error:
+        DeAR(tiny_clip, loaded, ATTRIBUTES, first_layer=2)
+    assert "12 heads per layer" in _one_line(error) and "this model has 2" in str(error.value)
+    wrong_layers = RoleMap(12, HEADS, ATTRIBUTES, [HeadRole(11, h, "mixed") for h in range(HEADS)])
+    with pytest.raises(DeARError) as error:
+        DeAR(tiny_clip, wrong_layers, ATTRIBUTES, first_layer=2)
+    assert "12 layers" in _one_line(error)
+
+
+def test_a_role_file_with_an_unknown_attribute_is_refused(tmp_path):
+    data = role_map({(2, 0): "colour"}).to_json()
+    data["heads"][4]["attribute"] = "smell"
+    path = tmp_path / "roles.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(DeARError) as error:
+        RoleMap.load(str(path))
+    message = _one_line(error)
+    assert str(path) in message and "'smell'" in message and "colour" in message
+
+
+def test_a_broken_or_missing_role_file_is_named(tmp_path):
+    path = tmp_path / "roles.json"
+    path.write_text("{ not json")
+    with pytest.raises(DeARError) as error:
+        RoleMap.load(str(path))
+    assert str(path) in _one_line(error) and "not a DeAR role file" in str(error.value)
+    with pytest.raises(DeARError) as error:
+        RoleMap.load(str(tmp_path / "absent.json"))
+    assert "all-mixed" in _one_line(error)
+
+
+def test_unknown_attribute_names_in_the_model_are_refused(tiny_clip):
+    with pytest.raises(DeARError) as error:
+        DeAR(tiny_clip, role_map({}), ["colour", "smell"], first_layer=2)
+    assert "attributes" in _one_line(error)
+
+
+@pytest.mark.parametrize("first_layer", [0, 4, -1])
+def test_first_layer_out_of_range_is_refused(tiny_clip, first_layer):
+    with pytest.raises(DeARError) as error:
+        DeAR(tiny_clip, role_map({}), ATTRIBUTES, first_layer=first_layer)
+    assert f"J={first_layer}" in _one_line(error) and "1..2" in str(error.value)
+
+
+@pytest.mark.parametrize("beta", [-0.1, 1.5])
+def test_beta_outside_zero_one_is_refused(tiny_clip, beta):
+    with pytest.raises(DeARError) as error:
+        DeAR(tiny_clip, role_map({}), ATTRIBUTES, first_layer=2, beta=beta)
+    assert f"beta={beta}" in _one_line(error)
+
+
+def test_uniform_role_maps_for_the_ablations(tiny_clip):
+    general = RoleMap.uniform("generalization", LAYERS, HEADS, range(LAYERS))
+    assert {h.role for h in general.heads} == {"generalization"} and general.source == "all-generalization"
+    model = DeAR(tiny_clip, RoleMap.uniform("mixed", LAYERS, HEADS, range(LAYERS)), ATTRIBUTES, first_layer=1)
+    assert (model.role_masks == 0).all()
+    with pytest.raises(DeARError):
+        RoleMap.uniform("attribute", LAYERS, HEADS, range(LAYERS))
