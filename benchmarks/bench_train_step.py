@@ -1,0 +1,162 @@
+"""Cost of one DeAR training step on ViT-B/16, against one frozen CLIP inference.
+
+For ViT-B/16 (random weights: speed does not depend on them) at batch 4 and 100 classes:
+  * the time of one DeAR training step (forward with the frozen pass, the three losses,
+    backward, AdamW) divided by the time of one frozen CLIP inference on the same batch
+    (encode_image on the 4 images + encode_text on the 100 class prompts at 77 tokens);
+  * the step's peak memory: the peak resident memory of a process that does nothing else
+    (weights included), and the bytes autograd keeps for the backward pass;
+with every cost saving on, then with each one switched off, side by side. Each setting
+runs in its own process so that the peak memory figures do not mix.
+
+    python benchmarks/bench_train_step.py                 # CPU, all settings (~4 min on 2 cores)
+    python benchmarks/bench_train_step.py --device cuda
+
+Targets: step / inference at most 1.8; peak memory at most 2 GB.
+"""
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import clip_model  # noqa: E402
+import dear  # noqa: E402
+
+SAVINGS = ("no_grad_prefix", "share_frozen_prefix", "cache_text_prefix", "cut_text_context")
+B16 = dict(embed_dim=512, image_resolution=224, vision_layers=12, vision_width=768, vision_patch_size=16,
+           vision_heads=12, context_length=77, vocab_size=49408, transformer_width=512,
+           transformer_heads=8, transformer_layers=12)
+
+
+def class_prompts(num_classes: int, generator: torch.Generator) -> torch.Tensor:
+    """Token ids shaped like real class prompts: start, 6-16 tokens, end (the largest id)."""
+    ids = torch.zeros(num_classes, 77, dtype=torch.long)
+    for c in range(num_classes):
+        length = int(torch.randint(6, 17, (1,), generator=generator))
+        ids[c, 0] = 49406
+        ids[c, 1:length + 1] = torch.randint(1, 49405, (length,), generator=generator)
+        ids[c, length + 1] = 49407
+    return ids
+
+
+def mixed_roles() -> dear.RoleMap:
+    """A role map like an analysis gives: a third each of attribute, generalization, mixed."""
+    heads = []
+    for layer in range(8, 12):
+        for head in range(12):
+            kind = (layer + head) % 3
+            if kind == 0:
+                heads.append(dear.HeadRole(layer, head, "attribute", dear.CORE_ATTRIBUTES[head % 5]))
+            else:
+                heads.append(dear.HeadRole(layer, head, "generalization" if kind == 1 else "mixed"))
+    return dear.RoleMap(12, 12, list(dear.CORE_ATTRIBUTES), heads)
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def measure(part: str, switched_off: str, device: str, batch: int, classes: int, repeats: int) -> dict:
+    """Run in a child process that does only `part` ("inference" or "step"), so that its peak
+    memory is that part's alone. Returns the best time and the memory figures."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    clip = clip_model.CLIP(**B16).eval().to(device)
+    images = torch.randn(batch, 3, 224, 224, generator=generator).to(device)
+    prompts = class_prompts(classes, generator).to(device)
+    labels = torch.randint(0, classes, (batch,), generator=generator).to(device)
+    saved_bytes = [0]
+
+    if part == "inference":
+        def run():
+            with torch.no_grad():
+                clip.encode_image(images), clip.encode_text(prompts)
+    else:
+        model = dear.DeAR(clip, mixed_roles(), first_layer=9).to(device)
+        for flag in SAVINGS:
+            setattr(model, flag, flag != switched_off and switched_off != "all")
+        optimizer = torch.optim.AdamW(model.learnable_parameters(), lr=1e-3)
+        # Autograd's own memory: tensors saved for backward, each storage counted once, the
+        # frozen weights (which exist anyway) not counted.
+        weights = {p.untyped_storage().data_ptr() for p in clip.parameters()}
+
+        def count_saved(tensor):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in weights and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                saved_bytes[-1] += storage.nbytes()
+            return tensor
+
+        def run():
+            seen.clear()
+            saved_bytes.append(0)
+            with torch.autograd.graph.saved_tensors_hooks(count_saved, lambda t: t):
+                output = model(images, prompts, with_frozen=True)
+                loss = dear.dear_loss(output, labels)["total"]
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+
+        seen = set()
+
+    run()  # warm-up (and, for the step, fills the text cache when that saving is on)
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        run()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    peak = (torch.cuda.max_memory_allocated() if device.startswith("cuda")
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return {"seconds": min(times), "peak_bytes": peak, "saved_bytes": max(saved_bytes)}
+
+
+def run_child(part: str, setting: str, args) -> dict:
+    child = subprocess.run([sys.executable, __file__, "--only", part, setting, "--device", args.device,
+                            "--batch", str(args.batch), "--classes", str(args.classes),
+                            "--repeats", str(args.repeats)], capture_output=True, text=True)
+    if child.returncode != 0:
+        sys.exit(f"error: the {part} run ({setting}) failed: {child.stderr.strip().splitlines()[-1]}")
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="DeAR training-step cost vs frozen CLIP inference")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--batch", type=int, default=4, help="images per step")
+    parser.add_argument("--classes", type=int, default=100, help="classes (text prompts) per step")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats; the best counts")
+    parser.add_argument("--only", nargs=2, default=None, help=argparse.SUPPRESS)  # child-process mode
+    args = parser.parse_args()
+
+    if args.only is not None:
+        part, setting = args.only
+        print(json.dumps(measure(part, setting, args.device, args.batch, args.classes, args.repeats)))
+        return
+
+    print(f"DeAR step vs frozen CLIP inference: ViT-B/16, batch {args.batch}, {args.classes} classes, "
+          f"{args.device}, {torch.get_num_threads()} threads, best of {args.repeats}")
+    inference = run_child("inference", "-", args)
+    print(f"frozen CLIP inference (4 images + {args.classes} prompts at 77 tokens): {inference['seconds']:.3f} s, "
+          f"peak {inference['peak_bytes'] / 2**20:.0f} MB")
+    print(f"{'saving switched off':<22}{'step s':>9}{'step/inf':>10}{'peak MB':>10}{'autograd MB':>13}")
+    for setting in ["none"] + list(SAVINGS) + ["all"]:
+        r = run_child("step", setting, args)
+        print(f"{setting:<22}{r['seconds']:>9.3f}{r['seconds'] / inference['seconds']:>10.2f}"
+              f"{r['peak_bytes'] / 2**20:>10.0f}{r['saved_bytes'] / 2**20:>13.0f}")
+    print("targets, with every saving on (row 'none'): step/inf <= 1.8, peak <= 2048 MB. 'peak MB' is the "
+          "process's peak resident memory on CPU (600 MB of weights and the runtime included), the "
+          "allocator's peak on CUDA; 'autograd MB' is what the step keeps for backward, weights excluded")
+
+
+if __name__ == "__main__":
+    main()
