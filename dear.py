@@ -55,7 +55,7 @@ class DeARError(ValueError):
     line that names the file or argument and says what to do."""
 
 
-def _atomic_write(path: str, write: Callable[[str], None]) -> None:
+def atomic_write(path: str, write: Callable[[str], None]) -> None:
     """Call write(temporary_path), then rename onto `path`: readers never see half a file."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -308,7 +308,7 @@ class RoleMap:
 
     def save(self, path: str) -> None:
         text = json.dumps(self.to_json(), indent=2, ensure_ascii=False)
-        _atomic_write(path, lambda tmp: open(tmp, "w", encoding="utf-8").write(text + "\n"))
+        atomic_write(path, lambda tmp: open(tmp, "w", encoding="utf-8").write(text + "\n"))
 
     @classmethod
     def load(cls, path: str) -> "RoleMap":
@@ -486,7 +486,7 @@ def draw_heatmap(role_map: RoleMap, path: str) -> None:
         x, yy = 8 + (i % 3) * 180, y + (i // 3) * 18
         draw.rectangle([x, yy, x + 12, yy + 12], fill=colour)
         draw.text((x + 18, yy), name, fill="black")
-    _atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))
+    atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))
 
 
 # ------------------------------------------------------------------------------------------
@@ -585,7 +585,7 @@ def draw_role_masks(masks: torch.Tensor, num_image_tokens: int, attributes: Sequ
                     fill = "white" if folded[r, c] == 0 else "black"
                     draw.rectangle([x0 + c * cell, y0 + r * cell, x0 + (c + 1) * cell - 1, y0 + (r + 1) * cell - 1],
                                    fill=fill, outline=(150, 150, 150))
-    _atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))
+    atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))
 
 
 # ------------------------------------------------------------------------------------------
@@ -799,12 +799,20 @@ class DeAR(nn.Module):
         f_cls, f_attr, f_frozen = self.encode_image(images, with_frozen)
         t, t_frozen = self.encode_text(class_token_ids)
         features = torch.cat([f_cls[:, None], f_attr], dim=1)  # (B, 1 + A, E)
-        scale = self.clip.logit_scale.exp()
-        branch_logits = scale * F.normalize(features, dim=-1) @ F.normalize(t, dim=-1).T  # (B, 1 + A, C)
-        alpha = self.fusion_weights()
-        logits = torch.einsum("bkc,k->bc", branch_logits, alpha.to(branch_logits.dtype))  # (B, C)
-        return DeAROutput(logits, branch_logits, alpha, features, t, f_frozen,
+        logits, branch_logits = self.fused_logits(features, t)
+        return DeAROutput(logits, branch_logits, self.fusion_weights(), features, t, f_frozen,
                           t_frozen if with_frozen else None)
+
+    def fused_logits(self, features: torch.Tensor, text_features: torch.Tensor):
+        """features (B, 1 + A, E) [f_cls, f_attr...], text_features (C, E) ->
+        (fused logits (B, C), branch logits (B, 1 + A, C)).
+
+        Split out of forward so that evaluation can encode the class prompts once and reuse
+        them for every test batch (the text side does not depend on the image)."""
+        scale = self.clip.logit_scale.exp()
+        branch_logits = scale * F.normalize(features, dim=-1) @ F.normalize(text_features, dim=-1).T
+        alpha = self.fusion_weights()
+        return torch.einsum("bkc,k->bc", branch_logits, alpha.to(branch_logits.dtype)), branch_logits
 
 
 # ------------------------------------------------------------------------------------------
