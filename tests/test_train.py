@@ -1,0 +1,307 @@
+"""Tests of train.py: the command line end to end on a tiny world that the tests write.
+
+Each test builds (once per module) a tiny CLIP saved in OpenAI's state-dict format, a tiny BPE
+merges file in OpenAI's format, and tiny datasets in CoOp's layout (dtd and ImageNet with one
+variant), then runs train.py as a user would: `python train.py ...` in a subprocess where
+the command line itself is the point, `train.main([...])` in-process elsewhere (the same code
+path, without paying for a fresh Python per call).
+
+    python -m pytest -q tests/test_train.py
+"""
+
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import clip_model  # noqa: E402
+import dear  # noqa: E402
+import train  # noqa: E402
+from conftest import perturb_  # noqa: E402
+
+DTD_CLASSES = ["banded", "blotchy", "braided", "bubbly", "cracked"]  # 3 base, 2 novel
+IMAGENET = [("n01440764", "tench"), ("n01443537", "goldfish"), ("n01484850", "great white shark")]
+
+
+def merges_for(words):
+    """A merges file that spells each word in one token: c1+c2, then +c3, ... (the last merge
+    carries the end-of-word mark), as OpenAI's file would for frequent words."""
+    merges = []
+    for word in words:
+        if len(word) < 2:
+            continue
+        pieces = list(word[:-1]) + [word[-1] + "</w>"]
+        token = pieces[0]
+        for piece in pieces[1:]:
+            pair = f"{token} {piece}"
+            if pair not in merges:
+                merges.append(pair)
+            token += piece
+    return merges
+
+
+def write_image(path: Path, colour) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (32, 32), colour).save(path)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """{weights, bpe, root}: everything a run needs, made here, nothing downloaded."""
+    tmp = tmp_path_factory.mktemp("train_world")
+    words = " ".join(["a photo of texture"] + DTD_CLASSES + [n for _, n in IMAGENET]).split()
+    merges = merges_for(words)
+    bpe = tmp / "bpe_tiny.txt.gz"
+    with gzip.open(bpe, "wt", encoding="utf-8") as f:
+        f.write("#version: 0.2\n" + "\n".join(merges) + "\n")
+    torch.manual_seed(0)
+    clip = perturb_(clip_model.CLIP(embed_dim=32, image_resolution=32, vision_layers=3, vision_width=64,
+                                    vision_patch_size=8, vision_heads=2, context_length=16,
+                                    vocab_size=512 + len(merges) + 2, transformer_width=64,
+                                    transformer_heads=2, transformer_layers=2))
+    weights = tmp / "tiny_clip.pt"
+    torch.save(clip.state_dict(), weights)
+
+    root = tmp / "data"
+    split = {"train": [], "val": [], "test": []}
+    for label, name in enumerate(DTD_CLASSES):  # a colour per class, a little varied per image
+        for part, count in (("train", 6), ("val", 4), ("test", 4)):
+            for i in range(count):
+                relative = f"{name}/{name}_{part}{i}.jpg"
+                write_image(root / "dtd" / "images" / relative, (50 * label, 20 * i, 200 - 40 * label))
+                split[part].append([relative, label, name])
+    (root / "dtd" / "split_zhou_DescribableTextures.json").write_text(json.dumps(split))
+
+    names = "".join(f"{wnid} {name}\n" for wnid, name in IMAGENET)
+    for folder in ("imagenet", "imagenet-sketch"):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+        (root / folder / "classnames.txt").write_text(names)
+    for label, (wnid, _) in enumerate(IMAGENET):
+        for i in range(4):
+            write_image(root / "imagenet" / "images" / "train" / wnid / f"{wnid}_{i}.JPEG", (80 * label, i, 60))
+        for i in range(2):
+            write_image(root / "imagenet" / "images" / "val" / wnid / f"val_{label}{i}.JPEG", (80 * label, 9, 60))
+            write_image(root / "imagenet-sketch" / "images" / wnid / f"sketch_{i}.JPEG", (80 * label, 99, 60))
+    return dict(weights=str(weights), bpe=str(bpe), root=str(root))
+
+
+def common(world, output, *extra):
+    return ["--root", world["root"], "--weights", world["weights"], "--bpe", world["bpe"],
+            "--head-width", "32", "--output", str(output), "--epochs", "2", "--batch-size", "4", "--log-every", "2",
+            "--device", "cpu", *extra]
+
+
+def read(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def learnable(folder):
+    return torch.load(Path(folder) / "checkpoint.pt", weights_only=True)["learnable"]
+
+
+# ------------------------------------------------------------------------------------------
+# End to end from the command line
+# ------------------------------------------------------------------------------------------
+
+
+def test_base2novel_from_the_command_line_writes_results_and_a_table_that_matches_them(world, tmp_path):
+    out = tmp_path / "run"
+    args = common(world, out, "--dataset", "dtd", "--seeds", "1", "2", "--roles", "analyse", "all-mixed",
+                  "--shots", "4")
+    done = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "epoch 2/2" in done.stdout and "left" in done.stdout  # progress lines with time left
+
+    # One finished run per method x roles x seed (zero-shot once), each with its results.
+    folders = ["dtd/zeroshot"] + [f"dtd/{row}/seed{s}" for row in ("dear", "dear-all-mixed") for s in (1, 2)]
+    results = {f: read(out / f / "results.json") for f in folders}
+    for folder in folders[1:]:
+        assert (out / folder / "checkpoint.pt").is_file()
+    for name in ("roles.json", "roles.txt", "roles.png", "masks.png"):
+        assert (out / "dtd" / name).is_file(), name
+    roles = dear.RoleMap.load(str(out / "dtd" / "roles.json"))
+    assert (roles.vision_layers, roles.num_heads, roles.layers) == (3, 2, [0, 1, 2])  # 2 heads of 32 channels
+
+    # The summary equals the mean of the per-run results, and the markdown shows those numbers.
+    summary = read(out / "summary.json")
+    table = summary["tables"]["dtd"]
+    assert table["columns"] == ["Base", "Novel", "HM"]
+    for row in ("dear", "dear-all-mixed"):
+        base = sum(results[f"dtd/{row}/seed{s}"]["metrics"]["base"] for s in (1, 2)) / 2
+        novel = sum(results[f"dtd/{row}/seed{s}"]["metrics"]["novel"] for s in (1, 2)) / 2
+        assert table["rows"][row] == [round(base, 2), round(novel, 2), round(train.harmonic_mean(base, novel), 2)]
+    assert table["rows"]["zeroshot"][:2] == [round(results["dtd/zeroshot"]["metrics"][k], 2) for k in ("base", "novel")]
+    markdown = (out / "summary.md").read_text()
+    for row, values in table["rows"].items():
+        line = next(l for l in markdown.splitlines() if l.startswith(f"| {train.ROW_LABELS[row]} |"))
+        assert [float(v) for v in re.findall(r"\d+\.\d\d", line)] == values
+    assert read(out / "settings.json")["settings"]["epochs"] == 2
+
+
+# ------------------------------------------------------------------------------------------
+# Checkpoints: resume, determinism, eval-only
+# ------------------------------------------------------------------------------------------
+
+
+def test_resume_after_a_stop_equals_an_unbroken_run_and_eval_only_reproduces_it(world, tmp_path):
+    run = ["--dataset", "dtd", "--seeds", "3", "--method", "dear", "--roles", "all-mixed", "--shots", "4",
+           "--epochs", "3"]
+    unbroken, again, broken = tmp_path / "unbroken", tmp_path / "again", tmp_path / "broken"
+    assert train.main(common(world, unbroken, *run)) == 0
+    assert train.main(common(world, again, *run)) == 0
+    assert train.main(common(world, broken, *run, "--max-epochs-per-call", "1")) == 0
+
+    leaf = "dtd/dear-all-mixed/seed3"
+    stopped = torch.load(broken / leaf / "checkpoint.pt", weights_only=True)
+    assert stopped["epoch"] == 1 and not (broken / leaf / "results.json").exists()
+    assert not (broken / "summary.md").exists()  # an unfinished call is not presented as done
+    assert train.main(["--output", str(broken), "--resume"]) == 0
+
+    reference = learnable(unbroken / leaf)
+    for other in (again, broken):  # same seed, same tensors; a resumed run, the same again
+        state = learnable(other / leaf)
+        for name, tensor in reference.items():
+            assert torch.equal(state[name], tensor), f"{other.name}: {name} differs"
+        assert read(other / leaf / "results.json")["metrics"] == read(unbroken / leaf / "results.json")["metrics"]
+    assert read(broken / "summary.json") == read(unbroken / "summary.json")
+
+    before = read(unbroken / leaf / "results.json")["metrics"]
+    (unbroken / leaf / "results.json").unlink()
+    assert train.main(["--output", str(unbroken), "--eval-only"]) == 0
+    assert read(unbroken / leaf / "results.json")["metrics"] == before
+
+
+def test_resume_refuses_a_flag_that_would_change_the_run(world, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train.main(common(world, out, "--dataset", "dtd", "--seeds", "1", "--method", "zeroshot")) == 0
+    capsys.readouterr()
+    assert train.main(["--output", str(out), "--resume", "--epochs", "7"]) == 2
+    assert "--epochs cannot change in a saved run" in capsys.readouterr().err
+    assert train.main(common(world, out, "--dataset", "dtd")) == 2  # a second fresh run in one folder
+    assert "already holds a run" in capsys.readouterr().err
+
+
+def test_learning_rate_is_a_constant_warmup_then_cosine():
+    settings = dict(warmup_epochs=1, warmup_lr=1e-5, lr=1e-3, epochs=10)
+    lrs = [train.learning_rate(settings, e) for e in range(10)]
+    assert lrs[0] == 1e-5
+    assert lrs[1] == pytest.approx(0.5e-3 * (1 + torch.cos(torch.tensor(torch.pi / 10)).item()))
+    assert all(a > b for a, b in zip(lrs[1:], lrs[2:]))  # strictly decreasing after the warm-up
+
+
+# ------------------------------------------------------------------------------------------
+# The other protocols
+# ------------------------------------------------------------------------------------------
+
+
+def test_fewshot_cross_and_dg_write_the_paper_shaped_tables(world, tmp_path):
+    fast = ["--seeds", "1", "--roles", "all-generalization", "--epochs", "1"]
+    out = tmp_path / "fewshot"
+    assert train.main(common(world, out, "--protocol", "fewshot", "--dataset", "dtd", "--shots", "1", "2", *fast)) == 0
+    table = read(out / "summary.json")["tables"]["dtd"]
+    assert table["columns"] == ["1 shot", "2 shots"]
+    assert table["rows"]["zeroshot"][0] == table["rows"]["zeroshot"][1]  # zero-shot does not use shots
+    for shots, value in zip((1, 2), table["rows"]["dear-all-generalization"]):
+        metrics = read(out / f"dtd/dear-all-generalization/shots{shots}-seed1/results.json")["metrics"]
+        assert value == round(metrics["all"], 2)
+
+    fast += ["--shots", "4"]
+    out = tmp_path / "cross"
+    assert train.main(common(world, out, "--protocol", "cross", "--dataset", "dtd", *fast)) == 0
+    (title, table), = read(out / "summary.json")["tables"].items()
+    assert title.startswith("Cross-dataset") and table["columns"] == ["imagenet (source)", "dtd", "Average"]
+    metrics = read(out / "imagenet/dear-all-generalization/seed1/results.json")["metrics"]
+    assert set(metrics) == {"imagenet", "dtd"}
+
+    out = tmp_path / "dg"
+    assert train.main(common(world, out, "--protocol", "dg", "--dataset", "imagenet_sketch", *fast)) == 0
+    (title, table), = read(out / "summary.json")["tables"].items()
+    assert title.startswith("Domain generalization") and table["columns"] == ["ImageNet (source)", "-Sketch", "Average"]
+    assert "| CLIP (zero-shot) |" in (out / "summary.md").read_text()
+
+
+def test_summary_takes_hm_of_the_averages_as_the_paper_does():
+    settings = dict(protocol="base2novel", dataset=["a", "b"], roles=["analyse"], seeds=[1], shots=[16])
+    results = [dict(job=dict(dataset=d, row="dear", shots=16), metrics=dict(base=b, novel=n))
+               for d, b, n in (("a", 90.0, 10.0), ("b", 50.0, 50.0))]
+    summary = train.summarise(settings, results)
+    average = summary["tables"]["Average over 2 datasets"]["rows"]["dear"]
+    # base 70, novel 30: HM(70, 30) = 42.0, not the mean of the per-dataset HMs (18.0 and 50.0)
+    assert average == [70.0, 30.0, 42.0]
+    assert summary["tables"]["a"]["rows"]["dear"] == [90.0, 10.0, 18.0]
+
+
+# ------------------------------------------------------------------------------------------
+# Several processes: torchrun with gloo on CPU
+# ------------------------------------------------------------------------------------------
+
+
+def test_torchrun_with_two_processes_trains_and_writes_one_result(world, tmp_path):
+    out = tmp_path / "ddp"
+    args = common(world, out, "--dataset", "dtd", "--seeds", "1", "--method", "dear", "--roles", "analyse",
+                  "--shots", "4")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "train.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("train.py: done") == 1  # rank 0 alone prints
+    assert "x 2 processes" in done.stdout
+    result = read(out / "dtd/dear/seed1/results.json")
+    assert set(result["metrics"]) == {"base", "novel", "hm"}
+    assert (out / "summary.md").is_file() and (out / "dtd" / "roles.json").is_file()
+    assert not list(out.rglob(".tmp-*"))  # no half-written file left behind
+
+
+# ------------------------------------------------------------------------------------------
+# Bad input: one line on stderr, exit status 2, no run folder
+# ------------------------------------------------------------------------------------------
+
+
+def wrong_roles_file(tmp_path):
+    """A role file for another architecture: 12 layers x 12 heads (ViT-B/16)."""
+    role_map = dear.RoleMap.uniform("mixed", 12, 12, range(8, 12), list(dear.CORE_ATTRIBUTES))
+    path = tmp_path / "vit_b16_roles.json"
+    role_map.save(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("unknown dataset", "unknown dataset 'oxford_pet'; expected one of: imagenet"),
+    ("missing root", "data root (--root) not found"),
+    ("missing weights", "neither a model name"),
+    ("roles for another model", "made for a vision tower of 12 layers, this model has 3"),
+    ("unknown flag value", "argument --protocol: invalid choice: 'base2new'"),
+    ("no cuda", "this machine has no CUDA device"),
+])
+def test_bad_input_ends_in_one_line_and_exit_status_2_without_a_run_folder(world, tmp_path, case, message):
+    if case == "no cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    out = tmp_path / "run"
+    args = common(world, out, "--dataset", "dtd", "--seeds", "1", "--shots", "4")
+    change = {
+        "unknown dataset": ["--dataset", "oxford_pet"],
+        "missing root": ["--root", str(tmp_path / "nowhere")],
+        "missing weights": ["--weights", str(tmp_path / "ViT-B-16.pt")],
+        "roles for another model": ["--roles", wrong_roles_file(tmp_path)],
+        "unknown flag value": ["--protocol", "base2new"],
+        "no cuda": ["--device", "cuda"],
+    }[case]
+    done = subprocess.run([sys.executable, "train.py", *args, *change], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("train.py: error:"), done.stderr
+    assert message in lines[0]
+    assert not out.exists()
