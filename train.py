@@ -917,7 +917,6 @@ def run(settings: dict) -> int:
 
     # 4. model
     clip, tokenizer = load_clip(settings, runtime)
-    first_layer_of(settings, clip)
     for choice in settings["roles"]:  # a roles file that does not fit this model stops here
         if choice not in ("analyse", *ROLE_ABLATIONS) and "dear" in settings["method"]:
             role_map_for(choice, settings, clip, world["attributes"], None)
