@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 import numpy as np
+import torch
 from PIL import Image
 
 from toyworld import world
@@ -158,6 +159,25 @@ def write_task(data_root: str, config: TaskConfig = TaskConfig(),
     counts = "/".join(map(str, config.images_per_class))
     log(f"toy task: wrote {len(table)} classes x {counts} train/val/test images ({config.style} style) to {target}")
     return target
+
+
+@torch.no_grad()
+def zero_shot_on_task(model, tokenizer, data_root: str, subsample: str = "all") -> float:
+    """Zero-shot test accuracy of a CLIP on the task, read back through data.py exactly as
+    train.py reads it (registry row, split file, test transform, the row's template)."""
+    import data  # the project's reader; imported here so writing the task needs only the world
+
+    splits = data.load_dataset(FOLDER, data_root, subsample=subsample)
+    prompts = tokenizer.tokenize(splits.prompts, model.context_length)
+    text = torch.nn.functional.normalize(model.encode_text(prompts), dim=-1)  # (classes, E)
+    loader = torch.utils.data.DataLoader(
+        data.ImageDataset(splits.test, data.test_transform(model.visual.input_resolution)), batch_size=256)
+    correct = total = 0
+    for images, labels in loader:
+        image_features = torch.nn.functional.normalize(model.encode_image(images), dim=-1)
+        correct += ((image_features @ text.T).argmax(dim=-1) == labels).sum().item()
+        total += len(labels)
+    return correct / total
 
 
 if __name__ == "__main__":
