@@ -165,6 +165,8 @@ DATASETS: dict[str, DatasetSpec] = {spec.name: spec for spec in [
     DatasetSpec("imagenet_sketch", "imagenet-sketch",      "imagenet_variant", "images",                                  None,                                   "classnames.txt",    "a photo of a {}.",                       "DG"),
     DatasetSpec("imagenet_a",      "imagenet-adversarial", "imagenet_variant", "imagenet-a",                              None,                                   "classnames.txt",    "a photo of a {}.",                       "DG"),
     DatasetSpec("imagenet_r",      "imagenet-rendition",   "imagenet_variant", "imagenet-r",                              None,                                   "classnames.txt",    "a photo of a {}.",                       "DG"),
+    # The project's own toy world (toyworld/task.py writes it in this layout; not a CoOp dataset).
+    DatasetSpec("toyworld",        "toyworld",             "split_json",       "images",                                  "split_toyworld.json",                  "split file",        "a photo of a {}.",                       "B2N FS"),
 ]}
 # fmt: on
 

@@ -152,11 +152,11 @@ def assert_one_line_naming(error: pytest.ExceptionInfo, *fragments: str) -> None
 # The registry
 
 
-def test_registry_holds_the_fifteen_datasets_with_coop_templates():
+def test_registry_holds_the_fifteen_datasets_and_the_toy_world_with_coop_templates():
     assert list(data.DATASETS) == [
         "imagenet", "caltech101", "oxford_pets", "stanford_cars", "oxford_flowers", "food101",
         "fgvc_aircraft", "sun397", "dtd", "eurosat", "ucf101",
-        "imagenet_v2", "imagenet_sketch", "imagenet_a", "imagenet_r"]
+        "imagenet_v2", "imagenet_sketch", "imagenet_a", "imagenet_r", "toyworld"]
     templates = {name: spec.template for name, spec in data.DATASETS.items()}
     assert templates["oxford_pets"] == "a photo of a {}, a type of pet."
     assert templates["oxford_flowers"] == "a photo of a {}, a type of flower."

@@ -1,0 +1,296 @@
+"""Tests of the toy world (toyworld/): the renderer, captions, the learned BPE, pretraining and
+its cache, the CoOp-layout task, and the head-ablation check.
+
+Everything runs at the "miniature" scale (16 px images, a 2-layer CLIP, a few dozen steps) in
+a temporary cache ($DEAR_CACHE_DIR), so nothing touches ~/.cache. About 20 s on 2 cores.
+
+Run:  python -m pytest -q tests/test_toyworld.py
+"""
+
+import os
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import clip_model
+import data
+import dear
+import toyworld
+from toyworld import causal, pretrain, task, world
+from toyworld.bpe import words_of, write_bpe
+
+from conftest import assert_close
+
+# ------------------------------------------------------------------------------------------
+# Shared: one miniature world for the whole module (prepare is the slow part)
+
+
+@pytest.fixture(scope="module")
+def mini(tmp_path_factory):
+    """prepare("miniature") in a fresh cache; yields (assets, cache root, log lines)."""
+    root = str(tmp_path_factory.mktemp("toycache"))
+    lines = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DEAR_CACHE_DIR", root)
+        assets = toyworld.prepare("miniature", log=lines.append)
+        yield assets, root, lines
+
+
+@pytest.fixture(scope="module")
+def mini_model(mini):
+    assets = mini[0]
+    model, _ = clip_model.load(assets.weights, head_width=assets.head_width)
+    return model, clip_model.SimpleTokenizer(assets.bpe)
+
+
+# ------------------------------------------------------------------------------------------
+# The world: renderer and captions
+
+
+def test_render_is_deterministic_by_seed_and_varies_with_it():
+    scene = world.Scene("red", "star", "striped", "bottom right", "small", "light")
+    first = world.render(scene, seed=3)
+    assert first.shape == (32, 32, 3) and first.dtype == np.uint8
+    assert np.array_equal(first, world.render(scene, seed=3))
+    assert not np.array_equal(first, world.render(scene, seed=4))
+    batch_a = world.render_batch([scene] * 3, np.random.default_rng(0), 16, "shifted")
+    batch_b = world.render_batch([scene] * 3, np.random.default_rng(0), 16, "shifted")
+    assert batch_a.shape == (3, 16, 16, 3) and np.array_equal(batch_a, batch_b)
+
+
+def test_every_attribute_value_is_drawn_over_a_modest_sample():
+    rng = random.Random(0)
+    scenes = [world.sample_scene(rng) for _ in range(300)]
+    for name, values in {**world.ATTRIBUTES, **world.EXTRA_ATTRIBUTES}.items():
+        assert {scene.value(name) for scene in scenes} == set(values), f"{name}: some value never drawn"
+    fixed = [world.sample_scene(rng, colour="blue", shape="cross") for _ in range(20)]
+    assert {(s.colour, s.shape) for s in fixed} == {("blue", "cross")}
+
+
+def test_the_object_is_drawn_in_its_colour_and_quadrant():
+    """Saturated pixels (max - min channel > 60) are the object's: the background is grey.
+    Their centroid must lie in the named quadrant, their median colour be nearest the named one."""
+    rng = random.Random(1)
+    for index in range(40):
+        scene = world.sample_scene(rng, texture="solid", background="dark")
+        pixels = world.render(scene, seed=index).astype(int)
+        saturated = (pixels.max(-1) - pixels.min(-1)) > 60  # (32, 32)
+        ys, xs = np.nonzero(saturated)
+        assert len(ys) > 10, f"{scene}: object not found"
+        vertical = "top" if ys.mean() < 16 else "bottom"
+        horizontal = "left" if xs.mean() < 16 else "right"
+        assert f"{vertical} {horizontal}" == scene.position, scene
+        median = np.median(pixels[saturated], axis=0)
+        nearest = min(world.COLOUR_RGB, key=lambda c: np.linalg.norm(median - world.COLOUR_RGB[c]))
+        assert nearest == scene.colour, f"{scene}: drawn colour {median} looks {nearest}"
+
+
+def test_captions_name_exactly_the_requested_attributes():
+    scene = world.Scene("red", "circle", "striped", "top left", "small", "dark")
+    assert world.caption(scene, ["colour"]) == "a photo of a red object"
+    assert world.caption(scene, ["shape"]) == "a photo of a circle"
+    assert world.caption(scene, ["texture", "position"], prefix="a") == "a striped object at the top left"
+    assert world.caption(scene, period=True) == (
+        "a photo of a small red striped circle at the top left on a dark background.")
+    assert world.attribute_prompts("colour")[:2] == ["a photo of a red object", "a photo of a orange object"]
+    named = {"colour", "shape"}
+    assert world.describes(scene, named, world.Scene("red", "circle", "dotted", "top right"))
+    assert not world.describes(scene, named, world.Scene("blue", "circle", "striped", "top left"))
+    rng = random.Random(0)
+    for _ in range(50):
+        other = world.sample_scene(rng)
+        named = world.random_naming(rng)
+        text = world.random_caption(other, rng, named)
+        for name in world.ATTRIBUTES:
+            assert (other.value(name) in text) == (name in named) or name == "shape", (text, named)
+
+
+def test_toy_bank_is_labelled_and_large_enough():
+    bank = world.toy_bank()
+    assert len(bank) >= 100 and len({d.text for d in bank}) == len(bank)
+    concepts = {d.concept for d in bank}
+    assert set(world.ATTRIBUTES) <= concepts and len(concepts - set(world.ATTRIBUTES)) >= 2
+    for d in bank:  # labelled by construction: a concept's phrase names one of its values
+        if d.concept in world.ATTRIBUTES:
+            assert any(value in d.text for value in world.ATTRIBUTES[d.concept]), d
+
+
+# ------------------------------------------------------------------------------------------
+# The BPE
+
+
+def test_learned_bpe_round_trips_every_caption_and_bank_phrase(tmp_path):
+    path = str(tmp_path / "toy_bpe.txt.gz")
+    vocab_size = write_bpe(world.corpus(), path)
+    tokenizer = clip_model.SimpleTokenizer(path)
+    assert tokenizer.vocab_size == vocab_size < 1000, "vocabulary should be small"
+    rng = random.Random(0)
+    texts = world.corpus() + [d.text for d in world.toy_bank()]
+    texts += [world.random_caption(world.sample_scene(rng), rng) for _ in range(300)]
+    texts += [world.TEMPLATE.format(task.class_name(c, s)) for c, s, _ in task.class_table(task.TaskConfig())]
+    for text in texts:
+        ids = tokenizer.encode(text)
+        assert tokenizer.decode(ids).split() == [w.replace("</w>", "") for w in words_of(text)], text
+        assert len(ids) == len(words_of(text)), f"{text!r}: some word is not a single token"
+    assert not os.path.exists(path + ".tmp") and len(os.listdir(tmp_path)) == 1, "temp file left behind"
+
+
+# ------------------------------------------------------------------------------------------
+# Pretraining and the cache
+
+
+def test_model_input_equals_data_test_transform_of_the_saved_png(tmp_path):
+    pixels = world.render_batch([world.sample_scene(random.Random(0))], np.random.default_rng(0), 16)
+    Image.fromarray(pixels[0]).save(tmp_path / "x.png")
+    expected = data.test_transform(16)(data.load_image(str(tmp_path / "x.png")))
+    assert torch.equal(pretrain.to_model_input(pixels)[0], expected)
+
+
+def test_contrastive_loss_counts_every_true_caption_as_positive():
+    features = torch.eye(3)
+    scale = torch.tensor(0.0)  # s = 1
+    one_hot = pretrain.contrastive_loss(features, features, scale, torch.eye(3, dtype=torch.bool))
+    expected = torch.nn.functional.cross_entropy(features @ features.T, torch.arange(3))
+    assert_close(one_hot, expected, 1e-6, "one-hot positives = CLIP's loss")
+    everything = pretrain.contrastive_loss(features, features, scale, torch.ones(3, 3, dtype=torch.bool))
+    assert everything.item() != pytest.approx(one_hot.item())
+
+
+def test_saved_checkpoint_reloads_with_the_same_embeddings(tmp_path):
+    path = str(tmp_path / "bpe.txt.gz")
+    write_bpe(world.corpus(), path)
+    tokenizer = clip_model.SimpleTokenizer(path)
+    config = pretrain.replace(pretrain.CONFIGS["miniature"], max_steps=3, eval_every=3, log_every=3)
+    model = pretrain.pretrain(config, tokenizer, log=lambda line: None)
+    torch.save(model.state_dict(), tmp_path / "clip.pt")
+    loaded, preprocess = clip_model.load(str(tmp_path / "clip.pt"), head_width=config.head_width)
+    images, _ = pretrain.draw_batch(random.Random(0), np.random.default_rng(0), 4, config.image_size)
+    ids = tokenizer.tokenize(world.attribute_prompts("shape"), config.context_length)
+    with torch.no_grad():
+        assert_close(loaded.encode_image(images), model.encode_image(images), 1e-6, "image embeddings")
+        assert_close(loaded.encode_text(ids), model.encode_text(ids), 1e-6, "text embeddings")
+
+
+def test_prepare_writes_a_checkpoint_that_loads_with_its_head_width(mini, mini_model):
+    assets, root, lines = mini
+    model, tokenizer = mini_model
+    assert assets.weights.startswith(os.path.join(root, "toyworld", "miniature"))
+    assert model.visual.transformer.heads == 64 // assets.head_width
+    assert model.token_embedding.num_embeddings == tokenizer.vocab_size
+    assert model.visual.input_resolution == assets.image_size == 16
+    assert assets.attributes == list(world.ATTRIBUTES) and assets.bank == world.toy_bank()
+    assert any("step" in line for line in lines), "pretraining printed no progress line"
+
+
+def test_second_prepare_reuses_the_cache(mini, monkeypatch):
+    assets, root, _ = mini
+    monkeypatch.setenv("DEAR_CACHE_DIR", root)
+    mtime = os.path.getmtime(assets.weights)
+    lines = []
+    again = toyworld.prepare("miniature", log=lines.append)
+    assert again.weights == assets.weights and os.path.getmtime(assets.weights) == mtime
+    assert any("reusing the cached model" in line for line in lines)
+    assert any("toy task: reusing" in line for line in lines)
+    assert not any("step" in line for line in lines), "it retrained"
+
+
+def test_corrupt_cached_checkpoint_is_rebuilt(mini, tmp_path, monkeypatch):
+    _, root, _ = mini
+    copy = str(tmp_path / "cache")
+    shutil.copytree(root, copy)
+    monkeypatch.setenv("DEAR_CACHE_DIR", copy)
+    weights = os.path.join(copy, "toyworld", "miniature", "clip.pt")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)  # a half-written file
+    lines = []
+    assets = toyworld.prepare("miniature", log=lines.append)
+    assert any("building it" in line and "cannot be read" in line for line in lines), lines[:2]
+    clip_model.load(assets.weights, head_width=assets.head_width)  # loads again
+
+
+# ------------------------------------------------------------------------------------------
+# The downstream task
+
+
+def test_task_loads_with_data_py_and_novel_classes_are_unseen_combinations(mini):
+    assets = mini[0]
+    spec = data.get_spec("toyworld")
+    assert (spec.folder, spec.reader, spec.image_dir, spec.split_file) == (
+        "toyworld", "split_json", "images", "split_toyworld.json")
+    base = data.load_dataset("toyworld", assets.data_root, num_shots=16, seed=1, subsample="base")
+    novel = data.load_dataset("toyworld", assets.data_root, num_shots=16, seed=1, subsample="novel")
+    assert len(base.classnames) == len(novel.classnames) == 12
+    assert len(base.train) == 16 * 12 and {item.label for item in base.train} == set(range(12))
+    assert base.prompts[0] == "a photo of a red circle."
+    base_pairs = {tuple(name.split()) for name in base.classnames}
+    novel_pairs = {tuple(name.split()) for name in novel.classnames}
+    assert not base_pairs & novel_pairs
+    for colour, shape in novel_pairs:  # unseen combination of values base classes use
+        assert any(c == colour for c, _ in base_pairs) and any(s == shape for _, s in base_pairs)
+    with Image.open(base.test[0].path) as image:
+        assert image.size == (16, 16)
+
+
+def test_task_is_rebuilt_when_incomplete(tmp_path):
+    config = task.TaskConfig(image_size=8, images_per_class=(1, 1, 1))
+    folder = task.write_task(str(tmp_path), config, log=lambda line: None)
+    assert task.task_is_complete(str(tmp_path), config)
+    os.remove(os.path.join(folder, "images", "red_circle", "test_000.png"))
+    assert not task.task_is_complete(str(tmp_path), config)
+    task.write_task(str(tmp_path), config, log=lambda line: None)
+    assert task.task_is_complete(str(tmp_path), config)
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == [], "temporary folder left behind"
+
+
+# ------------------------------------------------------------------------------------------
+# The causal check
+
+
+def test_ablation_hook_replaces_only_that_head_and_removing_it_restores_the_model(mini_model):
+    model, _ = mini_model
+    images, _ = pretrain.draw_batch(random.Random(0), np.random.default_rng(0), 8, 16)
+    means = causal.mean_head_outputs(model, images, [1])
+    seen = {}
+    out_proj = model.visual.transformer.resblocks[1].attn.out_proj
+    handle = out_proj.register_forward_hook(lambda module, inputs, output: seen.update(x=inputs[0].clone()))
+    with torch.no_grad():
+        plain = model.encode_image(images)
+        clean_input = seen["x"]
+        with causal.ablate_head(model, layer=1, head=0, mean_output=means[1]):
+            ablated = model.encode_image(images)
+        ablated_input = seen["x"]
+        restored = model.encode_image(images)
+    handle.remove()
+    D = model.visual.transformer.resblocks[1].attn.head_dim
+    assert torch.equal(ablated_input[..., :D], means[1][..., :D].expand_as(ablated_input[..., :D]))
+    assert torch.equal(ablated_input[..., D:], clean_input[..., D:]), "other heads must be untouched"
+    assert not torch.allclose(ablated, plain), "ablating a head changed nothing"
+    assert torch.equal(restored, plain), "the hook was not removed"
+    assert not out_proj._forward_pre_hooks
+
+
+def test_singled_out_follows_the_documented_rule():
+    assert causal._singled_out({"colour": 0.30, "shape": 0.10, "texture": 0.0}, 0.02, 2.0) == "colour"
+    assert causal._singled_out({"colour": 0.30, "shape": 0.20, "texture": 0.0}, 0.02, 2.0) is None
+    assert causal._singled_out({"colour": 0.01, "shape": -0.1, "texture": 0.0}, 0.02, 2.0) is None
+
+
+def test_causal_check_returns_a_well_formed_table(mini_model):
+    model, tokenizer = mini_model
+    heads = [dear.HeadRole(1, 0, "attribute", "colour", 0.5), dear.HeadRole(1, 1, "generalization", None, 2.0)]
+    role_map = dear.RoleMap(2, 2, list(world.ATTRIBUTES), heads)
+    result = toyworld.causal_check(model, tokenizer, role_map, n_images=64, log=lambda line: None)
+    assert set(result["baseline"]) == set(world.ATTRIBUTES)
+    assert [(row["layer"], row["head"]) for row in result["heads"]] == [(1, 0), (1, 1)]
+    for row in result["heads"]:
+        assert set(row["drops"]) == set(world.ATTRIBUTES) and row["top_attribute"] in world.ATTRIBUTES
+        assert row["agrees"] == (row["singled_out"] == "colour" if row["role"] == "attribute"
+                                 else row["singled_out"] is None)
+    assert result["scored"] == 2
+    assert result["agreement_rate"] == sum(row["agrees"] for row in result["heads"]) / 2
+    table_rows = [line for line in result["table"].splitlines() if line.startswith("| 2 |")]
+    assert len(table_rows) == 2 and all(line.count("|") == 11 for line in table_rows)

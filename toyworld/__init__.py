@@ -1,0 +1,94 @@
+"""
+toyworld -- a small world of drawn shapes, a tiny CLIP pretrained on it from scratch on a CPU,
+and a downstream task, so that the whole DeAR pipeline runs (and can be *measured*) offline.
+
+Why it exists (DESIGN.md Sec. 8): real CLIP weights and benchmark images cannot be fetched
+without a network, and even with them a laptop cannot ask "does a head that concept entropy
+calls 'colour' really carry colour?". Here it can: every image is drawn from known attribute
+values, so each claim of the method has a ground truth. What the toy world shows about real
+CLIP is only what it shows about its own small world.
+
+The world (world.py): one object per image on a noisy grey background,
+    colour   red orange yellow green cyan blue purple pink
+    shape    circle square triangle diamond cross star
+    texture  solid striped dotted checkered
+    position top left, top right, bottom left, bottom right
+plus two non-core attributes (size: small/large, background: dark/light), with jittered size,
+position and colour. Captions name all or some of these ("a photo of a red striped circle at
+the top left", "a photo of a red object").
+
+The package, in the order `prepare` uses it:
+    world.py     the attribute table, the renderer, captions, the description bank
+    bpe.py       a byte-level BPE learned from the captions, in OpenAI's merges-file format
+    pretrain.py  CLIP's contrastive pretraining of a tiny clip_model.CLIP; the cache
+    task.py      the downstream task (colour x shape classes, shifted drawing style) in
+                 CoOp's layout, read by data.py's "toyworld" registry row
+    causal.py    mean-ablation of each head vs its concept-entropy role
+    __main__.py  python -m toyworld: prepare and show what was made
+
+Every output is in a real format, so the rest of the project runs on it unchanged:
+    model, _ = clip_model.load(assets.weights, head_width=assets.head_width)
+    tokenizer = clip_model.SimpleTokenizer(assets.bpe)
+    splits = data.load_dataset("toyworld", assets.data_root, num_shots=16, seed=1, subsample="base")
+    roles = dear.analyze_heads(model, batches, tokenizer, assets.bank, assets.attributes, num_layers=...)
+
+Try it:  python -m toyworld --scale miniature      (~10 s)
+         python -m toyworld                        (full: ~9 minutes the first time, then cached)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import dear
+from toyworld import world
+from toyworld.causal import causal_check
+from toyworld.pretrain import CONFIGS, pretrained_clip
+from toyworld.task import TaskConfig, write_task
+
+__all__ = ["ToyAssets", "prepare", "causal_check", "SCALES"]
+
+# What each scale builds: the pretraining config (pretrain.CONFIGS) and the task's size.
+# "full" is the lab (pretraining ~9 minutes on 2 cores, the whole train.py run within ~15);
+# "miniature" is for the tests (16 px, 2 layers, a few dozen steps: seconds).
+SCALES = {
+    "full": (CONFIGS["full"], TaskConfig(image_size=32, images_per_class=(32, 8, 30))),
+    "miniature": (CONFIGS["miniature"], TaskConfig(image_size=16, images_per_class=(16, 4, 4))),
+}
+
+
+@dataclass
+class ToyAssets:
+    """Everything train.py needs to run DeAR on the toy world."""
+
+    weights: str  # CLIP state dict in OpenAI's key format: clip_model.load(weights, head_width=head_width)
+    bpe: str  # merges file in OpenAI's format: clip_model.SimpleTokenizer(bpe)
+    head_width: int  # channels per attention head (the toy CLIP's 128 = 4 heads x 32)
+    data_root: str  # the $DATA folder that holds toyworld/ in CoOp's layout
+    attributes: list[str]  # the core attributes, in attribute-token order
+    bank: list[dear.Description]  # the toy description bank for the head analysis
+    image_size: int  # pixels; the model's input resolution
+    scale: str = "full"
+    report: dict = field(default_factory=dict)  # pretraining figures (parameters, seconds, zero-shot)
+
+
+def prepare(scale: str = "full", cache_dir: Optional[str] = None,
+            log: Callable[[str], None] = print) -> ToyAssets:
+    """Make (or reuse) the toy CLIP, its BPE file and the downstream task; return where they are.
+
+    cache_dir: the cache root (default clip_model.default_cache_dir(), i.e. $DEAR_CACHE_DIR or
+    ~/.cache/dear-from-scratch); everything goes under <cache_dir>/toyworld/<scale>/. A cache
+    that is missing, incomplete, corrupt or made with other settings is rebuilt, with a line
+    saying why; a good one is reused (no retraining).
+    """
+    if scale not in SCALES:
+        raise ValueError(f"unknown toy world scale {scale!r}; expected one of {', '.join(SCALES)}")
+    config, task_config = SCALES[scale]
+    cached = pretrained_clip(config, cache_dir, log)
+    data_root = os.path.join(cached.folder, "data")
+    write_task(data_root, task_config, log)
+    return ToyAssets(weights=cached.weights, bpe=cached.bpe, head_width=cached.head_width,
+                     data_root=data_root, attributes=list(world.ATTRIBUTES), bank=world.toy_bank(),
+                     image_size=config.image_size, scale=scale, report=cached.report)

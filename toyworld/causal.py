@@ -1,0 +1,176 @@
+"""
+toyworld/causal.py -- does concept entropy name what a head *does*? A measured check by ablation.
+
+DeAR (paper Sec. 3.2) calls a head an "attribute head for colour" because the text directions
+its output varies along are mostly colour words. That is a correlational reading. In the toy
+world we can ask the causal question directly, because every image's colour, shape, texture
+and position are known:
+
+    1. Reference: run the tiny CLIP over a reference set of images and record, for every
+       analysed head, its mean output at every token position, (N, D).
+    2. Ablate one head: replace its output by that mean (mean-ablation) and measure zero-shot
+       accuracy per attribute with partial-caption prompts ("a photo of a red object" vs
+       "... blue object" ...). The drop from the unablated model is what the head carried.
+    3. Compare with the head's role from the RoleMap.
+
+Agreement, as defined here (our choice; the paper runs no such test):
+    A head's drops *single out* an attribute when its largest drop is at least `min_drop`
+    (default 2 accuracy points) and at least `dominance` times (default 2x) the second
+    largest drop, (a negative second drop counts as 0).
+      - an attribute head for `a` agrees  iff  its drops single out `a`;
+      - a generalization head agrees      iff  its drops single out no attribute;
+      - a mixed head is reported but not scored (it is by definition in between).
+    The agreement rate is agreements / scored heads (attribute + generalization heads).
+
+How the ablation works: `MultiHeadAttention` puts the heads side by side, (B, N, H*D), right
+before `attn.out_proj` mixes them (clip_model.py), so head h's output is channels
+[h*D, (h+1)*D) of out_proj's *input*. A forward pre-hook on `block.attn.out_proj` can read or
+overwrite exactly that slice; removing the hook restores the model exactly.
+
+How it fits: toyworld/__init__.py exports `causal_check`; train.py can call it with the RoleMap
+from dear.analyze_heads on the toy CLIP and print its markdown table.
+
+Try it:  python -m toyworld --scale miniature --causal
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from typing import Callable, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+
+import clip_model
+import dear
+from toyworld import world
+from toyworld.pretrain import draw_batch, prompt_features, zero_shot_accuracy
+
+# ------------------------------------------------------------------------------------------
+# 1. Reading and replacing one head's output
+# ------------------------------------------------------------------------------------------
+
+
+def _out_proj(model: clip_model.CLIP, layer: int) -> torch.nn.Linear:
+    return model.visual.transformer.resblocks[layer].attn.out_proj
+
+
+@torch.no_grad()
+def mean_head_outputs(model: clip_model.CLIP, images: torch.Tensor, layers: Sequence[int]) -> dict[int, torch.Tensor]:
+    """For each layer, the mean over `images` of out_proj's input: (N, H*D), i.e. every
+    head's mean output at every token position (heads side by side)."""
+    means: dict[int, torch.Tensor] = {}
+    handles = []
+    for layer in layers:
+        def record(module, inputs, layer=layer):
+            means[layer] = inputs[0].mean(dim=0)  # (B, N, C) -> (N, C)
+        handles.append(_out_proj(model, layer).register_forward_pre_hook(record))
+    try:
+        model.encode_image(images)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return means
+
+
+@contextlib.contextmanager
+def ablate_head(model: clip_model.CLIP, layer: int, head: int, mean_output: torch.Tensor) -> Iterator[None]:
+    """Inside the block, head `head` of vision layer `layer` (0-based) outputs `mean_output`
+    (its (N, H*D) mean from mean_head_outputs; only the head's own D channels are used)
+    instead of what it computes. The hook is removed on leaving, whatever happens."""
+    attn = model.visual.transformer.resblocks[layer].attn
+    D = attn.head_dim
+    channels = slice(head * D, (head + 1) * D)
+
+    def replace(module, inputs):
+        merged = inputs[0].clone()  # (B, N, H*D): never write into the attention's own tensor
+        merged[..., channels] = mean_output[..., channels].to(merged.dtype)  # broadcast over B
+        return (merged,)
+
+    handle = attn.out_proj.register_forward_pre_hook(replace)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+# ------------------------------------------------------------------------------------------
+# 2. The check
+# ------------------------------------------------------------------------------------------
+
+
+def _singled_out(drops: dict[str, float], min_drop: float, dominance: float) -> Optional[str]:
+    """The attribute the drops single out (see the module docstring), or None."""
+    ranked = sorted(drops.items(), key=lambda item: -item[1])
+    (top, top_drop), second_drop = ranked[0], max(ranked[1][1], 0.0) if len(ranked) > 1 else 0.0
+    return top if top_drop >= min_drop and top_drop >= dominance * second_drop else None
+
+
+@torch.no_grad()
+def causal_check(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer, role_map: dear.RoleMap,
+                 attributes: Sequence[str] = tuple(world.ATTRIBUTES), n_images: int = 512,
+                 style: str = "pretrain", seed: int = 1, min_drop: float = 0.02, dominance: float = 2.0,
+                 log: Callable[[str], None] = print) -> dict:
+    """Mean-ablate every head the RoleMap covers and compare the accuracy drops with its role.
+
+    Images are drawn fresh from the toy world (n_images to evaluate on, another n_images as the
+    reference for the means), at the model's own resolution and in `style`.
+    Returns {"baseline": {attribute: accuracy}, "heads": [one dict per head: layer (0-based),
+    head, role, attribute, entropy, drops {attribute: accuracy points lost, as a fraction},
+    top_attribute, singled_out (attribute or None), agrees (True/False, None for mixed)],
+    "agreement_rate": float or None, "scored": int, "table": markdown}.
+    """
+    clip = clip.eval()
+    size = clip.visual.input_resolution
+    images, scenes = draw_batch(random.Random(seed), np.random.default_rng(seed), n_images, size, style)
+    reference, _ = draw_batch(random.Random(seed + 1), np.random.default_rng(seed + 1), n_images, size, style)
+    text = prompt_features(clip, tokenizer, attributes)  # the text side is never ablated
+    baseline = zero_shot_accuracy(clip, tokenizer, images, scenes, attributes, text)
+    means = mean_head_outputs(clip, reference, role_map.layers)
+
+    rows = []
+    for entry in role_map.heads:
+        with ablate_head(clip, entry.layer, entry.head, means[entry.layer]):
+            ablated = zero_shot_accuracy(clip, tokenizer, images, scenes, attributes, text)
+        drops = {name: baseline[name] - ablated[name] for name in attributes}
+        singled = _singled_out(drops, min_drop, dominance)
+        if entry.role == "attribute":
+            agrees = singled == entry.attribute
+        elif entry.role == "generalization":
+            agrees = singled is None
+        else:
+            agrees = None  # mixed heads are not scored
+        rows.append({"layer": entry.layer, "head": entry.head, "role": entry.role, "attribute": entry.attribute,
+                     "entropy": entry.entropy, "drops": drops, "top_attribute": max(drops, key=drops.get),
+                     "singled_out": singled, "agrees": agrees})
+    scored = [row for row in rows if row["agrees"] is not None]
+    rate = sum(row["agrees"] for row in scored) / len(scored) if scored else None
+    result = {"baseline": baseline, "heads": rows, "agreement_rate": rate, "scored": len(scored),
+              "min_drop": min_drop, "dominance": dominance}
+    result["table"] = causal_table(result, attributes)
+    log(f"causal check: {len(rows)} heads ablated on {n_images} images; agreement "
+        f"{'n/a' if rate is None else f'{rate:.0%}'} of {len(scored)} scored heads")
+    return result
+
+
+def causal_table(result: dict, attributes: Sequence[str]) -> str:
+    """The check as a markdown table: one row per head, layers 1-based as in the paper."""
+    header = ("| layer (1-based) | head | role (entropy) | " + " | ".join(f"drop {a}" for a in attributes)
+              + " | largest drop | singled out | agrees |")
+    lines = [header, "|" + "---|" * (6 + len(attributes))]
+    lines.append("| baseline | | | " + " | ".join(f"{result['baseline'][a]:.0%} acc" for a in attributes) + " | | | |")
+    for row in result["heads"]:
+        role = row["role"] + (f":{row['attribute']}" if row["attribute"] else "")
+        entropy = "" if row["entropy"] is None else f" ({row['entropy']:.2f} b)"
+        agrees = {True: "yes", False: "no", None: "-"}[row["agrees"]]
+        lines.append(f"| {row['layer'] + 1} | {row['head']} | {role}{entropy} | "
+                     + " | ".join(f"{100 * row['drops'][a]:+.1f}" for a in attributes)
+                     + f" | {row['top_attribute']} | {row['singled_out'] or '-'} | {agrees} |")
+    rate = result["agreement_rate"]
+    lines.append("")
+    lines.append(f"Agreement: {'n/a' if rate is None else f'{rate:.0%}'} of {result['scored']} scored heads "
+                 f"(attribute heads agree when their attribute is singled out, generalization heads when none "
+                 f"is; singled out = largest drop >= {100 * result['min_drop']:.0f} points and >= "
+                 f"{result['dominance']:g}x the second; drops in accuracy points; mixed heads not scored).")
+    return "\n".join(lines)

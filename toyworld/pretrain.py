@@ -1,0 +1,391 @@
+"""
+toyworld/pretrain.py -- pretrain a tiny CLIP on the toy world from scratch, on a CPU, and keep it
+in a cache in OpenAI's formats.
+
+What this file holds, top to bottom:
+
+    1. configurations ...... PretrainConfig and the two scales: "full" (the lab: 32x32 images,
+                             4+3 layers, ~1.4M parameters, ~9 minutes) and "miniature" (CI)
+    2. data ................ images drawn fresh every batch, normalised exactly as data.py's
+                             test_transform normalises a saved PNG, with their captions
+    3. zero-shot ........... per-attribute accuracy with partial-caption prompts
+                             ("a photo of a red object" vs "... blue object" ...)
+    4. the loss ............ CLIP's symmetric InfoNCE with a learnable, clamped temperature
+    5. the training loop ... AdamW, warm-up then cosine, progress lines, a time and step budget
+    6. the cache ........... <cache>/toyworld/<config name>/{clip.pt, bpe.txt.gz, config.json},
+                             checked before it is trusted, rebuilt when it is not
+
+How it fits: toyworld/__init__.py's `prepare` calls `pretrained_clip`. The checkpoint is a
+plain `state_dict()` of `clip_model.CLIP` -- OpenAI's key names -- so train.py loads it with
+`clip_model.load(path, head_width=...)`, the same call as for ViT-B/16, and the tokenizer is
+`clip_model.SimpleTokenizer(bpe_path)`. Nothing downstream knows the model is a toy.
+
+Try it:  python -m toyworld.pretrain --scale miniature      (a few seconds)
+         python -m toyworld.pretrain --scale full           (about 9 minutes on 2 cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import clip_model
+import data
+from toyworld import world
+from toyworld._files import atomic_write, atomic_write_json
+from toyworld.bpe import write_bpe
+
+CACHE_FORMAT = "dear-from-scratch toy CLIP cache, version 1"
+
+# ------------------------------------------------------------------------------------------
+# 1. Configurations
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    name: str  # the cache folder's name
+    # -- the model (clip_model.CLIP's constructor arguments, less the vocabulary) --
+    image_size: int = 32  # pixels; the toy world draws at this size, no resizing anywhere
+    patch_size: int = 4  # 32 / 4 = an 8 x 8 grid of patches + CLS = 65 tokens
+    vision_width: int = 128
+    vision_layers: int = 4
+    text_width: int = 128
+    text_layers: int = 3
+    head_width: int = 32  # both towers: width / head_width heads (128 / 32 = 4)
+    embed_dim: int = 128
+    context_length: int = 24  # the longest caption is 17 tokens + start and end
+    # -- the optimisation --
+    batch_size: int = 64  # small batches beat large ones at equal time here (more steps)
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    warmup_steps: int = 200
+    max_steps: int = 8000  # the schedule ends at whichever budget runs out first ...
+    max_seconds: float = 540.0  # ... the steps or the clock (9 minutes)
+    bf16: bool = False  # bf16 autocast on CPU: measured slower than fp32 here (see README)
+    # -- bookkeeping --
+    eval_images: int = 512  # a fixed set for the zero-shot lines
+    eval_every: int = 500  # steps between zero-shot lines
+    log_every: int = 100  # steps between loss lines
+    seed: int = 0
+
+    @property
+    def vision_heads(self) -> int:
+        return self.vision_width // self.head_width
+
+
+CONFIGS = {
+    "full": PretrainConfig("full"),
+    # For the tests: 16 x 16 pixels, 2 + 1 layers of width 64, a few dozen steps. It learns
+    # almost nothing; it exists so every code path runs in seconds.
+    "miniature": PretrainConfig(
+        "miniature", image_size=16, patch_size=4, vision_width=64, vision_layers=2, text_width=64,
+        text_layers=1, head_width=32, embed_dim=64, batch_size=32, warmup_steps=5, max_steps=30,
+        max_seconds=20.0, eval_images=64, eval_every=15, log_every=10),
+}
+
+
+def build_clip(config: PretrainConfig, vocab_size: int) -> clip_model.CLIP:
+    """A freshly initialised CLIP (OpenAI's initialisation) of the config's shape."""
+    return clip_model.CLIP(
+        embed_dim=config.embed_dim, image_resolution=config.image_size,
+        vision_layers=config.vision_layers, vision_width=config.vision_width,
+        vision_patch_size=config.patch_size, vision_heads=config.vision_heads,
+        context_length=config.context_length, vocab_size=vocab_size,
+        transformer_width=config.text_width, transformer_heads=config.text_width // config.head_width,
+        transformer_layers=config.text_layers)
+
+
+# ------------------------------------------------------------------------------------------
+# 2. Data: images drawn fresh every batch
+# ------------------------------------------------------------------------------------------
+
+_MEAN = torch.tensor(data.CLIP_MEAN).view(1, 3, 1, 1)
+_STD = torch.tensor(data.CLIP_STD).view(1, 3, 1, 1)
+
+
+def to_model_input(images: np.ndarray) -> torch.Tensor:
+    """uint8 (B, S, S, 3) -> float (B, 3, S, S), exactly what data.test_transform(S) makes of
+    the same pixels saved as a PNG (Resize and CenterCrop to S are the identity at size S;
+    ToTensor divides by 255; Normalize uses CLIP's mean and std). A test checks it."""
+    x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255.0  # (B, 3, S, S) in [0, 1]
+    return (x - _MEAN) / _STD
+
+
+def draw_batch(scene_rng: random.Random, pixel_rng: np.random.Generator, n: int, size: int,
+               style: str = "pretrain") -> tuple[torch.Tensor, list[world.Scene]]:
+    """n fresh scenes and their images: ((n, 3, size, size) model input, scenes)."""
+    scenes = [world.sample_scene(scene_rng) for _ in range(n)]
+    return to_model_input(world.render_batch(scenes, pixel_rng, size, style)), scenes
+
+
+# ------------------------------------------------------------------------------------------
+# 3. Zero-shot accuracy per attribute
+# ------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def prompt_features(model: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer,
+                    attributes: Sequence[str]) -> dict[str, torch.Tensor]:
+    """For each attribute, the normalised text embeddings of its zero-shot prompts,
+    (n_values, E), in the attribute table's value order."""
+    return {name: F.normalize(model.encode_text(
+        tokenizer.tokenize(world.attribute_prompts(name), model.context_length)), dim=-1)
+        for name in attributes}
+
+
+@torch.no_grad()
+def zero_shot_accuracy(model: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer,
+                       images: torch.Tensor, scenes: Sequence[world.Scene],
+                       attributes: Sequence[str] = tuple(world.ATTRIBUTES),
+                       text: Optional[dict[str, torch.Tensor]] = None) -> dict[str, float]:
+    """Per attribute: the share of images whose best-matching prompt names their value.
+    images (B, 3, S, S) preprocessed; `text` (from prompt_features) may be passed to reuse it."""
+    text = text if text is not None else prompt_features(model, tokenizer, attributes)
+    image_features = F.normalize(model.encode_image(images), dim=-1)  # (B, E)
+    result = {}
+    for name in attributes:
+        values = {**world.ATTRIBUTES, **world.EXTRA_ATTRIBUTES}[name]
+        truth = torch.tensor([values.index(scene.value(name)) for scene in scenes])  # (B,)
+        predicted = (image_features @ text[name].T).argmax(dim=-1)  # (B,)
+        result[name] = (predicted == truth).float().mean().item()
+    return result
+
+
+# ------------------------------------------------------------------------------------------
+# 4. The loss: CLIP's symmetric InfoNCE
+# ------------------------------------------------------------------------------------------
+
+
+def contrastive_loss(image_features: torch.Tensor, text_features: torch.Tensor,
+                     logit_scale: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
+    """CLIP's loss (Radford et al. 2021, Fig. 3): cross-entropy over the batch in both
+    directions, image -> its caption and caption -> its image.
+
+    image_features, text_features: (B, E), not normalised; logit_scale: log of the temperature
+    s (CLIP clamps s at 100); positives: (B, B) bool, [i, j] = caption j is true of image i.
+
+    The one change from CLIP: a partial caption such as "a red object" is true of *every* red
+    image in the batch, and a one-hot target would push those true matches apart. So the
+    target of each row is spread evenly over its positives (the diagonal always is one); with
+    full captions of distinct scenes this is exactly CLIP's one-hot loss.
+    """
+    image_features = F.normalize(image_features, dim=-1)
+    text_features = F.normalize(text_features, dim=-1)
+    scale = logit_scale.clamp(max=math.log(100.0)).exp()
+    logits = scale * image_features @ text_features.T  # (B_img, B_txt)
+    targets = positives.float()
+    image_to_text = F.cross_entropy(logits, targets / targets.sum(1, keepdim=True))
+    text_to_image = F.cross_entropy(logits.T, targets.T / targets.T.sum(1, keepdim=True))
+    return (image_to_text + text_to_image) / 2
+
+
+# ------------------------------------------------------------------------------------------
+# 5. The training loop
+# ------------------------------------------------------------------------------------------
+
+
+def learning_rate(config: PretrainConfig, step: int, progress: float) -> float:
+    """Linear warm-up over warmup_steps, then a cosine from lr to 0 as `progress` goes 0 -> 1
+    (progress = the larger of steps used / max_steps and time used / max_seconds)."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    return config.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def pretrain(config: PretrainConfig, tokenizer: clip_model.SimpleTokenizer,
+             log: Callable[[str], None] = print) -> clip_model.CLIP:
+    """Train a fresh CLIP on freshly drawn toy images until a budget runs out; return it
+    (eval mode). Logs a loss line every log_every steps and a zero-shot line every eval_every."""
+    torch.set_num_threads(min(torch.get_num_threads(), 2))  # 2 shared cores: more threads only contend
+    torch.manual_seed(config.seed)
+    model = build_clip(config, tokenizer.vocab_size)
+    n_parameters = sum(p.numel() for p in model.parameters())
+    log(f"toy CLIP '{config.name}': {n_parameters:,} parameters; {config.image_size}px images, "
+        f"patch {config.patch_size}, vision {config.vision_layers} layers x {config.vision_heads} heads "
+        f"of {config.head_width}, text {config.text_layers} layers, vocabulary {tokenizer.vocab_size}; "
+        f"budget {config.max_steps} steps or {config.max_seconds:.0f} s, batch {config.batch_size}, "
+        f"{'bf16 autocast' if config.bf16 else 'fp32'}")
+
+    # No weight decay on gains, biases and the temperature (1-D tensors), as is usual.
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=config.lr)
+
+    scene_rng, pixel_rng = random.Random(config.seed), np.random.default_rng(config.seed)
+    # A fixed evaluation set from its own seed, so every zero-shot line measures the same images.
+    eval_images, eval_scenes = draw_batch(random.Random(10_000 + config.seed),
+                                          np.random.default_rng(10_000 + config.seed),
+                                          config.eval_images, config.image_size)
+    token_cache: dict[str, torch.Tensor] = {}  # caption -> ids; the world has few distinct captions
+
+    def tokens(captions: list[str]) -> torch.Tensor:
+        for text in captions:
+            if text not in token_cache:
+                token_cache[text] = tokenizer.tokenize(text, config.context_length)[0]
+        return torch.stack([token_cache[text] for text in captions])  # (B, context_length)
+
+    start = time.time()
+    step, loss_sum, loss_count = 0, 0.0, 0
+    while True:
+        elapsed = time.time() - start
+        progress = max(step / config.max_steps, elapsed / config.max_seconds)
+        if progress >= 1.0:
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(config, step, progress)
+
+        # A fresh batch: scenes, their images, and a caption per image naming random attributes.
+        images, scenes = draw_batch(scene_rng, pixel_rng, config.batch_size, config.image_size)
+        named = [world.random_naming(scene_rng) for _ in scenes]
+        captions = [world.random_caption(scene, scene_rng, n) for scene, n in zip(scenes, named)]
+        positives = torch.tensor([[world.describes(scenes[j], named[j], scenes[i]) for j in range(len(scenes))]
+                                  for i in range(len(scenes))])  # (B, B): caption j true of image i
+
+        model.train()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
+            image_features = model.encode_image(images)  # (B, E)
+            text_features = model.encode_text(tokens(captions))  # (B, E)
+        loss = contrastive_loss(image_features.float(), text_features.float(), model.logit_scale, positives)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        step += 1
+        loss_sum, loss_count = loss_sum + loss.item(), loss_count + 1
+
+        last = (time.time() - start) / config.max_seconds >= 1.0 or step >= config.max_steps
+        if step % config.log_every == 0 or last:
+            elapsed = time.time() - start
+            rate = step * config.batch_size / elapsed
+            left = min(config.max_seconds - elapsed, (config.max_steps - step) * elapsed / step)
+            log(f"  step {step:>5}  loss {loss_sum / loss_count:.3f}  lr {optimizer.param_groups[0]['lr']:.2e}  "
+                f"scale {model.logit_scale.exp().item():5.1f}  {rate:,.0f} samples/s  "
+                f"{elapsed:.0f} s elapsed, ~{max(left, 0):.0f} s left")
+            loss_sum, loss_count = 0.0, 0
+        if step % config.eval_every == 0 or last:
+            model.eval()
+            accuracy = zero_shot_accuracy(model, tokenizer, eval_images, eval_scenes)
+            log("  zero-shot " + "  ".join(f"{name} {value:.0%}" for name, value in accuracy.items())
+                + f"  (chance: {'  '.join(f'{1 / len(v):.0%}' for v in world.ATTRIBUTES.values())})")
+    model.eval()
+    log(f"pretraining done: {step} steps, {step * config.batch_size:,} images, {time.time() - start:.0f} s")
+    return model
+
+
+# ------------------------------------------------------------------------------------------
+# 6. The cache
+# ------------------------------------------------------------------------------------------
+# <cache>/toyworld/<name>/
+#     bpe.txt.gz    the merges file (OpenAI's format), written first
+#     clip.pt       torch.save(model.state_dict()): OpenAI's keys, float32
+#     config.json   written last: the config, head_width, vocabulary, the final zero-shot
+#                   numbers. Its presence with the current config is what marks the folder
+#                   complete; every file is written atomically, so a killed run leaves no
+#                   half file, only a folder without a (matching) config.json.
+
+
+@dataclass
+class CachedCLIP:
+    folder: str
+    weights: str  # clip.pt
+    bpe: str  # bpe.txt.gz
+    head_width: int
+    config: PretrainConfig
+    report: dict  # what config.json records: parameters, seconds, zero-shot accuracy
+
+
+def cache_folder(config: PretrainConfig, cache_dir: Optional[str] = None) -> str:
+    return os.path.join(cache_dir or clip_model.default_cache_dir(), "toyworld", config.name)
+
+
+def _check_cache(folder: str, config: PretrainConfig) -> tuple[Optional[dict], str]:
+    """(the config.json record, "") if the folder holds a complete, loadable model made with
+    `config`, else (None, the reason)."""
+    record_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(record_path):
+        return None, "no config.json (never built, or a build was interrupted)"
+    try:
+        with open(record_path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError) as error:
+        return None, f"config.json unreadable ({type(error).__name__})"
+    if record.get("format") != CACHE_FORMAT or record.get("config") != asdict(config):
+        return None, "config.json was made with other settings"
+    try:
+        tokenizer = clip_model.SimpleTokenizer(os.path.join(folder, "bpe.txt.gz"))
+        model, _ = clip_model.load(os.path.join(folder, "clip.pt"), head_width=config.head_width)
+    except clip_model.CLIPFileError as error:
+        return None, str(error)
+    if model.token_embedding.num_embeddings != tokenizer.vocab_size:
+        return None, f"the model's vocabulary ({model.token_embedding.num_embeddings}) is not the BPE's ({tokenizer.vocab_size})"
+    return record, ""
+
+
+def pretrained_clip(config: PretrainConfig, cache_dir: Optional[str] = None,
+                    log: Callable[[str], None] = print) -> CachedCLIP:
+    """The cached toy CLIP for `config`, pretrained (and cached) first if the cache is missing
+    or cannot be trusted."""
+    folder = cache_folder(config, cache_dir)
+    weights, bpe = os.path.join(folder, "clip.pt"), os.path.join(folder, "bpe.txt.gz")
+    record, problem = _check_cache(folder, config)
+    if record is not None:
+        log(f"toy CLIP '{config.name}': reusing the cached model in {folder}")
+        return CachedCLIP(folder, weights, bpe, config.head_width, config, record.get("report", {}))
+
+    log(f"toy CLIP '{config.name}': building it in {folder} ({problem})")
+    if os.path.exists(os.path.join(folder, "config.json")):
+        os.remove(os.path.join(folder, "config.json"))  # the folder is incomplete until we finish
+    vocab_size = write_bpe(world.corpus(), bpe)
+    tokenizer = clip_model.SimpleTokenizer(bpe)
+    assert tokenizer.vocab_size == vocab_size, f"BPE file gives {tokenizer.vocab_size} ids, expected {vocab_size}"
+
+    started = time.time()
+    model = pretrain(config, tokenizer, log)
+    seconds = time.time() - started
+    eval_images, eval_scenes = draw_batch(random.Random(10_000 + config.seed),
+                                          np.random.default_rng(10_000 + config.seed),
+                                          config.eval_images, config.image_size)
+    report = {"parameters": sum(p.numel() for p in model.parameters()), "pretrain_seconds": round(seconds, 1),
+              "zero_shot": {k: round(v, 4) for k, v in
+                            zero_shot_accuracy(model, tokenizer, eval_images, eval_scenes).items()}}
+    atomic_write(weights, lambda temporary: torch.save(model.state_dict(), temporary))
+    atomic_write_json(os.path.join(folder, "config.json"), {
+        "format": CACHE_FORMAT,
+        "load_with": f"clip_model.load('clip.pt', head_width={config.head_width}); "
+                     "clip_model.SimpleTokenizer('bpe.txt.gz')",
+        "head_width": config.head_width, "vocab_size": vocab_size, "config": asdict(config), "report": report})
+    return CachedCLIP(folder, weights, bpe, config.head_width, config, report)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="Pretrain (or reuse) the toy world's tiny CLIP.")
+    parser.add_argument("--scale", default="full", choices=sorted(CONFIGS), help="which configuration")
+    parser.add_argument("--cache-dir", default=None, help="cache root (default: $DEAR_CACHE_DIR or ~/.cache/dear-from-scratch)")
+    parser.add_argument("--seconds", type=float, default=None, help="override the time budget")
+    parser.add_argument("--steps", type=int, default=None, help="override the step budget")
+    parser.add_argument("--bf16", action="store_true", help="use bf16 autocast (measure first: often slower on CPU)")
+    args = parser.parse_args(argv)
+    config = CONFIGS[args.scale]
+    overrides = {k: v for k, v in (("max_seconds", args.seconds), ("max_steps", args.steps)) if v is not None}
+    if args.bf16:
+        overrides["bf16"] = True
+    config = replace(config, **overrides)
+    cached = pretrained_clip(config, args.cache_dir)
+    print(json.dumps({"weights": cached.weights, "bpe": cached.bpe, "head_width": cached.head_width,
+                      **cached.report}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

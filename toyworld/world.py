@@ -1,0 +1,383 @@
+"""
+toyworld/world.py -- the toy world itself: what a scene is, how it is drawn, how it is described.
+
+What this file holds, top to bottom:
+
+    1. the attribute table ..... ATTRIBUTES (the four core attributes DeAR gets a token for:
+                                 colour, shape, texture, position) and EXTRA_ATTRIBUTES
+                                 (size, background: things captions can say but no token gets)
+    2. scenes .................. Scene (the attribute values of one image), sample_scene(rng)
+    3. the renderer ............ render(scene, seed, size, style) -> (size, size, 3) uint8, and
+                                 render_batch for many scenes at once (numpy, vectorised)
+    4. captions ................ caption(scene, named=...) -> "a photo of a small red striped
+                                 circle at the top left on a dark background", or a partial one
+                                 that names only some attributes ("a photo of a red object")
+    5. the description bank .... toy_bank() -> dear.Description phrases, each labelled with its
+                                 concept by construction (DESIGN.md Sec. 3, step 2)
+    6. the corpus .............. every caption word and bank phrase, for the BPE trainer
+
+How it fits: bpe.py learns its merges from `corpus()`, pretrain.py draws scenes and renders
+them fresh every batch, task.py writes a downstream dataset with the shifted style, causal.py
+asks zero-shot questions with partial captions. Every image's attribute values are known,
+because the image is drawn from them: that is what lets the toy world *measure* whether a
+head that concept entropy calls "colour" really carries colour (DESIGN.md Sec. 8).
+
+The grammar is deliberately tiny: the article is always "a" ("a orange circle"), words come in
+one fixed order, and the only punctuation is an optional final ".". A caption that names no
+shape says "object" instead.
+
+Try it:  python -m toyworld.world     (prints a few scenes with their captions)
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, fields
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+
+from dear import Description
+
+# ------------------------------------------------------------------------------------------
+# 1. The attribute table
+# ------------------------------------------------------------------------------------------
+# The core attributes, in token order: DeAR gets one attribute token per entry (DESIGN.md
+# Sec. 4; the toy world's stand-ins for the paper's colour, shape, texture, object, location).
+# Each value is a word (or words) the captions use.
+
+ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "colour": ("red", "orange", "yellow", "green", "cyan", "blue", "purple", "pink"),
+    "shape": ("circle", "square", "triangle", "diamond", "cross", "star"),
+    "texture": ("solid", "striped", "dotted", "checkered"),
+    "position": ("top left", "top right", "bottom left", "bottom right"),
+}
+# Things the world varies and captions may say, but that get no attribute token: they are the
+# "non-core concepts" that let a head's concept entropy spread (DESIGN.md Sec. 3, step 2).
+EXTRA_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "size": ("small", "large"),
+    "background": ("dark", "light"),
+}
+
+# Base RGB of each colour word; the renderer jitters it per image.
+COLOUR_RGB = {
+    "red": (220, 40, 40), "orange": (245, 140, 25), "yellow": (235, 220, 40), "green": (40, 170, 60),
+    "cyan": (40, 205, 215), "blue": (40, 70, 225), "purple": (140, 50, 195), "pink": (245, 125, 185),
+}
+assert set(COLOUR_RGB) == set(ATTRIBUTES["colour"]), "every colour word needs an RGB value"
+
+
+# ------------------------------------------------------------------------------------------
+# 2. Scenes: the attribute values of one image
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scene:
+    """One object on a background. Every field is a word from the tables above; the exact
+    pixel position, size and colour are jittered by the renderer, not stored here."""
+
+    colour: str
+    shape: str
+    texture: str
+    position: str
+    size: str = "large"
+    background: str = "dark"
+
+    def value(self, attribute: str) -> str:
+        return getattr(self, attribute)
+
+
+SCENE_FIELDS = tuple(f.name for f in fields(Scene))
+assert SCENE_FIELDS == tuple(ATTRIBUTES) + tuple(EXTRA_ATTRIBUTES), "Scene fields follow the tables"
+
+
+def sample_scene(rng: random.Random, **fixed: str) -> Scene:
+    """A scene with every attribute drawn uniformly, except those given in `fixed`
+    (e.g. sample_scene(rng, colour="red", shape="circle"))."""
+    values = {}
+    for name, choices in {**ATTRIBUTES, **EXTRA_ATTRIBUTES}.items():
+        if name in fixed:
+            assert fixed[name] in choices, f"{fixed[name]!r} is not a {name}; expected one of {choices}"
+            values[name] = fixed[name]
+        else:
+            values[name] = rng.choice(choices)
+    unknown = set(fixed) - set(values)
+    assert not unknown, f"unknown attributes {sorted(unknown)}; expected some of {SCENE_FIELDS}"
+    return Scene(**values)
+
+
+# ------------------------------------------------------------------------------------------
+# 3. The renderer
+# ------------------------------------------------------------------------------------------
+# Everything is computed on a grid of pixel centres in [0, 1] x [0, 1], for a whole batch at
+# once (B images of S x S pixels). A shape is an inside/outside test in the object's own
+# coordinates (u, v) = (pixel - centre) / radius, so every shape fits in the unit disc and
+# jittering the radius or centre moves and scales it for free.
+
+
+@dataclass(frozen=True)
+class Style:
+    """How the world is drawn (not *what*): background, noise, outline.
+
+    "pretrain" is the style the tiny CLIP learns from; "shifted" is the downstream task's: a
+    tinted, blotchy, noisier background and a dark outline, so that zero-shot CLIP meets
+    something it was not trained on and the task is not solved before training starts.
+    """
+
+    name: str
+    noise: float  # std of the per-pixel Gaussian noise, in 0-255 units
+    tint: float  # how far the background strays from grey towards a random colour (0-1)
+    blotches: float  # amplitude of low-frequency background blotches (0-255 units)
+    outline: bool  # draw a dark ring around the shape
+    colour_jitter: float  # +- range added to each RGB channel of the object
+
+
+STYLES = {
+    "pretrain": Style("pretrain", noise=10.0, tint=0.0, blotches=0.0, outline=False, colour_jitter=18.0),
+    "shifted": Style("shifted", noise=22.0, tint=0.35, blotches=35.0, outline=True, colour_jitter=30.0),
+}
+
+
+def _shape_mask(shape: str, u: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Inside test for one shape; u, v: (..., S, S) object coordinates (v grows downwards).
+    Every shape reaches about radius 1, so all look about equally large."""
+    au, av = np.abs(u), np.abs(v)
+    if shape == "circle":
+        return u**2 + v**2 <= 1.0
+    if shape == "square":
+        return np.maximum(au, av) <= 0.82
+    if shape == "triangle":  # apex up at v = -1, base at v = 0.8
+        return (v <= 0.8) & (au <= 0.55 * (v + 1.0))
+    if shape == "diamond":
+        return au + av <= 1.05
+    if shape == "cross":  # a plus sign
+        return ((au <= 0.33) & (av <= 1.0)) | ((av <= 0.33) & (au <= 1.0))
+    if shape == "star":  # five points: the radius swings with the angle
+        rho, theta = np.sqrt(u**2 + v**2), np.arctan2(v, u)
+        return rho <= 0.6 + 0.45 * np.cos(5 * theta + np.pi / 2)
+    raise ValueError(f"unknown shape {shape!r}; expected one of {ATTRIBUTES['shape']}")
+
+
+def _texture_mask(texture: str, x: np.ndarray, y: np.ndarray, period: float, phase: np.ndarray) -> np.ndarray:
+    """Where the pattern's dark colour goes; x, y: (1, S, S) pixel coordinates (in pixels),
+    phase: (B, 1, 1) random offsets so the pattern does not sit still. Periods are in pixels,
+    so a texture looks the same at any object size (a few stripes across an object)."""
+    if texture == "solid":
+        return np.zeros(np.broadcast_shapes(x.shape, phase.shape), dtype=bool)
+    if texture == "striped":  # diagonal stripes, half dark
+        return ((x + y) / period + phase) % 1.0 < 0.5
+    if texture == "dotted":  # a dot at every grid point
+        gx = (x / period + phase) % 1.0 - 0.5
+        gy = (y / period + phase) % 1.0 - 0.5
+        return gx**2 + gy**2 <= 0.3**2
+    if texture == "checkered":  # cells half a period wide
+        return ((np.floor(x / period * 2 + phase * 2) + np.floor(y / period * 2 + phase * 2)) % 2) == 1
+    raise ValueError(f"unknown texture {texture!r}; expected one of {ATTRIBUTES['texture']}")
+
+
+def render_batch(scenes: Sequence[Scene], rng: np.random.Generator, size: int = 32,
+                 style: str = "pretrain") -> np.ndarray:
+    """Draw many scenes at once -> (B, size, size, 3) uint8. `rng` supplies every jitter
+    (exact centre, radius, colour, texture phase, noise), so the same generator state draws
+    the same images."""
+    look = STYLES[style]
+    B, S = len(scenes), size
+    coords = (np.arange(S) + 0.5) / S  # pixel centres in [0, 1]
+    ys, xs = np.meshgrid(coords, coords, indexing="ij")  # (S, S) each
+
+    # -- background: grey, dark or light, with optional tint and blotches ----------------
+    grey = np.array([rng.uniform(45, 95) if s.background == "dark" else rng.uniform(150, 200)
+                     for s in scenes])  # (B,)
+    image = np.repeat(grey[:, None, None, None], 3, axis=3) * np.ones((1, S, S, 1))  # (B, S, S, 3)
+    if look.tint:
+        tint = rng.uniform(-1, 1, size=(B, 1, 1, 3)) * look.tint * 80  # a colour cast per image
+        image = image + tint
+    if look.blotches:
+        # Low-frequency blobs: a few random sinusoids, the same in all channels.
+        fx, fy = rng.uniform(1, 3, size=(2, B, 1, 1))
+        phase = rng.uniform(0, 2 * np.pi, size=(B, 1, 1))
+        blobs = np.sin(2 * np.pi * (fx * xs + fy * ys) + phase) * look.blotches  # (B, S, S)
+        image = image + blobs[..., None]
+
+    # -- the object: where, how big, which colour --------------------------------------
+    quadrant = {"top left": (0.25, 0.25), "top right": (0.75, 0.25),
+                "bottom left": (0.25, 0.75), "bottom right": (0.75, 0.75)}
+    radius = np.array([rng.uniform(0.12, 0.15) if s.size == "small" else rng.uniform(0.18, 0.22)
+                       for s in scenes])  # (B,) as a fraction of the image side
+    slack = np.maximum(0.24 - radius, 0.0) * 0.8  # how far the centre may move inside its quadrant
+    cx = np.array([quadrant[s.position][0] for s in scenes]) + rng.uniform(-1, 1, B) * slack
+    cy = np.array([quadrant[s.position][1] for s in scenes]) + rng.uniform(-1, 1, B) * slack
+    u = (xs[None] - cx[:, None, None]) / radius[:, None, None]  # (B, S, S) object coordinates
+    v = (ys[None] - cy[:, None, None]) / radius[:, None, None]
+    rgb = np.array([COLOUR_RGB[s.colour] for s in scenes], dtype=np.float64)  # (B, 3)
+    rgb = rgb + rng.uniform(-1, 1, size=(B, 3)) * look.colour_jitter
+    period = max(S / 8.0, 3.0)  # texture period in pixels: 4 at 32 px, never below 3
+    texture_phase = rng.uniform(0, 1, size=(B, 1, 1))
+    pixel_x, pixel_y = xs[None] * S, ys[None] * S  # (1, S, S) in pixels
+
+    for i, scene in enumerate(scenes):
+        inside = _shape_mask(scene.shape, u[i], v[i])  # (S, S)
+        if look.outline:
+            ring = _shape_mask(scene.shape, u[i] / 1.25, v[i] / 1.25) & ~inside
+            image[i][ring] = 20.0
+        pattern = _texture_mask(scene.texture, pixel_x, pixel_y, period, texture_phase[i:i + 1])[0]
+        image[i][inside] = rgb[i]
+        image[i][inside & pattern] = rgb[i] * 0.35  # the pattern: a dark version of the colour
+
+    image = image + rng.normal(0, look.noise, size=image.shape)
+    return np.clip(np.rint(image), 0, 255).astype(np.uint8)
+
+
+def render(scene: Scene, seed: int, size: int = 32, style: str = "pretrain") -> np.ndarray:
+    """One scene -> (size, size, 3) uint8, the same pixels for the same seed."""
+    return render_batch([scene], np.random.default_rng(seed), size, style)[0]
+
+
+# ------------------------------------------------------------------------------------------
+# 4. Captions
+# ------------------------------------------------------------------------------------------
+# One word order for everything: "<prefix> [size] [colour] [texture] <shape|object>
+# [at the <position>] [on a <background> background]". A caption names a chosen subset of
+# the attributes; the others are left out (a missing shape becomes "object"). The partial
+# captions are what zero-shot prompts are made of: "a photo of a red object" asks about
+# colour only.
+
+PREFIXES = ("a photo of a", "a picture of a", "a")
+TEMPLATE = "a photo of a {}."  # the downstream task's prompt template (data.py's registry row)
+
+
+def caption(scene: Scene, named: Optional[Iterable[str]] = None, prefix: str = "a photo of a",
+            period: bool = False) -> str:
+    """Describe `scene`, naming only the attributes in `named` (default: every attribute).
+
+    >>> caption(Scene("red", "circle", "striped", "top left"), named=["colour"])
+    'a photo of a red object'
+    """
+    named = set(SCENE_FIELDS if named is None else named)
+    unknown = named - set(SCENE_FIELDS)
+    assert not unknown, f"cannot name {sorted(unknown)}; attributes are {SCENE_FIELDS}"
+    words = [prefix]
+    if "size" in named:
+        words.append(scene.size)
+    if "colour" in named:
+        words.append(scene.colour)
+    if "texture" in named:
+        words.append(scene.texture)
+    words.append(scene.shape if "shape" in named else "object")
+    if "position" in named:
+        words.append(f"at the {scene.position}")
+    if "background" in named:
+        words.append(f"on a {scene.background} background")
+    return " ".join(words) + ("." if period else "")
+
+
+def random_naming(rng: random.Random, p_full: float = 0.5) -> set[str]:
+    """Which attributes a training caption names: with probability p_full every core
+    attribute, otherwise a random non-empty subset of them; size and background each a third
+    of the time."""
+    core = list(ATTRIBUTES)
+    if rng.random() < p_full:
+        named = set(core)
+    else:
+        named = {name for name in core if rng.random() < 0.5} or {rng.choice(core)}
+    return named | {name for name in EXTRA_ATTRIBUTES if rng.random() < 1 / 3}
+
+
+def random_caption(scene: Scene, rng: random.Random, named: Optional[set[str]] = None) -> str:
+    """A training caption naming `named` (default: random_naming(rng)). The prefix and the
+    final "." vary, so no single phrasing is the only one CLIP knows."""
+    named = random_naming(rng) if named is None else named
+    return caption(scene, named, prefix=rng.choice(PREFIXES), period=rng.random() < 0.5)
+
+
+def describes(scene: Scene, named: Iterable[str], other: Scene) -> bool:
+    """True if the caption of `scene` naming `named` is also true of `other` (it agrees on
+    every named attribute). "a red object" describes every red scene."""
+    return all(scene.value(name) == other.value(name) for name in named)
+
+
+def attribute_prompts(attribute: str, prefix: str = "a photo of a") -> list[str]:
+    """Zero-shot prompts for one attribute, one per value, in the table's order:
+    attribute_prompts("texture") -> ["a photo of a solid object", "a photo of a striped
+    object", ...]. Built with `caption` so they are exactly the training phrasing."""
+    values = {**ATTRIBUTES, **EXTRA_ATTRIBUTES}[attribute]
+    template = Scene("red", "circle", "solid", "top left")
+    return [caption(Scene(**{**template.__dict__, attribute: value}), [attribute], prefix) for value in values]
+
+
+# ------------------------------------------------------------------------------------------
+# 5. The description bank (for the head analysis, DESIGN.md Sec. 3)
+# ------------------------------------------------------------------------------------------
+# dear.description_bank() speaks about real photos (bicycles, beaches); most of its words
+# mean nothing to the toy CLIP. This bank speaks the toy world's language: every phrase is
+# built from one concept's words and a few templates, so its concept is known by
+# construction. size and background are the non-core concepts (no attribute token); the
+# "scene" concept holds phrases that name several attributes at once, so a head that mixes
+# everything has somewhere to spread.
+
+_BANK_TEMPLATES = {
+    "colour": ("a {} object", "something {}", "a photo of a {} object", "a picture of a {} object",
+               "a {} thing"),
+    "shape": ("a {}", "a photo of a {}", "a picture of a {}", "a {} shape", "a shape like a {}"),
+    "texture": ("a {} object", "something {}", "a photo of a {} object", "a {} pattern", "a {} shape"),
+    "position": ("an object at the {}", "a photo of an object at the {}", "something at the {}",
+                 "a shape in the {}", "a picture with an object at the {}"),
+    "size": ("a {} object", "something {}", "a photo of a {} object", "a {} shape", "a {} thing"),
+    "background": ("an object on a {} background", "a {} background", "a photo with a {} background",
+                   "a picture on a {} background", "something on a {} background"),
+}
+
+
+def toy_bank() -> list[Description]:
+    """Phrases about the toy world, each labelled with its concept: every value of every
+    attribute in each of its concept's templates, plus "scene" phrases that name two
+    attributes at once. About 200 phrases, no duplicates."""
+    bank, seen = [], set()
+
+    def add(text: str, concept: str) -> None:
+        if text not in seen:
+            seen.add(text)
+            bank.append(Description(text, concept))
+
+    for concept, templates in _BANK_TEMPLATES.items():
+        for template in templates:
+            for value in {**ATTRIBUTES, **EXTRA_ATTRIBUTES}[concept]:
+                add(template.format(value), concept)
+    # Mixed phrases: colour + shape and texture + position, one of each pairing.
+    for colour, shape in zip(ATTRIBUTES["colour"], ATTRIBUTES["shape"] * 2):
+        add(f"a {colour} {shape}", "scene")
+    for texture, position in zip(ATTRIBUTES["texture"], ATTRIBUTES["position"]):
+        add(f"a {texture} object at the {position}", "scene")
+    return bank
+
+
+# ------------------------------------------------------------------------------------------
+# 6. The corpus the BPE is learned from
+# ------------------------------------------------------------------------------------------
+
+
+def corpus() -> list[str]:
+    """Every text the toy CLIP will ever be asked to read: one caption per (prefix, period,
+    value of each attribute, named alone or all together), the bank, the task's prompt
+    template. The BPE only needs the *words*, so listing each word in context is enough."""
+    texts = []
+    base = Scene("red", "circle", "solid", "top left", "small", "dark")
+    for prefix in PREFIXES:
+        for period in (False, True):
+            for attribute, values in {**ATTRIBUTES, **EXTRA_ATTRIBUTES}.items():
+                for value in values:
+                    scene = Scene(**{**base.__dict__, attribute: value})
+                    texts.append(caption(scene, [attribute], prefix, period))
+                    texts.append(caption(scene, None, prefix, period))
+    texts += [d.text for d in toy_bank()]
+    texts.append(TEMPLATE.format("red circle"))
+    return texts
+
+
+if __name__ == "__main__":
+    generator = random.Random(0)
+    for index in range(5):
+        scene = sample_scene(generator)
+        print(f"{scene}\n    {random_caption(scene, generator)}")
+    print(f"bank: {len(toy_bank())} phrases; corpus: {len(corpus())} texts")
