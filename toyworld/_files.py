@@ -7,7 +7,7 @@ same folder, which is renamed onto the real name only once it is complete. A run
 killed half-way therefore leaves either the old file or no file, never half of one, and the
 cache checks in pretrain.py / task.py can trust that a file which exists was finished.
 
-It wraps dear._atomic_write (the project's helper for the same job) so there is one
+It wraps dear.atomic_write (the project's helper for the same job) so there is one
 implementation; this module only adds the JSON convenience.
 """
 
@@ -21,7 +21,7 @@ import dear
 
 def atomic_write(path: str, write: Callable[[str], None]) -> None:
     """write(temporary_path), then rename onto `path` (creating its folder)."""
-    dear._atomic_write(path, write)
+    dear.atomic_write(path, write)
 
 
 def atomic_write_json(path: str, value) -> None:
