@@ -305,3 +305,33 @@ def test_bad_input_ends_in_one_line_and_exit_status_2_without_a_run_folder(world
     assert len(lines) == 1 and lines[0].startswith("train.py: error:"), done.stderr
     assert message in lines[0]
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------------
+# The toy world from nothing: pretraining, head analysis, causal check, three rows
+# ------------------------------------------------------------------------------------------
+
+
+def test_toyworld_runs_end_to_end_from_an_empty_cache(tmp_path):
+    out, cache = tmp_path / "toy", tmp_path / "cache"
+    env = dict(os.environ, DEAR_CACHE_DIR=str(cache))
+    done = subprocess.run([sys.executable, "train.py", "--dataset", "toyworld", "--toy-scale", "miniature",
+                           "--seeds", "1", "--epochs", "2", "--output", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "pretraining" in done.stdout.lower()  # nothing was cached: the toy CLIP was trained first
+    assert (cache / "toyworld" / "miniature").is_dir()
+
+    summary = read(out / "summary.json")
+    table = summary["tables"]["toyworld"]
+    assert list(table["rows"]) == ["zeroshot", "dear-all-mixed", "dear"]  # the three rows
+    markdown = (out / "summary.md").read_text()
+    for label in ("CLIP (zero-shot)", "DeAR, all heads mixed (no mask)", "| DeAR |"):
+        assert label in markdown
+    for name in ("roles.json", "roles.png", "masks.png", "causal_check.md", "causal_check.json"):
+        assert (out / "toyworld" / name).is_file(), name
+    causal = read(out / "toyworld" / "causal_check.json")
+    assert len(causal["heads"]) == len(dear.RoleMap.load(str(out / "toyworld" / "roles.json")).heads)
+    # The run reads the toy world as any CoOp dataset: the saved settings point at the cache.
+    settings = read(out / "settings.json")["settings"]
+    assert settings["weights"].startswith(str(cache)) and settings["root"].startswith(str(cache))
