@@ -132,8 +132,8 @@ class OneLineParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     # Every default is None so that the per-dataset table (or a resumed run's saved
     # settings) can fill in what the user did not type.
-    p = OneLineParser(prog="train.py", description="DeAR on CLIP: train and evaluate on the paper's protocols.",
-                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineParser(prog="train.py", description="DeAR on CLIP: train and evaluate on the paper's protocols. "
+                      "Unset DeAR and optimisation flags come from the per-dataset table (RECIPES in train.py).")
 
     g = p.add_argument_group("what to run")
     g.add_argument("--dataset", nargs="+", help="dataset name(s) from data.py, 'all' for the protocol's "
