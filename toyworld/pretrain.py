@@ -148,21 +148,33 @@ def prompt_features(model: clip_model.CLIP, tokenizer: clip_model.SimpleTokenize
 
 
 @torch.no_grad()
-def zero_shot_accuracy(model: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer,
-                       images: torch.Tensor, scenes: Sequence[world.Scene],
-                       attributes: Sequence[str] = tuple(world.ATTRIBUTES),
-                       text: Optional[dict[str, torch.Tensor]] = None) -> dict[str, float]:
-    """Per attribute: the share of images whose best-matching prompt names their value.
-    images (B, 3, S, S) preprocessed; `text` (from prompt_features) may be passed to reuse it."""
-    text = text if text is not None else prompt_features(model, tokenizer, attributes)
+def zero_shot_scores(model: clip_model.CLIP, images: torch.Tensor, scenes: Sequence[world.Scene],
+                     text: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
+    """Per attribute of `text` (from prompt_features): {"accuracy": share of images whose
+    best-matching prompt names their value, "log_prob": mean log-probability of the true
+    value under CLIP's softmax over the prompts (with its own temperature)}.
+
+    Accuracy is what one reports; the log-probability keeps moving when accuracy is already
+    100%, which is what the ablation check (causal.py) needs to see a head's effect."""
     image_features = F.normalize(model.encode_image(images), dim=-1)  # (B, E)
+    scale = model.logit_scale.exp()
     result = {}
-    for name in attributes:
+    for name, prompts in text.items():
         values = {**world.ATTRIBUTES, **world.EXTRA_ATTRIBUTES}[name]
         truth = torch.tensor([values.index(scene.value(name)) for scene in scenes])  # (B,)
-        predicted = (image_features @ text[name].T).argmax(dim=-1)  # (B,)
-        result[name] = (predicted == truth).float().mean().item()
+        log_probs = (scale * image_features @ prompts.T).log_softmax(dim=-1)  # (B, n_values)
+        result[name] = {"accuracy": (log_probs.argmax(dim=-1) == truth).float().mean().item(),
+                        "log_prob": log_probs.gather(1, truth[:, None]).mean().item()}
     return result
+
+
+def zero_shot_accuracy(model: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer,
+                       images: torch.Tensor, scenes: Sequence[world.Scene],
+                       attributes: Sequence[str] = tuple(world.ATTRIBUTES)) -> dict[str, float]:
+    """Per attribute: zero-shot accuracy with partial-caption prompts. images (B, 3, S, S)
+    preprocessed."""
+    scores = zero_shot_scores(model, images, scenes, prompt_features(model, tokenizer, attributes))
+    return {name: score["accuracy"] for name, score in scores.items()}
 
 
 # ------------------------------------------------------------------------------------------
