@@ -278,10 +278,10 @@ def random_naming(rng: random.Random) -> set[str]:
     of the time on top.
 
     Why so many partial captions: an attribute is only *learned* from captions where it is
-    what tells the images of a batch apart. With mostly full captions the easy attributes
-    (colour, texture) already tell them apart, and position stayed at chance for a whole
-    9-minute run (README, "Measured"); "a photo of a object at the top left" (one attribute
-    named) leaves position as the only thing to match on.
+    what tells the images of a batch apart. In a full caption the easy attributes (colour,
+    texture) already single out the image; "a photo of a object at the top left" (one
+    attribute named) leaves position as the only thing to match on. The zero-shot prompts
+    are exactly such one-attribute captions.
     """
     core = list(ATTRIBUTES)
     kind = rng.randrange(3)
