@@ -284,10 +284,11 @@ def test_causal_check_returns_a_well_formed_table(mini_model):
     heads = [dear.HeadRole(1, 0, "attribute", "colour", 0.5), dear.HeadRole(1, 1, "generalization", None, 2.0)]
     role_map = dear.RoleMap(2, 2, list(world.ATTRIBUTES), heads)
     result = toyworld.causal_check(model, tokenizer, role_map, n_images=64, log=lambda line: None)
-    assert set(result["baseline"]) == set(world.ATTRIBUTES)
+    assert set(result["baseline"]) == set(world.ATTRIBUTES) and result["measure"] == "log_prob"
     assert [(row["layer"], row["head"]) for row in result["heads"]] == [(1, 0), (1, 1)]
     for row in result["heads"]:
-        assert set(row["drops"]) == set(world.ATTRIBUTES) and row["top_attribute"] in world.ATTRIBUTES
+        assert set(row["drops"]) == set(row["log_prob_drops"]) == set(world.ATTRIBUTES)
+        assert row["top_attribute"] == max(row["log_prob_drops"], key=row["log_prob_drops"].get)
         assert row["agrees"] == (row["singled_out"] == "colour" if row["role"] == "attribute"
                                  else row["singled_out"] is None)
     assert result["scored"] == 2

@@ -43,20 +43,28 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import dear
-from toyworld import world
-from toyworld.causal import causal_check
-from toyworld.pretrain import CONFIGS, pretrained_clip
-from toyworld.task import TaskConfig, write_task
 
 __all__ = ["ToyAssets", "prepare", "causal_check", "SCALES"]
 
-# What each scale builds: the pretraining config (pretrain.CONFIGS) and the task's size.
-# "full" is the lab (pretraining ~9 minutes on 2 cores, the whole train.py run within ~15);
-# "miniature" is for the tests (16 px, 2 layers, a few dozen steps: seconds).
+# What each scale builds: the pretraining config (a key of pretrain.CONFIGS) and the task's
+# settings (task.TaskConfig fields). "full" is the lab (pretraining ~9 minutes on 2 cores, the
+# whole train.py run within ~15); "miniature" is for the tests (16 px, 2 layers, seconds).
 SCALES = {
-    "full": (CONFIGS["full"], TaskConfig(image_size=32, images_per_class=(32, 8, 30))),
-    "miniature": (CONFIGS["miniature"], TaskConfig(image_size=16, images_per_class=(16, 4, 4))),
+    "full": {"pretrain": "full", "task": {"image_size": 32, "images_per_class": (32, 8, 30)}},
+    "miniature": {"pretrain": "miniature", "task": {"image_size": 16, "images_per_class": (16, 4, 4)}},
 }
+
+# The submodules are imported where they are used, not here, so that `python -m toyworld.task`
+# (or .pretrain, .world, .bpe) runs its module once, without runpy's "found in sys.modules"
+# warning. `toyworld.causal_check` is looked up on first use (PEP 562).
+
+
+def __getattr__(name: str):
+    if name == "causal_check":
+        from toyworld.causal import causal_check
+
+        return causal_check
+    raise AttributeError(f"module 'toyworld' has no attribute {name!r}")
 
 
 @dataclass
@@ -83,9 +91,14 @@ def prepare(scale: str = "full", cache_dir: Optional[str] = None,
     that is missing, incomplete, corrupt or made with other settings is rebuilt, with a line
     saying why; a good one is reused (no retraining).
     """
+    from toyworld import world
+    from toyworld.pretrain import CONFIGS, pretrained_clip
+    from toyworld.task import TaskConfig, write_task
+
     if scale not in SCALES:
         raise ValueError(f"unknown toy world scale {scale!r}; expected one of {', '.join(SCALES)}")
-    config, task_config = SCALES[scale]
+    config, task_config = CONFIGS[SCALES[scale]["pretrain"]], TaskConfig(**SCALES[scale]["task"])
+    assert task_config.image_size == config.image_size, "the task is drawn at the model's resolution"
     cached = pretrained_clip(config, cache_dir, log)
     data_root = os.path.join(cached.folder, "data")
     write_task(data_root, task_config, log)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+import textwrap
 
 import numpy as np
 import torch
@@ -33,7 +34,7 @@ def save_grid(path: str, image_size: int, rows: int = 4, columns: int = 6, seed:
     from PIL import Image, ImageDraw
 
     scene_rng = random.Random(seed)
-    cell, text_height, zoom = 200, 36, 160 // image_size
+    cell, text_height, zoom = 200, 40, 160 // image_size
     sheet = Image.new("RGB", (columns * cell, rows * (cell + text_height)), (255, 255, 255))
     draw = ImageDraw.Draw(sheet)
     for index in range(rows * columns):
@@ -43,10 +44,9 @@ def save_grid(path: str, image_size: int, rows: int = 4, columns: int = 6, seed:
         tile = Image.fromarray(pixels).resize((image_size * zoom,) * 2, Image.NEAREST)
         x, y = (index % columns) * cell, (index // columns) * (cell + text_height)
         sheet.paste(tile, (x + (cell - tile.width) // 2, y + 4))
-        words = world.caption(scene, prefix="a").split()
-        middle = len(words) // 2
-        for line_number, line in enumerate((" ".join(words[:middle]), " ".join(words[middle:]) + f" [{style}]")):
-            draw.text((x + 4, y + cell - 20 + 14 * line_number), line, fill=(0, 0, 0))
+        lines = textwrap.wrap(world.caption(scene, prefix="a") + f" [{style}]", width=30)
+        for line_number, line in enumerate(lines):
+            draw.text((x + 4, y + cell - 12 + 12 * line_number), line, fill=(0, 0, 0))
     sheet.save(path)
 
 

@@ -13,10 +13,17 @@ and position are known:
        "... blue object" ...). The drop from the unablated model is what the head carried.
     3. Compare with the head's role from the RoleMap.
 
+What is measured per head and attribute: the drop in zero-shot *accuracy* (as a fraction:
+0.05 = 5 points) and the drop in the mean *log-probability* of the true value (in nats).
+Accuracy is the number one reports, but it saturates: when colour is recognised with 100%
+accuracy by a wide margin, removing one colour head rarely flips a prediction, even though
+it visibly lowers the model's confidence. So agreement is decided on the log-probability
+drops by default (measure="log_prob"); measure="accuracy" decides on accuracy instead.
+
 Agreement, as defined here (our choice; the paper runs no such test):
     A head's drops *single out* an attribute when its largest drop is at least `min_drop`
-    (default 2 accuracy points) and at least `dominance` times (default 2x) the second
-    largest drop, (a negative second drop counts as 0).
+    (default 0.05 nats, or 0.02 = 2 points for accuracy) and at least `dominance` times
+    (default 2x) the second largest drop (a negative second drop counts as 0).
       - an attribute head for `a` agrees  iff  its drops single out `a`;
       - a generalization head agrees      iff  its drops single out no attribute;
       - a mixed head is reported but not scored (it is by definition in between).
@@ -45,7 +52,7 @@ import torch
 import clip_model
 import dear
 from toyworld import world
-from toyworld.pretrain import draw_batch, prompt_features, zero_shot_accuracy
+from toyworld.pretrain import draw_batch, prompt_features, zero_shot_scores
 
 # ------------------------------------------------------------------------------------------
 # 1. Reading and replacing one head's output
@@ -110,31 +117,39 @@ def _singled_out(drops: dict[str, float], min_drop: float, dominance: float) -> 
 @torch.no_grad()
 def causal_check(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer, role_map: dear.RoleMap,
                  attributes: Sequence[str] = tuple(world.ATTRIBUTES), n_images: int = 512,
-                 style: str = "pretrain", seed: int = 1, min_drop: float = 0.02, dominance: float = 2.0,
+                 style: str = "pretrain", seed: int = 1, measure: str = "log_prob",
+                 min_drop: Optional[float] = None, dominance: float = 2.0,
                  log: Callable[[str], None] = print) -> dict:
-    """Mean-ablate every head the RoleMap covers and compare the accuracy drops with its role.
+    """Mean-ablate every head the RoleMap covers and compare the drops with its role.
 
     Images are drawn fresh from the toy world (n_images to evaluate on, another n_images as the
     reference for the means), at the model's own resolution and in `style`.
-    Returns {"baseline": {attribute: accuracy}, "heads": [one dict per head: layer (0-based),
-    head, role, attribute, entropy, drops {attribute: accuracy points lost, as a fraction},
-    top_attribute, singled_out (attribute or None), agrees (True/False, None for mixed)],
-    "agreement_rate": float or None, "scored": int, "table": markdown}.
+    Returns {"baseline": {attribute: {"accuracy", "log_prob"}}, "heads": [one dict per head:
+    layer (0-based), head, role, attribute, entropy, drops {attribute: accuracy lost, as a
+    fraction}, log_prob_drops {attribute: nats lost}, top_attribute (largest drop by
+    `measure`), singled_out (attribute or None), agrees (True/False, None for mixed)],
+    "agreement_rate": float or None, "scored": int, "measure", "min_drop", "dominance",
+    "table": markdown}.
     """
+    if measure not in ("log_prob", "accuracy"):
+        raise ValueError(f"measure={measure!r}: expected 'log_prob' or 'accuracy'")
+    min_drop = min_drop if min_drop is not None else (0.05 if measure == "log_prob" else 0.02)
     clip = clip.eval()
     size = clip.visual.input_resolution
     images, scenes = draw_batch(random.Random(seed), np.random.default_rng(seed), n_images, size, style)
     reference, _ = draw_batch(random.Random(seed + 1), np.random.default_rng(seed + 1), n_images, size, style)
     text = prompt_features(clip, tokenizer, attributes)  # the text side is never ablated
-    baseline = zero_shot_accuracy(clip, tokenizer, images, scenes, attributes, text)
+    baseline = zero_shot_scores(clip, images, scenes, text)
     means = mean_head_outputs(clip, reference, role_map.layers)
 
     rows = []
     for entry in role_map.heads:
         with ablate_head(clip, entry.layer, entry.head, means[entry.layer]):
-            ablated = zero_shot_accuracy(clip, tokenizer, images, scenes, attributes, text)
-        drops = {name: baseline[name] - ablated[name] for name in attributes}
-        singled = _singled_out(drops, min_drop, dominance)
+            ablated = zero_shot_scores(clip, images, scenes, text)
+        drops = {name: baseline[name]["accuracy"] - ablated[name]["accuracy"] for name in attributes}
+        log_prob_drops = {name: baseline[name]["log_prob"] - ablated[name]["log_prob"] for name in attributes}
+        decisive = log_prob_drops if measure == "log_prob" else drops
+        singled = _singled_out(decisive, min_drop, dominance)
         if entry.role == "attribute":
             agrees = singled == entry.attribute
         elif entry.role == "generalization":
@@ -142,35 +157,41 @@ def causal_check(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer, r
         else:
             agrees = None  # mixed heads are not scored
         rows.append({"layer": entry.layer, "head": entry.head, "role": entry.role, "attribute": entry.attribute,
-                     "entropy": entry.entropy, "drops": drops, "top_attribute": max(drops, key=drops.get),
-                     "singled_out": singled, "agrees": agrees})
+                     "entropy": entry.entropy, "drops": drops, "log_prob_drops": log_prob_drops,
+                     "top_attribute": max(decisive, key=decisive.get), "singled_out": singled, "agrees": agrees})
     scored = [row for row in rows if row["agrees"] is not None]
     rate = sum(row["agrees"] for row in scored) / len(scored) if scored else None
     result = {"baseline": baseline, "heads": rows, "agreement_rate": rate, "scored": len(scored),
-              "min_drop": min_drop, "dominance": dominance}
+              "measure": measure, "min_drop": min_drop, "dominance": dominance}
     result["table"] = causal_table(result, attributes)
     log(f"causal check: {len(rows)} heads ablated on {n_images} images; agreement "
-        f"{'n/a' if rate is None else f'{rate:.0%}'} of {len(scored)} scored heads")
+        f"{'n/a' if rate is None else f'{rate:.0%}'} of {len(scored)} scored heads (by {measure})")
     return result
 
 
 def causal_table(result: dict, attributes: Sequence[str]) -> str:
-    """The check as a markdown table: one row per head, layers 1-based as in the paper."""
+    """The check as a markdown table: one row per head, layers 1-based as in the paper; each
+    drop cell is "accuracy points / nats of log-probability"."""
     header = ("| layer (1-based) | head | role (entropy) | " + " | ".join(f"drop {a}" for a in attributes)
               + " | largest drop | singled out | agrees |")
     lines = [header, "|" + "---|" * (6 + len(attributes))]
-    lines.append("| baseline | | | " + " | ".join(f"{result['baseline'][a]:.0%} acc" for a in attributes) + " | | | |")
+    lines.append("| baseline | | | " + " | ".join(
+        f"{result['baseline'][a]['accuracy']:.0%} acc, {result['baseline'][a]['log_prob']:.2f} nats"
+        for a in attributes) + " | | | |")
     for row in result["heads"]:
         role = row["role"] + (f":{row['attribute']}" if row["attribute"] else "")
         entropy = "" if row["entropy"] is None else f" ({row['entropy']:.2f} b)"
         agrees = {True: "yes", False: "no", None: "-"}[row["agrees"]]
         lines.append(f"| {row['layer'] + 1} | {row['head']} | {role}{entropy} | "
-                     + " | ".join(f"{100 * row['drops'][a]:+.1f}" for a in attributes)
+                     + " | ".join(f"{100 * row['drops'][a]:+.1f} / {row['log_prob_drops'][a]:+.2f}" for a in attributes)
                      + f" | {row['top_attribute']} | {row['singled_out'] or '-'} | {agrees} |")
     rate = result["agreement_rate"]
+    unit = "nats" if result["measure"] == "log_prob" else "accuracy points"
+    threshold = result["min_drop"] if result["measure"] == "log_prob" else 100 * result["min_drop"]
     lines.append("")
-    lines.append(f"Agreement: {'n/a' if rate is None else f'{rate:.0%}'} of {result['scored']} scored heads "
-                 f"(attribute heads agree when their attribute is singled out, generalization heads when none "
-                 f"is; singled out = largest drop >= {100 * result['min_drop']:.0f} points and >= "
-                 f"{result['dominance']:g}x the second; drops in accuracy points; mixed heads not scored).")
+    lines.append(f"Agreement: {'n/a' if rate is None else f'{rate:.0%}'} of {result['scored']} scored heads. "
+                 f"Cells: accuracy points / nats of log-probability lost when the head is mean-ablated. "
+                 f"Attribute heads agree when their attribute is singled out, generalization heads when none "
+                 f"is; singled out = largest {result['measure']} drop >= {threshold:g} {unit} and >= "
+                 f"{result['dominance']:g}x the second; mixed heads are not scored.")
     return "\n".join(lines)

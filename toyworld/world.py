@@ -272,13 +272,23 @@ def caption(scene: Scene, named: Optional[Iterable[str]] = None, prefix: str = "
     return " ".join(words) + ("." if period else "")
 
 
-def random_naming(rng: random.Random, p_full: float = 0.5) -> set[str]:
-    """Which attributes a training caption names: with probability p_full every core
-    attribute, otherwise a random non-empty subset of them; size and background each a third
-    of the time."""
+def random_naming(rng: random.Random) -> set[str]:
+    """Which attributes a training caption names: a third of the time every core attribute,
+    a third exactly one, a third a random non-empty subset; size and background each a third
+    of the time on top.
+
+    Why so many partial captions: an attribute is only *learned* from captions where it is
+    what tells the images of a batch apart. In a full caption the easy attributes (colour,
+    texture) already single out the image; "a photo of a object at the top left" (one
+    attribute named) leaves position as the only thing to match on. The zero-shot prompts
+    are exactly such one-attribute captions.
+    """
     core = list(ATTRIBUTES)
-    if rng.random() < p_full:
+    kind = rng.randrange(3)
+    if kind == 0:
         named = set(core)
+    elif kind == 1:
+        named = {rng.choice(core)}
     else:
         named = {name for name in core if rng.random() < 0.5} or {rng.choice(core)}
     return named | {name for name in EXTRA_ATTRIBUTES if rng.random() < 1 / 3}
