@@ -100,7 +100,7 @@ RECIPES: Dict[str, Recipe] = {
     "dtd":             Recipe(10,    4,     1e-3,  16,    1.0,       0.1,          0.5,  "auto", 4, True),
     "eurosat":         Recipe(10,    4,     1e-3,  16,    1.0,       0.1,          0.5,  "auto", 4, True),
     "ucf101":          Recipe(10,    4,     1e-3,  16,    1.0,       0.1,          0.5,  "auto", 4, True),
-    "toyworld":        Recipe(10,    16,    2e-3,  16,    1.0,       0.1,          0.5,  "auto", 4, False),
+    "toyworld":        Recipe(20,    8,     5e-3,  16,    1.0,       0.1,          0.5,  "auto", 4, False),
 }
 # fmt: on
 WARMUP_EPOCHS, WARMUP_LR, WEIGHT_DECAY = 1, 1e-5, 5e-4  # Dassl's constant warm-up; its decay
