@@ -568,11 +568,15 @@ def draw_role_masks(masks: torch.Tensor, num_image_tokens: int, attributes: Sequ
     A, N = len(attributes), num_image_tokens
     cell = 9
     grid = (1 + A) * cell
-    left, top, gap = 80, 30, 10
-    image = Image.new("RGB", (left + H * (grid + gap), top + layers * (grid + gap) + 20), "white")
+    left, top, gap = 80, 62, 10
+    width = max(left + H * (grid + gap), 470)  # wide enough for the two title lines
+    image = Image.new("RGB", (width, top + layers * (grid + gap) + 20), "white")
     draw = ImageDraw.Draw(image)
-    draw.text((6, 6), "role masks: row = query, column = key; order image, " + ", ".join(attributes)
-              + "; white = may attend", fill="black")
+    draw.text((6, 6), "DeAR role masks: one grid per head, one row of grids per layer", fill="black")
+    draw.text((6, 20), "row = query, column = key, in the order CLS (standing for the image's", fill="black")
+    draw.text((6, 34), "tokens), " + ", ".join(attributes) + "; white = may attend, black = may not", fill="black")
+    for head in range(H):
+        draw.text((left + head * (grid + gap) + grid // 2 - 6, top - 14), f"h{head}", fill="black")
     for li in range(layers):
         y0 = top + li * (grid + gap)
         draw.text((6, y0 + grid // 2 - 6), f"layer {first_layer + li}", fill="black")
