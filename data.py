@@ -563,6 +563,10 @@ def _read_fewshot_cache(cache_path: str, full: dict[str, list[Item]], full_entri
     return result
 
 
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # read the process's umask (the only way is to set it and set it back)
+
+
 def _write_json_atomically(path: str, header: dict, lists: dict[str, list[list]]) -> None:
     """Write {**header, **lists} as JSON, one list entry per line, through a temp file in the
     same folder and os.replace (atomic on POSIX and Windows)."""
@@ -579,6 +583,7 @@ def _write_json_atomically(path: str, header: dict, lists: dict[str, list[list]]
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(temp_path, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the usual rw-r--r--
         os.replace(temp_path, path)
     except BaseException:
         if os.path.exists(temp_path):

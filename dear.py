@@ -55,6 +55,11 @@ class DeARError(ValueError):
     line that names the file or argument and says what to do."""
 
 
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # read the process's umask (the only way is to set it and set it back)
+_FILE_MODE = 0o666 & ~_UMASK
+
+
 def atomic_write(path: str, write: Callable[[str], None]) -> None:
     """Call write(temporary_path), then rename onto `path`: readers never see half a file."""
     folder = os.path.dirname(os.path.abspath(path))
@@ -63,6 +68,7 @@ def atomic_write(path: str, write: Callable[[str], None]) -> None:
     os.close(handle)
     try:
         write(temporary)
+        os.chmod(temporary, _FILE_MODE)  # mkstemp makes 0600; give the usual rw-r--r-- (umask)
         os.replace(temporary, path)
     finally:
         if os.path.exists(temporary):

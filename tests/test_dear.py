@@ -8,6 +8,7 @@ the image; TextSpan finds planted directions; concept entropy and roles on hand-
 cases; every cost saving equals the plain computation, gradients included; bad input.
 """
 
+import os
 import json
 import math
 
@@ -413,3 +414,12 @@ def test_uniform_role_maps_for_the_ablations(tiny_clip):
     assert (model.role_masks == 0).all()
     with pytest.raises(DeARError):
         RoleMap.uniform("attribute", LAYERS, HEADS, range(LAYERS))
+
+
+def test_atomic_write_leaves_a_normally_readable_file_and_no_temporary(tmp_path):
+    path = tmp_path / "roles.json"
+    dear.atomic_write(str(path), lambda tmp: open(tmp, "w").write("{}"))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (path.stat().st_mode & 0o777) == 0o666 & ~umask  # not mkstemp's private 0600
+    assert [p.name for p in tmp_path.iterdir()] == ["roles.json"]
