@@ -8,9 +8,9 @@ the image; TextSpan finds planted directions; concept entropy and roles on hand-
 cases; every cost saving equals the plain computation, gradients included; bad input.
 """
 
-import os
 import json
 import math
+import os
 
 import pytest
 import torch
