@@ -51,7 +51,7 @@ import urllib.request
 import warnings
 import zipfile
 from collections import OrderedDict
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import ftfy
 import regex as re
@@ -694,6 +694,20 @@ def find_bpe_file(bpe_path: Optional[str] = None) -> str:
         ) from None
 
 
+def merge_pair(symbols: Sequence[str], pair: Tuple[str, str]) -> List[str]:
+    """One BPE merge: every adjacent occurrence of `pair` in `symbols`, left to right, becomes
+    one symbol. ["c", "i", "r", "c"] with ("c", "i") -> ["ci", "r", "c"]."""
+    merged, i = [], 0
+    while i < len(symbols):
+        if i < len(symbols) - 1 and (symbols[i], symbols[i + 1]) == pair:
+            merged.append(symbols[i] + symbols[i + 1])
+            i += 2
+        else:
+            merged.append(symbols[i])
+            i += 1
+    return merged
+
+
 class SimpleTokenizer:
     """CLIP's tokenizer: `encode(text) -> ids`, `decode(ids) -> text`.
 
@@ -762,15 +776,7 @@ class SimpleTokenizer:
             best = min(pairs, key=lambda pair: self.bpe_ranks.get(pair, float("inf")))
             if best not in self.bpe_ranks:
                 break
-            merged, i = [], 0
-            while i < len(word):
-                if i < len(word) - 1 and (word[i], word[i + 1]) == best:
-                    merged.append(word[i] + word[i + 1])
-                    i += 2
-                else:
-                    merged.append(word[i])
-                    i += 1
-            word = merged
+            word = merge_pair(word, best)
         result = " ".join(word)
         self.cache[token] = result
         return result

@@ -93,17 +93,8 @@ def train_bpe(texts: Iterable[str], max_merges: int = 2000) -> list[tuple[str, s
 
 
 def _merge(symbols: tuple, pair: tuple[str, str]) -> tuple:
-    """Replace every adjacent occurrence of `pair` in `symbols` by the joined symbol, left to
-    right (the same rule as SimpleTokenizer.bpe)."""
-    merged, i = [], 0
-    while i < len(symbols):
-        if i < len(symbols) - 1 and (symbols[i], symbols[i + 1]) == pair:
-            merged.append(symbols[i] + symbols[i + 1])
-            i += 2
-        else:
-            merged.append(symbols[i])
-            i += 1
-    return tuple(merged)
+    """One merge, by the very rule SimpleTokenizer.bpe applies (clip_model.merge_pair)."""
+    return tuple(clip_model.merge_pair(symbols, pair))
 
 
 # ------------------------------------------------------------------------------------------
