@@ -244,6 +244,9 @@ def resolve_settings(args: argparse.Namespace) -> Dict[str, object]:
         if choice not in ("analyse", *ROLE_ABLATIONS) and not os.path.isfile(choice):
             raise TrainError(f"--roles {choice}: no such file; give a roles JSON written by the head analysis, "
                              f"'analyse', {' or '.join(repr(r) for r in ROLE_ABLATIONS)}")
+    if sum(choice not in ROLE_ABLATIONS for choice in roles) > 1:
+        raise TrainError(f"--roles {' '.join(roles)}: give at most one of 'analyse' or a roles file (both make the "
+                         "DeAR row); add the ablations all-mixed / all-generalization beside it")
     shots = args.shots or (FEWSHOT_SHOTS if protocol == "fewshot" else [recipe.shots])
     if protocol != "fewshot" and len(shots) > 1:
         raise TrainError(f"--shots takes several values only with --protocol fewshot")
