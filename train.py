@@ -518,7 +518,7 @@ def analyse_heads(settings: dict, dataset: str, clip, tokenizer, world, runtime:
     if os.path.isfile(path):  # made by an earlier call of this run (--resume) or by rank 0
         return dear.RoleMap.load(path)
     if runtime.main:
-        split = training_split(settings, dataset, settings["seeds"][0], max(settings["shots"]))
+        split = world["train_splits"][(dataset, settings["seeds"][0], max(settings["shots"]))]
         items = split.train[: settings["analysis_images"]]
         runtime.log(f"[{dataset}] head analysis: concept entropy of every head of the last "
                     f"{analysed_layers(clip)} layers over {len(items)} training images")
@@ -638,7 +638,7 @@ def format_time(seconds: float) -> str:
 
 def train_job(job: Job, settings: dict, clip, tokenizer, role_map, world, runtime: Runtime) -> Optional[dear.DeAR]:
     """Train one DeAR run; return the model, or None when --max-epochs-per-call stopped it."""
-    split = training_split(settings, job.dataset, job.seed, job.shots)
+    split = world["train_splits"][(job.dataset, job.seed, job.shots)]
     J = first_layer_of(settings, clip)
     torch.manual_seed(job.seed)  # the learnable tokens' initialisation
     model = dear.DeAR(clip, role_map, world["attributes"], first_layer=J, beta=settings["beta"],
@@ -927,9 +927,13 @@ def run(settings: dict) -> int:
     jobs = plan_jobs(settings)
     trained = sorted({job.dataset for job in jobs})
     world["eval_sets"] = {d: evaluation_sets(settings, d) for d in trained}
+    # Read once per (dataset, seed, shots): rows that differ only in --roles share the split,
+    # and a load checks every listed image (over a million files for ImageNet).
+    world["train_splits"] = {}
     for job in jobs:
-        if job.seed is not None:
-            training_split(settings, job.dataset, job.seed, job.shots)
+        key = (job.dataset, job.seed, job.shots)
+        if job.seed is not None and key not in world["train_splits"]:
+            world["train_splits"][key] = training_split(settings, *key)
 
     # 4. model
     clip, tokenizer = load_clip(settings, runtime)
