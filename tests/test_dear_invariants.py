@@ -254,8 +254,15 @@ def test_a_head_writing_along_colour_descriptions_is_named_a_colour_head(tiny_de
 
     monkeypatch.setattr(dear, "head_contributions", fake_contributions)
     monkeypatch.setattr(dear, "encode_descriptions", lambda clip, tokenizer, texts: text)
-    result = dear.analyze_heads(tiny_deep_clip, [images(40, seed=s) for s in range(3)], tokenizer=None,
-                                bank=bank, num_layers=L, num_descriptions=6, rank=20, log=lambda line: None)
+    seen, textspan = [], dear.textspan
+    monkeypatch.setattr(dear, "textspan", lambda data, *rest: seen.append(data) or textspan(data, *rest))
+    batches = [images(40, seed=s) for s in range(3)]
+    result = dear.analyze_heads(tiny_deep_clip, batches, tokenizer=None, bank=bank, num_layers=L,
+                                num_descriptions=6, rank=20, log=lambda line: None)
+    # TextSpan reads each contribution divided by the norm of its image's full embedding.
+    parts = [fake_contributions(None, batch, L) for batch in batches]
+    expected = torch.cat([p.heads[:, 0, 0] / p.total().norm(dim=-1, keepdim=True) for p in parts])
+    assert_close(seen[0], expected, 1e-6, "contributions handed to TextSpan")
     planted = result.role_of(LAYERS - 1, 2)
     assert planted.concepts == ["colour"] * 6 and planted.entropy == 0.0
     assert (planted.role, planted.attribute) == ("attribute", "colour")
