@@ -230,22 +230,26 @@ def test_fewshot_cross_and_dg_write_the_paper_shaped_tables(world, tmp_path):
     assert table["columns"] == ["1 shot", "2 shots"]
     assert table["rows"]["zeroshot"][0] == table["rows"]["zeroshot"][1]  # zero-shot does not use shots
     for shots, value in zip((1, 2), table["rows"]["dear-all-generalization"]):
-        metrics = read(out / f"dtd/dear-all-generalization/shots{shots}-seed1/results.json")["metrics"]
-        assert value == round(metrics["all"], 2)
+        result = read(out / f"dtd/dear-all-generalization/shots{shots}-seed1/results.json")
+        assert value == round(result["metrics"]["all"], 2)
+        assert result["logits"] == {"all": "fused"}  # the trained classes: fused
 
     fast += ["--shots", "4"]
     out = tmp_path / "cross"
     assert train.main(common(world, out, "--protocol", "cross", "--dataset", "dtd", *fast)) == 0
     (title, table), = read(out / "summary.json")["tables"].items()
     assert title.startswith("Cross-dataset") and table["columns"] == ["imagenet (source)", "dtd", "Average"]
-    metrics = read(out / "imagenet/dear-all-generalization/seed1/results.json")["metrics"]
-    assert set(metrics) == {"imagenet", "dtd"}
+    result = read(out / "imagenet/dear-all-generalization/seed1/results.json")
+    assert set(result["metrics"]) == {"imagenet", "dtd"}
+    assert result["logits"] == {"imagenet": "fused", "dtd": "class"}  # fused on the source only
 
     out = tmp_path / "dg"
     assert train.main(common(world, out, "--protocol", "dg", "--dataset", "imagenet_sketch", *fast)) == 0
     (title, table), = read(out / "summary.json")["tables"].items()
     assert title.startswith("Domain generalization") and table["columns"] == ["ImageNet (source)", "-Sketch", "Average"]
     assert "| CLIP (zero-shot) |" in (out / "summary.md").read_text()
+    result = read(out / "imagenet/dear-all-generalization/seed1/results.json")
+    assert result["logits"] == {"imagenet": "fused", "imagenet_sketch": "class"}
 
 
 def test_summary_takes_hm_of_the_averages_as_the_paper_does():
