@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "dataset's template, no training; dear = DeAR (default: both)")
     g.add_argument("--roles", nargs="+", help="head roles for DeAR: 'analyse' (concept entropy on the training "
                    "images, saved in the run folder), a roles JSON file, 'all-mixed' (no mask: plain deep "
-                   "prompting) or 'all-generalization'; several give one table row each (default analyse)")
+                   "prompting) or 'all-generalization'; several give one table row each (default analyse; toyworld: "
+                   "all-mixed all-generalization analyse)")
     g.add_argument("--fusion", nargs="+", choices=FUSION_MODES, help="logits DeAR is scored with: adaptive = "
                    "fused on the trained classes (base, fewshot, the source dataset), the class branch alone "
                    "elsewhere; everywhere = fused on every test set. Several give the DeAR row once each, "
