@@ -187,7 +187,7 @@ def randomised(clip, J: int) -> DeAR:
     with torch.no_grad():
         model.vision_tokens.normal_(0, 1.0)
         model.text_tokens.normal_(0, 1.0)
-        model.attribute_proj.add_(torch.randn_like(model.attribute_proj) * 0.5)
+        model.attribute_proj.add_(torch.randn_like(model.attribute_proj) * 0.05)  # ~ the size of proj itself
         model.fusion_logits.copy_(torch.randn_like(model.fusion_logits))
     return model
 
