@@ -32,9 +32,10 @@ Run it:
 
 A run folder holds, per dataset / method / seed: settings.json, checkpoint.pt (only the
 learnable tensors, the optimizer state and the settings, written atomically at each epoch
-end), results.json and results.md; per dataset and run the head roles (roles/<run>/roles.json,
-roles.txt, roles.png, masks.png); at the top summary.json and summary.md. A run is complete when its
-results.json exists; summary.md is written when every run is.
+end), results.json and results.md; per dataset and run the head roles
+(<dataset>/roles/<run>/roles.json, roles.txt, roles.png, masks.png); at the top summary.json
+and summary.md. A run is complete when its results.json exists; summary.md is written when
+every run is.
 
 Layer numbers: the paper counts from 1 ("J = 9"); so do --first-layer and every printed line.
 """
