@@ -593,7 +593,8 @@ def analyse_heads(settings: dict, job: Job, clip, tokenizer, world, runtime: Run
             clip, (images for images, _ in loader), tokenizer, world["bank"], world["attributes"],
             num_layers=analysed_layers(clip), num_descriptions=settings["descriptions"],
             rank=80, low_bits=settings["low_bits"], high_bits=settings["high_bits"], log=runtime.log)
-        role_map.source = f"concept entropy on {len(items)} {dataset} training images ({classes} classes, seed {job.seed})"
+        role_map.source = (f"concept entropy on {len(items)} {dataset} training images "
+                           f"({classes} classes, seed {job.seed})")
         table = role_map.table()
         runtime.log(table)
         dear.draw_heatmap(role_map, os.path.join(folder, "roles.png"))

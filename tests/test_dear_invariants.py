@@ -198,7 +198,8 @@ def test_textspan_removes_each_chosen_direction_from_the_bank():
     bank = F.normalize(torch.stack([e[0], e[0] + e[1], e[0] + e[1] + 0.05 * e[7], e[2], e[0] + 0.3 * e[6]]), dim=-1)
     generator = torch.Generator().manual_seed(0)
     coefficients = torch.randn(400, 3, generator=generator)
-    data = coefficients @ (torch.tensor([5.0, 3.0, 1.0])[:, None] * e[:3]) + 0.01 * torch.randn(400, 16, generator=generator)
+    data = coefficients @ (torch.tensor([5.0, 3.0, 1.0])[:, None] * e[:3])  # (400, 16)
+    data = data + 0.01 * torch.randn(400, 16, generator=generator)
     assert dear.textspan(data, bank, num_descriptions=3, rank=80) == [0, 1, 3]
 
 
