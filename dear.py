@@ -34,6 +34,7 @@ import json
 import math
 import os
 import tempfile
+import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, List, Optional, Sequence
@@ -293,7 +294,8 @@ class RoleMap:
     def uniform(cls, role: str, vision_layers: int, num_heads: int, layers: Sequence[int],
                 attributes: Sequence[str] = CORE_ATTRIBUTES) -> "RoleMap":
         """Every head the same role: "mixed" (= plain deep prompting, no mask) or
-        "generalization" (attribute tokens isolated everywhere) -- the ablation choices."""
+        "generalization" (no head lets an attribute token read the image, so every attribute
+        branch is a per-class bias and is left out of the fusion) -- the ablation choices."""
         if role not in ("mixed", "generalization"):
             raise DeARError(f"uniform role must be 'mixed' or 'generalization', not {role!r}")
         heads = [HeadRole(layer, head, role) for layer in layers for head in range(num_heads)]
@@ -501,8 +503,11 @@ def draw_heatmap(role_map: RoleMap, path: str) -> None:
 # Tokens from layer J on: [CLS, patches (the image's own tokens), attribute tokens]. Each
 # head gets its own additive mask (0 = may attend, -inf = may not):
 #   generalization head: image tokens and attribute tokens never see each other, in either
-#                        direction; each attribute token sees only itself. So no task
-#                        knowledge enters the head's output at the image tokens.
+#                        direction; each attribute token sees only itself. So, within this
+#                        layer, the head's output at the image tokens does not depend on the
+#                        attribute tokens. Across layers it does: the image tokens it reads
+#                        were already written into by the attribute and mixed heads of earlier
+#                        layers. The mask isolates per layer, not end to end.
 #   attribute head (a):  attribute token a and the image tokens see each other; the other
 #                        attribute tokens see only themselves.
 #   mixed head:          no restriction.
@@ -546,6 +551,23 @@ def build_role_masks(role_map: RoleMap, first_layer: int, num_layers: int,
             per_head.append(head_mask(role, index, num_image_tokens, A))
         masks.append(torch.stack(per_head))  # (H, T, T)
     return torch.stack(masks)  # (layers from J, H, T, T)
+
+
+def blind_attributes(role_map: RoleMap, first_layer: int, num_layers: int) -> List[str]:
+    """The attributes whose token no head from layer J on lets read the image: no attribute
+    head for it and no mixed head in any layer from J (a layer the map does not cover counts as
+    mixed, as in `build_role_masks`). Such a branch's logits do not depend on the image -- a
+    per-class bias -- so DeAR leaves it out of the fusion. In the
+    all-generalization ablation every attribute is blind, and the class branch stands alone."""
+    readable = set()
+    for layer in range(first_layer - 1, num_layers):
+        for head in range(role_map.num_heads):
+            entry = role_map.role_of(layer, head)
+            if entry is None or entry.role == "mixed":
+                return []  # a mixed head lets every attribute token read the image
+            if entry.role == "attribute":
+                readable.add(entry.attribute)
+    return [a for a in role_map.attributes if a not in readable]
 
 
 def format_head_mask(mask: torch.Tensor, num_image_tokens: int, attributes: Sequence[str]) -> str:
@@ -622,7 +644,10 @@ class DeAR(nn.Module):
                                                layer from J (the MMRL++ beta rule)
       text_tokens     (layers from J, K, C_t)  K tokens inserted after the start token
       attribute_proj  (C_v, E)                 attribute tokens -> embedding, init = visual.proj
-      fusion_logits   (1 + A,)                 alpha = softmax(fusion_logits)
+      fusion_logits   (1 + A,)                 alpha = softmax(fusion_logits) over the class
+                                               branch and every attribute branch that can read
+                                               the image (`blind_attributes`: the others get
+                                               alpha = 0, with a warning naming them)
 
     Cost savings, each exact (tests compare them with the plain computation) and each a flag
     so the benchmark can switch it off:
@@ -672,6 +697,15 @@ class DeAR(nn.Module):
         self.num_image_tokens = num_image_tokens
         masks = build_role_masks(role_map, first_layer, vision_layers, num_image_tokens)
         self.register_buffer("role_masks", masks, persistent=False)  # (layers from J, H, T, T)
+        # Branches in the fusion: the class branch, and each attribute branch whose token some
+        # head from J on lets read the image; a blind branch is a per-class bias.
+        self.blind_attributes = blind_attributes(role_map, first_layer, vision_layers)
+        if self.blind_attributes:
+            warnings.warn(f"DeAR: no head from layer J={first_layer} (1-based) lets the "
+                          f"{', '.join(self.blind_attributes)} token{'s' if len(self.blind_attributes) > 1 else ''} "
+                          "read the image; left out of the fusion (a per-class bias, not a feature)")
+        in_fusion = torch.tensor([True] + [a not in self.blind_attributes for a in self.attributes])
+        self.register_buffer("in_fusion", in_fusion, persistent=False)  # (1 + A,) bool
         self._text_cache: dict = {}
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -707,8 +741,9 @@ class DeAR(nn.Module):
         return self
 
     def fusion_weights(self) -> torch.Tensor:
-        """alpha = softmax(w): (1 + A,), alpha[0] for the class branch."""
-        return self.fusion_logits.softmax(dim=0)
+        """alpha = softmax(w) over the branches in the fusion: (1 + A,), alpha[0] for the class
+        branch; a blind attribute branch (see `blind_attributes`) gets exactly 0."""
+        return self.fusion_logits.masked_fill(~self.in_fusion, float("-inf")).softmax(dim=0)
 
     # -- vision ------------------------------------------------------------------------------
 
@@ -804,8 +839,9 @@ class DeAR(nn.Module):
         """Logits of every image for every class (paper Eq. 6-7).
 
         branch k in {cls, attr_1..attr_A}: logits_k = s * cos(f_k, t_c), s CLIP's frozen scale;
-        fused logits = sum_k alpha_k * logits_k, used in training and at test time alike.
-        """
+        fused logits = sum_k alpha_k * logits_k, used in training. At test time train.py
+        uses them only where the test classes are the trained ones, and the class branch alone
+        elsewhere (task-adaptive fusion, as MMRL evaluates): both are in the output."""
         f_cls, f_attr, f_frozen = self.encode_image(images, with_frozen)
         t, t_frozen = self.encode_text(class_token_ids)
         features = torch.cat([f_cls[:, None], f_attr], dim=1)  # (B, 1 + A, E)

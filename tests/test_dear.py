@@ -2,9 +2,11 @@
 
     python -m pytest -q tests/test_dear.py
 
-What they pin down: generalization heads are untouched by attribute tokens (checked by
-gradients, not by reading the mask); an attribute head carries exactly its own token into
-the image; TextSpan finds planted directions; concept entropy and roles on hand-computed
+What they pin down: within one layer, a generalization head's output at the image tokens
+does not depend on the attribute tokens (checked by gradients, not by reading the mask; across
+layers it may, through image tokens that earlier attribute and mixed heads wrote into, see
+test_dear_invariants.py); with every head generalization the class feature is plain CLIP's;
+an attribute head carries exactly its own token into the image; TextSpan finds planted directions; concept entropy and roles on hand-computed
 cases; every cost saving equals the plain computation, gradients included; bad input.
 """
 
@@ -66,7 +68,7 @@ def make_model(tiny_clip, spec=None, first_layer=2, **kwargs) -> DeAR:
 
 
 # ------------------------------------------------------------------------------------------
-# Isolation: generalization heads never see attribute tokens
+# Isolation: within a layer, generalization heads do not read attribute tokens
 # ------------------------------------------------------------------------------------------
 
 
