@@ -734,7 +734,7 @@ class DeAR(nn.Module):
                     plain = x
                     for block in blocks[j:]:
                         plain = block(plain)
-                    frozen = visual.head(plain[:, 0])
+                    frozen = visual.to_embedding(plain[:, 0])
                 else:
                     frozen = self.clip.encode_image(images)
 
@@ -748,7 +748,7 @@ class DeAR(nn.Module):
             sequence = block(sequence, self.role_masks[i])  # every head its own (T, T) mask
             x, tokens = sequence[:, :N], sequence[:, N:]
 
-        f_cls = visual.head(x[:, 0])  # (B, E): CLS through ln_post and the frozen proj
+        f_cls = visual.to_embedding(x[:, 0])  # (B, E): CLS through ln_post and the frozen proj
         f_attr = visual.ln_post(tokens) @ self.attribute_proj  # (B, A, E)
         return f_cls, f_attr, frozen
 
@@ -772,7 +772,7 @@ class DeAR(nn.Module):
             plain = x
             for block in clip.transformer.resblocks[j:]:
                 plain = block(plain, mask)
-            frozen = clip.text_head(plain, eot)  # (C, E)
+            frozen = clip.text_to_embedding(plain, eot)  # (C, E)
         result = (x, eot, frozen)
         if self.cache_text_prefix:
             self._text_cache = {key: result}  # one class list at a time is all training needs
@@ -795,7 +795,7 @@ class DeAR(nn.Module):
                 tokens = self.beta * fresh + (1 - self.beta) * x[:, 1:1 + K]
                 x = torch.cat([x[:, :1], tokens, x[:, 1 + K:]], dim=1)
             x = block(x, mask)
-        return self.clip.text_head(x, eot + K), frozen  # end-of-text moved K places right
+        return self.clip.text_to_embedding(x, eot + K), frozen  # end-of-text moved K places right
 
     # -- both ------------------------------------------------------------------------------
 
