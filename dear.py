@@ -581,8 +581,9 @@ def format_head_mask(mask: torch.Tensor, num_image_tokens: int, attributes: Sequ
     ('image'; they are treated alike by construction). '#' = may attend, '.' = may not."""
     N = num_image_tokens
     image_block = mask[:N, :N]
-    assert (mask[:N, N:] == mask[:1, N:]).all() and (mask[N:, :N] == mask[N:, :1]).all() and \
-        (image_block == 0).all(), "mask is not uniform over the image tokens"
+    if not ((mask[:N, N:] == mask[:1, N:]).all() and (mask[N:, :N] == mask[N:, :1]).all()
+            and (image_block == 0).all()):
+        raise DeARError("mask is not uniform over the image tokens; only role masks can be folded")
     names = ["image"] + [a[:8] for a in attributes]
     folded = torch.cat([mask[:1, :1], mask[:1, N:]], 1)  # image row
     folded = torch.cat([folded, torch.cat([mask[N:, :1], mask[N:, N:]], 1)], 0)  # (1 + A, 1 + A)
