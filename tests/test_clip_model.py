@@ -520,14 +520,21 @@ def test_command_line_takes_head_width_and_activation_and_names_a_bad_image(tmp_
     image = tmp_path / "red.png"
     Image.new("RGB", (40, 50), (200, 10, 10)).save(image)
     foreign = tmp_path / "foreign.pt"  # two towers of heads 32 wide, GELU, nothing in the file
-    odd = clip_model.CLIP(**dict(ODD, transformer_heads=4))
+    torch.manual_seed(3)
+    odd = perturb_(clip_model.CLIP(**dict(ODD, transformer_heads=4)), scale=0.2).eval()
     torch.save(odd.state_dict(), foreign)
     common = ["--weights", str(foreign), "--bpe", str(bpe), "--texts", "a red thing", "a blue thing"]
     assert clip_model._main(common + ["--image", str(image), "--head-width", "32", "--activation", "gelu"]) == 0
-    assert len(capsys.readouterr().out.strip().splitlines()) == 2
+    shares = [float(line.split("%")[0]) for line in capsys.readouterr().out.strip().splitlines()]
+    tokens = clip_model.SimpleTokenizer(str(bpe)).tokenize(["a red thing", "a blue thing"], 16)
+    with torch.no_grad():
+        expected = odd(clip_model.image_transform(32)(Image.open(image)).unsqueeze(0), tokens)[0].softmax(-1)[0]
+    assert [round(100 * p, 1) for p in expected.tolist()] == shares  # the model it was told to build
     not_an_image = tmp_path / "notes.png"
     not_an_image.write_text("hello")
-    for bad in (str(not_an_image), str(tmp_path), str(tmp_path / "absent.png")):
+    truncated = tmp_path / "truncated.png"  # a header that opens, pixels that do not load
+    truncated.write_bytes(image.read_bytes()[:60])
+    for bad in (str(not_an_image), str(truncated), str(tmp_path), str(tmp_path / "absent.png")):
         assert clip_model._main(common + ["--image", bad, "--head-width", "32"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("clip_model.py: error: ") and bad in err
