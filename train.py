@@ -166,8 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--root", help="the $DATA folder in CoOp's layout (toyworld: made in the cache)")
     g.add_argument("--weights", help="CLIP: ViT-B/32, ViT-B/16, ViT-L/14 or a checkpoint path (default ViT-B/16)")
     g.add_argument("--head-width", type=int, help="channels per attention head when loading --weights "
-                   "(OpenAI's files do not store it; 64 for every OpenAI model)")
-    g.add_argument("--bpe", help="CLIP's BPE merges file (default: $DEAR_BPE_PATH, the cache, or a download)")
+                   "(default: what the file says -- files written by clip_model.save carry it -- else "
+                   "64, as in every OpenAI model)")
+    g.add_argument("--bpe", help="CLIP's BPE merges file (default: $CLIP_BPE_PATH, the cache, or a download)")
     g.add_argument("--output", help="run folder (default runs/<protocol>-<datasets>)")
 
     g = p.add_argument_group("DeAR (defaults from the per-dataset table in train.py)")
@@ -269,7 +270,7 @@ def resolve_settings(args: argparse.Namespace) -> Dict[str, object]:
     settings = dict(
         dataset=names, protocol=protocol, source=source, method=methods, roles=roles, fusion=fusion,
         seeds=list(dict.fromkeys(args.seeds or [1, 2, 3])), shots=list(shots),
-        root=args.root, weights=args.weights or "ViT-B/16", head_width=args.head_width or 64,
+        root=args.root, weights=args.weights or "ViT-B/16", head_width=args.head_width,
         bpe=args.bpe, output=args.output or os.path.join("runs", f"{protocol}-{'-'.join(args.dataset)}"),
         first_layer=args.first_layer if args.first_layer is not None else recipe.first_layer,
         beta=args.beta if args.beta is not None else recipe.beta,
@@ -292,6 +293,9 @@ def resolve_settings(args: argparse.Namespace) -> Dict[str, object]:
         raise TrainError(f"--shots {' '.join(map(str, settings['shots']))}: expected positive integers")
     if not 0.0 <= settings["beta"] <= 1.0:
         raise TrainError(f"--beta {settings['beta']}: expected a value in [0, 1]")
+    if None not in (settings["low_bits"], settings["high_bits"]) and settings["low_bits"] > settings["high_bits"]:
+        raise TrainError(f"--low-bits {settings['low_bits']:g} is above --high-bits {settings['high_bits']:g}; "
+                         "the low threshold must be the smaller")
     if settings["lr"] <= 0:
         raise TrainError(f"--lr {settings['lr']}: expected a positive learning rate")
     return settings
@@ -538,8 +542,8 @@ def role_map_for(choice: str, settings: dict, clip: clip_model.CLIP, attributes:
         role = choice.split("-", 1)[1]
         layers = range(vision_layers - analysed_layers(clip), vision_layers)
         return dear.RoleMap.uniform(role, vision_layers, heads, layers, attributes)
-    role_map = dear.RoleMap.load(choice)
-    try:
+    try:  # dear.py's messages name arguments; say which flag the value came from
+        role_map = dear.RoleMap.load(choice)
         role_map.validate(vision_layers, heads, attributes)
     except dear.DeARError as error:
         raise TrainError(f"--roles {choice}: {error}") from None
@@ -1009,7 +1013,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         settings = settings_for_resume(args) if (args.resume or args.eval_only) else resolve_settings(args)
         settings["resume"], settings["eval_only"] = bool(args.resume), bool(args.eval_only)
         return run(settings)
-    except (TrainError, data.DatasetError, dear.DeARError, clip_model.CLIPFileError) as error:
+    except (TrainError, data.DatasetError, dear.DeARError, clip_model.CLIPError) as error:
         print(f"train.py: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

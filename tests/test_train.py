@@ -361,6 +361,7 @@ def wrong_roles_file(tmp_path):
     ("unknown flag value", "argument --protocol: invalid choice: 'base2new'"),
     ("no cuda", "this machine has no CUDA device"),
     ("two role sources", "give at most one of 'analyse' or a roles file"),
+    ("inverted thresholds", "--low-bits 3 is above --high-bits 1"),
 ])
 def test_bad_input_ends_in_one_line_and_exit_status_2_without_a_run_folder(world, tmp_path, case, message):
     if case == "no cuda" and torch.cuda.is_available():
@@ -374,6 +375,7 @@ def test_bad_input_ends_in_one_line_and_exit_status_2_without_a_run_folder(world
         "roles for another model": ["--roles", wrong_roles_file(tmp_path)],
         "unknown flag value": ["--protocol", "base2new"],
         "no cuda": ["--device", "cuda"],
+        "inverted thresholds": ["--low-bits", "3", "--high-bits", "1"],
         "two role sources": ["--roles", "analyse", wrong_roles_file(tmp_path)],
     }[case]
     done = subprocess.run([sys.executable, "train.py", *args, *change], cwd=REPO, capture_output=True,
