@@ -20,7 +20,7 @@ import dear
 from clip_model import HeadContributions
 from conftest import TINY_DEEP, assert_close
 from dear import DeAR, HeadRole, RoleMap
-from test_dear_reference import reference
+from test_dear_reference import prompts, reference  # the reference forward, and its class prompts
 
 ATTRIBUTES = ["texture", "colour", "shape"]
 LAYERS, HEADS = TINY_DEEP["vision_layers"], TINY_DEEP["vision_heads"]
@@ -39,17 +39,6 @@ def role_map(spec: dict, layers=range(LAYERS), attributes=ATTRIBUTES) -> RoleMap
 
 
 MIXED_MAP = {(1, 0): "colour", (1, 1): "G", (2, 1): "shape", (2, 2): "G", (2, 3): "texture"}
-
-
-def prompts(num_classes=4, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.zeros(num_classes, TINY_DEEP["context_length"], dtype=torch.long)
-    for c in range(num_classes):
-        length = 3 + c % 4
-        ids[c, 0] = TINY_DEEP["vocab_size"] - 2
-        ids[c, 1:length] = torch.randint(1, TINY_DEEP["vocab_size"] - 2, (length - 1,), generator=generator)
-        ids[c, length] = TINY_DEEP["vocab_size"] - 1
-    return ids
 
 
 def images(batch=3, seed=1):
