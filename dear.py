@@ -553,6 +553,9 @@ class DeAR(nn.Module):
         From layer J on, K learnable tokens sit right after the start token (positions 1..K);
         the causal mask lets every later token, the end-of-text one included, read them.
         """
+        if not isinstance(classes, PreparedClasses):  # e.g. token ids, as an older version took
+            raise DeARError(f"classes must be model.prepare_classes(class_token_ids), got a {type(classes).__name__}; "
+                            "prepare each class list once, then pass the result to every step")
         x = classes.hidden
         C, K = x.shape[0], self.num_text_tokens
         mask = causal_mask(x.shape[1] + K, x.device, x.dtype)  # (L + K, L + K)

@@ -310,6 +310,12 @@ def test_each_prepared_class_list_keeps_its_own_text_side(tiny_clip):
         assert_close(prepared_second.frozen, tiny_clip.encode_text(second), 1e-5, "frozen second list")
 
 
+def test_token_ids_in_place_of_prepared_classes_are_refused_with_the_way_to_prepare_them(tiny_clip):
+    model = make_model(tiny_clip)
+    with pytest.raises(DeARError, match=r"model.prepare_classes\(class_token_ids\), got a Tensor"):
+        model(images(), class_prompts(), with_frozen=True)
+
+
 def test_learnable_state_round_trips(tiny_clip):
     model = make_model(tiny_clip)
     state = model.learnable_state_dict()
