@@ -569,7 +569,10 @@ os.umask(_UMASK)  # read the process's umask (the only way is to set it and set 
 
 def _write_json_atomically(path: str, header: dict, lists: dict[str, list[list]]) -> None:
     """Write {**header, **lists} as JSON, one list entry per line, through a temp file in the
-    same folder and os.replace (atomic on POSIX and Windows)."""
+    same folder and os.replace (atomic on POSIX and Windows).
+
+    A second copy of clip_model.atomic_write's idea, on purpose: data.py stands alone and
+    imports nothing from the project."""
     fields = [f"  {json.dumps(key)}: {json.dumps(value)}" for key, value in header.items()]
     for key, entries in lists.items():
         rows = ",\n".join(f"    {json.dumps(entry)}" for entry in entries)
@@ -701,7 +704,10 @@ def load_dataset(name: str, root: str, num_shots: int | None = None, seed: int =
 # -----------------------------------------------------------------------------
 # Transforms and the torch Dataset
 
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP's preprocessing
+# OpenAI CLIP's preprocessing. clip_model.py holds the same two constants and test transform
+# (clip_model.image_transform); data.py stands alone, imports nothing from the project, and so
+# keeps its own copy: change both together.
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 

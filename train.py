@@ -650,7 +650,7 @@ def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings: dict, runtime:
         if model is None:
             text = F.normalize(clip.encode_text(ids).float(), dim=-1)  # (C, E)
         else:
-            text, _ = model.encode_text(ids)  # (C, E) with the learned text tokens
+            text = model.encode_text(model.prepare_classes(ids))  # (C, E) with the learned text tokens
     items = eval_set.items[runtime.rank::runtime.world]
     loader = DataLoader(data.ImageDataset(items, data.test_transform(clip.visual.input_resolution)),
                         batch_size=settings["eval_batch_size"], num_workers=settings["workers"])
@@ -748,6 +748,8 @@ def train_job(job: Job, settings: dict, clip, tokenizer, role_map, world, runtim
             broadcast_buffers=False, find_unused_parameters=settings["text_tokens"] == 0)
     prompts = split.prompts
     class_ids = tokenizer.tokenize(prompts, clip.context_length, truncate=True).to(runtime.device)
+    with autocast(runtime):
+        classes = model.prepare_classes(class_ids)  # the class list's frozen text side, once
     loader = train_loader(split, settings, job.seed, clip.visual.input_resolution, runtime)
     steps_per_epoch = len(loader)
     stop_at = settings["epochs"]
@@ -770,7 +772,7 @@ def train_job(job: Job, settings: dict, clip, tokenizer, role_map, world, runtim
         for step, (images, labels) in enumerate(loader, 1):
             images, labels = images.to(runtime.device, non_blocking=True), labels.to(runtime.device)
             with autocast(runtime):
-                output = network(images, class_ids, with_frozen=True)
+                output = network(images, classes, with_frozen=True)
                 losses = dear.dear_loss(output, labels, settings["lambda_reg"], settings["lambda_fusion"])
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(losses["total"]).backward()

@@ -295,7 +295,7 @@ def test_evaluate_scores_the_fused_and_the_class_branch_logits_and_each_set_gets
         images = torch.stack([dataset[i][0] for i in range(len(dataset))])
         labels = torch.tensor([item.label for item in eval_set.items])
         with torch.no_grad():
-            out = model(images, ids)
+            out = model(images, model.prepare_classes(ids))
         fused = 100.0 * (out.logits.argmax(-1) == labels).float().mean().item()
         alone = 100.0 * (out.branch_logits[:, 0].argmax(-1) == labels).float().mean().item()
         assert accuracy == pytest.approx({"fused": fused, "class": alone}), name
