@@ -338,6 +338,18 @@ def test_toyworld_runs_end_to_end_from_an_empty_cache(tmp_path):
     settings = read(out / "settings.json")["settings"]
     assert settings["weights"].startswith(str(cache)) and settings["root"].startswith(str(cache))
 
+    # A call killed during the causal check (roles.json written, causal_check.json not) redoes
+    # it on --resume; a task build killed half-way leaves a folder that the next call removes.
+    for name in ("causal_check.md", "causal_check.json"):
+        (out / "toyworld" / name).unlink()
+    leftover = Path(settings["root"]) / ".toyworld-building-killed"
+    leftover.mkdir()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DEAR_CACHE_DIR", str(cache))
+        assert train.main(["--output", str(out), "--resume"]) == 0
+    assert read(out / "toyworld" / "causal_check.json") == causal
+    assert not leftover.exists()
+
 
 # ------------------------------------------------------------------------------------------
 # Runs you can trust: every bad input refused up front (in-process: the same code path)
