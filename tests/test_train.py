@@ -508,7 +508,9 @@ def test_a_running_call_holds_the_folder_and_its_death_releases_it(world, tmp_pa
 
             time.sleep(0.1)
         assert holder.poll() is None, holder.stderr.read()
-        refused(["--output", out, "--resume"], capsys, f"in use by another train.py process (pid {holder.pid})")
+        # (--max-epochs-per-call: were it not refused, it would still end)
+        refused(["--output", out, "--resume", "--max-epochs-per-call", "1"], capsys,
+                f"in use by another train.py process (pid {holder.pid})")
         refused(["--output", out, "--eval-only"], capsys, "in use by another train.py process")
     finally:
         holder.kill()
