@@ -1216,6 +1216,9 @@ def run(settings: dict, stack: contextlib.ExitStack) -> int:
     for choice in settings["roles"]:  # a roles file that does not fit this model stops here
         if choice not in ("analyse", *ROLE_ABLATIONS) and "dear" in settings["method"]:
             role_map_for(choice, settings, clip, world["attributes"], None)
+    if settings["text_tokens"] > clip.context_length:  # memory grows with (77 + K)^2: a typo, not a setting
+        raise TrainError(f"--text-tokens {settings['text_tokens']}: expected at most the model's context "
+                         f"length ({clip.context_length})")
     if "dear" in settings["method"]:  # J, beta, K checked against the model before any run
         probe_roles = role_map_for("all-mixed", settings, clip, world["attributes"], None)
         dear.DeAR(clip, probe_roles, world["attributes"], first_layer=first_layer_of(settings, clip),
