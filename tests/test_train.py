@@ -385,6 +385,7 @@ def refused(argv, capsys, fragment, output=None):
     (["--max-epochs-per-call", "0"], "--max-epochs-per-call 0"),
     (["--max-epochs-per-call", "-1"], "--max-epochs-per-call -1"),
     (["--text-tokens", "-1"], "--text-tokens -1: expected an integer >= 0"),
+    (["--text-tokens", "100000"], "--text-tokens 100000: expected at most the model's context length (16)"),
     (["--first-layer", "0"], "--first-layer 0: expected a layer number >= 1"),
     (["--workers", "-1"], "--workers -1: expected an integer >= 0"),
     (["--seeds", "-1"], "--seeds -1: expected integers from 0 to 4294967295"),
@@ -440,7 +441,7 @@ def copy_of_data(world, tmp_path, edit):
     root = tmp_path / "data"
     import shutil
 
-    shutil.copytree(world["root"], root)
+    shutil.copytree(world["root"], root, ignore=shutil.ignore_patterns("split_fewshot"))
     split_path = root / "dtd" / "split_zhou_DescribableTextures.json"
     split = json.loads(split_path.read_text())
     edit(split)
