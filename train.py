@@ -35,7 +35,8 @@ learnable tensors, the optimizer state and the settings, written atomically at e
 end), results.json and results.md; per dataset and run the head roles
 (<dataset>/roles/<run>/roles.json, roles.txt, roles.png, masks.png); at the top summary.json
 and summary.md. A run is complete when its results.json exists; summary.md is written when
-every run is.
+every run is. The call that writes a folder holds <output>/.lock; a --roles file is copied to
+roles_file.json, and settings.json records the SHA-256 of the weights, BPE and roles files.
 
 Layer numbers: the paper counts from 1 ("J = 9"); so do --first-layer and every printed line.
 """
