@@ -391,7 +391,8 @@ def settings_for_resume(args: argparse.Namespace) -> Dict[str, object]:
     stored_as = {"dataset": lambda v: _dataset_names(v, saved["protocol"], saved["source"]),
                  "source": lambda v: v.strip().lower().replace("-", "_"), "augment": lambda v: v == "on",
                  "roles": _role_choices, "method": lambda v: list(dict.fromkeys(v)),
-                 "seeds": lambda v: list(dict.fromkeys(v)), "shots": lambda v: list(dict.fromkeys(v))}
+                 "seeds": lambda v: list(dict.fromkeys(v)), "shots": lambda v: list(dict.fromkeys(v)),
+                 "fusion": lambda v: list(dict.fromkeys(v))}
     for key, value in _given(args).items():
         if key in ("resume", "eval_only"):
             continue
