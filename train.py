@@ -50,12 +50,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import hashlib
 import json
 import math
 import os
 import platform
-import shutil
 import sys
 import tempfile
 import time
@@ -715,26 +713,19 @@ def load_role_file(path: str) -> dear.RoleMap:
                          "written by the head analysis") from None
 
 
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def input_fingerprints(weights: str, tokenizer: clip_model.SimpleTokenizer, role_file: Optional[str]) -> dict:
     """SHA-256 of every input file that decides the result but is named as a place (--weights,
     --bpe, a --roles file): another file at the same place, or the same file elsewhere, is
     told apart by its content. A named model is its published file, whose SHA-256 clip_model
     checks on every load (the last part of its URL's path)."""
+    sha256 = clip_model._sha256  # noqa: SLF001 -- one file hasher for the project (clip_model's)
     if role_file is not None and not os.path.isfile(role_file):  # resumed after the file was moved
         raise TrainError(f"--roles {role_file}: no such file; put it back (the run folder keeps a copy, "
                          "roles_file.json)")
     named = clip_model._MODELS.get(weights)  # noqa: SLF001 -- the published checksums
-    return dict(weights=named.split("/")[-2] if named else file_sha256(weights),
-                bpe=file_sha256(tokenizer.bpe_path),
-                roles_file=file_sha256(role_file) if role_file else None)
+    return dict(weights=named.split("/")[-2] if named else sha256(weights),
+                bpe=sha256(tokenizer.bpe_path),
+                roles_file=sha256(role_file) if role_file else None)
 
 
 def role_file_of(settings: dict) -> Optional[str]:

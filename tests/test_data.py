@@ -420,43 +420,44 @@ def test_corrupt_few_shot_cache_is_rebuilt_not_trusted(pets_root, corruption):
     assert json.loads(cache.read_text())["fingerprint"]  # rewritten as a valid cache
 
 
-def test_few_shot_cache_naming_images_outside_the_split_is_rebuilt(pets_root):
+def edited_cache_is_rebuilt(pets_root, edit, warning: str) -> None:
+    """Write a 2-shot cache, edit its JSON with edit(stored), read again: the edit is noticed
+    (a DatasetWarning matching `warning`) and the draw is the fresh one, not the edited one."""
     fresh = load_dataset("oxford_pets", pets_root, num_shots=2)
     cache = Path(data.fewshot_cache_path(fresh.dataset_dir, 2, 1))
     stored = json.loads(cache.read_text())
-    stored["train"][0][0] = "images/not_in_the_split.jpg"
+    edit(stored)
     cache.write_text(json.dumps(stored))
-    with pytest.warns(DatasetWarning, match="which the split does not have"):
+    with pytest.warns(DatasetWarning, match=warning):
         rebuilt = load_dataset("oxford_pets", pets_root, num_shots=2)
     assert rebuilt.train == fresh.train
+
+
+def test_few_shot_cache_naming_images_outside_the_split_is_rebuilt(pets_root):
+    def edit(stored):
+        stored["train"][0][0] = "images/not_in_the_split.jpg"
+
+    edited_cache_is_rebuilt(pets_root, edit, "which the split does not have")
 
 
 def test_few_shot_cache_with_wrong_counts_per_class_is_rebuilt(pets_root):
-    fresh = load_dataset("oxford_pets", pets_root, num_shots=2)
-    cache = Path(data.fewshot_cache_path(fresh.dataset_dir, 2, 1))
-    stored = json.loads(cache.read_text())
-    stored["train"][1] = stored["train"][0]  # class 0: one image twice instead of two images
-    cache.write_text(json.dumps(stored))
-    with pytest.warns(DatasetWarning, match=r"min\(2, available\) distinct images per class"):
-        rebuilt = load_dataset("oxford_pets", pets_root, num_shots=2)
-    assert rebuilt.train == fresh.train
+    def edit(stored):
+        stored["train"][1] = stored["train"][0]  # class 0: one image twice instead of two images
+
+    edited_cache_is_rebuilt(pets_root, edit, r"min\(2, available\) distinct images per class")
 
 
 def test_edited_few_shot_cache_is_rebuilt_even_when_every_entry_is_plausible(pets_root):
     # One cached image swapped for another of the same class: in the split, right count per
     # class, no repeats -- only the content fingerprint can tell.
-    fresh = load_dataset("oxford_pets", pets_root, num_shots=2)
-    cache = Path(data.fewshot_cache_path(fresh.dataset_dir, 2, 1))
-    stored = json.loads(cache.read_text())
-    chosen = {entry[0] for entry in stored["train"]}
-    other = next(entry for entry in json.loads((pets_root / "oxford_pets" / "split_zhou_OxfordPets.json")
-                                               .read_text())["train"]
-                 if entry[1] == stored["train"][0][1] and "images/" + entry[0] not in chosen)
-    stored["train"][0] = ["images/" + other[0], other[1], other[2]]
-    cache.write_text(json.dumps(stored))
-    with pytest.warns(DatasetWarning, match="was edited after it was written"):
-        rebuilt = load_dataset("oxford_pets", pets_root, num_shots=2)
-    assert rebuilt.train == fresh.train
+    def edit(stored):
+        chosen = {entry[0] for entry in stored["train"]}
+        other = next(entry for entry in json.loads((pets_root / "oxford_pets" / "split_zhou_OxfordPets.json")
+                                                   .read_text())["train"]
+                     if entry[1] == stored["train"][0][1] and "images/" + entry[0] not in chosen)
+        stored["train"][0] = ["images/" + other[0], other[1], other[2]]
+
+    edited_cache_is_rebuilt(pets_root, edit, "was edited after it was written")
 
 
 def test_few_shot_cache_of_a_changed_split_is_rebuilt(pets_root):
