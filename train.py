@@ -467,6 +467,8 @@ def settings_from_run_folder(args: argparse.Namespace) -> Dict[str, object]:
 # ------------------------------------------------------------------------------------------
 # 2. Device and processes
 # ------------------------------------------------------------------------------------------
+# Where the tensors live, and how many processes share the work. Decided once per call;
+# everything below asks the Runtime (device, rank, autocast dtype) instead of deciding again.
 
 
 @dataclass
@@ -545,6 +547,8 @@ def _sum_over_processes(values: List[float], runtime: Runtime) -> List[float]:
 # ------------------------------------------------------------------------------------------
 # 3. Data: what each protocol trains on and tests on (docs/METHOD.md Sec. 6)
 # ------------------------------------------------------------------------------------------
+# A call is a list of Jobs (a table row x dataset x seed x shots). Each job trains on one
+# few-shot draw and is tested on its protocol's sets, each set with its own class list.
 
 
 @dataclass
@@ -688,6 +692,9 @@ def split_key(job: Job) -> tuple:
 # ------------------------------------------------------------------------------------------
 # 4. Model: CLIP, head roles, DeAR
 # ------------------------------------------------------------------------------------------
+# The frozen CLIP and its tokenizer are read once per call (open_inputs); each DeAR run
+# then gets its head roles (analysed on its own training images, a file, or an ablation)
+# and its own learnable tokens on top of the shared CLIP (build_dear).
 
 
 def load_clip(settings: dict, runtime: Runtime):
@@ -915,6 +922,8 @@ def toy_causal_check(inputs: Inputs, role_map: dear.RoleMap, folder: str, log) -
 # ------------------------------------------------------------------------------------------
 # 5. Optimizer and schedule
 # ------------------------------------------------------------------------------------------
+# Dassl's (CoOp's) schedule, which MMRL and so DeAR's recipe use: set once per epoch, not
+# per step, so a resumed epoch starts at exactly the learning rate an unbroken run had.
 
 
 def learning_rate(settings: dict, epoch: int) -> float:
@@ -936,6 +945,8 @@ def grad_scaler(enabled: bool):
 # ------------------------------------------------------------------------------------------
 # 6. Evaluation
 # ------------------------------------------------------------------------------------------
+# Top-1 accuracy. DeAR gives two kinds of logits in one pass (fused, and the class branch
+# alone); the fusion mode decides per test set which one is reported (logits_used).
 
 
 def logits_used(eval_set: EvalSet, fusion: str) -> str:
@@ -1257,15 +1268,15 @@ def markdown(summary: dict, settings: dict) -> str:
 # ------------------------------------------------------------------------------------------
 # 9. The run folder: files written whole, checkpoints, the lock
 # ------------------------------------------------------------------------------------------
+# The plumbing that makes a run folder trustworthy: every file is written to a temporary
+# name and renamed (a reader never sees half a file), a checkpoint or results.json is
+# accepted only with the settings of this run, and one process at a time writes a folder.
 
-CHECKPOINT_FORMAT = "dear-from-scratch checkpoint, version 1"
-
-
-# Every file of a run is written to a temporary name and renamed (dear.atomic_write): a
-# reader never sees half a file, and a run killed mid-write keeps its previous checkpoint.
+CHECKPOINT_FORMAT = "dear-from-scratch checkpoint, version 1"  # checked on load: not some other .pt
 
 
 def write_text(path: str, text: str) -> None:
+    # clip_model.atomic_write (dear.py re-exports it): a run killed mid-write keeps the old file.
     dear.atomic_write(path, lambda tmp: open(tmp, "w", encoding="utf-8").write(text))
 
 
