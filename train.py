@@ -592,7 +592,7 @@ def table_rows(settings: dict) -> Dict[str, tuple]:
     """{table row: (job row, fusion mode)}: zero-shot; each --roles row under the first
     --fusion mode; the DeAR row (analysed or a file) once more under every further mode.
     Rows under "everywhere" get the suffix EVERYWHERE; all come from the same trained runs."""
-    fusion = settings.get("fusion") or ["adaptive"]
+    fusion = settings["fusion"]
     rows = {"zeroshot": ("zeroshot", None)}
     for roles in settings["roles"]:
         for mode in (fusion if roles not in ROLE_ABLATIONS else fusion[:1]):

@@ -253,7 +253,8 @@ def test_fewshot_cross_and_dg_write_the_paper_shaped_tables(world, tmp_path):
 
 
 def test_summary_takes_hm_of_the_averages_as_the_paper_does():
-    settings = dict(protocol="base2novel", dataset=["a", "b"], roles=["analyse"], seeds=[1], shots=[16])
+    settings = dict(protocol="base2novel", dataset=["a", "b"], roles=["analyse"], fusion=["adaptive"],
+                    seeds=[1], shots=[16])
     results = [dict(job=dict(dataset=d, row="dear", shots=16), metrics=dict(base=b, novel=n))
                for d, b, n in (("a", 90.0, 10.0), ("b", 50.0, 50.0))]
     summary = train.summarise(settings, results)
