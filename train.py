@@ -697,13 +697,14 @@ def split_key(job: Job) -> tuple:
 # and its own learnable tokens on top of the shared CLIP (build_dear).
 
 
-def load_clip(settings: dict, runtime: Runtime):
-    """-> (frozen CLIP on the device, tokenizer). Errors are one line (clip_model.CLIPFileError)."""
-    clip, _ = clip_model.load(settings["weights"], device=runtime.device, head_width=settings["head_width"])
-    tokenizer = clip_model.SimpleTokenizer(settings["bpe"])
+def load_clip(files: dict, runtime: Runtime):
+    """files (weights, head_width, bpe) -> (frozen CLIP on the device, tokenizer). Errors are one line
+    (clip_model.CLIPFileError)."""
+    clip, _ = clip_model.load(files["weights"], device=runtime.device, head_width=files["head_width"])
+    tokenizer = clip_model.SimpleTokenizer(files["bpe"])
     if tokenizer.vocab_size != clip.token_embedding.num_embeddings:  # ids past the table, or other words
         raise TrainError(f"--bpe {tokenizer.bpe_path}: gives a vocabulary of {tokenizer.vocab_size} tokens, the "
-                         f"model {settings['weights']} has {clip.token_embedding.num_embeddings}; pass the BPE "
+                         f"model {files['weights']} has {clip.token_embedding.num_embeddings}; pass the BPE "
                          "file the model was trained with")
     return clip.eval().requires_grad_(False), tokenizer
 
