@@ -88,15 +88,15 @@ import dear
 
 @dataclass(frozen=True)
 class Recipe:
-    """How one dataset trains (docs/METHOD.md Sec. 7: MMRL's recipe, the closest public
-    relative of DeAR; the paper gives none). The field defaults are the recipe of most of
-    the paper's datasets; each field is the default of the flag of the same name."""
+    """How one dataset trains (docs/METHOD.md Sec. 7: where the paper is silent, MMRL's
+    recipe, the closest public relative of DeAR). The field defaults are the recipe of most
+    of the paper's datasets; each field is the default of the flag of the same name."""
 
     epochs: int = 10  # training epochs, the warm-up epoch included
     batch_size: int = 4  # images per step (per process under torchrun)
     lr: float = 1e-3  # AdamW's learning rate after the warm-up epoch, then cosine decay
     shots: int = 16  # training images per class (every protocol but fewshot, which sweeps)
-    lambda_reg: float = 1.0  # weight of the self-regularisation loss (paper Eq. 10)
+    lambda_reg: float = 1.0  # weight of the self-regularisation loss (docs/METHOD.md Sec. 5)
     lambda_fusion: float = 0.1  # weight of the fusion-weight regularisation loss
     beta: float = 0.5  # each layer's fresh tokens against the previous layer's output tokens
     first_layer: str = "auto"  # J, 1-based as in the paper; auto = first of the last four layers
@@ -752,7 +752,8 @@ def analysed_layers(clip: clip_model.CLIP) -> int:
     return min(4, len(clip.visual.transformer.resblocks))  # DeAR analyses the last four
 
 
-def role_map_for(choice: str, clip: clip_model.CLIP, attributes: List[str], analysed: Optional[dear.RoleMap]) -> dear.RoleMap:
+def role_map_for(choice: str, clip: clip_model.CLIP, attributes: List[str],
+                 analysed: Optional[dear.RoleMap]) -> dear.RoleMap:
     """A RoleMap for --roles CHOICE: the analysis of this call, an ablation, or a file."""
     vision_layers = len(clip.visual.transformer.resblocks)
     heads = clip.visual.transformer.heads
@@ -798,18 +799,19 @@ def open_inputs(settings: dict, runtime: Runtime) -> Inputs:
         assets = toyworld.prepare(settings["toy_scale"], log=runtime.log)
         # A new run takes the cache's files (--weights, --bpe, --head-width are refused with
         # toyworld); a resumed one keeps the files it was made with (their content is checked).
-        files = dict(root=_default(files["root"], assets.data_root), weights=_default(files["weights"], assets.weights),
-                     head_width=_default(files["head_width"], assets.head_width), bpe=_default(files["bpe"], assets.bpe))
+        found = dict(root=assets.data_root, weights=assets.weights, head_width=assets.head_width, bpe=assets.bpe)
+        files = {key: _default(value, found[key]) for key, value in files.items()}
         attributes, bank = list(assets.attributes), list(assets.bank)
 
     clip, tokenizer = load_clip(files, runtime)
     fingerprints = input_fingerprints(files["weights"], tokenizer, role_file_of(settings))
-    if settings["resume"] or settings["eval_only"]:  # the files may have moved (places may change), not changed
+    if settings["resume"] or settings["eval_only"]:  # the files may have moved (a place may change), not changed
         for key, flag in (("weights", f"--weights {files['weights']}"), ("bpe", f"--bpe {tokenizer.bpe_path}"),
                           ("roles_file", f"--roles {role_file_of(settings)}")):
             now, then = fingerprints[key], settings["fingerprints"].get(key)
             if now != then:
-                copy = f" (a copy is {os.path.join(settings['output'], 'roles_file.json')})" if key == "roles_file" else ""
+                copy = (f" (a copy is {os.path.join(settings['output'], 'roles_file.json')})"
+                        if key == "roles_file" else "")
                 raise TrainError(f"{flag}: not the file this run was made with (SHA-256 {str(now)[:12]}... now, "
                                  f"{str(then)[:12]}... then); resume with the original file{copy}, or start a "
                                  "new run with another --output")
