@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("DeAR")
     g.add_argument("--first-layer", type=int, help="J, the first vision and text layer with learnable "
-                   "tokens, 1-based as in the paper")
+                   "tokens, 1-based as in the paper; auto = the first of the last four layers")
     g.add_argument("--beta", type=float, help="weight of each layer's fresh tokens against the previous "
                    "layer's output tokens, in [0, 1]")
     g.add_argument("--text-tokens", type=int, help="K, learnable tokens inserted in the text tower")
