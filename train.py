@@ -57,6 +57,7 @@ import platform
 import sys
 import tempfile
 import time
+import types
 import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -1467,7 +1468,8 @@ def run(settings: dict, stack: contextlib.ExitStack) -> int:
 
     runtime = setup_runtime(settings)  # 2. device (and processes, under torchrun)
     inputs = open_inputs(settings, runtime)  # 4. model: CLIP, tokenizer, the toy world, checked
-    settings = dict(settings, **inputs.files)  # the files' places and SHA-256: now complete
+    # The files' places and SHA-256 complete the settings; read-only from here on.
+    settings = types.MappingProxyType(dict(settings, **inputs.files))
     lists = read_data(settings, jobs)  # 3. data: every list read, every listed image checked
 
     if runtime.main and fresh:  # from here on the run folder exists
