@@ -358,6 +358,7 @@ def test_causal_check_returns_a_well_formed_table(mini_model):
     assert set(groups) == {"all attribute heads", "all generalization heads", "colour heads (entropy)"}
     assert groups["colour heads (entropy)"]["log_prob_drops"] == result["heads"][0]["log_prob_drops"]
     assert groups["all generalization heads"]["agrees"] == (groups["all generalization heads"]["singled_out"] is None)
+    assert groups["colour heads (entropy)"]["agrees"] == (groups["colour heads (entropy)"]["singled_out"] == "colour")
     assert groups["all attribute heads"]["agrees"] is None and result["groups_scored"] == 2
     for attribute, best in result["best_per_attribute"].items():  # the most selective unit, by its margin
         margins = [causal._selectivity(unit["log_prob_drops"], attribute) for unit in result["heads"] + result["groups"]]
