@@ -355,7 +355,12 @@ def test_causal_check_returns_a_well_formed_table(mini_model):
     # Groups: one per role present and one per attribute concept entropy names; a group of one
     # head is that head's ablation, so its drops are the head's.
     groups = {group["name"]: group for group in result["groups"]}
-    assert set(groups) == {"all attribute heads", "all generalization heads", "colour heads (entropy)"}
+    assert {name for name in groups if "(ablation)" not in name} == {
+        "all attribute heads", "all generalization heads", "colour heads (entropy)"}
+    for attribute in world.ATTRIBUTES:  # ablation's own groups: heads whose removal costs it most
+        expected = [(row["layer"], row["head"]) for row in result["heads"]
+                    if causal._selectivity(row["log_prob_drops"], attribute) > 0]
+        assert groups.get(f"{attribute} heads (ablation)", {"heads": []})["heads"] == expected
     assert groups["colour heads (entropy)"]["log_prob_drops"] == result["heads"][0]["log_prob_drops"]
     assert groups["all generalization heads"]["agrees"] == (groups["all generalization heads"]["singled_out"] is None)
     assert groups["colour heads (entropy)"]["agrees"] == (groups["colour heads (entropy)"]["singled_out"] == "colour")

@@ -200,9 +200,17 @@ def causal_check(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer, r
     scored = [row for row in rows if row["agrees"] is not None]
     rate = sum(row["agrees"] for row in scored) / len(scored) if scored else None
 
-    # The same for groups of heads removed together.
+    # The same for groups of heads removed together: the groups concept entropy defines, and,
+    # per attribute, the heads whose own ablation costs it more than any other attribute (the
+    # group ablation itself would name; not scored, it is the yardstick).
+    by_ablation = []
+    for attribute in attributes:
+        members = [(row["layer"], row["head"]) for row in rows
+                   if _selectivity(row["log_prob_drops" if measure == "log_prob" else "drops"], attribute) > 0]
+        if members:
+            by_ablation.append({"name": f"{attribute} heads (ablation)", "heads": members, "expects": "-"})
     groups = []
-    for group in head_groups(role_map, attributes):
+    for group in head_groups(role_map, attributes) + by_ablation:
         with ablate_heads(clip, group["heads"], means):
             ablated = zero_shot_scores(clip, images, scenes, text)
         drops = {name: baseline[name]["accuracy"] - ablated[name]["accuracy"] for name in attributes}

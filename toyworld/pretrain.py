@@ -4,14 +4,14 @@ in a cache in OpenAI's formats.
 
 What this file holds, top to bottom:
 
-    1. configurations ...... PretrainConfig and the two scales: "full" (the lab: 32x32 images,
-                             4+3 layers, ~1.4M parameters, ~9 minutes) and "miniature" (CI)
+    1. configurations ...... PretrainConfig and the two scales: "full" (the lab: 48x48 images,
+                             4+3 layers of 8 heads, ~1.6M parameters, ~11 minutes) and "miniature" (CI)
     2. data ................ images drawn fresh every batch, normalised exactly as data.py's
                              test_transform normalises a saved PNG, with their captions
     3. zero-shot ........... per-attribute accuracy with partial-caption prompts
                              ("a photo of a red object" vs "... blue object" ...)
     4. the loss ............ CLIP's symmetric InfoNCE with a learnable, clamped temperature
-    5. the training loop ... AdamW, warm-up then cosine, progress lines, a time and step budget
+    5. the training loop ... AdamW, warm-up then cosine, progress lines, a fixed step budget
     6. the cache ........... <cache>/toyworld/<config name>/{clip.pt, bpe.txt.gz, config.json},
                              checked before it is trusted, rebuilt when it is not
 
@@ -21,7 +21,7 @@ plain `state_dict()` of `clip_model.CLIP` -- OpenAI's key names -- so train.py l
 `clip_model.SimpleTokenizer(bpe_path)`. Nothing downstream knows the model is a toy.
 
 Try it:  python -m toyworld.pretrain --scale miniature      (a few seconds)
-         python -m toyworld.pretrain --scale full           (about 9 minutes on 2 cores)
+         python -m toyworld.pretrain --scale full           (about 11 minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -57,17 +57,19 @@ CACHE_FORMAT = "dear-from-scratch toy CLIP cache, version 1"
 class PretrainConfig:
     name: str  # the cache folder's name
     # -- the model (clip_model.CLIP's constructor arguments, less the vocabulary) --
-    image_size: int = 32  # pixels; the toy world draws at this size, no resizing anywhere
-    # 32 / 8 = a 4 x 4 grid of patches + CLS = 17 tokens. Patch 4 (65 tokens) learned colour
-    # and texture about as fast per image but ran 2.3x fewer images per second on 2 CPU
-    # cores (~220 vs ~480), so patch 8 sees ~240k images in the 9-minute budget. It also
-    # keeps DeAR's downstream runs on this model cheap.
-    patch_size: int = 8
+    image_size: int = 48  # pixels; the toy world draws at this size, no resizing anywhere
+    # 48 / 12 = a 4 x 4 grid of patches + CLS = 17 tokens, the same sequence as 32 px with
+    # patch 8, so the transformer costs the same; only the patch embedding and the renderer
+    # grow (about +7% per step). The extra pixels are for shape: at 32 px a small star was
+    # 8 pixels across and shape zero-shot stayed near 70%.
+    patch_size: int = 12
     vision_width: int = 128
     vision_layers: int = 4
     text_width: int = 128
     text_layers: int = 3
-    head_width: int = 32  # both towers: width / head_width heads (128 / 32 = 4)
+    # Both towers: width / head_width heads. 8 heads of 16 rather than 4 of 32: more, narrower
+    # heads leave each head room for fewer things, which is what lets some specialise.
+    head_width: int = 16
     embed_dim: int = 128
     context_length: int = 24  # the longest caption is 17 tokens + start and end
     # -- the optimisation --
@@ -78,7 +80,7 @@ class PretrainConfig:
     # A fixed number of steps, never a clock: the same settings give the same model on every
     # machine (with the same torch build), however busy or slow it is; a slow machine only
     # takes longer, and the progress lines say how much longer.
-    max_steps: int = 8000
+    max_steps: int = 3200
     # One thread, fixed for the build and restored afterwards. The result must not depend on
     # the machine's core count, and one thread is also the fastest choice on a shared machine:
     # measured on 2 cores, 2 threads ran 466 images/s alone but 45 images/s next to one
@@ -86,8 +88,8 @@ class PretrainConfig:
     # and 201.
     threads: int = 1
     # Share of each batch drawn as "twins": pairs of scenes identical but for one core
-    # attribute (see twin_scenes). 0 = every scene drawn independently.
-    twin_share: float = 0.0
+    # attribute (see training_scenes). 0 = every scene drawn independently.
+    twin_share: float = 0.5
     position_init_std: float = 0.25  # image positional embedding init (OpenAI: width**-0.5); see build_clip
     bf16: bool = False  # bf16 autocast on CPU: measured slower than fp32 here (see README)
     # -- bookkeeping --
@@ -107,7 +109,7 @@ CONFIGS = {
     # almost nothing; it exists so every code path runs in seconds.
     "miniature": PretrainConfig(
         "miniature", image_size=16, patch_size=4, vision_width=64, vision_layers=2, text_width=64,
-        text_layers=1, head_width=32, embed_dim=64, batch_size=32, warmup_steps=5, max_steps=30,
+        text_layers=1, head_width=32, twin_share=0.0, embed_dim=64, batch_size=32, warmup_steps=5, max_steps=30,
         eval_images=64, eval_every=15, log_every=10),
 }
 

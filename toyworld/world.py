@@ -141,8 +141,8 @@ STYLES = {
 
 # The object's radius range per size word (a fraction of the image side), and how dark the
 # texture's pattern is (a factor on the object's colour).
-RADIUS = {"small": (0.12, 0.15), "large": (0.18, 0.22)}
-PATTERN_SHADE = 0.35
+RADIUS = {"small": (0.15, 0.17), "large": (0.19, 0.23)}
+PATTERN_SHADE = 0.5
 
 
 def _shape_mask(shape: str, u: np.ndarray, v: np.ndarray) -> np.ndarray:
