@@ -14,10 +14,11 @@ What this file holds, bottom-up (each part only uses the parts above it):
     7. analysis ............... head_contributions: the image embedding as an exact sum of
                                 direct contributions, one per attention head (TextSpan)
 
-How it fits the project: this file imports nothing from the project, so it can be copied
-out alone. `dear.py` builds the DeAR method on top of it (it reuses the blocks, the per-head
-mask argument of the attention and `head_contributions`); `train.py` calls `load` and
-`tokenize`. The method spec is `../shared/DESIGN.md`; this file is its section 2.
+How it fits the project: this file imports only torch, torchvision, ftfy and regex, so it
+can be copied out alone (into any folder or package). `dear.py` builds the DeAR method on top
+of it (it reuses the blocks, the per-head mask argument of the attention and
+`head_contributions`). The project's method notes are docs/METHOD.md in the repository
+(dear-from-scratch); this file is their section "CLIP".
 
 Why write CLIP out instead of importing it: DeAR (Ma et al., CVPR 2026) works *per attention
 head*. It measures what each head of the last vision layers contributes (Sec. 3.2) and then
@@ -30,8 +31,12 @@ strict load is itself a check that the architecture is right.
 
 Conventions: float32, batch-first. Shapes are written as
     B = batch, N = tokens, C = width (channels), H = heads, D = head_dim = C // H, E = embed dim.
-Mixed precision, where wanted, is an autocast context in the caller (train.py), never a
-conversion baked into the model.
+Mixed precision, where wanted, is an autocast context in the caller, never a conversion
+baked into the model.
+
+Files and environment: downloads are cached in $CLIP_CACHE_DIR (default
+~/.cache/clip-from-scratch); $CLIP_BPE_PATH names a BPE merges file. The older names
+$DEAR_CACHE_DIR / $DEAR_BPE_PATH and ~/.cache/dear-from-scratch still work.
 
 Try it (needs a checkpoint; with no network pass a local file):
 
@@ -60,7 +65,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-class CLIPFileError(RuntimeError):
+class CLIPError(ValueError):
+    """Bad input to this module: an argument (named in the message) out of range or of the
+    wrong shape. The message is one line that says what to do, so a command-line program can
+    print it as it is and exit. (Raised instead of `assert`, which `python -O` removes.)"""
+
+
+class CLIPFileError(CLIPError, RuntimeError):
     """A checkpoint or BPE file that cannot be found, fetched or read.
 
     The message is always one line that names the file (or model name) and says what to do,
@@ -93,6 +104,11 @@ class QuickGELU(nn.Module):
         return x * torch.sigmoid(1.702 * x)
 
 
+# open_clip's models without "-quickgelu" in their name (and LAION's weights for them) use the
+# exact GELU; a checkpoint cannot tell which one it was trained with (neither has parameters).
+ACTIVATIONS = {"quick_gelu": QuickGELU, "gelu": nn.GELU}
+
+
 class AttentionDetails(NamedTuple):
     """What an attention layer can hand back for teaching and analysis.
 
@@ -110,7 +126,7 @@ class MultiHeadAttention(nn.Module):
 
     Why not `nn.MultiheadAttention`: it does the per-head split internally and takes one
     mask per sample, while DeAR needs a different mask for every head (the role-based
-    mask, DESIGN.md Sec. 4) and per-head outputs for the head analysis. The parameter names
+    mask) and per-head outputs for the head analysis. The parameter names
     are `nn.MultiheadAttention`'s (`in_proj_weight`, `in_proj_bias`, `out_proj`), because
     those are the keys in OpenAI's checkpoints.
 
@@ -123,7 +139,8 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, width: int, heads: int):
         super().__init__()
-        assert width % heads == 0, f"width {width} is not divisible by heads {heads}"
+        if heads < 1 or width % heads:
+            raise CLIPError(f"width {width} does not split into heads={heads} equal heads; pass a divisor of it")
         self.width, self.heads, self.head_dim = width, heads, width // heads
         # q, k and v projections stacked into one matrix, as OpenAI (and nn.MultiheadAttention)
         # store them: rows [0:C] make q, [C:2C] make k, [2C:3C] make v.
@@ -134,9 +151,8 @@ class MultiHeadAttention(nn.Module):
 
     def _check_mask(self, attn_mask: torch.Tensor, B: int, N: int) -> torch.Tensor:
         """Validate an additive mask and bring it to a shape that broadcasts to (B, H, N, N)."""
-        assert attn_mask.is_floating_point(), (
-            f"attn_mask must be an additive float mask (0 / -inf), got dtype {attn_mask.dtype}"
-        )
+        if not attn_mask.is_floating_point():
+            raise CLIPError(f"attn_mask must be an additive float mask (0 / -inf), got dtype {attn_mask.dtype}")
         H = self.heads
         if attn_mask.dim() == 2:
             expected = (N, N)
@@ -146,10 +162,9 @@ class MultiHeadAttention(nn.Module):
             expected = (B, H, N, N)
         else:
             expected = None
-        assert expected is not None and tuple(attn_mask.shape) == expected, (
-            f"attn_mask has shape {tuple(attn_mask.shape)}; expected (N, N), (H, N, N) or "
-            f"(B, H, N, N) with B={B}, H={H}, N={N}"
-        )
+        if expected is None or tuple(attn_mask.shape) != expected:
+            raise CLIPError(f"attn_mask has shape {tuple(attn_mask.shape)}; expected (N, N), (H, N, N) or "
+                            f"(B, H, N, N) with B={B}, H={H}, N={N}")
         return attn_mask if attn_mask.dim() != 3 else attn_mask.unsqueeze(0)  # (1, H, N, N)
 
     def forward(
@@ -196,18 +211,21 @@ class MultiHeadAttention(nn.Module):
 class ResidualAttentionBlock(nn.Module):
     """A pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)).
 
-    The MLP is c_fc (C -> 4C), QuickGELU, c_proj (4C -> C); the names are OpenAI's.
+    The MLP is c_fc (C -> 4C), QuickGELU (OpenAI) or GELU (`activation="gelu"`, open_clip's
+    plain models), c_proj (4C -> C); the names are OpenAI's.
     """
 
-    def __init__(self, width: int, heads: int):
+    def __init__(self, width: int, heads: int, activation: str = "quick_gelu"):
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise CLIPError(f"activation={activation!r}; use one of {', '.join(map(repr, ACTIVATIONS))}")
         self.attn = MultiHeadAttention(width, heads)
         self.ln_1 = nn.LayerNorm(width)
         self.mlp = nn.Sequential(
             OrderedDict(
                 [
                     ("c_fc", nn.Linear(width, width * 4)),
-                    ("gelu", QuickGELU()),
+                    ("gelu", ACTIVATIONS[activation]()),
                     ("c_proj", nn.Linear(width * 4, width)),
                 ]
             )
@@ -225,10 +243,10 @@ class Transformer(nn.Module):
     the state-dict keys `resblocks.<i>.` are the same) so callers can run any slice of
     layers with a mask of their own, as dear.py does from layer J on."""
 
-    def __init__(self, width: int, layers: int, heads: int):
+    def __init__(self, width: int, layers: int, heads: int, activation: str = "quick_gelu"):
         super().__init__()
         self.width, self.layers, self.heads = width, layers, heads
-        self.resblocks = nn.ModuleList([ResidualAttentionBlock(width, heads) for _ in range(layers)])
+        self.resblocks = nn.ModuleList([ResidualAttentionBlock(width, heads, activation) for _ in range(layers)])
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         for block in self.resblocks:
@@ -247,15 +265,14 @@ class VisionTransformer(nn.Module):
     The image is cut into (R/P)^2 patches of P x P pixels, each linearly embedded (a conv
     with stride P and no bias); a learnable class token is put in front, positions are
     added, and after the transformer the class token's final state, through ln_post and
-    the projection `proj` (C -> E), is the image embedding.
+    the projection `proj` (C -> E), is the image embedding (`to_embedding`).
     """
 
     def __init__(self, *, input_resolution: int, patch_size: int, width: int, layers: int,
-                 heads: int, output_dim: int):
+                 heads: int, output_dim: int, activation: str = "quick_gelu"):
         super().__init__()
-        assert input_resolution % patch_size == 0, (
-            f"input resolution {input_resolution} is not a multiple of patch size {patch_size}"
-        )
+        if input_resolution % patch_size:
+            raise CLIPError(f"image_resolution {input_resolution} is not a multiple of the patch size {patch_size}")
         self.input_resolution, self.patch_size = input_resolution, patch_size
         self.grid_size = input_resolution // patch_size
         scale = width**-0.5
@@ -263,17 +280,18 @@ class VisionTransformer(nn.Module):
         self.class_embedding = nn.Parameter(scale * torch.randn(width))
         self.positional_embedding = nn.Parameter(scale * torch.randn(self.grid_size**2 + 1, width))
         self.ln_pre = nn.LayerNorm(width)
-        self.transformer = Transformer(width, layers, heads)
+        self.transformer = Transformer(width, layers, heads, activation)
         self.ln_post = nn.LayerNorm(width)
         self.proj = nn.Parameter(scale * torch.randn(width, output_dim))
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         """Images (B, 3, R, R) -> the token sequence that enters layer 0, (B, 1 + G*G, C)."""
+        if images.dim() != 4 or images.shape[1] != 3:
+            raise CLIPError(f"images have shape {tuple(images.shape)}; expected (B, 3, R, R)")
         B, _, height, width = images.shape
-        assert height == width == self.input_resolution, (
-            f"images are {height}x{width}; this model expects "
-            f"{self.input_resolution}x{self.input_resolution} (use the model's preprocess)"
-        )
+        if not height == width == self.input_resolution:
+            raise CLIPError(f"images are {height}x{width}; this model expects "
+                            f"{self.input_resolution}x{self.input_resolution} (use the model's preprocess)")
         x = self.conv1(images)  # (B, C, G, G): one C-vector per patch
         x = x.flatten(2).transpose(1, 2)  # (B, G*G, C): patches in row-major order
         cls = self.class_embedding.to(x.dtype).expand(B, 1, -1)  # (B, 1, C)
@@ -281,14 +299,15 @@ class VisionTransformer(nn.Module):
         x = x + self.positional_embedding.to(x.dtype)  # (B, N, C)
         return self.ln_pre(x)  # (B, N, C)
 
-    def head(self, cls_token: torch.Tensor) -> torch.Tensor:
-        """Final class-token state (B, C) -> image embedding (B, E)."""
+    def to_embedding(self, cls_token: torch.Tensor) -> torch.Tensor:
+        """Final class-token state (B, C) -> image embedding (B, E): ln_post, then proj.
+        (OpenAI writes these two lines inline; a name of their own lets dear.py reuse them.)"""
         return self.ln_post(cls_token) @ self.proj
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.embed(images)  # (B, N, C)
         x = self.transformer(x)  # (B, N, C)
-        return self.head(x[:, 0])  # (B, E)
+        return self.to_embedding(x[:, 0])  # (B, E)
 
 
 def causal_mask(num_tokens: int, device=None, dtype=torch.float32) -> torch.Tensor:
@@ -308,19 +327,22 @@ def causal_mask(num_tokens: int, device=None, dtype=torch.float32) -> torch.Tens
 class CLIP(nn.Module):
     """The two towers and the temperature. The text tower's parts sit at the top level
     (`token_embedding`, `positional_embedding`, `transformer`, `ln_final`,
-    `text_projection`) because that is where OpenAI's state dict has them."""
+    `text_projection`) because that is where OpenAI's state dict has them.
+
+    activation: "quick_gelu" (OpenAI's models) or "gelu" (open_clip's models without
+    "-quickgelu" in their name), in the MLPs of both towers."""
 
     def __init__(self, *, embed_dim: int, image_resolution: int, vision_layers: int,
                  vision_width: int, vision_patch_size: int, vision_heads: int,
                  context_length: int, vocab_size: int, transformer_width: int,
-                 transformer_heads: int, transformer_layers: int):
+                 transformer_heads: int, transformer_layers: int, activation: str = "quick_gelu"):
         super().__init__()
-        self.context_length = context_length
+        self.context_length, self.activation = context_length, activation
         self.visual = VisionTransformer(
             input_resolution=image_resolution, patch_size=vision_patch_size, width=vision_width,
-            layers=vision_layers, heads=vision_heads, output_dim=embed_dim,
+            layers=vision_layers, heads=vision_heads, output_dim=embed_dim, activation=activation,
         )
-        self.transformer = Transformer(transformer_width, transformer_layers, transformer_heads)
+        self.transformer = Transformer(transformer_width, transformer_layers, transformer_heads, activation)
         self.token_embedding = nn.Embedding(vocab_size, transformer_width)
         self.positional_embedding = nn.Parameter(torch.empty(context_length, transformer_width))
         self.ln_final = nn.LayerNorm(transformer_width)
@@ -330,7 +352,7 @@ class CLIP(nn.Module):
         self.initialize_parameters()
 
     def initialize_parameters(self) -> None:
-        """OpenAI's initialisation (used when training a CLIP from scratch, e.g. the toy world)."""
+        """OpenAI's initialisation (used when training a CLIP from scratch)."""
         nn.init.normal_(self.token_embedding.weight, std=0.02)
         nn.init.normal_(self.positional_embedding, std=0.01)
         for tower in (self.transformer, self.visual.transformer):
@@ -356,10 +378,12 @@ class CLIP(nn.Module):
         """Token ids (B, L) -> the sequence entering text layer 0, (B, L, C). L may be shorter
         than the context length (see `causal_mask`)."""
         L = text.shape[1]
-        assert L <= self.context_length, f"text has {L} tokens; context length is {self.context_length}"
+        if L > self.context_length:
+            raise CLIPError(f"text has {L} tokens; this model's context length is {self.context_length} "
+                            "(tokenize with context_length=model.context_length)")
         return self.token_embedding(text) + self.positional_embedding[:L]  # (B, L, C)
 
-    def text_head(self, x: torch.Tensor, eot_positions: torch.Tensor) -> torch.Tensor:
+    def text_to_embedding(self, x: torch.Tensor, eot_positions: torch.Tensor) -> torch.Tensor:
         """Final text states (B, L, C) -> text embedding (B, E), read at each end-of-text token."""
         x = self.ln_final(x)
         return x[torch.arange(x.shape[0], device=x.device), eot_positions] @ self.text_projection
@@ -373,7 +397,7 @@ class CLIP(nn.Module):
         """
         x = self.embed_text(text)  # (B, L, C)
         x = self.transformer(x, causal_mask(x.shape[1], x.device, x.dtype))  # (B, L, C)
-        return self.text_head(x, text.argmax(dim=-1))  # (B, E)
+        return self.text_to_embedding(x, text.argmax(dim=-1))  # (B, E)
 
     def forward(self, images: torch.Tensor, text: torch.Tensor):
         """Cosine similarities times the learned temperature, as OpenAI's forward:
@@ -399,8 +423,12 @@ _MODELS = {
     "b8cca3fd41ae0c99ba7e8951adf17d267cdb84cd88be6f7c2e0eca1737a03836/ViT-L-14.pt",
 }
 
-# Integers that OpenAI's TorchScript state dicts carry next to the tensors; not parameters.
-_METADATA_KEYS = ("input_resolution", "context_length", "vocab_size")
+# Entries that are not parameters. OpenAI's TorchScript state dicts carry the first three
+# next to the tensors. The last three are what no tensor shape can tell -- how each tower's
+# width splits into heads, and which activation the MLPs use -- and `save` writes them, so
+# that a file written by `save` loads right with no extra argument.
+_METADATA_KEYS = ("input_resolution", "context_length", "vocab_size",
+                  "vision_heads", "text_heads", "activation")
 
 
 def available_models() -> list:
@@ -409,21 +437,80 @@ def available_models() -> list:
 
 
 def default_cache_dir() -> str:
-    """Where downloaded files are kept: $DEAR_CACHE_DIR, else ~/.cache/dear-from-scratch."""
-    return os.environ.get("DEAR_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "dear-from-scratch"
-    )
+    """Where downloaded files are kept: $CLIP_CACHE_DIR, else ~/.cache/clip-from-scratch.
+
+    The older names still work: $DEAR_CACHE_DIR, and ~/.cache/dear-from-scratch when it
+    exists and the new folder does not (so an existing cache is not downloaded again)."""
+    for variable in ("CLIP_CACHE_DIR", "DEAR_CACHE_DIR"):
+        if os.environ.get(variable):
+            return os.environ[variable]
+    home_cache = os.path.join(os.path.expanduser("~"), ".cache")
+    new, old = os.path.join(home_cache, "clip-from-scratch"), os.path.join(home_cache, "dear-from-scratch")
+    return old if os.path.isdir(old) and not os.path.isdir(new) else new
 
 
-def build_model(state_dict: dict, head_width: int = 64) -> CLIP:
+def save(model: CLIP, path: str) -> None:
+    """Write `model` as a plain state dict in OpenAI's key format, plus three entries that no
+    tensor shape can tell: {"vision_heads": int, "text_heads": int, "activation": str}.
+
+    `load(path)` then rebuilds exactly this model with no extra argument; other readers of
+    OpenAI-format state dicts see three extra keys (OpenAI's own files carry extras too:
+    input_resolution, context_length, vocab_size). Written to a temporary name and renamed,
+    so a reader never sees half a file.
+    """
+    state = dict(model.state_dict())
+    state.update(vision_heads=model.visual.transformer.heads, text_heads=model.transformer.heads,
+                 activation=model.activation)
+    folder = os.path.dirname(os.path.abspath(path))
+    partial = os.path.join(folder, f".{os.path.basename(path)}.part{os.getpid()}")
+    try:
+        torch.save(state, partial)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
+def _heads(what: str, width: int, from_file, heads, head_width) -> int:
+    """How many heads one tower has: `heads`, else width // `head_width`, else what the file
+    says, else OpenAI's 64-channel heads. An argument that contradicts the file is an error:
+    it would build a different model from the one that was trained."""
+    if heads is None and head_width is not None:
+        if head_width < 1 or width % head_width:
+            raise CLIPFileError(f"the {what} width {width} is not a multiple of head_width={head_width}; "
+                                "pass the head_width the model was trained with")
+        heads = width // head_width
+    if heads is not None:
+        if from_file is not None and int(from_file) != heads:
+            raise CLIPFileError(f"the file says {what}_heads={int(from_file)}, the arguments ask for "
+                                f"{heads}; leave vision_heads/text_heads/head_width out to use the file's")
+        if heads < 1 or width % heads:
+            raise CLIPFileError(f"the {what} width {width} does not split into {what}_heads={heads} heads")
+        return heads
+    if from_file is not None:
+        return int(from_file)
+    if width % 64:
+        raise CLIPFileError(f"the {what} width {width} is not a multiple of 64 (OpenAI's head width); "
+                            "pass the head_width (or vision_heads/text_heads) the model was trained with")
+    return width // 64
+
+
+def build_model(state_dict: dict, head_width: Optional[int] = None, vision_heads: Optional[int] = None,
+                text_heads: Optional[int] = None, activation: Optional[str] = None) -> CLIP:
     """Build a CLIP whose shape matches `state_dict`, load the weights strictly, return it in
     eval mode and float32.
 
     Every dimension is read off a tensor (OpenAI's rule), so ViT-B/32, B/16, L/14 and any
-    small model saved with the same keys load through this one path. The only thing a state
-    dict cannot tell is how the width splits into heads: OpenAI's models all use heads of
-    64 channels, which is the default `head_width`.
+    small model saved with the same keys load through this one path. Two things no tensor
+    can tell, and that change every output when wrong:
+      * how each width splits into heads: the entries "vision_heads"/"text_heads" that
+        `save` writes, else the arguments (`vision_heads`, `text_heads`, or `head_width` for
+        both towers), else OpenAI's heads of 64 channels;
+      * the MLP activation: the entry "activation", else the argument, else "quick_gelu"
+        (OpenAI's). open_clip's models without "-quickgelu" in their name use "gelu".
+    Arguments that contradict the file's entries are refused.
     """
+    metadata = {k: state_dict[k] for k in _METADATA_KEYS if k in state_dict}
     state_dict = {k: v for k, v in state_dict.items() if k not in _METADATA_KEYS}
 
     if any(k.startswith("visual.layer1.") or k.startswith("visual.attnpool.") for k in state_dict):
@@ -456,19 +543,23 @@ def build_model(state_dict: dict, head_width: int = 64) -> CLIP:
     transformer_width = state_dict["ln_final.weight"].shape[0]
     transformer_layers = len({k.split(".")[2] for k in state_dict
                               if k.startswith("transformer.resblocks.")})
-    for what, width in (("vision", vision_width), ("text", transformer_width)):
-        if width % head_width:
-            raise CLIPFileError(
-                f"the {what} width {width} is not a multiple of head_width={head_width}; "
-                "pass the head_width the model was trained with"
-            )
+    # What the shapes cannot tell: the head split and the activation.
+    vision_heads = _heads("vision", vision_width, metadata.get("vision_heads"), vision_heads, head_width)
+    text_heads = _heads("text", transformer_width, metadata.get("text_heads"), text_heads, head_width)
+    stored = metadata.get("activation")
+    if activation is not None and stored is not None and activation != stored:
+        raise CLIPFileError(f"the file says activation={stored!r}, the arguments ask for {activation!r}; "
+                            "leave activation out to use the file's")
+    activation = activation or stored or "quick_gelu"
+    if activation not in ACTIVATIONS:
+        raise CLIPFileError(f"activation={activation!r}; use one of {', '.join(map(repr, ACTIVATIONS))}")
 
     model = CLIP(
         embed_dim=embed_dim, image_resolution=image_resolution, vision_layers=vision_layers,
         vision_width=vision_width, vision_patch_size=vision_patch_size,
-        vision_heads=vision_width // head_width, context_length=context_length,
+        vision_heads=vision_heads, context_length=context_length,
         vocab_size=vocab_size, transformer_width=transformer_width,
-        transformer_heads=transformer_width // head_width, transformer_layers=transformer_layers,
+        transformer_heads=text_heads, transformer_layers=transformer_layers, activation=activation,
     )
 
     # Compare the key sets first: load_state_dict's own message is many lines long.
@@ -569,20 +660,35 @@ def read_state_dict(path: str) -> dict:
     if isinstance(state_dict, dict) and isinstance(state_dict.get("state_dict"), dict):
         state_dict = state_dict["state_dict"]  # a common wrapper around the weights
     if not isinstance(state_dict, dict) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state_dict.items()
+        isinstance(k, str) and (isinstance(v, torch.Tensor) or k in _METADATA_KEYS)
+        for k, v in state_dict.items()
     ):
         raise CLIPFileError(f"{path}: holds a {type(state_dict).__name__}, not a state dict of tensors")
     return dict(state_dict)
 
 
-def load(name_or_path: str, device: Union[str, torch.device] = "cpu",
-         download_root: Optional[str] = None, head_width: int = 64):
+def load(name_or_path: str, device: Union[str, torch.device] = "cpu", jit: bool = False,
+         download_root: Optional[str] = None, head_width: Optional[int] = None,
+         vision_heads: Optional[int] = None, text_heads: Optional[int] = None,
+         activation: Optional[str] = None):
     """Load a CLIP ViT -> (model in eval mode, float32, on `device`; its test transform).
 
     name_or_path: one of `available_models()` ("ViT-B/16", ...) -- taken from the cache or
     downloaded with a SHA-256 check -- or the path of a checkpoint file: an OpenAI
     TorchScript archive or a plain state dict in OpenAI's key format.
+    jit: accepted for OpenAI's `clip.load(..., jit=False)`; this module always builds the
+    eager model (jit=True is refused).
+
+    When the extra arguments are needed: never for OpenAI's models (heads of 64 channels,
+    QuickGELU) or for files written by `save` (they carry their heads and activation). For any
+    other state dict, give what no tensor shape can tell, or the model loads *wrong without
+    an error*: heads that are not 64 channels wide (`head_width=32`, or `vision_heads=` /
+    `text_heads=` when the towers differ), and `activation="gelu"` for open_clip's models
+    without "-quickgelu" in their name (e.g. "ViT-B-16" with LAION's weights).
     """
+    if jit:
+        raise CLIPError("jit=True is not supported: this module builds the eager model, which is "
+                        "what the per-head analysis needs; pass jit=False")
     if name_or_path in _MODELS:
         url = _MODELS[name_or_path]
         path = download(url, url.split("/")[-2], download_root, what=f"CLIP {name_or_path}")
@@ -595,7 +701,8 @@ def load(name_or_path: str, device: Union[str, torch.device] = "cpu",
         )
     state_dict = read_state_dict(path)
     try:
-        model = build_model(state_dict, head_width=head_width)
+        model = build_model(state_dict, head_width=head_width, vision_heads=vision_heads,
+                            text_heads=text_heads, activation=activation)
     except CLIPFileError as error:
         raise CLIPFileError(f"{path}: {error}") from None
     return model.to(device), image_transform(model.visual.input_resolution)
@@ -675,9 +782,11 @@ def whitespace_clean(text: str) -> str:
 
 
 def find_bpe_file(bpe_path: Optional[str] = None) -> str:
-    """Find CLIP's merges file: the explicit path, then $DEAR_BPE_PATH, then the cache, then a
-    download (SHA-256 checked). Without any of them: a one-line error saying what to pass."""
-    for source, path in (("bpe_path", bpe_path), ("$DEAR_BPE_PATH", os.environ.get("DEAR_BPE_PATH"))):
+    """Find CLIP's merges file: the explicit path, then $CLIP_BPE_PATH (or the older
+    $DEAR_BPE_PATH), then the cache, then a download (SHA-256 checked). Without any of them:
+    a one-line error saying what to pass."""
+    for source, path in (("bpe_path", bpe_path), ("$CLIP_BPE_PATH", os.environ.get("CLIP_BPE_PATH")),
+                         ("$DEAR_BPE_PATH", os.environ.get("DEAR_BPE_PATH"))):
         if path:
             if not os.path.isfile(path):
                 raise CLIPFileError(f"{path} (from {source}): no such BPE merges file")
@@ -689,7 +798,7 @@ def find_bpe_file(bpe_path: Optional[str] = None) -> str:
         return download(BPE_URL, BPE_SHA256, what="CLIP's BPE merges file")
     except CLIPFileError as error:
         raise CLIPFileError(
-            f"{error} -- or pass bpe_path= / set DEAR_BPE_PATH to a {BPE_FILENAME} "
+            f"{error} -- or pass bpe_path= / set CLIP_BPE_PATH to a {BPE_FILENAME} "
             f"(open_clip and openai/CLIP ship one), or copy it to {cached}"
         ) from None
 
@@ -714,7 +823,7 @@ class SimpleTokenizer:
     bpe_path: a merges file in OpenAI's format (a header line, then one "left right" merge
     per line, in priority order; gzipped or plain). The real file has far more lines than
     CLIP uses, so only the first 48,894 merges are read, as OpenAI does; a smaller file
-    (e.g. the toy world's) gives a smaller vocabulary of 512 + merges + 2 ids.
+    (e.g. one learned on your own captions) gives a smaller vocabulary of 512 + merges + 2 ids.
     """
 
     def __init__(self, bpe_path: Optional[str] = None):
@@ -808,7 +917,7 @@ class SimpleTokenizer:
             ids = [self.sot_token] + self.encode(text) + [self.eot_token]
             if len(ids) > context_length:
                 if not truncate:
-                    raise ValueError(
+                    raise CLIPError(
                         f"text {text[:40]!r}... is {len(ids)} tokens, longer than the context "
                         f"length {context_length}; shorten it or pass truncate=True"
                     )
@@ -818,21 +927,22 @@ class SimpleTokenizer:
         return result
 
 
-_default_tokenizer: Optional[SimpleTokenizer] = None
+_tokenizers: dict = {}  # bpe_path (None = found by find_bpe_file) -> SimpleTokenizer, built once
 
 
 def tokenize(texts: Union[str, Sequence[str]], context_length: int = 77, truncate: bool = False,
-             tokenizer: Optional[SimpleTokenizer] = None) -> torch.Tensor:
+             tokenizer: Optional[SimpleTokenizer] = None, bpe_path: Optional[str] = None) -> torch.Tensor:
     """OpenAI's `clip.tokenize`: (len(texts), context_length) token ids.
 
-    Uses `tokenizer` if given, else one shared SimpleTokenizer built on first use (which
-    needs CLIP's BPE file: see `find_bpe_file`).
+    Uses `tokenizer` if given, else a SimpleTokenizer for `bpe_path` built on first use and
+    kept. Without bpe_path the merges file is looked for ($CLIP_BPE_PATH, the cache) and
+    downloaded if missing: offline, pass bpe_path= (open_clip's wheel and the openai/CLIP
+    repository both carry bpe_simple_vocab_16e6.txt.gz).
     """
-    global _default_tokenizer
     if tokenizer is None:
-        if _default_tokenizer is None:
-            _default_tokenizer = SimpleTokenizer()
-        tokenizer = _default_tokenizer
+        if bpe_path not in _tokenizers:
+            _tokenizers[bpe_path] = SimpleTokenizer(bpe_path)
+        tokenizer = _tokenizers[bpe_path]
     return tokenizer.tokenize(texts, context_length, truncate)
 
 
@@ -876,11 +986,13 @@ def head_contributions(model: CLIP, images: torch.Tensor, num_layers: int = 4) -
     """Decompose `model.encode_image(images)` into per-head direct contributions.
 
     images: (B, 3, R, R) preprocessed. Returns a HeadContributions; its `heads` tensor,
-    (B, num_layers, H, E), is what DeAR's head analysis (dear.py, DESIGN.md Sec. 3) reads.
+    (B, num_layers, H, E), is what DeAR's head analysis (dear.py) reads. Runs under
+    torch.no_grad(): the terms are for analysis, no gradient flows through them.
     """
     visual = model.visual
     blocks = visual.transformer.resblocks
-    assert 1 <= num_layers <= len(blocks), f"num_layers must be in 1..{len(blocks)}, got {num_layers}"
+    if not 1 <= num_layers <= len(blocks):
+        raise CLIPError(f"num_layers={num_layers} is out of range: this model has {len(blocks)} vision layers")
     first = len(blocks) - num_layers
 
     x = visual.embed(images.to(model.dtype))  # (B, N, C)
@@ -932,25 +1044,42 @@ def _main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description="Score an image against texts with CLIP.")
     parser.add_argument("--weights", default="ViT-B/16", help="model name or checkpoint path")
-    parser.add_argument("--bpe", default=None, help="path to CLIP's BPE merges file (optional)")
+    parser.add_argument("--bpe", default=None, help="path to CLIP's BPE merges file (default: "
+                        "$CLIP_BPE_PATH, the cache, or a download)")
     parser.add_argument("--image", required=True, help="an image file")
     parser.add_argument("--texts", nargs="+", required=True, help="candidate captions")
+    parser.add_argument("--head-width", type=int, default=None, help="channels per attention head, "
+                        "for a foreign checkpoint whose heads are not 64 wide (files written by "
+                        "clip_model.save carry their heads)")
+    parser.add_argument("--activation", choices=sorted(ACTIVATIONS), default=None,
+                        help="MLP activation, for a foreign checkpoint: gelu for open_clip's models "
+                        "without -quickgelu in the name (default: the file's, else quick_gelu)")
     args = parser.parse_args(argv)
     try:
-        from PIL import Image
+        from PIL import Image, UnidentifiedImageError
 
-        model, preprocess = load(args.weights)
-        tokenizer = SimpleTokenizer(args.bpe)
         if not os.path.isfile(args.image):
             raise CLIPFileError(f"{args.image}: no such image file")
-        image = preprocess(Image.open(args.image)).unsqueeze(0)
-    except CLIPFileError as error:
-        print(f"error: {error}", file=sys.stderr)
+        try:
+            with Image.open(args.image) as picture:
+                picture.load()
+        except (UnidentifiedImageError, OSError) as error:
+            raise CLIPFileError(f"{args.image}: cannot be read as an image ({_one_line(error, 80)})") from None
+        model, preprocess = load(args.weights, head_width=args.head_width, activation=args.activation)
+        tokenizer = SimpleTokenizer(args.bpe)
+        if tokenizer.vocab_size > model.token_embedding.num_embeddings:  # ids past the embedding table
+            raise CLIPFileError(f"{tokenizer.bpe_path}: gives {tokenizer.vocab_size} token ids, the model "
+                                f"{args.weights} has {model.token_embedding.num_embeddings}; pass the BPE "
+                                "file the model was trained with (--bpe)")
+        image = preprocess(picture).unsqueeze(0)
+        text = tokenize(args.texts, model.context_length, truncate=True, tokenizer=tokenizer)
+    except CLIPError as error:
+        print(f"clip_model.py: error: {error}", file=sys.stderr)
         return 2
     with torch.no_grad():
-        logits, _ = model(image, tokenize(args.texts, model.context_length, truncate=True, tokenizer=tokenizer))
-    for text, p in zip(args.texts, logits.softmax(-1)[0].tolist()):
-        print(f"{p:6.1%}  {text}")
+        logits, _ = model(image, text)
+    for caption, p in zip(args.texts, logits.softmax(-1)[0].tolist()):
+        print(f"{p:6.1%}  {caption}")
     return 0
 
 

@@ -3,8 +3,9 @@ dear.py -- DeAR, the method: head roles by concept entropy, attribute tokens, th
 attention mask, the losses and task-adaptive fusion.
 
 Paper: "DeAR: Fine-Grained VLM Adaptation by Decomposing Attention Head Roles"
-(Ma, Yang, Wang, Chen, Xian, Teng; CVPR 2026). Spec with our choices where the paper is
-silent: ../shared/DESIGN.md, sections 3 (head roles), 4 (tokens and mask) and 5 (losses).
+(Ma, Yang, Wang, Chen, Xian, Teng; CVPR 2026). The project's method notes, with the choices
+made where the paper is silent, are docs/METHOD.md in the repository (dear-from-scratch);
+"METHOD.md Sec. N" below points there: Sec. 3 head roles, 4 tokens and mask, 5 losses.
 
 What this file holds, in the order the method runs:
 
@@ -18,8 +19,9 @@ What this file holds, in the order the method runs:
                                    regularisation
 
 How it fits: it imports only clip_model.py (the hand-written CLIP whose attention takes a
-per-head mask, and `head_contributions`). train.py builds a DeAR from a loaded CLIP, data.py's
-class names and a RoleMap, and trains `learnable_parameters()`.
+per-head mask, and `head_contributions`), so the two files can be copied together into any
+project, at its top level or side by side inside a package. A caller builds a DeAR from a
+loaded CLIP, its class prompts and a RoleMap, and trains `learnable_parameters()`.
 
 Layer numbers: the paper counts layers from 1 ("layers 9-12", "J = 9"); Python indexes them
 from 0 (8-11). Arguments named `first_layer` take the paper's 1-based J; everything stored
@@ -33,17 +35,24 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
+import secrets
+import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import clip_model
-from clip_model import CLIP, causal_mask, head_contributions
+# clip_model.py sits next to this file. Copied into a package (myproj/vendor/dear.py), it is
+# found only by a relative import; copied to the top level of a project (or run as a script,
+# `python dear.py`), there is no package and only the absolute import works. Try both.
+try:
+    from . import clip_model
+except ImportError:
+    import clip_model
+CLIP, causal_mask, head_contributions = clip_model.CLIP, clip_model.causal_mask, clip_model.head_contributions
 
 # The paper's five core attributes, in order: one attribute token each (Sec. 3.3).
 CORE_ATTRIBUTES = ("colour", "shape", "texture", "object", "location")
@@ -52,23 +61,25 @@ ROLES = ("attribute", "generalization", "mixed")
 
 class DeARError(ValueError):
     """Bad input to the method (a role file, an attribute name, J, beta): the message is one
-    line that names the file or argument and says what to do."""
-
-
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)  # read the process's umask (the only way is to set it and set it back)
-_FILE_MODE = 0o666 & ~_UMASK
+    line that names the file or argument and says what to do. (Raised, never asserted:
+    `python -O` removes asserts.)"""
 
 
 def atomic_write(path: str, write: Callable[[str], None]) -> None:
     """Call write(temporary_path), then rename onto `path`: readers never see half a file."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    os.close(handle)
+    # A fresh name created with mode 0666, which the kernel trims by the process's umask, as
+    # for any new file (mkstemp would make it 0600, and reading the umask means setting it).
+    while True:
+        temporary = os.path.join(folder, f".tmp-{secrets.token_hex(6)}-{os.path.basename(path)}")
+        try:
+            os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            break
+        except FileExistsError:
+            continue
     try:
         write(temporary)
-        os.chmod(temporary, _FILE_MODE)  # mkstemp makes 0600; give the usual rw-r--r-- (umask)
         os.replace(temporary, path)
     finally:
         if os.path.exists(temporary):
@@ -76,7 +87,7 @@ def atomic_write(path: str, write: Callable[[str], None]) -> None:
 
 
 # ------------------------------------------------------------------------------------------
-# 1. The description bank (DESIGN.md Sec. 3, step 2)
+# 1. The description bank (METHOD.md Sec. 3)
 # ------------------------------------------------------------------------------------------
 # TextSpan explains a head by the text directions its outputs vary along. To turn "which
 # descriptions" into "which concept", every phrase is labelled with its concept *by
@@ -159,7 +170,7 @@ def description_bank() -> List[Description]:
 
 
 # ------------------------------------------------------------------------------------------
-# 2. Head analysis: TextSpan, concept entropy, roles (DESIGN.md Sec. 3, paper Sec. 3.2)
+# 2. Head analysis: TextSpan, concept entropy, roles (METHOD.md Sec. 3, paper Sec. 3.2)
 # ------------------------------------------------------------------------------------------
 
 
@@ -179,7 +190,8 @@ def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
        contributions and the remaining texts, so the next pick explains something new.
     """
     n_images = contributions.shape[0]
-    assert n_images >= 2, "TextSpan needs at least 2 images (it measures variation across them)"
+    if n_images < 2:
+        raise DeARError(f"TextSpan needs at least 2 images (it measures variation across them), got {n_images}")
     data = contributions.double()
     data = data - data.mean(dim=0, keepdim=True)  # (n, E)
     r = min(rank, n_images - 1, data.shape[1])
@@ -234,7 +246,7 @@ class HeadRole:
 def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequence[str]],
                  attributes: Sequence[str], low_bits: Optional[float] = None,
                  high_bits: Optional[float] = None):
-    """Heads -> roles (DESIGN.md Sec. 3, step 5). Returns (roles, low_bits, high_bits), roles a
+    """Heads -> roles (METHOD.md Sec. 3). Returns (roles, low_bits, high_bits), roles a
     list of (role, attribute or None) in the order of the inputs.
 
     low_bits / high_bits default to the lower and upper thirds of the observed entropies.
@@ -250,7 +262,7 @@ def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequenc
     if high_bits is None:
         high_bits = float(torch.quantile(values, 2 / 3))
     if low_bits > high_bits:
-        raise DeARError(f"--low-bits {low_bits:g} is above --high-bits {high_bits:g}; the low threshold must be the smaller")
+        raise DeARError(f"low_bits={low_bits:g} is above high_bits={high_bits:g}; the low threshold must be the smaller")
     roles = []
     for entropy, concepts in zip(values.tolist(), concepts_per_head):
         if entropy <= low_bits:
@@ -293,7 +305,8 @@ class RoleMap:
     def uniform(cls, role: str, vision_layers: int, num_heads: int, layers: Sequence[int],
                 attributes: Sequence[str] = CORE_ATTRIBUTES) -> "RoleMap":
         """Every head the same role: "mixed" (= plain deep prompting, no mask) or
-        "generalization" (attribute tokens isolated everywhere) -- the ablation choices."""
+        "generalization" (no head lets an attribute token read the image, so every attribute
+        branch is a per-class bias and is left out of the fusion) -- the ablation choices."""
         if role not in ("mixed", "generalization"):
             raise DeARError(f"uniform role must be 'mixed' or 'generalization', not {role!r}")
         heads = [HeadRole(layer, head, role) for layer in layers for head in range(num_heads)]
@@ -330,8 +343,8 @@ class RoleMap:
                 source=data.get("source", "analysis"),
             )
         except FileNotFoundError:
-            raise DeARError(f"{path}: no such role file; run the head analysis first (train.py does "
-                            "it when --roles is not given) or pass --roles all-mixed") from None
+            raise DeARError(f"{path}: no such role file; run the head analysis first (analyze_heads, "
+                            "then RoleMap.save) or use RoleMap.uniform('mixed', ...) (no mask)") from None
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise DeARError(f"{path}: not a DeAR role file ({type(error).__name__}: "
                             f"{' '.join(str(error).split())[:80]}); re-run the head analysis") from None
@@ -352,7 +365,8 @@ class RoleMap:
                             "re-run the head analysis for this model")
         if attributes is not None and list(attributes) != list(self.attributes):
             raise DeARError(f"made for attributes {', '.join(self.attributes)}, the model uses "
-                            f"{', '.join(attributes)}; re-run the head analysis with the same attributes")
+                            f"{', '.join(attributes)}; leave DeAR's attributes out (it then takes the "
+                            "role map's) or re-run the head analysis with these attributes")
         for entry in self.heads:
             where = f"layer {entry.layer + 1} (index {entry.layer}), head {entry.head}"
             if not (0 <= entry.layer < self.vision_layers and 0 <= entry.head < self.num_heads):
@@ -405,26 +419,42 @@ def encode_descriptions(clip: CLIP, tokenizer: clip_model.SimpleTokenizer,
 
 
 @torch.no_grad()
-def analyze_heads(clip: CLIP, image_batches: Iterable[torch.Tensor],
+def analyze_heads(clip: CLIP, image_batches: Union[torch.Tensor, Iterable[torch.Tensor]],
                   tokenizer: clip_model.SimpleTokenizer, bank: Optional[Sequence[Description]] = None,
-                  attributes: Sequence[str] = CORE_ATTRIBUTES, num_layers: int = 4,
+                  attributes: Sequence[str] = CORE_ATTRIBUTES, num_layers: Optional[int] = None,
                   num_descriptions: int = 20, rank: int = 80, low_bits: Optional[float] = None,
                   high_bits: Optional[float] = None, log: Callable[[str], None] = print) -> RoleMap:
-    """DeAR's head analysis (paper Sec. 3.2, DESIGN.md Sec. 3) -> RoleMap.
+    """DeAR's head analysis (paper Sec. 3.2, METHOD.md Sec. 3) -> RoleMap.
 
-    image_batches: preprocessed images, (B, 3, R, R) tensors (e.g. the task's training images).
-    For every head of the last `num_layers` layers: its direct contributions to the image
-    embeddings (divided by each embedding's norm, as TextSpan does), TextSpan's top
-    `num_descriptions` descriptions from the bank, their concept entropy, and its role.
+    image_batches: preprocessed images (e.g. the task's training images): one (n, 3, R, R)
+    tensor, or an iterable of (B, 3, R, R) batches (a DataLoader's images).
+    bank: labelled phrases (default: the project's 591); attributes: the core attributes,
+    i.e. the concepts that can have attribute heads (default: the paper's five).
+    For every head of the last `num_layers` layers (default: the last four, as in the paper):
+    its direct contributions to the image embeddings (divided by each embedding's norm, as
+    TextSpan does), TextSpan's top `num_descriptions` descriptions from the bank, their
+    concept entropy, and its role.
     """
     bank = list(bank) if bank is not None else description_bank()
+    depth = len(clip.visual.transformer.resblocks)
+    num_layers = min(4, depth) if num_layers is None else num_layers
+    if not 1 <= num_layers <= depth:
+        raise DeARError(f"num_layers={num_layers} is out of range: the vision tower has {depth} layers")
+    if isinstance(image_batches, torch.Tensor):
+        image_batches = image_batches.split(64)  # one tensor of images: analyse it in batches of 64
     device = clip.visual.conv1.weight.device
     per_image = []
     for batch in image_batches:
+        if not isinstance(batch, torch.Tensor) or batch.dim() != 4:
+            raise DeARError(f"image_batches must be a (n, 3, R, R) tensor or yield (B, 3, R, R) tensors; got a "
+                            f"{type(batch).__name__}{f' of shape {tuple(batch.shape)}' if isinstance(batch, torch.Tensor) else ''}"
+                            " (a DataLoader of (images, labels): pass (images for images, _ in loader))")
         parts = head_contributions(clip, batch.to(device), num_layers)
         norm = parts.total().norm(dim=-1)  # (B,)
         per_image.append((parts.heads / norm[:, None, None, None]).cpu())  # (B, L, H, E)
         log(f"  head analysis: contributions of {sum(len(p) for p in per_image)} images")
+    if not per_image:
+        raise DeARError("image_batches holds no images; the analysis needs at least 2")
     contributions = torch.cat(per_image)  # (n_images, L, H, E)
     n_images, L, H, _ = contributions.shape
     first = len(clip.visual.transformer.resblocks) - num_layers
@@ -496,13 +526,16 @@ def draw_heatmap(role_map: RoleMap, path: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------
-# 3. The role-based attention mask (paper Sec. 3.3, DESIGN.md Sec. 4)
+# 3. The role-based attention mask (paper Sec. 3.3, METHOD.md Sec. 4)
 # ------------------------------------------------------------------------------------------
 # Tokens from layer J on: [CLS, patches (the image's own tokens), attribute tokens]. Each
 # head gets its own additive mask (0 = may attend, -inf = may not):
 #   generalization head: image tokens and attribute tokens never see each other, in either
-#                        direction; each attribute token sees only itself. So no task
-#                        knowledge enters the head's output at the image tokens.
+#                        direction; each attribute token sees only itself. So, within this
+#                        layer, the head's output at the image tokens does not depend on the
+#                        attribute tokens. Across layers it does: the image tokens it reads
+#                        were already written into by the attribute and mixed heads of earlier
+#                        layers. The mask isolates per layer, not end to end.
 #   attribute head (a):  attribute token a and the image tokens see each other; the other
 #                        attribute tokens see only themselves.
 #   mixed head:          no restriction.
@@ -548,13 +581,31 @@ def build_role_masks(role_map: RoleMap, first_layer: int, num_layers: int,
     return torch.stack(masks)  # (layers from J, H, T, T)
 
 
+def blind_attributes(role_map: RoleMap, first_layer: int, num_layers: int) -> List[str]:
+    """The attributes whose token no head from layer J on lets read the image: no attribute
+    head for it and no mixed head in any layer from J (a layer the map does not cover counts as
+    mixed, as in `build_role_masks`). Such a branch's logits do not depend on the image -- a
+    per-class bias -- so DeAR leaves it out of the fusion. In the
+    all-generalization ablation every attribute is blind, and the class branch stands alone."""
+    readable = set()
+    for layer in range(first_layer - 1, num_layers):
+        for head in range(role_map.num_heads):
+            entry = role_map.role_of(layer, head)
+            if entry is None or entry.role == "mixed":
+                return []  # a mixed head lets every attribute token read the image
+            if entry.role == "attribute":
+                readable.add(entry.attribute)
+    return [a for a in role_map.attributes if a not in readable]
+
+
 def format_head_mask(mask: torch.Tensor, num_image_tokens: int, attributes: Sequence[str]) -> str:
     """A (T, T) mask as a small text grid, the image tokens folded into one row/column
     ('image'; they are treated alike by construction). '#' = may attend, '.' = may not."""
     N = num_image_tokens
     image_block = mask[:N, :N]
-    assert (mask[:N, N:] == mask[:1, N:]).all() and (mask[N:, :N] == mask[N:, :1]).all() and \
-        (image_block == 0).all(), "mask is not uniform over the image tokens"
+    if not ((mask[:N, N:] == mask[:1, N:]).all() and (mask[N:, :N] == mask[N:, :1]).all()
+            and (image_block == 0).all()):
+        raise DeARError("mask is not uniform over the image tokens; only role masks can be folded")
     names = ["image"] + [a[:8] for a in attributes]
     folded = torch.cat([mask[:1, :1], mask[:1, N:]], 1)  # image row
     folded = torch.cat([folded, torch.cat([mask[N:, :1], mask[N:, N:]], 1)], 0)  # (1 + A, 1 + A)
@@ -599,8 +650,14 @@ def draw_role_masks(masks: torch.Tensor, num_image_tokens: int, attributes: Sequ
 
 
 # ------------------------------------------------------------------------------------------
-# 4. The model (paper Sec. 3.3-3.4, DESIGN.md Sec. 4)
+# 4. The model (paper Sec. 3.3-3.4, METHOD.md Sec. 4)
 # ------------------------------------------------------------------------------------------
+
+
+def default_first_layer(clip: CLIP) -> int:
+    """The paper's J (1-based) for any depth: the first of the vision tower's last four layers,
+    where the head analysis looks (J = 9 of 12 for ViT-B/16; 1 for a model of 4 layers or less)."""
+    return max(1, len(clip.visual.transformer.resblocks) - 3)
 
 
 @dataclass
@@ -617,12 +674,23 @@ class DeAROutput:
 class DeAR(nn.Module):
     """Frozen CLIP + DeAR's learnable pieces.
 
+    It freezes the CLIP it is given *in place*: `clip.eval().requires_grad_(False)` on the
+    caller's own module (no copy is made, CLIP's weights are shared, never changed). To go on
+    training that CLIP elsewhere, switch its requires_grad back on yourself.
+
+    attributes: the attribute tokens' names, in order; default: the role map's.
+    first_layer: the paper's 1-based J; default: the first of the vision tower's last four
+    layers (9 for a 12-layer ViT-B/16, as in the paper).
+
     Learnable (everything else is CLIP, frozen):
       vision_tokens   (layers from J, A, C_v)  one attribute token per attribute, fresh at each
                                                layer from J (the MMRL++ beta rule)
       text_tokens     (layers from J, K, C_t)  K tokens inserted after the start token
       attribute_proj  (C_v, E)                 attribute tokens -> embedding, init = visual.proj
-      fusion_logits   (1 + A,)                 alpha = softmax(fusion_logits)
+      fusion_logits   (1 + A,)                 alpha = softmax(fusion_logits) over the class
+                                               branch and every attribute branch that can read
+                                               the image (`blind_attributes`: the others get
+                                               alpha = 0, with a warning naming them)
 
     Cost savings, each exact (tests compare them with the plain computation) and each a flag
     so the benchmark can switch it off:
@@ -632,12 +700,14 @@ class DeAR(nn.Module):
       cut_text_context    text sequences end at the longest prompt instead of 77 tokens
     """
 
-    def __init__(self, clip: CLIP, role_map: RoleMap, attributes: Sequence[str] = CORE_ATTRIBUTES,
-                 first_layer: int = 9, beta: float = 0.5, num_text_tokens: int = 4,
+    def __init__(self, clip: CLIP, role_map: RoleMap, attributes: Optional[Sequence[str]] = None,
+                 first_layer: Optional[int] = None, beta: float = 0.5, num_text_tokens: int = 4,
                  cls_fusion_weight: float = 0.5):
         super().__init__()
         vision_layers = len(clip.visual.transformer.resblocks)
         text_layers = len(clip.transformer.resblocks)
+        attributes = list(role_map.attributes) if attributes is None else attributes
+        first_layer = default_first_layer(clip) if first_layer is None else first_layer
         if not 1 <= first_layer <= min(vision_layers, text_layers):
             raise DeARError(f"first_layer J={first_layer} is out of range: use 1..{min(vision_layers, text_layers)} "
                             "(1-based, the paper's J = 9 for ViT-B/16)")
@@ -672,6 +742,15 @@ class DeAR(nn.Module):
         self.num_image_tokens = num_image_tokens
         masks = build_role_masks(role_map, first_layer, vision_layers, num_image_tokens)
         self.register_buffer("role_masks", masks, persistent=False)  # (layers from J, H, T, T)
+        # Branches in the fusion: the class branch, and each attribute branch whose token some
+        # head from J on lets read the image; a blind branch is a per-class bias.
+        self.blind_attributes = blind_attributes(role_map, first_layer, vision_layers)
+        if self.blind_attributes:
+            warnings.warn(f"DeAR: no head from layer J={first_layer} (1-based) lets the "
+                          f"{', '.join(self.blind_attributes)} token{'s' if len(self.blind_attributes) > 1 else ''} "
+                          "read the image; left out of the fusion (a per-class bias, not a feature)")
+        in_fusion = torch.tensor([True] + [a not in self.blind_attributes for a in self.attributes])
+        self.register_buffer("in_fusion", in_fusion, persistent=False)  # (1 + A,) bool
         self._text_cache: dict = {}
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -707,8 +786,9 @@ class DeAR(nn.Module):
         return self
 
     def fusion_weights(self) -> torch.Tensor:
-        """alpha = softmax(w): (1 + A,), alpha[0] for the class branch."""
-        return self.fusion_logits.softmax(dim=0)
+        """alpha = softmax(w) over the branches in the fusion: (1 + A,), alpha[0] for the class
+        branch; a blind attribute branch (see `blind_attributes`) gets exactly 0."""
+        return self.fusion_logits.masked_fill(~self.in_fusion, float("-inf")).softmax(dim=0)
 
     # -- vision ------------------------------------------------------------------------------
 
@@ -734,7 +814,7 @@ class DeAR(nn.Module):
                     plain = x
                     for block in blocks[j:]:
                         plain = block(plain)
-                    frozen = visual.head(plain[:, 0])
+                    frozen = visual.to_embedding(plain[:, 0])
                 else:
                     frozen = self.clip.encode_image(images)
 
@@ -748,7 +828,7 @@ class DeAR(nn.Module):
             sequence = block(sequence, self.role_masks[i])  # every head its own (T, T) mask
             x, tokens = sequence[:, :N], sequence[:, N:]
 
-        f_cls = visual.head(x[:, 0])  # (B, E): CLS through ln_post and the frozen proj
+        f_cls = visual.to_embedding(x[:, 0])  # (B, E): CLS through ln_post and the frozen proj
         f_attr = visual.ln_post(tokens) @ self.attribute_proj  # (B, A, E)
         return f_cls, f_attr, frozen
 
@@ -772,7 +852,7 @@ class DeAR(nn.Module):
             plain = x
             for block in clip.transformer.resblocks[j:]:
                 plain = block(plain, mask)
-            frozen = clip.text_head(plain, eot)  # (C, E)
+            frozen = clip.text_to_embedding(plain, eot)  # (C, E)
         result = (x, eot, frozen)
         if self.cache_text_prefix:
             self._text_cache = {key: result}  # one class list at a time is all training needs
@@ -795,7 +875,7 @@ class DeAR(nn.Module):
                 tokens = self.beta * fresh + (1 - self.beta) * x[:, 1:1 + K]
                 x = torch.cat([x[:, :1], tokens, x[:, 1 + K:]], dim=1)
             x = block(x, mask)
-        return self.clip.text_head(x, eot + K), frozen  # end-of-text moved K places right
+        return self.clip.text_to_embedding(x, eot + K), frozen  # end-of-text moved K places right
 
     # -- both ------------------------------------------------------------------------------
 
@@ -804,8 +884,9 @@ class DeAR(nn.Module):
         """Logits of every image for every class (paper Eq. 6-7).
 
         branch k in {cls, attr_1..attr_A}: logits_k = s * cos(f_k, t_c), s CLIP's frozen scale;
-        fused logits = sum_k alpha_k * logits_k, used in training and at test time alike.
-        """
+        fused logits = sum_k alpha_k * logits_k, used in training. At test time train.py
+        uses them only where the test classes are the trained ones, and the class branch alone
+        elsewhere (task-adaptive fusion, as MMRL evaluates): both are in the output."""
         f_cls, f_attr, f_frozen = self.encode_image(images, with_frozen)
         t, t_frozen = self.encode_text(class_token_ids)
         features = torch.cat([f_cls[:, None], f_attr], dim=1)  # (B, 1 + A, E)
@@ -826,7 +907,7 @@ class DeAR(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------
-# 5. The losses (paper Sec. 3.4, DESIGN.md Sec. 5)
+# 5. The losses (paper Sec. 3.4, METHOD.md Sec. 5)
 # ------------------------------------------------------------------------------------------
 
 
@@ -850,7 +931,8 @@ def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0,
               lambda_fusion: float = 0.1) -> dict:
     """Total = CE(fused logits) + lambda_reg * L_reg + lambda_fusion * L_fusion.
     Returns every term (for logging) and 'total' (to backpropagate)."""
-    assert output.frozen_image_features is not None, "call the model with with_frozen=True to train"
+    if output.frozen_image_features is None or output.frozen_text_features is None:
+        raise DeARError("output has no frozen features (needed for L_reg): call the model with with_frozen=True to train")
     ce = F.cross_entropy(output.logits.float(), labels)
     reg = self_regularization_loss(output.image_features[:, 0].float(), output.frozen_image_features.float(),
                                    output.text_features.float(), output.frozen_text_features.float())

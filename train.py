@@ -11,7 +11,8 @@ This file ties them together and reads top to bottom like nanoGPT's train.py:
     3. data .......... the train/test lists of each protocol (DESIGN.md Sec. 6)
     4. model ......... CLIP + head roles (analysed now, a file, or an ablation) -> DeAR
     5. optimizer ..... AdamW, one constant warm-up epoch, then cosine (per epoch, as Dassl)
-    6. evaluation .... accuracy with the fused logits for every class (zero-shot: CLIP alone)
+    6. evaluation .... accuracy with the fused logits and with the class branch alone, in one
+                       pass; task-adaptive fusion picks per test set (zero-shot: CLIP alone)
     7. loop .......... the runs of a protocol, checkpoints, progress lines
     8. tables ........ results.json + markdown tables in the paper's shape
 
@@ -31,9 +32,10 @@ Run it:
 
 A run folder holds, per dataset / method / seed: settings.json, checkpoint.pt (only the
 learnable tensors, the optimizer state and the settings, written atomically at each epoch
-end), results.json and results.md; per dataset the head roles (roles.json, roles.txt,
-roles.png, masks.png); at the top summary.json and summary.md. A run is complete when its
-results.json exists; summary.md is written when every run is.
+end), results.json and results.md; per dataset and run the head roles
+(<dataset>/roles/<run>/roles.json, roles.txt, roles.png, masks.png); at the top summary.json
+and summary.md. A run is complete when its results.json exists; summary.md is written when
+every run is.
 
 Layer numbers: the paper counts from 1 ("J = 9"); so do --first-layer and every printed line.
 """
@@ -106,6 +108,12 @@ RECIPES: Dict[str, Recipe] = {
 WARMUP_EPOCHS, WARMUP_LR, WEIGHT_DECAY = 1, 1e-5, 5e-4  # Dassl's constant warm-up; its decay
 
 PROTOCOLS = ("base2novel", "fewshot", "cross", "dg")
+# Which logits a test set is scored with (DeAR's task-adaptive fusion, as MMRL evaluates):
+#   adaptive    the fused logits where the test classes are the trained classes in the trained
+#               domain (base2novel's base set, fewshot, the source set of cross and dg); the
+#               class branch alone everywhere else, whose classes the attribute branches never saw
+#   everywhere  the fused logits on every test set (the ablation)
+FUSION_MODES = ("adaptive", "everywhere")
 METHODS = ("zeroshot", "linear-probe", "dear")
 ROLE_ABLATIONS = ("all-mixed", "all-generalization")  # besides "analyse" and a roles file
 BASE2NOVEL_DATASETS = [name for name in RECIPES if name != "toyworld"]  # the paper's 11
@@ -144,7 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "features (training classes only); dear = DeAR (default: zeroshot dear; toyworld: all three)")
     g.add_argument("--roles", nargs="+", help="head roles for DeAR: 'analyse' (concept entropy on the training "
                    "images, saved in the run folder), a roles JSON file, 'all-mixed' (no mask: plain deep "
-                   "prompting) or 'all-generalization'; several give one table row each (default analyse)")
+                   "prompting) or 'all-generalization'; several give one table row each (default analyse; toyworld: "
+                   "all-mixed all-generalization analyse)")
+    g.add_argument("--fusion", nargs="+", choices=FUSION_MODES, help="logits DeAR is scored with: adaptive = "
+                   "fused on the trained classes (base, fewshot, the source dataset), the class branch alone "
+                   "elsewhere; everywhere = fused on every test set. Several give the DeAR row once each, "
+                   "from the same trained model (the role ablations use the first) (default adaptive; toyworld: both)")
     g.add_argument("--seeds", nargs="+", type=int, help="seeds; tables report the mean (default 1 2 3)")
     g.add_argument("--shots", nargs="+", type=int, help="shots per class (fewshot default: 1 2 4 8 16; "
                    "others: the dataset's table value, 16)")
@@ -154,8 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--root", help="the $DATA folder in CoOp's layout (toyworld: made in the cache)")
     g.add_argument("--weights", help="CLIP: ViT-B/32, ViT-B/16, ViT-L/14 or a checkpoint path (default ViT-B/16)")
     g.add_argument("--head-width", type=int, help="channels per attention head when loading --weights "
-                   "(OpenAI's files do not store it; 64 for every OpenAI model)")
-    g.add_argument("--bpe", help="CLIP's BPE merges file (default: $DEAR_BPE_PATH, the cache, or a download)")
+                   "(default: what the file says -- files written by clip_model.save carry it -- else "
+                   "64, as in every OpenAI model)")
+    g.add_argument("--bpe", help="CLIP's BPE merges file (default: $CLIP_BPE_PATH, the cache, or a download)")
     g.add_argument("--output", help="run folder (default runs/<protocol>-<datasets>)")
 
     g = p.add_argument_group("DeAR (defaults from the per-dataset table in train.py)")
@@ -166,8 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--text-tokens", type=int, help="K, learnable tokens inserted in the text tower")
     g.add_argument("--lambda-reg", type=float, help="weight of the self-regularisation loss")
     g.add_argument("--lambda-fusion", type=float, help="weight of the fusion-weight regularisation loss")
-    g.add_argument("--analysis-images", type=int, help="at most this many training images for the head "
-                   "analysis (default 2000)")
+    g.add_argument("--analysis-images", type=int, help="at most this many of the run's training images for "
+                   "the head analysis, spread evenly over its classes, drawn with the run's seed (default 2000)")
     g.add_argument("--descriptions", type=int, help="TextSpan descriptions per head (default 20)")
     g.add_argument("--low-bits", type=float, help="attribute heads have concept entropy at most this "
                    "(default: the lower third of the observed entropies)")
@@ -239,8 +253,12 @@ def resolve_settings(args: argparse.Namespace) -> Dict[str, object]:
     trained = source or names[0]
     recipe = RECIPES.get(trained, RECIPES["caltech101"])
     methods = list(dict.fromkeys(args.method or (METHODS if toy else ("zeroshot", "dear"))))
-    roles = list(dict.fromkeys(args.roles or (["all-mixed", "analyse"] if toy else ["analyse"])))
+    # The toy world's table: zero-shot, the linear probe, the two role ablations, DeAR (both
+    # fusions, below).
+    toy_roles = ["all-mixed", "all-generalization", "analyse"]
+    roles = list(dict.fromkeys(args.roles or (toy_roles if toy else ["analyse"])))
     roles = ["analyse" if r == "analyze" else r for r in roles]
+    fusion = list(dict.fromkeys(args.fusion or (FUSION_MODES if toy else ["adaptive"])))
     for choice in roles:
         if choice not in ("analyse", *ROLE_ABLATIONS) and not os.path.isfile(choice):
             raise TrainError(f"--roles {choice}: no such file; give a roles JSON written by the head analysis, "
@@ -252,9 +270,9 @@ def resolve_settings(args: argparse.Namespace) -> Dict[str, object]:
     if protocol != "fewshot" and len(shots) > 1:
         raise TrainError(f"--shots takes several values only with --protocol fewshot")
     settings = dict(
-        dataset=names, protocol=protocol, source=source, method=methods, roles=roles,
+        dataset=names, protocol=protocol, source=source, method=methods, roles=roles, fusion=fusion,
         seeds=list(dict.fromkeys(args.seeds or [1, 2, 3])), shots=list(shots),
-        root=args.root, weights=args.weights or "ViT-B/16", head_width=args.head_width or 64,
+        root=args.root, weights=args.weights or "ViT-B/16", head_width=args.head_width,
         bpe=args.bpe, output=args.output or os.path.join("runs", f"{protocol}-{'-'.join(args.dataset)}"),
         first_layer=args.first_layer if args.first_layer is not None else recipe.first_layer,
         beta=args.beta if args.beta is not None else recipe.beta,
@@ -277,6 +295,9 @@ def resolve_settings(args: argparse.Namespace) -> Dict[str, object]:
         raise TrainError(f"--shots {' '.join(map(str, settings['shots']))}: expected positive integers")
     if not 0.0 <= settings["beta"] <= 1.0:
         raise TrainError(f"--beta {settings['beta']}: expected a value in [0, 1]")
+    if None not in (settings["low_bits"], settings["high_bits"]) and settings["low_bits"] > settings["high_bits"]:
+        raise TrainError(f"--low-bits {settings['low_bits']:g} is above --high-bits {settings['high_bits']:g}; "
+                         "the low threshold must be the smaller")
     if settings["lr"] <= 0:
         raise TrainError(f"--lr {settings['lr']}: expected a positive learning rate")
     return settings
@@ -388,6 +409,7 @@ class EvalSet:
     items: List[data.Item]
     classnames: List[str]
     template: str
+    trained: bool  # its classes are the trained classes, in the trained domain (fused logits)
 
 
 @dataclass
@@ -415,6 +437,25 @@ def row_name(roles: str) -> str:
 ROW_LABELS = {"zeroshot": "CLIP (zero-shot)", "linear-probe": "Linear probe (frozen image features)", "dear": "DeAR",
               "dear-all-mixed": "DeAR, all heads mixed (no mask)",
               "dear-all-generalization": "DeAR, all heads generalization"}
+EVERYWHERE = "-fused-everywhere"  # table rows scored with --fusion everywhere end in this
+
+
+def table_rows(settings: dict) -> Dict[str, tuple]:
+    """{table row: (job row, fusion mode)}: zero-shot; the linear probe; each --roles row under the first
+    --fusion mode; the DeAR row (analysed or a file) once more under every further mode.
+    Rows under "everywhere" get the suffix EVERYWHERE; all come from the same trained runs."""
+    fusion = settings.get("fusion") or ["adaptive"]
+    rows = {"zeroshot": ("zeroshot", None), "linear-probe": ("linear-probe", None)}
+    for roles in settings["roles"]:
+        for mode in (fusion if roles not in ROLE_ABLATIONS else fusion[:1]):
+            rows[row_name(roles) + (EVERYWHERE if mode == "everywhere" else "")] = (row_name(roles), mode)
+    return rows
+
+
+def row_label(row: str) -> str:
+    if row.endswith(EVERYWHERE):
+        return ROW_LABELS.get(row[: -len(EVERYWHERE)], row[: -len(EVERYWHERE)]) + ", fused everywhere"
+    return ROW_LABELS.get(row, row)
 
 
 def plan_jobs(settings: dict) -> List[Job]:
@@ -449,19 +490,19 @@ def training_split(settings: dict, dataset: str, seed: int, shots: int) -> data.
 
 
 def evaluation_sets(settings: dict, dataset: str) -> List[EvalSet]:
-    """The test sets of a protocol, each with its own class list (the fused logits are
-    computed for every class of the set, base and novel alike)."""
+    """The test sets of a protocol, each with its own class list, and whether its classes are
+    the trained ones (which decides the logits under task-adaptive fusion)."""
     root, protocol = settings["root"], settings["protocol"]
 
-    def full(name: str, column: str, subsample: str = "all") -> EvalSet:
+    def full(name: str, column: str, trained: bool, subsample: str = "all") -> EvalSet:
         d = data.load_dataset(name, root, num_shots=None, subsample=subsample)
-        return EvalSet(column, d.test, d.classnames, d.template)
+        return EvalSet(column, d.test, d.classnames, d.template, trained)
 
     if protocol == "base2novel":
-        return [full(dataset, "base", "base"), full(dataset, "novel", "new")]
+        return [full(dataset, "base", True, "base"), full(dataset, "novel", False, "new")]
     if protocol == "fewshot":
-        return [full(dataset, "all")]
-    return [full(dataset, dataset)] + [full(target, target) for target in settings["dataset"]]
+        return [full(dataset, "all", True)]
+    return [full(dataset, dataset, True)] + [full(target, target, False) for target in settings["dataset"]]
 
 
 def train_loader(split: data.DatasetSplits, settings: dict, seed: int, resolution: int, runtime: Runtime):
@@ -509,33 +550,63 @@ def role_map_for(choice: str, settings: dict, clip: clip_model.CLIP, attributes:
         role = choice.split("-", 1)[1]
         layers = range(vision_layers - analysed_layers(clip), vision_layers)
         return dear.RoleMap.uniform(role, vision_layers, heads, layers, attributes)
-    role_map = dear.RoleMap.load(choice)
-    try:
+    try:  # dear.py's messages name arguments; say which flag the value came from
+        role_map = dear.RoleMap.load(choice)
         role_map.validate(vision_layers, heads, attributes)
     except dear.DeARError as error:
         raise TrainError(f"--roles {choice}: {error}") from None
     return role_map
 
 
-def analyse_heads(settings: dict, dataset: str, clip, tokenizer, world, runtime: Runtime) -> dear.RoleMap:
-    """DeAR Sec. 3.2 on this task's training images (the first seed's few-shot draw), saved
-    as roles.json / roles.txt / roles.png / masks.png in <output>/<dataset>/."""
-    folder = os.path.join(settings["output"], dataset)
+def analysis_images(items: List[data.Item], cap: int, seed: int) -> List[data.Item]:
+    """At most `cap` of a run's training images, spread evenly over its classes: each class's
+    images in a seeded random order, then one image per class in turn (the classes too in a
+    seeded order, so that a cap below the class count still samples classes at random), until
+    the cap or the images run out. Never the first images of a list sorted by label, which
+    would cover only the first classes of a large dataset."""
+    generator = torch.Generator().manual_seed(seed)
+    by_class: Dict[int, List[data.Item]] = {}
+    for item in items:
+        by_class.setdefault(item.label, []).append(item)
+    queues = [[group[i] for i in torch.randperm(len(group), generator=generator).tolist()]
+              for _, group in sorted(by_class.items())]
+    queues = [queues[i] for i in torch.randperm(len(queues), generator=generator).tolist()]
+    chosen: List[data.Item] = []
+    for depth in range(max((len(q) for q in queues), default=0)):
+        for queue in queues:
+            if depth < len(queue) and len(chosen) < cap:
+                chosen.append(queue[depth])
+    return chosen
+
+
+def role_key(job: Job) -> tuple:
+    """Role maps are per run: the analysis reads that run's own training images."""
+    return (job.dataset, job.roles, job.seed, job.shots)
+
+
+def analyse_heads(settings: dict, job: Job, clip, tokenizer, world, runtime: Runtime) -> dear.RoleMap:
+    """DeAR Sec. 3.2 on this run's training images (its own few-shot draw, evenly over its
+    classes, drawn with its seed; `analysis_images`), saved as roles.json / roles.txt /
+    roles.png / masks.png in <output>/<dataset>/roles/<seedS or shotsK-seedS>/."""
+    dataset = job.dataset
+    folder = os.path.join(settings["output"], dataset, "roles", os.path.basename(job.folder))
     path = os.path.join(folder, "roles.json")
     if os.path.isfile(path):  # made by an earlier call of this run (--resume) or by rank 0
         return dear.RoleMap.load(path)
     if runtime.main:
-        split = world["train_splits"][(dataset, settings["seeds"][0], max(settings["shots"]))]
-        items = split.train[: settings["analysis_images"]]
-        runtime.log(f"[{dataset}] head analysis: concept entropy of every head of the last "
-                    f"{analysed_layers(clip)} layers over {len(items)} training images")
+        split = world["train_splits"][(dataset, job.seed, job.shots)]
+        items = analysis_images(split.train, settings["analysis_images"], job.seed)
+        classes = len({item.label for item in items})
+        runtime.log(f"[{job.label}] head analysis: concept entropy of every head of the last "
+                    f"{analysed_layers(clip)} layers over {len(items)} training images of {classes} classes")
         loader = DataLoader(data.ImageDataset(items, data.test_transform(clip.visual.input_resolution)),
                             batch_size=settings["eval_batch_size"], num_workers=settings["workers"])
         role_map = dear.analyze_heads(
             clip, (images for images, _ in loader), tokenizer, world["bank"], world["attributes"],
             num_layers=analysed_layers(clip), num_descriptions=settings["descriptions"],
             rank=80, low_bits=settings["low_bits"], high_bits=settings["high_bits"], log=runtime.log)
-        role_map.source = f"concept entropy on {len(items)} {dataset} training images"
+        role_map.source = (f"concept entropy on {len(items)} {dataset} training images "
+                           f"({classes} classes, seed {job.seed})")
         table = role_map.table()
         runtime.log(table)
         dear.draw_heatmap(role_map, os.path.join(folder, "roles.png"))
@@ -569,11 +640,17 @@ def learning_rate(settings: dict, epoch: int) -> float:
 # ------------------------------------------------------------------------------------------
 
 
+def logits_used(eval_set: EvalSet, fusion: str) -> str:
+    """"fused" or "class": which of DeAR's logits score this test set under this fusion mode."""
+    return "fused" if fusion == "everywhere" or eval_set.trained else "class"
+
+
 @torch.no_grad()
-def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings: dict, runtime: Runtime) -> float:
-    """Top-1 accuracy (%) on eval_set. model=None: zero-shot CLIP; else DeAR's fused logits
-    over every class of the set. Under torchrun each process takes every world-th image and
-    the counts are summed."""
+def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings: dict, runtime: Runtime) -> Dict[str, float]:
+    """Top-1 accuracy (%) on eval_set -> {"clip": acc} for zero-shot CLIP (model=None), or
+    {"fused": acc, "class": acc} for DeAR: the fused logits and the class branch alone
+    (s * cos(f_cls, t_c)), both from one pass over the images. Under torchrun each process
+    takes every world-th image and the counts are summed."""
     prompts = [eval_set.template.format(name) for name in eval_set.classnames]
     ids = tokenizer.tokenize(prompts, clip.context_length, truncate=True).to(runtime.device)
     with autocast(runtime):
@@ -585,18 +662,21 @@ def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings: dict, runtime:
     items = eval_set.items[runtime.rank::runtime.world]
     loader = DataLoader(data.ImageDataset(items, data.test_transform(clip.visual.input_resolution)),
                         batch_size=settings["eval_batch_size"], num_workers=settings["workers"])
-    correct = 0
+    kinds = ["clip"] if model is None else ["fused", "class"]
+    correct = [0] * len(kinds)
     for images, labels in loader:
         images = images.to(runtime.device)
         with autocast(runtime):
             if model is None:
-                logits = F.normalize(clip.encode_image(images).float(), dim=-1) @ text.T
+                scores = [F.normalize(clip.encode_image(images).float(), dim=-1) @ text.T]
             else:
                 f_cls, f_attr, _ = model.encode_image(images)
-                logits, _ = model.fused_logits(torch.cat([f_cls[:, None], f_attr], dim=1), text)
-        correct += (logits.argmax(dim=-1).cpu() == labels).sum().item()
-    correct, total = _sum_over_processes([correct, len(items)], runtime)
-    return 100.0 * correct / max(total, 1)
+                fused, branches = model.fused_logits(torch.cat([f_cls[:, None], f_attr], dim=1), text)
+                scores = [fused, branches[:, 0]]  # (B, C) each
+        for i, logits in enumerate(scores):
+            correct[i] += (logits.argmax(dim=-1).cpu() == labels).sum().item()
+    *correct, total = _sum_over_processes(correct + [len(items)], runtime)
+    return {kind: 100.0 * c / max(total, 1) for kind, c in zip(kinds, correct)}
 
 
 @torch.no_grad()
@@ -812,23 +892,36 @@ def run_job(job: Job, settings: dict, clip, tokenizer, role_maps, world, runtime
             checkpoint = load_checkpoint(os.path.join(job.folder, "checkpoint.pt"), job_settings(settings, job))
             if checkpoint is None or checkpoint["epoch"] < settings["epochs"]:
                 raise TrainError(f"{job.folder}: no finished checkpoint to evaluate; finish it with --resume")
-            model = dear.DeAR(clip, role_maps[(job.dataset, job.roles)], world["attributes"],
+            model = dear.DeAR(clip, role_maps[role_key(job)], world["attributes"],
                               first_layer=first_layer_of(settings, clip), beta=settings["beta"],
                               num_text_tokens=settings["text_tokens"]).to(runtime.device)
             model.load_learnable_state_dict(checkpoint["learnable"])
         else:
-            model = train_job(job, settings, clip, tokenizer, role_maps[(job.dataset, job.roles)], world, runtime)
+            model = train_job(job, settings, clip, tokenizer, role_maps[role_key(job)], world, runtime)
             if model is None:
                 return None
         model.eval()
-    metrics = {}
+    # One pass per test set gives every kind of logits; each fusion mode then picks per set.
+    accuracy, logits = {}, {mode: {} for mode in settings["fusion"]}
     for eval_set in world["eval_sets"][job.dataset]:
-        metrics[eval_set.name] = evaluate(model, clip, tokenizer, eval_set, settings, runtime)
-        runtime.log(f"[{job.label}] test {eval_set.name}: {metrics[eval_set.name]:.2f}% "
-                    f"({len(eval_set.items)} images, {len(eval_set.classnames)} classes)")
-    if settings["protocol"] == "base2novel":
-        metrics["hm"] = harmonic_mean(metrics["base"], metrics["novel"])
-    result = dict(job=dataclasses.asdict(job), metrics=metrics, settings=job_settings(settings, job))
+        accuracy[eval_set.name] = evaluate(model, clip, tokenizer, eval_set, settings, runtime)
+        for mode in settings["fusion"]:
+            logits[mode][eval_set.name] = "clip" if model is None else logits_used(eval_set, mode)
+        runtime.log(f"[{job.label}] test {eval_set.name}: " + ", ".join(
+            f"{v:.2f}% ({kind} logits)" for kind, v in accuracy[eval_set.name].items()) +
+            f" ({len(eval_set.items)} images, {len(eval_set.classnames)} classes)")
+    by_fusion = {}
+    for mode in settings["fusion"]:
+        metrics = {name: accuracy[name][kind] for name, kind in logits[mode].items()}
+        if settings["protocol"] == "base2novel":
+            metrics["hm"] = harmonic_mean(metrics["base"], metrics["novel"])
+        by_fusion[mode] = metrics
+    first = settings["fusion"][0]
+    # "metrics" and "logits": the run's own numbers (the first --fusion mode), and which logits
+    # scored each test set; the *_by_fusion fields hold the same for every mode asked for.
+    result = dict(job=dataclasses.asdict(job), metrics=by_fusion[first], fusion=first, logits=logits[first],
+                  metrics_by_fusion=by_fusion, logits_by_fusion=logits, accuracy_by_logits=accuracy,
+                  settings=job_settings(settings, job))
     if runtime.main:
         write_text(os.path.join(job.folder, "results.md"), job_table(job, metrics))
         write_json(results_path, result)  # last: its presence marks the run complete
@@ -874,16 +967,28 @@ def summarise(settings: dict, results: List[dict]) -> dict:
     """-> {"rows": [...], "tables": {name: {"columns": [...], "rows": {row: [values]}}}} with the
     values rounded to two decimals exactly as the markdown shows them."""
     protocol = settings["protocol"]
-    rows = [r for r in ["zeroshot", "linear-probe"] + [row_name(x) for x in settings["roles"]]
-            if any(res["job"]["row"] == r for res in results)]
-    rows = list(dict.fromkeys(rows))
+    spec = {row: (job_row, mode) for row, (job_row, mode) in table_rows(settings).items()
+            if any(res["job"]["row"] == job_row for res in results)}
+    rows = list(spec)
+
+    def of_row(row: str) -> List[dict]:
+        return [res for res in results if res["job"]["row"] == spec[row][0]]
+
+    def metrics(res: dict, row: str) -> dict:  # the run's numbers under the row's fusion mode
+        return res.get("metrics_by_fusion", {}).get(spec[row][1], res["metrics"])
 
     def seed_values(dataset: str, row: str, metric: str, shots: Optional[int] = None) -> List[float]:
-        return [res["metrics"].get(metric, math.nan) for res in results if res["job"]["dataset"] == dataset
-                and res["job"]["row"] == row and (shots is None or res["job"]["shots"] in (None, shots))]
+        return [metrics(res, row).get(metric, math.nan) for res in of_row(row) if res["job"]["dataset"] == dataset
+                and (shots is None or res["job"]["shots"] in (None, shots))]
 
     def cell(dataset: str, row: str, metric: str, shots: Optional[int] = None) -> float:
         return mean(seed_values(dataset, row, metric, shots))
+
+    # Which logits scored each test set, per row (the same for every seed and dataset of a row).
+    logits = {}
+    for row in rows:
+        res = of_row(row)[0]
+        logits[row] = res.get("logits_by_fusion", {}).get(spec[row][1], res.get("logits", {}))
 
     tables: Dict[str, dict] = {}
     if protocol == "base2novel":
@@ -929,7 +1034,7 @@ def summarise(settings: dict, results: List[dict]) -> dict:
             if key in table:
                 table[key] = {row: [None if math.isnan(v) else round(v, 2) for v in vals]
                               for row, vals in table[key].items()}
-    return dict(protocol=protocol, seeds=settings["seeds"], rows=rows, tables=tables)
+    return dict(protocol=protocol, seeds=settings["seeds"], rows=rows, tables=tables, logits=logits)
 
 
 def markdown(summary: dict, settings: dict) -> str:
@@ -946,9 +1051,16 @@ def markdown(summary: dict, settings: dict) -> str:
                   "|---|" + "---:|" * len(table["columns"])]
         for row, values in table["rows"].items():
             spreads = table.get("spread", {}).get(row, [None] * len(values))
-            lines.append(f"| {ROW_LABELS.get(row, row)} | " + " | ".join(
+            lines.append(f"| {row_label(row)} | " + " | ".join(
                 "-" if v is None else f"{v:.2f}" + (f" ± {d:.2f}" if d else "") for v, d in zip(values, spreads)) + " |")
         lines.append("")
+    names = {"fused": "fused", "class": "class branch alone", "clip": "CLIP"}
+    lines.append("Logits per test set (task-adaptive fusion: fused where the test classes are the trained ones):")
+    for row, used in summary.get("logits", {}).items():
+        if used:
+            lines.append(f"- {row_label(row)}: " + ", ".join(f"{test} {names.get(kind, kind)}"
+                                                             for test, kind in used.items()))
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -996,7 +1108,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         settings = settings_for_resume(args) if (args.resume or args.eval_only) else resolve_settings(args)
         settings["resume"], settings["eval_only"] = bool(args.resume), bool(args.eval_only)
         return run(settings)
-    except (TrainError, data.DatasetError, dear.DeARError, clip_model.CLIPFileError) as error:
+    except (TrainError, data.DatasetError, dear.DeARError, clip_model.CLIPError) as error:
         print(f"train.py: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -1054,12 +1166,11 @@ def run(settings: dict) -> int:
                 f"{f', autocast {runtime.amp_dtype}' if runtime.amp_dtype else ''}; output {output}")
 
     role_maps = {}
-    for dataset in trained:
-        for choice in settings["roles"]:
-            if "dear" in settings["method"]:
-                analysed = (analyse_heads(settings, dataset, clip, tokenizer, world, runtime)
-                            if choice == "analyse" else None)
-                role_maps[(dataset, choice)] = role_map_for(choice, settings, clip, world["attributes"], analysed)
+    for job in jobs:
+        if job.roles is not None:
+            analysed = (analyse_heads(settings, job, clip, tokenizer, world, runtime)
+                        if job.roles == "analyse" else None)
+            role_maps[role_key(job)] = role_map_for(job.roles, settings, clip, world["attributes"], analysed)
 
     started, results = time.time(), []
     for index, job in enumerate(jobs, 1):

@@ -4,6 +4,7 @@ Nothing here touches the network. Real CLIP weights and the real BPE file cannot
 downloaded on CI, so the tests build what they need:
   * `tiny_clip`: a 2-layer CLIP with random weights, built through our own `CLIP` class,
     its state dict in OpenAI's key format (parameter names = OpenAI's keys);
+  * `tiny_deep_clip`: 3 vision layers of 4 heads, 3 text layers (DeAR's reference test);
   * `openclip_bpe_path`: the real merges file, which the open-clip-torch wheel ships (a
     test-only oracle: the library itself never imports open_clip).
 
@@ -32,6 +33,12 @@ TINY = dict(
 )
 
 
+# Deeper and wider in heads, for the reference test of DeAR's forward pass: 3 text layers so
+# that the text tokens' beta rule runs at J = 1 and 2, 4 vision heads so that one layer can
+# hold every role at once.
+TINY_DEEP = dict(TINY, vision_layers=3, vision_heads=4, transformer_layers=3)
+
+
 def perturb_(model: torch.nn.Module, scale: float = 0.05, seed: int = 0) -> torch.nn.Module:
     """Add noise to every parameter, LayerNorm gains and biases included.
 
@@ -49,6 +56,12 @@ def perturb_(model: torch.nn.Module, scale: float = 0.05, seed: int = 0) -> torc
 def tiny_clip() -> clip_model.CLIP:
     torch.manual_seed(0)
     return perturb_(clip_model.CLIP(**TINY)).eval()
+
+
+@pytest.fixture
+def tiny_deep_clip() -> clip_model.CLIP:
+    torch.manual_seed(1)
+    return perturb_(clip_model.CLIP(**TINY_DEEP), seed=1).eval()
 
 
 @pytest.fixture

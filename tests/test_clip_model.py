@@ -147,7 +147,7 @@ def test_fused_attention_equals_the_spelled_out_one_for_every_mask_shape(shape):
 
 def test_attention_rejects_a_mask_of_the_wrong_shape():
     ours, _ = _attention_pair()
-    with pytest.raises(AssertionError, match=r"attn_mask has shape \(3, 6, 6\)"):
+    with pytest.raises(clip_model.CLIPError, match=r"attn_mask has shape \(3, 6, 6\)"):
         ours(torch.randn(2, 6, 64), torch.zeros(3, 6, 6))
 
 
@@ -382,3 +382,162 @@ def test_command_line_scores_an_image_and_reports_bad_weights_in_one_line(tmp_pa
                                "--image", str(image), "--texts", "x"])
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1 and "absent.pt" in err
+
+
+# ------------------------------------------------------------------------------------------
+# No silently wrong CLIP: head counts and activation (what no tensor shape tells)
+# ------------------------------------------------------------------------------------------
+
+# Heads of 32 channels in the vision tower, 16 in the text tower, GELU: a plain load with
+# OpenAI's defaults (heads of 64, QuickGELU) would build another model from the same tensors.
+ODD = dict(TINY, vision_heads=4, transformer_heads=8, activation="gelu")
+
+
+@pytest.fixture
+def odd_clip() -> clip_model.CLIP:
+    torch.manual_seed(0)
+    return perturb_(clip_model.CLIP(**ODD), scale=0.2).eval()
+
+
+def _same_outputs(a: clip_model.CLIP, b: clip_model.CLIP) -> float:
+    images, text = _tiny_inputs()
+    with torch.no_grad():
+        return max((a.encode_image(images) - b.encode_image(images)).abs().max().item(),
+                   (a.encode_text(text) - b.encode_text(text)).abs().max().item())
+
+
+def test_a_file_written_by_save_loads_right_with_no_arguments(tmp_path, odd_clip):
+    path = str(tmp_path / "odd.pt")
+    clip_model.save(odd_clip, path)
+    loaded, _ = clip_model.load(path)
+    assert (loaded.visual.transformer.heads, loaded.transformer.heads, loaded.activation) == (4, 8, "gelu")
+    assert _same_outputs(loaded, odd_clip) == 0.0
+    stored = torch.load(path, weights_only=True)  # OpenAI's keys, plus three plain entries
+    assert (stored["vision_heads"], stored["text_heads"], stored["activation"]) == (4, 8, "gelu")
+    # An argument that contradicts the file is refused, naming what the file says.
+    with pytest.raises(clip_model.CLIPFileError, match="vision_heads=4"):
+        clip_model.load(path, head_width=64)
+    with pytest.raises(clip_model.CLIPFileError, match="activation='gelu'"):
+        clip_model.load(path, activation="quick_gelu")
+    assert clip_model.load(path, vision_heads=4, text_heads=8, activation="gelu")[0].activation == "gelu"
+
+
+def test_a_foreign_state_dict_needs_its_heads_and_activation_as_arguments(tmp_path, odd_clip):
+    path = str(tmp_path / "foreign.pt")
+    torch.save(odd_clip.state_dict(), path)  # no entries: what other projects write
+    plain, _ = clip_model.load(path)  # OpenAI's defaults: the README's "wrong without an error"
+    assert _same_outputs(plain, odd_clip) > 1e-3
+    told, _ = clip_model.load(path, vision_heads=4, text_heads=8, activation="gelu")
+    assert _same_outputs(told, odd_clip) == 0.0
+    # Each of the three matters on its own.
+    for wrong in (dict(vision_heads=2, text_heads=8, activation="gelu"),
+                  dict(vision_heads=4, text_heads=2, activation="gelu"),
+                  dict(vision_heads=4, text_heads=8, activation="quick_gelu")):
+        assert _same_outputs(clip_model.load(path, **wrong)[0], odd_clip) > 1e-3, wrong
+    with pytest.raises(clip_model.CLIPFileError, match="activation='relu'"):
+        clip_model.load(path, activation="relu")
+
+
+def test_open_clip_gelu_vit_b16_matches_when_loaded_with_activation_gelu(tmp_path):
+    """open_clip's plain ViT-B-16 (exact GELU, the architecture of LAION's weights)."""
+    open_clip = pytest.importorskip("open_clip")
+    torch.manual_seed(0)
+    reference = perturb_(open_clip.create_model("ViT-B-16", pretrained=None), scale=0.02).eval()
+    path = tmp_path / "ViT-B-16-gelu.pt"
+    torch.save(reference.state_dict(), path)
+    ours, _ = clip_model.load(str(path), activation="gelu")
+    quick, _ = clip_model.load(str(path))  # what a plain load gives: QuickGELU
+    images = torch.randn(2, 3, 224, 224)
+    text = open_clip.get_tokenizer("ViT-B-16")(["a photo of a cat.", "zigzagged texture."])
+    with torch.no_grad():
+        expected_image, expected_text = reference.encode_image(images), reference.encode_text(text)
+        assert_close(ours.encode_image(images), expected_image, 1e-4, "encode_image, gelu")
+        assert_close(ours.encode_text(text), expected_text, 1e-4, "encode_text, gelu")
+        assert (quick.encode_image(images) - expected_image).abs().max() > 1e-3  # the activation matters
+
+
+def test_load_accepts_openais_jit_false_and_refuses_jit_true(tiny_checkpoint):
+    assert isinstance(clip_model.load(tiny_checkpoint, jit=False)[0], clip_model.CLIP)
+    with pytest.raises(clip_model.CLIPError, match="jit=True is not supported"):
+        clip_model.load(tiny_checkpoint, jit=True)
+
+
+def test_cache_and_bpe_names_new_first_old_still_work(tmp_path, monkeypatch):
+    for name in ("CLIP_CACHE_DIR", "DEAR_CACHE_DIR", "CLIP_BPE_PATH", "DEAR_BPE_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert clip_model.default_cache_dir() == str(tmp_path / ".cache" / "clip-from-scratch")
+    (tmp_path / ".cache" / "dear-from-scratch").mkdir(parents=True)  # an existing old cache is kept
+    assert clip_model.default_cache_dir() == str(tmp_path / ".cache" / "dear-from-scratch")
+    monkeypatch.setenv("DEAR_CACHE_DIR", "/old")
+    assert clip_model.default_cache_dir() == "/old"
+    monkeypatch.setenv("CLIP_CACHE_DIR", "/new")
+    assert clip_model.default_cache_dir() == "/new"
+    old, new = tmp_path / "old.txt", tmp_path / "new.txt"
+    for path in (old, new):
+        path.write_text("#version: 0.2\nr e\n")
+    monkeypatch.setenv("DEAR_BPE_PATH", str(old))
+    assert clip_model.find_bpe_file() == str(old)
+    monkeypatch.setenv("CLIP_BPE_PATH", str(new))
+    assert clip_model.find_bpe_file() == str(new)
+
+
+def test_tokenize_with_a_given_bpe_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(clip_model, "_tokenizers", {})
+    path = tmp_path / "bpe.txt"
+    path.write_text("#version: 0.2\nr e\nre d</w>\n")
+    ids = clip_model.tokenize(["red", "a red"], context_length=8, bpe_path=str(path))
+    tokenizer = clip_model.SimpleTokenizer(str(path))
+    assert torch.equal(ids, tokenizer.tokenize(["red", "a red"], context_length=8))
+    assert ids[0, :3].tolist() == [tokenizer.sot_token, tokenizer.encoder["red</w>"], tokenizer.eot_token]
+
+
+def test_the_library_never_asserts_on_user_input():
+    """`python -O` strips asserts: every check in the two library files must raise."""
+    import ast
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name in ("clip_model.py", "dear.py"):
+        tree = ast.parse(open(os.path.join(root, name), encoding="utf-8").read())
+        lines = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert)]
+        assert not lines, f"{name} asserts on lines {lines}"
+
+
+def test_user_errors_raise_clip_error_naming_the_argument(tiny_clip):
+    with pytest.raises(clip_model.CLIPError, match="num_layers=9"):
+        clip_model.head_contributions(tiny_clip, torch.randn(1, 3, 32, 32), num_layers=9)
+    with pytest.raises(clip_model.CLIPError, match="images are 30x30"):
+        tiny_clip.encode_image(torch.randn(1, 3, 30, 30))
+    with pytest.raises(clip_model.CLIPError, match="context length is 16"):
+        tiny_clip.encode_text(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_command_line_takes_head_width_and_activation_and_names_a_bad_image(tmp_path, odd_clip, capsys):
+    from PIL import Image
+
+    bpe = tmp_path / "bpe.txt"
+    bpe.write_text("#version: 0.2\nr e\nre d</w>\n")
+    image = tmp_path / "red.png"
+    Image.new("RGB", (40, 50), (200, 10, 10)).save(image)
+    foreign = tmp_path / "foreign.pt"  # two towers of heads 32 wide, GELU, nothing in the file
+    torch.manual_seed(3)
+    odd = perturb_(clip_model.CLIP(**dict(ODD, transformer_heads=4)), scale=0.2).eval()
+    torch.save(odd.state_dict(), foreign)
+    common = ["--weights", str(foreign), "--bpe", str(bpe), "--texts", "a red thing", "a blue thing"]
+    assert clip_model._main(common + ["--image", str(image), "--head-width", "32", "--activation", "gelu"]) == 0
+    shares = [float(line.split("%")[0]) for line in capsys.readouterr().out.strip().splitlines()]
+    tokens = clip_model.SimpleTokenizer(str(bpe)).tokenize(["a red thing", "a blue thing"], 16)
+    with torch.no_grad():
+        expected = odd(clip_model.image_transform(32)(Image.open(image)).unsqueeze(0), tokens)[0].softmax(-1)[0]
+    assert [round(100 * p, 1) for p in expected.tolist()] == shares  # the model it was told to build
+    not_an_image = tmp_path / "notes.png"
+    not_an_image.write_text("hello")
+    truncated = tmp_path / "truncated.png"  # a header that opens, pixels that do not load
+    truncated.write_bytes(image.read_bytes()[:60])
+    for bad in (str(not_an_image), str(truncated), str(tmp_path), str(tmp_path / "absent.png")):
+        assert clip_model._main(common + ["--image", bad, "--head-width", "32"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("clip_model.py: error: ") and bad in err
+        assert "Traceback" not in err and "usage" not in err
+    with pytest.raises(clip_model.CLIPFileError, match="head_width=48"):  # what --head-width 48 meets
+        clip_model.load(str(foreign), head_width=48)

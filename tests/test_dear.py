@@ -2,9 +2,11 @@
 
     python -m pytest -q tests/test_dear.py
 
-What they pin down: generalization heads are untouched by attribute tokens (checked by
-gradients, not by reading the mask); an attribute head carries exactly its own token into
-the image; TextSpan finds planted directions; concept entropy and roles on hand-computed
+What they pin down: within one layer, a generalization head's output at the image tokens
+does not depend on the attribute tokens (checked by gradients, not by reading the mask; across
+layers it may, through image tokens that earlier attribute and mixed heads wrote into, see
+test_dear_invariants.py); with every head generalization the class feature is plain CLIP's;
+an attribute head carries exactly its own token into the image; TextSpan finds planted directions; concept entropy and roles on hand-computed
 cases; every cost saving equals the plain computation, gradients included; bad input.
 """
 
@@ -66,7 +68,7 @@ def make_model(tiny_clip, spec=None, first_layer=2, **kwargs) -> DeAR:
 
 
 # ------------------------------------------------------------------------------------------
-# Isolation: generalization heads never see attribute tokens
+# Isolation: within a layer, generalization heads do not read attribute tokens
 # ------------------------------------------------------------------------------------------
 
 
@@ -384,7 +386,8 @@ def test_a_broken_or_missing_role_file_is_named(tmp_path):
     assert str(path) in _one_line(error) and "not a DeAR role file" in str(error.value)
     with pytest.raises(DeARError) as error:
         RoleMap.load(str(tmp_path / "absent.json"))
-    assert "all-mixed" in _one_line(error)
+    # A library error names functions and arguments, never a command-line flag.
+    assert "RoleMap.uniform" in _one_line(error) and "--" not in str(error.value)
 
 
 def test_unknown_attribute_names_in_the_model_are_refused(tiny_clip):
@@ -422,4 +425,60 @@ def test_atomic_write_leaves_a_normally_readable_file_and_no_temporary(tmp_path)
     umask = os.umask(0)
     os.umask(umask)
     assert (path.stat().st_mode & 0o777) == 0o666 & ~umask  # not mkstemp's private 0600
+    assert [p.name for p in tmp_path.iterdir()] == ["roles.json"]
+
+
+# ------------------------------------------------------------------------------------------
+# Library defaults and behaviour for callers outside this project
+# ------------------------------------------------------------------------------------------
+
+
+def test_deep_models_default_j_to_the_first_of_their_last_four_layers_and_take_the_maps_attributes():
+    torch.manual_seed(0)
+    six = clip_model.CLIP(**dict(TINY, vision_layers=6, transformer_layers=6)).eval()
+    heads = [HeadRole(layer, head, "attribute", "shape") if (layer, head) == (5, 0) else
+             HeadRole(layer, head, "mixed") for layer in range(2, 6) for head in range(HEADS)]
+    roles = RoleMap(6, HEADS, ["shape", "colour"], heads)
+    model = DeAR(six, roles)  # no attributes, no first_layer
+    assert model.first_layer == 3  # 1-based: layers 3-6 are the last four of six
+    assert model.attributes == ["shape", "colour"] and model.vision_tokens.shape[:2] == (4, 2)
+    # ... and the caller's CLIP is frozen in place, as the docstring says.
+    assert model.clip is six and not any(p.requires_grad for p in six.parameters()) and not six.training
+    with pytest.raises(DeARError, match="leave DeAR's attributes out"):
+        DeAR(six, roles, attributes=["colour", "shape"])
+
+
+def test_analyze_heads_takes_one_tensor_of_images_as_well_as_batches(tiny_clip, tmp_path):
+    bpe = tmp_path / "bpe.txt"
+    bpe.write_text("#version: 0.2\nr e\nre d</w>\n")
+    tokenizer = clip_model.SimpleTokenizer(str(bpe))
+    batches = [images(8, seed=s) for s in range(2)]
+    quiet = dict(num_descriptions=6, log=lambda line: None)
+    from_batches = dear.analyze_heads(tiny_clip, batches, tokenizer, **quiet)
+    from_tensor = dear.analyze_heads(tiny_clip, torch.cat(batches), tokenizer, **quiet)
+    assert from_tensor == from_batches and from_tensor.layers == [0, 1, 2]  # all 3 layers (fewer than 4)
+    with pytest.raises(DeARError, match="image_batches must be"):
+        dear.analyze_heads(tiny_clip, [(batches[0], torch.zeros(8))], tokenizer, **quiet)  # (images, labels)
+
+
+def test_dear_loss_without_frozen_features_raises_a_named_error(tiny_clip):
+    model = make_model(tiny_clip)
+    output = model(images(2), class_prompts(), with_frozen=False)
+    with pytest.raises(DeARError, match="with_frozen=True"):
+        dear.dear_loss(output, torch.tensor([0, 1]))
+
+
+def test_importing_dear_leaves_the_umask_alone_and_files_follow_it(tmp_path):
+    """Run in a fresh process: os.umask is booby-trapped before dear.py is imported."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import os, sys; os.umask(0o027); "
+            "os.umask = lambda *a: sys.exit('dear.py called os.umask'); "
+            f"sys.path.insert(0, {root!r}); import dear; "
+            f"dear.atomic_write({str(tmp_path / 'roles.json')!r}, lambda t: open(t, 'w').write('{{}}'))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert ((tmp_path / "roles.json").stat().st_mode & 0o777) == 0o640
     assert [p.name for p in tmp_path.iterdir()] == ["roles.json"]

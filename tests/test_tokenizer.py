@@ -95,7 +95,7 @@ def test_special_tokens_are_spelled_as_openai_spells_them(tokenizers):
 
 def test_long_text_without_truncation_is_a_clear_error(tokenizers):
     ours, _ = tokenizers
-    with pytest.raises(ValueError, match="longer than the context length 77; shorten it or pass truncate=True"):
+    with pytest.raises(clip_model.CLIPError, match="longer than the context length 77; shorten it or pass truncate=True"):
         ours.tokenize("word " * 80)
     assert ours.tokenize("word " * 75).shape == (1, 77)  # 75 words + 2 specials fit exactly
 
@@ -162,7 +162,7 @@ def test_no_merges_file_and_no_network_says_what_to_pass(tmp_path, monkeypatch):
     with pytest.raises(clip_model.CLIPFileError) as error:
         SimpleTokenizer()
     message = str(error.value)
-    assert "\n" not in message and "DEAR_BPE_PATH" in message and "bpe_path=" in message
+    assert "\n" not in message and "CLIP_BPE_PATH" in message and "bpe_path=" in message
 
 
 def test_a_malformed_merges_file_names_the_line(tmp_path):

@@ -214,7 +214,9 @@ def test_two_builds_with_the_same_settings_give_identical_weights_whatever_the_c
     first = torch.load(assets.weights, weights_only=True)
     second = torch.load(again.weights, weights_only=True)
     assert first.keys() == second.keys()
-    assert all(torch.equal(first[key], second[key]) for key in first), "two builds differ"
+    tensors = [key for key in first if isinstance(first[key], torch.Tensor)]
+    assert len(tensors) > 20 and all(torch.equal(first[key], second[key]) for key in tensors), "two builds differ"
+    assert {k: v for k, v in first.items() if k not in tensors} == {k: v for k, v in second.items() if k not in tensors}
     report = again.report  # config.json says what was built and with what
     config = pretrain.CONFIGS["miniature"]
     assert (report["steps"], report["threads"], report["torch"]) == (config.max_steps, config.threads, torch.__version__)

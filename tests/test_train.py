@@ -118,7 +118,7 @@ def learnable(folder):
 def test_base2novel_from_the_command_line_writes_results_and_a_table_that_matches_them(world, tmp_path):
     out = tmp_path / "run"
     args = common(world, out, "--dataset", "dtd", "--seeds", "1", "2", "--roles", "analyse", "all-mixed",
-                  "--shots", "4")
+                  "--shots", "4", "--fusion", "adaptive", "everywhere")
     done = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -129,28 +129,44 @@ def test_base2novel_from_the_command_line_writes_results_and_a_table_that_matche
     results = {f: read(out / f / "results.json") for f in folders}
     for folder in folders[1:]:
         assert (out / folder / "checkpoint.pt").is_file()
-    for name in ("roles.json", "roles.txt", "roles.png", "masks.png"):
-        assert (out / "dtd" / name).is_file(), name
-    roles = dear.RoleMap.load(str(out / "dtd" / "roles.json"))
+    for seed in (1, 2):  # one analysis per run, on that run's own training images
+        for name in ("roles.json", "roles.txt", "roles.png", "masks.png"):
+            assert (out / "dtd" / "roles" / f"seed{seed}" / name).is_file(), name
+    roles = dear.RoleMap.load(str(out / "dtd" / "roles" / "seed1" / "roles.json"))
     assert (roles.vision_layers, roles.num_heads, roles.layers) == (3, 2, [0, 1, 2])  # 2 heads of 32 channels
+    assert "3 classes, seed 1" in roles.source  # the base classes, all of them
 
     # The summary equals the mean of the per-run results, and the markdown shows those numbers.
     summary = read(out / "summary.json")
     table = summary["tables"]["dtd"]
     assert table["columns"] == ["Base", "Novel", "HM"]
-    for row in ("dear", "dear-all-mixed"):
-        base = sum(results[f"dtd/{row}/seed{s}"]["metrics"]["base"] for s in (1, 2)) / 2
-        novel = sum(results[f"dtd/{row}/seed{s}"]["metrics"]["novel"] for s in (1, 2)) / 2
+    # Task-adaptive fusion: base scored with the fused logits, novel with the class branch
+    # alone; "fused everywhere" (the same trained runs) uses the fused logits on both.
+    assert list(table["rows"]) == ["zeroshot", "dear", "dear-fused-everywhere", "dear-all-mixed"]
+    for folder in folders[1:]:
+        result = results[folder]
+        assert result["logits"] == {"base": "fused", "novel": "class"}
+        assert result["logits_by_fusion"]["everywhere"] == {"base": "fused", "novel": "fused"}
+        accuracy = result["accuracy_by_logits"]
+        assert result["metrics"]["novel"] == accuracy["novel"]["class"]
+        assert result["metrics"]["base"] == accuracy["base"]["fused"]
+        assert result["metrics_by_fusion"]["everywhere"]["novel"] == accuracy["novel"]["fused"]
+    for row, job_row, mode in (("dear", "dear", "adaptive"), ("dear-fused-everywhere", "dear", "everywhere"),
+                               ("dear-all-mixed", "dear-all-mixed", "adaptive")):
+        metrics = [results[f"dtd/{job_row}/seed{s}"]["metrics_by_fusion"][mode] for s in (1, 2)]
+        base, novel = sum(m["base"] for m in metrics) / 2, sum(m["novel"] for m in metrics) / 2
         assert table["rows"][row] == [round(base, 2), round(novel, 2), round(train.harmonic_mean(base, novel), 2)]
     assert table["rows"]["zeroshot"][:2] == [round(results["dtd/zeroshot"]["metrics"][k], 2) for k in ("base", "novel")]
     markdown = (out / "summary.md").read_text()
     for row, values in table["rows"].items():  # each cell: mean, then "± spread" when seeds differ
-        line = next(l for l in markdown.splitlines() if l.startswith(f"| {train.ROW_LABELS[row]} |"))
+        line = next(l for l in markdown.splitlines() if l.startswith(f"| {train.row_label(row)} |"))
         cells = [x for v, d in zip(values, table["spread"][row]) for x in ([v, d] if d else [v])]
         assert [float(v) for v in re.findall(r"\d+\.\d\d", line)] == cells
     # The spread is the standard deviation of the two seeds' base accuracies.
     bases = [results[f"dtd/dear/seed{s}"]["metrics"]["base"] for s in (1, 2)]
     assert table["spread"]["dear"][0] == round(abs(bases[0] - bases[1]) / 2 ** 0.5, 2)
+    assert "- DeAR: base fused, novel class branch alone" in markdown
+    assert "- DeAR, fused everywhere: base fused, novel fused" in markdown
     assert read(out / "settings.json")["settings"]["epochs"] == 2
 
 
@@ -172,8 +188,8 @@ def test_linear_probe_fits_the_training_classes_and_scores_only_sets_with_those_
 
     monkeypatch.setattr(train, "image_features", fake_features)
     split = train.data.DatasetSplits("x", "", items(30), items(12, 100), items(30, 200), classes, "{}")
-    same = train.EvalSet("base", items(60, 300), classes, "{}")
-    other = train.EvalSet("novel", items(60, 400), ["d", "e", "f"], "{}")
+    same = train.EvalSet("base", items(60, 300), classes, "{}", True)
+    other = train.EvalSet("novel", items(60, 400), ["d", "e", "f"], "{}", False)
     runtime = type("R", (), {"log": staticmethod(lambda line: None)})()
     metrics = train.linear_probe(None, split, [same, other], {}, runtime)
     assert list(metrics) == ["base"]  # no classifier for unseen classes: no novel number
@@ -257,22 +273,26 @@ def test_fewshot_cross_and_dg_write_the_paper_shaped_tables(world, tmp_path):
     assert table["columns"] == ["1 shot", "2 shots"]
     assert table["rows"]["zeroshot"][0] == table["rows"]["zeroshot"][1]  # zero-shot does not use shots
     for shots, value in zip((1, 2), table["rows"]["dear-all-generalization"]):
-        metrics = read(out / f"dtd/dear-all-generalization/shots{shots}-seed1/results.json")["metrics"]
-        assert value == round(metrics["all"], 2)
+        result = read(out / f"dtd/dear-all-generalization/shots{shots}-seed1/results.json")
+        assert value == round(result["metrics"]["all"], 2)
+        assert result["logits"] == {"all": "fused"}  # the trained classes: fused
 
     fast += ["--shots", "4"]
     out = tmp_path / "cross"
     assert train.main(common(world, out, "--protocol", "cross", "--dataset", "dtd", *fast)) == 0
     (title, table), = read(out / "summary.json")["tables"].items()
     assert title.startswith("Cross-dataset") and table["columns"] == ["imagenet (source)", "dtd", "Average"]
-    metrics = read(out / "imagenet/dear-all-generalization/seed1/results.json")["metrics"]
-    assert set(metrics) == {"imagenet", "dtd"}
+    result = read(out / "imagenet/dear-all-generalization/seed1/results.json")
+    assert set(result["metrics"]) == {"imagenet", "dtd"}
+    assert result["logits"] == {"imagenet": "fused", "dtd": "class"}  # fused on the source only
 
     out = tmp_path / "dg"
     assert train.main(common(world, out, "--protocol", "dg", "--dataset", "imagenet_sketch", *fast)) == 0
     (title, table), = read(out / "summary.json")["tables"].items()
     assert title.startswith("Domain generalization") and table["columns"] == ["ImageNet (source)", "-Sketch", "Average"]
     assert "| CLIP (zero-shot) |" in (out / "summary.md").read_text()
+    result = read(out / "imagenet/dear-all-generalization/seed1/results.json")
+    assert result["logits"] == {"imagenet": "fused", "imagenet_sketch": "class"}
 
 
 def test_summary_takes_hm_of_the_averages_as_the_paper_does():
@@ -284,6 +304,62 @@ def test_summary_takes_hm_of_the_averages_as_the_paper_does():
     # base 70, novel 30: HM(70, 30) = 42.0, not the mean of the per-dataset HMs (18.0 and 50.0)
     assert average == [70.0, 30.0, 42.0]
     assert summary["tables"]["a"]["rows"]["dear"] == [90.0, 10.0, 18.0]
+
+
+# ------------------------------------------------------------------------------------------
+# Task-adaptive fusion at the evaluate() level; the head analysis's images
+# ------------------------------------------------------------------------------------------
+
+
+def test_evaluate_scores_the_fused_and_the_class_branch_logits_and_each_set_gets_its_own(world):
+    import data
+
+    clip, _ = clip_model.load(world["weights"], head_width=32)
+    tokenizer = clip_model.SimpleTokenizer(world["bpe"])
+    roles = dear.RoleMap.uniform("mixed", 3, 2, range(3), list(dear.CORE_ATTRIBUTES))
+    torch.manual_seed(0)
+    model = dear.DeAR(clip, roles, first_layer=2, beta=0.3).eval()
+    with torch.no_grad():  # attribute branches decisive (alpha_cls ~ 0) and unlike the class branch
+        model.attribute_proj.normal_(0, 1.0)
+        model.vision_tokens.normal_(0, 1.0)
+        model.fusion_logits.copy_(torch.tensor([-20.0, 1.0, 2.0, 3.0, 4.0, 5.0]))
+    settings, runtime = dict(eval_batch_size=3, workers=0), train.Runtime(torch.device("cpu"))
+    sets = {}
+    for name, subsample, trained in (("base", "base", True), ("novel", "new", False)):
+        d = data.load_dataset("dtd", world["root"], num_shots=None, subsample=subsample)
+        sets[name] = train.EvalSet(name, d.test, d.classnames, d.template, trained)
+    differs = False
+    for name, eval_set in sets.items():
+        accuracy = train.evaluate(model, clip, tokenizer, eval_set, settings, runtime)
+        # By hand: every test image through DeAR's forward, both kinds of logits.
+        ids = tokenizer.tokenize([eval_set.template.format(c) for c in eval_set.classnames], clip.context_length)
+        transform = data.test_transform(clip.visual.input_resolution)
+        dataset = data.ImageDataset(eval_set.items, transform)
+        images = torch.stack([dataset[i][0] for i in range(len(dataset))])
+        labels = torch.tensor([item.label for item in eval_set.items])
+        with torch.no_grad():
+            out = model(images, ids)
+        fused = 100.0 * (out.logits.argmax(-1) == labels).float().mean().item()
+        alone = 100.0 * (out.branch_logits[:, 0].argmax(-1) == labels).float().mean().item()
+        assert accuracy == pytest.approx({"fused": fused, "class": alone}), name
+        differs |= (out.logits.argmax(-1) != out.branch_logits[:, 0].argmax(-1)).any().item()
+        # The documented rule: fused on the trained classes, the class branch alone elsewhere.
+        assert train.logits_used(eval_set, "adaptive") == ("fused" if name == "base" else "class")
+        assert train.logits_used(eval_set, "everywhere") == "fused"
+    assert differs, "the two kinds of logits agree on every image: the test could not tell them apart"
+
+
+def test_the_analysis_images_cover_every_class_evenly_and_follow_the_seed():
+    items = [train.data.Item(f"c{label}/{i}.jpg", label, f"c{label}") for label in range(10) for i in range(8)]
+    chosen = train.analysis_images(items, 25, seed=1)
+    per_class = [sum(item.label == c for item in chosen) for c in range(10)]
+    assert len(chosen) == 25 and max(per_class) - min(per_class) <= 1 and min(per_class) == 2
+    assert len({item.path for item in chosen}) == 25
+    assert train.analysis_images(items, 25, seed=1) == chosen  # seeded
+    assert train.analysis_images(items, 25, seed=2) != chosen  # ... by the run's seed
+    few = train.analysis_images(items, 4, seed=1)
+    assert len({item.label for item in few}) == 4  # a cap below the class count: one per class
+    assert sorted(train.analysis_images(items, 500, seed=3), key=lambda i: i.path) == sorted(items, key=lambda i: i.path)
 
 
 # ------------------------------------------------------------------------------------------
@@ -303,7 +379,7 @@ def test_torchrun_with_two_processes_trains_and_writes_one_result(world, tmp_pat
     assert "x 2 processes" in done.stdout
     result = read(out / "dtd/dear/seed1/results.json")
     assert set(result["metrics"]) == {"base", "novel", "hm"}
-    assert (out / "summary.md").is_file() and (out / "dtd" / "roles.json").is_file()
+    assert (out / "summary.md").is_file() and (out / "dtd" / "roles" / "seed1" / "roles.json").is_file()
     assert not list(out.rglob(".tmp-*"))  # no half-written file left behind
 
 
@@ -328,6 +404,7 @@ def wrong_roles_file(tmp_path):
     ("unknown flag value", "argument --protocol: invalid choice: 'base2new'"),
     ("no cuda", "this machine has no CUDA device"),
     ("two role sources", "give at most one of 'analyse' or a roles file"),
+    ("inverted thresholds", "--low-bits 3 is above --high-bits 1"),
 ])
 def test_bad_input_ends_in_one_line_and_exit_status_2_without_a_run_folder(world, tmp_path, case, message):
     if case == "no cuda" and torch.cuda.is_available():
@@ -341,6 +418,7 @@ def test_bad_input_ends_in_one_line_and_exit_status_2_without_a_run_folder(world
         "roles for another model": ["--roles", wrong_roles_file(tmp_path)],
         "unknown flag value": ["--protocol", "base2new"],
         "no cuda": ["--device", "cuda"],
+        "inverted thresholds": ["--low-bits", "3", "--high-bits", "1"],
         "two role sources": ["--roles", "analyse", wrong_roles_file(tmp_path)],
     }[case]
     done = subprocess.run([sys.executable, "train.py", *args, *change], cwd=REPO, capture_output=True,
@@ -369,14 +447,21 @@ def test_toyworld_runs_end_to_end_from_an_empty_cache(tmp_path):
 
     summary = read(out / "summary.json")
     table = summary["tables"]["toyworld"]
-    assert list(table["rows"]) == ["zeroshot", "linear-probe", "dear-all-mixed", "dear"]
+    assert list(table["rows"]) == ["zeroshot", "linear-probe", "dear-all-mixed", "dear-all-generalization", "dear",
+                                   "dear-fused-everywhere"]  # the toy table's rows
     markdown = (out / "summary.md").read_text()
-    for label in ("CLIP (zero-shot)", "Linear probe", "DeAR, all heads mixed (no mask)", "| DeAR |"):
+    for label in ("CLIP (zero-shot)", "Linear probe", "DeAR, all heads mixed (no mask)",
+                  "DeAR, all heads generalization", "| DeAR |", "| DeAR, fused everywhere |"):
         assert label in markdown
+    # All generalization: no attribute branch can read the image, so the class branch alone.
+    assert "left out of the fusion" in done.stdout + done.stderr
+    general = read(out / "toyworld/dear-all-generalization/seed1/results.json")["accuracy_by_logits"]
+    assert general["base"]["fused"] == general["base"]["class"]
+    roles = out / "toyworld" / "roles" / "seed1"
     for name in ("roles.json", "roles.png", "masks.png", "causal_check.md", "causal_check.json"):
-        assert (out / "toyworld" / name).is_file(), name
-    causal = read(out / "toyworld" / "causal_check.json")
-    assert len(causal["heads"]) == len(dear.RoleMap.load(str(out / "toyworld" / "roles.json")).heads)
+        assert (roles / name).is_file(), name
+    causal = read(roles / "causal_check.json")
+    assert len(causal["heads"]) == len(dear.RoleMap.load(str(roles / "roles.json")).heads)
     # The run reads the toy world as any CoOp dataset: the saved settings point at the cache.
     settings = read(out / "settings.json")["settings"]
     assert settings["weights"].startswith(str(cache)) and settings["root"].startswith(str(cache))

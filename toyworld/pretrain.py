@@ -450,7 +450,7 @@ def pretrained_clip(config: PretrainConfig, cache_dir: Optional[str] = None,
               "images": config.max_steps * config.batch_size, "threads": config.threads,
               "torch": torch.__version__, "pretrain_seconds": round(seconds, 1),
               "zero_shot": {k: round(v, 4) for k, v in zero_shot.items()}}
-    atomic_write(weights, lambda temporary: torch.save(model.state_dict(), temporary))
+    atomic_write(weights, lambda temporary: clip_model.save(model, temporary))  # + heads, activation
     atomic_write_json(os.path.join(folder, "config.json"), {
         "format": CACHE_FORMAT,
         "load_with": f"clip_model.load('clip.pt', head_width={config.head_width}); "

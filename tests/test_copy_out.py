@@ -1,0 +1,95 @@
+"""Copy-out: clip_model.py and dear.py used from someone else's project, with nothing else.
+
+The README's "Use it in your own project" script is extracted from README.md (between its
+markers, so the two cannot drift) and run in a subprocess from a temporary project that holds
+only the two copied files, inside a package (`vendor/`). No path to this repository is on
+sys.path: the subprocess runs with the temporary folder as its working directory and an
+empty PYTHONPATH. The CLIP is a tiny random one saved by `clip_model.save` (heads 16 wide,
+GELU: it loads right only because the file carries both), the BPE file a few merges.
+About 10 s on 2 CPU cores.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import clip_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORDS = ["a", "red", "green", "blue", "yellow", "purple", "square", "circle", "triangle", "star", "thing"]
+
+
+def readme_script() -> str:
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    found = re.search(r"<!-- copy-out script: begin -->\s*```python\n(.*?)```\s*<!-- copy-out script: end -->",
+                      text, re.S)
+    assert found, "README.md has no script between the copy-out markers"
+    return found.group(1)
+
+
+def write_bpe(path: str) -> None:
+    """A merges file that spells each of WORDS as one token (left-to-right merges)."""
+    merges = []
+    for word in WORDS:
+        symbols = list(word[:-1]) + [word[-1] + "</w>"]
+        while len(symbols) > 1:
+            if (symbols[0], symbols[1]) not in merges:
+                merges.append((symbols[0], symbols[1]))
+            symbols = [symbols[0] + symbols[1]] + symbols[2:]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """<tmp>/myproj/{adapt.py, tiny_clip.pt, bpe.txt, vendor/{__init__.py, clip_model.py, dear.py}}."""
+    folder = tmp_path_factory.mktemp("myproj")
+    (folder / "vendor").mkdir()
+    (folder / "vendor" / "__init__.py").write_text("")
+    for name in ("clip_model.py", "dear.py"):
+        shutil.copy(os.path.join(ROOT, name), folder / "vendor" / name)
+    (folder / "adapt.py").write_text(readme_script())
+    write_bpe(str(folder / "bpe.txt"))
+    vocab = clip_model.SimpleTokenizer(str(folder / "bpe.txt")).vocab_size
+    torch.manual_seed(0)
+    tiny = clip_model.CLIP(embed_dim=32, image_resolution=32, vision_layers=4, vision_width=64,
+                           vision_patch_size=8, vision_heads=4, context_length=8, vocab_size=vocab,
+                           transformer_width=64, transformer_heads=4, transformer_layers=2, activation="gelu")
+    clip_model.save(tiny, str(folder / "tiny_clip.pt"))
+    return folder
+
+
+def run_alone(folder, *args) -> subprocess.CompletedProcess:
+    """Python in `folder` with no path to the repository: cwd there, PYTHONPATH empty."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
+    env.update(PYTHONPATH="", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, *args], cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+
+
+def accuracies(stdout: str):
+    found = re.search(r"zero-shot ([\d.]+)%\s+DeAR ([\d.]+)%", stdout)
+    assert found, f"no result line in:\n{stdout}"
+    return float(found.group(1)), float(found.group(2))
+
+
+@pytest.mark.parametrize("roles", ["analysis", "by-hand"])
+def test_the_readme_script_trains_past_zero_shot_from_a_package_holding_only_the_two_files(project, roles):
+    result = run_alone(project, "adapt.py", "tiny_clip.pt", "bpe.txt", *(["by-hand"] if roles == "by-hand" else []))
+    assert result.returncode == 0, result.stderr[-3000:]
+    zero_shot, adapted = accuracies(result.stdout)
+    assert adapted >= zero_shot + 25, f"DeAR {adapted}% does not beat zero-shot {zero_shot}% clearly"
+    assert "Head roles" in result.stdout and "learnable" in result.stdout
+
+
+def test_the_two_files_also_work_at_the_top_level_of_a_project(tmp_path):
+    for name in ("clip_model.py", "dear.py"):
+        shutil.copy(os.path.join(ROOT, name), tmp_path / name)
+    result = run_alone(tmp_path, "-c", "import dear, clip_model, os; "
+                       "assert dear.clip_model is clip_model; print(os.path.dirname(clip_model.__file__))")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert os.path.samefile(result.stdout.strip(), tmp_path)  # the copy, not the repository's file

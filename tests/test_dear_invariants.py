@@ -1,0 +1,317 @@
+"""DeAR's invariants that the reference forward (test_dear_reference.py) does not reach.
+
+    python -m pytest -q tests/test_dear_invariants.py
+
+Gradient routing of the self-regularisation; one optimizer step moves every learnable tensor
+and no CLIP weight; beta = 0 and beta = 1 as the spec defines them, read at the blocks'
+inputs; the text cache follows the class list, not its shape; TextSpan's rank and its removal
+of each chosen direction from the bank; the role map's attribute order, uncovered layers and
+tie-break; a planted colour head named a colour head by the analysis; what the mask isolates
+(within a layer, not across layers); blind attribute branches left out of the fusion.
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dear
+from clip_model import HeadContributions
+from conftest import TINY_DEEP, assert_close
+from dear import DeAR, HeadRole, RoleMap
+
+ATTRIBUTES = ["texture", "colour", "shape"]
+LAYERS, HEADS = TINY_DEEP["vision_layers"], TINY_DEEP["vision_heads"]
+N_IMAGE = 1 + (TINY_DEEP["image_resolution"] // TINY_DEEP["vision_patch_size"]) ** 2
+
+
+def role_map(spec: dict, layers=range(LAYERS), attributes=ATTRIBUTES) -> RoleMap:
+    """spec: {(layer, head): "G" | "M" | attribute}; unlisted heads of listed layers are mixed."""
+    heads = []
+    for layer in layers:
+        for head in range(HEADS):
+            tag = spec.get((layer, head), "M")
+            heads.append(HeadRole(layer, head, {"G": "generalization", "M": "mixed"}[tag]) if tag in ("G", "M")
+                         else HeadRole(layer, head, "attribute", tag))
+    return RoleMap(LAYERS, HEADS, list(attributes), heads)
+
+
+MIXED_MAP = {(1, 0): "colour", (1, 1): "G", (2, 1): "shape", (2, 2): "G", (2, 3): "texture"}
+
+
+def prompts(num_classes=4, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(num_classes, TINY_DEEP["context_length"], dtype=torch.long)
+    for c in range(num_classes):
+        length = 3 + c % 4
+        ids[c, 0] = TINY_DEEP["vocab_size"] - 2
+        ids[c, 1:length] = torch.randint(1, TINY_DEEP["vocab_size"] - 2, (length - 1,), generator=generator)
+        ids[c, length] = TINY_DEEP["vocab_size"] - 1
+    return ids
+
+
+def images(batch=3, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 3, TINY_DEEP["image_resolution"], TINY_DEEP["image_resolution"], generator=generator)
+
+
+def make(clip, spec=MIXED_MAP, J=1, beta=0.3, K=3) -> DeAR:
+    torch.manual_seed(7)
+    model = DeAR(clip, role_map(spec), ATTRIBUTES, first_layer=J, beta=beta, num_text_tokens=K)
+    with torch.no_grad():
+        model.vision_tokens.normal_(0, 1.0)
+        model.text_tokens.normal_(0, 1.0)
+        model.attribute_proj.add_(torch.randn_like(model.attribute_proj) * 0.5)
+        model.fusion_logits.copy_(torch.randn_like(model.fusion_logits))
+    return model
+
+
+# ------------------------------------------------------------------------------------------
+# Training reaches what it should, and nothing else
+# ------------------------------------------------------------------------------------------
+
+
+def test_the_self_regularisation_alone_trains_the_vision_and_the_text_tokens(tiny_deep_clip):
+    model = make(tiny_deep_clip)
+    out = model(images(), prompts(), with_frozen=True)
+    reg = dear.self_regularization_loss(out.image_features[:, 0], out.frozen_image_features,
+                                        out.text_features, out.frozen_text_features)
+    reg.backward()
+    assert model.vision_tokens.grad is not None and model.vision_tokens.grad.abs().max() > 0, \
+        "L_reg does not reach the vision tokens (the adapted class feature is detached?)"
+    assert model.text_tokens.grad is not None and model.text_tokens.grad.abs().max() > 0, \
+        "L_reg does not reach the text tokens (the adapted text feature is detached?)"
+
+
+def test_one_optimizer_step_moves_every_learnable_tensor_and_no_clip_weight(tiny_deep_clip):
+    model = make(tiny_deep_clip)
+    own = {name for name, p in model.named_parameters() if not name.startswith("clip.")}
+    listed = {name for name, p in model.named_parameters() if any(p is q for q in model.learnable_parameters())}
+    assert listed == own, f"learnable_parameters() misses {sorted(own - listed)}"
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.learnable_parameters(), lr=1e-2)
+    out = model(images(), prompts(), with_frozen=True)
+    dear.dear_loss(out, torch.tensor([0, 3, 1]))["total"].backward()
+    optimizer.step()
+    for name, p in model.named_parameters():
+        moved = not torch.equal(p.detach(), before[name])
+        if name.startswith("clip."):
+            assert not moved, f"the frozen CLIP weight {name} changed"
+        else:
+            assert moved, f"the learnable tensor {name} did not change in one step"
+
+
+# ------------------------------------------------------------------------------------------
+# beta, read at the inputs of the blocks
+# ------------------------------------------------------------------------------------------
+
+
+def _block_inputs_and_outputs(blocks):
+    seen = {}
+    hooks = []
+    for index, b in enumerate(blocks):
+        hooks.append(b.register_forward_pre_hook(lambda m, args, i=index: seen.__setitem__(("in", i), args[0])))
+        hooks.append(b.register_forward_hook(lambda m, args, out, i=index: seen.__setitem__(("out", i), out)))
+    return seen, hooks
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0, 0.3])
+def test_tokens_entering_each_layer_follow_the_beta_rule(tiny_deep_clip, beta):
+    # Tokens entering layer l > J = beta * p_l + (1 - beta) * (tokens leaving layer l - 1):
+    # beta = 1 uses each layer's fresh tokens alone, beta = 0 carries layer J's tokens on.
+    model = make(tiny_deep_clip, J=1, beta=beta)
+    seen, hooks = _block_inputs_and_outputs(tiny_deep_clip.visual.transformer.resblocks)
+    with torch.no_grad():
+        model.encode_image(images())
+    tseen, thooks = _block_inputs_and_outputs(tiny_deep_clip.transformer.resblocks)
+    with torch.no_grad():
+        model.encode_text(prompts())
+    for hook in hooks + thooks:
+        hook.remove()
+    A, K = len(ATTRIBUTES), 3
+    assert_close(seen[("in", 0)][:, N_IMAGE:], model.vision_tokens[0].expand(3, A, -1), 1e-6, "vision, layer J")
+    for layer in range(1, LAYERS):
+        expected = beta * model.vision_tokens[layer] + (1 - beta) * seen[("out", layer - 1)][:, N_IMAGE:]
+        assert_close(seen[("in", layer)][:, N_IMAGE:], expected, 1e-6, f"vision tokens entering layer {layer}")
+        assert_close(seen[("in", layer)][:, :N_IMAGE], seen[("out", layer - 1)][:, :N_IMAGE], 0, "image tokens")
+    assert_close(tseen[("in", 0)][:, 1:1 + K], model.text_tokens[0].expand(4, K, -1), 1e-6, "text, layer J")
+    for layer in range(1, TINY_DEEP["transformer_layers"]):
+        expected = beta * model.text_tokens[layer] + (1 - beta) * tseen[("out", layer - 1)][:, 1:1 + K]
+        assert_close(tseen[("in", layer)][:, 1:1 + K], expected, 1e-6, f"text tokens entering layer {layer}")
+        assert torch.equal(tseen[("in", layer)][:, 0], tseen[("out", layer - 1)][:, 0]), "start token moved"
+
+
+def test_at_beta_zero_only_layer_js_tokens_matter(tiny_deep_clip):
+    model = make(tiny_deep_clip, J=1, beta=0.0)
+    out = model(images(), prompts(), with_frozen=True)
+    dear.dear_loss(out, torch.tensor([0, 3, 1]))["total"].backward()
+    assert model.vision_tokens.grad[0].abs().max() > 0 and model.text_tokens.grad[0].abs().max() > 0
+    assert model.vision_tokens.grad[1:].abs().max() == 0 and model.text_tokens.grad[1:].abs().max() == 0
+
+
+# ------------------------------------------------------------------------------------------
+# The text side
+# ------------------------------------------------------------------------------------------
+
+
+def test_two_class_lists_of_the_same_shape_get_their_own_text_features(tiny_deep_clip):
+    model = make(tiny_deep_clip, J=2)
+    base, novel = prompts(4, seed=0), prompts(4, seed=5)
+    assert base.shape == novel.shape and not torch.equal(base, novel)
+    with torch.no_grad():
+        t_base, frozen_base = model.encode_text(base)
+        t_novel, frozen_novel = model.encode_text(novel)  # the cache now holds the base list
+        model.cache_text_prefix = False
+        assert_close(t_novel, model.encode_text(novel)[0], 1e-6, "novel list served from the base list's cache")
+        assert_close(frozen_novel, tiny_deep_clip.encode_text(novel), 1e-5, "frozen novel features")
+    assert (t_base - t_novel).abs().max() > 1e-3
+
+
+# ------------------------------------------------------------------------------------------
+# TextSpan
+# ------------------------------------------------------------------------------------------
+
+
+def _planted(n=300, E=64, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    bank = F.normalize(torch.randn(200, E, generator=generator), dim=-1)
+    data = sum(s * torch.randn(n, 1, generator=generator) * bank[p] for s, p in ((5.0, 17), (3.0, 123), (1.5, 5)))
+    data = data + 0.6 * torch.randn(n, 1, generator=generator) * bank[42]  # a weaker, fourth direction
+    return bank, data + 0.01 * torch.randn(n, E, generator=generator)
+
+
+def test_textspan_keeps_only_the_top_rank_directions_of_a_wider_embedding():
+    bank, data = _planted()  # E = 64 > rank = 3
+    full = dear.textspan(data, bank, num_descriptions=4, rank=80)
+    assert full == [17, 123, 5, 42]
+    truncated = dear.textspan(data, bank, num_descriptions=4, rank=3)
+    assert truncated[:3] == [17, 123, 5]
+    assert truncated[3] != 42, "a direction outside the top-3 span was found: the rank was ignored"
+
+
+def test_textspan_removes_each_chosen_direction_from_the_bank():
+    # Without the removal, taking out the 2nd pick's raw direction (which leans on the 1st)
+    # puts some of the 1st direction back into the data, and a text along it (index 4)
+    # wins the 3rd pick instead of the true third direction (index 3).
+    e = torch.eye(16)
+    bank = F.normalize(torch.stack([e[0], e[0] + e[1], e[0] + e[1] + 0.05 * e[7], e[2], e[0] + 0.3 * e[6]]), dim=-1)
+    generator = torch.Generator().manual_seed(0)
+    coefficients = torch.randn(400, 3, generator=generator)
+    data = coefficients @ (torch.tensor([5.0, 3.0, 1.0])[:, None] * e[:3])  # (400, 16)
+    data = data + 0.01 * torch.randn(400, 16, generator=generator)
+    assert dear.textspan(data, bank, num_descriptions=3, rank=80) == [0, 1, 3]
+
+
+# ------------------------------------------------------------------------------------------
+# Role maps: attribute order, uncovered layers, ties
+# ------------------------------------------------------------------------------------------
+
+
+def test_the_role_maps_own_attribute_order_picks_the_token(tiny_deep_clip):
+    order = ["shape", "colour"]  # not the core order (colour first)
+    roles = role_map({(2, 0): "colour", (2, 1): "G", (2, 2): "G", (2, 3): "G"}, layers=[2], attributes=order)
+    masks = dear.build_role_masks(roles, 3, LAYERS, N_IMAGE)  # (1, H, T, T)
+    colour, shape = N_IMAGE + order.index("colour"), N_IMAGE + order.index("shape")
+    assert (masks[0, 0, :N_IMAGE, colour] == 0).all() and (masks[0, 0, colour, :N_IMAGE] == 0).all()
+    assert (masks[0, 0, :N_IMAGE, shape] == float("-inf")).all()
+
+
+def test_layers_the_map_does_not_cover_are_mixed(tiny_deep_clip):
+    roles = role_map({(2, h): "G" for h in range(HEADS)}, layers=[2])
+    masks = dear.build_role_masks(roles, 1, LAYERS, N_IMAGE)  # layers 0 and 1 not covered
+    assert (masks[:2] == 0).all(), "an uncovered layer is not mixed"
+    assert (masks[2] == float("-inf")).any()
+
+
+def test_a_concept_tie_goes_to_the_concept_found_first_not_last():
+    assert dear.dominant_concept(["shape", "colour", "shape", "colour"]) == "shape"
+    assert dear.dominant_concept(["colour", "shape", "colour", "shape"]) == "colour"
+    roles, _, _ = dear.assign_roles([0.0, 1.0, 2.0], [["shape", "colour", "shape", "colour"], ["object"], ["x"]],
+                                    ["colour", "shape"], low_bits=1.0, high_bits=1.5)
+    assert roles[0] == ("attribute", "shape")
+
+
+# ------------------------------------------------------------------------------------------
+# The head analysis finds a planted colour head
+# ------------------------------------------------------------------------------------------
+
+
+def test_a_head_writing_along_colour_descriptions_is_named_a_colour_head(tiny_deep_clip, monkeypatch):
+    bank = dear.description_bank()
+    E, L, n = 48, 2, 120
+    generator = torch.Generator().manual_seed(0)
+    text = F.normalize(torch.randn(len(bank), E, generator=generator), dim=-1)  # a fake text encoder
+    colour = torch.tensor([d.concept == "colour" for d in bank])
+
+    def fake_contributions(clip, batch, num_layers):
+        B = batch.shape[0]
+        g = torch.Generator().manual_seed(int(batch.sum().abs().item() * 1000) % 10_000)
+        heads = torch.randn(B, L, HEADS, E, generator=g) * 0.3  # unstructured heads
+        weights = torch.randn(B, 6, generator=g) * torch.tensor([3.0, 2.5, 2.0, 1.5, 1.0, 0.8])
+        heads[:, 1, 2] = weights @ text[colour][::7][:6]  # layer 2 of 2, head 2: six colour directions
+        return HeadContributions(heads, torch.zeros(B, L, E), torch.randn(B, E, generator=g) + 3.0,
+                                 torch.zeros(E), tuple(range(LAYERS - L, LAYERS)))
+
+    monkeypatch.setattr(dear, "head_contributions", fake_contributions)
+    monkeypatch.setattr(dear, "encode_descriptions", lambda clip, tokenizer, texts: text)
+    seen, textspan = [], dear.textspan
+    monkeypatch.setattr(dear, "textspan", lambda data, *rest: seen.append(data) or textspan(data, *rest))
+    batches = [images(40, seed=s) for s in range(3)]
+    result = dear.analyze_heads(tiny_deep_clip, batches, tokenizer=None, bank=bank, num_layers=L,
+                                num_descriptions=6, rank=20, log=lambda line: None)
+    # TextSpan reads each contribution divided by the norm of its image's full embedding.
+    parts = [fake_contributions(None, batch, L) for batch in batches]
+    expected = torch.cat([p.heads[:, 0, 0] / p.total().norm(dim=-1, keepdim=True) for p in parts])
+    assert_close(seen[0], expected, 1e-6, "contributions handed to TextSpan")
+    planted = result.role_of(LAYERS - 1, 2)
+    assert planted.concepts == ["colour"] * 6 and planted.entropy == 0.0
+    assert (planted.role, planted.attribute) == ("attribute", "colour")
+    others = [h for h in result.heads if (h.layer, h.head) != (LAYERS - 1, 2)]
+    assert all(h.entropy > 0 for h in others)
+
+
+# ------------------------------------------------------------------------------------------
+# What the mask isolates, and branches that cannot see the image
+# ------------------------------------------------------------------------------------------
+
+
+def test_isolation_holds_within_a_layer_not_across_layers(tiny_deep_clip):
+    # Layer 2 (1-based) is all mixed, layer 3 all generalization, J = 2.
+    model = make(tiny_deep_clip, {**{(2, h): "G" for h in range(HEADS)}}, J=2)
+    blocks = tiny_deep_clip.visual.transformer.resblocks
+    # Within layer 3: its generalization heads' outputs at the image tokens do not depend on
+    # the attribute tokens entering that layer.
+    x = torch.randn(2, N_IMAGE, TINY_DEEP["vision_width"])
+    tokens = torch.randn(2, len(ATTRIBUTES), TINY_DEEP["vision_width"], requires_grad=True)
+    _, details = blocks[2].attn(blocks[2].ln_1(torch.cat([x, tokens], 1)), model.role_masks[1], return_details=True)
+    (grad,) = torch.autograd.grad(details.head_outputs[:, :, :N_IMAGE].sum(), tokens)
+    assert grad.abs().max() == 0
+    # Across layers: the class feature still depends on the attribute tokens, which the mixed
+    # heads of layer 2 wrote into the image tokens that layer 3's heads read.
+    f_cls, _, _ = model.encode_image(images())
+    f_cls.square().sum().backward()
+    assert model.vision_tokens.grad[0].abs().max() > 0
+    assert model.vision_tokens.grad[1].abs().max() == 0  # layer 3's own tokens: no way in
+
+
+def test_a_branch_that_cannot_read_the_image_is_left_out_of_the_fusion(tiny_deep_clip):
+    # From J = 3: head 0 is a colour head, the rest generalization: texture and shape are blind.
+    spec = {(2, 0): "colour", (2, 1): "G", (2, 2): "G", (2, 3): "G"}
+    with pytest.warns(UserWarning, match=r"texture, shape tokens read the image; left out of the fusion"):
+        model = make(tiny_deep_clip, spec, J=3)
+    assert model.blind_attributes == ["texture", "shape"]
+    alpha = model.fusion_weights()
+    assert alpha[0] > 0 and alpha[2] > 0 and alpha[1] == 0 and alpha[3] == 0
+    assert alpha.sum().item() == pytest.approx(1.0)
+    out = model(images(), prompts())
+    assert_close(out.logits, alpha[0] * out.branch_logits[:, 0] + alpha[2] * out.branch_logits[:, 2], 1e-5, "fusion")
+    # All generalization: every attribute branch is blind; the class branch stands alone.
+    with pytest.warns(UserWarning, match="texture, colour, shape"):
+        alone = make(tiny_deep_clip, {(l, h): "G" for l in range(LAYERS) for h in range(HEADS)}, J=1)
+    assert alone.fusion_weights().tolist() == [1.0, 0.0, 0.0, 0.0]
+    out = alone(images(), prompts())
+    assert torch.equal(out.logits, out.branch_logits[:, 0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning when every branch can see
+        make(tiny_deep_clip, MIXED_MAP, J=1)

@@ -1,0 +1,215 @@
+"""DeAR's forward pass against an independent reference written from the spec.
+
+    python -m pytest -q tests/test_dear_reference.py
+
+The reference below reads CLIP's frozen weights and DeAR's learnable tensors as plain data and
+computes everything itself, one head at a time: patch embedding, pre-LN blocks, the per-head
+role masks (built here from the role table, not by dear.py), the beta rule for the attribute
+tokens and the text tokens, ln_post and the projections, the branch logits and the softmax
+fusion. It calls nothing of dear.py and no forward of clip_model.py. DeAR must match it to
+1e-5 at J = 1, 2 and 3 with beta = 0.3 (beta = 0.5 hides a swapped rule), K = 3 text tokens,
+every learnable tensor randomised (fusion weights and attribute projection included), CLIP's
+own weights perturbed, and a role map whose roles differ from layer to layer (every role, and
+a layer the map does not cover, which must act as mixed).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import TINY_DEEP, assert_close
+from dear import DeAR, HeadRole, RoleMap
+
+# Attribute tokens in the map's own order (not the core order, so a bug that reorders shows).
+ATTRIBUTES = ["texture", "colour", "shape"]
+BETA, K = 0.3, 3
+HEADS = TINY_DEEP["vision_heads"]
+# Layer 0 is not in the map (mixed by the spec); layers 1 and 2 hold every role, differently.
+ROLES = {
+    1: ["colour", "G", "M", "texture"],
+    2: ["G", "shape", "M", "colour"],
+}
+
+
+def role_map() -> RoleMap:
+    heads = []
+    for layer, tags in ROLES.items():
+        for head, tag in enumerate(tags):
+            if tag in ("G", "M"):
+                heads.append(HeadRole(layer, head, {"G": "generalization", "M": "mixed"}[tag]))
+            else:
+                heads.append(HeadRole(layer, head, "attribute", tag))
+    return RoleMap(TINY_DEEP["vision_layers"], HEADS, ATTRIBUTES, heads)
+
+
+# ------------------------------------------------------------------------------------------
+# The reference, from the spec
+# ------------------------------------------------------------------------------------------
+
+
+def allowed(tag: str, n_image: int, n_attr: int) -> torch.Tensor:
+    """(T, T) bool, row = query: who may attend to whom, for one head (spec, Sec. 4)."""
+    T = n_image + n_attr
+    if tag == "M":
+        return torch.ones(T, T, dtype=torch.bool)
+    ok = torch.zeros(T, T, dtype=torch.bool)
+    ok[:n_image, :n_image] = True
+    for a in range(n_attr):
+        ok[n_image + a, n_image + a] = True  # every attribute token sees itself
+    if tag != "G":  # attribute head for `tag`: its token and the image see each other
+        a = n_image + ATTRIBUTES.index(tag)
+        ok[:n_image, a] = True
+        ok[a, :n_image] = True
+    return ok
+
+
+def block(weights, prefix: str, x: torch.Tensor, heads: int, allow) -> torch.Tensor:
+    """One pre-LN residual block, attention written per head. x (B, T, C); allow: a list of
+    (T, T) bool per head, or one (T, T) bool for every head."""
+    w = lambda name: weights[f"{prefix}.{name}"]  # noqa: E731
+    C = x.shape[-1]
+    D = C // heads
+    h = F.layer_norm(x, (C,), w("ln_1.weight"), w("ln_1.bias"), 1e-5)
+    W, b = w("attn.in_proj_weight"), w("attn.in_proj_bias")
+    outputs = []
+    for head in range(heads):
+        rows = slice(head * D, (head + 1) * D)
+        q = h @ W[rows].T + b[rows]  # (B, T, D)
+        k = h @ W[C:][rows].T + b[C:][rows]
+        v = h @ W[2 * C:][rows].T + b[2 * C:][rows]
+        scores = torch.einsum("bqd,bkd->bqk", q, k) / math.sqrt(D)  # (B, T, T)
+        mask = allow[head] if isinstance(allow, list) else allow
+        scores = scores.masked_fill(~mask, float("-inf"))
+        outputs.append(torch.einsum("bqk,bkd->bqd", scores.softmax(dim=-1), v))
+    x = x + torch.cat(outputs, dim=-1) @ w("attn.out_proj.weight").T + w("attn.out_proj.bias")
+    h = F.layer_norm(x, (C,), w("ln_2.weight"), w("ln_2.bias"), 1e-5)
+    h = h @ w("mlp.c_fc.weight").T + w("mlp.c_fc.bias")
+    h = h * torch.sigmoid(1.702 * h)  # QuickGELU
+    return x + h @ w("mlp.c_proj.weight").T + w("mlp.c_proj.bias")
+
+
+def reference(clip, tensors: dict, J: int, images: torch.Tensor, ids: torch.Tensor) -> dict:
+    """Everything DeAR computes, from the spec. tensors: DeAR's learnable tensors (data)."""
+    # In float64: the reference's own rounding then adds nothing to the fp32 model's.
+    sd = {k: v.detach().double() for k, v in clip.state_dict().items()}
+    tensors = {k: v.double() for k, v in tensors.items()}
+    images = images.double()
+    P, C = TINY_DEEP["vision_patch_size"], TINY_DEEP["vision_width"]
+    A, j = len(ATTRIBUTES), J - 1
+
+    # Vision: patches, class token, positions, ln_pre.
+    x = F.conv2d(images, sd["visual.conv1.weight"], stride=P).flatten(2).transpose(1, 2)  # (B, G*G, C)
+    cls = sd["visual.class_embedding"].expand(x.shape[0], 1, C)
+    x = torch.cat([cls, x], 1) + sd["visual.positional_embedding"]
+    x = F.layer_norm(x, (C,), sd["visual.ln_pre.weight"], sd["visual.ln_pre.bias"], 1e-5)
+    N = x.shape[1]
+    plain = x
+    for layer in range(TINY_DEEP["vision_layers"]):
+        plain = block(sd, f"visual.transformer.resblocks.{layer}", plain, HEADS, torch.ones(N, N, dtype=torch.bool))
+    for layer in range(j):
+        x = block(sd, f"visual.transformer.resblocks.{layer}", x, HEADS, torch.ones(N, N, dtype=torch.bool))
+    out = None
+    for i, layer in enumerate(range(j, TINY_DEEP["vision_layers"])):
+        p = tensors["vision_tokens"][i].expand(x.shape[0], A, C)
+        tokens = p if i == 0 else BETA * p + (1 - BETA) * out  # the MMRL++ rule
+        tags = ROLES.get(layer, ["M"] * HEADS)
+        masks = [allowed(tag, N, A) for tag in tags]
+        sequence = block(sd, f"visual.transformer.resblocks.{layer}", torch.cat([x, tokens], 1), HEADS, masks)
+        x, out = sequence[:, :N], sequence[:, N:]
+
+    def ln_post(t):
+        return F.layer_norm(t, (C,), sd["visual.ln_post.weight"], sd["visual.ln_post.bias"], 1e-5)
+
+    f_cls = ln_post(x[:, 0]) @ sd["visual.proj"]
+    f_attr = ln_post(out) @ tensors["attribute_proj"]
+    frozen_image = ln_post(plain[:, 0]) @ sd["visual.proj"]
+
+    # Text: the full context, causal; K tokens after the start token from layer J on.
+    W = TINY_DEEP["transformer_width"]
+    t = sd["token_embedding.weight"][ids] + sd["positional_embedding"]  # (Cn, L, W)
+    L = t.shape[1]
+    eot = ids.argmax(dim=-1)
+    causal = lambda n: torch.ones(n, n, dtype=torch.bool).tril()  # noqa: E731
+    plain_t = t
+    for layer in range(TINY_DEEP["transformer_layers"]):
+        plain_t = block(sd, f"transformer.resblocks.{layer}", plain_t, TINY_DEEP["transformer_heads"], causal(L))
+    for layer in range(j):
+        t = block(sd, f"transformer.resblocks.{layer}", t, TINY_DEEP["transformer_heads"], causal(L))
+    for i, layer in enumerate(range(j, TINY_DEEP["transformer_layers"])):
+        p = tensors["text_tokens"][i].expand(t.shape[0], K, W)
+        if i == 0:
+            t = torch.cat([t[:, :1], p, t[:, 1:]], 1)  # right after the start token
+        else:
+            t = torch.cat([t[:, :1], BETA * p + (1 - BETA) * t[:, 1:1 + K], t[:, 1 + K:]], 1)
+        t = block(sd, f"transformer.resblocks.{layer}", t, TINY_DEEP["transformer_heads"], causal(L + K))
+
+    def text_head(states, positions):
+        states = F.layer_norm(states, (W,), sd["ln_final.weight"], sd["ln_final.bias"], 1e-5)
+        return states[torch.arange(len(positions)), positions] @ sd["text_projection"]
+
+    text = text_head(t, eot + K)
+    frozen_text = text_head(plain_t, eot)
+
+    # Logits: s * cos per branch, fused with alpha = softmax(w).
+    scale = sd["logit_scale"].exp()
+    features = torch.cat([f_cls[:, None], f_attr], 1)  # (B, 1 + A, E)
+    cos = torch.einsum("bke,ce->bkc", features / features.norm(dim=-1, keepdim=True),
+                       text / text.norm(dim=-1, keepdim=True))
+    branch = scale * cos
+    alpha = tensors["fusion_logits"].exp() / tensors["fusion_logits"].exp().sum()
+    fused = (branch * alpha[None, :, None]).sum(1)
+    result = dict(f_cls=f_cls, f_attr=f_attr, text=text, branch=branch, fused=fused,
+                  frozen_image=frozen_image, frozen_text=frozen_text)
+    return {k: v.float() for k, v in result.items()}
+
+
+# ------------------------------------------------------------------------------------------
+# The comparison
+# ------------------------------------------------------------------------------------------
+
+
+def prompts(num_classes=4, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(num_classes, TINY_DEEP["context_length"], dtype=torch.long)
+    for c in range(num_classes):
+        length = 3 + c % 4
+        ids[c, 0] = TINY_DEEP["vocab_size"] - 2
+        ids[c, 1:length] = torch.randint(1, TINY_DEEP["vocab_size"] - 2, (length - 1,), generator=generator)
+        ids[c, length] = TINY_DEEP["vocab_size"] - 1
+    return ids
+
+
+def randomised(clip, J: int) -> DeAR:
+    torch.manual_seed(10 + J)
+    model = DeAR(clip, role_map(), ATTRIBUTES, first_layer=J, beta=BETA, num_text_tokens=K)
+    with torch.no_grad():
+        model.vision_tokens.normal_(0, 1.0)
+        model.text_tokens.normal_(0, 1.0)
+        model.attribute_proj.add_(torch.randn_like(model.attribute_proj) * 0.05)  # ~ the size of proj itself
+        model.fusion_logits.copy_(torch.randn_like(model.fusion_logits))
+    return model
+
+
+@pytest.mark.parametrize("J", [1, 2, 3])
+def test_dear_matches_the_reference_forward(tiny_deep_clip, J):
+    model = randomised(tiny_deep_clip, J)
+    assert model.blind_attributes == []  # every branch is in the fusion (mixed heads exist from J on)
+    generator = torch.Generator().manual_seed(3)
+    images = torch.randn(3, 3, TINY_DEEP["image_resolution"], TINY_DEEP["image_resolution"], generator=generator)
+    ids = prompts()
+    with torch.no_grad():
+        out = model(images, ids, with_frozen=True)
+        tensors = {name: t.detach() for name, t in model.learnable_state_dict().items()}
+        ref = reference(tiny_deep_clip, tensors, J, images, ids)
+    assert_close(out.image_features[:, 0], ref["f_cls"], 1e-5, f"J={J}: class feature")
+    assert_close(out.image_features[:, 1:], ref["f_attr"], 1e-5, f"J={J}: attribute features")
+    assert_close(out.text_features, ref["text"], 1e-5, f"J={J}: text features")
+    assert_close(out.branch_logits, ref["branch"], 1e-5, f"J={J}: branch logits")
+    assert_close(out.logits, ref["fused"], 1e-5, f"J={J}: fused logits")
+    assert_close(out.frozen_image_features, ref["frozen_image"], 1e-5, f"J={J}: frozen image feature")
+    assert_close(out.frozen_text_features, ref["frozen_text"], 1e-5, f"J={J}: frozen text feature")
+    # The comparison has teeth: the learned pieces move every output away from plain CLIP.
+    assert (out.image_features[:, 0] - ref["frozen_image"]).abs().max() > 1e-3
+    assert (out.text_features - ref["frozen_text"]).abs().max() > 1e-3
