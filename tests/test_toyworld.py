@@ -359,9 +359,8 @@ def test_causal_check_returns_a_well_formed_table(mini_model):
     groups = {group["name"]: group for group in result["groups"]}
     assert {name for name in groups if "(ablation)" not in name} == {
         "all attribute heads", "all generalization heads", "colour heads (entropy)"}
-    for attribute in world.ATTRIBUTES:  # ablation's own groups: heads whose removal costs it most
-        expected = [(row["layer"], row["head"]) for row in result["heads"]
-                    if causal._selectivity(row["log_prob_drops"], attribute) > 0]
+    for attribute in world.ATTRIBUTES:  # ablation's own groups: heads whose removal singles it out
+        expected = [(row["layer"], row["head"]) for row in result["heads"] if row["singled_out"] == attribute]
         assert groups.get(f"{attribute} heads (ablation)", {"heads": []})["heads"] == expected
     assert groups["colour heads (entropy)"]["log_prob_drops"] == result["heads"][0]["log_prob_drops"]
     assert groups["all generalization heads"]["agrees"] == (groups["all generalization heads"]["singled_out"] is None)

@@ -201,12 +201,11 @@ def causal_check(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer, r
     rate = sum(row["agrees"] for row in scored) / len(scored) if scored else None
 
     # The same for groups of heads removed together: the groups concept entropy defines, and,
-    # per attribute, the heads whose own ablation costs it more than any other attribute (the
-    # group ablation itself would name; not scored, it is the yardstick).
+    # per attribute, the heads whose own ablation singles it out (the group ablation itself
+    # would name; not scored, it is the yardstick).
     by_ablation = []
     for attribute in attributes:
-        members = [(row["layer"], row["head"]) for row in rows
-                   if _selectivity(row["log_prob_drops" if measure == "log_prob" else "drops"], attribute) > 0]
+        members = [(row["layer"], row["head"]) for row in rows if row["singled_out"] == attribute]
         if members:
             by_ablation.append({"name": f"{attribute} heads (ablation)", "heads": members, "expects": "-"})
     groups = []
