@@ -49,6 +49,7 @@ import gzip
 import hashlib
 import html
 import os
+import secrets
 import sys
 import time
 import urllib.error
@@ -56,7 +57,7 @@ import urllib.request
 import warnings
 import zipfile
 from collections import OrderedDict
-from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import ftfy
 import regex as re
@@ -449,26 +450,45 @@ def default_cache_dir() -> str:
     return old if os.path.isdir(old) and not os.path.isdir(new) else new
 
 
+def atomic_write(path: str, write: Callable[[str], None]) -> None:
+    """Call write(temporary_path), then rename onto `path`: readers never see half a file, and
+    a write that fails (an exception in `write`) leaves no temporary behind.
+
+    The one copy in the project's library files: dear.py uses this one (clip_model.py must
+    stay copyable alone, and dear.py already imports it); data.py, which must stand alone
+    too and imports nothing from the project, keeps its own small copy and says so."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    # A fresh name created with mode 0666, which the kernel trims by the process's umask, as
+    # for any new file (mkstemp would make it 0600, and reading the umask means setting it).
+    while True:
+        temporary = os.path.join(folder, f".tmp-{secrets.token_hex(6)}-{os.path.basename(path)}")
+        try:
+            os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            break
+        except FileExistsError:
+            continue
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
 def save(model: CLIP, path: str) -> None:
     """Write `model` as a plain state dict in OpenAI's key format, plus three entries that no
     tensor shape can tell: {"vision_heads": int, "text_heads": int, "activation": str}.
 
     `load(path)` then rebuilds exactly this model with no extra argument; other readers of
     OpenAI-format state dicts see three extra keys (OpenAI's own files carry extras too:
-    input_resolution, context_length, vocab_size). Written to a temporary name and renamed,
-    so a reader never sees half a file.
+    input_resolution, context_length, vocab_size). Written through `atomic_write`, so a
+    reader never sees half a file.
     """
     state = dict(model.state_dict())
     state.update(vision_heads=model.visual.transformer.heads, text_heads=model.transformer.heads,
                  activation=model.activation)
-    folder = os.path.dirname(os.path.abspath(path))
-    partial = os.path.join(folder, f".{os.path.basename(path)}.part{os.getpid()}")
-    try:
-        torch.save(state, partial)
-        os.replace(partial, path)
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
+    atomic_write(path, lambda temporary: torch.save(state, temporary))
 
 
 def _heads(what: str, width: int, from_file, heads, head_width) -> int:
@@ -601,29 +621,27 @@ def download(url: str, sha256: str, root: Optional[str] = None, what: str = "fil
             return target
         print(f"{target}: checksum does not match; downloading it again", file=sys.stderr)
 
-    partial = f"{target}.part{os.getpid()}"
-    try:
-        with urllib.request.urlopen(url, timeout=30) as source, open(partial, "wb") as sink:
-            total = int(source.headers.get("Content-Length") or 0)
-            done, last_report = 0, 0.0
-            while chunk := source.read(1 << 20):
-                sink.write(chunk)
-                done += len(chunk)
-                if time.time() - last_report > 2 or done == total:  # a line every 2 s
-                    last_report = time.time()
-                    share = f" ({100 * done / total:.0f}%)" if total else ""
-                    print(f"downloading {what}: {done / 2**20:.1f} MiB{share}", file=sys.stderr)
-    except (urllib.error.URLError, OSError, ValueError) as error:
-        if os.path.exists(partial):
-            os.remove(partial)
-        raise CLIPFileError(
-            f"{what}: cannot download {url} ({_one_line(getattr(error, 'reason', error), 120)}); "
-            f"without network, get the file elsewhere and pass its local path"
-        ) from None
-    if _sha256(partial) != sha256:
-        os.remove(partial)
-        raise CLIPFileError(f"{what}: the file downloaded from {url} fails its SHA-256 check; try again")
-    os.replace(partial, target)  # atomic: the name appears only for a complete, checked file
+    def fetch(partial: str) -> None:
+        try:
+            with urllib.request.urlopen(url, timeout=30) as source, open(partial, "wb") as sink:
+                total = int(source.headers.get("Content-Length") or 0)
+                done, last_report = 0, 0.0
+                while chunk := source.read(1 << 20):
+                    sink.write(chunk)
+                    done += len(chunk)
+                    if time.time() - last_report > 2 or done == total:  # a line every 2 s
+                        last_report = time.time()
+                        share = f" ({100 * done / total:.0f}%)" if total else ""
+                        print(f"downloading {what}: {done / 2**20:.1f} MiB{share}", file=sys.stderr)
+        except (urllib.error.URLError, OSError, ValueError) as error:
+            raise CLIPFileError(
+                f"{what}: cannot download {url} ({_one_line(getattr(error, 'reason', error), 120)}); "
+                f"without network, get the file elsewhere and pass its local path"
+            ) from None
+        if _sha256(partial) != sha256:
+            raise CLIPFileError(f"{what}: the file downloaded from {url} fails its SHA-256 check; try again")
+
+    atomic_write(target, fetch)  # the name appears only for a complete, checked file
     return target
 
 
@@ -712,7 +730,9 @@ def load(name_or_path: str, device: Union[str, torch.device] = "cpu", jit: bool 
 # 5. Image preprocessing (OpenAI's test transform)
 # ------------------------------------------------------------------------------------------
 
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # the RGB statistics of CLIP's training set
+# The RGB statistics of CLIP's training set. data.py (which must stand alone, importing nothing
+# from the project) keeps a copy of these and of the test transform below: change both together.
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
@@ -747,6 +767,16 @@ BPE_FILENAME = "bpe_simple_vocab_16e6.txt.gz"
 BPE_URL = "https://github.com/openai/CLIP/raw/main/clip/bpe_simple_vocab_16e6.txt.gz"
 BPE_SHA256 = "924691ac288e54409236115652ad4aa250f48203de50a9e4722a6ecd48d6804a"
 _MAX_MERGES = 49152 - 256 - 2  # CLIP's vocabulary is 49408 = 2*256 bytes + 48894 merges + 2 specials
+
+
+# The pre-tokenisation regex (OpenAI's): the special tokens, English contractions split off
+# ("don't" -> "don", "'t"), words, single digits, and runs of other non-space characters.
+# Merges apply within each piece. A module constant so that a BPE learner (toyworld/bpe.py)
+# splits text exactly as the tokenizer does, from this one copy.
+PRETOKENIZE = re.compile(
+    r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+""",
+    re.IGNORECASE,
+)
 
 
 def bytes_to_unicode() -> dict:
@@ -859,12 +889,7 @@ class SimpleTokenizer:
         self.bpe_ranks = {pair: rank for rank, pair in enumerate(merges)}  # lower = merged first
         self.sot_token, self.eot_token = self.encoder["<|startoftext|>"], self.encoder["<|endoftext|>"]
         self.cache = {"<|startoftext|>": "<|startoftext|>", "<|endoftext|>": "<|endoftext|>"}
-        # Words, single digits, and runs of other non-space characters; English contractions
-        # split off ("don't" -> "don", "'t").
-        self.pattern = re.compile(
-            r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+""",
-            re.IGNORECASE,
-        )
+        self.pattern = PRETOKENIZE  # words, digits, punctuation runs: what the merges apply to
 
     @property
     def vocab_size(self) -> int:

@@ -65,7 +65,14 @@ class DatasetError(Exception):
     """
 
     def __init__(self, message: str):
-        super().__init__(str(message).replace("\r", " ").replace("\n", " "))
+        message = str(message)
+        # Raised in a DataLoader worker, torch rebuilds the error in the main process as
+        # DatasetError("Caught DatasetError in DataLoader worker process 0.\nOriginal Traceback
+        # ...\ndata.DatasetError: <our line>"): keep only our line, the one the main process
+        # would have printed without workers.
+        if message.startswith("Caught DatasetError") and "\nOriginal Traceback" in message:
+            message = message.rstrip().rsplit("\n", 1)[-1].split("DatasetError: ", 1)[-1]
+        super().__init__(message.replace("\r", " ").replace("\n", " "))
 
 
 class DatasetWarning(UserWarning):
@@ -217,6 +224,29 @@ def _check_images_exist(items: list[Item], listed_in: str) -> None:
             f"expected the images where CoOp's DATASETS.md puts them ({COOP_DATASETS_MD})")
 
 
+def _image_path(image_root: str, relative_path: str, where: str) -> str:
+    """image_root/relative_path, refused if it leaves image_root ("../../x.jpg", an absolute
+    path): a split file names images of its own dataset, never files elsewhere on disk."""
+    path = os.path.join(image_root, relative_path)
+    if os.path.isabs(relative_path) or not os.path.normpath(path).startswith(os.path.normpath(image_root) + os.sep):
+        raise DatasetError(f"{where}: image path {relative_path!r} leaves the image folder {image_root}; "
+                           f"expected a path relative to it, without '..'")
+    return path
+
+
+def _check_no_duplicates(splits: dict[str, list[Item]], listed_in: str) -> None:
+    """Each image once in a dataset's split: a repeated entry would be drawn twice by the
+    few-shot sampler, and an image in both train and test would leak the test set."""
+    seen: dict[str, str] = {}
+    for split_name, items in splits.items():
+        for item in items:
+            key = os.path.normpath(item.path)
+            if key in seen:
+                raise DatasetError(f"{listed_in}: {item.path} is listed twice (in '{seen[key]}' and "
+                                   f"'{split_name}'); expected each image once; remove the repeated entry")
+            seen[key] = split_name
+
+
 def _classnames_from_items(items: list[Item], source: str) -> list[str]:
     """The class list (index = label) that a split's items define. Each label must carry one
     name, and the labels must be 0..n-1 with none skipped."""
@@ -228,7 +258,7 @@ def _classnames_from_items(items: list[Item], source: str) -> list[str]:
                                f"and {item.classname!r}; expected one name per label")
     n_classes = len(name_of)
     if sorted(name_of) != list(range(n_classes)):
-        raise DatasetError(f"{source}: labels are {sorted(name_of)[:3]}...{sorted(name_of)[-3:]} "
+        raise DatasetError(f"{source}: labels are {str(sorted(name_of)[:3])[:60]}...{str(sorted(name_of)[-3:])[:60]} "
                            f"for {n_classes} classes; expected consecutive labels 0..{n_classes - 1}")
     return [name_of[label] for label in range(n_classes)]
 
@@ -271,9 +301,10 @@ def read_split_json(spec: DatasetSpec, dataset_dir: str) -> ReaderResult:
     try:
         with open(split_path, encoding="utf-8") as f:
             raw = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DatasetError(f"{split_path}: not a valid JSON split file ({e}); "
-                           f"download it again from CoOp's DATASETS.md ({COOP_DATASETS_MD})") from e
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # ValueError: also a 5,000-digit number
+        raise DatasetError(f"{split_path}: not a valid JSON split file ({type(e).__name__}: "
+                           f"{' '.join(str(e).split())[:100]}); download it again from CoOp's DATASETS.md "
+                           f"({COOP_DATASETS_MD})") from None
     if not isinstance(raw, dict) or not all(isinstance(raw.get(k), list) for k in ("train", "val", "test")):
         raise DatasetError(f"{split_path}: expected a JSON object with lists 'train', 'val' and "
                            f"'test'; download it again from CoOp's DATASETS.md ({COOP_DATASETS_MD})")
@@ -286,13 +317,16 @@ def read_split_json(spec: DatasetSpec, dataset_dir: str) -> ReaderResult:
         items = []
         for position, entry in enumerate(raw[split_name]):
             ok = (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
-                  and not os.path.isabs(entry[0]) and isinstance(entry[1], int) and isinstance(entry[2], str))
+                  and not os.path.isabs(entry[0]) and isinstance(entry[1], int)
+                  and not isinstance(entry[1], bool) and isinstance(entry[2], str))
             if not ok:
-                raise DatasetError(f"{split_path}: entry {position} of '{split_name}' is {entry!r}; "
+                raise DatasetError(f"{split_path}: entry {position} of '{split_name}' is {repr(entry)[:100]}; "
                                    f"expected [relative_image_path, label, classname]")
             relative_path, label, classname = entry
-            items.append(Item(os.path.join(image_root, relative_path), label, clean_classname(classname)))
+            path = _image_path(image_root, relative_path, f"{split_path}: entry {position} of '{split_name}'")
+            items.append(Item(path, label, clean_classname(classname)))
         splits[split_name] = items
+    _check_no_duplicates(splits, split_path)
 
     every_item = splits["train"] + splits["val"] + splits["test"]
     classnames = _classnames_from_items(every_item, split_path)
@@ -444,9 +478,11 @@ def read_fgvc_aircraft(spec: DatasetSpec, dataset_dir: str) -> ReaderResult:
                     raise DatasetError(f"{list_path}: line {line_number} is {line.strip()!r}; expected "
                                        f"'<image id> <variant>' with a variant listed in {variants_path}")
                 label = label_of[variant]
-                items.append(Item(os.path.join(image_root, image_id + ".jpg"), label, classnames[label]))
+                path = _image_path(image_root, image_id + ".jpg", f"{list_path}: line {line_number}")
+                items.append(Item(path, label, classnames[label]))
         _check_images_exist(items, list_path)
         splits[split_name] = items
+    _check_no_duplicates(splits, f"the image lists in {dataset_dir}")
     return splits["train"], splits["val"], splits["test"], classnames
 
 
@@ -497,7 +533,7 @@ def _warn_short_classes(items: list[Item], num_shots: int, where: str) -> None:
 # does not parse, does not match, or names images the split does not have is rebuilt with a
 # warning, never trusted.
 
-FEWSHOT_CACHE_FORMAT = "dear-from-scratch few-shot split, version 1"
+FEWSHOT_CACHE_FORMAT = "dear-from-scratch few-shot split, version 2"  # 2: + the content's hash
 
 
 def fewshot_cache_path(dataset_dir: str, num_shots: int, seed: int) -> str:
@@ -517,7 +553,8 @@ def _entries(items: list[Item], dataset_dir: str) -> list[list]:
 
 
 def _fingerprint(full_entries: dict[str, list[list]]) -> str:
-    """SHA-256 of the full (unsampled) splits a cache is drawn from."""
+    """SHA-256 of the full (unsampled) splits a cache is drawn from ("fingerprint"), and of
+    the sampled lists the cache holds ("content")."""
     return hashlib.sha256(json.dumps(full_entries, sort_keys=True).encode()).hexdigest()
 
 
@@ -534,7 +571,7 @@ def _read_fewshot_cache(cache_path: str, full: dict[str, list[Item]], full_entri
     try:
         with open(cache_path, encoding="utf-8") as f:
             cached = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         return reject(f"cannot be read as JSON ({type(e).__name__})")
     if not isinstance(cached, dict) or cached.get("format") != FEWSHOT_CACHE_FORMAT:
         return reject("is not in this file's format")
@@ -560,6 +597,10 @@ def _read_fewshot_cache(cache_path: str, full: dict[str, list[Item]], full_entri
         if len(set(items)) != len(items) or Counter(item.label for item in items) != expected:
             return reject(f"does not hold min({num_shots}, available) distinct images per class in '{split_name}'")
         result[split_name] = items
+    # Last, for an edit that every check above lets through (one image swapped for another
+    # of the same class): the lists must be those the cache was written with.
+    if cached.get("content") != _fingerprint({split_name: cached[split_name] for split_name in shots}):
+        return reject("was edited after it was written (its lists do not match its content fingerprint)")
     return result
 
 
@@ -569,7 +610,10 @@ os.umask(_UMASK)  # read the process's umask (the only way is to set it and set 
 
 def _write_json_atomically(path: str, header: dict, lists: dict[str, list[list]]) -> None:
     """Write {**header, **lists} as JSON, one list entry per line, through a temp file in the
-    same folder and os.replace (atomic on POSIX and Windows)."""
+    same folder and os.replace (atomic on POSIX and Windows).
+
+    A second copy of clip_model.atomic_write's idea, on purpose: data.py stands alone and
+    imports nothing from the project."""
     fields = [f"  {json.dumps(key)}: {json.dumps(value)}" for key, value in header.items()]
     for key, entries in lists.items():
         rows = ",\n".join(f"    {json.dumps(entry)}" for entry in entries)
@@ -608,11 +652,11 @@ def few_shot_splits(spec: DatasetSpec, dataset_dir: str, full: dict[str, list[It
 
     rng = random.Random(seed)  # train first, then val, from one stream
     sampled = {split_name: sample_few_shot(full[split_name], shots[split_name], rng) for split_name in full}
+    lists = {split_name: _entries(items, dataset_dir) for split_name, items in sampled.items()}
     header = {"format": FEWSHOT_CACHE_FORMAT, "dataset": spec.name, "num_shots": num_shots,
-              "seed": seed, "fingerprint": fingerprint}
+              "seed": seed, "fingerprint": fingerprint, "content": _fingerprint(lists)}
     try:
-        _write_json_atomically(cache_path, header,
-                               {split_name: _entries(items, dataset_dir) for split_name, items in sampled.items()})
+        _write_json_atomically(cache_path, header, lists)
     except OSError as e:
         _warn(f"{cache_path}: cannot write the few-shot cache ({e.strerror or e}); continuing without it")
     return sampled
@@ -701,7 +745,10 @@ def load_dataset(name: str, root: str, num_shots: int | None = None, seed: int =
 # -----------------------------------------------------------------------------
 # Transforms and the torch Dataset
 
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP's preprocessing
+# OpenAI CLIP's preprocessing. clip_model.py holds the same two constants and test transform
+# (clip_model.image_transform); data.py stands alone, imports nothing from the project, and so
+# keeps its own copy: change both together.
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
@@ -783,8 +830,15 @@ def _print_summary(data: DatasetSplits, num_shots: int | None, seed: int, subsam
         print(f"  prompt    {data.prompts[0]!r}")
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse's errors as one line (no usage dump), exit status 2 as argparse's own."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Summarise a dataset read from CoOp's layout "
+    parser = _OneLineParser(prog="data.py", description="Summarise a dataset read from CoOp's layout "
                                                  "(no --dataset: print the registry).")
     parser.add_argument("--root", help="the $DATA folder of CoOp's DATASETS.md")
     parser.add_argument("--dataset", help=f"one of: {', '.join(DATASETS)}")
@@ -803,7 +857,7 @@ def main(argv: list[str] | None = None) -> int:
         data = load_dataset(args.dataset, args.root, num_shots=args.shots, seed=args.seed,
                             subsample=args.subsample)
     except DatasetError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"data.py: error: {e}", file=sys.stderr)
         return 2
     _print_summary(data, args.shots, args.seed, args.subsample)
     return 0

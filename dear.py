@@ -7,21 +7,26 @@ Paper: "DeAR: Fine-Grained VLM Adaptation by Decomposing Attention Head Roles"
 made where the paper is silent, are docs/METHOD.md in the repository (dear-from-scratch);
 "METHOD.md Sec. N" below points there: Sec. 3 head roles, 4 tokens and mask, 5 losses.
 
-What this file holds, in the order the method runs:
+What this file holds, in the order the method runs (bookkeeping last):
 
-    1. the description bank ...... >500 short phrases, each labelled with its concept
-    2. head analysis ............. TextSpan's greedy description search per head, concept
-                                   entropy, role assignment -> a RoleMap (JSON, table, heatmap)
-    3. the role-based mask ....... one additive (heads, tokens, tokens) mask per layer from J on
-    4. the model ................. DeAR: frozen CLIP + attribute tokens (vision), insert tokens
-                                   (text), attribute projection, fusion weights
-    5. the losses ................ cross-entropy on fused logits, self-regularisation, fusion
+    1. TextSpan .................. the greedy description search that explains one head
+    2. concept entropy ........... how many concepts a head's descriptions spread over
+    3. roles ..................... entropy -> attribute / generalization / mixed; the RoleMap;
+                                   analyze_heads runs 1-3 on every head of the last layers
+    4. the role-based mask ....... one additive (heads, tokens, tokens) mask per layer from J on
+    5. the model ................. DeAR: frozen CLIP + attribute tokens (vision), inserted
+                                   tokens (text), attribute projection, fusion weights;
+                                   prepare_classes encodes a class list's frozen part once
+    6. the losses ................ cross-entropy on fused logits, self-regularisation, fusion
                                    regularisation
+    7. bookkeeping ............... RoleMap JSON and validation, tables, PNG pictures, and the
+                                   description bank's word lists (>500 labelled phrases)
 
 How it fits: it imports only clip_model.py (the hand-written CLIP whose attention takes a
-per-head mask, and `head_contributions`), so the two files can be copied together into any
-project, at its top level or side by side inside a package. A caller builds a DeAR from a
-loaded CLIP, its class prompts and a RoleMap, and trains `learnable_parameters()`.
+per-head mask, `head_contributions`, and the file writer), so the two files can be copied
+together into any project, at its top level or side by side inside a package. A caller builds
+a DeAR from a loaded CLIP and a RoleMap, encodes its class prompts once with
+`prepare_classes`, and trains `learnable_parameters()`.
 
 Layer numbers: the paper counts layers from 1 ("layers 9-12", "J = 9"); Python indexes them
 from 0 (8-11). Arguments named `first_layer` take the paper's 1-based J; everything stored
@@ -34,12 +39,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import secrets
 import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, List, Optional, Sequence, Union
+from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -53,6 +56,9 @@ try:
 except ImportError:
     import clip_model
 CLIP, causal_mask, head_contributions = clip_model.CLIP, clip_model.causal_mask, clip_model.head_contributions
+# Temporary file + rename, so no reader sees half a file: clip_model's, the one copy this
+# pair of files shares (the role JSON and the pictures below; train.py's files too).
+atomic_write = clip_model.atomic_write
 
 # The paper's five core attributes, in order: one attribute token each (Sec. 3.3).
 CORE_ATTRIBUTES = ("colour", "shape", "texture", "object", "location")
@@ -65,112 +71,8 @@ class DeARError(ValueError):
     `python -O` removes asserts.)"""
 
 
-def atomic_write(path: str, write: Callable[[str], None]) -> None:
-    """Call write(temporary_path), then rename onto `path`: readers never see half a file."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    # A fresh name created with mode 0666, which the kernel trims by the process's umask, as
-    # for any new file (mkstemp would make it 0600, and reading the umask means setting it).
-    while True:
-        temporary = os.path.join(folder, f".tmp-{secrets.token_hex(6)}-{os.path.basename(path)}")
-        try:
-            os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-            break
-        except FileExistsError:
-            continue
-    try:
-        write(temporary)
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-
-
 # ------------------------------------------------------------------------------------------
-# 1. The description bank (METHOD.md Sec. 3)
-# ------------------------------------------------------------------------------------------
-# TextSpan explains a head by the text directions its outputs vary along. To turn "which
-# descriptions" into "which concept", every phrase is labelled with its concept *by
-# construction*: it is made from a word list of that concept and a template. The non-core
-# concepts are there so that a head that is about none of the five attributes can spread its
-# descriptions over many concepts and get a high entropy.
-
-
-@dataclass(frozen=True)
-class Description:
-    text: str
-    concept: str
-
-
-_BANK_WORDS = {
-    # core attributes
-    "colour": (["red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black",
-                "white", "grey", "gold", "silver", "beige", "turquoise", "maroon", "navy blue",
-                "teal", "violet", "crimson"],
-               ["a bright {} colour", "an image dominated by the colour {}", "something coloured {}",
-                "a {} tint"]),
-    "shape": (["round", "square", "triangular", "rectangular", "oval", "cylindrical", "spherical",
-               "star-shaped", "heart-shaped", "hexagonal", "curved", "pointed", "elongated", "flat",
-               "cone-shaped", "spiral"],
-              ["a {} shape", "an object with a {} form", "a {} outline", "something {} in shape"]),
-    "texture": (["striped", "dotted", "checkered", "furry", "smooth", "rough", "fluffy", "woven",
-                 "scaly", "wrinkled", "glossy", "matte", "grainy", "bumpy", "metallic", "wooden",
-                 "knitted", "cracked", "porous", "velvety"],
-                ["a {} texture", "a {} surface", "a close-up of a {} pattern"]),
-    "object": (["bicycle", "car", "dog", "cat", "bird", "flower", "tree", "chair", "airplane", "boat",
-                "house", "cup", "guitar", "clock", "horse", "fish", "shoe", "book", "phone", "lamp",
-                "bottle", "apple", "pizza", "bridge", "train", "butterfly", "mushroom", "umbrella",
-                "laptop", "piano"],
-               ["a photo of a {}", "a picture of a {}", "a close-up of a {}"]),
-    "location": (["beach", "forest", "city street", "kitchen", "desert", "mountain top", "lake shore",
-                  "snowy field", "office", "garden", "classroom", "stadium", "farm", "coral reef",
-                  "highway", "river bank", "park", "living room", "harbour", "airport"],
-                 ["a photo taken at a {}", "a scene in a {}", "the background is a {}"]),
-    # non-core concepts
-    "style": (["watercolour painting", "pencil sketch", "oil painting", "cartoon", "3D render",
-               "pixel art", "comic drawing", "mosaic", "embroidery", "origami model", "marble sculpture",
-               "graffiti", "tattoo", "low-poly model", "woodcut print"],
-              ["an image in the style of a {}", "a {} of something", "art made as a {}"]),
-    "count": (["one", "two", "three", "four", "five", "six", "seven", "a dozen", "many", "hundreds of"],
-              ["{} objects in the picture", "an image with {} things in it", "a group of {} items"]),
-    "lighting": (["bright sunlight", "dim light", "backlight", "neon light", "candlelight",
-                  "harsh shadows", "soft light", "golden hour light", "flash", "overcast light",
-                  "studio lighting", "moonlight"],
-                 ["a photo taken with {}", "a scene lit by {}", "an image full of {}"]),
-    "mood": (["happy", "sad", "peaceful", "scary", "romantic", "energetic", "lonely", "nostalgic",
-              "dramatic", "playful", "calm", "mysterious"],
-             ["a {} mood", "a {} atmosphere", "a picture that feels {}"]),
-    "text": (["a sign with words", "a logo", "handwritten letters", "a newspaper page", "a street sign",
-              "a label with numbers", "a caption", "a book title", "a licence plate", "a price tag"],
-             ["an image containing {}", "a photo with {} in it", "a close-up of {}"]),
-    "viewpoint": (["an aerial view", "a close-up view", "a wide-angle view", "a side view",
-                   "a top-down view", "a low-angle view", "a fisheye view", "a macro view",
-                   "a panoramic view", "a rear view"],
-                  ["a photo taken from {}", "{} of a scene", "a picture shot as {}"]),
-    "time": (["morning", "noon", "evening", "night", "winter", "summer", "autumn", "spring",
-              "sunset", "dawn"],
-             ["a photo taken in the {}", "a scene at {}", "an image from the {}"]),
-}
-
-
-def description_bank() -> List[Description]:
-    """The project's own bank: every word of a concept in every template of that concept.
-
-    591 phrases over 12 concepts (the 5 core attributes first). No phrase appears twice.
-    """
-    bank, seen = [], set()
-    for concept, (words, templates) in _BANK_WORDS.items():
-        for template in templates:
-            for word in words:
-                text = template.format(word)
-                if text not in seen:
-                    seen.add(text)
-                    bank.append(Description(text, concept))
-    return bank
-
-
-# ------------------------------------------------------------------------------------------
-# 2. Head analysis: TextSpan, concept entropy, roles (METHOD.md Sec. 3, paper Sec. 3.2)
+# 1. TextSpan: which descriptions explain a head (METHOD.md Sec. 3, paper Sec. 3.2)
 # ------------------------------------------------------------------------------------------
 
 
@@ -212,6 +114,14 @@ def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
     return chosen
 
 
+# ------------------------------------------------------------------------------------------
+# 2. Concept entropy (paper Eq. 2)
+# ------------------------------------------------------------------------------------------
+# Every description of the bank is labelled with its concept *by construction* (a word list
+# of that concept in a template; see `description_bank`), so TextSpan's picks for a head
+# become a list of concepts, and their entropy says how specialised the head is.
+
+
 def concept_entropy(concepts: Sequence[str]) -> float:
     """DeAR's concept entropy (paper Eq. 2): H = -sum_c P(c) log2 P(c), where P(c) is the share
     of the head's descriptions that belong to concept c.
@@ -230,6 +140,11 @@ def dominant_concept(concepts: Sequence[str]) -> str:
     counts = Counter(concepts)
     best = max(counts.values())
     return next(c for c in concepts if counts[c] == best)
+
+
+# ------------------------------------------------------------------------------------------
+# 3. Roles: entropy -> attribute / generalization / mixed (METHOD.md Sec. 3)
+# ------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -278,9 +193,8 @@ def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequenc
 @dataclass
 class RoleMap:
     """The role of every head of the analysed vision layers: what the mask is built from.
-
-    Saved as readable JSON (`save`/`load`), printed by `table()`, drawn by `draw_heatmap`.
-    """
+    Saved as readable JSON (`save`/`load`), checked by `validate`, printed by `table()`,
+    drawn by `draw_heatmap`; those bodies are bookkeeping, at the end of the file."""
 
     vision_layers: int  # depth of the vision tower it was made for
     num_heads: int  # heads per layer of that tower
@@ -296,126 +210,34 @@ class RoleMap:
         return sorted({h.layer for h in self.heads})
 
     def role_of(self, layer: int, head: int) -> Optional[HeadRole]:
-        for entry in self.heads:
-            if entry.layer == layer and entry.head == head:
-                return entry
-        return None
+        return next((h for h in self.heads if h.layer == layer and h.head == head), None)
 
     @classmethod
     def uniform(cls, role: str, vision_layers: int, num_heads: int, layers: Sequence[int],
                 attributes: Sequence[str] = CORE_ATTRIBUTES) -> "RoleMap":
-        """Every head the same role: "mixed" (= plain deep prompting, no mask) or
-        "generalization" (no head lets an attribute token read the image, so every attribute
-        branch is a per-class bias and is left out of the fusion) -- the ablation choices."""
-        if role not in ("mixed", "generalization"):
-            raise DeARError(f"uniform role must be 'mixed' or 'generalization', not {role!r}")
-        heads = [HeadRole(layer, head, role) for layer in layers for head in range(num_heads)]
-        return cls(vision_layers, num_heads, list(attributes), heads, source=f"all-{role}")
-
-    # -- reading and writing --------------------------------------------------------------
-
-    def to_json(self) -> dict:
-        return {
-            "what": "DeAR head roles (layer and head are 0-based; the paper's layer = layer + 1)",
-            "source": self.source,
-            "vision_layers": self.vision_layers,
-            "num_heads": self.num_heads,
-            "attributes": list(self.attributes),
-            "thresholds_bits": {"low": self.low_bits, "high": self.high_bits},
-            "heads": [asdict(h) for h in self.heads],
-        }
-
-    def save(self, path: str) -> None:
-        text = json.dumps(self.to_json(), indent=2, ensure_ascii=False)
-        atomic_write(path, lambda tmp: open(tmp, "w", encoding="utf-8").write(text + "\n"))
-
-    @classmethod
-    def load(cls, path: str) -> "RoleMap":
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-            thresholds = data.get("thresholds_bits") or {}
-            role_map = cls(
-                vision_layers=int(data["vision_layers"]), num_heads=int(data["num_heads"]),
-                attributes=list(data["attributes"]),
-                heads=[HeadRole(**entry) for entry in data["heads"]],
-                low_bits=thresholds.get("low"), high_bits=thresholds.get("high"),
-                source=data.get("source", "analysis"),
-            )
-        except FileNotFoundError:
-            raise DeARError(f"{path}: no such role file; run the head analysis first (analyze_heads, "
-                            "then RoleMap.save) or use RoleMap.uniform('mixed', ...) (no mask)") from None
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            raise DeARError(f"{path}: not a DeAR role file ({type(error).__name__}: "
-                            f"{' '.join(str(error).split())[:80]}); re-run the head analysis") from None
-        try:
-            role_map.validate()
-        except DeARError as error:
-            raise DeARError(f"{path}: {error}") from None
-        return role_map
+        """Every head "mixed" (plain deep prompting, no mask) or "generalization" (every
+        attribute branch blind, left out of the fusion): the ablations' fixed choices."""
+        return _uniform_role_map(cls, role, vision_layers, num_heads, layers, attributes)
 
     def validate(self, vision_layers: Optional[int] = None, num_heads: Optional[int] = None,
                  attributes: Optional[Sequence[str]] = None) -> None:
         """Check the map is complete and fits a model (when its sizes are given)."""
-        if vision_layers is not None and self.vision_layers != vision_layers:
-            raise DeARError(f"made for a vision tower of {self.vision_layers} layers, this model has "
-                            f"{vision_layers}; re-run the head analysis for this model")
-        if num_heads is not None and self.num_heads != num_heads:
-            raise DeARError(f"made for {self.num_heads} heads per layer, this model has {num_heads}; "
-                            "re-run the head analysis for this model")
-        if attributes is not None and list(attributes) != list(self.attributes):
-            raise DeARError(f"made for attributes {', '.join(self.attributes)}, the model uses "
-                            f"{', '.join(attributes)}; leave DeAR's attributes out (it then takes the "
-                            "role map's) or re-run the head analysis with these attributes")
-        for entry in self.heads:
-            where = f"layer {entry.layer + 1} (index {entry.layer}), head {entry.head}"
-            if not (0 <= entry.layer < self.vision_layers and 0 <= entry.head < self.num_heads):
-                raise DeARError(f"{where} does not exist in a tower of {self.vision_layers} layers x {self.num_heads} heads")
-            if entry.role not in ROLES:
-                raise DeARError(f"{where} has role {entry.role!r}; roles are {', '.join(ROLES)}")
-            if entry.role == "attribute" and entry.attribute not in self.attributes:
-                raise DeARError(f"{where} is an attribute head for {entry.attribute!r}, which is not "
-                                f"one of the attributes ({', '.join(self.attributes)})")
-        for layer in self.layers:
-            present = sorted(h.head for h in self.heads if h.layer == layer)
-            if present != list(range(self.num_heads)):
-                raise DeARError(f"layer {layer + 1} (index {layer}) lists heads {present}, expected each of 0..{self.num_heads - 1} once")
+        _validate_role_map(self, vision_layers, num_heads, attributes)
 
-    # -- showing it -----------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return _role_map_to_json(self)
+
+    def save(self, path: str) -> None:
+        _save_role_map(self, path)
+
+    @classmethod
+    def load(cls, path: str) -> "RoleMap":
+        return _load_role_map(cls, path)
 
     def table(self) -> str:
         """One row per layer (1-based, as in the paper), one cell per head:
         A:col = attribute head for colour, G = generalization, M = mixed; entropy in bits."""
-        lines = [f"Head roles ({self.source}); layers numbered as in the paper (1-based), heads 0-based; "
-                 f"thresholds low={_bits(self.low_bits)} high={_bits(self.high_bits)} bits"]
-        lines.append("layer | " + " ".join(f"{'h' + str(h):>9}" for h in range(self.num_heads)))
-        for layer in self.layers:
-            cells = []
-            for head in range(self.num_heads):
-                entry = self.role_of(layer, head)
-                tag = {"attribute": f"A:{(entry.attribute or '')[:3]}", "generalization": "G",
-                       "mixed": "M"}[entry.role]
-                cells.append(f"{tag}{'' if entry.entropy is None else f' {entry.entropy:.2f}'}".rjust(9))
-            lines.append(f"{layer + 1:>5} | " + " ".join(cells))
-        counts = Counter(h.role if h.role != "attribute" else f"attribute:{h.attribute}" for h in self.heads)
-        lines.append("counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-        return "\n".join(lines)
-
-
-def _bits(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-@torch.no_grad()
-def encode_descriptions(clip: CLIP, tokenizer: clip_model.SimpleTokenizer,
-                        texts: Sequence[str], batch_size: int = 256) -> torch.Tensor:
-    """Texts -> (n_texts, E) normalised CLIP text embeddings."""
-    device = clip.positional_embedding.device
-    chunks = []
-    for start in range(0, len(texts), batch_size):
-        ids = tokenizer.tokenize(texts[start:start + batch_size], clip.context_length, truncate=True)
-        chunks.append(F.normalize(clip.encode_text(ids.to(device)), dim=-1))
-    return torch.cat(chunks)
+        return _role_table(self)
 
 
 @torch.no_grad()
@@ -440,15 +262,9 @@ def analyze_heads(clip: CLIP, image_batches: Union[torch.Tensor, Iterable[torch.
     num_layers = min(4, depth) if num_layers is None else num_layers
     if not 1 <= num_layers <= depth:
         raise DeARError(f"num_layers={num_layers} is out of range: the vision tower has {depth} layers")
-    if isinstance(image_batches, torch.Tensor):
-        image_batches = image_batches.split(64)  # one tensor of images: analyse it in batches of 64
     device = clip.visual.conv1.weight.device
     per_image = []
-    for batch in image_batches:
-        if not isinstance(batch, torch.Tensor) or batch.dim() != 4:
-            raise DeARError(f"image_batches must be a (n, 3, R, R) tensor or yield (B, 3, R, R) tensors; got a "
-                            f"{type(batch).__name__}{f' of shape {tuple(batch.shape)}' if isinstance(batch, torch.Tensor) else ''}"
-                            " (a DataLoader of (images, labels): pass (images for images, _ in loader))")
+    for batch in _checked_batches(image_batches):  # (B, 3, R, R) each
         parts = head_contributions(clip, batch.to(device), num_layers)
         norm = parts.total().norm(dim=-1)  # (B,)
         per_image.append((parts.heads / norm[:, None, None, None]).cpu())  # (B, L, H, E)
@@ -477,56 +293,8 @@ def analyze_heads(clip: CLIP, image_batches: Union[torch.Tensor, Iterable[torch.
     return RoleMap(len(clip.visual.transformer.resblocks), H, list(attributes), analysed, low, high)
 
 
-# Colours of the pictures: one hue per attribute, grey-blue for generalization, light grey mixed.
-_ATTRIBUTE_COLOURS = [(214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14), (23, 190, 207),
-                      (227, 119, 194), (188, 189, 34), (140, 86, 75)]
-_GENERALIZATION_COLOUR, _MIXED_COLOUR = (52, 78, 120), (200, 200, 200)
-
-
-def _role_colour(entry: HeadRole, attributes: Sequence[str]):
-    if entry.role == "attribute":
-        return _ATTRIBUTE_COLOURS[list(attributes).index(entry.attribute) % len(_ATTRIBUTE_COLOURS)]
-    return _GENERALIZATION_COLOUR if entry.role == "generalization" else _MIXED_COLOUR
-
-
-def draw_heatmap(role_map: RoleMap, path: str) -> None:
-    """A PNG: layers (rows, 1-based) x heads (columns); each cell coloured by role, with the
-    head's concept entropy written in it, and a legend. Pillow is torchvision's own dependency."""
-    from PIL import Image, ImageDraw
-
-    cell_w, cell_h, left, top = 58, 34, 96, 40
-    layers, H = role_map.layers, role_map.num_heads
-    legend = [(f"attribute: {a}", _ATTRIBUTE_COLOURS[i % len(_ATTRIBUTE_COLOURS)])
-              for i, a in enumerate(role_map.attributes)]
-    legend += [("generalization", _GENERALIZATION_COLOUR), ("mixed", _MIXED_COLOUR)]
-    width = max(left + H * cell_w + 10, 560)
-    height = top + len(layers) * cell_h + 30 + 18 * ((len(legend) + 2) // 3)
-    image = Image.new("RGB", (width, height), "white")
-    draw = ImageDraw.Draw(image)
-    draw.text((8, 6), f"DeAR head roles ({role_map.source}); number = concept entropy (bits)", fill="black")
-    for head in range(H):
-        draw.text((left + head * cell_w + cell_w // 2 - 8, top - 16), f"h{head}", fill="black")
-    for row, layer in enumerate(layers):
-        y = top + row * cell_h
-        draw.text((8, y + cell_h // 2 - 6), f"layer {layer + 1}", fill="black")
-        for head in range(H):
-            entry = role_map.role_of(layer, head)
-            colour = _role_colour(entry, role_map.attributes)
-            x = left + head * cell_w
-            draw.rectangle([x, y, x + cell_w - 2, y + cell_h - 2], fill=colour)
-            label = "" if entry.entropy is None else f"{entry.entropy:.2f}"
-            ink = "black" if sum(colour) > 450 else "white"
-            draw.text((x + 6, y + cell_h // 2 - 6), label, fill=ink)
-    y = top + len(layers) * cell_h + 12
-    for i, (name, colour) in enumerate(legend):
-        x, yy = 8 + (i % 3) * 180, y + (i // 3) * 18
-        draw.rectangle([x, yy, x + 12, yy + 12], fill=colour)
-        draw.text((x + 18, yy), name, fill="black")
-    atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))
-
-
 # ------------------------------------------------------------------------------------------
-# 3. The role-based attention mask (paper Sec. 3.3, METHOD.md Sec. 4)
+# 4. The role-based attention mask (paper Sec. 3.3, METHOD.md Sec. 4)
 # ------------------------------------------------------------------------------------------
 # Tokens from layer J on: [CLS, patches (the image's own tokens), attribute tokens]. Each
 # head gets its own additive mask (0 = may attend, -inf = may not):
@@ -598,6 +366,430 @@ def blind_attributes(role_map: RoleMap, first_layer: int, num_layers: int) -> Li
     return [a for a in role_map.attributes if a not in readable]
 
 
+# ------------------------------------------------------------------------------------------
+# 5. The model (paper Sec. 3.3-3.4, METHOD.md Sec. 4)
+# ------------------------------------------------------------------------------------------
+
+
+def default_first_layer(clip: CLIP) -> int:
+    """The paper's J (1-based) for any depth: the first of the vision tower's last four layers,
+    where the head analysis looks (J = 9 of 12 for ViT-B/16; 1 for a model of 4 layers or less)."""
+    return max(1, len(clip.visual.transformer.resblocks) - 3)
+
+
+class PreparedClasses(NamedTuple):
+    """One class list's text side up to layer J, from `DeAR.prepare_classes`. Nothing in it is
+    learnable, so it is computed once per class list (once per training run, once per test
+    set) and reused by every step; the learnable text tokens enter after it."""
+
+    hidden: torch.Tensor  # (C, L, W) the prompts' states entering text layer J (0-based J - 1)
+    eot: torch.Tensor  # (C,) each prompt's end-of-text position (before the K tokens go in)
+    frozen: torch.Tensor  # (C, E) plain CLIP's text features (for L_reg)
+
+
+@dataclass
+class DeAROutput:
+    logits: torch.Tensor  # (B, C) fused: sum_k alpha_k * branch_logits[:, k]
+    branch_logits: torch.Tensor  # (B, 1 + A, C): the class branch first, then one per attribute
+    alpha: torch.Tensor  # (1 + A,) fusion weights, softmax of the learnable fusion_logits
+    image_features: torch.Tensor  # (B, 1 + A, E) [f_cls, f_attr_1, ...], not normalised
+    text_features: torch.Tensor  # (C, E) t_c, shared by every branch
+    frozen_image_features: Optional[torch.Tensor] = None  # (B, E) plain CLIP (for L_reg)
+    frozen_text_features: Optional[torch.Tensor] = None  # (C, E) plain CLIP (for L_reg)
+
+
+class DeAR(nn.Module):
+    """Frozen CLIP + DeAR's learnable pieces.
+
+    It freezes the CLIP it is given *in place*: `clip.eval().requires_grad_(False)` on the
+    caller's own module (no copy is made, CLIP's weights are shared, never changed). To go on
+    training that CLIP elsewhere, switch its requires_grad back on yourself.
+
+    attributes: the attribute tokens' names, in order; default: the role map's.
+    first_layer: the paper's 1-based J; default: the first of the vision tower's last four
+    layers (9 for a 12-layer ViT-B/16, as in the paper).
+
+    Learnable (everything else is CLIP, frozen):
+      vision_tokens   (layers from J, A, C_v)  one attribute token per attribute, fresh at each
+                                               layer from J (the MMRL++ beta rule)
+      text_tokens     (layers from J, K, C_t)  K tokens inserted after the start token
+      attribute_proj  (C_v, E)                 attribute tokens -> embedding, init = visual.proj
+      fusion_logits   (1 + A,)                 alpha = softmax(fusion_logits) over the class
+                                               branch and every attribute branch that can read
+                                               the image (`blind_attributes`: the others get
+                                               alpha = 0, with a warning naming them)
+
+    What runs, and what it costs: layers before J hold nothing learnable, so they run without
+    autograd; the frozen image pass (for L_reg) reuses them; the text side before J runs once
+    per class list (`prepare_classes`), cut after the longest prompt. Each of these is exact:
+    the tests compare DeAR with a plain reference that does none of them
+    (tests/test_dear_reference.py), gradients included.
+    """
+
+    def __init__(self, clip: CLIP, role_map: RoleMap, attributes: Optional[Sequence[str]] = None,
+                 first_layer: Optional[int] = None, beta: float = 0.5, num_text_tokens: int = 4,
+                 cls_fusion_weight: float = 0.5):
+        super().__init__()
+        vision_layers = len(clip.visual.transformer.resblocks)
+        text_layers = len(clip.transformer.resblocks)
+        attributes = list(role_map.attributes) if attributes is None else attributes
+        first_layer = default_first_layer(clip) if first_layer is None else first_layer
+        if not 1 <= first_layer <= min(vision_layers, text_layers):
+            raise DeARError(f"first_layer J={first_layer} is out of range: use 1..{min(vision_layers, text_layers)} "
+                            "(1-based, the paper's J = 9 for ViT-B/16)")
+        if not 0.0 <= beta <= 1.0:
+            raise DeARError(f"beta={beta} is outside [0, 1]; beta weighs the fresh tokens against the previous layer's")
+        if num_text_tokens < 0:
+            raise DeARError(f"num_text_tokens={num_text_tokens} must be 0 or more")
+        if not 0.0 < cls_fusion_weight < 1.0:
+            raise DeARError(f"cls_fusion_weight={cls_fusion_weight} must be in (0, 1)")
+        for name in attributes:
+            if not isinstance(name, str) or not name:
+                raise DeARError(f"attribute names must be non-empty strings, got {name!r}")
+        role_map.validate(vision_layers, clip.visual.transformer.heads, attributes)
+
+        self.clip = clip.eval().requires_grad_(False)  # frozen: only the pieces below learn
+        self.role_map = role_map
+        self.attributes = list(attributes)
+        self.first_layer, self.beta, self.num_text_tokens = first_layer, beta, num_text_tokens
+
+        A, K = len(self.attributes), num_text_tokens
+        width_v, width_t = clip.visual.transformer.width, clip.transformer.width
+        self.vision_tokens = nn.Parameter(torch.randn(vision_layers - first_layer + 1, A, width_v) * 0.02)
+        self.text_tokens = nn.Parameter(torch.randn(text_layers - first_layer + 1, K, width_t) * 0.02)
+        self.attribute_proj = nn.Parameter(clip.visual.proj.detach().clone())
+        # alpha_cls = cls_fusion_weight at the start, the rest shared evenly by the attributes.
+        rest = (1 - cls_fusion_weight) / max(A, 1)
+        self.fusion_logits = nn.Parameter(torch.tensor([math.log(cls_fusion_weight)] + [math.log(rest)] * A))
+
+        num_image_tokens = 1 + clip.visual.grid_size**2
+        self.num_image_tokens = num_image_tokens
+        masks = build_role_masks(role_map, first_layer, vision_layers, num_image_tokens)
+        self.register_buffer("role_masks", masks, persistent=False)  # (layers from J, H, T, T)
+        # Branches in the fusion: the class branch, and each attribute branch whose token some
+        # head from J on lets read the image; a blind branch is a per-class bias.
+        self.blind_attributes = blind_attributes(role_map, first_layer, vision_layers)
+        if self.blind_attributes:
+            warnings.warn(f"DeAR: no head from layer J={first_layer} (1-based) lets the "
+                          f"{', '.join(self.blind_attributes)} token{'s' if len(self.blind_attributes) > 1 else ''} "
+                          "read the image; left out of the fusion (a per-class bias, not a feature)")
+        in_fusion = torch.tensor([True] + [a not in self.blind_attributes for a in self.attributes])
+        self.register_buffer("in_fusion", in_fusion, persistent=False)  # (1 + A,) bool
+
+    def learnable_parameters(self) -> List[nn.Parameter]:
+        return [self.vision_tokens, self.text_tokens, self.attribute_proj, self.fusion_logits]
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.clip.eval()  # CLIP stays in eval mode (it has no dropout, but keep it explicit)
+        return self
+
+    def fusion_weights(self) -> torch.Tensor:
+        """alpha = softmax(w) over the branches in the fusion: (1 + A,), alpha[0] for the class
+        branch; a blind attribute branch (see `blind_attributes`) gets exactly 0."""
+        return self.fusion_logits.masked_fill(~self.in_fusion, float("-inf")).softmax(dim=0)
+
+    # -- vision ------------------------------------------------------------------------------
+
+    def encode_image(self, images: torch.Tensor, with_frozen: bool = False):
+        """images (B, 3, R, R) -> (f_cls (B, E), f_attr (B, A, E), f_frozen (B, E) or None).
+
+        Layers before J: plain CLIP (no learnable token). From J on: the attribute tokens are
+        appended after the image tokens and every head uses its role mask.
+        """
+        visual = self.clip.visual
+        blocks = visual.transformer.resblocks
+        j = self.first_layer - 1  # 0-based index of layer J
+
+        with torch.no_grad():  # nothing before J is learnable: keep no activations for backward
+            x = visual.embed(images.to(self.clip.dtype))  # (B, N, C)
+            for block in blocks[:j]:
+                x = block(x)  # (B, N, C)
+            frozen = None
+            if with_frozen:  # plain CLIP's image feature, for the self-regularisation (Sec. 3.4)
+                plain = x  # the layers before J are the same in both passes: run them once
+                for block in blocks[j:]:
+                    plain = block(plain)
+                frozen = visual.to_embedding(plain[:, 0])  # (B, E)
+
+        B, N, _ = x.shape
+        tokens = None
+        for i, block in enumerate(blocks[j:]):
+            fresh = self.vision_tokens[i].to(x.dtype).expand(B, -1, -1)  # (B, A, C)
+            # MMRL++ rule: tokens entering layer l = beta * p_l + (1 - beta) * out_{l-1}.
+            tokens = fresh if i == 0 else self.beta * fresh + (1 - self.beta) * tokens
+            sequence = torch.cat([x, tokens], dim=1)  # (B, N + A, C)
+            sequence = block(sequence, self.role_masks[i])  # every head its own (T, T) mask
+            x, tokens = sequence[:, :N], sequence[:, N:]
+
+        f_cls = visual.to_embedding(x[:, 0])  # (B, E): CLS through ln_post and the frozen proj
+        f_attr = visual.ln_post(tokens) @ self.attribute_proj  # (B, A, E)
+        return f_cls, f_attr, frozen
+
+    # -- text ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prepare_classes(self, class_token_ids: torch.Tensor) -> PreparedClasses:
+        """Class prompts (C, L) token ids -> PreparedClasses: the frozen text layers before J,
+        run once for this class list, and plain CLIP's text features.
+
+        The sequences are cut after the longest prompt's end-of-text token: exact, because
+        the causal mask never lets a token read the padding after it."""
+        clip, j = self.clip, self.first_layer - 1
+        eot = class_token_ids.argmax(dim=-1)  # (C,): the end-of-text id is the largest
+        token_ids = class_token_ids[:, : int(eot.max()) + 1]  # (C, L') with L' <= L
+        x = clip.embed_text(token_ids)  # (C, L', W)
+        mask = causal_mask(x.shape[1], x.device, x.dtype)
+        for block in clip.transformer.resblocks[:j]:
+            x = block(x, mask)
+        plain = x
+        for block in clip.transformer.resblocks[j:]:
+            plain = block(plain, mask)
+        return PreparedClasses(hidden=x, eot=eot, frozen=clip.text_to_embedding(plain, eot))
+
+    def encode_text(self, classes: PreparedClasses) -> torch.Tensor:
+        """PreparedClasses -> t_c (C, E), the text feature of every class.
+
+        From layer J on, K learnable tokens sit right after the start token (positions 1..K);
+        the causal mask lets every later token, the end-of-text one included, read them.
+        """
+        if not isinstance(classes, PreparedClasses):  # e.g. token ids, as an older version took
+            raise DeARError(f"classes must be model.prepare_classes(class_token_ids), got a {type(classes).__name__}; "
+                            "prepare each class list once, then pass the result to every step")
+        x = classes.hidden
+        C, K = x.shape[0], self.num_text_tokens
+        mask = causal_mask(x.shape[1] + K, x.device, x.dtype)  # (L + K, L + K)
+        for i, block in enumerate(self.clip.transformer.resblocks[self.first_layer - 1:]):
+            fresh = self.text_tokens[i].to(x.dtype).expand(C, -1, -1)  # (C, K, W)
+            if i == 0:
+                x = torch.cat([x[:, :1], fresh, x[:, 1:]], dim=1)  # insert after the start token
+            else:
+                tokens = self.beta * fresh + (1 - self.beta) * x[:, 1:1 + K]
+                x = torch.cat([x[:, :1], tokens, x[:, 1 + K:]], dim=1)
+            x = block(x, mask)
+        return self.clip.text_to_embedding(x, classes.eot + K)  # end-of-text moved K places right
+
+    # -- both ------------------------------------------------------------------------------
+
+    def forward(self, images: torch.Tensor, classes: PreparedClasses,
+                with_frozen: bool = False) -> DeAROutput:
+        """Logits of every image for every class of `classes` (from `prepare_classes`; paper
+        Eq. 6-7).
+
+        branch k in {cls, attr_1..attr_A}: logits_k = s * cos(f_k, t_c), s CLIP's frozen scale;
+        fused logits = sum_k alpha_k * logits_k, used in training. At test time train.py
+        uses them only where the test classes are the trained ones, and the class branch alone
+        elsewhere (task-adaptive fusion, as MMRL evaluates): both are in the output."""
+        f_cls, f_attr, f_frozen = self.encode_image(images, with_frozen)
+        t = self.encode_text(classes)
+        features = torch.cat([f_cls[:, None], f_attr], dim=1)  # (B, 1 + A, E)
+        logits, branch_logits = self.fused_logits(features, t)
+        return DeAROutput(logits, branch_logits, self.fusion_weights(), features, t, f_frozen,
+                          classes.frozen if with_frozen else None)
+
+    def fused_logits(self, features: torch.Tensor, text_features: torch.Tensor):
+        """features (B, 1 + A, E) [f_cls, f_attr...], text_features (C, E) ->
+        (fused logits (B, C), branch logits (B, 1 + A, C)).
+
+        Split out of forward so that evaluation can encode the class prompts once and reuse
+        them for every test batch (the text side does not depend on the image)."""
+        scale = self.clip.logit_scale.exp()
+        branch_logits = scale * F.normalize(features, dim=-1) @ F.normalize(text_features, dim=-1).T
+        alpha = self.fusion_weights()
+        return torch.einsum("bkc,k->bc", branch_logits, alpha.to(branch_logits.dtype)), branch_logits
+
+    # -- checkpoints and printing ----------------------------------------------------------
+
+    def learnable_state_dict(self) -> dict:
+        """Only what training changes; a checkpoint needs nothing else (CLIP is frozen)."""
+        return {name: getattr(self, name).detach().cpu().clone()
+                for name in ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits")}
+
+    def load_learnable_state_dict(self, state: dict) -> None:
+        for name, value in state.items():
+            target = getattr(self, name)
+            if tuple(value.shape) != tuple(target.shape):
+                raise DeARError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, the model "
+                                f"expects {tuple(target.shape)}; it was made with other settings")
+            with torch.no_grad():
+                target.copy_(value)
+
+    def parameter_summary(self) -> str:
+        learnable = sum(p.numel() for p in self.learnable_parameters())
+        frozen = sum(p.numel() for p in self.clip.parameters())
+        parts = ", ".join(f"{name} {tuple(getattr(self, name).shape)}" for name in
+                          ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits"))
+        return (f"learnable {learnable:,} parameters ({parts}); frozen CLIP {frozen:,} "
+                f"({100 * learnable / (learnable + frozen):.2f}% learnable)")
+
+
+# ------------------------------------------------------------------------------------------
+# 6. The losses (paper Sec. 3.4, METHOD.md Sec. 5)
+# ------------------------------------------------------------------------------------------
+
+
+def self_regularization_loss(f_cls: torch.Tensor, f_cls_frozen: torch.Tensor,
+                             t: torch.Tensor, t_frozen: torch.Tensor) -> torch.Tensor:
+    """L_reg = mean_i (1 - cos(f_cls_i, f_cls_frozen_i)) + mean_c (1 - cos(t_c, t_c_frozen)).
+
+    Keeps the class feature and the text features close to plain CLIP's, which is where the
+    zero-shot knowledge of novel classes lives."""
+    image_term = 1 - F.cosine_similarity(f_cls, f_cls_frozen, dim=-1).mean()
+    text_term = 1 - F.cosine_similarity(t, t_frozen, dim=-1).mean()
+    return image_term + text_term
+
+
+def fusion_regularization_loss(alpha: torch.Tensor) -> torch.Tensor:
+    """L_fusion = -log(alpha_cls): stops the fusion from abandoning the class branch."""
+    return -torch.log(alpha[0])
+
+
+def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0,
+              lambda_fusion: float = 0.1) -> dict:
+    """Total = CE(fused logits) + lambda_reg * L_reg + lambda_fusion * L_fusion.
+    Returns every term (for logging) and 'total' (to backpropagate)."""
+    if output.frozen_image_features is None or output.frozen_text_features is None:
+        raise DeARError("output has no frozen features (needed for L_reg): call the model with with_frozen=True to train")
+    ce = F.cross_entropy(output.logits.float(), labels)
+    reg = self_regularization_loss(output.image_features[:, 0].float(), output.frozen_image_features.float(),
+                                   output.text_features.float(), output.frozen_text_features.float())
+    fusion = fusion_regularization_loss(output.alpha.float())
+    return {"total": ce + lambda_reg * reg + lambda_fusion * fusion, "ce": ce, "reg": reg, "fusion": fusion}
+
+
+# ==========================================================================================
+# 7. Bookkeeping: nothing below is the method. Role files (JSON) and their validation, the
+#    printed tables, the PNG pictures, and the description bank's word lists.
+# ==========================================================================================
+
+
+@torch.no_grad()
+def encode_descriptions(clip: CLIP, tokenizer: clip_model.SimpleTokenizer,
+                        texts: Sequence[str], batch_size: int = 256) -> torch.Tensor:
+    """Texts -> (n_texts, E) normalised CLIP text embeddings."""
+    device = clip.positional_embedding.device
+    chunks = []
+    for start in range(0, len(texts), batch_size):
+        ids = tokenizer.tokenize(texts[start:start + batch_size], clip.context_length, truncate=True)
+        chunks.append(F.normalize(clip.encode_text(ids.to(device)), dim=-1))
+    return torch.cat(chunks)
+
+
+def _checked_batches(image_batches):
+    """analyze_heads' images: one (n, 3, R, R) tensor (cut into batches of 64), or an iterable
+    of (B, 3, R, R) tensors; anything else is a one-line DeARError."""
+    if isinstance(image_batches, torch.Tensor):
+        image_batches = image_batches.split(64)
+    for batch in image_batches:
+        if not isinstance(batch, torch.Tensor) or batch.dim() != 4:
+            raise DeARError(f"image_batches must be a (n, 3, R, R) tensor or yield (B, 3, R, R) tensors; got a "
+                            f"{type(batch).__name__}{f' of shape {tuple(batch.shape)}' if isinstance(batch, torch.Tensor) else ''}"
+                            " (a DataLoader of (images, labels): pass (images for images, _ in loader))")
+        yield batch
+
+
+def _uniform_role_map(cls, role, vision_layers, num_heads, layers, attributes) -> RoleMap:
+    """RoleMap.uniform: every head of `layers` the same role, "mixed" (= plain deep prompting,
+    no mask) or "generalization" (no head lets an attribute token read the image, so every
+    attribute branch is a per-class bias and is left out of the fusion)."""
+    if role not in ("mixed", "generalization"):
+        raise DeARError(f"uniform role must be 'mixed' or 'generalization', not {role!r}")
+    heads = [HeadRole(layer, head, role) for layer in layers for head in range(num_heads)]
+    return cls(vision_layers, num_heads, list(attributes), heads, source=f"all-{role}")
+
+
+def _role_map_to_json(role_map: RoleMap) -> dict:
+    return {
+        "what": "DeAR head roles (layer and head are 0-based; the paper's layer = layer + 1)",
+        "source": role_map.source,
+        "vision_layers": role_map.vision_layers,
+        "num_heads": role_map.num_heads,
+        "attributes": list(role_map.attributes),
+        "thresholds_bits": {"low": role_map.low_bits, "high": role_map.high_bits},
+        "heads": [asdict(h) for h in role_map.heads],
+    }
+
+
+def _save_role_map(role_map: RoleMap, path: str) -> None:
+    text = json.dumps(role_map.to_json(), indent=2, ensure_ascii=False)
+    atomic_write(path, lambda tmp: open(tmp, "w", encoding="utf-8").write(text + "\n"))
+
+
+def _load_role_map(cls, path: str) -> RoleMap:
+    """Read a role file; every problem is one DeARError line that names the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        thresholds = data.get("thresholds_bits") or {}
+        role_map = cls(
+            vision_layers=int(data["vision_layers"]), num_heads=int(data["num_heads"]),
+            attributes=list(data["attributes"]),
+            heads=[HeadRole(**entry) for entry in data["heads"]],
+            low_bits=thresholds.get("low"), high_bits=thresholds.get("high"),
+            source=data.get("source", "analysis"),
+        )
+    except FileNotFoundError:
+        raise DeARError(f"{path}: no such role file; run the head analysis first (analyze_heads, "
+                        "then RoleMap.save) or use RoleMap.uniform('mixed', ...) (no mask)") from None
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise DeARError(f"{path}: not a DeAR role file ({type(error).__name__}: "
+                        f"{' '.join(str(error).split())[:80]}); re-run the head analysis") from None
+    try:
+        role_map.validate()
+    except DeARError as error:
+        raise DeARError(f"{path}: {error}") from None
+    return role_map
+
+
+def _validate_role_map(role_map: RoleMap, vision_layers: Optional[int], num_heads: Optional[int],
+                       attributes: Optional[Sequence[str]]) -> None:
+    """RoleMap.validate: complete, consistent, and (when the sizes are given) fits the model."""
+    if vision_layers is not None and role_map.vision_layers != vision_layers:
+        raise DeARError(f"made for a vision tower of {role_map.vision_layers} layers, this model has "
+                        f"{vision_layers}; re-run the head analysis for this model")
+    if num_heads is not None and role_map.num_heads != num_heads:
+        raise DeARError(f"made for {role_map.num_heads} heads per layer, this model has {num_heads}; "
+                        "re-run the head analysis for this model")
+    if attributes is not None and list(attributes) != list(role_map.attributes):
+        raise DeARError(f"made for attributes {', '.join(role_map.attributes)}, the model uses "
+                        f"{', '.join(attributes)}; leave DeAR's attributes out (it then takes the "
+                        "role map's) or re-run the head analysis with these attributes")
+    for entry in role_map.heads:
+        where = f"layer {entry.layer + 1} (index {entry.layer}), head {entry.head}"
+        if not (0 <= entry.layer < role_map.vision_layers and 0 <= entry.head < role_map.num_heads):
+            raise DeARError(f"{where} does not exist in a tower of {role_map.vision_layers} layers x {role_map.num_heads} heads")
+        if entry.role not in ROLES:
+            raise DeARError(f"{where} has role {entry.role!r}; roles are {', '.join(ROLES)}")
+        if entry.role == "attribute" and entry.attribute not in role_map.attributes:
+            raise DeARError(f"{where} is an attribute head for {entry.attribute!r}, which is not "
+                            f"one of the attributes ({', '.join(role_map.attributes)})")
+    for layer in role_map.layers:
+        present = sorted(h.head for h in role_map.heads if h.layer == layer)
+        if present != list(range(role_map.num_heads)):
+            raise DeARError(f"layer {layer + 1} (index {layer}) lists heads {present}, expected each of 0..{role_map.num_heads - 1} once")
+
+
+def _role_table(role_map: RoleMap) -> str:
+    """RoleMap.table: one row per layer (1-based), one cell per head, entropy in bits."""
+    def bits(value: Optional[float]) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    lines = [f"Head roles ({role_map.source}); layers numbered as in the paper (1-based), heads 0-based; "
+             f"thresholds low={bits(role_map.low_bits)} high={bits(role_map.high_bits)} bits"]
+    lines.append("layer | " + " ".join(f"{'h' + str(h):>9}" for h in range(role_map.num_heads)))
+    for layer in role_map.layers:
+        cells = []
+        for head in range(role_map.num_heads):
+            entry = role_map.role_of(layer, head)
+            tag = {"attribute": f"A:{(entry.attribute or '')[:3]}", "generalization": "G",
+                   "mixed": "M"}[entry.role]
+            cells.append(f"{tag}{'' if entry.entropy is None else f' {entry.entropy:.2f}'}".rjust(9))
+        lines.append(f"{layer + 1:>5} | " + " ".join(cells))
+    counts = Counter(h.role if h.role != "attribute" else f"attribute:{h.attribute}" for h in role_map.heads)
+    lines.append("counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    return "\n".join(lines)
+
+
 def format_head_mask(mask: torch.Tensor, num_image_tokens: int, attributes: Sequence[str]) -> str:
     """A (T, T) mask as a small text grid, the image tokens folded into one row/column
     ('image'; they are treated alike by construction). '#' = may attend, '.' = may not."""
@@ -613,6 +805,54 @@ def format_head_mask(mask: torch.Tensor, num_image_tokens: int, attributes: Sequ
     for name, row in zip(names, folded):
         lines.append(f"{name:>11} " + " ".join(f"{'#' if v == 0 else '.':>8}" for v in row))
     return "\n".join(lines)
+
+
+# Colours of the pictures: one hue per attribute, grey-blue for generalization, light grey mixed.
+_ATTRIBUTE_COLOURS = [(214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14), (23, 190, 207),
+                      (227, 119, 194), (188, 189, 34), (140, 86, 75)]
+_GENERALIZATION_COLOUR, _MIXED_COLOUR = (52, 78, 120), (200, 200, 200)
+
+
+def _role_colour(entry: HeadRole, attributes: Sequence[str]):
+    if entry.role == "attribute":
+        return _ATTRIBUTE_COLOURS[list(attributes).index(entry.attribute) % len(_ATTRIBUTE_COLOURS)]
+    return _GENERALIZATION_COLOUR if entry.role == "generalization" else _MIXED_COLOUR
+
+
+def draw_heatmap(role_map: RoleMap, path: str) -> None:
+    """A PNG: layers (rows, 1-based) x heads (columns); each cell coloured by role, with the
+    head's concept entropy written in it, and a legend. Pillow is torchvision's own dependency."""
+    from PIL import Image, ImageDraw
+
+    cell_w, cell_h, left, top = 58, 34, 96, 40
+    layers, H = role_map.layers, role_map.num_heads
+    legend = [(f"attribute: {a}", _ATTRIBUTE_COLOURS[i % len(_ATTRIBUTE_COLOURS)])
+              for i, a in enumerate(role_map.attributes)]
+    legend += [("generalization", _GENERALIZATION_COLOUR), ("mixed", _MIXED_COLOUR)]
+    width = max(left + H * cell_w + 10, 560)
+    height = top + len(layers) * cell_h + 30 + 18 * ((len(legend) + 2) // 3)
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    draw.text((8, 6), f"DeAR head roles ({role_map.source}); number = concept entropy (bits)", fill="black")
+    for head in range(H):
+        draw.text((left + head * cell_w + cell_w // 2 - 8, top - 16), f"h{head}", fill="black")
+    for row, layer in enumerate(layers):
+        y = top + row * cell_h
+        draw.text((8, y + cell_h // 2 - 6), f"layer {layer + 1}", fill="black")
+        for head in range(H):
+            entry = role_map.role_of(layer, head)
+            colour = _role_colour(entry, role_map.attributes)
+            x = left + head * cell_w
+            draw.rectangle([x, y, x + cell_w - 2, y + cell_h - 2], fill=colour)
+            label = "" if entry.entropy is None else f"{entry.entropy:.2f}"
+            ink = "black" if sum(colour) > 450 else "white"
+            draw.text((x + 6, y + cell_h // 2 - 6), label, fill=ink)
+    y = top + len(layers) * cell_h + 12
+    for i, (name, colour) in enumerate(legend):
+        x, yy = 8 + (i % 3) * 180, y + (i // 3) * 18
+        draw.rectangle([x, yy, x + 12, yy + 12], fill=colour)
+        draw.text((x + 18, yy), name, fill="black")
+    atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))
 
 
 def draw_role_masks(masks: torch.Tensor, num_image_tokens: int, attributes: Sequence[str],
@@ -649,295 +889,87 @@ def draw_role_masks(masks: torch.Tensor, num_image_tokens: int, attributes: Sequ
     atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))
 
 
-# ------------------------------------------------------------------------------------------
-# 4. The model (paper Sec. 3.3-3.4, METHOD.md Sec. 4)
-# ------------------------------------------------------------------------------------------
+# The description bank (METHOD.md Sec. 3): labelled phrases for TextSpan to choose from.
 
 
-def default_first_layer(clip: CLIP) -> int:
-    """The paper's J (1-based) for any depth: the first of the vision tower's last four layers,
-    where the head analysis looks (J = 9 of 12 for ViT-B/16; 1 for a model of 4 layers or less)."""
-    return max(1, len(clip.visual.transformer.resblocks) - 3)
+@dataclass(frozen=True)
+class Description:
+    text: str
+    concept: str
 
 
-@dataclass
-class DeAROutput:
-    logits: torch.Tensor  # (B, C) fused: sum_k alpha_k * branch_logits[:, k]
-    branch_logits: torch.Tensor  # (B, 1 + A, C): the class branch first, then one per attribute
-    alpha: torch.Tensor  # (1 + A,) fusion weights, softmax of the learnable fusion_logits
-    image_features: torch.Tensor  # (B, 1 + A, E) [f_cls, f_attr_1, ...], not normalised
-    text_features: torch.Tensor  # (C, E) t_c, shared by every branch
-    frozen_image_features: Optional[torch.Tensor] = None  # (B, E) plain CLIP (for L_reg)
-    frozen_text_features: Optional[torch.Tensor] = None  # (C, E) plain CLIP (for L_reg)
+def description_bank() -> List[Description]:
+    """The project's own bank: every word of a concept in every template of that concept
+    (`_BANK_WORDS`, below).
 
-
-class DeAR(nn.Module):
-    """Frozen CLIP + DeAR's learnable pieces.
-
-    It freezes the CLIP it is given *in place*: `clip.eval().requires_grad_(False)` on the
-    caller's own module (no copy is made, CLIP's weights are shared, never changed). To go on
-    training that CLIP elsewhere, switch its requires_grad back on yourself.
-
-    attributes: the attribute tokens' names, in order; default: the role map's.
-    first_layer: the paper's 1-based J; default: the first of the vision tower's last four
-    layers (9 for a 12-layer ViT-B/16, as in the paper).
-
-    Learnable (everything else is CLIP, frozen):
-      vision_tokens   (layers from J, A, C_v)  one attribute token per attribute, fresh at each
-                                               layer from J (the MMRL++ beta rule)
-      text_tokens     (layers from J, K, C_t)  K tokens inserted after the start token
-      attribute_proj  (C_v, E)                 attribute tokens -> embedding, init = visual.proj
-      fusion_logits   (1 + A,)                 alpha = softmax(fusion_logits) over the class
-                                               branch and every attribute branch that can read
-                                               the image (`blind_attributes`: the others get
-                                               alpha = 0, with a warning naming them)
-
-    Cost savings, each exact (tests compare them with the plain computation) and each a flag
-    so the benchmark can switch it off:
-      no_grad_prefix      the vision layers before J run under torch.no_grad()
-      share_frozen_prefix the frozen pass (for L_reg) reuses the adapted pass's layers before J
-      cache_text_prefix   the text layers before J run once per class list, then are reused
-      cut_text_context    text sequences end at the longest prompt instead of 77 tokens
+    591 phrases over 12 concepts (the 5 core attributes first). No phrase appears twice. The
+    non-core concepts are there so that a head that is about none of the five attributes can
+    spread its descriptions over many concepts and get a high entropy.
     """
-
-    def __init__(self, clip: CLIP, role_map: RoleMap, attributes: Optional[Sequence[str]] = None,
-                 first_layer: Optional[int] = None, beta: float = 0.5, num_text_tokens: int = 4,
-                 cls_fusion_weight: float = 0.5):
-        super().__init__()
-        vision_layers = len(clip.visual.transformer.resblocks)
-        text_layers = len(clip.transformer.resblocks)
-        attributes = list(role_map.attributes) if attributes is None else attributes
-        first_layer = default_first_layer(clip) if first_layer is None else first_layer
-        if not 1 <= first_layer <= min(vision_layers, text_layers):
-            raise DeARError(f"first_layer J={first_layer} is out of range: use 1..{min(vision_layers, text_layers)} "
-                            "(1-based, the paper's J = 9 for ViT-B/16)")
-        if not 0.0 <= beta <= 1.0:
-            raise DeARError(f"beta={beta} is outside [0, 1]; beta weighs the fresh tokens against the previous layer's")
-        if num_text_tokens < 0:
-            raise DeARError(f"num_text_tokens={num_text_tokens} must be 0 or more")
-        if not 0.0 < cls_fusion_weight < 1.0:
-            raise DeARError(f"cls_fusion_weight={cls_fusion_weight} must be in (0, 1)")
-        for name in attributes:
-            if not isinstance(name, str) or not name:
-                raise DeARError(f"attribute names must be non-empty strings, got {name!r}")
-        role_map.validate(vision_layers, clip.visual.transformer.heads, attributes)
-
-        self.clip = clip.eval().requires_grad_(False)  # frozen: only the pieces below learn
-        self.role_map = role_map
-        self.attributes = list(attributes)
-        self.first_layer, self.beta, self.num_text_tokens = first_layer, beta, num_text_tokens
-        self.no_grad_prefix = self.share_frozen_prefix = True
-        self.cache_text_prefix = self.cut_text_context = True
-
-        A, K = len(self.attributes), num_text_tokens
-        width_v, width_t = clip.visual.transformer.width, clip.transformer.width
-        self.vision_tokens = nn.Parameter(torch.randn(vision_layers - first_layer + 1, A, width_v) * 0.02)
-        self.text_tokens = nn.Parameter(torch.randn(text_layers - first_layer + 1, K, width_t) * 0.02)
-        self.attribute_proj = nn.Parameter(clip.visual.proj.detach().clone())
-        # alpha_cls = cls_fusion_weight at the start, the rest shared evenly by the attributes.
-        rest = (1 - cls_fusion_weight) / max(A, 1)
-        self.fusion_logits = nn.Parameter(torch.tensor([math.log(cls_fusion_weight)] + [math.log(rest)] * A))
-
-        num_image_tokens = 1 + clip.visual.grid_size**2
-        self.num_image_tokens = num_image_tokens
-        masks = build_role_masks(role_map, first_layer, vision_layers, num_image_tokens)
-        self.register_buffer("role_masks", masks, persistent=False)  # (layers from J, H, T, T)
-        # Branches in the fusion: the class branch, and each attribute branch whose token some
-        # head from J on lets read the image; a blind branch is a per-class bias.
-        self.blind_attributes = blind_attributes(role_map, first_layer, vision_layers)
-        if self.blind_attributes:
-            warnings.warn(f"DeAR: no head from layer J={first_layer} (1-based) lets the "
-                          f"{', '.join(self.blind_attributes)} token{'s' if len(self.blind_attributes) > 1 else ''} "
-                          "read the image; left out of the fusion (a per-class bias, not a feature)")
-        in_fusion = torch.tensor([True] + [a not in self.blind_attributes for a in self.attributes])
-        self.register_buffer("in_fusion", in_fusion, persistent=False)  # (1 + A,) bool
-        self._text_cache: dict = {}
-
-    # -- bookkeeping ------------------------------------------------------------------------
-
-    def learnable_parameters(self) -> List[nn.Parameter]:
-        return [self.vision_tokens, self.text_tokens, self.attribute_proj, self.fusion_logits]
-
-    def learnable_state_dict(self) -> dict:
-        """Only what training changes; a checkpoint needs nothing else (CLIP is frozen)."""
-        return {name: getattr(self, name).detach().cpu().clone()
-                for name in ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits")}
-
-    def load_learnable_state_dict(self, state: dict) -> None:
-        for name, value in state.items():
-            target = getattr(self, name)
-            if tuple(value.shape) != tuple(target.shape):
-                raise DeARError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, the model "
-                                f"expects {tuple(target.shape)}; it was made with other settings")
-            with torch.no_grad():
-                target.copy_(value)
-
-    def parameter_summary(self) -> str:
-        learnable = sum(p.numel() for p in self.learnable_parameters())
-        frozen = sum(p.numel() for p in self.clip.parameters())
-        parts = ", ".join(f"{name} {tuple(getattr(self, name).shape)}" for name in
-                          ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits"))
-        return (f"learnable {learnable:,} parameters ({parts}); frozen CLIP {frozen:,} "
-                f"({100 * learnable / (learnable + frozen):.2f}% learnable)")
-
-    def train(self, mode: bool = True):
-        super().train(mode)
-        self.clip.eval()  # CLIP stays in eval mode (it has no dropout, but keep it explicit)
-        return self
-
-    def fusion_weights(self) -> torch.Tensor:
-        """alpha = softmax(w) over the branches in the fusion: (1 + A,), alpha[0] for the class
-        branch; a blind attribute branch (see `blind_attributes`) gets exactly 0."""
-        return self.fusion_logits.masked_fill(~self.in_fusion, float("-inf")).softmax(dim=0)
-
-    # -- vision ------------------------------------------------------------------------------
-
-    def encode_image(self, images: torch.Tensor, with_frozen: bool = False):
-        """images (B, 3, R, R) -> (f_cls (B, E), f_attr (B, A, E), f_frozen (B, E) or None).
-
-        Layers before J: plain CLIP (no learnable token). From J on: the attribute tokens are
-        appended after the image tokens and every head uses its role mask.
-        """
-        visual = self.clip.visual
-        blocks = visual.transformer.resblocks
-        j = self.first_layer - 1  # 0-based index of layer J
-
-        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.no_grad_prefix):
-            x = visual.embed(images.to(self.clip.dtype))  # (B, N, C)
-            for block in blocks[:j]:
-                x = block(x)  # (B, N, C)
-
-        frozen = None
-        if with_frozen:  # plain CLIP's image feature, for the self-regularisation (Sec. 3.4)
-            with torch.no_grad():
-                if self.share_frozen_prefix:
-                    plain = x
-                    for block in blocks[j:]:
-                        plain = block(plain)
-                    frozen = visual.to_embedding(plain[:, 0])
-                else:
-                    frozen = self.clip.encode_image(images)
-
-        B, N, _ = x.shape
-        tokens = None
-        for i, block in enumerate(blocks[j:]):
-            fresh = self.vision_tokens[i].to(x.dtype).expand(B, -1, -1)  # (B, A, C)
-            # MMRL++ rule: tokens entering layer l = beta * p_l + (1 - beta) * out_{l-1}.
-            tokens = fresh if i == 0 else self.beta * fresh + (1 - self.beta) * tokens
-            sequence = torch.cat([x, tokens], dim=1)  # (B, N + A, C)
-            sequence = block(sequence, self.role_masks[i])  # every head its own (T, T) mask
-            x, tokens = sequence[:, :N], sequence[:, N:]
-
-        f_cls = visual.to_embedding(x[:, 0])  # (B, E): CLS through ln_post and the frozen proj
-        f_attr = visual.ln_post(tokens) @ self.attribute_proj  # (B, A, E)
-        return f_cls, f_attr, frozen
-
-    # -- text ----------------------------------------------------------------------------
-
-    def _text_prefix(self, token_ids: torch.Tensor):
-        """The frozen part of the text tower for one class list: (hidden states entering
-        layer J (C, L, W), end-of-text positions (C,), plain CLIP text features (C, E))."""
-        key = (token_ids.device, self.cut_text_context, tuple(map(tuple, token_ids.tolist())))
-        if self.cache_text_prefix and key in self._text_cache:
-            return self._text_cache[key]
-        clip, j = self.clip, self.first_layer - 1
-        eot = token_ids.argmax(dim=-1)  # (C,)
-        if self.cut_text_context:
-            token_ids = token_ids[:, : int(eot.max()) + 1]  # exact: the causal mask hides the tail
-        with torch.no_grad():
-            x = clip.embed_text(token_ids)  # (C, L, W)
-            mask = causal_mask(x.shape[1], x.device, x.dtype)
-            for block in clip.transformer.resblocks[:j]:
-                x = block(x, mask)
-            plain = x
-            for block in clip.transformer.resblocks[j:]:
-                plain = block(plain, mask)
-            frozen = clip.text_to_embedding(plain, eot)  # (C, E)
-        result = (x, eot, frozen)
-        if self.cache_text_prefix:
-            self._text_cache = {key: result}  # one class list at a time is all training needs
-        return result
-
-    def encode_text(self, token_ids: torch.Tensor):
-        """Class prompts (C, 77) -> (t_c (C, E), plain CLIP t_c (C, E)).
-
-        From layer J on, K learnable tokens sit right after the start token (positions 1..K);
-        the causal mask lets every later token, the end-of-text one included, read them.
-        """
-        x, eot, frozen = self._text_prefix(token_ids)
-        C, K = x.shape[0], self.num_text_tokens
-        mask = causal_mask(x.shape[1] + K, x.device, x.dtype)  # (L + K, L + K)
-        for i, block in enumerate(self.clip.transformer.resblocks[self.first_layer - 1:]):
-            fresh = self.text_tokens[i].to(x.dtype).expand(C, -1, -1)  # (C, K, W)
-            if i == 0:
-                x = torch.cat([x[:, :1], fresh, x[:, 1:]], dim=1)  # insert after the start token
-            else:
-                tokens = self.beta * fresh + (1 - self.beta) * x[:, 1:1 + K]
-                x = torch.cat([x[:, :1], tokens, x[:, 1 + K:]], dim=1)
-            x = block(x, mask)
-        return self.clip.text_to_embedding(x, eot + K), frozen  # end-of-text moved K places right
-
-    # -- both ------------------------------------------------------------------------------
-
-    def forward(self, images: torch.Tensor, class_token_ids: torch.Tensor,
-                with_frozen: bool = False) -> DeAROutput:
-        """Logits of every image for every class (paper Eq. 6-7).
-
-        branch k in {cls, attr_1..attr_A}: logits_k = s * cos(f_k, t_c), s CLIP's frozen scale;
-        fused logits = sum_k alpha_k * logits_k, used in training. At test time train.py
-        uses them only where the test classes are the trained ones, and the class branch alone
-        elsewhere (task-adaptive fusion, as MMRL evaluates): both are in the output."""
-        f_cls, f_attr, f_frozen = self.encode_image(images, with_frozen)
-        t, t_frozen = self.encode_text(class_token_ids)
-        features = torch.cat([f_cls[:, None], f_attr], dim=1)  # (B, 1 + A, E)
-        logits, branch_logits = self.fused_logits(features, t)
-        return DeAROutput(logits, branch_logits, self.fusion_weights(), features, t, f_frozen,
-                          t_frozen if with_frozen else None)
-
-    def fused_logits(self, features: torch.Tensor, text_features: torch.Tensor):
-        """features (B, 1 + A, E) [f_cls, f_attr...], text_features (C, E) ->
-        (fused logits (B, C), branch logits (B, 1 + A, C)).
-
-        Split out of forward so that evaluation can encode the class prompts once and reuse
-        them for every test batch (the text side does not depend on the image)."""
-        scale = self.clip.logit_scale.exp()
-        branch_logits = scale * F.normalize(features, dim=-1) @ F.normalize(text_features, dim=-1).T
-        alpha = self.fusion_weights()
-        return torch.einsum("bkc,k->bc", branch_logits, alpha.to(branch_logits.dtype)), branch_logits
+    bank, seen = [], set()
+    for concept, (words, templates) in _BANK_WORDS.items():
+        for template in templates:
+            for word in words:
+                text = template.format(word)
+                if text not in seen:
+                    seen.add(text)
+                    bank.append(Description(text, concept))
+    return bank
 
 
-# ------------------------------------------------------------------------------------------
-# 5. The losses (paper Sec. 3.4, METHOD.md Sec. 5)
-# ------------------------------------------------------------------------------------------
-
-
-def self_regularization_loss(f_cls: torch.Tensor, f_cls_frozen: torch.Tensor,
-                             t: torch.Tensor, t_frozen: torch.Tensor) -> torch.Tensor:
-    """L_reg = mean_i (1 - cos(f_cls_i, f_cls_frozen_i)) + mean_c (1 - cos(t_c, t_c_frozen)).
-
-    Keeps the class feature and the text features close to plain CLIP's, which is where the
-    zero-shot knowledge of novel classes lives."""
-    image_term = 1 - F.cosine_similarity(f_cls, f_cls_frozen, dim=-1).mean()
-    text_term = 1 - F.cosine_similarity(t, t_frozen, dim=-1).mean()
-    return image_term + text_term
-
-
-def fusion_regularization_loss(alpha: torch.Tensor) -> torch.Tensor:
-    """L_fusion = -log(alpha_cls): stops the fusion from abandoning the class branch."""
-    return -torch.log(alpha[0])
-
-
-def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0,
-              lambda_fusion: float = 0.1) -> dict:
-    """Total = CE(fused logits) + lambda_reg * L_reg + lambda_fusion * L_fusion.
-    Returns every term (for logging) and 'total' (to backpropagate)."""
-    if output.frozen_image_features is None or output.frozen_text_features is None:
-        raise DeARError("output has no frozen features (needed for L_reg): call the model with with_frozen=True to train")
-    ce = F.cross_entropy(output.logits.float(), labels)
-    reg = self_regularization_loss(output.image_features[:, 0].float(), output.frozen_image_features.float(),
-                                   output.text_features.float(), output.frozen_text_features.float())
-    fusion = fusion_regularization_loss(output.alpha.float())
-    return {"total": ce + lambda_reg * reg + lambda_fusion * fusion, "ce": ce, "reg": reg, "fusion": fusion}
+# The description bank's word lists (METHOD.md Sec. 3): concept -> (words, templates). Every
+# phrase is a word in a template, so its concept is known by construction. The five core
+# attributes come first; the seven others let a head that is about none of them spread its
+# descriptions over many concepts.
+_BANK_WORDS = {
+    # core attributes
+    "colour": (["red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black",
+                "white", "grey", "gold", "silver", "beige", "turquoise", "maroon", "navy blue",
+                "teal", "violet", "crimson"],
+               ["a bright {} colour", "an image dominated by the colour {}", "something coloured {}",
+                "a {} tint"]),
+    "shape": (["round", "square", "triangular", "rectangular", "oval", "cylindrical", "spherical",
+               "star-shaped", "heart-shaped", "hexagonal", "curved", "pointed", "elongated", "flat",
+               "cone-shaped", "spiral"],
+              ["a {} shape", "an object with a {} form", "a {} outline", "something {} in shape"]),
+    "texture": (["striped", "dotted", "checkered", "furry", "smooth", "rough", "fluffy", "woven",
+                 "scaly", "wrinkled", "glossy", "matte", "grainy", "bumpy", "metallic", "wooden",
+                 "knitted", "cracked", "porous", "velvety"],
+                ["a {} texture", "a {} surface", "a close-up of a {} pattern"]),
+    "object": (["bicycle", "car", "dog", "cat", "bird", "flower", "tree", "chair", "airplane", "boat",
+                "house", "cup", "guitar", "clock", "horse", "fish", "shoe", "book", "phone", "lamp",
+                "bottle", "apple", "pizza", "bridge", "train", "butterfly", "mushroom", "umbrella",
+                "laptop", "piano"],
+               ["a photo of a {}", "a picture of a {}", "a close-up of a {}"]),
+    "location": (["beach", "forest", "city street", "kitchen", "desert", "mountain top", "lake shore",
+                  "snowy field", "office", "garden", "classroom", "stadium", "farm", "coral reef",
+                  "highway", "river bank", "park", "living room", "harbour", "airport"],
+                 ["a photo taken at a {}", "a scene in a {}", "the background is a {}"]),
+    # non-core concepts
+    "style": (["watercolour painting", "pencil sketch", "oil painting", "cartoon", "3D render",
+               "pixel art", "comic drawing", "mosaic", "embroidery", "origami model", "marble sculpture",
+               "graffiti", "tattoo", "low-poly model", "woodcut print"],
+              ["an image in the style of a {}", "a {} of something", "art made as a {}"]),
+    "count": (["one", "two", "three", "four", "five", "six", "seven", "a dozen", "many", "hundreds of"],
+              ["{} objects in the picture", "an image with {} things in it", "a group of {} items"]),
+    "lighting": (["bright sunlight", "dim light", "backlight", "neon light", "candlelight",
+                  "harsh shadows", "soft light", "golden hour light", "flash", "overcast light",
+                  "studio lighting", "moonlight"],
+                 ["a photo taken with {}", "a scene lit by {}", "an image full of {}"]),
+    "mood": (["happy", "sad", "peaceful", "scary", "romantic", "energetic", "lonely", "nostalgic",
+              "dramatic", "playful", "calm", "mysterious"],
+             ["a {} mood", "a {} atmosphere", "a picture that feels {}"]),
+    "text": (["a sign with words", "a logo", "handwritten letters", "a newspaper page", "a street sign",
+              "a label with numbers", "a caption", "a book title", "a licence plate", "a price tag"],
+             ["an image containing {}", "a photo with {} in it", "a close-up of {}"]),
+    "viewpoint": (["an aerial view", "a close-up view", "a wide-angle view", "a side view",
+                   "a top-down view", "a low-angle view", "a fisheye view", "a macro view",
+                   "a panoramic view", "a rear view"],
+                  ["a photo taken from {}", "{} of a scene", "a picture shot as {}"]),
+    "time": (["morning", "noon", "evening", "night", "winter", "summer", "autumn", "spring",
+              "sunset", "dawn"],
+             ["a photo taken in the {}", "a scene at {}", "an image from the {}"]),
+}
 
 
 # ------------------------------------------------------------------------------------------
@@ -960,6 +992,7 @@ if __name__ == "__main__":
         print(format_head_mask(demo.role_masks[0, head], demo.num_image_tokens, demo.attributes))
     ids = torch.zeros(3, 16, dtype=torch.long)
     ids[:, 0], ids[:, 1:4], ids[:, 4] = 98, torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]]), 99
-    out = demo(torch.randn(2, 3, 32, 32), ids, with_frozen=True)
+    classes = demo.prepare_classes(ids)  # the class list's frozen text side, once
+    out = demo(torch.randn(2, 3, 32, 32), classes, with_frozen=True)
     losses = dear_loss(out, torch.tensor([0, 2]))
     print("\nfused logits", tuple(out.logits.shape), "losses", {k: round(v.item(), 4) for k, v in losses.items()})

@@ -35,7 +35,8 @@ learnable tensors, the optimizer state and the settings, written atomically at e
 end), results.json and results.md; per dataset and run the head roles
 (<dataset>/roles/<run>/roles.json, roles.txt, roles.png, masks.png); at the top summary.json
 and summary.md. A run is complete when its results.json exists; summary.md is written when
-every run is.
+every run is. The call that writes a folder holds <output>/.lock; a --roles file is copied to
+roles_file.json, and settings.json records the SHA-256 of the weights, BPE and roles files.
 
 Layer numbers: the paper counts from 1 ("J = 9"); so do --first-layer and every printed line.
 """
@@ -43,7 +44,9 @@ Layer numbers: the paper counts from 1 ("J = 9"); so do --first-layer and every 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -55,6 +58,11 @@ import time
 import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
+
+try:
+    import fcntl  # POSIX: the run folder's lock (one writer per folder)
+except ImportError:  # Windows: no lock; do not start two calls on one folder there
+    fcntl = None
 
 import torch
 import torch.distributed as dist
@@ -212,7 +220,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _given(args: argparse.Namespace) -> Dict[str, object]:
-    return {key: value for key, value in vars(args).items() if value not in (None, False)}
+    """The flags typed on the command line (0 and "" included: a typed 0 is a value)."""
+    return {key: value for key, value in vars(args).items() if value is not None and value is not False}
+
+
+def _default(value, default):
+    """The flag's value if it was given, else the default. Never `value or default`, which
+    would turn a typed 0 into the default (--epochs 0 training 10 epochs)."""
+    return default if value is None else value
+
+
+def _dataset_names(typed: List[str], protocol: str, source: Optional[str]) -> List[str]:
+    names = [n.strip().lower().replace("-", "_") for n in typed]
+    if names == ["all"]:
+        names = {"base2novel": BASE2NOVEL_DATASETS, "fewshot": BASE2NOVEL_DATASETS,
+                 "cross": [n for n in BASE2NOVEL_DATASETS if n != (source or "imagenet")],
+                 "dg": DG_TARGETS}[protocol]
+    return list(names)
+
+
+def _role_choices(typed: List[str]) -> List[str]:
+    return list(dict.fromkeys("analyse" if r == "analyze" else r for r in typed))
 
 
 def resolve_settings(args: argparse.Namespace) -> Dict[str, object]:
@@ -220,15 +248,15 @@ def resolve_settings(args: argparse.Namespace) -> Dict[str, object]:
     if not args.dataset:
         raise TrainError("--dataset is required (e.g. --dataset toyworld, --dataset oxford_pets --root $DATA, "
                          "--dataset all)")
-    protocol = args.protocol or "base2novel"
-    names = [n.strip().lower().replace("-", "_") for n in args.dataset]
+    protocol = _default(args.protocol, "base2novel")
+    names = _dataset_names(args.dataset, protocol, args.source)
     toy = names == ["toyworld"]
     if "toyworld" in names and not toy:
         raise TrainError("--dataset toyworld runs on its own; give it alone")
-    if names == ["all"]:
-        names = {"base2novel": BASE2NOVEL_DATASETS, "fewshot": BASE2NOVEL_DATASETS,
-                 "cross": [n for n in BASE2NOVEL_DATASETS if n != (args.source or "imagenet")],
-                 "dg": DG_TARGETS}[protocol]
+    for flag in ("weights", "bpe", "head_width"):
+        if toy and getattr(args, flag) is not None:  # it would be replaced by the toy world's own
+            raise TrainError(f"--{flag.replace('_', '-')}: the toy world brings its own model, BPE file and "
+                             f"head width (made in the cache); drop --{flag.replace('_', '-')}")
     for name in names:
         if name != "toyworld":
             data.get_spec(name)  # unknown names stop here, with the list of known ones
@@ -256,8 +284,7 @@ def resolve_settings(args: argparse.Namespace) -> Dict[str, object]:
     # The toy world's table: zero-shot, the linear probe, the two role ablations, DeAR (both
     # fusions, below).
     toy_roles = ["all-mixed", "all-generalization", "analyse"]
-    roles = list(dict.fromkeys(args.roles or (toy_roles if toy else ["analyse"])))
-    roles = ["analyse" if r == "analyze" else r for r in roles]
+    roles = _role_choices(args.roles or (toy_roles if toy else ["analyse"]))
     fusion = list(dict.fromkeys(args.fusion or (FUSION_MODES if toy else ["adaptive"])))
     for choice in roles:
         if choice not in ("analyse", *ROLE_ABLATIONS) and not os.path.isfile(choice):
@@ -266,46 +293,87 @@ def resolve_settings(args: argparse.Namespace) -> Dict[str, object]:
     if sum(choice not in ROLE_ABLATIONS for choice in roles) > 1:
         raise TrainError(f"--roles {' '.join(roles)}: give at most one of 'analyse' or a roles file (both make the "
                          "DeAR row); add the ablations all-mixed / all-generalization beside it")
-    shots = args.shots or (FEWSHOT_SHOTS if protocol == "fewshot" else [recipe.shots])
+    shots = list(dict.fromkeys(args.shots or (FEWSHOT_SHOTS if protocol == "fewshot" else [recipe.shots])))
     if protocol != "fewshot" and len(shots) > 1:
         raise TrainError(f"--shots takes several values only with --protocol fewshot")
     settings = dict(
         dataset=names, protocol=protocol, source=source, method=methods, roles=roles, fusion=fusion,
         seeds=list(dict.fromkeys(args.seeds or [1, 2, 3])), shots=list(shots),
-        root=args.root, weights=args.weights or "ViT-B/16", head_width=args.head_width,
-        bpe=args.bpe, output=args.output or os.path.join("runs", f"{protocol}-{'-'.join(args.dataset)}"),
+        root=args.root, weights=_default(args.weights, None if toy else "ViT-B/16"),  # toy: its own
+        head_width=args.head_width,  # None: from the file (clip_model.save records it)
+        bpe=args.bpe, output=_default(args.output, os.path.join("runs", f"{protocol}-{'-'.join(args.dataset)}")),
         first_layer=args.first_layer if args.first_layer is not None else recipe.first_layer,
         beta=args.beta if args.beta is not None else recipe.beta,
         text_tokens=args.text_tokens if args.text_tokens is not None else recipe.text_tokens,
         lambda_reg=args.lambda_reg if args.lambda_reg is not None else recipe.lambda_reg,
         lambda_fusion=args.lambda_fusion if args.lambda_fusion is not None else recipe.lambda_fusion,
-        analysis_images=args.analysis_images or 2000, descriptions=args.descriptions or 20,
+        analysis_images=_default(args.analysis_images, 2000), descriptions=_default(args.descriptions, 20),
         low_bits=args.low_bits, high_bits=args.high_bits,
-        epochs=args.epochs or recipe.epochs, batch_size=args.batch_size or recipe.batch_size,
-        lr=args.lr or recipe.lr, warmup_epochs=WARMUP_EPOCHS, warmup_lr=WARMUP_LR, weight_decay=WEIGHT_DECAY,
+        epochs=_default(args.epochs, recipe.epochs), batch_size=_default(args.batch_size, recipe.batch_size),
+        lr=_default(args.lr, recipe.lr), warmup_epochs=WARMUP_EPOCHS, warmup_lr=WARMUP_LR, weight_decay=WEIGHT_DECAY,
         augment=(args.augment == "on") if args.augment else recipe.augment,
-        device=args.device or "auto", amp=args.amp or "on", workers=args.workers,
-        eval_batch_size=args.eval_batch_size or 64, log_every=args.log_every or 20,
-        max_epochs_per_call=args.max_epochs_per_call, toy_scale=args.toy_scale or "full",
+        device=_default(args.device, "auto"), amp=_default(args.amp, "on"), workers=args.workers,
+        eval_batch_size=_default(args.eval_batch_size, 64), log_every=_default(args.log_every, 20),
+        max_epochs_per_call=args.max_epochs_per_call, toy_scale=_default(args.toy_scale, "full"),
+        fingerprints=None,  # SHA-256 of the weights, BPE and roles files: filled in once they are read
     )
-    for key in ("epochs", "batch_size", "eval_batch_size", "log_every", "analysis_images", "descriptions"):
-        if settings[key] < 1:
-            raise TrainError(f"--{key.replace('_', '-')} {settings[key]}: expected a positive integer")
-    if any(k < 1 for k in settings["shots"]):
-        raise TrainError(f"--shots {' '.join(map(str, settings['shots']))}: expected positive integers")
-    if not 0.0 <= settings["beta"] <= 1.0:
-        raise TrainError(f"--beta {settings['beta']}: expected a value in [0, 1]")
+    return settings
+
+
+MAX_SEED = 2**32 - 1  # numpy's range; torch's per-epoch seeds are derived from it (seed * 100003 + epoch)
+
+
+def validate_settings(settings: dict) -> None:
+    """Every number in range and finite, before anything is read or written (fresh runs and
+    resumed ones alike: a resumed call may change the run-control flags). One line per error."""
+
+    def refuse(key: str, expected: str):
+        value = settings[key]
+        shown = " ".join(map(str, value)) if isinstance(value, list) else value
+        raise TrainError(f"--{key.replace('_', '-')} {shown}: expected {expected}")
+
+    def is_int(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    def is_number(value) -> bool:  # finite: an inf lr trains on NaN, a NaN is not even valid JSON
+        return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+    for key, least in (("epochs", 1), ("batch_size", 1), ("eval_batch_size", 1), ("log_every", 1),
+                       ("analysis_images", 1), ("descriptions", 1), ("text_tokens", 0)):
+        if not (is_int(settings[key]) and settings[key] >= least):
+            refuse(key, "a positive integer" if least else "an integer >= 0")
+    for key, least in (("head_width", 1), ("workers", 0), ("max_epochs_per_call", 1)):
+        if settings[key] is not None and not (is_int(settings[key]) and settings[key] >= least):
+            refuse(key, "a positive integer" if least else "an integer >= 0")
+    if settings["first_layer"] != "auto" and not (is_int(settings["first_layer"]) and settings["first_layer"] >= 1):
+        refuse("first_layer", "a layer number >= 1 (1-based, as in the paper)")
+    if not settings["seeds"] or not all(is_int(s) and 0 <= s <= MAX_SEED for s in settings["seeds"]):
+        refuse("seeds", f"integers from 0 to {MAX_SEED}")
+    if not settings["shots"] or not all(is_int(k) and k >= 1 for k in settings["shots"]):
+        refuse("shots", "positive integers")
+    if not (is_number(settings["beta"]) and 0.0 <= settings["beta"] <= 1.0):
+        refuse("beta", "a value in [0, 1]")
+    if not (is_number(settings["lr"]) and settings["lr"] > 0):
+        refuse("lr", "a positive, finite learning rate")
+    for key in ("lambda_reg", "lambda_fusion"):
+        if not (is_number(settings[key]) and settings[key] >= 0):
+            refuse(key, "a finite weight >= 0")
+    for key in ("low_bits", "high_bits"):
+        if settings[key] is not None and not (is_number(settings[key]) and settings[key] >= 0):
+            refuse(key, "a finite entropy in bits, >= 0")
     if None not in (settings["low_bits"], settings["high_bits"]) and settings["low_bits"] > settings["high_bits"]:
         raise TrainError(f"--low-bits {settings['low_bits']:g} is above --high-bits {settings['high_bits']:g}; "
-                         "the low threshold must be the smaller")
-    if settings["lr"] <= 0:
-        raise TrainError(f"--lr {settings['lr']}: expected a positive learning rate")
-    return settings
+                         "the low threshold must be the smaller (attribute heads lie at or below it, "
+                         "generalization heads at or above --high-bits)")
+    pick_device(settings["device"])  # an unknown or absent device stops here
 
 
 def settings_for_resume(args: argparse.Namespace) -> Dict[str, object]:
     """--resume / --eval-only: the run folder's saved settings; a flag that would change what
     is computed is refused (it would silently mix two experiments in one folder)."""
+    if args.resume and args.eval_only:
+        raise TrainError("--resume and --eval-only: give one (--resume finishes the runs, --eval-only "
+                         "evaluates the finished runs again)")
     if not args.output:
         raise TrainError("--resume and --eval-only need --output, the run folder to continue")
     path = os.path.join(args.output, "settings.json")
@@ -314,9 +382,23 @@ def settings_for_resume(args: argparse.Namespace) -> Dict[str, object]:
             saved = json.load(f)["settings"]
     except FileNotFoundError:
         raise TrainError(f"{path}: not found; --output must be a run folder made by train.py") from None
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
         raise TrainError(f"{path}: unreadable ({type(error).__name__}); the run folder is damaged") from None
+    expected_keys = set(resolve_settings(build_parser().parse_args(["--dataset", "dtd"])))
+    if not isinstance(saved, dict) or set(saved) != expected_keys or not isinstance(saved["fingerprints"], dict):
+        raise TrainError(f"{path}: not the settings of this train.py (damaged, or made by another version); "
+                         "start a new run with another --output")
+    # The typed flags in the form settings.json stores them (--augment off -> False, ...):
+    # the same value is accepted, another one refused.
+    stored_as = {"dataset": lambda v: _dataset_names(v, saved["protocol"], saved["source"]),
+                 "source": lambda v: v.strip().lower().replace("-", "_"), "augment": lambda v: v == "on",
+                 "roles": _role_choices, "method": lambda v: list(dict.fromkeys(v)),
+                 "seeds": lambda v: list(dict.fromkeys(v)), "shots": lambda v: list(dict.fromkeys(v)),
+                 "fusion": lambda v: list(dict.fromkeys(v))}
     for key, value in _given(args).items():
+        if key in ("resume", "eval_only"):
+            continue
+        value = stored_as.get(key, lambda v: v)(value)
         if key in RUN_CONTROL:
             saved[key] = value
         elif saved.get(key) != value:
@@ -324,6 +406,60 @@ def settings_for_resume(args: argparse.Namespace) -> Dict[str, object]:
                              f"{saved.get(key)!r}); drop it, or start a new run with another --output")
     saved["max_epochs_per_call"] = args.max_epochs_per_call  # a limit of an earlier call is not this one's
     return saved
+
+
+def check_output_folder(output: str) -> None:
+    """A fresh run's --output must be a folder that can be made and written, and not already
+    hold a run. Checked before the data and the model are read."""
+    if not output:
+        raise TrainError("--output '': expected a folder for the run")
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise TrainError(f"--output {output}: is a file, not a folder; choose another --output")
+    existing = os.path.abspath(output)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise TrainError(f"--output {output}: lies under {existing}, which is a file; choose another --output")
+    try:  # os.access is not enough (root, read-only mounts): try to write
+        handle, probe = tempfile.mkstemp(dir=existing, prefix=".tmp-write-test-")
+        os.close(handle)
+        os.remove(probe)
+    except OSError as error:
+        raise TrainError(f"--output {output}: cannot write in {existing} ({error.strerror or error}); "
+                         "choose a folder you can write to") from None
+    if os.path.exists(os.path.join(output, "settings.json")):
+        raise TrainError(f"{output}: already holds a run; continue it with --resume, evaluate it with "
+                         "--eval-only, or choose another --output")
+
+
+def lock_run_folder(output: str, stack: contextlib.ExitStack) -> None:
+    """One writer per run folder: an exclusive lock on <output>/.lock, held until the call
+    ends (the OS drops it when the process dies, even by SIGKILL: no stale lock to clean)."""
+    if fcntl is None:
+        return
+    handle = open(os.path.join(output, ".lock"), "a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip()
+        handle.close()
+        raise TrainError(f"{output}: in use by another train.py process{f' (pid {holder})' if holder else ''}; "
+                         "wait for it to end, or choose another --output") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    stack.callback(handle.close)  # closing the file releases the lock
+
+
+def remove_temporary_files(output: str) -> None:
+    """Under the lock: a write killed half-way leaves a .tmp-* file (every file of a run is
+    written to one and renamed); no other process can be writing it now."""
+    for folder, _, files in os.walk(output):
+        for name in files:
+            if name.startswith(".tmp-"):
+                os.remove(os.path.join(folder, name))
 
 
 # ------------------------------------------------------------------------------------------
@@ -356,10 +492,16 @@ def pick_device(name: str) -> torch.device:
         return torch.device("cpu")
     try:
         device = torch.device(name)
-    except RuntimeError:
-        raise TrainError(f"--device {name}: not a device; use auto, cpu, cuda, cuda:N or mps") from None
+    except (RuntimeError, TypeError):
+        device = None
+    # torch knows more device types (meta, xla, hpu, ...) than this script drives.
+    if device is None or device.type not in ("cpu", "cuda", "mps") or (device.type != "cuda" and device.index):
+        raise TrainError(f"--device {name}: not a device; use auto, cpu, cuda, cuda:N or mps")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise TrainError(f"--device {name}: this machine has no CUDA device; use --device auto or cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise TrainError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA devices "
+                         f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
     if device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise TrainError(f"--device {name}: MPS is not available here; use --device auto or cpu")
     return device
@@ -486,7 +628,11 @@ def plan_jobs(settings: dict) -> List[Job]:
 
 def training_split(settings: dict, dataset: str, seed: int, shots: int) -> data.DatasetSplits:
     subsample = "base" if settings["protocol"] == "base2novel" else "all"
-    return data.load_dataset(dataset, settings["root"], num_shots=shots, seed=seed, subsample=subsample)
+    split = data.load_dataset(dataset, settings["root"], num_shots=shots, seed=seed, subsample=subsample)
+    if not split.train:  # training on nothing would still write a row of the table
+        raise TrainError(f"{split.dataset_dir}: no training images{' of the base classes' if subsample == 'base' else ''}; "
+                         "the split's 'train' list must name some")
+    return split
 
 
 def evaluation_sets(settings: dict, dataset: str) -> List[EvalSet]:
@@ -496,6 +642,10 @@ def evaluation_sets(settings: dict, dataset: str) -> List[EvalSet]:
 
     def full(name: str, column: str, trained: bool, subsample: str = "all") -> EvalSet:
         d = data.load_dataset(name, root, num_shots=None, subsample=subsample)
+        if not d.test:  # an accuracy over no images would print as 0.00
+            which = {"base": " of the base classes", "new": " of the novel classes"}.get(subsample, "")
+            raise TrainError(f"{d.dataset_dir}: no test images{which} ({len(d.classnames)} classes); the "
+                             f"{column} column needs some: the split's 'test' list must name them")
         return EvalSet(column, d.test, d.classnames, d.template, trained)
 
     if protocol == "base2novel":
@@ -525,7 +675,51 @@ def load_clip(settings: dict, runtime: Runtime):
     """-> (frozen CLIP on the device, tokenizer). Errors are one line (clip_model.CLIPFileError)."""
     clip, _ = clip_model.load(settings["weights"], device=runtime.device, head_width=settings["head_width"])
     tokenizer = clip_model.SimpleTokenizer(settings["bpe"])
+    if tokenizer.vocab_size != clip.token_embedding.num_embeddings:  # ids past the table, or other words
+        raise TrainError(f"--bpe {tokenizer.bpe_path}: gives a vocabulary of {tokenizer.vocab_size} tokens, the "
+                         f"model {settings['weights']} has {clip.token_embedding.num_embeddings}; pass the BPE "
+                         "file the model was trained with")
     return clip.eval().requires_grad_(False), tokenizer
+
+
+def load_role_file(path: str) -> dear.RoleMap:
+    """dear.RoleMap.load, with valid JSON of the wrong shape (a list, a string layer number)
+    as one line too."""
+    try:
+        return dear.RoleMap.load(path)
+    except dear.DeARError:
+        raise
+    except (AttributeError, TypeError, ValueError, KeyError, RecursionError) as error:
+        raise TrainError(f"{path}: not a DeAR role file ({type(error).__name__}); give a roles JSON "
+                         "written by the head analysis") from None
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def input_fingerprints(settings: dict, tokenizer: clip_model.SimpleTokenizer) -> dict:
+    """SHA-256 of every input file that decides the result but is named as a place (--weights,
+    --bpe, a --roles file): another file at the same place, or the same file elsewhere, is
+    told apart by its content. A named model is its published file, whose SHA-256 clip_model
+    checks on every load (the last part of its URL's path)."""
+    weights, role_file = settings["weights"], role_file_of(settings)
+    if role_file is not None and not os.path.isfile(role_file):  # resumed after the file was moved
+        raise TrainError(f"--roles {role_file}: no such file; put it back (the run folder keeps a copy, "
+                         "roles_file.json)")
+    named = clip_model._MODELS.get(weights)  # noqa: SLF001 -- the published checksums
+    return dict(weights=named.split("/")[-2] if named else file_sha256(weights),
+                bpe=file_sha256(tokenizer.bpe_path),
+                roles_file=file_sha256(role_file) if role_file else None)
+
+
+def role_file_of(settings: dict) -> Optional[str]:
+    """The --roles choice that is a file, if any (at most one per call)."""
+    return next((choice for choice in settings["roles"] if choice not in ("analyse", *ROLE_ABLATIONS)), None)
 
 
 def first_layer_of(settings: dict, clip: clip_model.CLIP) -> int:
@@ -551,7 +745,7 @@ def role_map_for(choice: str, settings: dict, clip: clip_model.CLIP, attributes:
         layers = range(vision_layers - analysed_layers(clip), vision_layers)
         return dear.RoleMap.uniform(role, vision_layers, heads, layers, attributes)
     try:  # dear.py's messages name arguments; say which flag the value came from
-        role_map = dear.RoleMap.load(choice)
+        role_map = load_role_file(choice)
         role_map.validate(vision_layers, heads, attributes)
     except dear.DeARError as error:
         raise TrainError(f"--roles {choice}: {error}") from None
@@ -592,7 +786,10 @@ def analyse_heads(settings: dict, job: Job, clip, tokenizer, world, runtime: Run
     folder = os.path.join(settings["output"], dataset, "roles", os.path.basename(job.folder))
     path = os.path.join(folder, "roles.json")
     if os.path.isfile(path):  # made by an earlier call of this run (--resume) or by rank 0
-        return dear.RoleMap.load(path)
+        role_map = load_role_file(path)
+        if runtime.main and world.get("after_analysis"):  # a step the earlier call did not finish
+            world["after_analysis"](clip, tokenizer, role_map, folder, runtime.log)
+        return role_map
     if runtime.main:
         split = world["train_splits"][(dataset, job.seed, job.shots)]
         items = analysis_images(split.train, settings["analysis_images"], job.seed)
@@ -619,7 +816,7 @@ def analyse_heads(settings: dict, job: Job, clip, tokenizer, world, runtime: Run
             world["after_analysis"](clip, tokenizer, role_map, folder, runtime.log)
     if runtime.world > 1:
         dist.barrier()  # the other processes read what rank 0 wrote
-    return dear.RoleMap.load(path)
+    return load_role_file(path)
 
 
 # ------------------------------------------------------------------------------------------
@@ -658,7 +855,7 @@ def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings: dict, runtime:
         if model is None:
             text = F.normalize(clip.encode_text(ids).float(), dim=-1)  # (C, E)
         else:
-            text, _ = model.encode_text(ids)  # (C, E) with the learned text tokens
+            text = model.encode_text(model.prepare_classes(ids))  # (C, E) with the learned text tokens
     items = eval_set.items[runtime.rank::runtime.world]
     loader = DataLoader(data.ImageDataset(items, data.test_transform(clip.visual.input_resolution)),
                         batch_size=settings["eval_batch_size"], num_workers=settings["workers"])
@@ -751,7 +948,7 @@ def write_text(path: str, text: str) -> None:
 
 
 def write_json(path: str, value) -> None:
-    write_text(path, json.dumps(value, indent=2) + "\n")
+    write_text(path, json.dumps(value, indent=2, allow_nan=False) + "\n")  # NaN is not JSON
 
 
 def job_settings(settings: dict, job: Job) -> dict:
@@ -766,12 +963,64 @@ def load_checkpoint(path: str, expected: dict) -> Optional[dict]:
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         assert checkpoint.get("format") == CHECKPOINT_FORMAT
+        assert isinstance(checkpoint.get("epoch"), int) and isinstance(checkpoint.get("settings"), dict)
+        assert all(isinstance(checkpoint.get(key), dict) for key in ("learnable", "optimizer", "scaler"))
     except Exception as error:  # noqa: BLE001 -- any unreadable file gets the same advice
         raise TrainError(f"{path}: unreadable checkpoint ({type(error).__name__}); delete it to restart "
                          "that run from scratch") from None
     if checkpoint["settings"] != expected:
-        raise TrainError(f"{path}: made with other settings than this run's; use another --output")
+        raise TrainError(f"{path}: made with other settings than this run's "
+                         f"({differences(checkpoint['settings'], expected)}); use another --output")
     return checkpoint
+
+
+def differences(found: dict, expected: dict) -> str:
+    """'lr 0.002 (expected 0.001), ...': what makes two settings dicts differ."""
+    keys = [k for k in sorted(set(found) | set(expected)) if found.get(k) != expected.get(k)]
+    return ", ".join(f"{k} {str(found.get(k))[:40]} (expected {str(expected.get(k))[:40]})" for k in keys[:3])
+
+
+def check_finished_runs(settings: dict, jobs: List[Job]) -> None:
+    """--resume / --eval-only: every results.json and checkpoint of the folder was made with
+    this run's settings. A folder that mixes two runs (two writers before the lock existed,
+    or files copied in) is refused rather than summarised."""
+    for job in jobs:
+        path = os.path.join(job.folder, "results.json")
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    result = json.load(f)
+                assert isinstance(result, dict) and isinstance(result.get("metrics"), dict)
+                assert all(isinstance(v, float) for v in result["metrics"].values())
+                assert isinstance(result.get("job"), dict) and isinstance(result.get("settings"), dict)
+            except (OSError, ValueError, AssertionError, RecursionError) as error:
+                raise TrainError(f"{path}: unreadable results ({type(error).__name__}); delete it and "
+                                 "--resume evaluates that run again") from None
+            if result["settings"] != job_settings(settings, job):
+                raise TrainError(f"{path}: made with other settings than this run's "
+                                 f"({differences(result['settings'], job_settings(settings, job))}): the folder "
+                                 "mixes two runs; start again with another --output")
+        elif job.row != "zeroshot":
+            load_checkpoint(os.path.join(job.folder, "checkpoint.pt"), job_settings(settings, job))
+
+
+def grad_scaler(enabled: bool):
+    """fp16 autocast's loss scaler. torch.amp.GradScaler("cuda") is torch >= 2.3; older
+    torch (requirements.txt allows 2.1) has the same class as torch.cuda.amp.GradScaler."""
+    if hasattr(torch.amp, "GradScaler"):
+        return torch.amp.GradScaler("cuda", enabled=enabled)
+    return torch.cuda.amp.GradScaler(enabled=enabled)
+
+
+def save_checkpoint(path: str, state: dict) -> None:
+    def write(temporary: str) -> None:
+        try:
+            torch.save(state, temporary)
+        except RuntimeError as error:  # torch's file writer reports a full disk this way
+            raise TrainError(f"{path}: cannot write the checkpoint ({' '.join(str(error).split())[:100]}); "
+                             "free disk space, then continue with --resume") from None
+
+    dear.atomic_write(path, write)
 
 
 def format_time(seconds: float) -> str:
@@ -790,7 +1039,7 @@ def train_job(job: Job, settings: dict, clip, tokenizer, role_map, world, runtim
                 f"attribute tokens from layer J={J} (1-based); {model.parameter_summary()}")
     optimizer = torch.optim.AdamW(model.learnable_parameters(), lr=settings["lr"],
                                   weight_decay=settings["weight_decay"])
-    scaler = torch.amp.GradScaler("cuda", enabled=runtime.amp_dtype == torch.float16)
+    scaler = grad_scaler(enabled=runtime.amp_dtype == torch.float16)
 
     expected = job_settings(settings, job)
     checkpoint_path = os.path.join(job.folder, "checkpoint.pt")
@@ -812,10 +1061,12 @@ def train_job(job: Job, settings: dict, clip, tokenizer, role_map, world, runtim
             broadcast_buffers=False, find_unused_parameters=settings["text_tokens"] == 0)
     prompts = split.prompts
     class_ids = tokenizer.tokenize(prompts, clip.context_length, truncate=True).to(runtime.device)
+    with autocast(runtime):
+        classes = model.prepare_classes(class_ids)  # the class list's frozen text side, once
     loader = train_loader(split, settings, job.seed, clip.visual.input_resolution, runtime)
     steps_per_epoch = len(loader)
     stop_at = settings["epochs"]
-    if settings.get("max_epochs_per_call"):
+    if settings.get("max_epochs_per_call") is not None:
         stop_at = min(stop_at, start_epoch + settings["max_epochs_per_call"])
     started, steps_done = time.time(), 0
     total_steps = (stop_at - start_epoch) * steps_per_epoch
@@ -834,7 +1085,7 @@ def train_job(job: Job, settings: dict, clip, tokenizer, role_map, world, runtim
         for step, (images, labels) in enumerate(loader, 1):
             images, labels = images.to(runtime.device, non_blocking=True), labels.to(runtime.device)
             with autocast(runtime):
-                output = network(images, class_ids, with_frozen=True)
+                output = network(images, classes, with_frozen=True)
                 losses = dear.dear_loss(output, labels, settings["lambda_reg"], settings["lambda_fusion"])
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(losses["total"]).backward()
@@ -859,7 +1110,7 @@ def train_job(job: Job, settings: dict, clip, tokenizer, role_map, world, runtim
             state = dict(format=CHECKPOINT_FORMAT, settings=expected, epoch=epoch + 1,
                          learnable=model.learnable_state_dict(), optimizer=optimizer.state_dict(),
                          scaler=scaler.state_dict())
-            dear.atomic_write(checkpoint_path, lambda tmp: torch.save(state, tmp))
+            save_checkpoint(checkpoint_path, state)
         alpha = ", ".join(f"{a:.2f}" for a in model.fusion_weights().tolist())
         runtime.log(f"[{job.label}] epoch {epoch + 1} done in {format_time(time.time() - epoch_start)}; "
                     f"fusion weights alpha (cls, {', '.join(world['attributes'])}) = {alpha}; checkpoint saved")
@@ -877,7 +1128,7 @@ def run_job(job: Job, settings: dict, clip, tokenizer, role_maps, world, runtime
     results_path = os.path.join(job.folder, "results.json")
     if os.path.isfile(results_path) and not settings.get("eval_only"):
         with open(results_path, encoding="utf-8") as f:
-            return json.load(f)  # finished in an earlier call
+            return json.load(f)  # finished in an earlier call (checked by check_finished_runs)
     model = None
     if job.row == "linear-probe":
         split = world["train_splits"][(job.dataset, job.seed, job.shots)]
@@ -1078,9 +1329,11 @@ def prepare_world(settings: dict, runtime: Runtime) -> dict:
         if runtime.world > 1:
             raise TrainError("--dataset toyworld runs in one process; start it without torchrun")
         assets = toyworld.prepare(settings["toy_scale"], log=runtime.log)
+        # A fresh run takes the cache's files (--weights, --bpe, --head-width are refused with
+        # toyworld); a resumed one keeps the files it was made with (their content is checked).
         settings["root"] = settings["root"] or assets.data_root
-        settings["weights"] = assets.weights if settings["weights"] == "ViT-B/16" else settings["weights"]
-        settings["head_width"] = assets.head_width
+        settings["weights"] = settings["weights"] or assets.weights
+        settings["head_width"] = settings["head_width"] or assets.head_width
         settings["bpe"] = settings["bpe"] or assets.bpe
         world.update(attributes=list(assets.attributes), bank=list(assets.bank),
                      after_analysis=toy_causal_check)
@@ -1093,10 +1346,12 @@ def toy_causal_check(clip, tokenizer, role_map: dear.RoleMap, folder: str, log) 
     the head's role. Saved as causal_check.md / .json next to roles.json."""
     import toyworld
 
+    if os.path.isfile(os.path.join(folder, "causal_check.json")):
+        return  # done in an earlier call (a call killed during the check redoes it on --resume)
     log("[toyworld] causal check: mean-ablating every analysed head, zero-shot accuracy per attribute")
     result = toyworld.causal_check(clip, tokenizer, role_map, role_map.attributes, log=log)
-    write_json(os.path.join(folder, "causal_check.json"), result)
     write_text(os.path.join(folder, "causal_check.md"), result["table"] + "\n")
+    write_json(os.path.join(folder, "causal_check.json"), result)  # last: marks the check done
     log(result["table"])
 
 
@@ -1107,21 +1362,33 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         settings = settings_for_resume(args) if (args.resume or args.eval_only) else resolve_settings(args)
         settings["resume"], settings["eval_only"] = bool(args.resume), bool(args.eval_only)
-        return run(settings)
+        validate_settings(settings)
+        with contextlib.ExitStack() as stack:  # holds the run folder's lock until the call ends
+            return run(settings, stack)
     except (TrainError, data.DatasetError, dear.DeARError, clip_model.CLIPError) as error:
         print(f"train.py: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # a full disk, a folder made read-only mid-run: one line too
+        where = f"{error.filename}: " if error.filename else ""
+        print(f"train.py: error: {where}{error.strerror or error}; fix it, then continue with --resume",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("train.py: interrupted; the last finished epoch is saved: continue with --resume", file=sys.stderr)
         return 130
 
 
-def run(settings: dict) -> int:
+def run(settings: dict, stack: contextlib.ExitStack) -> int:
     output = settings["output"]
     fresh = not (settings["resume"] or settings["eval_only"])
-    if fresh and os.path.exists(os.path.join(output, "settings.json")):
-        raise TrainError(f"{output}: already holds a run; continue it with --resume, evaluate it with "
-                         "--eval-only, or choose another --output")
+    main_process = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 alone writes
+    jobs = plan_jobs(settings)
+    if fresh:
+        check_output_folder(output)
+    elif main_process:  # the folder exists: lock it before reading it
+        lock_run_folder(output, stack)
+        remove_temporary_files(output)
+        check_finished_runs(settings, jobs)
     if settings["workers"] is None:
         settings["workers"] = 4 if pick_device(settings["device"]).type == "cuda" else 0
 
@@ -1130,7 +1397,6 @@ def run(settings: dict) -> int:
     world = prepare_world(settings, runtime)
 
     # 3. data: every list is read (and every listed image checked) before anything is written
-    jobs = plan_jobs(settings)
     trained = sorted({job.dataset for job in jobs})
     world["eval_sets"] = {d: evaluation_sets(settings, d) for d in trained}
     # Read once per (dataset, seed, shots): rows that differ only in --roles share the split,
@@ -1143,9 +1409,23 @@ def run(settings: dict) -> int:
 
     # 4. model
     clip, tokenizer = load_clip(settings, runtime)
+    fingerprints = input_fingerprints(settings, tokenizer)
+    if not fresh:  # the files may have moved (--weights, --bpe are places), not changed
+        for key, flag in (("weights", f"--weights {settings['weights']}"), ("bpe", f"--bpe {tokenizer.bpe_path}"),
+                          ("roles_file", f"--roles {role_file_of(settings)}")):
+            now, then = fingerprints[key], settings["fingerprints"].get(key)
+            if now != then:
+                copy = f" (a copy is {os.path.join(output, 'roles_file.json')})" if key == "roles_file" else ""
+                raise TrainError(f"{flag}: not the file this run was made with (SHA-256 {str(now)[:12]}... now, "
+                                 f"{str(then)[:12]}... then); resume with the original file{copy}, or start a "
+                                 "new run with another --output")
+    settings["fingerprints"], settings["bpe"] = fingerprints, tokenizer.bpe_path
     for choice in settings["roles"]:  # a roles file that does not fit this model stops here
         if choice not in ("analyse", *ROLE_ABLATIONS) and "dear" in settings["method"]:
             role_map_for(choice, settings, clip, world["attributes"], None)
+    if settings["text_tokens"] > clip.context_length:  # memory grows with (77 + K)^2: a typo, not a setting
+        raise TrainError(f"--text-tokens {settings['text_tokens']}: expected at most the model's context "
+                         f"length ({clip.context_length})")
     if "dear" in settings["method"]:  # J, beta, K checked against the model before any run
         probe_roles = role_map_for("all-mixed", settings, clip, world["attributes"], None)
         dear.DeAR(clip, probe_roles, world["attributes"], first_layer=first_layer_of(settings, clip),
@@ -1156,6 +1436,12 @@ def run(settings: dict) -> int:
     if runtime.main:
         os.makedirs(output, exist_ok=True)
         if fresh:
+            lock_run_folder(output, stack)
+            check_output_folder(output)  # again, under the lock: another call may have started it
+            remove_temporary_files(output)
+            if role_file_of(settings) is not None:  # the run keeps the roles it used
+                with open(role_file_of(settings), encoding="utf-8") as f:
+                    write_text(os.path.join(output, "roles_file.json"), f.read())
             saved = {k: v for k, v in settings.items() if k not in ("resume", "eval_only")}
             write_json(os.path.join(output, "settings.json"), dict(
                 settings=saved, torch=torch.__version__, python=platform.python_version(),

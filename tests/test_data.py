@@ -441,6 +441,23 @@ def test_few_shot_cache_with_wrong_counts_per_class_is_rebuilt(pets_root):
     assert rebuilt.train == fresh.train
 
 
+def test_edited_few_shot_cache_is_rebuilt_even_when_every_entry_is_plausible(pets_root):
+    # One cached image swapped for another of the same class: in the split, right count per
+    # class, no repeats -- only the content fingerprint can tell.
+    fresh = load_dataset("oxford_pets", pets_root, num_shots=2)
+    cache = Path(data.fewshot_cache_path(fresh.dataset_dir, 2, 1))
+    stored = json.loads(cache.read_text())
+    chosen = {entry[0] for entry in stored["train"]}
+    other = next(entry for entry in json.loads((pets_root / "oxford_pets" / "split_zhou_OxfordPets.json")
+                                               .read_text())["train"]
+                 if entry[1] == stored["train"][0][1] and "images/" + entry[0] not in chosen)
+    stored["train"][0] = ["images/" + other[0], other[1], other[2]]
+    cache.write_text(json.dumps(stored))
+    with pytest.warns(DatasetWarning, match="was edited after it was written"):
+        rebuilt = load_dataset("oxford_pets", pets_root, num_shots=2)
+    assert rebuilt.train == fresh.train
+
+
 def test_few_shot_cache_of_a_changed_split_is_rebuilt(pets_root):
     load_dataset("oxford_pets", pets_root, num_shots=2)
     split_path = pets_root / "oxford_pets" / "split_zhou_OxfordPets.json"
@@ -526,6 +543,59 @@ def test_malformed_split_entry_is_named(tmp_path, entry):
                            "[relative_image_path, label, classname]")
 
 
+@pytest.mark.parametrize("relative", ["../../../../outside/x.jpg", "banded/../../x.jpg"])
+def test_split_path_that_leaves_the_dataset_folder_is_refused(tmp_path, relative):
+    write_image(tmp_path / "outside" / "x.jpg")  # it exists: the reader must not go and read it
+    (tmp_path / "dtd" / "images").mkdir(parents=True)
+    split = {"train": [[relative, 0, "banded"]], "val": [], "test": []}
+    (tmp_path / "dtd" / "split_zhou_DescribableTextures.json").write_text(json.dumps(split))
+    with pytest.raises(DatasetError) as error:
+        load_dataset("dtd", tmp_path)
+    assert_one_line_naming(error, "entry 0 of 'train'", repr(relative), "leaves the image folder")
+
+
+def test_fgvc_image_id_that_leaves_the_image_folder_is_refused(fgvc_root):
+    write_image(fgvc_root / "fgvc_aircraft" / "escape.jpg")
+    with open(fgvc_root / "fgvc_aircraft" / "images_variant_train.txt", "a") as f:
+        f.write("../escape 707-320\n")
+    with pytest.raises(DatasetError) as error:
+        load_dataset("fgvc_aircraft", fgvc_root)
+    assert_one_line_naming(error, "images_variant_train.txt: line 21", "leaves the image folder")
+
+
+@pytest.mark.parametrize("where", ["train", "test"])
+def test_an_image_listed_twice_is_refused(pets_root, where):
+    split_path = pets_root / "oxford_pets" / "split_zhou_OxfordPets.json"
+    split = json.loads(split_path.read_text())
+    split[where].append(split["train"][0])  # twice in train, or in train and test
+    split_path.write_text(json.dumps(split))
+    with pytest.raises(DatasetError) as error:
+        load_dataset("oxford_pets", pets_root, num_shots=2)
+    assert_one_line_naming(error, "split_zhou_OxfordPets.json", "is listed twice", f"'{where}'")
+    assert not (pets_root / "oxford_pets" / "split_fewshot").exists()  # nothing sampled or cached
+
+
+def test_fgvc_image_listed_twice_is_refused(fgvc_root):
+    first = (fgvc_root / "fgvc_aircraft" / "images_variant_train.txt").read_text().splitlines()[0]
+    with open(fgvc_root / "fgvc_aircraft" / "images_variant_test.txt", "a") as f:
+        f.write(first + "\n")
+    with pytest.raises(DatasetError) as error:
+        load_dataset("fgvc_aircraft", fgvc_root)
+    assert_one_line_naming(error, "is listed twice", "'train' and 'test'")
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000,
+                                  '{"train": [["a.jpg", ' + "9" * 5000 + ', "banded"]], "val": [], "test": []}'],
+                         ids=["deep_nesting", "huge_integer"])
+def test_extreme_split_file_is_a_one_line_error(tmp_path, text):
+    (tmp_path / "dtd" / "images").mkdir(parents=True)
+    (tmp_path / "dtd" / "split_zhou_DescribableTextures.json").write_text(text)
+    with pytest.raises(DatasetError) as error:
+        load_dataset("dtd", tmp_path)
+    assert_one_line_naming(error, "not a valid JSON split file")
+    assert len(str(error.value)) < 400
+
+
 def test_split_file_that_is_not_json_is_named(tmp_path):
     (tmp_path / "dtd" / "images").mkdir(parents=True)
     (tmp_path / "dtd" / "split_zhou_DescribableTextures.json").write_text('{"train": [')
@@ -573,6 +643,17 @@ def test_corrupt_image_fails_at_load_time_naming_the_file(pets_root, corrupt):
     with pytest.raises(DatasetError) as error:
         dataset[3]
     assert_one_line_naming(error, bad.path, "cannot read image", "corrupt")
+
+
+def test_error_in_a_dataloader_worker_is_the_line_the_main_process_would_give(pets_root):
+    result = load_dataset("oxford_pets", pets_root)
+    Path(result.test[1].path).write_bytes(b"this is not an image")
+    with pytest.raises(DatasetError) as direct:
+        ImageDataset(result.test)[1]
+    loader = torch.utils.data.DataLoader(ImageDataset(result.test), batch_size=4, num_workers=1)
+    with pytest.raises(DatasetError) as from_worker:
+        list(loader)
+    assert str(from_worker.value) == str(direct.value)  # not the worker's traceback
 
 
 # -----------------------------------------------------------------------------
@@ -636,8 +717,17 @@ def test_command_line_reports_bad_root_in_one_line(tmp_path):
                           "--dataset", "dtd"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert "Traceback" not in run.stderr
-    assert run.stderr.count("\n") == 1 and run.stderr.startswith("error: ")
+    assert run.stderr.count("\n") == 1 and run.stderr.startswith("data.py: error: ")
     assert str(tmp_path / "nowhere") in run.stderr
+
+
+@pytest.mark.parametrize("argv", [["--shots", "two"], ["--subsample", "half"], ["--dataset", "dtd"]])
+def test_command_line_usage_errors_are_one_line_without_the_usage(argv, capsys):
+    with pytest.raises(SystemExit) as done:
+        data.main(argv)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("data.py: error: ") and "usage:" not in err
 
 
 # -----------------------------------------------------------------------------

@@ -7,7 +7,9 @@ does not depend on the attribute tokens (checked by gradients, not by reading th
 layers it may, through image tokens that earlier attribute and mixed heads wrote into, see
 test_dear_invariants.py); with every head generalization the class feature is plain CLIP's;
 an attribute head carries exactly its own token into the image; TextSpan finds planted directions; concept entropy and roles on hand-computed
-cases; every cost saving equals the plain computation, gradients included; bad input.
+cases; prepared class lists kept apart; bad input. (That the fast path -- no autograd
+before J, the shared frozen prefix, the text side prepared once and cut short -- equals the
+plain computation, gradients included, is checked in test_dear_reference.py.)
 """
 
 import json
@@ -261,7 +263,7 @@ def test_analysis_end_to_end_writes_json_table_and_heatmap(tiny_clip, tmp_path):
 
 def test_fused_logits_are_the_alpha_weighted_branches_and_losses_are_as_specified(tiny_clip):
     model = make_model(tiny_clip, {(1, 0): "shape", (2, 1): "G"})
-    out = model(images(), class_prompts(), with_frozen=True)
+    out = model(images(), model.prepare_classes(class_prompts()), with_frozen=True)
     assert out.branch_logits.shape == (3, 1 + 5, 4) and out.logits.shape == (3, 4)
     assert_close(out.alpha, torch.tensor([0.5] + [0.1] * 5), 1e-6, "initial fusion weights")
     assert_close(out.logits, (out.branch_logits * out.alpha[None, :, None]).sum(1), 1e-5, "fusion")
@@ -281,7 +283,7 @@ def test_fused_logits_are_the_alpha_weighted_branches_and_losses_are_as_specifie
 def test_frozen_features_are_plain_clip(tiny_clip):
     model = make_model(tiny_clip)
     prompts = class_prompts()
-    out = model(images(), prompts, with_frozen=True)
+    out = model(images(), model.prepare_classes(prompts), with_frozen=True)
     with torch.no_grad():
         assert_close(out.frozen_image_features, tiny_clip.encode_image(images()), 1e-5, "frozen image")
         assert_close(out.frozen_text_features, tiny_clip.encode_text(prompts), 1e-5, "frozen text")
@@ -290,44 +292,28 @@ def test_frozen_features_are_plain_clip(tiny_clip):
 def test_zero_text_tokens_leave_clip_text_features_unchanged(tiny_clip):
     model = make_model(tiny_clip, num_text_tokens=0)
     prompts = class_prompts()
-    t, frozen = model.encode_text(prompts)
-    assert_close(t, frozen, 1e-5, "no text tokens = plain CLIP")
+    classes = model.prepare_classes(prompts)
+    assert_close(model.encode_text(classes), classes.frozen, 1e-5, "no text tokens = plain CLIP")
 
 
-def _features_and_gradients(model, x, prompts):
-    for p in model.learnable_parameters():
-        p.grad = None
-    out = model(x, prompts, with_frozen=True)
-    loss = dear.dear_loss(out, torch.arange(x.shape[0]) % prompts.shape[0])["total"]
-    loss.backward()
-    return out, [p.grad.clone() for p in model.learnable_parameters()]
-
-
-def test_every_cost_saving_equals_the_plain_computation(tiny_clip):
-    model = make_model(tiny_clip, {(1, 0): "colour", (1, 1): "G", (2, 0): "G", (2, 1): "texture"})
-    x, prompts = images(), class_prompts(6)
-    for flag in ("no_grad_prefix", "share_frozen_prefix", "cache_text_prefix", "cut_text_context"):
-        setattr(model, flag, True)
-    _features_and_gradients(model, x, prompts)  # fills the text cache
-    fast, fast_grads = _features_and_gradients(model, x, prompts)  # now served from it
-    assert model._text_cache, "the text prefix was not cached"
-    for flag in ("no_grad_prefix", "share_frozen_prefix", "cache_text_prefix", "cut_text_context"):
-        setattr(model, flag, False)
-        plain, plain_grads = _features_and_gradients(model, x, prompts)
-        for name in ("logits", "image_features", "text_features", "frozen_image_features", "frozen_text_features"):
-            assert_close(getattr(fast, name), getattr(plain, name), 1e-5, f"{name} without {flag}")
-        for p_fast, p_plain, name in zip(fast_grads, plain_grads, ("vision", "text", "proj", "fusion")):
-            assert_close(p_fast, p_plain, 1e-5, f"{name} gradient without {flag}")
-
-
-def test_the_text_prefix_cache_follows_the_class_list(tiny_clip):
+def test_each_prepared_class_list_keeps_its_own_text_side(tiny_clip):
+    # prepare_classes returns the class list's state; nothing of it is kept in the model, so
+    # preparing a second list (here of another size) leaves the first one's features alone.
     model = make_model(tiny_clip)
     first, second = class_prompts(4, seed=0), class_prompts(3, seed=9)
-    t_first, _ = model.encode_text(first)
-    t_second, _ = model.encode_text(second)
-    assert t_second.shape[0] == 3
-    model.cache_text_prefix = False
-    assert_close(model.encode_text(second)[0], t_second, 1e-6, "cache switched to the new list")
+    with torch.no_grad():
+        prepared_first = model.prepare_classes(first)
+        prepared_second = model.prepare_classes(second)
+        t_first, t_second = model.encode_text(prepared_first), model.encode_text(prepared_second)
+        assert t_first.shape[0] == 4 and t_second.shape[0] == 3
+        assert_close(model.encode_text(model.prepare_classes(first)), t_first, 1e-6, "first list, prepared again")
+        assert_close(prepared_second.frozen, tiny_clip.encode_text(second), 1e-5, "frozen second list")
+
+
+def test_token_ids_in_place_of_prepared_classes_are_refused_with_the_way_to_prepare_them(tiny_clip):
+    model = make_model(tiny_clip)
+    with pytest.raises(DeARError, match=r"model.prepare_classes\(class_token_ids\), got a Tensor"):
+        model(images(), class_prompts(), with_frozen=True)
 
 
 def test_learnable_state_round_trips(tiny_clip):
@@ -463,7 +449,7 @@ def test_analyze_heads_takes_one_tensor_of_images_as_well_as_batches(tiny_clip, 
 
 def test_dear_loss_without_frozen_features_raises_a_named_error(tiny_clip):
     model = make_model(tiny_clip)
-    output = model(images(2), class_prompts(), with_frozen=False)
+    output = model(images(2), model.prepare_classes(class_prompts()), with_frozen=False)
     with pytest.raises(DeARError, match="with_frozen=True"):
         dear.dear_loss(output, torch.tensor([0, 1]))
 

@@ -4,8 +4,8 @@
 
 Gradient routing of the self-regularisation; one optimizer step moves every learnable tensor
 and no CLIP weight; beta = 0 and beta = 1 as the spec defines them, read at the blocks'
-inputs; the text cache follows the class list, not its shape; TextSpan's rank and its removal
-of each chosen direction from the bank; the role map's attribute order, uncovered layers and
+inputs; each prepared class list gives its own text features, whatever its shape; TextSpan's
+rank and its removal of each chosen direction from the bank; the role map's attribute order, uncovered layers and
 tie-break; a planted colour head named a colour head by the analysis; what the mask isolates
 (within a layer, not across layers); blind attribute branches left out of the fusion.
 """
@@ -20,6 +20,7 @@ import dear
 from clip_model import HeadContributions
 from conftest import TINY_DEEP, assert_close
 from dear import DeAR, HeadRole, RoleMap
+from test_dear_reference import prompts, reference  # the reference forward, and its class prompts
 
 ATTRIBUTES = ["texture", "colour", "shape"]
 LAYERS, HEADS = TINY_DEEP["vision_layers"], TINY_DEEP["vision_heads"]
@@ -38,17 +39,6 @@ def role_map(spec: dict, layers=range(LAYERS), attributes=ATTRIBUTES) -> RoleMap
 
 
 MIXED_MAP = {(1, 0): "colour", (1, 1): "G", (2, 1): "shape", (2, 2): "G", (2, 3): "texture"}
-
-
-def prompts(num_classes=4, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.zeros(num_classes, TINY_DEEP["context_length"], dtype=torch.long)
-    for c in range(num_classes):
-        length = 3 + c % 4
-        ids[c, 0] = TINY_DEEP["vocab_size"] - 2
-        ids[c, 1:length] = torch.randint(1, TINY_DEEP["vocab_size"] - 2, (length - 1,), generator=generator)
-        ids[c, length] = TINY_DEEP["vocab_size"] - 1
-    return ids
 
 
 def images(batch=3, seed=1):
@@ -74,7 +64,7 @@ def make(clip, spec=MIXED_MAP, J=1, beta=0.3, K=3) -> DeAR:
 
 def test_the_self_regularisation_alone_trains_the_vision_and_the_text_tokens(tiny_deep_clip):
     model = make(tiny_deep_clip)
-    out = model(images(), prompts(), with_frozen=True)
+    out = model(images(), model.prepare_classes(prompts()), with_frozen=True)
     reg = dear.self_regularization_loss(out.image_features[:, 0], out.frozen_image_features,
                                         out.text_features, out.frozen_text_features)
     reg.backward()
@@ -91,7 +81,7 @@ def test_one_optimizer_step_moves_every_learnable_tensor_and_no_clip_weight(tiny
     assert listed == own, f"learnable_parameters() misses {sorted(own - listed)}"
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.learnable_parameters(), lr=1e-2)
-    out = model(images(), prompts(), with_frozen=True)
+    out = model(images(), model.prepare_classes(prompts()), with_frozen=True)
     dear.dear_loss(out, torch.tensor([0, 3, 1]))["total"].backward()
     optimizer.step()
     for name, p in model.named_parameters():
@@ -126,7 +116,7 @@ def test_tokens_entering_each_layer_follow_the_beta_rule(tiny_deep_clip, beta):
         model.encode_image(images())
     tseen, thooks = _block_inputs_and_outputs(tiny_deep_clip.transformer.resblocks)
     with torch.no_grad():
-        model.encode_text(prompts())
+        model.encode_text(model.prepare_classes(prompts()))
     for hook in hooks + thooks:
         hook.remove()
     A, K = len(ATTRIBUTES), 3
@@ -144,7 +134,7 @@ def test_tokens_entering_each_layer_follow_the_beta_rule(tiny_deep_clip, beta):
 
 def test_at_beta_zero_only_layer_js_tokens_matter(tiny_deep_clip):
     model = make(tiny_deep_clip, J=1, beta=0.0)
-    out = model(images(), prompts(), with_frozen=True)
+    out = model(images(), model.prepare_classes(prompts()), with_frozen=True)
     dear.dear_loss(out, torch.tensor([0, 3, 1]))["total"].backward()
     assert model.vision_tokens.grad[0].abs().max() > 0 and model.text_tokens.grad[0].abs().max() > 0
     assert model.vision_tokens.grad[1:].abs().max() == 0 and model.text_tokens.grad[1:].abs().max() == 0
@@ -156,15 +146,20 @@ def test_at_beta_zero_only_layer_js_tokens_matter(tiny_deep_clip):
 
 
 def test_two_class_lists_of_the_same_shape_get_their_own_text_features(tiny_deep_clip):
+    # Base and novel class lists often have the same shape: each prepared list must give its
+    # own features, whatever was prepared last (nothing keyed by shape, nothing kept inside).
     model = make(tiny_deep_clip, J=2)
     base, novel = prompts(4, seed=0), prompts(4, seed=5)
     assert base.shape == novel.shape and not torch.equal(base, novel)
     with torch.no_grad():
-        t_base, frozen_base = model.encode_text(base)
-        t_novel, frozen_novel = model.encode_text(novel)  # the cache now holds the base list
-        model.cache_text_prefix = False
-        assert_close(t_novel, model.encode_text(novel)[0], 1e-6, "novel list served from the base list's cache")
-        assert_close(frozen_novel, tiny_deep_clip.encode_text(novel), 1e-5, "frozen novel features")
+        prepared_base = model.prepare_classes(base)
+        prepared_novel = model.prepare_classes(novel)
+        t_base, t_novel = model.encode_text(prepared_base), model.encode_text(prepared_novel)
+        tensors = {name: t.detach() for name, t in model.learnable_state_dict().items()}
+        for ids, t, prepared, name in ((base, t_base, prepared_base, "base"), (novel, t_novel, prepared_novel, "novel")):
+            ref = reference(tiny_deep_clip, tensors, 2, images(), ids)  # computes the text from scratch
+            assert_close(t, ref["text"], 1e-5, f"{name} list's text features")
+            assert_close(prepared.frozen, ref["frozen_text"], 1e-5, f"{name} list's frozen text features")
     assert (t_base - t_novel).abs().max() > 1e-3
 
 
@@ -304,13 +299,13 @@ def test_a_branch_that_cannot_read_the_image_is_left_out_of_the_fusion(tiny_deep
     alpha = model.fusion_weights()
     assert alpha[0] > 0 and alpha[2] > 0 and alpha[1] == 0 and alpha[3] == 0
     assert alpha.sum().item() == pytest.approx(1.0)
-    out = model(images(), prompts())
+    out = model(images(), model.prepare_classes(prompts()))
     assert_close(out.logits, alpha[0] * out.branch_logits[:, 0] + alpha[2] * out.branch_logits[:, 2], 1e-5, "fusion")
     # All generalization: every attribute branch is blind; the class branch stands alone.
     with pytest.warns(UserWarning, match="texture, colour, shape"):
         alone = make(tiny_deep_clip, {(l, h): "G" for l in range(LAYERS) for h in range(HEADS)}, J=1)
     assert alone.fusion_weights().tolist() == [1.0, 0.0, 0.0, 0.0]
-    out = alone(images(), prompts())
+    out = alone(images(), alone.prepare_classes(prompts()))
     assert torch.equal(out.logits, out.branch_logits[:, 0])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning when every branch can see

@@ -11,6 +11,12 @@ fusion. It calls nothing of dear.py and no forward of clip_model.py. DeAR must m
 every learnable tensor randomised (fusion weights and attribute projection included), CLIP's
 own weights perturbed, and a role map whose roles differ from layer to layer (every role, and
 a layer the map does not cover, which must act as mixed).
+
+The reference is also the plain computation that DeAR's fast path is checked against: DeAR
+runs the layers before J without autograd, shares them with the frozen pass, and prepares the
+text side before J once per class list, cut after the longest prompt; the reference does none
+of that (full context, its own frozen passes, everything recomputed on every call), and the
+two must agree in their outputs and in the gradients they give the learnable tensors.
 """
 
 import math
@@ -20,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import TINY_DEEP, assert_close
-from dear import DeAR, HeadRole, RoleMap
+import dear
+from dear import DeAR, DeAROutput, HeadRole, RoleMap
 
 # Attribute tokens in the map's own order (not the core order, so a bug that reorders shows).
 ATTRIBUTES = ["texture", "colour", "shape"]
@@ -200,7 +207,7 @@ def test_dear_matches_the_reference_forward(tiny_deep_clip, J):
     images = torch.randn(3, 3, TINY_DEEP["image_resolution"], TINY_DEEP["image_resolution"], generator=generator)
     ids = prompts()
     with torch.no_grad():
-        out = model(images, ids, with_frozen=True)
+        out = model(images, model.prepare_classes(ids), with_frozen=True)
         tensors = {name: t.detach() for name, t in model.learnable_state_dict().items()}
         ref = reference(tiny_deep_clip, tensors, J, images, ids)
     assert_close(out.image_features[:, 0], ref["f_cls"], 1e-5, f"J={J}: class feature")
@@ -213,3 +220,37 @@ def test_dear_matches_the_reference_forward(tiny_deep_clip, J):
     # The comparison has teeth: the learned pieces move every output away from plain CLIP.
     assert (out.image_features[:, 0] - ref["frozen_image"]).abs().max() > 1e-3
     assert (out.text_features - ref["frozen_text"]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("J", [1, 2, 3])
+def test_the_fast_path_equals_the_plain_reference_gradients_included(tiny_deep_clip, J):
+    model = randomised(tiny_deep_clip, J)
+    generator = torch.Generator().manual_seed(4)
+    images = torch.randn(3, 3, TINY_DEEP["image_resolution"], TINY_DEEP["image_resolution"], generator=generator)
+    ids, labels = prompts(5), torch.tensor([0, 4, 2])
+    # The reference, with grad: it reads DeAR's learnable tensors themselves, so the loss on its
+    # outputs -- written out here from the spec, not dear_loss -- gives them the plain
+    # computation's gradients.
+    ref = reference(tiny_deep_clip, dict(model.named_parameters()), J, images, ids)
+    alpha = model.fusion_logits.softmax(dim=0)
+    plain = DeAROutput(ref["fused"], ref["branch"], alpha, torch.cat([ref["f_cls"][:, None], ref["f_attr"]], 1),
+                       ref["text"], ref["frozen_image"], ref["frozen_text"])
+    reg = (1 - F.cosine_similarity(ref["f_cls"], ref["frozen_image"], dim=-1)).mean() \
+        + (1 - F.cosine_similarity(ref["text"], ref["frozen_text"], dim=-1)).mean()
+    (F.cross_entropy(ref["fused"], labels) + 2.0 * reg - 0.5 * torch.log(alpha[0])).backward()
+    plain_grads = [p.grad.clone() for p in model.learnable_parameters()]
+    assert all(g.abs().max() > 0 for g in plain_grads)
+    # The fast path, twice on one prepared class list: the second step must reuse it unchanged.
+    classes = model.prepare_classes(ids)
+    for step in (1, 2):
+        for p in model.learnable_parameters():
+            p.grad = None
+        out = model(images, classes, with_frozen=True)
+        dear.dear_loss(out, labels, lambda_reg=2.0, lambda_fusion=0.5)["total"].backward()
+        for name in ("logits", "text_features", "frozen_image_features", "frozen_text_features"):
+            expected = getattr(plain, name).detach()
+            assert_close(getattr(out, name).detach(), expected, 1e-5, f"J={J}, step {step}: {name}")
+        assert_close(out.image_features.detach(), plain.image_features.detach(), 1e-5, f"J={J}: image features")
+        for p, g, name in zip(model.learnable_parameters(), plain_grads, ("vision", "text", "proj", "fusion")):
+            scale = max(1.0, g.abs().max().item())
+            assert_close(p.grad / scale, g / scale, 1e-5, f"J={J}, step {step}: {name} tokens' gradient (relative)")

@@ -248,6 +248,49 @@ def test_corrupt_cached_checkpoint_is_rebuilt(mini, tmp_path, monkeypatch):
     clip_model.load(assets.weights, head_width=assets.head_width)  # loads again
 
 
+def test_cache_json_of_the_wrong_shape_is_rebuilt_not_a_crash(mini, tmp_path, monkeypatch):
+    _, root, _ = mini
+    copy = str(tmp_path / "cache")
+    shutil.copytree(root, copy)
+    monkeypatch.setenv("DEAR_CACHE_DIR", copy)
+    folder = os.path.join(copy, "toyworld", "miniature")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        f.write("[]")  # valid JSON, wrong shape
+    with open(os.path.join(folder, "data", "toyworld", task.RECORD_FILE), "w") as f:
+        f.write('"a string"')
+    lines = []
+    assets = toyworld.prepare("miniature", log=lines.append)
+    assert any("config.json is JSON of the wrong shape" in line for line in lines), lines[:3]
+    assert any("toy task: wrote" in line for line in lines), lines
+    clip_model.load(assets.weights, head_width=assets.head_width)
+    assert data.load_dataset("toyworld", assets.data_root).test
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--cache-dir", "FILE"], "--cache-dir FILE: is a file, not a folder"),
+    (["--cache-dir", "FILE/under"], "lies under FILE, which is a file"),
+    (["--grid", "NOWHERE/grid.png"], "its folder does not exist"),
+    (["--grid", "FOLDER"], "expected an image file name"),
+    (["--scale", "huge"], "argument --scale: invalid choice"),
+])
+def test_command_line_bad_paths_are_one_line_before_any_work(tmp_path, monkeypatch, capsys, flags, message):
+    import importlib
+
+    cli = importlib.import_module("toyworld.__main__")
+    (tmp_path / "file").write_text("x")
+    paths = {"FILE": str(tmp_path / "file"), "NOWHERE": str(tmp_path / "nowhere"), "FOLDER": str(tmp_path)}
+    for placeholder, path in paths.items():
+        flags, message = [f.replace(placeholder, path) for f in flags], message.replace(placeholder, path)
+    monkeypatch.setattr(toyworld, "prepare", lambda *a, **k: pytest.fail("the world was prepared first"))
+    try:
+        code = cli.main(flags)
+    except SystemExit as done:  # argparse's own errors
+        code = done.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "usage:" not in err, err
+    assert err.startswith("python -m toyworld: error: ") and message in err, err
+
+
 # ------------------------------------------------------------------------------------------
 # The downstream task
 

@@ -338,7 +338,7 @@ def test_evaluate_scores_the_fused_and_the_class_branch_logits_and_each_set_gets
         images = torch.stack([dataset[i][0] for i in range(len(dataset))])
         labels = torch.tensor([item.label for item in eval_set.items])
         with torch.no_grad():
-            out = model(images, ids)
+            out = model(images, model.prepare_classes(ids))
         fused = 100.0 * (out.logits.argmax(-1) == labels).float().mean().item()
         alone = 100.0 * (out.branch_logits[:, 0].argmax(-1) == labels).float().mean().item()
         assert accuracy == pytest.approx({"fused": fused, "class": alone}), name
@@ -465,3 +465,289 @@ def test_toyworld_runs_end_to_end_from_an_empty_cache(tmp_path):
     # The run reads the toy world as any CoOp dataset: the saved settings point at the cache.
     settings = read(out / "settings.json")["settings"]
     assert settings["weights"].startswith(str(cache)) and settings["root"].startswith(str(cache))
+
+    # A call killed during the causal check (roles.json written, causal_check.json not) redoes
+    # it on --resume; a task build killed half-way leaves a folder that the next call removes.
+    for name in ("causal_check.md", "causal_check.json"):
+        (roles / name).unlink()
+    leftover = Path(settings["root"]) / ".toyworld-building-killed"
+    leftover.mkdir()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DEAR_CACHE_DIR", str(cache))
+        assert train.main(["--output", str(out), "--resume"]) == 0
+    assert read(roles / "causal_check.json") == causal
+    assert not leftover.exists()
+
+
+# ------------------------------------------------------------------------------------------
+# Runs you can trust: every bad input refused up front (in-process: the same code path)
+# ------------------------------------------------------------------------------------------
+
+
+def refused(argv, capsys, fragment, output=None):
+    """train.main(argv) ends in exit status 2, one line on stderr holding `fragment`, no traceback,
+    and (when given) no run folder."""
+    capsys.readouterr()
+    assert train.main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("train.py: error:"), err
+    assert fragment in lines[0], lines[0]
+    if output is not None:
+        assert not Path(output).exists(), "a run folder was made"
+    return lines[0]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--epochs", "0"], "--epochs 0: expected a positive integer"),
+    (["--batch-size", "0"], "--batch-size 0: expected a positive integer"),
+    (["--lr", "0"], "--lr 0.0: expected a positive, finite learning rate"),
+    (["--lr", "inf"], "--lr inf: expected a positive, finite"),
+    (["--lambda-fusion", "nan"], "--lambda-fusion nan: expected a finite weight"),
+    (["--beta", "nan"], "--beta nan: expected a value in [0, 1]"),
+    (["--head-width", "0"], "--head-width 0: expected a positive integer"),
+    (["--analysis-images", "0"], "--analysis-images 0"),
+    (["--descriptions", "0"], "--descriptions 0"),
+    (["--eval-batch-size", "0"], "--eval-batch-size 0"),
+    (["--log-every", "0"], "--log-every 0"),
+    (["--max-epochs-per-call", "0"], "--max-epochs-per-call 0"),
+    (["--max-epochs-per-call", "-1"], "--max-epochs-per-call -1"),
+    (["--text-tokens", "-1"], "--text-tokens -1: expected an integer >= 0"),
+    (["--text-tokens", "100000"], "--text-tokens 100000: expected at most the model's context length (16)"),
+    (["--first-layer", "0"], "--first-layer 0: expected a layer number >= 1"),
+    (["--workers", "-1"], "--workers -1: expected an integer >= 0"),
+    (["--seeds", "-1"], "--seeds -1: expected integers from 0 to 4294967295"),
+    (["--seeds", str(2**64)], "--seeds 18446744073709551616"),
+    (["--low-bits", "2", "--high-bits", "1"], "--low-bits 2 is above --high-bits 1"),
+    (["--high-bits=-inf"], "--high-bits -inf: expected a finite entropy"),
+    (["--device", "meta"], "--device meta: not a device"),
+    (["--device", "cpu:3"], "--device cpu:3: not a device"),
+])
+def test_a_zero_negative_or_non_finite_value_is_refused_not_replaced(world, tmp_path, capsys, flags, message):
+    out = tmp_path / "run"
+    refused(common(world, out, "--dataset", "dtd", "--seeds", "1", "--shots", "4", *flags), capsys, message, out)
+
+
+def write_json_file(path, value):
+    Path(path).write_text(json.dumps(value))
+    return str(path)
+
+
+def test_unusable_paths_and_files_are_refused_before_any_folder(world, tmp_path, capsys, openclip_bpe_path):
+    run = ["--dataset", "dtd", "--seeds", "1", "--shots", "4"]
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    refused(common(world, a_file, *run), capsys, f"--output {a_file}: is a file")
+    refused(common(world, a_file / "run", *run), capsys, f"lies under {a_file}, which is a file")
+    if os.path.isdir("/proc"):  # not writable even for root
+        refused(common(world, "/proc/dear-run", *run), capsys, "--output /proc/dear-run: cannot write in /proc")
+
+    out = tmp_path / "run"
+    layer_as_text = json.loads(Path(wrong_roles_file(tmp_path)).read_text())
+    layer_as_text["heads"][0]["layer"] = "9"
+    for roles, fragment in ((write_json_file(tmp_path / "list.json", [1, 2]), "not a DeAR role file"),
+                            (write_json_file(tmp_path / "text.json", layer_as_text), "not a DeAR role file")):
+        refused(common(world, out, *run, "--roles", roles), capsys, fragment, out)
+    # The model's vocabulary against the BPE file: CLIP's real file, an empty one.
+    refused(common(world, out, *run, "--bpe", openclip_bpe_path), capsys, "gives a vocabulary of 49408 tokens", out)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    refused(common(world, out, *run, "--bpe", empty), capsys, "gives a vocabulary of 514 tokens", out)
+
+
+def test_toyworld_refuses_a_model_of_its_own_and_resume_refuses_eval_only(tmp_path, capsys, world, monkeypatch):
+    out = tmp_path / "toy"
+    monkeypatch.setenv("DEAR_CACHE_DIR", str(tmp_path / "cache"))  # were it not refused: seconds, not minutes
+    toy = ["--dataset", "toyworld", "--toy-scale", "miniature", "--epochs", "1", "--seeds", "1", "--output", out]
+    refused([*toy, "--weights", world["weights"]], capsys, "--weights: the toy world brings its own model", out)
+    refused([*toy, "--weights", "ViT-B/16"], capsys, "drop --weights", out)
+    refused(["--output", out, "--resume", "--eval-only"], capsys, "--resume and --eval-only: give one")
+
+
+def copy_of_data(world, tmp_path, edit):
+    """A copy of the tiny data root with dtd's split edited by edit(split)."""
+    root = tmp_path / "data"
+    import shutil
+
+    shutil.copytree(world["root"], root, ignore=shutil.ignore_patterns("split_fewshot"))
+    split_path = root / "dtd" / "split_zhou_DescribableTextures.json"
+    split = json.loads(split_path.read_text())
+    edit(split)
+    split_path.write_text(json.dumps(split))
+    return root
+
+
+@pytest.mark.parametrize("case, message", [
+    ("empty train", "no training images of the base classes"),
+    ("empty test", "no test images of the base classes"),
+    ("no novel test", "no test images of the novel classes"),
+])
+def test_an_empty_set_is_an_error_not_a_row_of_zeros(world, tmp_path, capsys, case, message):
+    edit = {"empty train": lambda s: s.update(train=[]),
+            "empty test": lambda s: s.update(test=[]),
+            "no novel test": lambda s: s.update(test=[e for e in s["test"] if e[1] < 3])}[case]
+    root, out = copy_of_data(world, tmp_path, edit), tmp_path / "run"
+    refused(common(world, out, "--dataset", "dtd", "--seeds", "1", "--shots", "4", "--root", root), capsys,
+            message, out)
+
+
+def test_an_error_in_a_dataloader_worker_is_one_short_line(world, tmp_path, capsys):
+    root, out = copy_of_data(world, tmp_path, lambda s: None), tmp_path / "run"
+    bad = root / "dtd" / "images" / "banded" / "banded_test1.jpg"
+    bad.write_bytes(b"not an image")
+    line = refused(common(world, out, "--dataset", "dtd", "--seeds", "1", "--method", "zeroshot", "--root", root,
+                          "--workers", "1"), capsys, f"{bad}: cannot read image")
+    assert len(line) < 400 and "Traceback" not in line
+
+
+# ------------------------------------------------------------------------------------------
+# One writer per run folder
+# ------------------------------------------------------------------------------------------
+
+
+def test_a_running_call_holds_the_folder_and_its_death_releases_it(world, tmp_path, capsys):
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    holder = subprocess.Popen([sys.executable, "train.py", *common(world, out, "--dataset", "dtd", "--seeds", "1",
+                                                                   "--method", "dear", "--roles", "all-mixed",
+                                                                   "--shots", "4", "--epochs", "100000")],
+                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        checkpoint = out / "dtd/dear-all-mixed/seed1/checkpoint.pt"
+        for _ in range(1200):  # training has started once the first checkpoint exists
+            if checkpoint.exists() or holder.poll() is not None:
+                break
+            import time
+
+            time.sleep(0.1)
+        assert holder.poll() is None, holder.stderr.read()
+        # (--max-epochs-per-call: were it not refused, it would still end)
+        refused(["--output", out, "--resume", "--max-epochs-per-call", "1"], capsys,
+                f"in use by another train.py process (pid {holder.pid})")
+        refused(["--output", out, "--eval-only"], capsys, "in use by another train.py process")
+    finally:
+        holder.kill()
+        holder.wait()
+    (out / "dtd/dear-all-mixed/seed1/.tmp-x-checkpoint.pt").write_bytes(b"half a file")  # a killed write
+    assert train.main(["--output", str(out), "--resume", "--max-epochs-per-call", "1"]) == 0  # the lock is free
+    assert not list(out.rglob(".tmp-*")), "a killed write's temporary file was left"
+
+
+# ------------------------------------------------------------------------------------------
+# Resume cannot change the computation
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stopped_run(world, tmp_path_factory):
+    """A DeAR run with a roles file, stopped after epoch 1 of 2: (folder, roles file)."""
+    tmp = tmp_path_factory.mktemp("stopped")
+    roles = dear.RoleMap.uniform("mixed", 3, 2, range(3), list(dear.CORE_ATTRIBUTES))
+    roles.save(str(tmp / "roles.json"))
+    out = tmp / "run"
+    assert train.main(common(world, out, "--dataset", "dtd", "--seeds", "1", "--method", "zeroshot", "dear",
+                             "--roles", str(tmp / "roles.json"), "--shots", "4", "--augment", "off",
+                             "--max-epochs-per-call", "1")) == 0
+    return out, tmp / "roles.json"
+
+
+def copy_run(stopped_run, tmp_path):
+    import shutil
+
+    out, roles = stopped_run
+    shutil.copytree(out, tmp_path / "run")
+    return tmp_path / "run", roles  # the roles file stays where the run was made with it
+
+
+@pytest.mark.parametrize("changed", ["weights", "bpe", "roles"])
+def test_resume_with_other_input_files_is_refused_saying_which(world, stopped_run, tmp_path, capsys, changed):
+    out, roles = copy_run(stopped_run, tmp_path)
+    saved = read(out / "settings.json")["settings"]
+    assert read(out / "roles_file.json") == read(roles)  # the run keeps the roles it used
+    if changed == "weights":
+        state = torch.load(world["weights"], weights_only=True)
+        state["visual.proj"] = state["visual.proj"] + 0.01
+        torch.save(state, tmp_path / "other.pt")
+        argv, fragment = ["--weights", tmp_path / "other.pt"], f"--weights {tmp_path / 'other.pt'}: not the file"
+    elif changed == "bpe":  # the same vocabulary size, other merges
+        with gzip.open(world["bpe"], "rt", encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        lines[1], lines[2] = lines[2], lines[1]
+        with gzip.open(tmp_path / "other.txt.gz", "wt", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+        argv, fragment = ["--bpe", tmp_path / "other.txt.gz"], "other.txt.gz: not the file this run was made with"
+    else:
+        original = roles.read_text()
+        dear.RoleMap.uniform("generalization", 3, 2, range(3), list(dear.CORE_ATTRIBUTES)).save(str(roles))
+        argv, fragment = [], f"--roles {roles}: not the file this run was made with"
+    try:
+        refused(["--output", out, "--resume", *argv], capsys, fragment)
+    finally:
+        if changed == "roles":
+            roles.write_text(original)  # the module's other tests resume from it
+    assert read(out / "settings.json")["settings"] == saved
+    # The same content in another place is the same input.
+    if changed == "weights":
+        import shutil
+
+        shutil.copy(world["weights"], tmp_path / "moved.pt")
+        assert train.main(["--output", str(out), "--resume", "--weights", str(tmp_path / "moved.pt")]) == 0
+
+
+def test_resume_accepts_the_same_value_of_a_computation_flag_and_refuses_another(stopped_run, tmp_path, capsys):
+    out, _ = copy_run(stopped_run, tmp_path)
+    refused(["--output", out, "--resume", "--augment", "on"], capsys, "--augment cannot change in a saved run")
+    refused(["--output", out, "--resume", "--text-tokens", "0"], capsys, "--text-tokens cannot change")
+    assert train.main(["--output", str(out), "--resume", "--augment", "off", "--dataset", "dtd", "--seeds", "1",
+                       "--workers", "0"]) == 0
+    assert (out / "summary.md").is_file()
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("mixed results", "the folder mixes two runs"),
+    ("empty results", "unreadable results"),
+    ("checkpoint without optimizer", "unreadable checkpoint"),
+    ("checkpoint without settings", "unreadable checkpoint"),
+    ("settings as a list", "settings.json: unreadable"),
+])
+def test_a_damaged_or_mixed_run_folder_is_refused_in_one_line(stopped_run, tmp_path, capsys, damage, message):
+    out, _ = copy_run(stopped_run, tmp_path)
+    results, checkpoint = out / "dtd/zeroshot/results.json", out / "dtd/dear/seed1/checkpoint.pt"
+    if damage == "mixed results":  # another writer's run, with another lr
+        result = read(results)
+        result["settings"]["lr"] = 0.002
+        results.write_text(json.dumps(result))
+    elif damage == "empty results":
+        results.write_text("")
+    elif damage.startswith("checkpoint"):
+        state = torch.load(checkpoint, weights_only=True)
+        del state["optimizer" if "optimizer" in damage else "settings"]
+        torch.save(state, checkpoint)
+    else:
+        (out / "settings.json").write_text("[]")
+    refused(["--output", out, "--resume"], capsys, message)
+    if damage == "mixed results":
+        refused(["--output", out, "--eval-only"], capsys, "lr 0.002 (expected 0.001)")
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_run_resumes(world, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    argv = common(world, out, "--dataset", "dtd", "--seeds", "1", "--method", "dear", "--roles", "all-mixed",
+                  "--shots", "4", "--epochs", "1")
+
+    def full_disk(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:595] . PytorchStreamWriter failed writing file "
+                           "data/0: file write failed")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    line = refused(argv, capsys, "cannot write the checkpoint")
+    assert "free disk space" in line and not list(out.rglob(".tmp-*"))
+    monkeypatch.undo()
+    assert train.main(["--output", str(out), "--resume"]) == 0
+
+
+def test_grad_scaler_falls_back_to_the_name_older_torch_has(monkeypatch):
+    monkeypatch.delattr(torch.amp, "GradScaler", raising=False)
+    with pytest.warns(FutureWarning) if hasattr(torch.cuda.amp, "GradScaler") else pytest.raises(AttributeError):
+        scaler = train.grad_scaler(enabled=False)
+        assert not scaler.is_enabled()

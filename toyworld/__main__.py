@@ -13,8 +13,10 @@ base and novel classes, and (with --causal) the head analysis and the ablation t
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
+import tempfile
 import textwrap
 
 import numpy as np
@@ -50,16 +52,66 @@ def save_grid(path: str, image_size: int, rows: int = 4, columns: int = 6, seed:
     sheet.save(path)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's errors as one line (no usage dump), exit status 2 as argparse's own."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def writable_folder(path: str, flag: str) -> None:
+    """Stop (one line) unless files can be made in `path`, or in the folder that would hold
+    it: checked before the minutes of preparing the world, not after."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"{flag} {path}: lies under {existing}, which is a file")
+    try:  # os.access is not enough (root, read-only mounts): try to write
+        handle, probe = tempfile.mkstemp(dir=existing, prefix=".tmp-write-test-")
+        os.close(handle)
+        os.remove(probe)
+    except OSError as error:
+        raise ValueError(f"{flag} {path}: cannot write in {existing} ({error.strerror or error})") from None
+
+
+def check_paths(args) -> None:
+    from PIL import Image
+
+    if args.cache_dir is not None:
+        if os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
+            raise ValueError(f"--cache-dir {args.cache_dir}: is a file, not a folder")
+        writable_folder(args.cache_dir, "--cache-dir")
+    if args.grid is not None:
+        Image.init()
+        if os.path.splitext(args.grid)[1].lower() not in Image.registered_extensions():
+            raise ValueError(f"--grid {args.grid}: expected an image file name (e.g. samples.png)")
+        if os.path.isdir(args.grid):
+            raise ValueError(f"--grid {args.grid}: is a folder; give a file name (e.g. samples.png)")
+        if not os.path.isdir(os.path.dirname(os.path.abspath(args.grid))):
+            raise ValueError(f"--grid {args.grid}: its folder does not exist (or is a file)")
+        writable_folder(os.path.dirname(os.path.abspath(args.grid)), "--grid")
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Prepare the toy world and show what was made.")
+    parser = OneLineParser(prog="python -m toyworld", description="Prepare the toy world and show what was made.")
     parser.add_argument("--scale", default="full", choices=sorted(toyworld.SCALES), help="which size of world")
     parser.add_argument("--cache-dir", default=None, help="cache root (default: $DEAR_CACHE_DIR or ~/.cache/dear-from-scratch)")
     parser.add_argument("--grid", default=None, help="write a PNG grid of sample images with captions here")
     parser.add_argument("--causal", action="store_true", help="run the head analysis and the ablation check")
     args = parser.parse_args(argv)
+    try:
+        check_paths(args)
+    except ValueError as error:
+        print(f"python -m toyworld: error: {error}", file=sys.stderr)
+        return 2
     torch.set_num_threads(min(torch.get_num_threads(), 2))
 
-    assets = toyworld.prepare(args.scale, args.cache_dir)
+    try:
+        assets = toyworld.prepare(args.scale, args.cache_dir)
+    except (clip_model.CLIPFileError, OSError) as error:
+        print(f"python -m toyworld: error: {error}", file=sys.stderr)
+        return 2
     print(f"\nweights     {assets.weights}  (clip_model.load(..., head_width={assets.head_width}))")
     print(f"bpe         {assets.bpe}")
     print(f"data_root   {assets.data_root}  (data.load_dataset('toyworld', data_root, ...))")
