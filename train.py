@@ -60,7 +60,7 @@ import time
 import types
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 try:
     import fcntl  # POSIX: the run folder's lock (one writer per folder)
@@ -124,7 +124,7 @@ PROTOCOLS = ("base2novel", "fewshot", "cross", "dg")
 #               class branch alone everywhere else, whose classes the attribute branches never saw
 #   everywhere  the fused logits on every test set (the ablation)
 FUSION_MODES = ("adaptive", "everywhere")
-METHODS = ("zeroshot", "dear")
+METHODS = ("zeroshot", "linear-probe", "dear")
 ROLE_ABLATIONS = ("all-mixed", "all-generalization")  # besides "analyse" and a roles file
 DG_TARGETS = ["imagenet_v2", "imagenet_sketch", "imagenet_a", "imagenet_r"]
 FEWSHOT_SHOTS = [1, 2, 4, 8, 16]  # the few-shot protocol's sweep (CoOp)
@@ -134,7 +134,7 @@ MAX_SEED = 2**32 - 1  # numpy's range; torch's per-epoch seeds are derived from 
 # Recipe has no fixed default: its help says what an unset value means (e.g. --workers).
 DEFAULTS = dict(
     protocol="base2novel",  # the paper's main table
-    method=["zeroshot", "dear"],  # both rows: CLIP as it is, and DeAR
+    method=["zeroshot", "dear"],  # CLIP as it is, and DeAR
     roles=["analyse"],  # DeAR's own head analysis, on each run's training images
     fusion=["adaptive"],  # the paper's task-adaptive fusion
     seeds=[1, 2, 3],  # CoOp's three seeds; the tables report the mean
@@ -148,9 +148,11 @@ DEFAULTS = dict(
     log_every=20,  # steps between progress lines
     toy_scale="full",  # the toy world the README's table comes from
 )
-# The toy world shows more rows by default: the two role ablations beside DeAR, and DeAR
-# under both fusion modes. It brings its own model (--weights, --bpe, --head-width refused).
-TOY_DEFAULTS = dict(roles=["all-mixed", "all-generalization", "analyse"], fusion=list(FUSION_MODES))
+# The toy world shows more rows by default: the linear probe (how far the frozen features
+# separate the classes), the two role ablations beside DeAR, and DeAR under both fusion
+# modes. It brings its own model (--weights, --bpe, --head-width refused).
+TOY_DEFAULTS = dict(method=list(METHODS), roles=["all-mixed", "all-generalization", "analyse"],
+                    fusion=list(FUSION_MODES))
 
 # Flags that say how to run, not what to compute: they may change on --resume / --eval-only.
 RUN_CONTROL = {"output", "resume", "eval_only", "device", "workers", "log_every", "eval_batch_size",
@@ -181,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "datasets, or 'toyworld' (the project's own world: no downloads)")
     g.add_argument("--protocol", choices=PROTOCOLS, help="base2novel | fewshot | cross | dg")
     g.add_argument("--method", nargs="+", choices=METHODS, help="rows of the table: zeroshot = CLIP with the "
-                   "dataset's template, no training; dear = DeAR")
+                   "dataset's template, no training; linear-probe = logistic regression on the frozen image "
+                   "features (training classes only); dear = DeAR")
     g.add_argument("--roles", nargs="+", help="head roles for DeAR: 'analyse' (concept entropy on the training "
                    "images, saved in the run folder), a roles JSON file, 'all-mixed' (no mask: plain deep "
                    "prompting) or 'all-generalization'; several give one table row each")
@@ -583,18 +586,18 @@ def row_name(roles: str) -> str:
     return "dear" if roles not in ROLE_ABLATIONS else f"dear-{roles}"
 
 
-ROW_LABELS = {"zeroshot": "CLIP (zero-shot)", "dear": "DeAR",
+ROW_LABELS = {"zeroshot": "CLIP (zero-shot)", "linear-probe": "Linear probe (frozen image features)", "dear": "DeAR",
               "dear-all-mixed": "DeAR, all heads mixed (no mask)",
               "dear-all-generalization": "DeAR, all heads generalization"}
 EVERYWHERE = "-fused-everywhere"  # table rows scored with --fusion everywhere end in this
 
 
 def table_rows(settings: dict) -> Dict[str, tuple]:
-    """{table row: (job row, fusion mode)}: zero-shot; each --roles row under the first
+    """{table row: (job row, fusion mode)}: zero-shot; the linear probe; each --roles row under the first
     --fusion mode; the DeAR row (analysed or a file) once more under every further mode.
     Rows under "everywhere" get the suffix EVERYWHERE; all come from the same trained runs."""
     fusion = settings["fusion"]
-    rows = {"zeroshot": ("zeroshot", None)}
+    rows = {"zeroshot": ("zeroshot", None), "linear-probe": ("linear-probe", None)}
     for roles in settings["roles"]:
         for mode in (fusion if roles not in ROLE_ABLATIONS else fusion[:1]):
             rows[row_name(roles) + (EVERYWHERE if mode == "everywhere" else "")] = (row_name(roles), mode)
@@ -616,6 +619,12 @@ def plan_jobs(settings: dict) -> List[Job]:
     for dataset in trained:
         if "zeroshot" in settings["method"]:
             jobs.append(Job(dataset, "zeroshot", None, None, None, os.path.join(out, dataset, "zeroshot")))
+        if "linear-probe" in settings["method"]:
+            for shots in settings["shots"]:
+                for seed in settings["seeds"]:
+                    leaf = f"seed{seed}" if protocol != "fewshot" else f"shots{shots}-seed{seed}"
+                    jobs.append(Job(dataset, "linear-probe", None, seed, shots,
+                                    os.path.join(out, dataset, "linear-probe", leaf)))
         if "dear" not in settings["method"]:
             continue
         for roles in settings["roles"]:
@@ -992,6 +1001,62 @@ def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings: dict, runtime:
     return {kind: 100.0 * c / max(total, 1) for kind, c in zip(kinds, correct)}
 
 
+@torch.no_grad()
+def image_features(clip, items: list, settings: dict, runtime: Runtime) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Normalised frozen CLIP image embeddings of `items` (test transform) -> ((N, E), labels (N,))."""
+    loader = DataLoader(data.ImageDataset(items, data.test_transform(clip.visual.input_resolution)),
+                        batch_size=settings["eval_batch_size"], num_workers=settings["workers"])
+    features, labels = [], []
+    for images, batch_labels in loader:
+        with autocast(runtime):
+            features.append(F.normalize(clip.encode_image(images.to(runtime.device)).float(), dim=-1).cpu())
+        labels.append(batch_labels)
+    return torch.cat(features), torch.cat(labels)
+
+
+def linear_probe(clip, split: data.DatasetSplits, eval_sets: List[EvalSet], settings: dict,
+                 runtime: Runtime) -> Dict[str, float]:
+    """CLIP's linear probe (Radford et al. 2021, Sec. 3.2): multinomial logistic regression on
+    the frozen, normalised image embeddings of the few-shot training images -- the same images
+    DeAR trains on -- with its L2 strength picked on the validation images. It tells how much
+    the frozen features can separate the training classes, a ceiling for the base column that
+    tells weak training from weak features. It has no classifier for classes it did not train
+    on: sets with other classes get no number (novel and HM stay empty). -> {set name: top-1 %}"""
+    train_x, train_y = image_features(clip, split.train, settings, runtime)
+    val_x, val_y = image_features(clip, split.val, settings, runtime) if split.val else (train_x, train_y)
+    n_classes = len(split.classnames)
+
+    def fit(l2: float) -> torch.nn.Linear:
+        torch.manual_seed(0)
+        probe = torch.nn.Linear(train_x.shape[1], n_classes)
+        optimizer = torch.optim.LBFGS(probe.parameters(), lr=1.0, max_iter=300, line_search_fn="strong_wolfe")
+
+        def closure():
+            optimizer.zero_grad()
+            loss = F.cross_entropy(probe(train_x), train_y) + l2 * probe.weight.pow(2).sum()
+            loss.backward()
+            return loss
+
+        with torch.enable_grad():
+            optimizer.step(closure)
+        return probe
+
+    def accuracy(probe, x, y) -> float:
+        with torch.no_grad():
+            return 100.0 * (probe(x).argmax(dim=-1) == y).float().mean().item()
+
+    # The largest accuracy on validation wins; ties go to the stronger regularisation.
+    probes = {l2: fit(l2) for l2 in (1e-1, 1e-2, 1e-3, 1e-4)}
+    best = max(probes, key=lambda l2: accuracy(probes[l2], val_x, val_y))
+    metrics = {}
+    for eval_set in eval_sets:
+        if list(eval_set.classnames) == list(split.classnames):
+            metrics[eval_set.name] = accuracy(probes[best], *image_features(clip, eval_set.items, settings, runtime))
+    runtime.log(f"linear probe: L2 {best:g} picked on {len(val_y)} validation images; "
+                + ", ".join(f"{name} {value:.2f}%" for name, value in metrics.items()))
+    return metrics
+
+
 # ------------------------------------------------------------------------------------------
 # 7. The loop
 # ------------------------------------------------------------------------------------------
@@ -1117,6 +1182,13 @@ def run_job(job: Job, settings: dict, inputs: Inputs, role_maps: dict, lists: Ru
         with open(results_path, encoding="utf-8") as f:
             return json.load(f)  # finished in an earlier call (checked by check_finished_runs)
     model = None
+    if job.row == "linear-probe":
+        metrics = linear_probe(inputs.clip, lists.train[split_key(job)], lists.test[job.dataset], settings, runtime)
+        result = dict(job=dataclasses.asdict(job), metrics=metrics, settings=job_settings(settings, job))
+        if runtime.main:
+            write_text(os.path.join(job.folder, "results.md"), job_table(job, metrics))
+            write_json(results_path, result)
+        return result
     if job.row != "zeroshot":
         if settings["eval_only"]:
             checkpoint = load_checkpoint(os.path.join(job.folder, "checkpoint.pt"), job_settings(settings, job))
@@ -1157,6 +1229,8 @@ def run_job(job: Job, settings: dict, inputs: Inputs, role_maps: dict, lists: Ru
 
 
 def harmonic_mean(base: float, novel: float) -> float:
+    if math.isnan(base) or math.isnan(novel):
+        return math.nan  # a row without a novel number (the linear probe) has no HM
     return 2 * base * novel / (base + novel) if base + novel > 0 else 0.0
 
 
@@ -1178,7 +1252,15 @@ def job_table(job: Job, metrics: dict) -> str:
 
 
 def mean(values: List[float]) -> float:
-    return sum(values) / len(values)
+    return sum(values) / len(values) if values else math.nan
+
+
+def spread(values: List[float]) -> float:
+    """Sample standard deviation over seeds (0 for a single run, e.g. zero-shot)."""
+    if len(values) < 2:
+        return 0.0
+    average = mean(values)
+    return math.sqrt(sum((v - average) ** 2 for v in values) / (len(values) - 1))
 
 
 def summarise(settings: dict, results: List[dict]) -> dict:
@@ -1195,10 +1277,12 @@ def summarise(settings: dict, results: List[dict]) -> dict:
     def metrics(res: dict, row: str) -> dict:  # the run's numbers under the row's fusion mode
         return res.get("metrics_by_fusion", {}).get(spec[row][1], res["metrics"])
 
+    def seed_values(dataset: str, row: str, metric: str, shots: Optional[int] = None) -> List[float]:
+        return [metrics(res, row).get(metric, math.nan) for res in of_row(row) if res["job"]["dataset"] == dataset
+                and (shots is None or res["job"]["shots"] in (None, shots))]
+
     def cell(dataset: str, row: str, metric: str, shots: Optional[int] = None) -> float:
-        values = [metrics(res, row)[metric] for res in of_row(row) if res["job"]["dataset"] == dataset
-                  and (shots is None or res["job"]["shots"] in (None, shots))]
-        return mean(values)
+        return mean(seed_values(dataset, row, metric, shots))
 
     # Which logits scored each test set, per row (the same for every seed and dataset of a row).
     logits = {}
@@ -1220,7 +1304,12 @@ def summarise(settings: dict, results: List[dict]) -> dict:
                 average[row] = [base, novel, harmonic_mean(base, novel)]
             tables[f"Average over {len(datasets)} datasets"] = dict(columns=["Base", "Novel", "HM"], rows=average)
         for d in datasets:
-            tables[d] = dict(columns=["Base", "Novel", "HM"], rows=per[d])
+            # The spread over seeds of base, novel and each seed's own HM.
+            spreads = {row: [spread(seed_values(d, row, "base")), spread(seed_values(d, row, "novel")),
+                             spread([harmonic_mean(b, n) for b, n in zip(seed_values(d, row, "base"),
+                                                                           seed_values(d, row, "novel"))])]
+                       for row in rows}
+            tables[d] = dict(columns=["Base", "Novel", "HM"], rows=per[d], spread=spreads)
     elif protocol == "fewshot":
         datasets, shots = settings["dataset"], settings["shots"]
         per = {d: {row: [cell(d, row, "all", k) for k in shots] for row in rows} for d in datasets}
@@ -1240,8 +1329,11 @@ def summarise(settings: dict, results: List[dict]) -> dict:
         title = ("Cross-dataset evaluation" if protocol == "cross" else "Domain generalization") + \
             f": trained on {source}, tested on {len(targets)} targets"
         tables[title] = dict(columns=[f"{names[0]} (source)"] + names[1:] + ["Average"], rows=values)
-    for table in tables.values():
-        table["rows"] = {row: [round(v, 2) for v in vals] for row, vals in table["rows"].items()}
+    for table in tables.values():  # an empty cell (nan) is stored as null
+        for key in ("rows", "spread"):
+            if key in table:
+                table[key] = {row: [None if math.isnan(v) else round(v, 2) for v in vals]
+                              for row, vals in table[key].items()}
     return dict(protocol=protocol, seeds=settings["seeds"], rows=rows, tables=tables, logits=logits)
 
 
@@ -1252,12 +1344,15 @@ def markdown(summary: dict, settings: dict) -> str:
     lines = [f"# {titles[settings['protocol']]}", "",
              f"Accuracy (%), mean over seeds {seeds}; {settings['weights']}; "
              f"{'shots ' + ', '.join(map(str, settings['shots'])) if settings['protocol'] == 'fewshot' else str(settings['shots'][0]) + ' shots'}. "
-             "Zero-shot CLIP does not train: one run serves every seed.", ""]
+             "Zero-shot CLIP does not train: one run serves every seed. ± = standard deviation over seeds; "
+             "- = no number (the linear probe has no classifier for unseen classes).", ""]
     for name, table in summary["tables"].items():
         lines += [f"## {name}", "", "| Method | " + " | ".join(table["columns"]) + " |",
                   "|---|" + "---:|" * len(table["columns"])]
         for row, values in table["rows"].items():
-            lines.append(f"| {row_label(row)} | " + " | ".join(f"{v:.2f}" for v in values) + " |")
+            spreads = table.get("spread", {}).get(row, [None] * len(values))
+            lines.append(f"| {row_label(row)} | " + " | ".join(
+                "-" if v is None else f"{v:.2f}" + (f" ± {d:.2f}" if d else "") for v, d in zip(values, spreads)) + " |")
         lines.append("")
     names = {"fused": "fused", "class": "class branch alone", "clip": "CLIP"}
     lines.append("Logits per test set (task-adaptive fusion: fused where the test classes are the trained ones):")

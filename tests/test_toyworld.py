@@ -198,6 +198,42 @@ def test_second_prepare_reuses_the_cache(mini, monkeypatch):
     assert not any("step" in line for line in lines), "it retrained"
 
 
+def test_two_builds_with_the_same_settings_give_identical_weights_whatever_the_callers_threads(mini, tmp_path):
+    """The build runs a fixed number of steps on a fixed number of threads: a second build, in
+    another cache and from a caller set to other threads, gives the same weights bit for bit,
+    and the caller's thread setting is restored afterwards."""
+    assets = mini[0]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2 if pretrain.CONFIGS["miniature"].threads != 2 else 1)
+        callers = torch.get_num_threads()
+        again = pretrain.pretrained_clip(pretrain.CONFIGS["miniature"], str(tmp_path), log=lambda line: None)
+        assert torch.get_num_threads() == callers, "the build did not restore the caller's thread count"
+    finally:
+        torch.set_num_threads(before)
+    first = torch.load(assets.weights, weights_only=True)
+    second = torch.load(again.weights, weights_only=True)
+    assert first.keys() == second.keys()
+    tensors = [key for key in first if isinstance(first[key], torch.Tensor)]
+    assert len(tensors) > 20 and all(torch.equal(first[key], second[key]) for key in tensors), "two builds differ"
+    assert {k: v for k, v in first.items() if k not in tensors} == {k: v for k, v in second.items() if k not in tensors}
+    report = again.report  # config.json says what was built and with what
+    config = pretrain.CONFIGS["miniature"]
+    assert (report["steps"], report["threads"], report["torch"]) == (config.max_steps, config.threads, torch.__version__)
+
+
+def test_twin_scenes_differ_in_exactly_one_core_attribute():
+    scenes = pretrain.training_scenes(random.Random(0), 40, twin_share=1.0)
+    assert len(scenes) == 40
+    twins = 0
+    for scene in scenes:
+        differing = [[name for name in world.SCENE_FIELDS if scene.value(name) != other.value(name)]
+                     for other in scenes if other is not scene]
+        twins += any(len(names) == 1 and names[0] in world.ATTRIBUTES for names in differing)
+    assert twins >= 36  # every scene has its twin (a chance pair among the rest is possible too)
+    assert len(pretrain.training_scenes(random.Random(0), 41, twin_share=0.5)) == 41
+
+
 def test_corrupt_cached_checkpoint_is_rebuilt(mini, tmp_path, monkeypatch):
     _, root, _ = mini
     copy = str(tmp_path / "cache")
@@ -316,6 +352,28 @@ def test_ablation_hook_replaces_only_that_head_and_removing_it_restores_the_mode
     assert not out_proj._forward_pre_hooks
 
 
+def test_group_ablation_replaces_every_head_of_the_group_across_layers(mini_model):
+    model, _ = mini_model
+    images, _ = pretrain.draw_batch(random.Random(0), np.random.default_rng(0), 8, 16)
+    means = causal.mean_head_outputs(model, images, [0, 1])
+    D = model.visual.transformer.resblocks[1].attn.head_dim
+    seen = {}
+    handles = [model.visual.transformer.resblocks[layer].attn.out_proj.register_forward_hook(
+        lambda module, inputs, output, layer=layer: seen.update({layer: inputs[0].clone()})) for layer in (0, 1)]
+    with torch.no_grad():
+        plain = model.encode_image(images)
+        with causal.ablate_heads(model, [(1, 0), (1, 1), (0, 1)], means):
+            ablated = model.encode_image(images)
+        during = dict(seen)  # the inputs while ablated
+        restored = model.encode_image(images)
+    for handle in handles:
+        handle.remove()
+    assert torch.equal(during[1], means[1].expand_as(during[1])), "both heads of layer 2 replaced by their means"
+    assert torch.equal(during[0][..., D:], means[0][..., D:].expand_as(during[0][..., D:]))
+    assert not torch.equal(during[0][..., :D], means[0][..., :D].expand_as(during[0][..., :D])), "head 0 of layer 1 kept"
+    assert not torch.allclose(ablated, plain) and torch.equal(restored, plain)
+
+
 def test_singled_out_follows_the_documented_rule():
     assert causal._singled_out({"colour": 0.30, "shape": 0.10, "texture": 0.0}, 0.02, 2.0) == "colour"
     assert causal._singled_out({"colour": 0.30, "shape": 0.20, "texture": 0.0}, 0.02, 2.0) is None
@@ -338,3 +396,20 @@ def test_causal_check_returns_a_well_formed_table(mini_model):
     assert result["agreement_rate"] == sum(row["agrees"] for row in result["heads"]) / 2
     table_rows = [line for line in result["table"].splitlines() if line.startswith("| 2 |")]
     assert len(table_rows) == 2 and all(line.count("|") == 11 for line in table_rows)
+
+    # Groups: one per role present and one per attribute concept entropy names; a group of one
+    # head is that head's ablation, so its drops are the head's.
+    groups = {group["name"]: group for group in result["groups"]}
+    assert {name for name in groups if "(ablation)" not in name} == {
+        "all attribute heads", "all generalization heads", "colour heads (entropy)"}
+    for attribute in world.ATTRIBUTES:  # ablation's own groups: heads whose removal singles it out
+        expected = [(row["layer"], row["head"]) for row in result["heads"] if row["singled_out"] == attribute]
+        assert groups.get(f"{attribute} heads (ablation)", {"heads": []})["heads"] == expected
+    assert groups["colour heads (entropy)"]["log_prob_drops"] == result["heads"][0]["log_prob_drops"]
+    assert groups["all generalization heads"]["agrees"] == (groups["all generalization heads"]["singled_out"] is None)
+    assert groups["colour heads (entropy)"]["agrees"] == (groups["colour heads (entropy)"]["singled_out"] == "colour")
+    assert groups["all attribute heads"]["agrees"] is None and result["groups_scored"] == 2
+    for attribute, best in result["best_per_attribute"].items():  # the most selective unit, by its margin
+        margins = [causal._selectivity(unit["log_prob_drops"], attribute) for unit in result["heads"] + result["groups"]]
+        assert best["selectivity"] == max(margins)
+    assert "| colour heads (entropy) | 1 |" in result["table"]

@@ -158,12 +158,56 @@ def test_base2novel_from_the_command_line_writes_results_and_a_table_that_matche
         assert table["rows"][row] == [round(base, 2), round(novel, 2), round(train.harmonic_mean(base, novel), 2)]
     assert table["rows"]["zeroshot"][:2] == [round(results["dtd/zeroshot"]["metrics"][k], 2) for k in ("base", "novel")]
     markdown = (out / "summary.md").read_text()
-    for row, values in table["rows"].items():
+    for row, values in table["rows"].items():  # each cell: mean, then "± spread" when seeds differ
         line = next(l for l in markdown.splitlines() if l.startswith(f"| {train.row_label(row)} |"))
-        assert [float(v) for v in re.findall(r"\d+\.\d\d", line)] == values
+        cells = [x for v, d in zip(values, table["spread"][row]) for x in ([v, d] if d else [v])]
+        assert [float(v) for v in re.findall(r"\d+\.\d\d", line)] == cells
+    # The spread is the standard deviation of the two seeds' base accuracies.
+    bases = [results[f"dtd/dear/seed{s}"]["metrics"]["base"] for s in (1, 2)]
+    assert table["spread"]["dear"][0] == round(abs(bases[0] - bases[1]) / 2 ** 0.5, 2)
     assert "- DeAR: base fused, novel class branch alone" in markdown
     assert "- DeAR, fused everywhere: base fused, novel fused" in markdown
     assert read(out / "settings.json")["settings"]["epochs"] == 2
+
+
+def test_linear_probe_fits_the_training_classes_and_scores_only_sets_with_those_classes(monkeypatch):
+    """Features stand in for CLIP's: three classes that only a *trained* linear map separates
+    (their means differ in one coordinate, and a larger coordinate is noise common to all)."""
+    generator = torch.Generator().manual_seed(0)
+    classes = ["a", "b", "c"]
+
+    def items(count, offset=0):
+        return [(f"{offset + i}.png", i % 3) for i in range(count)]
+
+    def fake_features(clip, listed, settings, runtime):
+        labels = torch.tensor([label for _, label in listed])
+        x = torch.randn(len(listed), 8, generator=generator) * 0.05
+        x[:, 0] = labels.float() * 0.3  # the class, in one coordinate
+        x[:, 1] = torch.randn(len(listed), generator=generator) * 3  # a large nuisance
+        return x, labels
+
+    monkeypatch.setattr(train, "image_features", fake_features)
+    split = train.data.DatasetSplits("x", "", items(30), items(12, 100), items(30, 200), classes, "{}")
+    same = train.EvalSet("base", items(60, 300), classes, "{}", True)
+    other = train.EvalSet("novel", items(60, 400), ["d", "e", "f"], "{}", False)
+    runtime = type("R", (), {"log": staticmethod(lambda line: None)})()
+    metrics = train.linear_probe(None, split, [same, other], {}, runtime)
+    assert list(metrics) == ["base"]  # no classifier for unseen classes: no novel number
+    assert metrics["base"] > 95.0
+
+
+def test_summary_leaves_the_linear_probe_novel_and_hm_empty_and_shows_the_spread():
+    settings = dict(protocol="base2novel", dataset=["a"], roles=["analyse"], fusion=["adaptive"],
+                    seeds=[1, 2], shots=[16])
+    results = [dict(job=dict(dataset="a", row="linear-probe", shots=16), metrics=dict(base=b)) for b in (80.0, 84.0)]
+    results += [dict(job=dict(dataset="a", row="dear", shots=16), metrics=dict(base=b, novel=n))
+                for b, n in ((70.0, 50.0), (74.0, 54.0))]
+    table = train.summarise(settings, results)["tables"]["a"]
+    assert table["rows"]["linear-probe"] == [82.0, None, None]
+    assert table["spread"]["linear-probe"][0] == round(4 / 2 ** 0.5, 2)
+    assert table["spread"]["dear"][:2] == [round(4 / 2 ** 0.5, 2)] * 2
+    lines = train.markdown(dict(tables={"a": table}), dict(settings, weights="w")).splitlines()
+    assert "| Linear probe (frozen image features) | 82.00 ± 2.83 | - | - |" in lines
 
 
 # ------------------------------------------------------------------------------------------
@@ -405,11 +449,11 @@ def test_toyworld_runs_end_to_end_from_an_empty_cache(tmp_path):
 
     summary = read(out / "summary.json")
     table = summary["tables"]["toyworld"]
-    assert list(table["rows"]) == ["zeroshot", "dear-all-mixed", "dear-all-generalization", "dear",
+    assert list(table["rows"]) == ["zeroshot", "linear-probe", "dear-all-mixed", "dear-all-generalization", "dear",
                                    "dear-fused-everywhere"]  # the toy table's rows
     markdown = (out / "summary.md").read_text()
-    for label in ("CLIP (zero-shot)", "DeAR, all heads mixed (no mask)", "DeAR, all heads generalization",
-                  "| DeAR |", "| DeAR, fused everywhere |"):
+    for label in ("CLIP (zero-shot)", "Linear probe", "DeAR, all heads mixed (no mask)",
+                  "DeAR, all heads generalization", "| DeAR |", "| DeAR, fused everywhere |"):
         assert label in markdown
     # All generalization: no attribute branch can read the image, so the class branch alone.
     assert "left out of the fusion" in done.stdout + done.stderr

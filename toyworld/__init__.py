@@ -33,7 +33,7 @@ Every output is in a real format, so the rest of the project runs on it unchange
     roles = dear.analyze_heads(model, batches, tokenizer, assets.bank, assets.attributes, num_layers=...)
 
 Try it:  python -m toyworld --scale miniature      (~10 s)
-         python -m toyworld                        (full: ~9 minutes the first time, then cached)
+         python -m toyworld                        (full: ~11 minutes the first time, then cached)
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ import dear
 __all__ = ["ToyAssets", "prepare", "causal_check", "SCALES"]
 
 # What each scale builds: the pretraining config (a key of pretrain.CONFIGS) and the task's
-# settings (task.TaskConfig fields). "full" is the lab (pretraining ~9 minutes on 2 cores, the
+# settings (task.TaskConfig fields). "full" is the lab (pretraining ~11 minutes on 2 cores, the
 # whole train.py run within ~15); "miniature" is for the tests (16 px, 2 layers, seconds).
 SCALES = {
-    "full": {"pretrain": "full", "task": {"image_size": 32, "images_per_class": (32, 8, 30)}},
+    "full": {"pretrain": "full", "task": {"image_size": 48, "images_per_class": (32, 8, 30)}},
     "miniature": {"pretrain": "miniature", "task": {"image_size": 16, "images_per_class": (16, 4, 4)}},
 }
 
@@ -77,7 +77,7 @@ class ToyAssets:
 
     weights: str  # CLIP state dict in OpenAI's key format: clip_model.load(weights, head_width=head_width)
     bpe: str  # merges file in OpenAI's format: clip_model.SimpleTokenizer(bpe)
-    head_width: int  # channels per attention head (the toy CLIP's 128 = 4 heads x 32)
+    head_width: int  # channels per attention head (the toy CLIP's 128 = 8 heads x 16)
     data_root: str  # the $DATA folder that holds toyworld/ in CoOp's layout
     attributes: list[str]  # the core attributes, in attribute-token order
     bank: list[dear.Description]  # the toy description bank for the head analysis

@@ -2,7 +2,7 @@
 python -m toyworld -- prepare the toy world (or find it in the cache) and show what was made.
 
     python -m toyworld --scale miniature             # seconds: a tiny model, for a look
-    python -m toyworld                               # full: ~9 minutes the first time
+    python -m toyworld                               # full: ~11 minutes the first time
     python -m toyworld --scale miniature --causal    # also run the head-ablation check
     python -m toyworld --grid samples.png            # a grid of images with their captions
 

@@ -102,6 +102,44 @@ def ablate_head(model: clip_model.CLIP, layer: int, head: int, mean_output: torc
         handle.remove()
 
 
+@contextlib.contextmanager
+def ablate_heads(model: clip_model.CLIP, heads: Sequence[tuple[int, int]],
+                 means: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Mean-ablate several heads at once ((layer, head) pairs, 0-based). Pre-hooks on one
+    out_proj chain (each sees the previous one's output), so heads of one layer combine."""
+    with contextlib.ExitStack() as stack:
+        for layer, head in heads:
+            stack.enter_context(ablate_head(model, layer, head, means[layer]))
+        yield
+
+
+def head_groups(role_map: dear.RoleMap, attributes: Sequence[str]) -> list[dict]:
+    """The groups ablated together: all heads of one role, and all heads concept entropy
+    names for one attribute (the attribute heads for it). Why groups: when colour is carried
+    by three heads, removing any one of them costs little, and single-head ablation cannot
+    tell "redundant" from "absent"; removing the three together can.
+
+    Each group: {"name", "heads": [(layer, head)], "expects": the attribute its removal
+    should single out, None for "no attribute" (generalization heads), or "-" (not scored:
+    mixed heads, and all attribute heads together, which span several attributes)}. Empty
+    groups are left out."""
+    groups = []
+    for role, expects in (("attribute", "-"), ("generalization", None), ("mixed", "-")):
+        members = [(h.layer, h.head) for h in role_map.heads if h.role == role]
+        groups.append({"name": f"all {role} heads", "heads": members, "expects": expects})
+    for attribute in attributes:
+        members = [(h.layer, h.head) for h in role_map.heads if h.role == "attribute" and h.attribute == attribute]
+        groups.append({"name": f"{attribute} heads (entropy)", "heads": members, "expects": attribute})
+    return [group for group in groups if group["heads"]]
+
+
+def _selectivity(decisive: dict[str, float], attribute: str) -> float:
+    """How much more removing a unit costs `attribute` than any other attribute:
+    drop(attribute) - max drop(other) (negative drops count as 0)."""
+    others = [max(value, 0.0) for name, value in decisive.items() if name != attribute]
+    return decisive[attribute] - max(others, default=0.0)
+
+
 # ------------------------------------------------------------------------------------------
 # 2. The check
 # ------------------------------------------------------------------------------------------
@@ -161,11 +199,50 @@ def causal_check(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer, r
                      "top_attribute": max(decisive, key=decisive.get), "singled_out": singled, "agrees": agrees})
     scored = [row for row in rows if row["agrees"] is not None]
     rate = sum(row["agrees"] for row in scored) / len(scored) if scored else None
+
+    # The same for groups of heads removed together: the groups concept entropy defines, and,
+    # per attribute, the heads whose own ablation singles it out (the group ablation itself
+    # would name; not scored, it is the yardstick).
+    by_ablation = []
+    for attribute in attributes:
+        members = [(row["layer"], row["head"]) for row in rows if row["singled_out"] == attribute]
+        if members:
+            by_ablation.append({"name": f"{attribute} heads (ablation)", "heads": members, "expects": "-"})
+    groups = []
+    for group in head_groups(role_map, attributes) + by_ablation:
+        with ablate_heads(clip, group["heads"], means):
+            ablated = zero_shot_scores(clip, images, scenes, text)
+        drops = {name: baseline[name]["accuracy"] - ablated[name]["accuracy"] for name in attributes}
+        log_prob_drops = {name: baseline[name]["log_prob"] - ablated[name]["log_prob"] for name in attributes}
+        decisive = log_prob_drops if measure == "log_prob" else drops
+        singled = _singled_out(decisive, min_drop, dominance)
+        agrees = None if group["expects"] == "-" else singled == group["expects"]
+        groups.append({**group, "drops": drops, "log_prob_drops": log_prob_drops,
+                       "top_attribute": max(decisive, key=decisive.get), "singled_out": singled, "agrees": agrees})
+    scored_groups = [group for group in groups if group["agrees"] is not None]
+    group_rate = sum(g["agrees"] for g in scored_groups) / len(scored_groups) if scored_groups else None
+
+    # Per attribute: the head or group whose removal costs it most compared with the others.
+    def units():
+        for row in rows:
+            yield f"head {row['layer'] + 1}.{row['head']} ({row['role']}{':' + row['attribute'] if row['attribute'] else ''})", row
+        for group in groups:
+            yield group["name"], group
+
+    best = {}
+    for attribute in attributes:
+        name, unit = max(units(), key=lambda item: _selectivity(
+            item[1]["log_prob_drops" if measure == "log_prob" else "drops"], attribute))
+        decisive = unit["log_prob_drops" if measure == "log_prob" else "drops"]
+        best[attribute] = {"unit": name, "selectivity": _selectivity(decisive, attribute),
+                           "singled_out": unit["singled_out"] == attribute}
     result = {"baseline": baseline, "heads": rows, "agreement_rate": rate, "scored": len(scored),
-              "measure": measure, "min_drop": min_drop, "dominance": dominance}
+              "groups": groups, "group_agreement_rate": group_rate, "groups_scored": len(scored_groups),
+              "best_per_attribute": best, "measure": measure, "min_drop": min_drop, "dominance": dominance}
     result["table"] = causal_table(result, attributes)
-    log(f"causal check: {len(rows)} heads ablated on {n_images} images; agreement "
-        f"{'n/a' if rate is None else f'{rate:.0%}'} of {len(scored)} scored heads (by {measure})")
+    log(f"causal check: {len(rows)} heads and {len(groups)} groups ablated on {n_images} images; agreement "
+        f"{'n/a' if rate is None else f'{rate:.0%}'} of {len(scored)} scored heads, "
+        f"{'n/a' if group_rate is None else f'{group_rate:.0%}'} of {len(scored_groups)} scored groups (by {measure})")
     return result
 
 
@@ -185,13 +262,27 @@ def causal_table(result: dict, attributes: Sequence[str]) -> str:
         lines.append(f"| {row['layer'] + 1} | {row['head']} | {role}{entropy} | "
                      + " | ".join(f"{100 * row['drops'][a]:+.1f} / {row['log_prob_drops'][a]:+.2f}" for a in attributes)
                      + f" | {row['top_attribute']} | {row['singled_out'] or '-'} | {agrees} |")
-    rate = result["agreement_rate"]
+    lines += ["", "| group (removed together) | heads | " + " | ".join(f"drop {a}" for a in attributes)
+              + " | largest drop | singled out | agrees |", "|" + "---|" * (5 + len(attributes))]
+    for group in result["groups"]:
+        agrees = {True: "yes", False: "no", None: "-"}[group["agrees"]]
+        lines.append(f"| {group['name']} | {len(group['heads'])} | "
+                     + " | ".join(f"{100 * group['drops'][a]:+.1f} / {group['log_prob_drops'][a]:+.2f}" for a in attributes)
+                     + f" | {group['top_attribute']} | {group['singled_out'] or '-'} | {agrees} |")
+    lines += ["", "| attribute | most selective head or group | drop minus largest other drop | singled out |",
+              "|---|---|---:|---|"]
+    for attribute, best in result["best_per_attribute"].items():
+        lines.append(f"| {attribute} | {best['unit']} | {best['selectivity']:+.2f} | {'yes' if best['singled_out'] else 'no'} |")
+    rate, group_rate = result["agreement_rate"], result["group_agreement_rate"]
     unit = "nats" if result["measure"] == "log_prob" else "accuracy points"
     threshold = result["min_drop"] if result["measure"] == "log_prob" else 100 * result["min_drop"]
     lines.append("")
-    lines.append(f"Agreement: {'n/a' if rate is None else f'{rate:.0%}'} of {result['scored']} scored heads. "
+    lines.append(f"Agreement: {'n/a' if rate is None else f'{rate:.0%}'} of {result['scored']} scored heads, "
+                 f"{'n/a' if group_rate is None else f'{group_rate:.0%}'} of {result['groups_scored']} scored groups. "
                  f"Cells: accuracy points / nats of log-probability lost when the head is mean-ablated. "
                  f"Attribute heads agree when their attribute is singled out, generalization heads when none "
                  f"is; singled out = largest {result['measure']} drop >= {threshold:g} {unit} and >= "
-                 f"{result['dominance']:g}x the second; mixed heads are not scored.")
+                 f"{result['dominance']:g}x the second; mixed heads are not scored. "
+                 f"A group of an attribute's heads agrees when removing them singles it out, the generalization "
+                 f"group when it singles out none; mixed heads and all attribute heads together are not scored.")
     return "\n".join(lines)

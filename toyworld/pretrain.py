@@ -4,14 +4,14 @@ in a cache in OpenAI's formats.
 
 What this file holds, top to bottom:
 
-    1. configurations ...... PretrainConfig and the two scales: "full" (the lab: 32x32 images,
-                             4+3 layers, ~1.4M parameters, ~9 minutes) and "miniature" (CI)
+    1. configurations ...... PretrainConfig and the two scales: "full" (the lab: 48x48 images,
+                             4+3 layers of 8 heads, ~1.6M parameters, ~11 minutes) and "miniature" (CI)
     2. data ................ images drawn fresh every batch, normalised exactly as data.py's
                              test_transform normalises a saved PNG, with their captions
     3. zero-shot ........... per-attribute accuracy with partial-caption prompts
                              ("a photo of a red object" vs "... blue object" ...)
     4. the loss ............ CLIP's symmetric InfoNCE with a learnable, clamped temperature
-    5. the training loop ... AdamW, warm-up then cosine, progress lines, a time and step budget
+    5. the training loop ... AdamW, warm-up then cosine, progress lines, a fixed step budget
     6. the cache ........... <cache>/toyworld/<config name>/{clip.pt, bpe.txt.gz, config.json},
                              checked before it is trusted, rebuilt when it is not
 
@@ -21,19 +21,20 @@ plain `state_dict()` of `clip_model.CLIP` -- OpenAI's key names -- so train.py l
 `clip_model.SimpleTokenizer(bpe_path)`. Nothing downstream knows the model is a toy.
 
 Try it:  python -m toyworld.pretrain --scale miniature      (a few seconds)
-         python -m toyworld.pretrain --scale full           (about 9 minutes on 2 cores)
+         python -m toyworld.pretrain --scale full           (about 11 minutes on 2 cores)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import random
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -56,17 +57,19 @@ CACHE_FORMAT = "dear-from-scratch toy CLIP cache, version 1"
 class PretrainConfig:
     name: str  # the cache folder's name
     # -- the model (clip_model.CLIP's constructor arguments, less the vocabulary) --
-    image_size: int = 32  # pixels; the toy world draws at this size, no resizing anywhere
-    # 32 / 8 = a 4 x 4 grid of patches + CLS = 17 tokens. Patch 4 (65 tokens) learned colour
-    # and texture about as fast per image but ran 2.3x fewer images per second on 2 CPU
-    # cores (~220 vs ~480), so patch 8 sees ~240k images in the 9-minute budget. It also
-    # keeps DeAR's downstream runs on this model cheap.
-    patch_size: int = 8
+    image_size: int = 48  # pixels; the toy world draws at this size, no resizing anywhere
+    # 48 / 12 = a 4 x 4 grid of patches + CLS = 17 tokens, the same sequence as 32 px with
+    # patch 8, so the transformer costs the same; only the patch embedding and the renderer
+    # grow (about +7% per step). The extra pixels are for shape: at 32 px a small star was
+    # 8 pixels across and shape zero-shot stayed near 70%.
+    patch_size: int = 12
     vision_width: int = 128
     vision_layers: int = 4
     text_width: int = 128
     text_layers: int = 3
-    head_width: int = 32  # both towers: width / head_width heads (128 / 32 = 4)
+    # Both towers: width / head_width heads. 8 heads of 16 rather than 4 of 32: more, narrower
+    # heads leave each head room for fewer things, which is what lets some specialise.
+    head_width: int = 16
     embed_dim: int = 128
     context_length: int = 24  # the longest caption is 17 tokens + start and end
     # -- the optimisation --
@@ -74,8 +77,19 @@ class PretrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.1
     warmup_steps: int = 200
-    max_steps: int = 8000  # the schedule ends at whichever budget runs out first ...
-    max_seconds: float = 540.0  # ... the steps or the clock (9 minutes)
+    # A fixed number of steps, never a clock: the same settings give the same model on every
+    # machine (with the same torch build), however busy or slow it is; a slow machine only
+    # takes longer, and the progress lines say how much longer.
+    max_steps: int = 3200
+    # One thread, fixed for the build and restored afterwards. The result must not depend on
+    # the machine's core count, and one thread is also the fastest choice on a shared machine:
+    # measured on 2 cores, 2 threads ran 466 images/s alone but 45 images/s next to one
+    # CPU-bound process (the threads wait for each other at every barrier), one thread 335
+    # and 201.
+    threads: int = 1
+    # Share of each batch drawn as "twins": pairs of scenes identical but for one core
+    # attribute (see training_scenes). 0 = every scene drawn independently.
+    twin_share: float = 0.5
     position_init_std: float = 0.25  # image positional embedding init (OpenAI: width**-0.5); see build_clip
     bf16: bool = False  # bf16 autocast on CPU: measured slower than fp32 here (see README)
     # -- bookkeeping --
@@ -96,8 +110,14 @@ CONFIGS = {
     "miniature": PretrainConfig(
         "miniature", image_size=16, patch_size=4, vision_width=64, vision_layers=2, text_width=64,
         text_layers=1, head_width=32, embed_dim=64, batch_size=32, warmup_steps=5, max_steps=30,
-        max_seconds=20.0, eval_images=64, eval_every=15, log_every=10),
+        eval_images=64, eval_every=15, log_every=10),
 }
+
+
+# Pretraining time of each config expected on 2 quiet cores (README, "Measured": 0.19 s per
+# step on one thread); a build that looks much slower says how long it will take. Not
+# part of the config: it changes nothing in the model.
+EXPECTED_SECONDS = {"full": 610.0}
 
 
 def build_clip(config: PretrainConfig, vocab_size: int) -> clip_model.CLIP:
@@ -143,6 +163,28 @@ def draw_batch(scene_rng: random.Random, pixel_rng: np.random.Generator, n: int,
     """n fresh scenes and their images: ((n, 3, size, size) model input, scenes)."""
     scenes = [world.sample_scene(scene_rng) for _ in range(n)]
     return to_model_input(world.render_batch(scenes, pixel_rng, size, style)), scenes
+
+
+def training_scenes(rng: random.Random, n: int, twin_share: float) -> list[world.Scene]:
+    """n scenes for one training batch: about twin_share of them in twin pairs, the rest drawn
+    independently (in a shuffled order).
+
+    A twin is a copy of a scene with one core attribute redrawn to another value. Why: with
+    independent scenes, a full caption ("a red striped circle at the top left") is almost
+    always told apart from the rest of the batch by colour and texture alone, the attributes
+    learnt first, so shape gets little pressure. A twin that differs only in shape makes shape
+    the only way to match the pair's two captions -- a hard negative for every attribute.
+    """
+    n_pairs = int(n * twin_share) // 2
+    scenes = []
+    for _ in range(n_pairs):
+        scene = world.sample_scene(rng)
+        attribute = rng.choice(list(world.ATTRIBUTES))
+        other = rng.choice([v for v in world.ATTRIBUTES[attribute] if v != scene.value(attribute)])
+        scenes += [scene, replace(scene, **{attribute: other})]
+    scenes += [world.sample_scene(rng) for _ in range(n - len(scenes))]
+    rng.shuffle(scenes)
+    return scenes
 
 
 # ------------------------------------------------------------------------------------------
@@ -223,26 +265,43 @@ def contrastive_loss(image_features: torch.Tensor, text_features: torch.Tensor,
 # ------------------------------------------------------------------------------------------
 
 
-def learning_rate(config: PretrainConfig, step: int, progress: float) -> float:
-    """Linear warm-up over warmup_steps, then a cosine from lr to 0 as `progress` goes 0 -> 1
-    (progress = the larger of steps used / max_steps and time used / max_seconds)."""
+def learning_rate(config: PretrainConfig, step: int) -> float:
+    """Linear warm-up over warmup_steps, then a cosine from lr to 0 at max_steps."""
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(config.max_steps - config.warmup_steps, 1)
     return config.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+@contextlib.contextmanager
+def fixed_threads(n: int) -> Iterator[None]:
+    """torch runs on exactly n threads inside the block; the caller's setting is restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def pretrain(config: PretrainConfig, tokenizer: clip_model.SimpleTokenizer,
              log: Callable[[str], None] = print) -> clip_model.CLIP:
-    """Train a fresh CLIP on freshly drawn toy images until a budget runs out; return it
-    (eval mode). Logs a loss line every log_every steps and a zero-shot line every eval_every."""
-    torch.set_num_threads(min(torch.get_num_threads(), 2))  # 2 shared cores: more threads only contend
+    """Train a fresh CLIP on freshly drawn toy images for config.max_steps steps on
+    config.threads threads; return it (eval mode). Logs a loss line every log_every steps (with
+    the time left at the current pace) and a zero-shot line every eval_every."""
+    with fixed_threads(config.threads):
+        return _pretrain(config, tokenizer, log)
+
+
+def _pretrain(config: PretrainConfig, tokenizer: clip_model.SimpleTokenizer,
+              log: Callable[[str], None]) -> clip_model.CLIP:
     torch.manual_seed(config.seed)
     model = build_clip(config, tokenizer.vocab_size)
     n_parameters = sum(p.numel() for p in model.parameters())
     log(f"toy CLIP '{config.name}': {n_parameters:,} parameters; {config.image_size}px images, "
         f"patch {config.patch_size}, vision {config.vision_layers} layers x {config.vision_heads} heads "
         f"of {config.head_width}, text {config.text_layers} layers, vocabulary {tokenizer.vocab_size}; "
-        f"budget {config.max_steps} steps or {config.max_seconds:.0f} s, batch {config.batch_size}, "
+        f"{config.max_steps} steps of {config.batch_size} images on {config.threads} thread(s), "
         f"{'bf16 autocast' if config.bf16 else 'fp32'}")
 
     # No weight decay on gains, biases and the temperature (1-D tensors), as is usual, nor on
@@ -260,18 +319,16 @@ def pretrain(config: PretrainConfig, tokenizer: clip_model.SimpleTokenizer,
     eval_images, eval_scenes = draw_batch(random.Random(10_000 + config.seed),
                                           np.random.default_rng(10_000 + config.seed),
                                           config.eval_images, config.image_size)
+    expected = EXPECTED_SECONDS.get(config.name, 0.0)
     start = time.time()
-    step, loss_sum, loss_count = 0, 0.0, 0
-    while True:
-        elapsed = time.time() - start
-        progress = max(step / config.max_steps, elapsed / config.max_seconds)
-        if progress >= 1.0:
-            break
+    loss_sum, loss_count = 0.0, 0
+    for step in range(1, config.max_steps + 1):
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(config, step, progress)
+            group["lr"] = learning_rate(config, step - 1)
 
         # A fresh batch: scenes, their images, and a caption per image naming random attributes.
-        images, scenes = draw_batch(scene_rng, pixel_rng, config.batch_size, config.image_size)
+        scenes = training_scenes(scene_rng, config.batch_size, config.twin_share)
+        images = to_model_input(world.render_batch(scenes, pixel_rng, config.image_size))
         named = [world.random_naming(scene_rng) for _ in scenes]
         captions = [world.random_caption(scene, scene_rng, n) for scene, n in zip(scenes, named)]
         positives = torch.tensor([[world.describes(scenes[j], named[j], scenes[i]) for j in range(len(scenes))]
@@ -285,25 +342,30 @@ def pretrain(config: PretrainConfig, tokenizer: clip_model.SimpleTokenizer,
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        step += 1
         loss_sum, loss_count = loss_sum + loss.item(), loss_count + 1
 
-        last = (time.time() - start) / config.max_seconds >= 1.0 or step >= config.max_steps
+        last = step == config.max_steps
         if step % config.log_every == 0 or last:
             elapsed = time.time() - start
-            rate = step * config.batch_size / elapsed
-            left = min(config.max_seconds - elapsed, (config.max_steps - step) * elapsed / step)
-            log(f"  step {step:>5}  loss {loss_sum / loss_count:.3f}  lr {optimizer.param_groups[0]['lr']:.2e}  "
-                f"scale {model.logit_scale.exp().item():5.1f}  {rate:,.0f} samples/s  "
-                f"{elapsed:.0f} s elapsed, ~{max(left, 0):.0f} s left")
+            left = (config.max_steps - step) * elapsed / step  # at the pace so far
+            log(f"  step {step:>5}/{config.max_steps}  loss {loss_sum / loss_count:.3f}  "
+                f"lr {optimizer.param_groups[0]['lr']:.2e}  scale {model.logit_scale.exp().item():5.1f}  "
+                f"{step * config.batch_size / elapsed:,.0f} images/s  {elapsed:.0f} s elapsed, ~{left:.0f} s left")
             loss_sum, loss_count = 0.0, 0
+            if step == config.log_every and expected and left + elapsed > 1.5 * expected:
+                # Slow or busy machine: the build is not cut short (the model would differ),
+                # it takes longer. Say so once, early.
+                log(f"  this machine is running slower than the ~{expected / 60:.0f} minutes expected on "
+                    f"2 quiet cores: pretraining will take about {(left + elapsed) / 60:.0f} minutes "
+                    "(the same model either way)")
         if step % config.eval_every == 0 or last:
             model.eval()
             accuracy = zero_shot_accuracy(model, tokenizer, eval_images, eval_scenes)
             log("  zero-shot " + "  ".join(f"{name} {value:.0%}" for name, value in accuracy.items())
                 + f"  (chance: {'  '.join(f'{1 / len(v):.0%}' for v in world.ATTRIBUTES.values())})")
     model.eval()
-    log(f"pretraining done: {step} steps, {step * config.batch_size:,} images, {time.time() - start:.0f} s")
+    log(f"pretraining done: {config.max_steps} steps, {config.max_steps * config.batch_size:,} images, "
+        f"{time.time() - start:.0f} s")
     return model
 
 
@@ -380,9 +442,14 @@ def pretrained_clip(config: PretrainConfig, cache_dir: Optional[str] = None,
     eval_images, eval_scenes = draw_batch(random.Random(10_000 + config.seed),
                                           np.random.default_rng(10_000 + config.seed),
                                           config.eval_images, config.image_size)
-    report = {"parameters": sum(p.numel() for p in model.parameters()), "pretrain_seconds": round(seconds, 1),
-              "zero_shot": {k: round(v, 4) for k, v in
-                            zero_shot_accuracy(model, tokenizer, eval_images, eval_scenes).items()}}
+    with fixed_threads(config.threads):
+        zero_shot = zero_shot_accuracy(model, tokenizer, eval_images, eval_scenes)
+    # What was built, with what: the result depends on the settings and the torch build only;
+    # the seconds are this machine's (informative, not part of the result).
+    report = {"parameters": sum(p.numel() for p in model.parameters()), "steps": config.max_steps,
+              "images": config.max_steps * config.batch_size, "threads": config.threads,
+              "torch": torch.__version__, "pretrain_seconds": round(seconds, 1),
+              "zero_shot": {k: round(v, 4) for k, v in zero_shot.items()}}
     atomic_write(weights, lambda temporary: clip_model.save(model, temporary))  # + heads, activation
     atomic_write_json(os.path.join(folder, "config.json"), {
         "format": CACHE_FORMAT,
@@ -396,12 +463,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="Pretrain (or reuse) the toy world's tiny CLIP.")
     parser.add_argument("--scale", default="full", choices=sorted(CONFIGS), help="which configuration")
     parser.add_argument("--cache-dir", default=None, help="cache root (default: $DEAR_CACHE_DIR or ~/.cache/dear-from-scratch)")
-    parser.add_argument("--seconds", type=float, default=None, help="override the time budget")
     parser.add_argument("--steps", type=int, default=None, help="override the step budget")
     parser.add_argument("--bf16", action="store_true", help="use bf16 autocast (measure first: often slower on CPU)")
     args = parser.parse_args(argv)
     config = CONFIGS[args.scale]
-    overrides = {k: v for k, v in (("max_seconds", args.seconds), ("max_steps", args.steps)) if v is not None}
+    overrides = {"max_steps": args.steps} if args.steps is not None else {}
     if args.bf16:
         overrides["bf16"] = True
     config = replace(config, **overrides)

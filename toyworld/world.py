@@ -139,6 +139,12 @@ STYLES = {
 }
 
 
+# The object's radius range per size word (a fraction of the image side), and how dark the
+# texture's pattern is (a factor on the object's colour).
+RADIUS = {"small": (0.15, 0.17), "large": (0.19, 0.23)}
+PATTERN_SHADE = 0.5
+
+
 def _shape_mask(shape: str, u: np.ndarray, v: np.ndarray) -> np.ndarray:
     """Inside test for one shape; u, v: (..., S, S) object coordinates (v grows downwards).
     Every shape reaches about radius 1, so all look about equally large."""
@@ -203,8 +209,7 @@ def render_batch(scenes: Sequence[Scene], rng: np.random.Generator, size: int = 
     # -- the object: where, how big, which colour --------------------------------------
     quadrant = {"top left": (0.25, 0.25), "top right": (0.75, 0.25),
                 "bottom left": (0.25, 0.75), "bottom right": (0.75, 0.75)}
-    radius = np.array([rng.uniform(0.12, 0.15) if s.size == "small" else rng.uniform(0.18, 0.22)
-                       for s in scenes])  # (B,) as a fraction of the image side
+    radius = np.array([rng.uniform(*RADIUS[s.size]) for s in scenes])  # (B,) as a fraction of the image side
     slack = np.maximum(0.24 - radius, 0.0) * 0.8  # how far the centre may move inside its quadrant
     cx = np.array([quadrant[s.position][0] for s in scenes]) + rng.uniform(-1, 1, B) * slack
     cy = np.array([quadrant[s.position][1] for s in scenes]) + rng.uniform(-1, 1, B) * slack
@@ -223,7 +228,7 @@ def render_batch(scenes: Sequence[Scene], rng: np.random.Generator, size: int = 
             image[i][ring] = 20.0
         pattern = _texture_mask(scene.texture, pixel_x, pixel_y, period, texture_phase[i:i + 1])[0]
         image[i][inside] = rgb[i]
-        image[i][inside & pattern] = rgb[i] * 0.35  # the pattern: a dark version of the colour
+        image[i][inside & pattern] = rgb[i] * PATTERN_SHADE  # the pattern: a dark version of the colour
 
     image = image + rng.normal(0, look.noise, size=image.shape)
     return np.clip(np.rint(image), 0, 255).astype(np.uint8)
