@@ -619,20 +619,16 @@ def plan_jobs(settings: dict) -> List[Job]:
     for dataset in trained:
         if "zeroshot" in settings["method"]:
             jobs.append(Job(dataset, "zeroshot", None, None, None, os.path.join(out, dataset, "zeroshot")))
-        if "linear-probe" in settings["method"]:
+        # The rows that train, one run per shots x seed: the linear probe, then DeAR once per
+        # --roles choice.
+        rows = [("linear-probe", None)] if "linear-probe" in settings["method"] else []
+        if "dear" in settings["method"]:
+            rows += [(row_name(roles), roles) for roles in settings["roles"]]
+        for row, roles in rows:
             for shots in settings["shots"]:
                 for seed in settings["seeds"]:
                     leaf = f"seed{seed}" if protocol != "fewshot" else f"shots{shots}-seed{seed}"
-                    jobs.append(Job(dataset, "linear-probe", None, seed, shots,
-                                    os.path.join(out, dataset, "linear-probe", leaf)))
-        if "dear" not in settings["method"]:
-            continue
-        for roles in settings["roles"]:
-            for shots in settings["shots"]:
-                for seed in settings["seeds"]:
-                    leaf = f"seed{seed}" if protocol != "fewshot" else f"shots{shots}-seed{seed}"
-                    jobs.append(Job(dataset, row_name(roles), roles, seed, shots,
-                                    os.path.join(out, dataset, row_name(roles), leaf)))
+                    jobs.append(Job(dataset, row, roles, seed, shots, os.path.join(out, dataset, row, leaf)))
     return jobs
 
 
