@@ -12,7 +12,7 @@ What this file holds, top to bottom:
     4. captions ................ caption(scene, named=...) -> "a photo of a small red striped
                                  circle at the top left on a dark background", or a partial one
                                  that names only some attributes ("a photo of a red object")
-    5. the description bank .... toy_bank() -> dear.Description phrases, each labelled with its
+    5. the description bank .... toy_bank() -> (text, concept) pairs, each labelled with its
                                  concept by construction (DESIGN.md Sec. 3, step 2)
     6. the corpus .............. every caption word and bank phrase, for the BPE trainer
 
@@ -37,7 +37,6 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from dear import Description
 
 # ------------------------------------------------------------------------------------------
 # 1. The attribute table
@@ -344,7 +343,7 @@ _BANK_TEMPLATES = {
 }
 
 
-def toy_bank() -> list[Description]:
+def toy_bank() -> list[tuple[str, str]]:
     """Phrases about the toy world, each labelled with its concept: every value of every
     attribute in each of its concept's templates, plus "scene" phrases that name two
     attributes at once. About 200 phrases, no duplicates."""
@@ -353,7 +352,7 @@ def toy_bank() -> list[Description]:
     def add(text: str, concept: str) -> None:
         if text not in seen:
             seen.add(text)
-            bank.append(Description(text, concept))
+            bank.append((text, concept))
 
     for concept, templates in _BANK_TEMPLATES.items():
         for template in templates:
@@ -385,7 +384,7 @@ def corpus() -> list[str]:
                     scene = Scene(**{**base.__dict__, attribute: value})
                     texts.append(caption(scene, [attribute], prefix, period))
                     texts.append(caption(scene, None, prefix, period))
-    texts += [d.text for d in toy_bank()]
+    texts += [text for text, _ in toy_bank()]
     texts.append(TEMPLATE.format("red circle"))
     return texts
 
