@@ -198,6 +198,20 @@ def test_second_prepare_reuses_the_cache(mini, monkeypatch):
     assert not any("step" in line for line in lines), "it retrained"
 
 
+def test_a_cache_drawn_from_another_version_of_the_world_is_not_reused(mini, monkeypatch):
+    """Editing one of world.py's tables (here how dark a texture is drawn) changes the world's
+    fingerprint, so neither the cached toy CLIP nor the cached task is taken as up to date."""
+    assets = mini[0]
+    folder = os.path.dirname(assets.weights)
+    task_config = task.TaskConfig(**toyworld.SCALES["miniature"]["task"])
+    assert pretrain._check_cache(folder, pretrain.CONFIGS["miniature"])[0] is not None
+    assert task.task_is_complete(assets.data_root, task_config)
+    monkeypatch.setattr(world, "PATTERN_SHADE", world.PATTERN_SHADE + 0.1)
+    record, reason = pretrain._check_cache(folder, pretrain.CONFIGS["miniature"])
+    assert record is None and "another version of the world" in reason
+    assert not task.task_is_complete(assets.data_root, task_config)
+
+
 def test_two_builds_with_the_same_settings_give_identical_weights_whatever_the_callers_threads(mini, tmp_path):
     """The build runs a fixed number of steps on a fixed number of threads: a second build, in
     another cache and from a caller set to other threads, gives the same weights bit for bit,

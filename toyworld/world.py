@@ -31,6 +31,7 @@ Try it:  python -m toyworld.world     (prints a few scenes with their captions)
 
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import dataclass, fields
 from typing import Iterable, Optional, Sequence
@@ -387,6 +388,23 @@ def corpus() -> list[str]:
     texts += [text for text, _ in toy_bank()]
     texts.append(TEMPLATE.format("red circle"))
     return texts
+
+
+# ------------------------------------------------------------------------------------------
+# What a cache was drawn from
+# ------------------------------------------------------------------------------------------
+# The caches (pretrain.py's toy CLIP, task.py's images) record this fingerprint and are rebuilt
+# when it changes, so editing a colour, a radius, a style or a caption template never reuses a
+# model or a task drawn from the old world. It covers the tables above, not the drawing code:
+# a change to how render_batch or caption work must bump WORLD_VERSION by hand.
+WORLD_VERSION = 2  # 1: 32 px world, clock-stopped pretraining; 2: 48 px, larger objects, twins
+
+
+def fingerprint() -> str:
+    """A short hash of WORLD_VERSION and every table the renderer, captions and bank read."""
+    tables = (WORLD_VERSION, ATTRIBUTES, EXTRA_ATTRIBUTES, COLOUR_RGB, sorted(STYLES.items()),
+              RADIUS, PATTERN_SHADE, PREFIXES, TEMPLATE, _BANK_TEMPLATES)
+    return hashlib.sha256(repr(tables).encode("utf-8")).hexdigest()[:16]
 
 
 if __name__ == "__main__":
