@@ -257,7 +257,7 @@ def analyze_heads(clip: CLIP, image_batches: Union[torch.Tensor, Iterable[torch.
     TextSpan does), TextSpan's top `num_descriptions` descriptions from the bank, their
     concept entropy, and its role.
     """
-    bank = list(bank) if bank is not None else description_bank()
+    bank = [Description(*entry) for entry in bank] if bank is not None else description_bank()
     depth = len(clip.visual.transformer.resblocks)
     num_layers = min(4, depth) if num_layers is None else num_layers
     if not 1 <= num_layers <= depth:
@@ -892,8 +892,9 @@ def draw_role_masks(masks: torch.Tensor, num_image_tokens: int, attributes: Sequ
 # The description bank (METHOD.md Sec. 3): labelled phrases for TextSpan to choose from.
 
 
-@dataclass(frozen=True)
-class Description:
+class Description(NamedTuple):
+    """One labelled phrase. A NamedTuple, so a caller's own bank can be plain
+    (text, concept) pairs: analyze_heads reads either."""
     text: str
     concept: str
 

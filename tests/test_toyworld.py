@@ -111,12 +111,12 @@ def test_captions_name_exactly_the_requested_attributes():
 
 def test_toy_bank_is_labelled_and_large_enough():
     bank = world.toy_bank()
-    assert len(bank) >= 100 and len({d.text for d in bank}) == len(bank)
-    concepts = {d.concept for d in bank}
+    assert len(bank) >= 100 and len({text for text, _ in bank}) == len(bank)
+    concepts = {concept for _, concept in bank}
     assert set(world.ATTRIBUTES) <= concepts and len(concepts - set(world.ATTRIBUTES)) >= 2
-    for d in bank:  # labelled by construction: a concept's phrase names one of its values
-        if d.concept in world.ATTRIBUTES:
-            assert any(value in d.text for value in world.ATTRIBUTES[d.concept]), d
+    for text, concept in bank:  # labelled by construction: a concept's phrase names one of its values
+        if concept in world.ATTRIBUTES:
+            assert any(value in text for value in world.ATTRIBUTES[concept]), (text, concept)
 
 
 # ------------------------------------------------------------------------------------------
@@ -129,7 +129,7 @@ def test_learned_bpe_round_trips_every_caption_and_bank_phrase(tmp_path):
     tokenizer = clip_model.SimpleTokenizer(path)
     assert tokenizer.vocab_size == vocab_size < 1000, "vocabulary should be small"
     rng = random.Random(0)
-    texts = world.corpus() + [d.text for d in world.toy_bank()]
+    texts = world.corpus() + [text for text, _ in world.toy_bank()]
     texts += [world.random_caption(world.sample_scene(rng), rng) for _ in range(300)]
     texts += [world.TEMPLATE.format(task.class_name(c, s)) for c, s, _ in task.class_table(task.TaskConfig())]
     for text in texts:
@@ -196,6 +196,20 @@ def test_second_prepare_reuses_the_cache(mini, monkeypatch):
     assert any("reusing the cached model" in line for line in lines)
     assert any("toy task: reusing" in line for line in lines)
     assert not any("step" in line for line in lines), "it retrained"
+
+
+def test_a_cache_drawn_from_another_version_of_the_world_is_not_reused(mini, monkeypatch):
+    """Editing one of world.py's tables (here how dark a texture is drawn) changes the world's
+    fingerprint, so neither the cached toy CLIP nor the cached task is taken as up to date."""
+    assets = mini[0]
+    folder = os.path.dirname(assets.weights)
+    task_config = task.TaskConfig(**toyworld.SCALES["miniature"]["task"])
+    assert pretrain._check_cache(folder, pretrain.CONFIGS["miniature"])[0] is not None
+    assert task.task_is_complete(assets.data_root, task_config)
+    monkeypatch.setattr(world, "PATTERN_SHADE", world.PATTERN_SHADE + 0.1)
+    record, reason = pretrain._check_cache(folder, pretrain.CONFIGS["miniature"])
+    assert record is None and "another version of the world" in reason
+    assert not task.task_is_complete(assets.data_root, task_config)
 
 
 def test_two_builds_with_the_same_settings_give_identical_weights_whatever_the_callers_threads(mini, tmp_path):

@@ -46,8 +46,6 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-import dear
-
 __all__ = ["ToyAssets", "prepare", "causal_check", "SCALES"]
 
 # What each scale builds: the pretraining config (a key of pretrain.CONFIGS) and the task's
@@ -80,7 +78,7 @@ class ToyAssets:
     head_width: int  # channels per attention head (the toy CLIP's 128 = 8 heads x 16)
     data_root: str  # the $DATA folder that holds toyworld/ in CoOp's layout
     attributes: list[str]  # the core attributes, in attribute-token order
-    bank: list[dear.Description]  # the toy description bank for the head analysis
+    bank: list[tuple[str, str]]  # (text, concept) pairs: the toy description bank for the head analysis
     image_size: int  # pixels; the model's input resolution
     scale: str = "full"
     report: dict = field(default_factory=dict)  # pretraining figures (parameters, seconds, zero-shot)

@@ -7,21 +7,18 @@ same folder, which is renamed onto the real name only once it is complete. A run
 killed half-way therefore leaves either the old file or no file, never half of one, and the
 cache checks in pretrain.py / task.py can trust that a file which exists was finished.
 
-It wraps dear.atomic_write (the project's helper for the same job) so there is one
-implementation; this module only adds the JSON convenience.
+It uses clip_model.atomic_write (the project's one helper for the same job; the toy world
+imports clip_model anyway, to build its CLIP); this module only adds the JSON convenience.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Callable
 
-import dear
+import clip_model
 
 
-def atomic_write(path: str, write: Callable[[str], None]) -> None:
-    """write(temporary_path), then rename onto `path` (creating its folder)."""
-    dear.atomic_write(path, write)
+atomic_write = clip_model.atomic_write  # write(temporary_path), then rename onto `path`
 
 
 def atomic_write_json(path: str, value) -> None:

@@ -374,8 +374,10 @@ def _pretrain(config: PretrainConfig, tokenizer: clip_model.SimpleTokenizer,
 # ------------------------------------------------------------------------------------------
 # <cache>/toyworld/<name>/
 #     bpe.txt.gz    the merges file (OpenAI's format), written first
-#     clip.pt       torch.save(model.state_dict()): OpenAI's keys, float32
-#     config.json   written last: the config, head_width, vocabulary, the final zero-shot
+#     clip.pt       clip_model.save(model): OpenAI's keys, float32, plus the head counts
+#                   and the activation, so clip_model.load reads it right with no arguments
+#     config.json   written last: the config, the world's fingerprint, head_width, vocabulary,
+#                   the final zero-shot
 #                   numbers. Its presence with the current config is what marks the folder
 #                   complete; every file is written atomically, so a killed run leaves no
 #                   half file, only a folder without a (matching) config.json.
@@ -408,6 +410,8 @@ def _check_cache(folder: str, config: PretrainConfig) -> tuple[Optional[dict], s
         return None, f"config.json unreadable ({type(error).__name__})"
     if record.get("format") != CACHE_FORMAT or record.get("config") != asdict(config):
         return None, "config.json was made with other settings"
+    if record.get("world") != world.fingerprint():
+        return None, "config.json was made from another version of the world (world.py's tables)"
     try:
         tokenizer = clip_model.SimpleTokenizer(os.path.join(folder, "bpe.txt.gz"))
         model, _ = clip_model.load(os.path.join(folder, "clip.pt"), head_width=config.head_width)
@@ -455,7 +459,8 @@ def pretrained_clip(config: PretrainConfig, cache_dir: Optional[str] = None,
         "format": CACHE_FORMAT,
         "load_with": f"clip_model.load('clip.pt', head_width={config.head_width}); "
                      "clip_model.SimpleTokenizer('bpe.txt.gz')",
-        "head_width": config.head_width, "vocab_size": vocab_size, "config": asdict(config), "report": report})
+        "head_width": config.head_width, "vocab_size": vocab_size, "config": asdict(config),
+        "world": world.fingerprint(), "report": report})
     return CachedCLIP(folder, weights, bpe, config.head_width, config, report)
 
 

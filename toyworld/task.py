@@ -105,6 +105,8 @@ def task_is_complete(data_root: str, config: TaskConfig) -> bool:
         return False
     if record.get("config") != json.loads(json.dumps(asdict(config))):  # tuples -> lists, as stored
         return False
+    if record.get("world") != world.fingerprint():  # drawn from another version of world.py
+        return False
     return all(os.path.isfile(os.path.join(folder, IMAGE_DIR, entry[0]))
                for entries in split.values() for entry in entries)
 
@@ -147,6 +149,7 @@ def write_task(data_root: str, config: TaskConfig = TaskConfig(),
         atomic_write_json(os.path.join(building, RECORD_FILE), {
             "what": "the toy world's downstream task (toyworld/task.py); labels 0..n_base-1 are base",
             "config": asdict(config),
+            "world": world.fingerprint(),
             "base_classes": [class_name(c, s) for c, s, _ in table[:n_base]],
             "novel_classes": [class_name(c, s) for c, s, _ in table[n_base:]],
         })

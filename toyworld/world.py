@@ -12,7 +12,7 @@ What this file holds, top to bottom:
     4. captions ................ caption(scene, named=...) -> "a photo of a small red striped
                                  circle at the top left on a dark background", or a partial one
                                  that names only some attributes ("a photo of a red object")
-    5. the description bank .... toy_bank() -> dear.Description phrases, each labelled with its
+    5. the description bank .... toy_bank() -> (text, concept) pairs, each labelled with its
                                  concept by construction (docs/METHOD.md Sec. 3)
     6. the corpus .............. every caption word and bank phrase, for the BPE trainer
 
@@ -31,13 +31,13 @@ Try it:  python -m toyworld.world     (prints a few scenes with their captions)
 
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import dataclass, fields
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from dear import Description
 
 # ------------------------------------------------------------------------------------------
 # 1. The attribute table
@@ -344,7 +344,7 @@ _BANK_TEMPLATES = {
 }
 
 
-def toy_bank() -> list[Description]:
+def toy_bank() -> list[tuple[str, str]]:
     """Phrases about the toy world, each labelled with its concept: every value of every
     attribute in each of its concept's templates, plus "scene" phrases that name two
     attributes at once. About 200 phrases, no duplicates."""
@@ -353,7 +353,7 @@ def toy_bank() -> list[Description]:
     def add(text: str, concept: str) -> None:
         if text not in seen:
             seen.add(text)
-            bank.append(Description(text, concept))
+            bank.append((text, concept))
 
     for concept, templates in _BANK_TEMPLATES.items():
         for template in templates:
@@ -385,9 +385,26 @@ def corpus() -> list[str]:
                     scene = Scene(**{**base.__dict__, attribute: value})
                     texts.append(caption(scene, [attribute], prefix, period))
                     texts.append(caption(scene, None, prefix, period))
-    texts += [d.text for d in toy_bank()]
+    texts += [text for text, _ in toy_bank()]
     texts.append(TEMPLATE.format("red circle"))
     return texts
+
+
+# ------------------------------------------------------------------------------------------
+# What a cache was drawn from
+# ------------------------------------------------------------------------------------------
+# The caches (pretrain.py's toy CLIP, task.py's images) record this fingerprint and are rebuilt
+# when it changes, so editing a colour, a radius, a style or a caption template never reuses a
+# model or a task drawn from the old world. It covers the tables above, not the drawing code:
+# a change to how render_batch or caption work must bump WORLD_VERSION by hand.
+WORLD_VERSION = 2  # 1: 32 px world, clock-stopped pretraining; 2: 48 px, larger objects, twins
+
+
+def fingerprint() -> str:
+    """A short hash of WORLD_VERSION and every table the renderer, captions and bank read."""
+    tables = (WORLD_VERSION, ATTRIBUTES, EXTRA_ATTRIBUTES, COLOUR_RGB, sorted(STYLES.items()),
+              RADIUS, PATTERN_SHADE, PREFIXES, TEMPLATE, _BANK_TEMPLATES)
+    return hashlib.sha256(repr(tables).encode("utf-8")).hexdigest()[:16]
 
 
 if __name__ == "__main__":
