@@ -16,7 +16,7 @@ train.py is the command line that calls `load_dataset` and wraps its items in
 `ImageDataset`. This file imports nothing from them (only the standard library, torch,
 torchvision and PIL), so it can be copied out and used on its own.
 
-It implements DESIGN.md section 6 ("Protocols and data"). Users of CoOp, CoCoOp, MaPLe,
+It implements docs/METHOD.md Sec. 6 ("Protocols and data"). Users of CoOp, CoCoOp, MaPLe,
 PromptSRC or MMRL already have a `$DATA` folder laid out as CoOp's DATASETS.md describes
 (https://github.com/KaiyangZhou/CoOp/blob/main/DATASETS.md); this file reads that folder as
 it is, with no Dassl. Where we differ from CoOp, the comment says so:
@@ -138,11 +138,10 @@ class DatasetSpec:
     folder: str  # folder under $DATA (CoOp's DATASETS.md)
     reader: str  # which reader below understands the layout
     image_dir: str  # folder, inside `folder`, that image paths are relative to ("" = `folder`)
-    split_file: str | None  # CoOp's split file inside `folder`, for reader "split_json"
-    class_names: str  # where class names come from: the split file's third column,
-    #                   ImageNet's classnames.txt ("<wnid> <name>" per line) or variants.txt
+    split_file: str | None  # CoOp's split file inside `folder`, for reader "split_json";
+    #                         the other readers find the class names themselves (ImageNet's
+    #                         classnames.txt, "<wnid> <name>" per line; FGVC's variants.txt)
     template: str  # CoOp's prompt template; "{}" is replaced by the class name
-    protocols: str  # the protocols the dataset takes part in (legend above DATASETS)
 
     @property
     def evaluation_only(self) -> bool:
@@ -151,29 +150,30 @@ class DatasetSpec:
         return self.reader == "imagenet_variant"
 
 
-# Protocols (DESIGN.md section 6): B2N base-to-novel, FS few-shot, XD cross-dataset,
-# DG domain generalization. ImageNet is the source of XD and DG; the others are targets.
+# The protocols (docs/METHOD.md Sec. 6): the first eleven rows take part in base-to-novel,
+# few-shot and cross-dataset evaluation; ImageNet is the source of cross-dataset and domain
+# generalization, and the four variants are test sets of domain generalization only.
 
 # fmt: off
 DATASETS: dict[str, DatasetSpec] = {spec.name: spec for spec in [
-    #           name               folder                  reader              image_dir                                  split_file                              class_names          template                                  protocols
-    DatasetSpec("imagenet",        "imagenet",             "imagenet",         "images",                                  None,                                   "classnames.txt",    "a photo of a {}.",                       "B2N FS XD DG"),
-    DatasetSpec("caltech101",      "caltech-101",          "split_json",       "101_ObjectCategories",                    "split_zhou_Caltech101.json",           "split file",        "a photo of a {}.",                       "B2N FS XD"),
-    DatasetSpec("oxford_pets",     "oxford_pets",          "split_json",       "images",                                  "split_zhou_OxfordPets.json",           "split file",        "a photo of a {}, a type of pet.",        "B2N FS XD"),
-    DatasetSpec("stanford_cars",   "stanford_cars",        "split_json",       "",                                        "split_zhou_StanfordCars.json",         "split file",        "a photo of a {}.",                       "B2N FS XD"),
-    DatasetSpec("oxford_flowers",  "oxford_flowers",       "split_json",       "jpg",                                     "split_zhou_OxfordFlowers.json",        "split file",        "a photo of a {}, a type of flower.",     "B2N FS XD"),
-    DatasetSpec("food101",         "food-101",             "split_json",       "images",                                  "split_zhou_Food101.json",              "split file",        "a photo of {}, a type of food.",         "B2N FS XD"),
-    DatasetSpec("fgvc_aircraft",   "fgvc_aircraft",        "fgvc_aircraft",    "images",                                  None,                                   "variants.txt",      "a photo of a {}, a type of aircraft.",   "B2N FS XD"),
-    DatasetSpec("sun397",          "sun397",               "split_json",       "SUN397",                                  "split_zhou_SUN397.json",               "split file",        "a photo of a {}.",                       "B2N FS XD"),
-    DatasetSpec("dtd",             "dtd",                  "split_json",       "images",                                  "split_zhou_DescribableTextures.json",  "split file",        "{} texture.",                            "B2N FS XD"),
-    DatasetSpec("eurosat",         "eurosat",              "split_json",       "2750",                                    "split_zhou_EuroSAT.json",              "split file",        "a centered satellite photo of {}.",      "B2N FS XD"),
-    DatasetSpec("ucf101",          "ucf101",               "split_json",       "UCF-101-midframes",                       "split_zhou_UCF101.json",               "split file",        "a photo of a person doing {}.",          "B2N FS XD"),
-    DatasetSpec("imagenet_v2",     "imagenetv2",           "imagenet_variant", "imagenetv2-matched-frequency-format-val", None,                                   "classnames.txt",    "a photo of a {}.",                       "DG"),
-    DatasetSpec("imagenet_sketch", "imagenet-sketch",      "imagenet_variant", "images",                                  None,                                   "classnames.txt",    "a photo of a {}.",                       "DG"),
-    DatasetSpec("imagenet_a",      "imagenet-adversarial", "imagenet_variant", "imagenet-a",                              None,                                   "classnames.txt",    "a photo of a {}.",                       "DG"),
-    DatasetSpec("imagenet_r",      "imagenet-rendition",   "imagenet_variant", "imagenet-r",                              None,                                   "classnames.txt",    "a photo of a {}.",                       "DG"),
+    #           name               folder                  reader              image_dir                                  split_file                              template
+    DatasetSpec("imagenet",        "imagenet",             "imagenet",         "images",                                  None,                                   "a photo of a {}."),
+    DatasetSpec("caltech101",      "caltech-101",          "split_json",       "101_ObjectCategories",                    "split_zhou_Caltech101.json",           "a photo of a {}."),
+    DatasetSpec("oxford_pets",     "oxford_pets",          "split_json",       "images",                                  "split_zhou_OxfordPets.json",           "a photo of a {}, a type of pet."),
+    DatasetSpec("stanford_cars",   "stanford_cars",        "split_json",       "",                                        "split_zhou_StanfordCars.json",         "a photo of a {}."),
+    DatasetSpec("oxford_flowers",  "oxford_flowers",       "split_json",       "jpg",                                     "split_zhou_OxfordFlowers.json",        "a photo of a {}, a type of flower."),
+    DatasetSpec("food101",         "food-101",             "split_json",       "images",                                  "split_zhou_Food101.json",              "a photo of {}, a type of food."),
+    DatasetSpec("fgvc_aircraft",   "fgvc_aircraft",        "fgvc_aircraft",    "images",                                  None,                                   "a photo of a {}, a type of aircraft."),
+    DatasetSpec("sun397",          "sun397",               "split_json",       "SUN397",                                  "split_zhou_SUN397.json",               "a photo of a {}."),
+    DatasetSpec("dtd",             "dtd",                  "split_json",       "images",                                  "split_zhou_DescribableTextures.json",  "{} texture."),
+    DatasetSpec("eurosat",         "eurosat",              "split_json",       "2750",                                    "split_zhou_EuroSAT.json",              "a centered satellite photo of {}."),
+    DatasetSpec("ucf101",          "ucf101",               "split_json",       "UCF-101-midframes",                       "split_zhou_UCF101.json",               "a photo of a person doing {}."),
+    DatasetSpec("imagenet_v2",     "imagenetv2",           "imagenet_variant", "imagenetv2-matched-frequency-format-val", None,                                   "a photo of a {}."),
+    DatasetSpec("imagenet_sketch", "imagenet-sketch",      "imagenet_variant", "images",                                  None,                                   "a photo of a {}."),
+    DatasetSpec("imagenet_a",      "imagenet-adversarial", "imagenet_variant", "imagenet-a",                              None,                                   "a photo of a {}."),
+    DatasetSpec("imagenet_r",      "imagenet-rendition",   "imagenet_variant", "imagenet-r",                              None,                                   "a photo of a {}."),
     # The project's own toy world (toyworld/task.py writes it in this layout; not a CoOp dataset).
-    DatasetSpec("toyworld",        "toyworld",             "split_json",       "images",                                  "split_toyworld.json",                  "split file",        "a photo of a {}.",                       "B2N FS"),
+    DatasetSpec("toyworld",        "toyworld",             "split_json",       "images",                                  "split_toyworld.json",                  "a photo of a {}."),
 ]}
 # fmt: on
 
@@ -663,7 +663,7 @@ def few_shot_splits(spec: DatasetSpec, dataset_dir: str, full: dict[str, list[It
 
 
 # -----------------------------------------------------------------------------
-# Base/novel split (DESIGN.md section 6; CoOp's OxfordPets.subsample_classes)
+# Base/novel split (docs/METHOD.md Sec. 6; CoOp's OxfordPets.subsample_classes)
 
 
 def subsample_classes(classnames: list[str], splits: list[list[Item]],

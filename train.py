@@ -5,16 +5,20 @@ How the files fit: clip_model.py is CLIP (weights, tokenizer), data.py reads the
 CoOp's layout, dear.py is the method (head roles, attribute tokens, role masks, losses).
 This file ties them together and reads top to bottom like nanoGPT's train.py:
 
-    1. settings ...... argparse flags (grouped, each with help) + one table of defaults per
-                       dataset (DESIGN.md Sec. 5-7); the resolved settings go into every run
+    1. settings ...... argparse flags (grouped, each with help) + the defaults, each written
+                       once: a recipe per dataset (docs/METHOD.md Sec. 7) and one table for
+                       the rest; resolved and checked once, saved with every run
     2. device ........ --device auto: cuda, then mps, then cpu; torchrun -> DDP
-    3. data .......... the train/test lists of each protocol (DESIGN.md Sec. 6)
-    4. model ......... CLIP + head roles (analysed now, a file, or an ablation) -> DeAR
+    3. data .......... the train/test lists of each protocol (docs/METHOD.md Sec. 6)
+    4. model ......... CLIP (or the toy world's), head roles (analysed now, a file, or an
+                       ablation) -> DeAR, built by one function
     5. optimizer ..... AdamW, one constant warm-up epoch, then cosine (per epoch, as Dassl)
     6. evaluation .... accuracy with the fused logits and with the class branch alone, in one
                        pass; task-adaptive fusion picks per test set (zero-shot: CLIP alone)
-    7. loop .......... the runs of a protocol, checkpoints, progress lines
+    7. loop .......... one DeAR run: the training loop, then its evaluation (train_job, run_job)
     8. tables ........ results.json + markdown tables in the paper's shape
+    9. run folder .... files written whole, checkpoints, the lock (plumbing, out of the way)
+    main ............. the order of a call: every check first, then the runs, then the tables
 
 Protocols (--protocol):
     base2novel  train on the base half of the classes, test base and novel; Base, Novel, HM
@@ -46,15 +50,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import hashlib
 import json
 import math
 import os
 import platform
-import shutil
 import sys
 import tempfile
 import time
+import types
 import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -76,45 +79,44 @@ import dear
 # ------------------------------------------------------------------------------------------
 # 1. Settings
 # ------------------------------------------------------------------------------------------
-# Training defaults per dataset, in one table (DESIGN.md Sec. 7: MMRL's recipe, the closest
-# public relative of DeAR). "J" is the paper's 1-based first layer with attribute tokens;
-# "auto" means the first of the last four layers (9 for ViT-B/16's 12). "K" is the number of
-# text tokens. Every value can be overridden by its flag; the values used are saved per run.
+# What a call computes is decided here, once, before anything is read or written: each flag
+# is the value typed, else the trained dataset's recipe (RECIPES), else DEFAULTS. Every
+# default is written once, in one of these two tables; build_parser generates the
+# "(default ...)" part of each help line from them. The resolved settings are saved with the
+# run (settings.json, and inside every results.json and checkpoint); a resumed call reads
+# them back instead of resolving them again, and nothing rewrites them afterwards.
 
 
 @dataclass(frozen=True)
 class Recipe:
-    epochs: int
-    batch_size: int
-    lr: float
-    shots: int
-    lambda_reg: float
-    lambda_fusion: float
-    beta: float
-    first_layer: str  # "auto" or a 1-based layer number
-    text_tokens: int
-    augment: bool  # random resized crop + flip (CoOp's); off where position is a class cue
+    """How one dataset trains (docs/METHOD.md Sec. 7: where the paper is silent, MMRL's
+    recipe, the closest public relative of DeAR). The field defaults are the recipe of most
+    of the paper's datasets; each field is the default of the flag of the same name."""
+
+    epochs: int = 10  # training epochs, the warm-up epoch included
+    batch_size: int = 4  # images per step (per process under torchrun)
+    lr: float = 1e-3  # AdamW's learning rate after the warm-up epoch, then cosine decay
+    shots: int = 16  # training images per class (every protocol but fewshot, which sweeps)
+    lambda_reg: float = 1.0  # weight of the self-regularisation loss (docs/METHOD.md Sec. 5)
+    lambda_fusion: float = 0.1  # weight of the fusion-weight regularisation loss
+    beta: float = 0.5  # each layer's fresh tokens against the previous layer's output tokens
+    first_layer: str = "auto"  # J, 1-based as in the paper; auto = first of the last four layers
+    text_tokens: int = 4  # K, learnable tokens in the text tower
+    augment: bool = True  # random resized crop + flip (CoOp's)
 
 
-# fmt: off
-RECIPES: Dict[str, Recipe] = {
-    #                         epochs batch  lr     shots  lambda_reg lambda_fusion beta  J       K  augment
-    "imagenet":        Recipe(5,     32,    1e-3,  16,    1.0,       0.1,          0.5,  "auto", 4, True),
-    "caltech101":      Recipe(10,    4,     1e-3,  16,    1.0,       0.1,          0.5,  "auto", 4, True),
-    "oxford_pets":     Recipe(10,    4,     1e-3,  16,    1.0,       0.1,          0.5,  "auto", 4, True),
-    "stanford_cars":   Recipe(10,    4,     1e-3,  16,    1.0,       0.1,          0.5,  "auto", 4, True),
-    "oxford_flowers":  Recipe(10,    4,     1e-3,  16,    1.0,       0.1,          0.5,  "auto", 4, True),
-    "food101":         Recipe(10,    4,     1e-3,  16,    1.0,       0.1,          0.5,  "auto", 4, True),
-    "fgvc_aircraft":   Recipe(10,    4,     1e-3,  16,    1.0,       0.1,          0.5,  "auto", 4, True),
-    "sun397":          Recipe(10,    4,     1e-3,  16,    1.0,       0.1,          0.5,  "auto", 4, True),
-    "dtd":             Recipe(10,    4,     1e-3,  16,    1.0,       0.1,          0.5,  "auto", 4, True),
-    "eurosat":         Recipe(10,    4,     1e-3,  16,    1.0,       0.1,          0.5,  "auto", 4, True),
-    "ucf101":          Recipe(10,    4,     1e-3,  16,    1.0,       0.1,          0.5,  "auto", 4, True),
-    "toyworld":        Recipe(20,    8,     5e-3,  16,    1.0,       0.1,          0.5,  "auto", 4, False),
-}
-# fmt: on
+# The paper's eleven datasets, in its tables' order. They share one recipe; the exceptions
+# are written out below. A dataset without a row has no recipe (recipe_of says so) rather
+# than silently borrowing another dataset's.
+PAPER_DATASETS = ["imagenet", "caltech101", "oxford_pets", "stanford_cars", "oxford_flowers", "food101",
+                  "fgvc_aircraft", "sun397", "dtd", "eurosat", "ucf101"]
+RECIPES: Dict[str, Recipe] = {name: Recipe() for name in PAPER_DATASETS}
+RECIPES["imagenet"] = Recipe(epochs=5, batch_size=32)  # 1,000 classes: fewer epochs of larger batches (MMRL)
+# The toy world's tiny CLIP learns from few, small images: more epochs at a larger lr; no
+# crop or flip, which would move the object and so change its position, one of the attributes.
+RECIPES["toyworld"] = Recipe(epochs=20, batch_size=8, lr=5e-3, augment=False)
+
 WARMUP_EPOCHS, WARMUP_LR, WEIGHT_DECAY = 1, 1e-5, 5e-4  # Dassl's constant warm-up; its decay
-
 PROTOCOLS = ("base2novel", "fewshot", "cross", "dg")
 # Which logits a test set is scored with (DeAR's task-adaptive fusion, as MMRL evaluates):
 #   adaptive    the fused logits where the test classes are the trained classes in the trained
@@ -124,9 +126,33 @@ PROTOCOLS = ("base2novel", "fewshot", "cross", "dg")
 FUSION_MODES = ("adaptive", "everywhere")
 METHODS = ("zeroshot", "linear-probe", "dear")
 ROLE_ABLATIONS = ("all-mixed", "all-generalization")  # besides "analyse" and a roles file
-BASE2NOVEL_DATASETS = [name for name in RECIPES if name != "toyworld"]  # the paper's 11
 DG_TARGETS = ["imagenet_v2", "imagenet_sketch", "imagenet_a", "imagenet_r"]
-FEWSHOT_SHOTS = [1, 2, 4, 8, 16]
+FEWSHOT_SHOTS = [1, 2, 4, 8, 16]  # the few-shot protocol's sweep (CoOp)
+MAX_SEED = 2**32 - 1  # numpy's range; torch's per-epoch seeds are derived from it (seed * 100003 + epoch)
+
+# The defaults of the flags that are not part of a recipe. A flag missing here and from
+# Recipe has no fixed default: its help says what an unset value means (e.g. --workers).
+DEFAULTS = dict(
+    protocol="base2novel",  # the paper's main table
+    method=["zeroshot", "dear"],  # CLIP as it is, and DeAR
+    roles=["analyse"],  # DeAR's own head analysis, on each run's training images
+    fusion=["adaptive"],  # the paper's task-adaptive fusion
+    seeds=[1, 2, 3],  # CoOp's three seeds; the tables report the mean
+    source="imagenet",  # what cross and dg train on (the paper's protocol)
+    weights="ViT-B/16",  # the paper's backbone
+    analysis_images=2000,  # training images for the head analysis (a cap: few-shot runs have fewer)
+    descriptions=20,  # TextSpan descriptions kept per head
+    device="auto",  # cuda, then mps, then cpu
+    amp="on",  # autocast on CUDA (CPU and MPS always run fp32)
+    eval_batch_size=64,  # images per evaluation batch
+    log_every=20,  # steps between progress lines
+    toy_scale="full",  # the toy world the README's table comes from
+)
+# The toy world shows more rows by default: the linear probe (how far the frozen features
+# separate the classes), the two role ablations beside DeAR, and DeAR under both fusion
+# modes. It brings its own model (--weights, --bpe, --head-width refused).
+TOY_DEFAULTS = dict(method=list(METHODS), roles=["all-mixed", "all-generalization", "analyse"],
+                    fusion=list(FUSION_MODES))
 
 # Flags that say how to run, not what to compute: they may change on --resume / --eval-only.
 RUN_CONTROL = {"output", "resume", "eval_only", "device", "workers", "log_every", "eval_batch_size",
@@ -146,77 +172,119 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # Every default is None so that the per-dataset table (or a resumed run's saved
-    # settings) can fill in what the user did not type.
+    # Every argparse default is None, so that an unset flag is told apart from a typed one:
+    # the tables above fill in what the user did not type, and --resume refuses a typed
+    # change. The help texts say what a flag means; "(default ...)" is added from the tables.
     p = OneLineParser(prog="train.py", description="DeAR on CLIP: train and evaluate on the paper's protocols. "
-                      "Unset DeAR and optimisation flags come from the per-dataset table (RECIPES in train.py).")
+                      "Unset DeAR and optimisation flags come from the trained dataset's recipe (RECIPES in train.py).")
 
     g = p.add_argument_group("what to run")
     g.add_argument("--dataset", nargs="+", help="dataset name(s) from data.py, 'all' for the protocol's "
                    "datasets, or 'toyworld' (the project's own world: no downloads)")
-    g.add_argument("--protocol", choices=PROTOCOLS, help="base2novel | fewshot | cross | dg (default base2novel)")
+    g.add_argument("--protocol", choices=PROTOCOLS, help="base2novel | fewshot | cross | dg")
     g.add_argument("--method", nargs="+", choices=METHODS, help="rows of the table: zeroshot = CLIP with the "
                    "dataset's template, no training; linear-probe = logistic regression on the frozen image "
-                   "features (training classes only); dear = DeAR (default: zeroshot dear; toyworld: all three)")
+                   "features (training classes only); dear = DeAR")
     g.add_argument("--roles", nargs="+", help="head roles for DeAR: 'analyse' (concept entropy on the training "
                    "images, saved in the run folder), a roles JSON file, 'all-mixed' (no mask: plain deep "
-                   "prompting) or 'all-generalization'; several give one table row each (default analyse; toyworld: "
-                   "all-mixed all-generalization analyse)")
+                   "prompting) or 'all-generalization'; several give one table row each")
     g.add_argument("--fusion", nargs="+", choices=FUSION_MODES, help="logits DeAR is scored with: adaptive = "
                    "fused on the trained classes (base, fewshot, the source dataset), the class branch alone "
                    "elsewhere; everywhere = fused on every test set. Several give the DeAR row once each, "
-                   "from the same trained model (the role ablations use the first) (default adaptive; toyworld: both)")
-    g.add_argument("--seeds", nargs="+", type=int, help="seeds; tables report the mean (default 1 2 3)")
-    g.add_argument("--shots", nargs="+", type=int, help="shots per class (fewshot default: 1 2 4 8 16; "
-                   "others: the dataset's table value, 16)")
-    g.add_argument("--source", help="training dataset of cross and dg (default imagenet)")
+                   "from the same trained model (the role ablations use the first)")
+    g.add_argument("--seeds", nargs="+", type=int, help="seeds; tables report the mean")
+    g.add_argument("--shots", nargs="+", type=int, help="shots per class")
+    g.add_argument("--source", help="training dataset of cross and dg")
 
     g = p.add_argument_group("where things are")
     g.add_argument("--root", help="the $DATA folder in CoOp's layout (toyworld: made in the cache)")
-    g.add_argument("--weights", help="CLIP: ViT-B/32, ViT-B/16, ViT-L/14 or a checkpoint path (default ViT-B/16)")
+    g.add_argument("--weights", help="CLIP: ViT-B/32, ViT-B/16, ViT-L/14 or a checkpoint path")
     g.add_argument("--head-width", type=int, help="channels per attention head when loading --weights "
-                   "(default: what the file says -- files written by clip_model.save carry it -- else "
+                   "(unset: what the file says -- files written by clip_model.save carry it -- else "
                    "64, as in every OpenAI model)")
-    g.add_argument("--bpe", help="CLIP's BPE merges file (default: $CLIP_BPE_PATH, the cache, or a download)")
-    g.add_argument("--output", help="run folder (default runs/<protocol>-<datasets>)")
+    g.add_argument("--bpe", help="CLIP's BPE merges file (unset: $CLIP_BPE_PATH, the cache, or a download)")
+    g.add_argument("--output", help="run folder (unset: runs/<protocol>-<datasets>)")
 
-    g = p.add_argument_group("DeAR (defaults from the per-dataset table in train.py)")
+    g = p.add_argument_group("DeAR")
     g.add_argument("--first-layer", type=int, help="J, the first vision and text layer with learnable "
-                   "tokens, 1-based as in the paper (default: the first of the last four layers)")
+                   "tokens, 1-based as in the paper; auto = the first of the last four layers")
     g.add_argument("--beta", type=float, help="weight of each layer's fresh tokens against the previous "
                    "layer's output tokens, in [0, 1]")
     g.add_argument("--text-tokens", type=int, help="K, learnable tokens inserted in the text tower")
     g.add_argument("--lambda-reg", type=float, help="weight of the self-regularisation loss")
     g.add_argument("--lambda-fusion", type=float, help="weight of the fusion-weight regularisation loss")
     g.add_argument("--analysis-images", type=int, help="at most this many of the run's training images for "
-                   "the head analysis, spread evenly over its classes, drawn with the run's seed (default 2000)")
-    g.add_argument("--descriptions", type=int, help="TextSpan descriptions per head (default 20)")
+                   "the head analysis, spread evenly over its classes, drawn with the run's seed")
+    g.add_argument("--descriptions", type=int, help="TextSpan descriptions per head")
     g.add_argument("--low-bits", type=float, help="attribute heads have concept entropy at most this "
-                   "(default: the lower third of the observed entropies)")
+                   "(unset: the lower third of the observed entropies)")
     g.add_argument("--high-bits", type=float, help="generalization heads have concept entropy at least "
-                   "this (default: the upper third)")
+                   "this (unset: the upper third)")
 
-    g = p.add_argument_group("optimisation (defaults from the per-dataset table in train.py)")
+    g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, help="training epochs, the warm-up epoch included")
     g.add_argument("--batch-size", type=int, help="images per step (per process under torchrun)")
     g.add_argument("--lr", type=float, help="AdamW learning rate after the warm-up epoch (cosine decay)")
     g.add_argument("--augment", choices=("on", "off"), help="random resized crop + flip for training")
 
     g = p.add_argument_group("running")
-    g.add_argument("--device", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps (default auto)")
-    g.add_argument("--amp", choices=("on", "off"), help="mixed precision by autocast, CUDA only (default on)")
-    g.add_argument("--workers", type=int, help="data-loading processes (default: 4 on CUDA, 0 on CPU)")
-    g.add_argument("--eval-batch-size", type=int, help="images per evaluation batch (default 64)")
-    g.add_argument("--log-every", type=int, help="a progress line every N steps (default 20)")
+    g.add_argument("--device", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
+    g.add_argument("--amp", choices=("on", "off"), help="mixed precision by autocast, CUDA only")
+    g.add_argument("--workers", type=int, help="data-loading processes (unset: 4 on CUDA, 0 on CPU)")
+    g.add_argument("--eval-batch-size", type=int, help="images per evaluation batch")
+    g.add_argument("--log-every", type=int, help="a progress line every N steps")
     g.add_argument("--resume", action="store_true", help="continue the runs in --output from their last checkpoint")
     g.add_argument("--eval-only", action="store_true", help="evaluate the finished runs in --output again")
     g.add_argument("--max-epochs-per-call", type=int, help="stop after this many epochs in this call "
                    "(for time-limited jobs); --resume continues")
 
     g = p.add_argument_group("toy world")
-    g.add_argument("--toy-scale", choices=("full", "miniature"), help="size of the toy world (default full; "
-                   "miniature is the seconds-long version the tests run)")
+    g.add_argument("--toy-scale", choices=("full", "miniature"), help="size of the toy world (miniature is "
+                   "the seconds-long version the tests run)")
+    for action in p._actions:  # noqa: SLF001 -- argparse keeps no public list of its flags
+        if action.help and action.dest != "help":
+            action.help += default_help(action.dest)
     return p
+
+
+def default_help(key: str) -> str:
+    """' (default ...)' for a flag's help, from the tables above: the one place defaults live."""
+
+    def shown(value) -> str:
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+    parts = [shown(DEFAULTS[key])] if key in DEFAULTS else []
+    if key in TOY_DEFAULTS:
+        parts.append(f"toyworld: {shown(TOY_DEFAULTS[key])}")
+    if key in Recipe.__dataclass_fields__:
+        usual = getattr(Recipe(), key)
+        others = [f"{name}: {shown(getattr(r, key))}" for name, r in RECIPES.items() if getattr(r, key) != usual]
+        parts.append(f"{shown(usual)} from RECIPES" + (f" ({', '.join(others)})" if others else ""))
+    if key == "shots":
+        parts.append(f"fewshot: {shown(FEWSHOT_SHOTS)}")
+    return f" (default {'; '.join(parts)})" if parts else ""
+
+
+def recipe_of(dataset: str) -> Recipe:
+    if dataset not in RECIPES:  # a dataset added to data.py without a recipe here
+        raise TrainError(f"--dataset {dataset}: train.py has no training recipe for it; add a row to RECIPES "
+                         "in train.py")
+    return RECIPES[dataset]
+
+
+def resolve_settings(args: argparse.Namespace) -> Dict[str, object]:
+    """The settings of this call, complete and checked: those of a new run from the flags, or
+    those saved in --output for --resume / --eval-only (with the run-control flags that may
+    change). The one place settings are made; the places and SHA-256 of the input files are
+    added once they are found (open_inputs), and nothing changes them after that."""
+    settings = settings_from_run_folder(args) if (args.resume or args.eval_only) else settings_from_flags(args)
+    settings["resume"], settings["eval_only"] = bool(args.resume), bool(args.eval_only)
+    validate_settings(settings)
+    if settings["workers"] is None:  # loading processes help on CUDA; on CPU they compete with the model
+        settings["workers"] = 4 if pick_device(settings["device"]).type == "cuda" else 0
+    return settings
 
 
 def _given(args: argparse.Namespace) -> Dict[str, object]:
@@ -233,8 +301,8 @@ def _default(value, default):
 def _dataset_names(typed: List[str], protocol: str, source: Optional[str]) -> List[str]:
     names = [n.strip().lower().replace("-", "_") for n in typed]
     if names == ["all"]:
-        names = {"base2novel": BASE2NOVEL_DATASETS, "fewshot": BASE2NOVEL_DATASETS,
-                 "cross": [n for n in BASE2NOVEL_DATASETS if n != (source or "imagenet")],
+        names = {"base2novel": PAPER_DATASETS, "fewshot": PAPER_DATASETS,
+                 "cross": [n for n in PAPER_DATASETS if n != _default(source, DEFAULTS["source"])],
                  "dg": DG_TARGETS}[protocol]
     return list(names)
 
@@ -243,12 +311,12 @@ def _role_choices(typed: List[str]) -> List[str]:
     return list(dict.fromkeys("analyse" if r == "analyze" else r for r in typed))
 
 
-def resolve_settings(args: argparse.Namespace) -> Dict[str, object]:
-    """Flags + the per-dataset table -> every setting of the call, explicit, as saved."""
+def settings_from_flags(args: argparse.Namespace) -> Dict[str, object]:
+    """A new run: the flags + the trained dataset's recipe + DEFAULTS -> every setting, explicit."""
     if not args.dataset:
         raise TrainError("--dataset is required (e.g. --dataset toyworld, --dataset oxford_pets --root $DATA, "
                          "--dataset all)")
-    protocol = _default(args.protocol, "base2novel")
+    protocol = _default(args.protocol, DEFAULTS["protocol"])
     names = _dataset_names(args.dataset, protocol, args.source)
     toy = names == ["toyworld"]
     if "toyworld" in names and not toy:
@@ -262,8 +330,7 @@ def resolve_settings(args: argparse.Namespace) -> Dict[str, object]:
             data.get_spec(name)  # unknown names stop here, with the list of known ones
     source = None
     if protocol in ("cross", "dg"):
-        source = (args.source or "imagenet").lower().replace("-", "_")
-        data.get_spec(source)
+        source = _default(args.source, DEFAULTS["source"]).lower().replace("-", "_")
         if data.get_spec(source).evaluation_only:
             raise TrainError(f"--source {source}: a test set only; train on a dataset with training images")
     elif args.source:
@@ -278,14 +345,13 @@ def resolve_settings(args: argparse.Namespace) -> Dict[str, object]:
             if name != "toyworld" and data.get_spec(name).evaluation_only:
                 raise TrainError(f"--dataset {name} is a test set only; use it with --protocol dg")
 
-    trained = source or names[0]
-    recipe = RECIPES.get(trained, RECIPES["caltech101"])
-    methods = list(dict.fromkeys(args.method or (METHODS if toy else ("zeroshot", "dear"))))
-    # The toy world's table: zero-shot, the linear probe, the two role ablations, DeAR (both
-    # fusions, below).
-    toy_roles = ["all-mixed", "all-generalization", "analyse"]
-    roles = _role_choices(args.roles or (toy_roles if toy else ["analyse"]))
-    fusion = list(dict.fromkeys(args.fusion or (FUSION_MODES if toy else ["adaptive"])))
+    recipe = recipe_of(source or names[0])
+    defaults = dict(DEFAULTS, **TOY_DEFAULTS) if toy else DEFAULTS
+
+    def flag(key: str):  # typed, else the recipe's, else the default
+        return _default(getattr(args, key), getattr(recipe, key) if hasattr(recipe, key) else defaults.get(key))
+
+    roles, fusion = _role_choices(flag("roles")), list(dict.fromkeys(flag("fusion")))
     for choice in roles:
         if choice not in ("analyse", *ROLE_ABLATIONS) and not os.path.isfile(choice):
             raise TrainError(f"--roles {choice}: no such file; give a roles JSON written by the head analysis, "
@@ -293,34 +359,28 @@ def resolve_settings(args: argparse.Namespace) -> Dict[str, object]:
     if sum(choice not in ROLE_ABLATIONS for choice in roles) > 1:
         raise TrainError(f"--roles {' '.join(roles)}: give at most one of 'analyse' or a roles file (both make the "
                          "DeAR row); add the ablations all-mixed / all-generalization beside it")
-    shots = list(dict.fromkeys(args.shots or (FEWSHOT_SHOTS if protocol == "fewshot" else [recipe.shots])))
+    shots = list(dict.fromkeys(_default(args.shots, FEWSHOT_SHOTS if protocol == "fewshot" else [recipe.shots])))
     if protocol != "fewshot" and len(shots) > 1:
         raise TrainError(f"--shots takes several values only with --protocol fewshot")
-    settings = dict(
-        dataset=names, protocol=protocol, source=source, method=methods, roles=roles, fusion=fusion,
-        seeds=list(dict.fromkeys(args.seeds or [1, 2, 3])), shots=list(shots),
-        root=args.root, weights=_default(args.weights, None if toy else "ViT-B/16"),  # toy: its own
+    # The order of the keys is the order of settings.json.
+    return dict(
+        dataset=names, protocol=protocol, source=source, method=list(dict.fromkeys(flag("method"))), roles=roles,
+        fusion=fusion, seeds=list(dict.fromkeys(flag("seeds"))), shots=shots,
+        root=args.root, weights=None if toy else flag("weights"),  # toy: its own, found by open_inputs
         head_width=args.head_width,  # None: from the file (clip_model.save records it)
         bpe=args.bpe, output=_default(args.output, os.path.join("runs", f"{protocol}-{'-'.join(args.dataset)}")),
-        first_layer=args.first_layer if args.first_layer is not None else recipe.first_layer,
-        beta=args.beta if args.beta is not None else recipe.beta,
-        text_tokens=args.text_tokens if args.text_tokens is not None else recipe.text_tokens,
-        lambda_reg=args.lambda_reg if args.lambda_reg is not None else recipe.lambda_reg,
-        lambda_fusion=args.lambda_fusion if args.lambda_fusion is not None else recipe.lambda_fusion,
-        analysis_images=_default(args.analysis_images, 2000), descriptions=_default(args.descriptions, 20),
+        first_layer=flag("first_layer"), beta=flag("beta"), text_tokens=flag("text_tokens"),
+        lambda_reg=flag("lambda_reg"), lambda_fusion=flag("lambda_fusion"),
+        analysis_images=flag("analysis_images"), descriptions=flag("descriptions"),
         low_bits=args.low_bits, high_bits=args.high_bits,
-        epochs=_default(args.epochs, recipe.epochs), batch_size=_default(args.batch_size, recipe.batch_size),
-        lr=_default(args.lr, recipe.lr), warmup_epochs=WARMUP_EPOCHS, warmup_lr=WARMUP_LR, weight_decay=WEIGHT_DECAY,
-        augment=(args.augment == "on") if args.augment else recipe.augment,
-        device=_default(args.device, "auto"), amp=_default(args.amp, "on"), workers=args.workers,
-        eval_batch_size=_default(args.eval_batch_size, 64), log_every=_default(args.log_every, 20),
-        max_epochs_per_call=args.max_epochs_per_call, toy_scale=_default(args.toy_scale, "full"),
-        fingerprints=None,  # SHA-256 of the weights, BPE and roles files: filled in once they are read
+        epochs=flag("epochs"), batch_size=flag("batch_size"), lr=flag("lr"),
+        warmup_epochs=WARMUP_EPOCHS, warmup_lr=WARMUP_LR, weight_decay=WEIGHT_DECAY,
+        augment=recipe.augment if args.augment is None else args.augment == "on",
+        device=flag("device"), amp=flag("amp"), workers=args.workers,
+        eval_batch_size=flag("eval_batch_size"), log_every=flag("log_every"),
+        max_epochs_per_call=args.max_epochs_per_call, toy_scale=flag("toy_scale"),
+        fingerprints=None,  # SHA-256 of the weights, BPE and roles files: added by open_inputs
     )
-    return settings
-
-
-MAX_SEED = 2**32 - 1  # numpy's range; torch's per-epoch seeds are derived from it (seed * 100003 + epoch)
 
 
 def validate_settings(settings: dict) -> None:
@@ -368,7 +428,7 @@ def validate_settings(settings: dict) -> None:
     pick_device(settings["device"])  # an unknown or absent device stops here
 
 
-def settings_for_resume(args: argparse.Namespace) -> Dict[str, object]:
+def settings_from_run_folder(args: argparse.Namespace) -> Dict[str, object]:
     """--resume / --eval-only: the run folder's saved settings; a flag that would change what
     is computed is refused (it would silently mix two experiments in one folder)."""
     if args.resume and args.eval_only:
@@ -384,7 +444,7 @@ def settings_for_resume(args: argparse.Namespace) -> Dict[str, object]:
         raise TrainError(f"{path}: not found; --output must be a run folder made by train.py") from None
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
         raise TrainError(f"{path}: unreadable ({type(error).__name__}); the run folder is damaged") from None
-    expected_keys = set(resolve_settings(build_parser().parse_args(["--dataset", "dtd"])))
+    expected_keys = set(settings_from_flags(build_parser().parse_args(["--dataset", "dtd"])))
     if not isinstance(saved, dict) or set(saved) != expected_keys or not isinstance(saved["fingerprints"], dict):
         raise TrainError(f"{path}: not the settings of this train.py (damaged, or made by another version); "
                          "start a new run with another --output")
@@ -408,63 +468,11 @@ def settings_for_resume(args: argparse.Namespace) -> Dict[str, object]:
     return saved
 
 
-def check_output_folder(output: str) -> None:
-    """A fresh run's --output must be a folder that can be made and written, and not already
-    hold a run. Checked before the data and the model are read."""
-    if not output:
-        raise TrainError("--output '': expected a folder for the run")
-    if os.path.exists(output) and not os.path.isdir(output):
-        raise TrainError(f"--output {output}: is a file, not a folder; choose another --output")
-    existing = os.path.abspath(output)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise TrainError(f"--output {output}: lies under {existing}, which is a file; choose another --output")
-    try:  # os.access is not enough (root, read-only mounts): try to write
-        handle, probe = tempfile.mkstemp(dir=existing, prefix=".tmp-write-test-")
-        os.close(handle)
-        os.remove(probe)
-    except OSError as error:
-        raise TrainError(f"--output {output}: cannot write in {existing} ({error.strerror or error}); "
-                         "choose a folder you can write to") from None
-    if os.path.exists(os.path.join(output, "settings.json")):
-        raise TrainError(f"{output}: already holds a run; continue it with --resume, evaluate it with "
-                         "--eval-only, or choose another --output")
-
-
-def lock_run_folder(output: str, stack: contextlib.ExitStack) -> None:
-    """One writer per run folder: an exclusive lock on <output>/.lock, held until the call
-    ends (the OS drops it when the process dies, even by SIGKILL: no stale lock to clean)."""
-    if fcntl is None:
-        return
-    handle = open(os.path.join(output, ".lock"), "a+", encoding="utf-8")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        holder = handle.read().strip()
-        handle.close()
-        raise TrainError(f"{output}: in use by another train.py process{f' (pid {holder})' if holder else ''}; "
-                         "wait for it to end, or choose another --output") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"{os.getpid()}\n")
-    handle.flush()
-    stack.callback(handle.close)  # closing the file releases the lock
-
-
-def remove_temporary_files(output: str) -> None:
-    """Under the lock: a write killed half-way leaves a .tmp-* file (every file of a run is
-    written to one and renamed); no other process can be writing it now."""
-    for folder, _, files in os.walk(output):
-        for name in files:
-            if name.startswith(".tmp-"):
-                os.remove(os.path.join(folder, name))
-
-
 # ------------------------------------------------------------------------------------------
 # 2. Device and processes
 # ------------------------------------------------------------------------------------------
+# Where the tensors live, and how many processes share the work. Decided once per call;
+# everything below asks the Runtime (device, rank, autocast dtype) instead of deciding again.
 
 
 @dataclass
@@ -521,7 +529,7 @@ def setup_runtime(settings: dict) -> Runtime:
         # NCCL for GPUs; gloo, PyTorch's CPU backend, otherwise (and in the tests).
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     amp_dtype = None
-    if device.type == "cuda" and settings["amp"] == "on":  # autocast on CUDA only (STYLE.md)
+    if device.type == "cuda" and settings["amp"] == "on":  # autocast on CUDA only; CPU and MPS run fp32
         amp_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return Runtime(device, rank, world, amp_dtype)
 
@@ -541,8 +549,10 @@ def _sum_over_processes(values: List[float], runtime: Runtime) -> List[float]:
 
 
 # ------------------------------------------------------------------------------------------
-# 3. Data: what each protocol trains on and tests on (DESIGN.md Sec. 6)
+# 3. Data: what each protocol trains on and tests on (docs/METHOD.md Sec. 6)
 # ------------------------------------------------------------------------------------------
+# A call is a list of Jobs (a table row x dataset x seed x shots). Each job trains on one
+# few-shot draw and is tested on its protocol's sets, each set with its own class list.
 
 
 @dataclass
@@ -586,7 +596,7 @@ def table_rows(settings: dict) -> Dict[str, tuple]:
     """{table row: (job row, fusion mode)}: zero-shot; the linear probe; each --roles row under the first
     --fusion mode; the DeAR row (analysed or a file) once more under every further mode.
     Rows under "everywhere" get the suffix EVERYWHERE; all come from the same trained runs."""
-    fusion = settings.get("fusion") or ["adaptive"]
+    fusion = settings["fusion"]
     rows = {"zeroshot": ("zeroshot", None), "linear-probe": ("linear-probe", None)}
     for roles in settings["roles"]:
         for mode in (fusion if roles not in ROLE_ABLATIONS else fusion[:1]):
@@ -609,20 +619,16 @@ def plan_jobs(settings: dict) -> List[Job]:
     for dataset in trained:
         if "zeroshot" in settings["method"]:
             jobs.append(Job(dataset, "zeroshot", None, None, None, os.path.join(out, dataset, "zeroshot")))
-        if "linear-probe" in settings["method"]:
+        # The rows that train, one run per shots x seed: the linear probe, then DeAR once per
+        # --roles choice.
+        rows = [("linear-probe", None)] if "linear-probe" in settings["method"] else []
+        if "dear" in settings["method"]:
+            rows += [(row_name(roles), roles) for roles in settings["roles"]]
+        for row, roles in rows:
             for shots in settings["shots"]:
                 for seed in settings["seeds"]:
                     leaf = f"seed{seed}" if protocol != "fewshot" else f"shots{shots}-seed{seed}"
-                    jobs.append(Job(dataset, "linear-probe", None, seed, shots,
-                                    os.path.join(out, dataset, "linear-probe", leaf)))
-        if "dear" not in settings["method"]:
-            continue
-        for roles in settings["roles"]:
-            for shots in settings["shots"]:
-                for seed in settings["seeds"]:
-                    leaf = f"seed{seed}" if protocol != "fewshot" else f"shots{shots}-seed{seed}"
-                    jobs.append(Job(dataset, row_name(roles), roles, seed, shots,
-                                    os.path.join(out, dataset, row_name(roles), leaf)))
+                    jobs.append(Job(dataset, row, roles, seed, shots, os.path.join(out, dataset, row, leaf)))
     return jobs
 
 
@@ -666,18 +672,45 @@ def train_loader(split: data.DatasetSplits, settings: dict, seed: int, resolutio
                       num_workers=settings["workers"], pin_memory=runtime.device.type == "cuda")
 
 
+@dataclass
+class RunData:
+    """Every list of a call, read (and every listed image checked) before anything is written."""
+
+    train: Dict[tuple, data.DatasetSplits]  # (dataset, seed, shots) -> that run's few-shot draw
+    test: Dict[str, List[EvalSet]]  # trained dataset -> its protocol's test sets
+
+
+def read_data(settings: dict, jobs: List[Job]) -> RunData:
+    # Each training split is read once per (dataset, seed, shots): rows that differ only in
+    # --roles share it, and a load checks every listed image (over a million for ImageNet).
+    test = {dataset: evaluation_sets(settings, dataset) for dataset in sorted({job.dataset for job in jobs})}
+    train: Dict[tuple, data.DatasetSplits] = {}
+    for job in jobs:
+        if job.seed is not None and split_key(job) not in train:
+            train[split_key(job)] = training_split(settings, *split_key(job))
+    return RunData(train, test)
+
+
+def split_key(job: Job) -> tuple:
+    return (job.dataset, job.seed, job.shots)
+
+
 # ------------------------------------------------------------------------------------------
 # 4. Model: CLIP, head roles, DeAR
 # ------------------------------------------------------------------------------------------
+# The frozen CLIP and its tokenizer are read once per call (open_inputs); each DeAR run
+# then gets its head roles (analysed on its own training images, a file, or an ablation)
+# and its own learnable tokens on top of the shared CLIP (build_dear).
 
 
-def load_clip(settings: dict, runtime: Runtime):
-    """-> (frozen CLIP on the device, tokenizer). Errors are one line (clip_model.CLIPFileError)."""
-    clip, _ = clip_model.load(settings["weights"], device=runtime.device, head_width=settings["head_width"])
-    tokenizer = clip_model.SimpleTokenizer(settings["bpe"])
+def load_clip(files: dict, runtime: Runtime):
+    """files (weights, head_width, bpe) -> (frozen CLIP on the device, tokenizer). Errors are one line
+    (clip_model.CLIPFileError)."""
+    clip, _ = clip_model.load(files["weights"], device=runtime.device, head_width=files["head_width"])
+    tokenizer = clip_model.SimpleTokenizer(files["bpe"])
     if tokenizer.vocab_size != clip.token_embedding.num_embeddings:  # ids past the table, or other words
         raise TrainError(f"--bpe {tokenizer.bpe_path}: gives a vocabulary of {tokenizer.vocab_size} tokens, the "
-                         f"model {settings['weights']} has {clip.token_embedding.num_embeddings}; pass the BPE "
+                         f"model {files['weights']} has {clip.token_embedding.num_embeddings}; pass the BPE "
                          "file the model was trained with")
     return clip.eval().requires_grad_(False), tokenizer
 
@@ -694,27 +727,19 @@ def load_role_file(path: str) -> dear.RoleMap:
                          "written by the head analysis") from None
 
 
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def input_fingerprints(settings: dict, tokenizer: clip_model.SimpleTokenizer) -> dict:
+def input_fingerprints(weights: str, tokenizer: clip_model.SimpleTokenizer, role_file: Optional[str]) -> dict:
     """SHA-256 of every input file that decides the result but is named as a place (--weights,
     --bpe, a --roles file): another file at the same place, or the same file elsewhere, is
     told apart by its content. A named model is its published file, whose SHA-256 clip_model
     checks on every load (the last part of its URL's path)."""
-    weights, role_file = settings["weights"], role_file_of(settings)
+    sha256 = clip_model._sha256  # noqa: SLF001 -- one file hasher for the project (clip_model's)
     if role_file is not None and not os.path.isfile(role_file):  # resumed after the file was moved
         raise TrainError(f"--roles {role_file}: no such file; put it back (the run folder keeps a copy, "
                          "roles_file.json)")
     named = clip_model._MODELS.get(weights)  # noqa: SLF001 -- the published checksums
-    return dict(weights=named.split("/")[-2] if named else file_sha256(weights),
-                bpe=file_sha256(tokenizer.bpe_path),
-                roles_file=file_sha256(role_file) if role_file else None)
+    return dict(weights=named.split("/")[-2] if named else sha256(weights),
+                bpe=sha256(tokenizer.bpe_path),
+                roles_file=sha256(role_file) if role_file else None)
 
 
 def role_file_of(settings: dict) -> Optional[str]:
@@ -733,7 +758,7 @@ def analysed_layers(clip: clip_model.CLIP) -> int:
     return min(4, len(clip.visual.transformer.resblocks))  # DeAR analyses the last four
 
 
-def role_map_for(choice: str, settings: dict, clip: clip_model.CLIP, attributes: List[str],
+def role_map_for(choice: str, clip: clip_model.CLIP, attributes: List[str],
                  analysed: Optional[dear.RoleMap]) -> dear.RoleMap:
     """A RoleMap for --roles CHOICE: the analysis of this call, an ablation, or a file."""
     vision_layers = len(clip.visual.transformer.resblocks)
@@ -750,6 +775,74 @@ def role_map_for(choice: str, settings: dict, clip: clip_model.CLIP, attributes:
     except dear.DeARError as error:
         raise TrainError(f"--roles {choice}: {error}") from None
     return role_map
+
+
+@dataclass
+class Inputs:
+    """What every run of a call shares, read once: the frozen CLIP and its tokenizer, the
+    attributes (one attribute token each) and the description bank of the head analysis,
+    and `files`, the part of the settings known only once the files are found."""
+
+    clip: clip_model.CLIP
+    tokenizer: clip_model.SimpleTokenizer
+    attributes: List[str]
+    bank: Optional[list]  # None: dear.py's own bank (real CLIP); the toy world brings its own
+    toy: bool  # the toy world: a causal check follows each head analysis (the ground truth is known)
+    files: dict  # root, weights, head_width, bpe, fingerprints: merged into the settings once, by run
+
+
+def open_inputs(settings: dict, runtime: Runtime) -> Inputs:
+    """Find and read the model, the BPE file and a --roles file, and check each against the
+    settings before any run folder is written. The toy world enters here, through one call
+    (toyworld.prepare) that makes or reuses its model, BPE file and data in the cache."""
+    files = {key: settings[key] for key in ("root", "weights", "head_width", "bpe")}
+    attributes, bank, toy = list(dear.CORE_ATTRIBUTES), None, settings["dataset"] == ["toyworld"]
+    if toy:
+        import toyworld  # the project's own world (toyworld/), only needed here
+
+        if runtime.world > 1:
+            raise TrainError("--dataset toyworld runs in one process; start it without torchrun")
+        assets = toyworld.prepare(settings["toy_scale"], log=runtime.log)
+        # A new run takes the cache's files (--weights, --bpe, --head-width are refused with
+        # toyworld); a resumed one keeps the files it was made with (their content is checked).
+        found = dict(root=assets.data_root, weights=assets.weights, head_width=assets.head_width, bpe=assets.bpe)
+        files = {key: _default(value, found[key]) for key, value in files.items()}
+        attributes, bank = list(assets.attributes), list(assets.bank)
+
+    clip, tokenizer = load_clip(files, runtime)
+    fingerprints = input_fingerprints(files["weights"], tokenizer, role_file_of(settings))
+    if settings["resume"] or settings["eval_only"]:  # the files may have moved (a place may change), not changed
+        for key, flag in (("weights", f"--weights {files['weights']}"), ("bpe", f"--bpe {tokenizer.bpe_path}"),
+                          ("roles_file", f"--roles {role_file_of(settings)}")):
+            now, then = fingerprints[key], settings["fingerprints"].get(key)
+            if now != then:
+                copy = (f" (a copy is {os.path.join(settings['output'], 'roles_file.json')})"
+                        if key == "roles_file" else "")
+                raise TrainError(f"{flag}: not the file this run was made with (SHA-256 {str(now)[:12]}... now, "
+                                 f"{str(then)[:12]}... then); resume with the original file{copy}, or start a "
+                                 "new run with another --output")
+    files.update(bpe=tokenizer.bpe_path, fingerprints=fingerprints)
+
+    # What DeAR's settings must fit in this model, checked now rather than at the first run.
+    if "dear" in settings["method"]:
+        if role_file_of(settings) is not None:  # a roles file made for another model stops here
+            role_map_for(role_file_of(settings), clip, attributes, None)
+        if settings["text_tokens"] > clip.context_length:  # memory grows with (77 + K)^2: a typo, not a setting
+            raise TrainError(f"--text-tokens {settings['text_tokens']}: expected at most the model's context "
+                             f"length ({clip.context_length})")
+        layers = min(len(clip.visual.transformer.resblocks), len(clip.transformer.resblocks))
+        if first_layer_of(settings, clip) > layers:  # J counts in both towers
+            raise TrainError(f"--first-layer {settings['first_layer']}: expected at most {layers}, the model's "
+                             "number of layers (1-based, as in the paper)")
+    return Inputs(clip, tokenizer, attributes, bank, toy, files)
+
+
+def build_dear(settings: dict, inputs: Inputs, role_map: dear.RoleMap) -> dear.DeAR:
+    """DeAR on the frozen CLIP, from the settings: the one place it is built (to train a run,
+    and to evaluate a finished one with --eval-only). Its learnable tokens are drawn from
+    torch's global generator: the caller seeds it."""
+    return dear.DeAR(inputs.clip, role_map, inputs.attributes, first_layer=first_layer_of(settings, inputs.clip),
+                     beta=settings["beta"], num_text_tokens=settings["text_tokens"])
 
 
 def analysis_images(items: List[data.Item], cap: int, seed: int) -> List[data.Item]:
@@ -778,20 +871,21 @@ def role_key(job: Job) -> tuple:
     return (job.dataset, job.roles, job.seed, job.shots)
 
 
-def analyse_heads(settings: dict, job: Job, clip, tokenizer, world, runtime: Runtime) -> dear.RoleMap:
+def analyse_heads(settings: dict, job: Job, inputs: Inputs, split: data.DatasetSplits,
+                  runtime: Runtime) -> dear.RoleMap:
     """DeAR Sec. 3.2 on this run's training images (its own few-shot draw, evenly over its
     classes, drawn with its seed; `analysis_images`), saved as roles.json / roles.txt /
-    roles.png / masks.png in <output>/<dataset>/roles/<seedS or shotsK-seedS>/."""
-    dataset = job.dataset
+    roles.png / masks.png in <output>/<dataset>/roles/<seedS or shotsK-seedS>/. In the toy
+    world the causal check follows (toy_causal_check)."""
+    clip, dataset = inputs.clip, job.dataset
     folder = os.path.join(settings["output"], dataset, "roles", os.path.basename(job.folder))
     path = os.path.join(folder, "roles.json")
     if os.path.isfile(path):  # made by an earlier call of this run (--resume) or by rank 0
         role_map = load_role_file(path)
-        if runtime.main and world.get("after_analysis"):  # a step the earlier call did not finish
-            world["after_analysis"](clip, tokenizer, role_map, folder, runtime.log)
+        if runtime.main and inputs.toy:  # a step the earlier call may not have finished
+            toy_causal_check(inputs, role_map, folder, runtime.log)
         return role_map
     if runtime.main:
-        split = world["train_splits"][(dataset, job.seed, job.shots)]
         items = analysis_images(split.train, settings["analysis_images"], job.seed)
         classes = len({item.label for item in items})
         runtime.log(f"[{job.label}] head analysis: concept entropy of every head of the last "
@@ -799,7 +893,7 @@ def analyse_heads(settings: dict, job: Job, clip, tokenizer, world, runtime: Run
         loader = DataLoader(data.ImageDataset(items, data.test_transform(clip.visual.input_resolution)),
                             batch_size=settings["eval_batch_size"], num_workers=settings["workers"])
         role_map = dear.analyze_heads(
-            clip, (images for images, _ in loader), tokenizer, world["bank"], world["attributes"],
+            clip, (images for images, _ in loader), inputs.tokenizer, inputs.bank, inputs.attributes,
             num_layers=analysed_layers(clip), num_descriptions=settings["descriptions"],
             rank=80, low_bits=settings["low_bits"], high_bits=settings["high_bits"], log=runtime.log)
         role_map.source = (f"concept entropy on {len(items)} {dataset} training images "
@@ -812,16 +906,33 @@ def analyse_heads(settings: dict, job: Job, clip, tokenizer, world, runtime: Run
         dear.draw_role_masks(masks, image_tokens, role_map.attributes, J, os.path.join(folder, "masks.png"))
         write_text(os.path.join(folder, "roles.txt"), table + "\n")
         role_map.save(path)  # last: its presence means the analysis is complete
-        if world.get("after_analysis"):
-            world["after_analysis"](clip, tokenizer, role_map, folder, runtime.log)
+        if inputs.toy:
+            toy_causal_check(inputs, role_map, folder, runtime.log)
     if runtime.world > 1:
         dist.barrier()  # the other processes read what rank 0 wrote
     return load_role_file(path)
 
 
+def toy_causal_check(inputs: Inputs, role_map: dear.RoleMap, folder: str, log) -> None:
+    """Toy world only: is concept entropy right? Mean-ablate each analysed head and see which
+    attribute's zero-shot accuracy falls (the ground truth is known here), then compare with
+    the head's role. Saved as causal_check.md / .json next to roles.json."""
+    import toyworld
+
+    if os.path.isfile(os.path.join(folder, "causal_check.json")):
+        return  # done in an earlier call (a call killed during the check redoes it on --resume)
+    log("[toyworld] causal check: mean-ablating every analysed head, zero-shot accuracy per attribute")
+    result = toyworld.causal_check(inputs.clip, inputs.tokenizer, role_map, role_map.attributes, log=log)
+    write_text(os.path.join(folder, "causal_check.md"), result["table"] + "\n")
+    write_json(os.path.join(folder, "causal_check.json"), result)  # last: marks the check done
+    log(result["table"])
+
+
 # ------------------------------------------------------------------------------------------
 # 5. Optimizer and schedule
 # ------------------------------------------------------------------------------------------
+# Dassl's (CoOp's) schedule, which MMRL and so DeAR's recipe use: set once per epoch, not
+# per step, so a resumed epoch starts at exactly the learning rate an unbroken run had.
 
 
 def learning_rate(settings: dict, epoch: int) -> float:
@@ -832,9 +943,19 @@ def learning_rate(settings: dict, epoch: int) -> float:
     return 0.5 * settings["lr"] * (1 + math.cos(math.pi * epoch / settings["epochs"]))
 
 
+def grad_scaler(enabled: bool):
+    """fp16 autocast's loss scaler. torch.amp.GradScaler("cuda") is torch >= 2.3; older
+    torch (requirements.txt allows 2.1) has the same class as torch.cuda.amp.GradScaler."""
+    if hasattr(torch.amp, "GradScaler"):
+        return torch.amp.GradScaler("cuda", enabled=enabled)
+    return torch.cuda.amp.GradScaler(enabled=enabled)
+
+
 # ------------------------------------------------------------------------------------------
 # 6. Evaluation
 # ------------------------------------------------------------------------------------------
+# Top-1 accuracy. DeAR gives two kinds of logits in one pass (fused, and the class branch
+# alone); the fusion mode decides per test set which one is reported (logits_used).
 
 
 def logits_used(eval_set: EvalSet, fusion: str) -> str:
@@ -935,116 +1056,28 @@ def linear_probe(clip, split: data.DatasetSplits, eval_sets: List[EvalSet], sett
 # ------------------------------------------------------------------------------------------
 # 7. The loop
 # ------------------------------------------------------------------------------------------
-
-CHECKPOINT_FORMAT = "dear-from-scratch checkpoint, version 1"
-
-
-# Every file of a run is written to a temporary name and renamed (dear.atomic_write): a
-# reader never sees half a file, and a run killed mid-write keeps its previous checkpoint.
+# One DeAR run: AdamW on the learnable tokens and fusion weights alone (CLIP stays frozen),
+# the per-epoch learning rate of section 5, the losses of dear.dear_loss, and a checkpoint
+# at every epoch end. run_job wraps it: train (or load), evaluate, write results.json.
 
 
-def write_text(path: str, text: str) -> None:
-    dear.atomic_write(path, lambda tmp: open(tmp, "w", encoding="utf-8").write(text))
-
-
-def write_json(path: str, value) -> None:
-    write_text(path, json.dumps(value, indent=2, allow_nan=False) + "\n")  # NaN is not JSON
-
-
-def job_settings(settings: dict, job: Job) -> dict:
-    """What decides a run's result: saved with it and compared on --resume."""
-    keep = {k: v for k, v in settings.items() if k not in RUN_CONTROL}
-    return dict(keep, job=dict(dataset=job.dataset, row=job.row, roles=job.roles, seed=job.seed, shots=job.shots))
-
-
-def load_checkpoint(path: str, expected: dict) -> Optional[dict]:
-    if not os.path.isfile(path):
-        return None
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-        assert checkpoint.get("format") == CHECKPOINT_FORMAT
-        assert isinstance(checkpoint.get("epoch"), int) and isinstance(checkpoint.get("settings"), dict)
-        assert all(isinstance(checkpoint.get(key), dict) for key in ("learnable", "optimizer", "scaler"))
-    except Exception as error:  # noqa: BLE001 -- any unreadable file gets the same advice
-        raise TrainError(f"{path}: unreadable checkpoint ({type(error).__name__}); delete it to restart "
-                         "that run from scratch") from None
-    if checkpoint["settings"] != expected:
-        raise TrainError(f"{path}: made with other settings than this run's "
-                         f"({differences(checkpoint['settings'], expected)}); use another --output")
-    return checkpoint
-
-
-def differences(found: dict, expected: dict) -> str:
-    """'lr 0.002 (expected 0.001), ...': what makes two settings dicts differ."""
-    keys = [k for k in sorted(set(found) | set(expected)) if found.get(k) != expected.get(k)]
-    return ", ".join(f"{k} {str(found.get(k))[:40]} (expected {str(expected.get(k))[:40]})" for k in keys[:3])
-
-
-def check_finished_runs(settings: dict, jobs: List[Job]) -> None:
-    """--resume / --eval-only: every results.json and checkpoint of the folder was made with
-    this run's settings. A folder that mixes two runs (two writers before the lock existed,
-    or files copied in) is refused rather than summarised."""
-    for job in jobs:
-        path = os.path.join(job.folder, "results.json")
-        if os.path.isfile(path):
-            try:
-                with open(path, encoding="utf-8") as f:
-                    result = json.load(f)
-                assert isinstance(result, dict) and isinstance(result.get("metrics"), dict)
-                assert all(isinstance(v, float) for v in result["metrics"].values())
-                assert isinstance(result.get("job"), dict) and isinstance(result.get("settings"), dict)
-            except (OSError, ValueError, AssertionError, RecursionError) as error:
-                raise TrainError(f"{path}: unreadable results ({type(error).__name__}); delete it and "
-                                 "--resume evaluates that run again") from None
-            if result["settings"] != job_settings(settings, job):
-                raise TrainError(f"{path}: made with other settings than this run's "
-                                 f"({differences(result['settings'], job_settings(settings, job))}): the folder "
-                                 "mixes two runs; start again with another --output")
-        elif job.row != "zeroshot":
-            load_checkpoint(os.path.join(job.folder, "checkpoint.pt"), job_settings(settings, job))
-
-
-def grad_scaler(enabled: bool):
-    """fp16 autocast's loss scaler. torch.amp.GradScaler("cuda") is torch >= 2.3; older
-    torch (requirements.txt allows 2.1) has the same class as torch.cuda.amp.GradScaler."""
-    if hasattr(torch.amp, "GradScaler"):
-        return torch.amp.GradScaler("cuda", enabled=enabled)
-    return torch.cuda.amp.GradScaler(enabled=enabled)
-
-
-def save_checkpoint(path: str, state: dict) -> None:
-    def write(temporary: str) -> None:
-        try:
-            torch.save(state, temporary)
-        except RuntimeError as error:  # torch's file writer reports a full disk this way
-            raise TrainError(f"{path}: cannot write the checkpoint ({' '.join(str(error).split())[:100]}); "
-                             "free disk space, then continue with --resume") from None
-
-    dear.atomic_write(path, write)
-
-
-def format_time(seconds: float) -> str:
-    seconds = int(max(seconds, 0))
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
-
-
-def train_job(job: Job, settings: dict, clip, tokenizer, role_map, world, runtime: Runtime) -> Optional[dear.DeAR]:
+def train_job(job: Job, settings: dict, inputs: Inputs, role_map: dear.RoleMap, split: data.DatasetSplits,
+              runtime: Runtime) -> Optional[dear.DeAR]:
     """Train one DeAR run; return the model, or None when --max-epochs-per-call stopped it."""
-    split = world["train_splits"][(job.dataset, job.seed, job.shots)]
-    J = first_layer_of(settings, clip)
+    clip = inputs.clip
     torch.manual_seed(job.seed)  # the learnable tokens' initialisation
-    model = dear.DeAR(clip, role_map, world["attributes"], first_layer=J, beta=settings["beta"],
-                      num_text_tokens=settings["text_tokens"]).to(runtime.device)
+    model = build_dear(settings, inputs, role_map).to(runtime.device)
     runtime.log(f"[{job.label}] {len(split.train)} training images, {len(split.classnames)} classes; "
-                f"attribute tokens from layer J={J} (1-based); {model.parameter_summary()}")
+                f"attribute tokens from layer J={model.first_layer} (1-based); {model.parameter_summary()}")
     optimizer = torch.optim.AdamW(model.learnable_parameters(), lr=settings["lr"],
                                   weight_decay=settings["weight_decay"])
-    scaler = grad_scaler(enabled=runtime.amp_dtype == torch.float16)
+    scaler = grad_scaler(enabled=runtime.amp_dtype == torch.float16)  # fp16 only; bf16 needs no scaling
 
+    # A resumed run continues after its last finished epoch, with the optimizer's moments.
     expected = job_settings(settings, job)
     checkpoint_path = os.path.join(job.folder, "checkpoint.pt")
     start_epoch = 0
-    checkpoint = load_checkpoint(checkpoint_path, expected) if settings.get("resume") else None
+    checkpoint = load_checkpoint(checkpoint_path, expected) if settings["resume"] else None
     if checkpoint is not None:
         model.load_learnable_state_dict(checkpoint["learnable"])
         optimizer.load_state_dict(checkpoint["optimizer"])
@@ -1059,17 +1092,16 @@ def train_job(job: Job, settings: dict, clip, tokenizer, role_map, world, runtim
         network = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
             broadcast_buffers=False, find_unused_parameters=settings["text_tokens"] == 0)
-    prompts = split.prompts
-    class_ids = tokenizer.tokenize(prompts, clip.context_length, truncate=True).to(runtime.device)
+    # The class prompts' frozen text side is computed once per run (the learned text tokens
+    # enter at layer J inside every forward pass).
+    class_ids = inputs.tokenizer.tokenize(split.prompts, clip.context_length, truncate=True).to(runtime.device)
     with autocast(runtime):
-        classes = model.prepare_classes(class_ids)  # the class list's frozen text side, once
+        classes = model.prepare_classes(class_ids)
     loader = train_loader(split, settings, job.seed, clip.visual.input_resolution, runtime)
-    steps_per_epoch = len(loader)
     stop_at = settings["epochs"]
-    if settings.get("max_epochs_per_call") is not None:
+    if settings["max_epochs_per_call"] is not None:
         stop_at = min(stop_at, start_epoch + settings["max_epochs_per_call"])
-    started, steps_done = time.time(), 0
-    total_steps = (stop_at - start_epoch) * steps_per_epoch
+    progress = Progress(job, settings, runtime, steps=(stop_at - start_epoch) * len(loader))
 
     model.train()
     for epoch in range(start_epoch, stop_at):
@@ -1080,40 +1112,24 @@ def train_job(job: Job, settings: dict, clip, tokenizer, role_map, world, runtim
         lr = learning_rate(settings, epoch)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        sums = {"total": 0.0, "ce": 0.0, "reg": 0.0, "fusion": 0.0, "correct": 0.0, "images": 0.0}
-        epoch_start = time.time()
+        progress.start_epoch()
         for step, (images, labels) in enumerate(loader, 1):
             images, labels = images.to(runtime.device, non_blocking=True), labels.to(runtime.device)
             with autocast(runtime):
-                output = network(images, classes, with_frozen=True)
+                output = network(images, classes, with_frozen=True)  # also frozen CLIP's, for L_reg
                 losses = dear.dear_loss(output, labels, settings["lambda_reg"], settings["lambda_fusion"])
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(losses["total"]).backward()
             scaler.step(optimizer)
             scaler.update()
-
-            for key in ("total", "ce", "reg", "fusion"):
-                sums[key] += losses[key].item() * len(labels)
-            sums["correct"] += (output.logits.argmax(-1) == labels).sum().item()
-            sums["images"] += len(labels)
-            steps_done += 1
-            if step % settings["log_every"] == 0 or step == steps_per_epoch:
-                elapsed = time.time() - started
-                left = elapsed / steps_done * (total_steps - steps_done)
-                rate = sums["images"] * runtime.world / max(time.time() - epoch_start, 1e-9)
-                runtime.log(f"[{job.label}] epoch {epoch + 1}/{settings['epochs']} step {step}/{steps_per_epoch} "
-                            f"loss {sums['total'] / sums['images']:.4f} (ce {sums['ce'] / sums['images']:.4f} "
-                            f"reg {sums['reg'] / sums['images']:.4f} fusion {sums['fusion'] / sums['images']:.4f}) "
-                            f"acc {100 * sums['correct'] / sums['images']:.1f}% lr {lr:.2e} "
-                            f"{rate:.1f} img/s, {format_time(left)} left")
-        if runtime.main:
-            state = dict(format=CHECKPOINT_FORMAT, settings=expected, epoch=epoch + 1,
-                         learnable=model.learnable_state_dict(), optimizer=optimizer.state_dict(),
-                         scaler=scaler.state_dict())
-            save_checkpoint(checkpoint_path, state)
+            progress.step(epoch, step, len(loader), lr, losses, output.logits, labels)
+        if runtime.main:  # rank 0 writes; every rank holds the same tokens (DDP)
+            save_checkpoint(checkpoint_path, dict(
+                format=CHECKPOINT_FORMAT, settings=expected, epoch=epoch + 1, learnable=model.learnable_state_dict(),
+                optimizer=optimizer.state_dict(), scaler=scaler.state_dict()))
         alpha = ", ".join(f"{a:.2f}" for a in model.fusion_weights().tolist())
-        runtime.log(f"[{job.label}] epoch {epoch + 1} done in {format_time(time.time() - epoch_start)}; "
-                    f"fusion weights alpha (cls, {', '.join(world['attributes'])}) = {alpha}; checkpoint saved")
+        runtime.log(f"[{job.label}] epoch {epoch + 1} done in {format_time(time.time() - progress.epoch_started)}; "
+                    f"fusion weights alpha (cls, {', '.join(inputs.attributes)}) = {alpha}; checkpoint saved")
     if runtime.world > 1:
         dist.barrier()
     if stop_at < settings["epochs"]:
@@ -1123,39 +1139,68 @@ def train_job(job: Job, settings: dict, clip, tokenizer, role_map, world, runtim
     return model
 
 
-def run_job(job: Job, settings: dict, clip, tokenizer, role_maps, world, runtime: Runtime) -> Optional[dict]:
+class Progress:
+    """The running sums of an epoch and its progress lines (every --log-every steps and at the
+    epoch's end): the losses and the training accuracy averaged over the images seen so far,
+    the speed, and the time left of this call from the speed so far."""
+
+    def __init__(self, job: Job, settings: dict, runtime: Runtime, steps: int):
+        self.job, self.settings, self.runtime, self.steps = job, settings, runtime, steps
+        self.started, self.done = time.time(), 0
+
+    def start_epoch(self) -> None:
+        self.sums = {"total": 0.0, "ce": 0.0, "reg": 0.0, "fusion": 0.0, "correct": 0.0, "images": 0.0}
+        self.epoch_started = time.time()
+
+    def step(self, epoch: int, step: int, steps_per_epoch: int, lr: float, losses: dict, logits, labels) -> None:
+        sums, settings = self.sums, self.settings
+        for key in ("total", "ce", "reg", "fusion"):
+            sums[key] += losses[key].item() * len(labels)
+        sums["correct"] += (logits.argmax(-1) == labels).sum().item()
+        sums["images"] += len(labels)
+        self.done += 1
+        if step % settings["log_every"] == 0 or step == steps_per_epoch:
+            left = (time.time() - self.started) / self.done * (self.steps - self.done)
+            rate = sums["images"] * self.runtime.world / max(time.time() - self.epoch_started, 1e-9)
+            n = sums["images"]
+            self.runtime.log(
+                f"[{self.job.label}] epoch {epoch + 1}/{settings['epochs']} step {step}/{steps_per_epoch} "
+                f"loss {sums['total'] / n:.4f} (ce {sums['ce'] / n:.4f} reg {sums['reg'] / n:.4f} "
+                f"fusion {sums['fusion'] / n:.4f}) acc {100 * sums['correct'] / n:.1f}% lr {lr:.2e} "
+                f"{rate:.1f} img/s, {format_time(left)} left")
+
+
+def run_job(job: Job, settings: dict, inputs: Inputs, role_maps: dict, lists: RunData,
+            runtime: Runtime) -> Optional[dict]:
     """Train (unless zero-shot) and evaluate one job -> its results, or None if not finished."""
     results_path = os.path.join(job.folder, "results.json")
-    if os.path.isfile(results_path) and not settings.get("eval_only"):
+    if os.path.isfile(results_path) and not settings["eval_only"]:
         with open(results_path, encoding="utf-8") as f:
             return json.load(f)  # finished in an earlier call (checked by check_finished_runs)
     model = None
     if job.row == "linear-probe":
-        split = world["train_splits"][(job.dataset, job.seed, job.shots)]
-        metrics = linear_probe(clip, split, world["eval_sets"][job.dataset], settings, runtime)
+        metrics = linear_probe(inputs.clip, lists.train[split_key(job)], lists.test[job.dataset], settings, runtime)
         result = dict(job=dataclasses.asdict(job), metrics=metrics, settings=job_settings(settings, job))
         if runtime.main:
             write_text(os.path.join(job.folder, "results.md"), job_table(job, metrics))
             write_json(results_path, result)
         return result
     if job.row != "zeroshot":
-        if settings.get("eval_only"):
+        if settings["eval_only"]:
             checkpoint = load_checkpoint(os.path.join(job.folder, "checkpoint.pt"), job_settings(settings, job))
             if checkpoint is None or checkpoint["epoch"] < settings["epochs"]:
                 raise TrainError(f"{job.folder}: no finished checkpoint to evaluate; finish it with --resume")
-            model = dear.DeAR(clip, role_maps[role_key(job)], world["attributes"],
-                              first_layer=first_layer_of(settings, clip), beta=settings["beta"],
-                              num_text_tokens=settings["text_tokens"]).to(runtime.device)
+            model = build_dear(settings, inputs, role_maps[role_key(job)]).to(runtime.device)
             model.load_learnable_state_dict(checkpoint["learnable"])
         else:
-            model = train_job(job, settings, clip, tokenizer, role_maps[role_key(job)], world, runtime)
+            model = train_job(job, settings, inputs, role_maps[role_key(job)], lists.train[split_key(job)], runtime)
             if model is None:
                 return None
         model.eval()
     # One pass per test set gives every kind of logits; each fusion mode then picks per set.
     accuracy, logits = {}, {mode: {} for mode in settings["fusion"]}
-    for eval_set in world["eval_sets"][job.dataset]:
-        accuracy[eval_set.name] = evaluate(model, clip, tokenizer, eval_set, settings, runtime)
+    for eval_set in lists.test[job.dataset]:
+        accuracy[eval_set.name] = evaluate(model, inputs.clip, inputs.tokenizer, eval_set, settings, runtime)
         for mode in settings["fusion"]:
             logits[mode][eval_set.name] = "clip" if model is None else logits_used(eval_set, mode)
         runtime.log(f"[{job.label}] test {eval_set.name}: " + ", ".join(
@@ -1316,43 +1361,167 @@ def markdown(summary: dict, settings: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------
-# main: settings -> device -> data -> model -> runs -> tables
+# 9. The run folder: files written whole, checkpoints, the lock
 # ------------------------------------------------------------------------------------------
+# The plumbing that makes a run folder trustworthy: every file is written to a temporary
+# name and renamed (a reader never sees half a file), a checkpoint or results.json is
+# accepted only with the settings of this run, and one process at a time writes a folder.
+
+CHECKPOINT_FORMAT = "dear-from-scratch checkpoint, version 1"  # checked on load: not some other .pt
 
 
-def prepare_world(settings: dict, runtime: Runtime) -> dict:
-    """Attributes, description bank and, for the toy world, its model, BPE file and data."""
-    world = dict(attributes=list(dear.CORE_ATTRIBUTES), bank=None)
-    if settings["dataset"] == ["toyworld"]:
-        import toyworld  # the project's own world (toyworld/), only needed here
-
-        if runtime.world > 1:
-            raise TrainError("--dataset toyworld runs in one process; start it without torchrun")
-        assets = toyworld.prepare(settings["toy_scale"], log=runtime.log)
-        # A fresh run takes the cache's files (--weights, --bpe, --head-width are refused with
-        # toyworld); a resumed one keeps the files it was made with (their content is checked).
-        settings["root"] = settings["root"] or assets.data_root
-        settings["weights"] = settings["weights"] or assets.weights
-        settings["head_width"] = settings["head_width"] or assets.head_width
-        settings["bpe"] = settings["bpe"] or assets.bpe
-        world.update(attributes=list(assets.attributes), bank=list(assets.bank),
-                     after_analysis=toy_causal_check)
-    return world
+def write_text(path: str, text: str) -> None:
+    # clip_model.atomic_write (dear.py re-exports it): a run killed mid-write keeps the old file.
+    dear.atomic_write(path, lambda tmp: open(tmp, "w", encoding="utf-8").write(text))
 
 
-def toy_causal_check(clip, tokenizer, role_map: dear.RoleMap, folder: str, log) -> None:
-    """Toy world only: is concept entropy right? Mean-ablate each analysed head and see which
-    attribute's zero-shot accuracy falls (the ground truth is known here), then compare with
-    the head's role. Saved as causal_check.md / .json next to roles.json."""
-    import toyworld
+def write_json(path: str, value) -> None:
+    write_text(path, json.dumps(value, indent=2, allow_nan=False) + "\n")  # NaN is not JSON
 
-    if os.path.isfile(os.path.join(folder, "causal_check.json")):
-        return  # done in an earlier call (a call killed during the check redoes it on --resume)
-    log("[toyworld] causal check: mean-ablating every analysed head, zero-shot accuracy per attribute")
-    result = toyworld.causal_check(clip, tokenizer, role_map, role_map.attributes, log=log)
-    write_text(os.path.join(folder, "causal_check.md"), result["table"] + "\n")
-    write_json(os.path.join(folder, "causal_check.json"), result)  # last: marks the check done
-    log(result["table"])
+
+def job_settings(settings: dict, job: Job) -> dict:
+    """What decides a run's result: saved with it and compared on --resume."""
+    keep = {k: v for k, v in settings.items() if k not in RUN_CONTROL}
+    return dict(keep, job=dict(dataset=job.dataset, row=job.row, roles=job.roles, seed=job.seed, shots=job.shots))
+
+
+def load_checkpoint(path: str, expected: dict) -> Optional[dict]:
+    if not os.path.isfile(path):
+        return None
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        assert checkpoint.get("format") == CHECKPOINT_FORMAT
+        assert isinstance(checkpoint.get("epoch"), int) and isinstance(checkpoint.get("settings"), dict)
+        assert all(isinstance(checkpoint.get(key), dict) for key in ("learnable", "optimizer", "scaler"))
+    except Exception as error:  # noqa: BLE001 -- any unreadable file gets the same advice
+        raise TrainError(f"{path}: unreadable checkpoint ({type(error).__name__}); delete it to restart "
+                         "that run from scratch") from None
+    if checkpoint["settings"] != expected:
+        raise TrainError(f"{path}: made with other settings than this run's "
+                         f"({differences(checkpoint['settings'], expected)}); use another --output")
+    return checkpoint
+
+
+def differences(found: dict, expected: dict) -> str:
+    """'lr 0.002 (expected 0.001), ...': what makes two settings dicts differ."""
+    keys = [k for k in sorted(set(found) | set(expected)) if found.get(k) != expected.get(k)]
+    return ", ".join(f"{k} {str(found.get(k))[:40]} (expected {str(expected.get(k))[:40]})" for k in keys[:3])
+
+
+def check_finished_runs(settings: dict, jobs: List[Job]) -> None:
+    """--resume / --eval-only: every results.json and checkpoint of the folder was made with
+    this run's settings. A folder that mixes two runs (two writers before the lock existed,
+    or files copied in) is refused rather than summarised."""
+    for job in jobs:
+        path = os.path.join(job.folder, "results.json")
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    result = json.load(f)
+                assert isinstance(result, dict) and isinstance(result.get("metrics"), dict)
+                assert all(isinstance(v, float) for v in result["metrics"].values())
+                assert isinstance(result.get("job"), dict) and isinstance(result.get("settings"), dict)
+            except (OSError, ValueError, AssertionError, RecursionError) as error:
+                raise TrainError(f"{path}: unreadable results ({type(error).__name__}); delete it and "
+                                 "--resume evaluates that run again") from None
+            if result["settings"] != job_settings(settings, job):
+                raise TrainError(f"{path}: made with other settings than this run's "
+                                 f"({differences(result['settings'], job_settings(settings, job))}): the folder "
+                                 "mixes two runs; start again with another --output")
+        elif job.row != "zeroshot":
+            load_checkpoint(os.path.join(job.folder, "checkpoint.pt"), job_settings(settings, job))
+
+
+def save_checkpoint(path: str, state: dict) -> None:
+    def write(temporary: str) -> None:
+        try:
+            torch.save(state, temporary)
+        except RuntimeError as error:  # torch's file writer reports a full disk this way
+            raise TrainError(f"{path}: cannot write the checkpoint ({' '.join(str(error).split())[:100]}); "
+                             "free disk space, then continue with --resume") from None
+
+    dear.atomic_write(path, write)
+
+
+def format_time(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def check_output_folder(output: str) -> None:
+    """A fresh run's --output must be a folder that can be made and written, and not already
+    hold a run. Checked before the data and the model are read."""
+    if not output:
+        raise TrainError("--output '': expected a folder for the run")
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise TrainError(f"--output {output}: is a file, not a folder; choose another --output")
+    existing = os.path.abspath(output)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise TrainError(f"--output {output}: lies under {existing}, which is a file; choose another --output")
+    try:  # os.access is not enough (root, read-only mounts): try to write
+        handle, probe = tempfile.mkstemp(dir=existing, prefix=".tmp-write-test-")
+        os.close(handle)
+        os.remove(probe)
+    except OSError as error:
+        raise TrainError(f"--output {output}: cannot write in {existing} ({error.strerror or error}); "
+                         "choose a folder you can write to") from None
+    if os.path.exists(os.path.join(output, "settings.json")):
+        raise TrainError(f"{output}: already holds a run; continue it with --resume, evaluate it with "
+                         "--eval-only, or choose another --output")
+
+
+def lock_run_folder(output: str, stack: contextlib.ExitStack) -> None:
+    """One writer per run folder: an exclusive lock on <output>/.lock, held until the call
+    ends (the OS drops it when the process dies, even by SIGKILL: no stale lock to clean)."""
+    if fcntl is None:
+        return
+    handle = open(os.path.join(output, ".lock"), "a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip()
+        handle.close()
+        raise TrainError(f"{output}: in use by another train.py process{f' (pid {holder})' if holder else ''}; "
+                         "wait for it to end, or choose another --output") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    stack.callback(handle.close)  # closing the file releases the lock
+
+
+def remove_temporary_files(output: str) -> None:
+    """Under the lock: a write killed half-way leaves a .tmp-* file (every file of a run is
+    written to one and renamed); no other process can be writing it now."""
+    for folder, _, files in os.walk(output):
+        for name in files:
+            if name.startswith(".tmp-"):
+                os.remove(os.path.join(folder, name))
+
+
+def start_run_folder(settings: dict, runtime: Runtime, stack: contextlib.ExitStack) -> None:
+    """A new run's folder: made, locked, checked again under the lock (another call may have
+    started it meanwhile), then the roles file it uses and settings.json written."""
+    output = settings["output"]
+    os.makedirs(output, exist_ok=True)
+    lock_run_folder(output, stack)
+    check_output_folder(output)
+    remove_temporary_files(output)
+    if role_file_of(settings) is not None:  # the run keeps the roles it used
+        with open(role_file_of(settings), encoding="utf-8") as f:
+            write_text(os.path.join(output, "roles_file.json"), f.read())
+    saved = {k: v for k, v in settings.items() if k not in ("resume", "eval_only")}
+    write_json(os.path.join(output, "settings.json"), dict(
+        settings=saved, torch=torch.__version__, python=platform.python_version(),
+        command="python train.py " + " ".join(sys.argv[1:]), world_size=runtime.world))
+
+
+# ------------------------------------------------------------------------------------------
+# main: settings -> device -> inputs -> data -> runs -> tables
+# ------------------------------------------------------------------------------------------
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -1360,9 +1529,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     # data.py's warnings (a class with fewer than K images, a rebuilt cache) as one line each.
     warnings.formatwarning = lambda message, category, *rest: f"warning: {message}\n"
     try:
-        settings = settings_for_resume(args) if (args.resume or args.eval_only) else resolve_settings(args)
-        settings["resume"], settings["eval_only"] = bool(args.resume), bool(args.eval_only)
-        validate_settings(settings)
+        settings = resolve_settings(args)
         with contextlib.ExitStack() as stack:  # holds the run folder's lock until the call ends
             return run(settings, stack)
     except (TrainError, data.DatasetError, dear.DeARError, clip_model.CLIPError) as error:
@@ -1379,90 +1546,44 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def run(settings: dict, stack: contextlib.ExitStack) -> int:
-    output = settings["output"]
-    fresh = not (settings["resume"] or settings["eval_only"])
-    main_process = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 alone writes
+    """Every check first (the folder, the device, the files, the data), then the run folder,
+    then the runs in order, then the tables. Nothing is written before the last check."""
     jobs = plan_jobs(settings)
+    fresh = not (settings["resume"] or settings["eval_only"])
     if fresh:
-        check_output_folder(output)
-    elif main_process:  # the folder exists: lock it before reading it
-        lock_run_folder(output, stack)
-        remove_temporary_files(output)
+        check_output_folder(settings["output"])
+    elif int(os.environ.get("RANK", "0")) == 0:  # the folder exists: lock it before reading it
+        lock_run_folder(settings["output"], stack)
+        remove_temporary_files(settings["output"])
         check_finished_runs(settings, jobs)
-    if settings["workers"] is None:
-        settings["workers"] = 4 if pick_device(settings["device"]).type == "cuda" else 0
 
-    # 2. device (and processes, under torchrun)
-    runtime = setup_runtime(settings)
-    world = prepare_world(settings, runtime)
+    runtime = setup_runtime(settings)  # 2. device (and processes, under torchrun)
+    inputs = open_inputs(settings, runtime)  # 4. model: CLIP, tokenizer, the toy world, checked
+    # The files' places and SHA-256 complete the settings; read-only from here on.
+    settings = types.MappingProxyType(dict(settings, **inputs.files))
+    lists = read_data(settings, jobs)  # 3. data: every list read, every listed image checked
 
-    # 3. data: every list is read (and every listed image checked) before anything is written
-    trained = sorted({job.dataset for job in jobs})
-    world["eval_sets"] = {d: evaluation_sets(settings, d) for d in trained}
-    # Read once per (dataset, seed, shots): rows that differ only in --roles share the split,
-    # and a load checks every listed image (over a million files for ImageNet).
-    world["train_splits"] = {}
-    for job in jobs:
-        key = (job.dataset, job.seed, job.shots)
-        if job.seed is not None and key not in world["train_splits"]:
-            world["train_splits"][key] = training_split(settings, *key)
-
-    # 4. model
-    clip, tokenizer = load_clip(settings, runtime)
-    fingerprints = input_fingerprints(settings, tokenizer)
-    if not fresh:  # the files may have moved (--weights, --bpe are places), not changed
-        for key, flag in (("weights", f"--weights {settings['weights']}"), ("bpe", f"--bpe {tokenizer.bpe_path}"),
-                          ("roles_file", f"--roles {role_file_of(settings)}")):
-            now, then = fingerprints[key], settings["fingerprints"].get(key)
-            if now != then:
-                copy = f" (a copy is {os.path.join(output, 'roles_file.json')})" if key == "roles_file" else ""
-                raise TrainError(f"{flag}: not the file this run was made with (SHA-256 {str(now)[:12]}... now, "
-                                 f"{str(then)[:12]}... then); resume with the original file{copy}, or start a "
-                                 "new run with another --output")
-    settings["fingerprints"], settings["bpe"] = fingerprints, tokenizer.bpe_path
-    for choice in settings["roles"]:  # a roles file that does not fit this model stops here
-        if choice not in ("analyse", *ROLE_ABLATIONS) and "dear" in settings["method"]:
-            role_map_for(choice, settings, clip, world["attributes"], None)
-    if settings["text_tokens"] > clip.context_length:  # memory grows with (77 + K)^2: a typo, not a setting
-        raise TrainError(f"--text-tokens {settings['text_tokens']}: expected at most the model's context "
-                         f"length ({clip.context_length})")
-    if "dear" in settings["method"]:  # J, beta, K checked against the model before any run
-        probe_roles = role_map_for("all-mixed", settings, clip, world["attributes"], None)
-        dear.DeAR(clip, probe_roles, world["attributes"], first_layer=first_layer_of(settings, clip),
-                  beta=settings["beta"], num_text_tokens=settings["text_tokens"])
-
-    # From here on the run folder exists; a run inside it counts as done only once its
-    # results.json is written, the whole call only once summary.md is.
-    if runtime.main:
-        os.makedirs(output, exist_ok=True)
-        if fresh:
-            lock_run_folder(output, stack)
-            check_output_folder(output)  # again, under the lock: another call may have started it
-            remove_temporary_files(output)
-            if role_file_of(settings) is not None:  # the run keeps the roles it used
-                with open(role_file_of(settings), encoding="utf-8") as f:
-                    write_text(os.path.join(output, "roles_file.json"), f.read())
-            saved = {k: v for k, v in settings.items() if k not in ("resume", "eval_only")}
-            write_json(os.path.join(output, "settings.json"), dict(
-                settings=saved, torch=torch.__version__, python=platform.python_version(),
-                command="python train.py " + " ".join(sys.argv[1:]), world_size=runtime.world))
+    if runtime.main and fresh:  # from here on the run folder exists
+        start_run_folder(settings, runtime, stack)
     runtime.log(f"train.py: {settings['protocol']} on {', '.join(settings['dataset'])}; {len(jobs)} runs "
                 f"({', '.join(dict.fromkeys(job.row for job in jobs))}); device {runtime.device}"
                 f"{f' x {runtime.world} processes' if runtime.world > 1 else ''}"
-                f"{f', autocast {runtime.amp_dtype}' if runtime.amp_dtype else ''}; output {output}")
+                f"{f', autocast {runtime.amp_dtype}' if runtime.amp_dtype else ''}; output {settings['output']}")
 
+    # The head roles of every DeAR run first (each analysis reads its own run's images).
     role_maps = {}
     for job in jobs:
         if job.roles is not None:
-            analysed = (analyse_heads(settings, job, clip, tokenizer, world, runtime)
+            analysed = (analyse_heads(settings, job, inputs, lists.train[split_key(job)], runtime)
                         if job.roles == "analyse" else None)
-            role_maps[role_key(job)] = role_map_for(job.roles, settings, clip, world["attributes"], analysed)
+            role_maps[role_key(job)] = role_map_for(job.roles, inputs.clip, inputs.attributes, analysed)
 
+    # A run counts as done once its results.json is written, the whole call once summary.md is.
     started, results = time.time(), []
     for index, job in enumerate(jobs, 1):
         runtime.log(f"== run {index}/{len(jobs)}: {job.label} "
                     f"(elapsed {format_time(time.time() - started)}) ==")
-        result = run_job(job, settings, clip, tokenizer, role_maps, world, runtime)
+        result = run_job(job, settings, inputs, role_maps, lists, runtime)
         if result is None:
             return 0  # stopped by --max-epochs-per-call; resumable
         results.append(result)
@@ -1470,10 +1591,11 @@ def run(settings: dict, stack: contextlib.ExitStack) -> int:
     summary = summarise(settings, results)
     text = markdown(summary, settings)
     if runtime.main:
-        write_json(os.path.join(output, "summary.json"), summary)
-        write_text(os.path.join(output, "summary.md"), text)
+        write_json(os.path.join(settings["output"], "summary.json"), summary)
+        write_text(os.path.join(settings["output"], "summary.md"), text)
     runtime.log("\n" + text)
-    runtime.log(f"train.py: done in {format_time(time.time() - started)}; tables in {os.path.join(output, 'summary.md')}")
+    runtime.log(f"train.py: done in {format_time(time.time() - started)}; tables in "
+                f"{os.path.join(settings['output'], 'summary.md')}")
     if runtime.world > 1:
         dist.destroy_process_group()
     return 0

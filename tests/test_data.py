@@ -1,7 +1,7 @@
 """
 Tests for data.py: every reader on a tiny dataset written in CoOp's layout, the base/novel
 split, few-shot sampling and its cache, the transforms, the one-line errors, and the real
-CoOp split files of shared/coop_splits read through load_dataset.
+CoOp split files of tests/data/coop_splits read through load_dataset.
 
 Run:  python -m pytest -q tests/test_data.py
 
@@ -9,6 +9,7 @@ No dataset is downloaded: fixtures write a few classes of 8x8 images (and, for t
 files, a 1x1 placeholder at every listed path) under pytest's tmp_path.
 """
 
+import gzip
 import hashlib
 import io
 import json
@@ -419,43 +420,44 @@ def test_corrupt_few_shot_cache_is_rebuilt_not_trusted(pets_root, corruption):
     assert json.loads(cache.read_text())["fingerprint"]  # rewritten as a valid cache
 
 
-def test_few_shot_cache_naming_images_outside_the_split_is_rebuilt(pets_root):
+def edited_cache_is_rebuilt(pets_root, edit, warning: str) -> None:
+    """Write a 2-shot cache, edit its JSON with edit(stored), read again: the edit is noticed
+    (a DatasetWarning matching `warning`) and the draw is the fresh one, not the edited one."""
     fresh = load_dataset("oxford_pets", pets_root, num_shots=2)
     cache = Path(data.fewshot_cache_path(fresh.dataset_dir, 2, 1))
     stored = json.loads(cache.read_text())
-    stored["train"][0][0] = "images/not_in_the_split.jpg"
+    edit(stored)
     cache.write_text(json.dumps(stored))
-    with pytest.warns(DatasetWarning, match="which the split does not have"):
+    with pytest.warns(DatasetWarning, match=warning):
         rebuilt = load_dataset("oxford_pets", pets_root, num_shots=2)
     assert rebuilt.train == fresh.train
+
+
+def test_few_shot_cache_naming_images_outside_the_split_is_rebuilt(pets_root):
+    def edit(stored):
+        stored["train"][0][0] = "images/not_in_the_split.jpg"
+
+    edited_cache_is_rebuilt(pets_root, edit, "which the split does not have")
 
 
 def test_few_shot_cache_with_wrong_counts_per_class_is_rebuilt(pets_root):
-    fresh = load_dataset("oxford_pets", pets_root, num_shots=2)
-    cache = Path(data.fewshot_cache_path(fresh.dataset_dir, 2, 1))
-    stored = json.loads(cache.read_text())
-    stored["train"][1] = stored["train"][0]  # class 0: one image twice instead of two images
-    cache.write_text(json.dumps(stored))
-    with pytest.warns(DatasetWarning, match=r"min\(2, available\) distinct images per class"):
-        rebuilt = load_dataset("oxford_pets", pets_root, num_shots=2)
-    assert rebuilt.train == fresh.train
+    def edit(stored):
+        stored["train"][1] = stored["train"][0]  # class 0: one image twice instead of two images
+
+    edited_cache_is_rebuilt(pets_root, edit, r"min\(2, available\) distinct images per class")
 
 
 def test_edited_few_shot_cache_is_rebuilt_even_when_every_entry_is_plausible(pets_root):
     # One cached image swapped for another of the same class: in the split, right count per
     # class, no repeats -- only the content fingerprint can tell.
-    fresh = load_dataset("oxford_pets", pets_root, num_shots=2)
-    cache = Path(data.fewshot_cache_path(fresh.dataset_dir, 2, 1))
-    stored = json.loads(cache.read_text())
-    chosen = {entry[0] for entry in stored["train"]}
-    other = next(entry for entry in json.loads((pets_root / "oxford_pets" / "split_zhou_OxfordPets.json")
-                                               .read_text())["train"]
-                 if entry[1] == stored["train"][0][1] and "images/" + entry[0] not in chosen)
-    stored["train"][0] = ["images/" + other[0], other[1], other[2]]
-    cache.write_text(json.dumps(stored))
-    with pytest.warns(DatasetWarning, match="was edited after it was written"):
-        rebuilt = load_dataset("oxford_pets", pets_root, num_shots=2)
-    assert rebuilt.train == fresh.train
+    def edit(stored):
+        chosen = {entry[0] for entry in stored["train"]}
+        other = next(entry for entry in json.loads((pets_root / "oxford_pets" / "split_zhou_OxfordPets.json")
+                                                   .read_text())["train"]
+                     if entry[1] == stored["train"][0][1] and "images/" + entry[0] not in chosen)
+        stored["train"][0] = ["images/" + other[0], other[1], other[2]]
+
+    edited_cache_is_rebuilt(pets_root, edit, "was edited after it was written")
 
 
 def test_few_shot_cache_of_a_changed_split_is_rebuilt(pets_root):
@@ -731,19 +733,11 @@ def test_command_line_usage_errors_are_one_line_without_the_usage(argv, capsys):
 
 
 # -----------------------------------------------------------------------------
-# The real CoOp split files (shared/coop_splits), a placeholder image at every listed path
+# The real CoOp split files (tests/data/coop_splits, gzipped: 350 KB instead of 9 MB; see
+# its SOURCES.md), a placeholder image at every listed path. They ship with the repository,
+# so these tests run in every clone: a missing file fails, it is not skipped.
 
-
-def find_coop_splits() -> Path | None:
-    candidates = [os.environ.get("COOP_SPLITS_DIR"), REPO / "shared" / "coop_splits",
-                  REPO.parent / "shared" / "coop_splits", "/work/shared/coop_splits"]
-    for candidate in candidates:
-        if candidate and (Path(candidate) / "split_zhou_OxfordPets.json").is_file():
-            return Path(candidate)
-    return None
-
-
-COOP_SPLITS = find_coop_splits()
+COOP_SPLITS = Path(__file__).resolve().parent / "data" / "coop_splits"
 
 # name, file, classes, train, val, test, sha256 (SOURCES.md)
 REAL_SPLITS = [
@@ -782,12 +776,11 @@ def place_images(image_root: Path, relative_paths: set[str]) -> None:
             path.write_bytes(placeholder.read_bytes())
 
 
-@pytest.mark.skipif(COOP_SPLITS is None, reason="shared/coop_splits not found (set COOP_SPLITS_DIR)")
 @pytest.mark.parametrize("name,filename,n_classes,n_train,n_val,n_test,sha256", REAL_SPLITS,
                          ids=[row[0] for row in REAL_SPLITS])
 def test_real_coop_split_reads_with_the_published_sizes(tmp_path, name, filename, n_classes,
                                                         n_train, n_val, n_test, sha256):
-    raw = (COOP_SPLITS / filename).read_bytes()
+    raw = gzip.decompress((COOP_SPLITS / f"{filename}.gz").read_bytes())  # CoOp's file, byte for byte
     assert hashlib.sha256(raw).hexdigest() == sha256, f"{filename} differs from SOURCES.md"
     spec = data.DATASETS[name]
     assert spec.split_file == filename

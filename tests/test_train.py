@@ -197,7 +197,8 @@ def test_linear_probe_fits_the_training_classes_and_scores_only_sets_with_those_
 
 
 def test_summary_leaves_the_linear_probe_novel_and_hm_empty_and_shows_the_spread():
-    settings = dict(protocol="base2novel", dataset=["a"], roles=["analyse"], seeds=[1, 2], shots=[16])
+    settings = dict(protocol="base2novel", dataset=["a"], roles=["analyse"], fusion=["adaptive"],
+                    seeds=[1, 2], shots=[16])
     results = [dict(job=dict(dataset="a", row="linear-probe", shots=16), metrics=dict(base=b)) for b in (80.0, 84.0)]
     results += [dict(job=dict(dataset="a", row="dear", shots=16), metrics=dict(base=b, novel=n))
                 for b, n in ((70.0, 50.0), (74.0, 54.0))]
@@ -296,7 +297,8 @@ def test_fewshot_cross_and_dg_write_the_paper_shaped_tables(world, tmp_path):
 
 
 def test_summary_takes_hm_of_the_averages_as_the_paper_does():
-    settings = dict(protocol="base2novel", dataset=["a", "b"], roles=["analyse"], seeds=[1], shots=[16])
+    settings = dict(protocol="base2novel", dataset=["a", "b"], roles=["analyse"], fusion=["adaptive"],
+                    seeds=[1], shots=[16])
     results = [dict(job=dict(dataset=d, row="dear", shots=16), metrics=dict(base=b, novel=n))
                for d, b, n in (("a", 90.0, 10.0), ("b", 50.0, 50.0))]
     summary = train.summarise(settings, results)
@@ -515,6 +517,7 @@ def refused(argv, capsys, fragment, output=None):
     (["--text-tokens", "-1"], "--text-tokens -1: expected an integer >= 0"),
     (["--text-tokens", "100000"], "--text-tokens 100000: expected at most the model's context length (16)"),
     (["--first-layer", "0"], "--first-layer 0: expected a layer number >= 1"),
+    (["--first-layer", "3"], "--first-layer 3: expected at most 2, the model's number of layers"),  # text: 2
     (["--workers", "-1"], "--workers -1: expected an integer >= 0"),
     (["--seeds", "-1"], "--seeds -1: expected integers from 0 to 4294967295"),
     (["--seeds", str(2**64)], "--seeds 18446744073709551616"),
@@ -526,6 +529,32 @@ def refused(argv, capsys, fragment, output=None):
 def test_a_zero_negative_or_non_finite_value_is_refused_not_replaced(world, tmp_path, capsys, flags, message):
     out = tmp_path / "run"
     refused(common(world, out, "--dataset", "dtd", "--seeds", "1", "--shots", "4", *flags), capsys, message, out)
+
+
+def test_a_dataset_without_a_recipe_is_refused_not_given_another_datasets(world, tmp_path, capsys, monkeypatch):
+    """RECIPES is one default plus the exceptions; a trainable dataset with no row at all (one
+    added to data.py and forgotten here) must not silently train with caltech101's recipe."""
+    monkeypatch.delitem(train.RECIPES, "dtd")
+    out = tmp_path / "run"
+    refused(common(world, out, "--dataset", "dtd", "--seeds", "1"), capsys,
+            "--dataset dtd: train.py has no training recipe for it; add a row to RECIPES", out)
+
+
+def test_help_shows_each_default_from_the_one_table_that_holds_it(monkeypatch, capsys):
+    """Defaults are written once (Recipe, RECIPES, DEFAULTS, TOY_DEFAULTS): the help text is
+    generated from them, so changing a table changes the help and the resolved setting alike."""
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps at the terminal's width
+    monkeypatch.setitem(train.DEFAULTS, "log_every", 7)
+    monkeypatch.setitem(train.RECIPES, "imagenet", train.Recipe(epochs=3, batch_size=32))
+    text = " ".join(train.build_parser().format_help().split())
+    assert "a progress line every N steps (default 7)" in text
+    assert "training epochs, the warm-up epoch included (default 10 from RECIPES (imagenet: 3, toyworld: 20))" in text
+    assert "(default analyse; toyworld: all-mixed all-generalization analyse)" in text
+    assert "every N steps (default 20)" not in text  # the old --log-every default is nowhere
+    settings = train.resolve_settings(train.build_parser().parse_args(["--dataset", "dtd", "--device", "cpu"]))
+    assert settings["log_every"] == 7 and settings["epochs"] == train.Recipe().epochs == 10
+    assert train.resolve_settings(train.build_parser().parse_args(
+        ["--dataset", "imagenet_sketch", "--protocol", "dg", "--device", "cpu"]))["epochs"] == 3
 
 
 def write_json_file(path, value):

@@ -2,7 +2,7 @@
 toyworld -- a small world of drawn shapes, a tiny CLIP pretrained on it from scratch on a CPU,
 and a downstream task, so that the whole DeAR pipeline runs (and can be *measured*) offline.
 
-Why it exists (DESIGN.md Sec. 8): real CLIP weights and benchmark images cannot be fetched
+Why it exists (docs/METHOD.md Sec. 8): real CLIP weights and benchmark images cannot be fetched
 without a network, and even with them a laptop cannot ask "does a head that concept entropy
 calls 'colour' really carry colour?". Here it can: every image is drawn from known attribute
 values, so each claim of the method has a ground truth. What the toy world shows about real

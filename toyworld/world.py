@@ -13,14 +13,14 @@ What this file holds, top to bottom:
                                  circle at the top left on a dark background", or a partial one
                                  that names only some attributes ("a photo of a red object")
     5. the description bank .... toy_bank() -> (text, concept) pairs, each labelled with its
-                                 concept by construction (DESIGN.md Sec. 3, step 2)
+                                 concept by construction (docs/METHOD.md Sec. 3)
     6. the corpus .............. every caption word and bank phrase, for the BPE trainer
 
 How it fits: bpe.py learns its merges from `corpus()`, pretrain.py draws scenes and renders
 them fresh every batch, task.py writes a downstream dataset with the shifted style, causal.py
 asks zero-shot questions with partial captions. Every image's attribute values are known,
 because the image is drawn from them: that is what lets the toy world *measure* whether a
-head that concept entropy calls "colour" really carries colour (DESIGN.md Sec. 8).
+head that concept entropy calls "colour" really carries colour (docs/METHOD.md Sec. 8).
 
 The grammar is deliberately tiny: the article is always "a" ("a orange circle"), words come in
 one fixed order, and the only punctuation is an optional final ".". A caption that names no
@@ -42,7 +42,7 @@ import numpy as np
 # ------------------------------------------------------------------------------------------
 # 1. The attribute table
 # ------------------------------------------------------------------------------------------
-# The core attributes, in token order: DeAR gets one attribute token per entry (DESIGN.md
+# The core attributes, in token order: DeAR gets one attribute token per entry (docs/METHOD.md
 # Sec. 4; the toy world's stand-ins for the paper's colour, shape, texture, object, location).
 # Each value is a word (or words) the captions use.
 
@@ -53,7 +53,7 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "position": ("top left", "top right", "bottom left", "bottom right"),
 }
 # Things the world varies and captions may say, but that get no attribute token: they are the
-# "non-core concepts" that let a head's concept entropy spread (DESIGN.md Sec. 3, step 2).
+# "non-core concepts" that let a head's concept entropy spread (docs/METHOD.md Sec. 3).
 EXTRA_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "size": ("small", "large"),
     "background": ("dark", "light"),
@@ -322,7 +322,7 @@ def attribute_prompts(attribute: str, prefix: str = "a photo of a") -> list[str]
 
 
 # ------------------------------------------------------------------------------------------
-# 5. The description bank (for the head analysis, DESIGN.md Sec. 3)
+# 5. The description bank (for the head analysis, docs/METHOD.md Sec. 3)
 # ------------------------------------------------------------------------------------------
 # dear.description_bank() speaks about real photos (bicycles, beaches); most of its words
 # mean nothing to the toy CLIP. This bank speaks the toy world's language: every phrase is
