@@ -450,6 +450,25 @@ def default_cache_dir() -> str:
     return old if os.path.isdir(old) and not os.path.isdir(new) else new
 
 
+def unwritable_reason(path: str) -> Optional[str]:
+    """None if files can be made in `path`, or in the nearest existing folder above it (the
+    one a later makedirs would write into); else the reason, as a short phrase. Tried by
+    writing a probe file: os.access is not enough (root, read-only mounts). Shared with
+    train.py's --output check and `python -m toyworld`'s path checks."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"lies under {existing}, which is a file"
+    probe = os.path.join(existing, f".tmp-write-test-{secrets.token_hex(6)}")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.remove(probe)
+    except OSError as error:
+        return f"cannot write in {existing} ({error.strerror or error})"
+    return None
+
+
 def atomic_write(path: str, write: Callable[[str], None]) -> None:
     """Call write(temporary_path), then rename onto `path`: readers never see half a file, and
     a write that fails (an exception in `write`) leaves no temporary behind.

@@ -55,7 +55,6 @@ import math
 import os
 import platform
 import sys
-import tempfile
 import time
 import types
 import warnings
@@ -361,7 +360,7 @@ def settings_from_flags(args: argparse.Namespace) -> Dict[str, object]:
                          "DeAR row); add the ablations all-mixed / all-generalization beside it")
     shots = list(dict.fromkeys(_default(args.shots, FEWSHOT_SHOTS if protocol == "fewshot" else [recipe.shots])))
     if protocol != "fewshot" and len(shots) > 1:
-        raise TrainError(f"--shots takes several values only with --protocol fewshot")
+        raise TrainError("--shots takes several values only with --protocol fewshot")
     # The order of the keys is the order of settings.json.
     return dict(
         dataset=names, protocol=protocol, source=source, method=list(dict.fromkeys(flag("method"))), roles=roles,
@@ -1455,18 +1454,9 @@ def check_output_folder(output: str) -> None:
         raise TrainError("--output '': expected a folder for the run")
     if os.path.exists(output) and not os.path.isdir(output):
         raise TrainError(f"--output {output}: is a file, not a folder; choose another --output")
-    existing = os.path.abspath(output)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise TrainError(f"--output {output}: lies under {existing}, which is a file; choose another --output")
-    try:  # os.access is not enough (root, read-only mounts): try to write
-        handle, probe = tempfile.mkstemp(dir=existing, prefix=".tmp-write-test-")
-        os.close(handle)
-        os.remove(probe)
-    except OSError as error:
-        raise TrainError(f"--output {output}: cannot write in {existing} ({error.strerror or error}); "
-                         "choose a folder you can write to") from None
+    reason = clip_model.unwritable_reason(output)  # tried by writing, before any data is read
+    if reason:
+        raise TrainError(f"--output {output}: {reason}; choose another --output")
     if os.path.exists(os.path.join(output, "settings.json")):
         raise TrainError(f"{output}: already holds a run; continue it with --resume, evaluate it with "
                          "--eval-only, or choose another --output")

@@ -16,7 +16,6 @@ import argparse
 import os
 import random
 import sys
-import tempfile
 import textwrap
 
 import numpy as np
@@ -62,17 +61,9 @@ class OneLineParser(argparse.ArgumentParser):
 def writable_folder(path: str, flag: str) -> None:
     """Stop (one line) unless files can be made in `path`, or in the folder that would hold
     it: checked before the minutes of preparing the world, not after."""
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ValueError(f"{flag} {path}: lies under {existing}, which is a file")
-    try:  # os.access is not enough (root, read-only mounts): try to write
-        handle, probe = tempfile.mkstemp(dir=existing, prefix=".tmp-write-test-")
-        os.close(handle)
-        os.remove(probe)
-    except OSError as error:
-        raise ValueError(f"{flag} {path}: cannot write in {existing} ({error.strerror or error})") from None
+    reason = clip_model.unwritable_reason(path)
+    if reason:
+        raise ValueError(f"{flag} {path}: {reason}")
 
 
 def check_paths(args) -> None:
