@@ -349,21 +349,17 @@ def build_role_masks(role_map: RoleMap, first_layer: int, num_layers: int,
     return torch.stack(masks)  # (layers from J, H, T, T)
 
 
-def blind_attributes(role_map: RoleMap, first_layer: int, num_layers: int) -> List[str]:
-    """The attributes whose token no head from layer J on lets read the image: no attribute
-    head for it and no mixed head in any layer from J (a layer the map does not cover counts as
-    mixed, as in `build_role_masks`). Such a branch's logits do not depend on the image -- a
-    per-class bias -- so DeAR leaves it out of the fusion. In the
-    all-generalization ablation every attribute is blind, and the class branch stands alone."""
-    readable = set()
-    for layer in range(first_layer - 1, num_layers):
-        for head in range(role_map.num_heads):
-            entry = role_map.role_of(layer, head)
-            if entry is None or entry.role == "mixed":
-                return []  # a mixed head lets every attribute token read the image
-            if entry.role == "attribute":
-                readable.add(entry.attribute)
-    return [a for a in role_map.attributes if a not in readable]
+def blind_attributes(role_masks: torch.Tensor, num_image_tokens: int, attributes: Sequence[str]) -> List[str]:
+    """The attributes whose token no head from layer J on lets read the image, read off the
+    masks themselves (role_masks: (layers from J, H, T, T), rows and columns ordered [image
+    tokens, attribute tokens]): token a is blind when its row allows no image column in any
+    head of any layer -- no attribute head for it and no mixed head (an uncovered layer is
+    mixed). Such a branch's logits do not depend on the image -- a per-class bias -- so DeAR
+    leaves it out of the fusion. In the all-generalization ablation every attribute is blind,
+    and the class branch stands alone."""
+    N = num_image_tokens
+    reads_image = torch.isfinite(role_masks[:, :, N:, :N]).any(dim=-1)  # (layers, H, A): 0 = allowed
+    return [a for a, readable in zip(attributes, reads_image.any(dim=0).any(dim=0)) if not readable]
 
 
 # ------------------------------------------------------------------------------------------
@@ -468,7 +464,7 @@ class DeAR(nn.Module):
         self.register_buffer("role_masks", masks, persistent=False)  # (layers from J, H, T, T)
         # Branches in the fusion: the class branch, and each attribute branch whose token some
         # head from J on lets read the image; a blind branch is a per-class bias.
-        self.blind_attributes = blind_attributes(role_map, first_layer, vision_layers)
+        self.blind_attributes = blind_attributes(masks, num_image_tokens, self.attributes)
         if self.blind_attributes:
             warnings.warn(f"DeAR: no head from layer J={first_layer} (1-based) lets the "
                           f"{', '.join(self.blind_attributes)} token{'s' if len(self.blind_attributes) > 1 else ''} "
