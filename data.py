@@ -830,15 +830,17 @@ def _print_summary(data: DatasetSplits, num_shots: int | None, seed: int, subsam
         print(f"  prompt    {data.prompts[0]!r}")
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse's errors as one line (no usage dump), exit status 2 as argparse's own."""
+class OneLineParser(argparse.ArgumentParser):
+    """argparse prints the whole usage before an error; a user wants the one line that says
+    what is wrong (and `--help` for the rest). Exit status 2, as argparse's own. train.py and
+    `python -m toyworld` use this one too (they import data.py anyway)."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _OneLineParser(prog="data.py", description="Summarise a dataset read from CoOp's layout "
+    parser = OneLineParser(prog="data.py", description="Summarise a dataset read from CoOp's layout "
                                                  "(no --dataset: print the registry).")
     parser.add_argument("--root", help="the $DATA folder of CoOp's DATASETS.md")
     parser.add_argument("--dataset", help=f"one of: {', '.join(DATASETS)}")

@@ -162,19 +162,11 @@ class TrainError(Exception):
     """Bad input to the command line: one line naming the flag or file and what to do."""
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse prints the whole usage before an error; a user wants the one line that says
-    what is wrong (and `--help` for the rest). Exit status 2, as argparse's own."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     # Every argparse default is None, so that an unset flag is told apart from a typed one:
     # the tables above fill in what the user did not type, and --resume refuses a typed
     # change. The help texts say what a flag means; "(default ...)" is added from the tables.
-    p = OneLineParser(prog="train.py", description="DeAR on CLIP: train and evaluate on the paper's protocols. "
+    p = data.OneLineParser(prog="train.py", description="DeAR on CLIP: train and evaluate on the paper's protocols. "
                       "Unset DeAR and optimisation flags come from the trained dataset's recipe (RECIPES in train.py).")
 
     g = p.add_argument_group("what to run")

@@ -12,7 +12,6 @@ base and novel classes, and (with --causal) the head analysis and the ablation t
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import sys
@@ -22,6 +21,7 @@ import numpy as np
 import torch
 
 import clip_model
+import data
 import dear
 import toyworld
 from toyworld import world
@@ -51,13 +51,6 @@ def save_grid(path: str, image_size: int, rows: int = 4, columns: int = 6, seed:
     sheet.save(path)
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse's errors as one line (no usage dump), exit status 2 as argparse's own."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def writable_folder(path: str, flag: str) -> None:
     """Stop (one line) unless files can be made in `path`, or in the folder that would hold
     it: checked before the minutes of preparing the world, not after."""
@@ -85,7 +78,7 @@ def check_paths(args) -> None:
 
 
 def main(argv=None) -> int:
-    parser = OneLineParser(prog="python -m toyworld", description="Prepare the toy world and show what was made.")
+    parser = data.OneLineParser(prog="python -m toyworld", description="Prepare the toy world and show what was made.")
     parser.add_argument("--scale", default="full", choices=sorted(toyworld.SCALES), help="which size of world")
     parser.add_argument("--cache-dir", default=None, help="cache root (default: $DEAR_CACHE_DIR or ~/.cache/dear-from-scratch)")
     parser.add_argument("--grid", default=None, help="write a PNG grid of sample images with captions here")
