@@ -1376,14 +1376,25 @@ def job_settings(settings: dict, job: Job) -> dict:
     return dict(keep, job=dict(dataset=job.dataset, row=job.row, roles=job.roles, seed=job.seed, shots=job.shots))
 
 
+class WrongShape(ValueError):
+    """A run file that parses but does not hold what this script writes."""
+
+
+def well_shaped(condition: bool) -> None:
+    """Raise WrongShape unless `condition`: an explicit check, where `assert` would vanish
+    under `python -O` and let a damaged file through to a traceback later."""
+    if not condition:
+        raise WrongShape("wrong shape")
+
+
 def load_checkpoint(path: str, expected: dict) -> Optional[dict]:
     if not os.path.isfile(path):
         return None
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-        assert checkpoint.get("format") == CHECKPOINT_FORMAT
-        assert isinstance(checkpoint.get("epoch"), int) and isinstance(checkpoint.get("settings"), dict)
-        assert all(isinstance(checkpoint.get(key), dict) for key in ("learnable", "optimizer", "scaler"))
+        well_shaped(isinstance(checkpoint, dict) and checkpoint.get("format") == CHECKPOINT_FORMAT
+                    and isinstance(checkpoint.get("epoch"), int) and isinstance(checkpoint.get("settings"), dict)
+                    and all(isinstance(checkpoint.get(key), dict) for key in ("learnable", "optimizer", "scaler")))
     except Exception as error:  # noqa: BLE001 -- any unreadable file gets the same advice
         raise TrainError(f"{path}: unreadable checkpoint ({type(error).__name__}); delete it to restart "
                          "that run from scratch") from None
@@ -1409,10 +1420,10 @@ def check_finished_runs(settings: dict, jobs: List[Job]) -> None:
             try:
                 with open(path, encoding="utf-8") as f:
                     result = json.load(f)
-                assert isinstance(result, dict) and isinstance(result.get("metrics"), dict)
-                assert all(isinstance(v, float) for v in result["metrics"].values())
-                assert isinstance(result.get("job"), dict) and isinstance(result.get("settings"), dict)
-            except (OSError, ValueError, AssertionError, RecursionError) as error:
+                well_shaped(isinstance(result, dict) and isinstance(result.get("metrics"), dict)
+                            and all(isinstance(v, float) for v in result["metrics"].values())
+                            and isinstance(result.get("job"), dict) and isinstance(result.get("settings"), dict))
+            except (OSError, ValueError, RecursionError) as error:
                 raise TrainError(f"{path}: unreadable results ({type(error).__name__}); delete it and "
                                  "--resume evaluates that run again") from None
             if result["settings"] != job_settings(settings, job):
