@@ -278,6 +278,11 @@ def test_cache_json_of_the_wrong_shape_is_rebuilt_not_a_crash(mini, tmp_path, mo
     assert any("toy task: wrote" in line for line in lines), lines
     clip_model.load(assets.weights, head_width=assets.head_width)
     assert data.load_dataset("toyworld", assets.data_root).test
+    task_config = task.TaskConfig(**toyworld.SCALES["miniature"]["task"])
+    assert task.task_is_complete(assets.data_root, task_config)
+    with open(os.path.join(assets.data_root, "toyworld", task.SPLIT_FILE), "w") as f:
+        f.write('{"train": [5]}')  # valid JSON, wrong shape: not complete, and no crash
+    assert not task.task_is_complete(assets.data_root, task_config)
 
 
 @pytest.mark.parametrize("flags, message", [

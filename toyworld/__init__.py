@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import json
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -98,7 +97,6 @@ def prepare(scale: str = "full", cache_dir: Optional[str] = None,
     from toyworld.task import TaskConfig, write_task
 
     from toyworld.pretrain import cache_folder
-    from toyworld.task import FOLDER, RECORD_FILE, SPLIT_FILE
 
     if scale not in SCALES:
         raise ValueError(f"unknown toy world scale {scale!r}; expected one of {', '.join(SCALES)}")
@@ -107,10 +105,6 @@ def prepare(scale: str = "full", cache_dir: Optional[str] = None,
     folder = cache_folder(config, cache_dir)
     data_root = os.path.join(folder, "data")
     with _locked(os.path.dirname(folder), log):  # one builder at a time; the others wait, then reuse
-        # Valid JSON of the wrong shape would crash the cache checks: drop it, so it is rebuilt.
-        _drop_if_wrong_shape(os.path.join(folder, "config.json"), lambda v: isinstance(v, dict), log)
-        _drop_if_wrong_shape(os.path.join(data_root, FOLDER, RECORD_FILE), lambda v: isinstance(v, dict), log)
-        _drop_if_wrong_shape(os.path.join(data_root, FOLDER, SPLIT_FILE), _is_split, log)
         # A task build killed half-way leaves its temporary folder; no one else is building now.
         for leftover in glob.glob(os.path.join(glob.escape(data_root), ".toyworld-building-*")):
             shutil.rmtree(leftover, ignore_errors=True)
@@ -139,20 +133,3 @@ def _locked(folder: str, log: Callable[[str], None]):
             log(f"toy world: another process is preparing {folder}; waiting for it")
             fcntl.flock(handle, fcntl.LOCK_EX)
         yield
-
-
-def _drop_if_wrong_shape(path: str, well_shaped: Callable[[object], bool], log: Callable[[str], None]) -> None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError, RecursionError):
-        return  # missing or not JSON: the cache checks already say so and rebuild
-    if not well_shaped(value):
-        log(f"toy world: {path} is JSON of the wrong shape; rebuilding it")
-        os.remove(path)
-
-
-def _is_split(value) -> bool:
-    return isinstance(value, dict) and all(
-        isinstance(entries, list) and all(isinstance(e, list) and e and isinstance(e[0], str) for e in entries)
-        for entries in value.values())

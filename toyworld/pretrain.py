@@ -408,6 +408,8 @@ def _check_cache(folder: str, config: PretrainConfig) -> tuple[Optional[dict], s
             record = json.load(f)
     except (OSError, ValueError) as error:
         return None, f"config.json unreadable ({type(error).__name__})"
+    if not isinstance(record, dict):
+        return None, "config.json is JSON of the wrong shape"
     if record.get("format") != CACHE_FORMAT or record.get("config") != asdict(config):
         return None, "config.json was made with other settings"
     if record.get("world") != world.fingerprint():

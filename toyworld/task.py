@@ -92,6 +92,13 @@ def class_name(colour: str, shape: str) -> str:
 # ------------------------------------------------------------------------------------------
 
 
+def _is_split(value) -> bool:
+    """The split file's shape: {"train"|"val"|"test": [[relative_path, label, classname], ...]}."""
+    return isinstance(value, dict) and all(
+        isinstance(entries, list) and all(isinstance(e, list) and e and isinstance(e[0], str) for e in entries)
+        for entries in value.values())
+
+
 def task_is_complete(data_root: str, config: TaskConfig) -> bool:
     """True if <data_root>/toyworld holds this config's task in full: its record matches and
     every image the split lists exists."""
@@ -101,7 +108,9 @@ def task_is_complete(data_root: str, config: TaskConfig) -> bool:
             record = json.load(f)
         with open(os.path.join(folder, SPLIT_FILE), encoding="utf-8") as f:
             split = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
+        return False
+    if not isinstance(record, dict) or not _is_split(split):  # valid JSON of the wrong shape
         return False
     if record.get("config") != json.loads(json.dumps(asdict(config))):  # tuples -> lists, as stored
         return False
