@@ -502,12 +502,19 @@ def save(model: CLIP, path: str) -> None:
     `load(path)` then rebuilds exactly this model with no extra argument; other readers of
     OpenAI-format state dicts see three extra keys (OpenAI's own files carry extras too:
     input_resolution, context_length, vocab_size). Written through `atomic_write`, so a
-    reader never sees half a file.
+    reader never sees half a file. The same tensors give the same bytes (torch names the zip's
+    inner folder after the file it writes to; a file handle gets the fixed name "archive"), so
+    a SHA-256 of the file identifies the model.
     """
     state = dict(model.state_dict())
     state.update(vision_heads=model.visual.transformer.heads, text_heads=model.transformer.heads,
                  activation=model.activation)
-    atomic_write(path, lambda temporary: torch.save(state, temporary))
+
+    def write(temporary: str) -> None:
+        with open(temporary, "wb") as handle:
+            torch.save(state, handle)
+
+    atomic_write(path, write)
 
 
 def _heads(what: str, width: int, from_file, heads, head_width) -> int:

@@ -231,6 +231,8 @@ def test_two_builds_with_the_same_settings_give_identical_weights_whatever_the_c
     tensors = [key for key in first if isinstance(first[key], torch.Tensor)]
     assert len(tensors) > 20 and all(torch.equal(first[key], second[key]) for key in tensors), "two builds differ"
     assert {k: v for k, v in first.items() if k not in tensors} == {k: v for k, v in second.items() if k not in tensors}
+    # ... and the same bytes: a file's SHA-256 names the model (the shipped one is checked so)
+    assert clip_model._sha256(assets.weights) == clip_model._sha256(again.weights), "same tensors, other bytes"
     report = again.report  # config.json says what was built and with what
     config = pretrain.CONFIGS["miniature"]
     assert (report["steps"], report["threads"], report["torch"]) == (config.max_steps, config.threads, torch.__version__)
@@ -432,3 +434,74 @@ def test_causal_check_returns_a_well_formed_table(mini_model):
         margins = [causal._selectivity(unit["log_prob_drops"], attribute) for unit in result["heads"] + result["groups"]]
         assert best["selectivity"] == max(margins)
     assert "| colour heads (entropy) | 1 |" in result["table"]
+
+
+# ------------------------------------------------------------------------------------------
+# The shipped model: the full scale's toy CLIP is part of the repository, checked by SHA-256
+
+
+def test_full_scale_uses_the_shipped_model_whose_sha256_the_readme_records(tmp_path):
+    """prepare's model step for "full" is the shipped file, verified, with no pretraining; the
+    README's quick start states the same SHA-256."""
+    lines = []
+    cached = pretrain.pretrained_clip(pretrain.CONFIGS["full"], str(tmp_path), log=lines.append)
+    expected = pretrain.SHIPPED_SHA256["full"]
+    assert cached.weights == os.path.join(pretrain.SHIPPED_FOLDER, "full", "clip.pt")
+    assert clip_model._sha256(cached.weights) == expected["clip.pt"]
+    assert clip_model._sha256(cached.bpe) == expected["bpe.txt.gz"]
+    assert not any("step" in line for line in lines) and not os.listdir(tmp_path), "it built instead"
+    model, _ = clip_model.load(cached.weights)  # the file carries its head counts
+    assert model.visual.transformer.heads == 8 and model.visual.input_resolution == 48
+    readme = open(os.path.join(os.path.dirname(pretrain.__file__), "..", "README.md"), encoding="utf-8").read()
+    assert expected["clip.pt"] in readme, "README.md does not state the shipped model's SHA-256"
+
+
+@pytest.fixture
+def shipped_copy(tmp_path, monkeypatch):
+    """A copy of the shipped folder that the code is pointed at (so a test may damage it)."""
+    folder = tmp_path / "assets"
+    shutil.copytree(pretrain.SHIPPED_FOLDER, folder)
+    monkeypatch.setattr(pretrain, "SHIPPED_FOLDER", str(folder))
+    return folder / "full"
+
+
+def test_an_altered_or_missing_shipped_file_is_a_one_line_error_not_another_model(shipped_copy, tmp_path):
+    with open(shipped_copy / "clip.pt", "r+b") as f:  # one byte of one tensor
+        f.seek(-100, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-100, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(clip_model.CLIPFileError, match=r"clip\.pt: SHA-256 .* is not the shipped file's"):
+        pretrain.pretrained_clip(pretrain.CONFIGS["full"], str(tmp_path), log=lambda line: None)
+    os.remove(shipped_copy / "bpe.txt.gz")
+    with pytest.raises(clip_model.CLIPFileError, match=r"bpe\.txt\.gz: missing.*--rebuild"):
+        pretrain.pretrained_clip(pretrain.CONFIGS["full"], str(tmp_path), log=lambda line: None)
+
+
+def test_a_shipped_model_of_other_settings_is_not_used(shipped_copy, monkeypatch):
+    """Changed settings (here the step budget) mean the shipped model is not theirs: None, so
+    the caller builds, as for a scale that ships nothing."""
+    lines = []
+    other = pretrain.replace(pretrain.CONFIGS["full"], max_steps=3000)
+    assert pretrain.shipped_clip(other, log=lines.append) is None
+    assert any("made with other settings" in line for line in lines)
+    assert pretrain.shipped_clip(pretrain.CONFIGS["miniature"], log=lines.append) is None  # none shipped
+    assert pretrain.shipped_clip(pretrain.CONFIGS["full"], log=lines.append) is not None
+
+
+def test_compare_with_shipped_tells_the_same_model_from_another(shipped_copy, tmp_path):
+    """What `python -m toyworld --rebuild` reports: a build with the shipped bytes is "bit for
+    bit"; one weight moved by one ULP is another model, and the line says how many tensors and
+    by how much."""
+    config = pretrain.CONFIGS["full"]
+    model, _ = clip_model.load(str(shipped_copy / "clip.pt"))
+    clip_model.save(model, str(tmp_path / "clip.pt"))  # the same tensors, saved again
+    build = pretrain.CachedCLIP(str(tmp_path), str(tmp_path / "clip.pt"), str(shipped_copy / "bpe.txt.gz"),
+                                config.head_width, config, {})
+    assert "bit for bit" in pretrain.compare_with_shipped(build)
+    with torch.no_grad():
+        weight = model.visual.proj
+        weight[0, 0] = torch.nextafter(weight[0, 0], weight[0, 0] + 1)
+    clip_model.save(model, str(tmp_path / "clip.pt"))
+    line = pretrain.compare_with_shipped(build)
+    assert line.startswith("the build is another model: 1 of ") and "by up to" in line, line

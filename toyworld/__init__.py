@@ -33,7 +33,8 @@ Every output is in a real format, so the rest of the project runs on it unchange
     roles = dear.analyze_heads(model, batches, tokenizer, assets.bank, assets.attributes, num_layers=...)
 
 Try it:  python -m toyworld --scale miniature      (~10 s)
-         python -m toyworld                        (full: ~11 minutes the first time, then cached)
+         python -m toyworld                        (full: the shipped model; seconds)
+         python -m toyworld --rebuild              (pretrain the full model again: ~11 minutes)
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ from typing import Callable, Optional
 __all__ = ["ToyAssets", "prepare", "causal_check", "SCALES"]
 
 # What each scale builds: the pretraining config (a key of pretrain.CONFIGS) and the task's
-# settings (task.TaskConfig fields). "full" is the lab (pretraining ~11 minutes on 2 cores, the
-# whole train.py run within ~15); "miniature" is for the tests (16 px, 2 layers, seconds).
+# settings (task.TaskConfig fields). "full" is the lab (its model is shipped; building it again
+# takes ~11 minutes on 2 cores); "miniature" is for the tests (16 px, 2 layers, seconds).
 SCALES = {
     "full": {"pretrain": "full", "task": {"image_size": 48, "images_per_class": (32, 8, 30)}},
     "miniature": {"pretrain": "miniature", "task": {"image_size": 16, "images_per_class": (16, 4, 4)}},
@@ -84,13 +85,18 @@ class ToyAssets:
 
 
 def prepare(scale: str = "full", cache_dir: Optional[str] = None,
-            log: Callable[[str], None] = print) -> ToyAssets:
-    """Make (or reuse) the toy CLIP, its BPE file and the downstream task; return where they are.
+            log: Callable[[str], None] = print, rebuild: bool = False) -> ToyAssets:
+    """Find (or make) the toy CLIP and its BPE file, and make (or reuse) the downstream task;
+    return where they are.
 
-    cache_dir: the cache root (default clip_model.default_cache_dir(), i.e. $DEAR_CACHE_DIR or
-    ~/.cache/dear-from-scratch); everything goes under <cache_dir>/toyworld/<scale>/. A cache
-    that is missing, incomplete, corrupt or made with other settings is rebuilt, with a line
-    saying why; a good one is reused (no retraining).
+    The "full" model is shipped in toyworld/assets/full/ (checked by SHA-256): every user
+    gets the very model the README was measured on, in seconds. Other scales are built.
+    cache_dir: the cache root (default clip_model.default_cache_dir(), i.e. $CLIP_CACHE_DIR or
+    ~/.cache/clip-from-scratch); the task, and any model built here, go under
+    <cache_dir>/toyworld/<scale>/. A cache that is missing, incomplete, corrupt or made with
+    other settings is rebuilt, with a line saying why; a good one is reused (no retraining).
+    rebuild=True pretrains the model afresh in the cache (about 11 minutes for "full") and
+    returns that one instead of the shipped one.
     """
     from toyworld import world
     from toyworld.pretrain import CONFIGS, pretrained_clip
@@ -108,7 +114,7 @@ def prepare(scale: str = "full", cache_dir: Optional[str] = None,
         # A task build killed half-way leaves its temporary folder; no one else is building now.
         for leftover in glob.glob(os.path.join(glob.escape(data_root), ".toyworld-building-*")):
             shutil.rmtree(leftover, ignore_errors=True)
-        cached = pretrained_clip(config, cache_dir, log)
+        cached = pretrained_clip(config, cache_dir, log, rebuild=rebuild)
         write_task(data_root, task_config, log)
     return ToyAssets(weights=cached.weights, bpe=cached.bpe, head_width=cached.head_width,
                      data_root=data_root, attributes=list(world.ATTRIBUTES), bank=world.toy_bank(),

@@ -2,9 +2,11 @@
 python -m toyworld -- prepare the toy world (or find it in the cache) and show what was made.
 
     python -m toyworld --scale miniature             # seconds: a tiny model, for a look
-    python -m toyworld                               # full: ~11 minutes the first time
+    python -m toyworld                               # full: the shipped model, seconds
     python -m toyworld --scale miniature --causal    # also run the head-ablation check
     python -m toyworld --grid samples.png            # a grid of images with their captions
+    python -m toyworld --rebuild                     # pretrain the full model again (~11 minutes)
+                                                     # and say whether it is the shipped one
 
 Prints the paths train.py uses, the pretraining figures, the task's zero-shot accuracy on its
 base and novel classes, and (with --causal) the head analysis and the ablation table.
@@ -83,6 +85,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cache-dir", default=None, help="cache root (default: $DEAR_CACHE_DIR or ~/.cache/dear-from-scratch)")
     parser.add_argument("--grid", default=None, help="write a PNG grid of sample images with captions here")
     parser.add_argument("--causal", action="store_true", help="run the head analysis and the ablation check")
+    parser.add_argument("--rebuild", action="store_true", help="pretrain the model afresh in the cache (full: "
+                        "~11 minutes) instead of using the shipped one, and compare the two")
     args = parser.parse_args(argv)
     try:
         check_paths(args)
@@ -92,7 +96,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(min(torch.get_num_threads(), 2))
 
     try:
-        assets = toyworld.prepare(args.scale, args.cache_dir)
+        assets = toyworld.prepare(args.scale, args.cache_dir, rebuild=args.rebuild)
     except (clip_model.CLIPFileError, OSError) as error:
         print(f"python -m toyworld: error: {error}", file=sys.stderr)
         return 2
@@ -100,8 +104,14 @@ def main(argv=None) -> int:
     print(f"bpe         {assets.bpe}")
     print(f"data_root   {assets.data_root}  (data.load_dataset('toyworld', data_root, ...))")
     print(f"attributes  {', '.join(assets.attributes)};  bank: {len(assets.bank)} phrases over "
-          f"{len({d.concept for d in assets.bank})} concepts")
+          f"{len({concept for _, concept in assets.bank})} concepts")
     print(f"pretraining {assets.report}")
+    if args.rebuild:
+        from toyworld.pretrain import CONFIGS, CachedCLIP, compare_with_shipped
+
+        config = CONFIGS[toyworld.SCALES[args.scale]["pretrain"]]
+        built = CachedCLIP(os.path.dirname(assets.weights), assets.weights, assets.bpe, assets.head_width, config, {})
+        print(f"rebuilt     {compare_with_shipped(built)}")
 
     model, _ = clip_model.load(assets.weights, head_width=assets.head_width)
     tokenizer = clip_model.SimpleTokenizer(assets.bpe)

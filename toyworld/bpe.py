@@ -107,9 +107,14 @@ def write_bpe(texts: Iterable[str], path: str) -> int:
     text = "\n".join([VERSION_LINE] + [f"{left} {right}" for left, right in merges]) + "\n"
 
     def write(temporary: str) -> None:
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(temporary, "wt", encoding="utf-8") as f:
-            f.write(text)
+        with open(temporary, "wb") as f:
+            if not path.endswith(".gz"):
+                f.write(text.encode("utf-8"))
+                return
+            # No file name and no time in the gzip header: the same merges give the same bytes,
+            # so the file's SHA-256 names it (the shipped model's BPE is checked so).
+            with gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as packed:
+                packed.write(text.encode("utf-8"))
 
     atomic_write(path, write)
     return 2 * 256 + len(merges) + 2

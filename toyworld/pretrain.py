@@ -14,14 +14,17 @@ What this file holds, top to bottom:
     5. the training loop ... AdamW, warm-up then cosine, progress lines, a fixed step budget
     6. the cache ........... <cache>/toyworld/<config name>/{clip.pt, bpe.txt.gz, config.json},
                              checked before it is trusted, rebuilt when it is not
+    7. the shipped model ... toyworld/assets/full/: the "full" model the README was measured
+                             on, checked by SHA-256 and used instead of pretraining it again
 
-How it fits: toyworld/__init__.py's `prepare` calls `pretrained_clip`. The checkpoint is a
+How it fits: toyworld/__init__.py's `prepare` calls `pretrained_clip`, which returns the shipped
+model where there is one (the "full" scale) and builds the others (the "miniature" one). The checkpoint is a
 plain `state_dict()` of `clip_model.CLIP` -- OpenAI's key names -- so train.py loads it with
 `clip_model.load(path, head_width=...)`, the same call as for ViT-B/16, and the tokenizer is
 `clip_model.SimpleTokenizer(bpe_path)`. Nothing downstream knows the model is a toy.
 
-Try it:  python -m toyworld.pretrain --scale miniature      (a few seconds)
-         python -m toyworld.pretrain --scale full           (about 11 minutes on 2 cores)
+Try it:  python -m toyworld.pretrain --scale miniature              (a few seconds)
+         python -m toyworld.pretrain --scale full --rebuild    (about 11 minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import torch.nn.functional as F
 import clip_model
 import data
 from toyworld import world
-from toyworld._files import atomic_write, atomic_write_json
+from toyworld._files import atomic_write_json
 from toyworld.bpe import write_bpe
 
 CACHE_FORMAT = "dear-from-scratch toy CLIP cache, version 1"
@@ -424,13 +427,25 @@ def _check_cache(folder: str, config: PretrainConfig) -> tuple[Optional[dict], s
     return record, ""
 
 
+def cpu_capability() -> str:
+    """The kernel set torch's own CPU operators run (e.g. AVX2, AVX512; ATEN_CPU_CAPABILITY
+    can force a lower one): one of the things a build's last bits depend on (README)."""
+    get = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", None)
+    return get() if get else "unknown"
+
+
 def pretrained_clip(config: PretrainConfig, cache_dir: Optional[str] = None,
-                    log: Callable[[str], None] = print) -> CachedCLIP:
-    """The cached toy CLIP for `config`, pretrained (and cached) first if the cache is missing
-    or cannot be trusted."""
+                    log: Callable[[str], None] = print, rebuild: bool = False) -> CachedCLIP:
+    """The toy CLIP for `config`: the shipped one if the repository holds it (section 7),
+    else the cached one, pretrained (and cached) first if the cache is missing or cannot be
+    trusted. rebuild=True pretrains it afresh in the cache whatever is shipped or cached."""
+    if not rebuild:
+        shipped = shipped_clip(config, log)
+        if shipped is not None:
+            return shipped
     folder = cache_folder(config, cache_dir)
     weights, bpe = os.path.join(folder, "clip.pt"), os.path.join(folder, "bpe.txt.gz")
-    record, problem = _check_cache(folder, config)
+    record, problem = (None, "--rebuild") if rebuild else _check_cache(folder, config)
     if record is not None:
         log(f"toy CLIP '{config.name}': reusing the cached model in {folder}")
         return CachedCLIP(folder, weights, bpe, config.head_width, config, record.get("report", {}))
@@ -454,9 +469,10 @@ def pretrained_clip(config: PretrainConfig, cache_dir: Optional[str] = None,
     # the seconds are this machine's (informative, not part of the result).
     report = {"parameters": sum(p.numel() for p in model.parameters()), "steps": config.max_steps,
               "images": config.max_steps * config.batch_size, "threads": config.threads,
-              "torch": torch.__version__, "pretrain_seconds": round(seconds, 1),
+              "torch": torch.__version__, "cpu_capability": cpu_capability(),
+              "pretrain_seconds": round(seconds, 1),
               "zero_shot": {k: round(v, 4) for k, v in zero_shot.items()}}
-    atomic_write(weights, lambda temporary: clip_model.save(model, temporary))  # + heads, activation
+    clip_model.save(model, weights)  # atomic; OpenAI's keys + heads, activation; same tensors = same bytes
     atomic_write_json(os.path.join(folder, "config.json"), {
         "format": CACHE_FORMAT,
         "load_with": f"clip_model.load('clip.pt', head_width={config.head_width}); "
@@ -466,19 +482,100 @@ def pretrained_clip(config: PretrainConfig, cache_dir: Optional[str] = None,
     return CachedCLIP(folder, weights, bpe, config.head_width, config, report)
 
 
+# ------------------------------------------------------------------------------------------
+# 7. The shipped model
+# ------------------------------------------------------------------------------------------
+# The "full" model's last bits depend on the CPU it was built on: torch's own kernels
+# (ATEN_CPU_CAPABILITY) and MKL's matrix products add in another order on another
+# instruction set, and 3,200 steps turn 1e-7 into another model (README, "Same model
+# everywhere"). So the repository ships the model the README was measured on, in the cache's
+# own layout (clip.pt, bpe.txt.gz, config.json), and every user starts from it; the SHA-256s
+# below say it is that model. `python -m toyworld --rebuild` builds it again and says whether
+# the build matches.
+
+SHIPPED_FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+SHIPPED_SHA256 = {
+    "full": {"clip.pt": "41910ee78eecbf8b8652c19644675d437e744a44213782794f524831c3b2a92e",
+             "bpe.txt.gz": "356e67f33049fa9795c17d57747ece196f659f27732d2154cb4bd866384c513d"},
+}
+
+
+def shipped_clip(config: PretrainConfig, log: Callable[[str], None] = print) -> Optional[CachedCLIP]:
+    """The shipped model for `config` (toyworld/assets/<name>/), its files checked by
+    SHA-256; None when none is shipped for it, or when the shipped one was made with other
+    settings or another world (then it is built, as before shipping). A shipped file that is
+    missing or altered is an error: silently building another model is what shipping avoids."""
+    if config.name not in SHIPPED_SHA256:
+        return None
+    folder = os.path.join(SHIPPED_FOLDER, config.name)
+    for name, expected in SHIPPED_SHA256[config.name].items():
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            raise clip_model.CLIPFileError(
+                f"{path}: missing; it is part of the repository (git checkout -- {path}), "
+                "or build the model yourself with python -m toyworld --rebuild")
+        actual = clip_model._sha256(path)  # noqa: SLF001 -- the project's one file hasher
+        if actual != expected:
+            raise clip_model.CLIPFileError(
+                f"{path}: SHA-256 {actual[:16]}... is not the shipped file's {expected[:16]}... "
+                f"(a Git LFS pointer or a damaged copy?); restore it (git checkout -- {path}), "
+                "or build the model yourself with python -m toyworld --rebuild")
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        record = json.load(f)
+    if record.get("config") != asdict(config) or record.get("world") != world.fingerprint():
+        log(f"toy CLIP '{config.name}': the shipped model in {folder} was made with other settings "
+            "or another version of the world; building one instead")
+        return None
+    log(f"toy CLIP '{config.name}': the shipped model {os.path.join(folder, 'clip.pt')} "
+        f"(SHA-256 {SHIPPED_SHA256[config.name]['clip.pt'][:16]}...)")
+    return CachedCLIP(folder, os.path.join(folder, "clip.pt"), os.path.join(folder, "bpe.txt.gz"),
+                      config.head_width, config, record.get("report", {}))
+
+
+def compare_with_shipped(cached: CachedCLIP) -> str:
+    """One line: is the model in `cached` (a build) the shipped one, bit for bit?"""
+    name = cached.config.name
+    if name not in SHIPPED_SHA256:
+        return f"no shipped model for '{name}' to compare with"
+    expected = SHIPPED_SHA256[name]
+    if clip_model._sha256(cached.bpe) != expected["bpe.txt.gz"]:  # noqa: SLF001
+        return "another BPE file than the shipped one (another world or BPE trainer): another model"
+    if clip_model._sha256(cached.weights) == expected["clip.pt"]:  # noqa: SLF001
+        return f"the build is the shipped model, bit for bit (SHA-256 {expected['clip.pt']})"
+    built, shipped = (torch.load(path, map_location="cpu", weights_only=True)
+                      for path in (cached.weights, os.path.join(SHIPPED_FOLDER, name, "clip.pt")))
+    tensors = [key for key, value in shipped.items() if isinstance(value, torch.Tensor)]
+    differ = [key for key in tensors if key not in built or built[key].shape != shipped[key].shape
+              or not torch.equal(built[key], shipped[key])]
+    if not differ:
+        return ("the build holds the shipped model's tensors bit for bit, in a file that differs "
+                "(another torch version's file format)")
+    largest = max((built[key] - shipped[key]).abs().max().item() for key in differ
+                  if key in built and built[key].shape == shipped[key].shape)
+    with open(os.path.join(SHIPPED_FOLDER, name, "config.json"), encoding="utf-8") as f:
+        made = json.load(f).get("report", {})
+    return (f"the build is another model: {len(differ)} of {len(tensors)} tensors differ from the "
+            f"shipped ones, by up to {largest:.2g} (built with torch {torch.__version__}, CPU kernels "
+            f"{cpu_capability()}; the shipped one with torch {made.get('torch', '?')}, CPU kernels "
+            f"{made.get('cpu_capability', '?')})")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="Pretrain (or reuse) the toy world's tiny CLIP.")
     parser.add_argument("--scale", default="full", choices=sorted(CONFIGS), help="which configuration")
     parser.add_argument("--cache-dir", default=None, help="cache root (default: $DEAR_CACHE_DIR or ~/.cache/dear-from-scratch)")
     parser.add_argument("--steps", type=int, default=None, help="override the step budget")
     parser.add_argument("--bf16", action="store_true", help="use bf16 autocast (measure first: often slower on CPU)")
+    parser.add_argument("--rebuild", action="store_true", help="pretrain afresh in the cache, even where a model is shipped")
     args = parser.parse_args(argv)
     config = CONFIGS[args.scale]
     overrides = {"max_steps": args.steps} if args.steps is not None else {}
     if args.bf16:
         overrides["bf16"] = True
     config = replace(config, **overrides)
-    cached = pretrained_clip(config, args.cache_dir)
+    cached = pretrained_clip(config, args.cache_dir, rebuild=args.rebuild)
+    if args.rebuild:
+        print(compare_with_shipped(cached))
     print(json.dumps({"weights": cached.weights, "bpe": cached.bpe, "head_width": cached.head_width,
                       **cached.report}, indent=2))
     return 0

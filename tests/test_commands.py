@@ -1,0 +1,110 @@
+"""Every command that README.md and the modules' docstrings advertise runs to exit status 0.
+
+The commands are collected, not listed by hand: every `python ...` or `torchrun ...` line in
+README.md's bash blocks, and every such line in a module docstring (the "Try it:" and usage
+lines). Each one is either run here -- in a subprocess, from the repository root, with every
+cache ($CLIP_CACHE_DIR) and every file it writes in a temporary folder -- or listed in
+NOT_RUN with the reason. A new advertised command that is neither fails
+test_every_advertised_command_is_run_or_says_why_not, so none can be forgotten.
+"""
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = [*sorted(ROOT.glob("*.py")), *sorted(ROOT.glob("toyworld/*.py")), *sorted(ROOT.glob("benchmarks/*.py"))]
+
+
+def _clean(line: str) -> str:
+    """The command alone: without its comment ("# ..."), its note after two spaces
+    ("(~10 s)") or a docstring title's " -- what it is"; whitespace collapsed."""
+    line = re.split(r"\s{2,}|\s#\s| -- ", line.strip())[0]
+    return " ".join(line.split())
+
+
+def advertised_commands() -> set[str]:
+    commands = set()
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S):
+        commands.update(_clean(line) for line in block.splitlines() if line.startswith(("python ", "torchrun ")))
+    for path in SOURCES:
+        docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+        for line in docstring.splitlines():
+            found = re.match(r"\s*(?:Try it[^:]*:)?\s*((?:python|torchrun) .*)", line)
+            if found:
+                commands.add(_clean(found.group(1)))
+    return commands
+
+
+# Run here. Outputs the command names (/tmp/..., samples.png) are rewritten into the test's
+# folder; nothing else is changed.
+RUN = {
+    "python dear.py",
+    "python data.py",
+    "python train.py --help",
+    "python -m toyworld.world",
+    "python -m toyworld.bpe /tmp/toy_bpe.txt.gz",
+    "python -m toyworld.pretrain --scale miniature",
+    "python -m toyworld.task /tmp/toydata && python data.py --root /tmp/toydata --dataset toyworld --shots 16",
+    "python -m toyworld --scale miniature",
+    "python -m toyworld --scale miniature --causal",
+    "python -m toyworld --scale miniature --causal --grid samples.png",
+    "python -m toyworld",  # the full world: the shipped model, seconds
+    "python -m toyworld --grid samples.png",
+}
+
+# Not run here, and why. (Anything naming $DATA needs the benchmark datasets: see not_run_reason.)
+NOT_RUN = {
+    "python train.py --dataset toyworld": "minutes (the quick start); tests/test_train.py runs it on the miniature world",
+    "python -m toyworld --rebuild": "pretrains the full toy CLIP, about 11 minutes",
+    "python -m toyworld.pretrain --scale full --rebuild": "pretrains the full toy CLIP, about 11 minutes",
+    "python train.py --output runs/base2novel-oxford_pets --resume": "needs a run folder; tests/test_train.py resumes one",
+    "python train.py --output runs/base2novel-oxford_pets --eval-only": "needs a run folder; tests/test_train.py evaluates one",
+    "python clip_model.py --weights ViT-B/16 --image cat.jpg --texts \"a cat\" \"a dog\"": "downloads OpenAI's weights",
+    "python clip_model.py --weights ViT-B/16 --image cat.jpg --texts \"a photo of a cat\" \"a photo of a dog\"":
+        "downloads OpenAI's weights",
+    "python benchmarks/bench_clip.py": "minutes: ViT-B/16 on the CPU, and open-clip-torch",
+    "python benchmarks/bench_clip.py --device cuda --rounds 20": "needs a GPU",
+    "python benchmarks/bench_train_step.py": "about a minute of ViT-B/16 on the CPU",
+    "python benchmarks/bench_train_step.py --device cuda": "needs a GPU",
+    "python -m pytest -q": "the test suite itself",
+}
+
+
+def not_run_reason(command: str):
+    if "$DATA" in command:
+        return "needs the benchmark datasets in $DATA"
+    return NOT_RUN.get(command)
+
+
+def test_every_advertised_command_is_run_or_says_why_not():
+    advertised = advertised_commands()
+    assert "python dear.py" in advertised and "python -m toyworld" in advertised  # the collector works
+    unaccounted = sorted(c for c in advertised if c not in RUN and not not_run_reason(c))
+    assert not unaccounted, f"advertised but neither run by this test nor in NOT_RUN: {unaccounted}"
+    stale = sorted((RUN | set(NOT_RUN)) - advertised)
+    assert not stale, f"listed here but no longer advertised (update RUN / NOT_RUN): {stale}"
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory):
+    """One folder for every command of this file: they share the cache, so the toy world's
+    task and miniature model are made once."""
+    return tmp_path_factory.mktemp("commands")
+
+
+@pytest.mark.parametrize("command", sorted(RUN))
+def test_advertised_command_exits_0(command, scratch):
+    shell = command.replace("/tmp/", f"{scratch}/").replace("samples.png", f"{scratch}/samples.png")
+    shell = re.sub(r"(^|&& )python ", lambda m: f"{m.group(1)}{sys.executable} ", shell)
+    env = {k: v for k, v in os.environ.items() if k not in ("DEAR_CACHE_DIR", "CLIP_BPE_PATH", "DEAR_BPE_PATH")}
+    env.update(CLIP_CACHE_DIR=str(scratch / "cache"), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run(shell, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{command!r} exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
