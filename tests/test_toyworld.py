@@ -456,6 +456,9 @@ def test_full_scale_uses_the_shipped_model_whose_sha256_the_readme_records(tmp_p
     assert expected["clip.pt"] in readme, "README.md does not state the shipped model's SHA-256"
 
 
+SHIPPED = os.path.join(pretrain.SHIPPED_FOLDER, "full")  # the repository's, before any test points elsewhere
+
+
 @pytest.fixture
 def shipped_copy(tmp_path, monkeypatch):
     """A copy of the shipped folder that the code is pointed at (so a test may damage it)."""
@@ -473,6 +476,7 @@ def test_an_altered_or_missing_shipped_file_is_a_one_line_error_not_another_mode
         f.write(bytes([byte[0] ^ 1]))
     with pytest.raises(clip_model.CLIPFileError, match=r"clip\.pt: SHA-256 .* is not the shipped file's"):
         pretrain.pretrained_clip(pretrain.CONFIGS["full"], str(tmp_path), log=lambda line: None)
+    shutil.copy(os.path.join(SHIPPED, "clip.pt"), shipped_copy / "clip.pt")  # restored
     os.remove(shipped_copy / "bpe.txt.gz")
     with pytest.raises(clip_model.CLIPFileError, match=r"bpe\.txt\.gz: missing.*--rebuild"):
         pretrain.pretrained_clip(pretrain.CONFIGS["full"], str(tmp_path), log=lambda line: None)
