@@ -233,6 +233,7 @@ def test_two_builds_with_the_same_settings_give_identical_weights_whatever_the_c
     assert {k: v for k, v in first.items() if k not in tensors} == {k: v for k, v in second.items() if k not in tensors}
     # ... and the same bytes: a file's SHA-256 names the model (the shipped one is checked so)
     assert clip_model._sha256(assets.weights) == clip_model._sha256(again.weights), "same tensors, other bytes"
+    assert clip_model._sha256(assets.bpe) == clip_model._sha256(again.bpe), "same merges, other bytes"
     report = again.report  # config.json says what was built and with what
     config = pretrain.CONFIGS["miniature"]
     assert (report["steps"], report["threads"], report["torch"]) == (config.max_steps, config.threads, torch.__version__)
