@@ -498,15 +498,13 @@ def test_compare_with_shipped_tells_the_same_model_from_another(shipped_copy, tm
     """What `python -m toyworld --rebuild` reports: a build with the shipped bytes is "bit for
     bit"; one weight moved by one ULP is another model, and the line says how many tensors and
     by how much."""
-    config = pretrain.CONFIGS["full"]
     model, _ = clip_model.load(str(shipped_copy / "clip.pt"))
     clip_model.save(model, str(tmp_path / "clip.pt"))  # the same tensors, saved again
-    build = pretrain.CachedCLIP(str(tmp_path), str(tmp_path / "clip.pt"), str(shipped_copy / "bpe.txt.gz"),
-                                config.head_width, config, {})
-    assert "bit for bit" in pretrain.compare_with_shipped(build)
+    build = (str(tmp_path / "clip.pt"), str(shipped_copy / "bpe.txt.gz"), "full")
+    assert "bit for bit" in pretrain.compare_with_shipped(*build)
     with torch.no_grad():
         weight = model.visual.proj
         weight[0, 0] = torch.nextafter(weight[0, 0], weight[0, 0] + 1)
     clip_model.save(model, str(tmp_path / "clip.pt"))
-    line = pretrain.compare_with_shipped(build)
+    line = pretrain.compare_with_shipped(*build)
     assert line.startswith("the build is another model: 1 of ") and "by up to" in line, line

@@ -18,8 +18,8 @@ What this file holds, top to bottom:
                              on, checked by SHA-256 and used instead of pretraining it again
 
 How it fits: toyworld/__init__.py's `prepare` calls `pretrained_clip`, which returns the shipped
-model where there is one (the "full" scale) and builds the others (the "miniature" one). The checkpoint is a
-plain `state_dict()` of `clip_model.CLIP` -- OpenAI's key names -- so train.py loads it with
+model where there is one (the "full" scale) and builds the others. The checkpoint is a plain
+`state_dict()` of `clip_model.CLIP` -- OpenAI's key names -- so train.py loads it with
 `clip_model.load(path, head_width=...)`, the same call as for ViT-B/16, and the tokenizer is
 `clip_model.SimpleTokenizer(bpe_path)`. Nothing downstream knows the model is a toy.
 
@@ -496,7 +496,8 @@ def pretrained_clip(config: PretrainConfig, cache_dir: Optional[str] = None,
 SHIPPED_FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 SHIPPED_SHA256 = {
     "full": {"clip.pt": "41910ee78eecbf8b8652c19644675d437e744a44213782794f524831c3b2a92e",
-             "bpe.txt.gz": "356e67f33049fa9795c17d57747ece196f659f27732d2154cb4bd866384c513d"},
+             "bpe.txt.gz": "356e67f33049fa9795c17d57747ece196f659f27732d2154cb4bd866384c513d",
+             "config.json": "5051b8fec273cbfb2ec1ee0da53e05f3fb3e3a8da864155b7c96eaaec6226fde"},
 }
 
 
@@ -532,26 +533,26 @@ def shipped_clip(config: PretrainConfig, log: Callable[[str], None] = print) -> 
                       config.head_width, config, record.get("report", {}))
 
 
-def compare_with_shipped(cached: CachedCLIP) -> str:
-    """One line: is the model in `cached` (a build) the shipped one, bit for bit?"""
-    name = cached.config.name
+def compare_with_shipped(weights: str, bpe: str, name: str) -> str:
+    """One line: is the model in `weights` + `bpe` (a build of config `name`) the shipped
+    one, bit for bit? If not, how far from it."""
     if name not in SHIPPED_SHA256:
         return f"no shipped model for '{name}' to compare with"
     expected = SHIPPED_SHA256[name]
-    if clip_model._sha256(cached.bpe) != expected["bpe.txt.gz"]:  # noqa: SLF001
+    if clip_model._sha256(bpe) != expected["bpe.txt.gz"]:  # noqa: SLF001
         return "another BPE file than the shipped one (another world or BPE trainer): another model"
-    if clip_model._sha256(cached.weights) == expected["clip.pt"]:  # noqa: SLF001
+    if clip_model._sha256(weights) == expected["clip.pt"]:  # noqa: SLF001
         return f"the build is the shipped model, bit for bit (SHA-256 {expected['clip.pt']})"
     built, shipped = (torch.load(path, map_location="cpu", weights_only=True)
-                      for path in (cached.weights, os.path.join(SHIPPED_FOLDER, name, "clip.pt")))
+                      for path in (weights, os.path.join(SHIPPED_FOLDER, name, "clip.pt")))
     tensors = [key for key, value in shipped.items() if isinstance(value, torch.Tensor)]
     differ = [key for key in tensors if key not in built or built[key].shape != shipped[key].shape
               or not torch.equal(built[key], shipped[key])]
     if not differ:
         return ("the build holds the shipped model's tensors bit for bit, in a file that differs "
                 "(another torch version's file format)")
-    largest = max((built[key] - shipped[key]).abs().max().item() for key in differ
-                  if key in built and built[key].shape == shipped[key].shape)
+    largest = max(((built[key] - shipped[key]).abs().max().item() for key in differ
+                   if key in built and built[key].shape == shipped[key].shape), default=float("inf"))
     with open(os.path.join(SHIPPED_FOLDER, name, "config.json"), encoding="utf-8") as f:
         made = json.load(f).get("report", {})
     return (f"the build is another model: {len(differ)} of {len(tensors)} tensors differ from the "
@@ -575,7 +576,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     config = replace(config, **overrides)
     cached = pretrained_clip(config, args.cache_dir, rebuild=args.rebuild)
     if args.rebuild:
-        print(compare_with_shipped(cached))
+        print(compare_with_shipped(cached.weights, cached.bpe, config.name))
     print(json.dumps({"weights": cached.weights, "bpe": cached.bpe, "head_width": cached.head_width,
                       **cached.report}, indent=2))
     return 0
