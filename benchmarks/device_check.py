@@ -2,7 +2,8 @@
 
 On a machine with a CUDA GPU it runs in about 2-5 minutes, prints one table (a pass/fail
 line per check, with its figures) and writes the same as JSON and Markdown in --output
-(default runs/device_check/). The exit status is 1 if any check fails. Checks:
+(default runs/device_check/; the train.py runs' output goes to its logs/). The exit status is
+1 if any check fails. Checks:
 
   1. parity      random ViT-B/16 (fp32, TF32 off): image and text features on the device
                  against the CPU (max abs difference <= 1e-3), and the per-head
@@ -67,6 +68,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 
 import torch
@@ -185,6 +187,18 @@ def grad_scaler(device: torch.device, enabled: bool):
     return torch.cuda.amp.GradScaler(enabled=False)  # torch < 2.3: the fp16 steps go unscaled on CPU
 
 
+def guarded(report: Report, name: str, check, *args):
+    """Run one check; an exception fails it (with its line in the table, the traceback on
+    stderr) and the next check still runs."""
+    try:
+        return check(*args)
+    except Exception as error:  # noqa: BLE001 -- whatever breaks on the device is the finding
+        traceback.print_exc()
+        message = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+        report.add(name, False, f"{type(error).__name__}: {message}")
+        return None
+
+
 # ------------------------------------------------------------------------------------------
 # 1. Parity
 # ------------------------------------------------------------------------------------------
@@ -221,9 +235,11 @@ def check_parity(report: Report, config: dict, device: torch.device) -> None:
 # ------------------------------------------------------------------------------------------
 
 
-def build_step(clip, config: dict, device: torch.device, batch: int, classes: int, dtype, seed: int = 0):
+def build_step(clip, config: dict, device: torch.device, batch: int, classes: int, dtype, seed: int = 0,
+               record: bool = True):
     """A DeAR on `clip` with a mixed role map, one batch and class list, and a train.py-style
-    step: autocast forward and losses, (scaled) backward, AdamW. -> (model, step, images)"""
+    step: autocast forward and losses, (scaled) backward, AdamW. -> (model, step, images,
+    last: the last step's loss and, if `record`, a copy of its unscaled gradients)"""
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     with warnings.catch_warnings():  # a blind attribute token in the tiny model is expected
@@ -247,7 +263,8 @@ def build_step(clip, config: dict, device: torch.device, batch: int, classes: in
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)  # so that the gradients read below are the true ones
         last["loss"] = loss.detach()
-        last["grads"] = [p.grad.detach().clone() if p.grad is not None else None for p in model.learnable_parameters()]
+        if record:
+            last["grads"] = [None if p.grad is None else p.grad.detach().clone() for p in model.learnable_parameters()]
         scaler.step(optimizer)
         scaler.update()
 
@@ -292,7 +309,7 @@ def check_speed(report: Report, clip, config: dict, device: torch.device, dtype,
     for batch in (4, 32):
         for classes in ((10, 100) if quick else (100, 1000)):
             reset_peak(device)
-            model, step, images, last = build_step(clip, config, device, batch, classes, dtype)
+            model, step, images, last = build_step(clip, config, device, batch, classes, dtype, record=False)
             step_s = timed(step, device, warmup, repeats)
             step_mb = peak_mb(device)
             finite, prompt_tokens = bool(torch.isfinite(last["loss"])), last["prompt_tokens"]
@@ -421,20 +438,30 @@ def write_coop_copy(data_root: str, target: str) -> str:
     return target
 
 
-def check_train_py(report: Report, device: torch.device, quick: bool, toy_scale: str, scratch: str) -> None:
+def check_train_py(report: Report, device: torch.device, quick: bool, toy_scale: str, scratch: str,
+                   logs: str) -> None:
     import toyworld
 
     assets = toyworld.prepare(toy_scale, log=lambda line: None)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1" if device.type == "cpu" else "4"))
     epochs = ["--epochs", "2"] if quick else []
-    logs = os.path.join(scratch, "logs")
-    os.makedirs(logs)
+    os.makedirs(logs, exist_ok=True)
 
-    def train_py(tag: str, *flags, launcher=(sys.executable,)):
-        folder = os.path.join(scratch, tag)
-        code = run_command([*launcher, "train.py", "--output", folder, *flags], env, os.path.join(logs, f"{tag}.txt"))
-        written = os.path.isfile(os.path.join(folder, "summary.md"))
-        return folder, code, written
+    def train_py(tag: str, *flags, launcher=None):
+        """train.py with these flags: under `launcher` (torchrun) in a subprocess, else in this
+        process through train.main, the same code as the command line without a fresh Python."""
+        folder, log_path = os.path.join(scratch, tag), os.path.join(logs, f"{tag}.txt")
+        argv = ["--output", folder, *flags]
+        if launcher is not None:
+            code = run_command([*launcher, "train.py", *argv], env, log_path)
+        else:
+            with open(log_path, "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                try:
+                    code = train.main(argv)
+                except Exception:  # noqa: BLE001 -- a crash is this run's result: its last line goes in the table
+                    traceback.print_exc()
+                    code = 1
+        return folder, code, os.path.isfile(os.path.join(folder, "summary.md"))
 
     def tail(tag: str) -> str:
         with open(os.path.join(logs, f"{tag}.txt"), encoding="utf-8", errors="replace") as f:
@@ -442,7 +469,11 @@ def check_train_py(report: Report, device: torch.device, quick: bool, toy_scale:
         return lines[-1][:200] if lines else "(no output)"
 
     # (a) The toy world end to end (analysis, causal check, every row) on the device and on the CPU.
+    # --quick: zero-shot and DeAR with the head analysis (and the toy world's causal check); the
+    # full mode every row of the toy table.
     toy = ["--dataset", "toyworld", "--toy-scale", toy_scale, "--seeds", "1", *epochs]
+    if quick:
+        toy += ["--method", "zeroshot", "dear", "--roles", "analyse"]
     folder, code, written = train_py(f"toy-{device.type}", *toy, "--device", str(device))
     if code != 0:
         report.add(f"4. train.py toy world on {device.type}", False, f"exit {code}: {tail(f'toy-{device.type}')}")
@@ -477,15 +508,12 @@ def check_train_py(report: Report, device: torch.device, quick: bool, toy_scale:
                f"exit 0, table written; largest cell gap to one CPU process {gap:.2f} points (<= {TOLERANCE_POINTS:g})"
                + (" (compared below)" if device.type == "cpu" else ""), gap=gap, processes=processes)
 
-    # The stop and the resume run in this process (train.main: the same code as the command line).
-    broken = os.path.join(scratch, "coop-broken")
-    with open(os.path.join(logs, "coop-resume.txt"), "w") as log, contextlib.redirect_stdout(log), \
-            contextlib.redirect_stderr(log):
-        code = train.main(["--output", broken, *coop, "--device", device.type, "--max-epochs-per-call", "1"])
-        stopped = code == 0 and not os.path.isfile(os.path.join(broken, "summary.md"))
-        code = train.main(["--output", broken, "--resume"]) if stopped else code
+    broken, code, _ = train_py("coop-broken", *coop, "--device", device.type, "--max-epochs-per-call", "1")
+    stopped = code == 0 and not os.path.isfile(os.path.join(broken, "summary.md"))
+    if stopped:
+        _, code, _ = train_py("coop-broken", "--resume")
     if not stopped or code != 0:
-        report.add(f"4. resume after a stop, {device.type}", False, f"stop or resume failed: {tail('coop-resume')}")
+        report.add(f"4. resume after a stop, {device.type}", False, f"stop or resume failed: {tail('coop-broken')}")
     else:
         unbroken, resumed = learnable_tensors(ddp), learnable_tensors(broken)
         same_runs = set(unbroken) == set(resumed) and bool(unbroken)
@@ -503,11 +531,9 @@ def check_train_py(report: Report, device: torch.device, quick: bool, toy_scale:
 
     # (c) DistributedDataParallel over DeAR through the backend train.py picks, in a one-process group.
     backend = "nccl" if device.type == "cuda" else "gloo"
-    try:
-        figures, ok = ddp_smoke(device, backend), True
-    except Exception as error:  # noqa: BLE001 -- any failure here is the finding
-        figures, ok = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}", False
-    report.add(f"4. DDP step of DeAR, process group {backend}", ok, figures)
+    figures = guarded(report, f"4. DDP step of DeAR, process group {backend}", ddp_smoke, device, backend)
+    if figures is not None:
+        report.add(f"4. DDP step of DeAR, process group {backend}", True, figures)
 
 
 def ddp_smoke(device: torch.device, backend: str) -> str:
@@ -631,15 +657,22 @@ def main(argv=None) -> int:
           f"python {sys.version.split()[0]}", flush=True)
 
     report = Report()
-    clip = check_parity(report, config, device)
-    check_amp_steps(report, clip, config, device, args.quick)
+    clip = guarded(report, "1. parity", check_parity, report, config, device)
+    if clip is None:  # the model could not even run on the device: the checks below would only repeat that
+        clip = random_clip(config).to(device)
+    guarded(report, "2. DeAR steps", check_amp_steps, report, clip, config, device, args.quick)
     # The speed in train.py's precision: autocast on CUDA, fp32 on the CPU (as train.py runs there).
-    seconds = check_speed(report, clip, config, device, dtype if device.type == "cuda" else None, args.quick)
+    seconds = guarded(report, "2. speed", check_speed, report, clip, config, device,
+                      dtype if device.type == "cuda" else None, args.quick)
     del clip
-    check_open_clip(report, config, device, dtype, args.quick)
+    guarded(report, "3. ours vs open_clip", check_open_clip, report, config, device, dtype, args.quick)
     with tempfile.TemporaryDirectory(prefix="device_check-") as scratch:
-        check_train_py(report, device, args.quick, args.toy_scale, scratch)
-    check_mfu(report, config, device, seconds, args.peak_tflops)
+        guarded(report, "4. train.py", check_train_py, report, device, args.quick, args.toy_scale, scratch,
+                os.path.join(args.output, "logs"))
+    if seconds:
+        guarded(report, "5. MFU", check_mfu, report, config, device, seconds, args.peak_tflops)
+    else:
+        report.add("5. MFU", False, "no step time (check 2 failed)")
 
     elapsed = time.time() - started
     title = (f"Device check: {'tiny CLIP (--quick)' if args.quick else 'ViT-B/16'}, {where}, torch {torch.__version__}, "

@@ -114,3 +114,19 @@ def test_a_gpu_finds_its_peak_by_the_name_it_reports(monkeypatch, name, peak):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert device_check.device_peak_tflops(torch.device("cuda"), None)[0] == peak
     assert device_check.device_peak_tflops(torch.device("cuda"), 123.0) == (123.0, "--peak-tflops")
+
+
+def test_a_check_that_breaks_fails_the_table_and_the_exit_status_and_the_others_still_run(tmp_path, monkeypatch):
+    ran = []
+
+    def broken_parity(*args):
+        raise RuntimeError("Expected all tensors to be on the same device")
+
+    monkeypatch.setattr(device_check, "check_parity", broken_parity)
+    for name in ("check_amp_steps", "check_speed", "check_open_clip", "check_train_py", "check_mfu"):
+        monkeypatch.setattr(device_check, name, lambda *args, name=name: ran.append(name))
+    assert device_check.main(["--device", "cpu", "--quick", "--output", str(tmp_path)]) == 1
+    record = json.loads((tmp_path / "device_check_cpu_quick.json").read_text())
+    assert not record["passed"] and record["checks"][0]["status"] == "fail"
+    assert "same device" in record["checks"][0]["figures"]
+    assert ran == ["check_amp_steps", "check_speed", "check_open_clip", "check_train_py"]  # no step time, no MFU
