@@ -130,3 +130,16 @@ def test_a_check_that_breaks_fails_the_table_and_the_exit_status_and_the_others_
     assert not record["passed"] and record["checks"][0]["status"] == "fail"
     assert "same device" in record["checks"][0]["figures"]
     assert ran == ["check_amp_steps", "check_speed", "check_open_clip", "check_train_py"]  # no step time, no MFU
+
+
+def test_without_ftfy_a_stand_in_serves_this_process_and_the_train_py_processes(tmp_path):
+    blocker = tmp_path / "no_ftfy"  # a machine without ftfy: importing it fails
+    blocker.mkdir()
+    (blocker / "ftfy.py").write_text("raise ImportError('No module named ftfy')\n")
+    probe = ("import device_check, clip_model, ftfy, subprocess, sys; print(ftfy.__doc__); "
+             "print(subprocess.run([sys.executable, '-c', 'import ftfy; print(ftfy.__doc__)'], "
+             "capture_output=True, text=True).stdout)")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO / "benchmarks", capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(blocker)), timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("Written by benchmarks/device_check.py: ftfy is not installed.") == 2
