@@ -135,14 +135,16 @@ def default_picks(bank_size: int, num_images: int) -> int:
 def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *,
                    rank: int = TEXTSPAN_RANK, embed_dim: Optional[int] = None) -> int:
     """How many descriptions TextSpan picks per head: `requested` (--descriptions) or, when it
-    is None, `default_picks`. The one check of that number (train.py calls it before any work,
-    analyze_heads and textspan again).
+    is None, `default_picks`. The one check of that number: a caller (train.py) calls it before
+    any work, and analyze_heads and textspan call it again.
 
     TextSpan's span is the top right singular vectors of the head's raw contributions, so its
     rank is at most min(rank, num_images, embed_dim); after that many picks every remaining
     text is zero inside it and further picks would be noise. A request above that, above the
     bank's size, or below 1 is refused; the default is capped, with a one-line warning.
     """
+    if rank < 1:
+        raise DeARError(f"rank={rank}: TextSpan keeps the top `rank` singular directions; use 1 or more")
     if num_images < 2:
         raise DeARError(f"the head analysis has {num_images} image(s); TextSpan measures how a head varies "
                         "across images and needs at least 2")

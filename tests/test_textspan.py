@@ -140,6 +140,7 @@ def test_a_request_the_span_supports_is_kept_up_to_the_limit():
     (-3, 591, 2000, {}, r"--descriptions -3"),
     (5, 591, 1, {}, r"1 image\(s\); .* at least 2"),
     (None, 591, 1, {}, r"1 image\(s\); .* at least 2"),
+    (5, 591, 2000, {"rank": 0}, r"rank=0: .*use 1 or more"),
 ])
 def test_a_request_the_span_cannot_support_is_refused_in_one_line(requested, bank, images, extra, message):
     with pytest.raises(DeARError, match=message) as error:
