@@ -160,8 +160,9 @@ def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *,
             warnings.warn(f"TextSpan makes {limit} picks per head, not the default {picks}: {why}")
         return min(picks, limit)
     if not 1 <= requested <= limit:
+        more = " or give the analysis more images" if limit == num_images else ""
         raise DeARError(f"--descriptions {requested}: TextSpan can make 1..{limit} picks per head here ({why}); "
-                        f"ask for at most {limit}" + (" or give the analysis more images" if limit == num_images else ""))
+                        f"ask for at most {limit}{more}")
     return requested
 
 

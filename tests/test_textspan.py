@@ -149,7 +149,8 @@ def test_a_request_the_span_cannot_support_is_refused_in_one_line(requested, ban
 
 
 def test_analyze_heads_checks_the_picks_before_it_encodes_a_text(tiny_clip, monkeypatch):
-    images = torch.randn(8, 3, TINY["image_resolution"], TINY["image_resolution"], generator=torch.Generator().manual_seed(0))
+    R = TINY["image_resolution"]
+    images = torch.randn(8, 3, R, R, generator=torch.Generator().manual_seed(0))
     quiet = dict(num_layers=2, log=lambda line: None)
     with pytest.raises(DeARError, match="--descriptions 9: .*rank <= 8"):  # tokenizer None: never reached
         dear.analyze_heads(tiny_clip, images, tokenizer=None, num_descriptions=9, **quiet)
