@@ -230,7 +230,7 @@ def guarded(report: Report, name: str, check, *args):
 # ------------------------------------------------------------------------------------------
 
 
-def check_parity(report: Report, config: dict, device: torch.device) -> None:
+def check_parity(report: Report, config: dict, device: torch.device) -> clip_model.CLIP:
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here (TF32 rounds to 10 bits)
     torch.backends.cudnn.allow_tf32 = False
     clip = random_clip(config)
@@ -297,6 +297,9 @@ def build_step(clip, config: dict, device: torch.device, batch: int, classes: in
     return model, step, images, last
 
 
+STEPS = 6  # per precision; GradScaler starts at 2^16 and halves its scale after each overflow
+
+
 def check_amp_steps(report: Report, clip, config: dict, device: torch.device, quick: bool) -> None:
     dtypes = [torch.bfloat16, torch.float16]
     for dtype in dtypes:
@@ -309,7 +312,7 @@ def check_amp_steps(report: Report, clip, config: dict, device: torch.device, qu
         model, step, _, last = build_step(clip, config, device, batch=4, classes=10 if quick else 100, dtype=dtype)
         before = [p.detach().clone() for p in model.learnable_parameters()]
         skipped = 0
-        for _ in range(4):  # fp16: the scaler may skip the first steps while it backs off
+        for _ in range(STEPS):  # fp16: the scaler may skip the first steps while it backs off
             step()
             skipped += not all(g is not None and torch.isfinite(g).all() for g in last["grads"])
         grads_ok = all(g is not None and bool(torch.isfinite(g).all()) for g in last["grads"])
@@ -319,7 +322,7 @@ def check_amp_steps(report: Report, clip, config: dict, device: torch.device, qu
         changed = [key for key, value in clip.state_dict().items() if not torch.equal(value, frozen[key])]
         ok = loss_ok and grads_ok and not still and not changed
         figures = (f"loss {last['loss'].item():.3f} {'finite' if loss_ok else 'NOT finite'}; grads "
-                   f"{'finite' if grads_ok else 'NOT finite'} (last of 4 steps; {skipped} skipped by the scaler); "
+                   f"{'finite' if grads_ok else 'NOT finite'} (last of {STEPS} steps; {skipped} skipped by the scaler); "
                    f"learnables {'all moved' if not still else 'unmoved: ' + ', '.join(still)}; "
                    f"CLIP {'unchanged' if not changed else 'CHANGED: ' + ', '.join(changed[:3])}")
         report.add(name, ok, figures, loss=last["loss"].item(), skipped=skipped, unmoved=still, clip_changed=changed)
