@@ -6,7 +6,8 @@ What this file holds, top to bottom:
     $DATA, where its split comes from, how its class names are found and its prompt template;
   - readers for the four kinds of layout: CoOp's `split_zhou_*.json` files, ImageNet's
     `classnames.txt` + class folders, FGVC-Aircraft's text lists, and the ImageNet variants;
-  - few-shot sampling (K images per class with the run's seed) and its JSON cache;
+  - few-shot sampling (K images per class with the run's seed, the very images Dassl draws)
+    and its JSON cache;
   - the base/novel class split of the base-to-novel protocol;
   - the CLIP image transforms and a torch `Dataset` that yields (image tensor, label);
   - `load_dataset(name, root, num_shots, seed, subsample)`, the one public entry point.
@@ -22,8 +23,8 @@ PromptSRC or MMRL already have a `$DATA` folder laid out as CoOp's DATASETS.md d
 it is, with no Dassl. Where we differ from CoOp, the comment says so:
   - the few-shot cache is JSON (`split_fewshot/shot_16-seed_1.json`), not pickle, and it
     records a fingerprint of the split it was drawn from, so a changed split is re-sampled;
-  - the sampling uses its own `random.Random(seed)`, so the same seed draws the same images
-    on every machine, but not the same images as CoOp's global-state sampling does.
+  - the sampling uses its own `random.Random(seed)` rather than the global `random` that
+    Dassl seeds; the stream is the same, so the same seed draws the same images as CoOp.
 
 Try it:
     python data.py --root $DATA --dataset oxford_pets --shots 16
@@ -498,21 +499,29 @@ READERS = {
 
 
 def sample_few_shot(items: list[Item], num_shots: int, rng: random.Random) -> list[Item]:
-    """K images per class, drawn without replacement with `rng` (Dassl's
-    generate_fewshot_dataset without `repeat`). A class with fewer than K images keeps all
-    of them. The output is grouped by label, in ascending label order."""
-    by_label: dict[int, list[Item]] = defaultdict(list)
+    """K images per class, drawn exactly as Dassl's generate_fewshot_dataset draws them
+    (Dassl.pytorch, dassl/data/datasets/base_dataset.py), which CoOp, CoCoOp, MaPLe, PromptSRC
+    and MMRL all use, so that a seed trains on the images the papers report on:
+
+      - the classes are visited in the order their labels first appear in `items` (the split
+        file's order, which is not sorted for Stanford Cars or Oxford Flowers);
+      - a class with at least K images gives rng.sample(its images, K): K distinct images;
+      - a class with fewer than K images gives rng.choices(its images, k=K): K draws with
+        repetition (Dassl's `repeat=True`, the default CoOp keeps), so every class has K.
+
+    With rng = random.Random(seed) this is the stream Dassl draws from after
+    random.seed(seed). The output is grouped by class, in that visiting order."""
+    by_label: dict[int, list[Item]] = defaultdict(list)  # insertion order = first appearance
     for item in items:
         by_label[item.label].append(item)
     sampled = []
-    for label in sorted(by_label):
-        pool = by_label[label]
-        sampled.extend(rng.sample(pool, num_shots) if len(pool) >= num_shots else pool)
+    for pool in by_label.values():
+        sampled.extend(rng.sample(pool, num_shots) if len(pool) >= num_shots else rng.choices(pool, k=num_shots))
     return sampled
 
 
 def _warn_short_classes(items: list[Item], num_shots: int, where: str) -> None:
-    """Say which classes have fewer than K images (they use all they have)."""
+    """Say which classes have fewer than K images (their K draws repeat images)."""
     counts = Counter(item.label for item in items)
     short = sorted((label, count) for label, count in counts.items() if count < num_shots)
     if short:
@@ -520,7 +529,7 @@ def _warn_short_classes(items: list[Item], num_shots: int, where: str) -> None:
         listed = ", ".join(f"{names[label]!r} has {count}" for label, count in short[:5])
         more = f", and {len(short) - 5} more" if len(short) > 5 else ""
         _warn(f"{where}: {len(short)} of {len(counts)} classes have fewer than {num_shots} images "
-              f"and use all they have ({listed}{more})")
+              f"and repeat some to make {num_shots}, as Dassl does ({listed}{more})")
 
 
 # -----------------------------------------------------------------------------
@@ -531,9 +540,14 @@ def _warn_short_classes(items: list[Item], num_shots: int, where: str) -> None:
 # loading it runs no code), atomically (temp file + os.replace, so an interrupted run never
 # leaves half a file), with a fingerprint of the full split it was drawn from. A cache that
 # does not parse, does not match, or names images the split does not have is rebuilt with a
-# warning, never trusted.
+# warning, never trusted. Like CoOp's pickle it is drawn once: the draw happens before the
+# base/novel subsample, so base and novel runs of one (K, seed) share it.
 
-FEWSHOT_CACHE_FORMAT = "dear-from-scratch few-shot split, version 2"  # 2: + the content's hash
+# Version 3: Dassl's draw (classes in order of first appearance, short classes repeated).
+# Caches of version 2 hold the older draw (sorted classes, short classes kept as they are)
+# and are redrawn, with a warning, never reused.
+FEWSHOT_CACHE_NAME = "dear-from-scratch few-shot split"
+FEWSHOT_CACHE_FORMAT = f"{FEWSHOT_CACHE_NAME}, version 3"
 
 
 def fewshot_cache_path(dataset_dir: str, num_shots: int, seed: int) -> str:
@@ -573,7 +587,10 @@ def _read_fewshot_cache(cache_path: str, full: dict[str, list[Item]], full_entri
             cached = json.load(f)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         return reject(f"cannot be read as JSON ({type(e).__name__})")
-    if not isinstance(cached, dict) or cached.get("format") != FEWSHOT_CACHE_FORMAT:
+    found_format = cached.get("format") if isinstance(cached, dict) else None
+    if found_format != FEWSHOT_CACHE_FORMAT:
+        if isinstance(found_format, str) and found_format.startswith(FEWSHOT_CACHE_NAME):
+            return reject(f"was drawn by an older rule ({found_format!r}), not Dassl's")
         return reject("is not in this file's format")
     if cached.get("fingerprint") != fingerprint:
         return reject("was drawn from a different split (fingerprint mismatch)")
@@ -591,11 +608,15 @@ def _read_fewshot_cache(cache_path: str, full: dict[str, list[Item]], full_entri
             if key not in item_of:
                 return reject(f"lists {entry!r} in '{split_name}', which the split does not have")
             items.append(item_of[key])
-        # Each class must hold min(K, images it has) distinct images, as the sampler makes it.
-        expected = {label: min(count, num_shots)
-                    for label, count in Counter(item.label for item in full[split_name]).items()}
-        if len(set(items)) != len(items) or Counter(item.label for item in items) != expected:
-            return reject(f"does not hold min({num_shots}, available) distinct images per class in '{split_name}'")
+        # Each class must hold K images, as the sampler draws them: distinct when the class has
+        # at least K, repeats allowed (and then unavoidable) when it has fewer.
+        available = Counter(item.label for item in full[split_name])
+        drawn = Counter(item.label for item in items)
+        distinct = Counter(item.label for item in set(items))
+        if drawn != {label: num_shots for label in available} or any(
+                distinct[label] != num_shots for label, count in available.items() if count >= num_shots):
+            return reject(f"does not hold {num_shots} images per class (distinct where the class has "
+                          f"{num_shots}) in '{split_name}'")
         result[split_name] = items
     # Last, for an edit that every check above lets through (one image swapped for another
     # of the same class): the lists must be those the cache was written with.
@@ -638,7 +659,8 @@ def _write_json_atomically(path: str, header: dict, lists: dict[str, list[list]]
 def few_shot_splits(spec: DatasetSpec, dataset_dir: str, full: dict[str, list[Item]],
                     num_shots: int, seed: int) -> dict[str, list[Item]]:
     """K per class for train and min(K, 4) for val (CoOp), read from the cache when it is
-    valid, otherwise sampled with `random.Random(seed)` and cached."""
+    valid, otherwise sampled with `random.Random(seed)` and cached. One stream draws train,
+    then val, as CoOp's datasets do after Dassl's random.seed(seed)."""
     shots = {split_name: (num_shots if split_name == "train" else min(num_shots, 4)) for split_name in full}
     for split_name, k in shots.items():
         _warn_short_classes(full[split_name], k, f"{spec.name} {split_name}")
