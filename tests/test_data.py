@@ -34,6 +34,12 @@ sys.path.insert(0, str(REPO))
 import data  # noqa: E402
 from data import DatasetError, DatasetWarning, ImageDataset, load_dataset  # noqa: E402
 
+@pytest.fixture(autouse=True)
+def registry_as_shipped(monkeypatch):
+    """Your own data registers itself in data.DATASETS: each test starts from the shipped registry."""
+    monkeypatch.setattr(data, "DATASETS", dict(data.DATASETS))
+
+
 # -----------------------------------------------------------------------------
 # Writing tiny datasets in CoOp's layout
 
@@ -924,3 +930,150 @@ def test_few_shot_draws_equal_dassls_on_the_real_split_files(filename):
                 expected = coop_draw(split, num_shots, seed, subsample)
                 got = relative_entries(kept_train, root), relative_entries(kept_val, root)
                 assert got == expected, f"{filename} K={num_shots} seed={seed} {subsample}: not Dassl's draw"
+
+
+# -----------------------------------------------------------------------------
+# Your own data: a folder of class folders, or a split file in CoOp's format
+
+
+def write_image_folder(folder: Path, counts: dict) -> Path:
+    """folder/<class>/<i>.png, counts[class] images each (a colour per class and image)."""
+    for label, (classname, n) in enumerate(counts.items()):
+        for i in range(n):
+            write_image(folder / classname / f"{i}.png", color=(40 * label, 10 * i, 7))
+    return folder
+
+
+def test_image_folder_is_split_50_20_30_per_class_and_written_as_a_coop_split(tmp_path):
+    folder = write_image_folder(tmp_path / "my_things", {"red_ball": 10, "cube": 7, "cone": 4})
+    (folder / "cube" / "notes.txt").write_text("not an image")
+    (folder / "cube" / "readme.md").write_text("not an image")
+    with pytest.warns(DatasetWarning, match=r"my_things: skipped 2 non-image files"):
+        spec = data.own_dataset(str(folder))
+    assert (spec.name, spec.template) == ("my_things", "a photo of a {}.")
+    assert not (folder / "split_my_things.json").exists()  # checked, not yet written
+    result = load_dataset("my_things", None)
+    # Sorted folders -> labels; underscores -> spaces; round(50%), round(20%), the rest.
+    assert result.classnames == ["cone", "cube", "red ball"]
+    assert [labels_of(getattr(result, part)) for part in ("train", "val", "test")] == [
+        {0: 2, 1: 4, 2: 5}, {0: 1, 1: 1, 2: 2}, {0: 1, 1: 2, 2: 3}]
+    written = json.loads((folder / "split_my_things.json").read_text())
+    assert written["train"][0][1:] == [0, "cone"] and written["train"][0][0].startswith("cone/")
+    every = {entry[0] for part in written.values() for entry in part}
+    assert len(every) == 21 and "cube/notes.txt" not in every
+
+    # The file is the split from now on: an edit is what the next call reads.
+    written["test"].append(written["train"].pop(0))
+    (folder / "split_my_things.json").write_text(json.dumps(written))
+    data.own_dataset(str(folder))
+    edited = load_dataset("my_things", None)
+    assert len(edited.train) == 10 and len(edited.test) == 7
+
+    # Few-shot on it: cached in split_fewshot/, which is never taken for a class folder.
+    (folder / "split_my_things.json").unlink()
+    with pytest.warns(DatasetWarning, match="skipped 2"):
+        data.own_dataset(str(folder))
+    few = load_dataset("my_things", None, num_shots=2, seed=1)
+    assert (folder / "split_fewshot" / "shot_2-seed_1.json").is_file()
+    assert labels_of(few.train) == {0: 2, 1: 2, 2: 2}
+    (folder / "split_my_things.json").unlink()
+    with pytest.warns(DatasetWarning, match="skipped 2"):
+        data.own_dataset(str(folder))
+    assert load_dataset("my_things", None) == result  # the same fixed seed draws the same split
+
+
+def test_split_file_paths_are_relative_to_its_folder(tmp_path):
+    folder = tmp_path / "field_photos"
+    split = {"train": [], "val": [], "test": []}
+    for label, name in enumerate(["oak_leaf", "pine"]):
+        for part in split:
+            relative = f"pictures/{name}/{part}.jpg"
+            write_image(folder / relative)
+            split[part].append([relative, label, name])
+    (folder / "labels.json").write_text(json.dumps(split))
+    spec = data.own_dataset(str(folder / "labels.json"))
+    result = load_dataset(spec.name, "/nowhere")  # the root is not used for your own data
+    assert (result.name, result.classnames) == ("field_photos", ["oak leaf", "pine"])
+    assert result.train[0].path == str(folder / "pictures" / "oak_leaf" / "train.jpg")
+
+
+def test_read_only_data_folder_writes_the_split_to_the_fallback_folder(tmp_path, monkeypatch):
+    folder = write_image_folder(tmp_path / "ro_data", {"a": 4, "b": 4})
+    fallback = tmp_path / "run" / "ro_data"
+    real_write = data._write_json_atomically
+
+    def read_only(path, header, lists):
+        if Path(path).parent == folder:
+            raise PermissionError(13, "Permission denied", str(path))
+        real_write(path, header, lists)
+
+    monkeypatch.setattr(data, "_write_json_atomically", read_only)
+    data.own_dataset(str(folder), split_fallback_dir=str(fallback))
+    first = load_dataset("ro_data", None)
+    assert (fallback / "split_ro_data.json").is_file() and not (folder / "split_ro_data.json").exists()
+    stored = json.loads((fallback / "split_ro_data.json").read_text())
+    stored["val"], stored["test"] = stored["test"], stored["val"]  # the fallback copy is the one read
+    (fallback / "split_ro_data.json").write_text(json.dumps(stored))
+    data.own_dataset(str(folder), split_fallback_dir=str(fallback))
+    assert load_dataset("ro_data", None).val == first.test
+
+
+BAD_OWN_DATA = {
+    "empty folder": ({}, "0 class folders; expected at least two"),
+    "one class": ({"a": 5}, "1 class folder; expected at least two"),
+    "class with no image": ({"a": 5, "b": 0}, "class 'b' has 0 images"),
+    "class too small": ({"a": 5, "tiny_one": 3}, "class 'tiny one' has 3 images; the 50/20/30"),
+    "same class name": ({"big_cat": 5, "big cat": 5}, "'big cat' and 'big_cat' both give the class name 'big cat'"),
+    "not an image": ({"a": 5, "b": 5}, "b/fake.jpg: cannot be read as an image"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_OWN_DATA))
+def test_bad_image_folder_is_a_one_line_error_naming_it_and_writes_nothing(tmp_path, case):
+    counts, message = BAD_OWN_DATA[case]
+    folder = write_image_folder(tmp_path / "bad", counts)
+    folder.mkdir(exist_ok=True)
+    if case == "class with no image":
+        (folder / "b").mkdir()
+        (folder / "b" / "notes.txt").write_text("x")
+    if case == "not an image":
+        (folder / "b" / "fake.jpg").write_text("this is text")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DatasetWarning)
+        with pytest.raises(DatasetError) as error:
+            data.own_dataset(str(folder))
+    assert_one_line_naming(error, message)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written
+    assert "bad" not in data.DATASETS
+
+
+def test_own_split_file_leaving_its_folder_or_named_like_a_benchmark_is_refused(tmp_path):
+    folder = tmp_path / "mine"
+    write_image(tmp_path / "outside.jpg")
+    entries = [["../outside.jpg", 0, "a"], ["../outside.jpg", 1, "b"]]
+    (folder).mkdir()
+    (folder / "split.json").write_text(json.dumps({"train": entries[:1], "val": [], "test": entries[1:]}))
+    with pytest.raises(DatasetError) as error:
+        data.own_dataset(str(folder / "split.json"))
+    assert_one_line_naming(error, "'../outside.jpg' leaves the image folder")
+    write_image_folder(tmp_path / "dtd", {"a": 4, "b": 4})
+    with pytest.raises(DatasetError) as error:
+        data.own_dataset(str(tmp_path / "dtd"))
+    assert_one_line_naming(error, "its name 'dtd' is that of a benchmark; rename the folder")
+    with pytest.raises(DatasetError) as error:
+        data.own_dataset(str(tmp_path / "nowhere"))
+    assert_one_line_naming(error, "nowhere: not found")
+
+
+def test_command_line_shows_your_own_data_and_refuses_a_bad_folder_in_one_line(tmp_path):
+    folder = write_image_folder(tmp_path / "my_photos", {"sea_lion": 5, "seal": 5})
+    run = subprocess.run([sys.executable, str(REPO / "data.py"), "--dataset", str(folder)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "my_photos" in run.stdout and "classes   2: sea lion, seal" in run.stdout
+    assert "'a photo of a {}.'" in run.stdout and (folder / "split_my_photos.json").is_file()
+    (tmp_path / "one" / "only").mkdir(parents=True)
+    run = subprocess.run([sys.executable, str(REPO / "data.py"), "--dataset", str(tmp_path / "one")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "expected at least two" in run.stderr
