@@ -834,7 +834,6 @@ def test_own_image_folder_runs_base2novel_end_to_end_and_eval_only_reproduces_it
     result = read(out / "my_textures" / "dear" / "seed1" / "results.json")
     saved = read(out / "settings.json")["settings"]
     assert saved["dataset"] == ["my_textures"] and saved["dataset_paths"] == {"my_textures": own_data["folder"]}
-    assert (saved["epochs"], saved["lr"], saved["batch_size"]) == (1, train.Recipe().lr, 4)  # default recipe
     (out / "my_textures" / "dear" / "seed1" / "results.json").unlink()
     assert train.main(["--output", str(out), "--eval-only"]) == 0
     assert read(out / "my_textures" / "dear" / "seed1" / "results.json")["metrics"] == result["metrics"]
@@ -856,6 +855,12 @@ def test_own_split_file_runs_fewshot_and_cross_with_its_template(world, own_data
     assert table["columns"] == ["imagenet (source)", "labelled", "dtd", "Average"]
     result = read(out / "imagenet/dear-all-generalization/seed1/results.json")
     assert set(result["metrics"]) == {"imagenet", "labelled", "dtd"}
+
+    unset = train.settings_from_flags(train.build_parser().parse_args(["--dataset", own_data["split"], "dtd"]))
+    assert unset["output"] == os.path.join("runs", "base2novel-labelled-dtd")  # a name, not a path, in the folder
+    recipe = train.Recipe()  # the default recipe, for each value not typed
+    assert (unset["epochs"], unset["batch_size"], unset["lr"], unset["shots"]) == (
+        recipe.epochs, recipe.batch_size, recipe.lr, [recipe.shots])
 
     # The template reaches every prompt: training and each test set, own data and benchmarks.
     settings = train.resolve_settings(train.build_parser().parse_args(common(
