@@ -8,6 +8,8 @@ What this file holds, top to bottom:
     `classnames.txt` + class folders, FGVC-Aircraft's text lists, and the ImageNet variants;
   - few-shot sampling (K images per class with the run's seed, the very images Dassl draws)
     and its JSON cache;
+  - your own data, with no code to write: a folder of class folders (split 50/20/30 once and
+    written as a CoOp split file) or a split file in CoOp's format (`own_dataset`);
   - the base/novel class split of the base-to-novel protocol;
   - the CLIP image transforms and a torch `Dataset` that yields (image tensor, label);
   - `load_dataset(name, root, num_shots, seed, subsample)`, the one public entry point.
