@@ -542,7 +542,7 @@ def is_own_data(value: str) -> bool:
     """Whether a --dataset value is a path to your own data rather than a benchmark's name:
     not a registry name, and a path (a separator, a .json file, or something on disk)."""
     value = str(value)
-    if value in DATASETS or value.strip().lower().replace("-", "_") in DATASETS:
+    if value in DATASETS or value.strip().lower().replace("-", "_") in (*DATASETS, "all"):
         return False
     return "/" in value or os.sep in value or value.lower().endswith(".json") or os.path.exists(value)
 
@@ -566,7 +566,7 @@ def own_dataset(path: str, split_fallback_dir: str | None = None) -> DatasetSpec
                            f"or a split file in CoOp's format (.json)")
     key = name.strip().lower().replace("-", "_")
     known = DATASETS.get(name) or DATASETS.get(key)
-    if known is not None and not known.own or key == "all":
+    if (known is not None and not known.own) or key == "all":
         raise DatasetError(f"{path}: its name {name!r} is that of a benchmark; rename the folder (the name "
                            f"is used in tables and run folders)")
     # Every entry and image checked now, not after the model has loaded.
@@ -618,8 +618,8 @@ def draw_image_folder_split(folder: str) -> dict:
         for relative in images:  # opening the header finds a file that only looks like an image
             path = os.path.join(folder, class_folder, relative)
             try:
-                with Image.open(path) as image:
-                    image.size
+                with Image.open(path):  # reads the header only
+                    pass
             except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
                 raise DatasetError(f"{path}: cannot be read as an image ({type(e).__name__}); "
                                    f"replace it or move it out of the data folder") from None
@@ -656,19 +656,19 @@ def read_image_folder(spec: DatasetSpec, dataset_dir: str) -> ReaderResult:
     if split_path is not None:
         return _items_of_split(_read_json_split(split_path), dataset_dir, split_path)
     raw = _DRAWN_SPLITS.get(dataset_dir) or draw_image_folder_split(dataset_dir)
-    for folder in (dataset_dir, spec.split_fallback_dir):
-        if folder is None:
-            continue
+    wanted = split_path = os.path.join(dataset_dir, spec.split_file)
+    for folder in filter(None, (dataset_dir, spec.split_fallback_dir)):
         split_path = os.path.join(folder, spec.split_file)
         try:
             _write_json_atomically(split_path, {}, raw)
-            break
-        except OSError:
+        except OSError as e:
+            reason = e.strerror or str(e)
             continue
+        if split_path != wanted:
+            _warn(f"{wanted}: cannot write the split file ({reason}); wrote it to {split_path}")
+        break
     else:
-        split_path = os.path.join(dataset_dir, spec.split_file)
-        _warn(f"{split_path}: cannot write the split file (the folder is read-only); the same split is "
-              f"drawn again on each call")
+        _warn(f"{wanted}: cannot write the split file ({reason}); the same split is drawn again on each call")
     return _items_of_split(raw, dataset_dir, split_path)
 
 

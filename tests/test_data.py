@@ -1019,13 +1019,17 @@ def test_read_only_data_folder_writes_the_split_to_the_fallback_folder(tmp_path,
 
     monkeypatch.setattr(data, "_write_json_atomically", read_only)
     data.own_dataset(str(folder), split_fallback_dir=str(fallback))
-    first = load_dataset("ro_data", None)
+    with pytest.warns(DatasetWarning, match=r"split_ro_data\.json: cannot write the split file \(Permission denied\); wrote it to .*run"):
+        first = load_dataset("ro_data", None)
     assert (fallback / "split_ro_data.json").is_file() and not (folder / "split_ro_data.json").exists()
     stored = json.loads((fallback / "split_ro_data.json").read_text())
     stored["val"], stored["test"] = stored["test"], stored["val"]  # the fallback copy is the one read
     (fallback / "split_ro_data.json").write_text(json.dumps(stored))
     data.own_dataset(str(folder), split_fallback_dir=str(fallback))
     assert load_dataset("ro_data", None).val == first.test
+    data.own_dataset(str(folder))  # no fallback (python data.py): the same split, drawn again, unwritten
+    with pytest.warns(DatasetWarning, match="the same split is drawn again on each call"):
+        assert load_dataset("ro_data", None) == first
 
 
 BAD_OWN_DATA = {
