@@ -43,8 +43,8 @@ def advertised_commands() -> set[str]:
     return commands
 
 
-# Run here. Outputs the command names (/tmp/..., samples.png) are rewritten into the test's
-# folder; nothing else is changed.
+# Run here. The paths the commands name (/tmp/..., samples.png, path/to/...) are rewritten into
+# the test's folder; nothing else is changed.
 RUN = {
     "python dear.py",
     "python data.py",
@@ -55,6 +55,7 @@ RUN = {
     "python -m toyworld.task /tmp/toydata && python data.py --root /tmp/toydata --dataset toyworld --shots 16",
     "python -m toyworld --scale miniature --causal --grid samples.png",
     "python -m toyworld --grid samples.png",  # the full world: the shipped model, seconds
+    "python data.py --dataset path/to/my_photos",  # on a folder of class folders made below
 }
 
 # Not run on their own: a command of RUN that adds flags to them runs the same path and more
@@ -80,6 +81,10 @@ NOT_RUN = {
     "python benchmarks/bench_train_step.py": "about a minute of ViT-B/16 on the CPU",
     "python benchmarks/bench_train_step.py --device cuda": "needs a GPU",
     "python -m pytest -q": "the test suite itself",
+    "python train.py --dataset path/to/my_photos": "downloads OpenAI's weights (ViT-B/16)",
+    "python benchmarks/device_check.py --device cpu --quick": "tests/test_device_check.py runs it",
+    "python benchmarks/device_check.py": "needs a GPU",
+    "python benchmarks/device_check.py --peak-tflops 312": "needs a GPU",
 }
 
 
@@ -103,13 +108,23 @@ def test_every_advertised_command_is_run_or_says_why_not():
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory):
     """One folder for every command of this file: they share the cache, so the toy world's
-    task and miniature model are made once."""
-    return tmp_path_factory.mktemp("commands")
+    task and miniature model are made once. It holds `my_photos/`, a folder of class folders
+    (2 classes x 4 images), for the commands about your own data."""
+    from PIL import Image
+
+    folder = tmp_path_factory.mktemp("commands")
+    for label, colour in enumerate(("red", "blue")):
+        (folder / "my_photos" / f"{colour}_thing").mkdir(parents=True)
+        for index in range(4):
+            Image.new("RGB", (8, 8), (200 * (label == 0), 0, 200 * (label == 1) + index)).save(
+                folder / "my_photos" / f"{colour}_thing" / f"{index}.png")
+    return folder
 
 
 @pytest.mark.parametrize("command", sorted(RUN))
 def test_advertised_command_exits_0(command, scratch):
-    shell = command.replace("/tmp/", f"{scratch}/").replace("samples.png", f"{scratch}/samples.png")
+    shell = command.replace("/tmp/", f"{scratch}/").replace("path/to/", f"{scratch}/")
+    shell = shell.replace("samples.png", f"{scratch}/samples.png")
     shell = re.sub(r"(^|&& )python ", lambda m: f"{m.group(1)}{sys.executable} ", shell)
     env = {k: v for k, v in os.environ.items() if k not in ("DEAR_CACHE_DIR", "CLIP_BPE_PATH", "DEAR_BPE_PATH")}
     env.update(CLIP_CACHE_DIR=str(scratch / "cache"), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
