@@ -20,7 +20,8 @@ the top left", "a photo of a red object").
 The package, in the order `prepare` uses it:
     world.py     the attribute table, the renderer, captions, the description bank
     bpe.py       a byte-level BPE learned from the captions, in OpenAI's merges-file format
-    pretrain.py  CLIP's contrastive pretraining of a tiny clip_model.CLIP; the cache
+    pretrain.py  CLIP's contrastive pretraining of a tiny clip_model.CLIP; the cache; the
+                 shipped model (assets/full/, checked by SHA-256)
     task.py      the downstream task (colour x shape classes, shifted drawing style) in
                  CoOp's layout, read by data.py's "toyworld" registry row
     causal.py    mean-ablation of each head vs its concept-entropy role
