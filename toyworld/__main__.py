@@ -82,7 +82,7 @@ def check_paths(args) -> None:
 def main(argv=None) -> int:
     parser = data.OneLineParser(prog="python -m toyworld", description="Prepare the toy world and show what was made.")
     parser.add_argument("--scale", default="full", choices=sorted(toyworld.SCALES), help="which size of world")
-    parser.add_argument("--cache-dir", default=None, help="cache root (default: $DEAR_CACHE_DIR or ~/.cache/dear-from-scratch)")
+    parser.add_argument("--cache-dir", default=None, help="cache root (default: $CLIP_CACHE_DIR or ~/.cache/clip-from-scratch)")
     parser.add_argument("--grid", default=None, help="write a PNG grid of sample images with captions here")
     parser.add_argument("--causal", action="store_true", help="run the head analysis and the ablation check")
     parser.add_argument("--rebuild", action="store_true", help="pretrain the model afresh in the cache (full: "

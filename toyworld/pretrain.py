@@ -564,7 +564,7 @@ def compare_with_shipped(weights: str, bpe: str, name: str) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="Pretrain (or reuse) the toy world's tiny CLIP.")
     parser.add_argument("--scale", default="full", choices=sorted(CONFIGS), help="which configuration")
-    parser.add_argument("--cache-dir", default=None, help="cache root (default: $DEAR_CACHE_DIR or ~/.cache/dear-from-scratch)")
+    parser.add_argument("--cache-dir", default=None, help="cache root (default: $CLIP_CACHE_DIR or ~/.cache/clip-from-scratch)")
     parser.add_argument("--steps", type=int, default=None, help="override the step budget")
     parser.add_argument("--bf16", action="store_true", help="use bf16 autocast (measure first: often slower on CPU)")
     parser.add_argument("--rebuild", action="store_true", help="pretrain afresh in the cache, even where a model is shipped")
