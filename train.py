@@ -885,7 +885,8 @@ def analyse_heads(settings: dict, job: Job, inputs: Inputs, split: data.DatasetS
                             batch_size=settings["eval_batch_size"], num_workers=settings["workers"])
         role_map = dear.analyze_heads(
             clip, (images for images, _ in loader), inputs.tokenizer, inputs.bank, inputs.attributes,
-            num_layers=analysed_layers(clip), num_descriptions=settings["descriptions"],
+            num_layers=analysed_layers(clip),
+            num_descriptions=settings["descriptions"],  # None: what the bank supports (dear.default_picks)
             rank=80, low_bits=settings["low_bits"], high_bits=settings["high_bits"], log=runtime.log)
         role_map.source = (f"concept entropy on {len(items)} {dataset} training images "
                            f"({classes} classes, seed {job.seed})")
