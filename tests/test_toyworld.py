@@ -451,3 +451,5 @@ def test_causal_check_returns_a_well_formed_table(mini_model):
         margins = [causal._selectivity(unit["log_prob_drops"], attribute) for unit in result["heads"] + result["groups"]]
         assert best["selectivity"] == max(margins)
     assert "| colour heads (entropy) | 1 |" in result["table"]
+    listed = [line.split(" | ")[:2] for line in result["table"].splitlines() if line.startswith("| 2.")]
+    assert listed == [[f"| 2.{row['head']}", row["singled_out"]] for row in result["heads"] if row["singled_out"]]
