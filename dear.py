@@ -132,13 +132,16 @@ def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *,
                    default: int = PAPER_PICKS) -> int:
     """How many descriptions TextSpan picks per head: `requested` (--descriptions) or, when it
     is None, `default` (analyze_heads passes its bank's `default_picks`). The one check of
-    that number (train.py calls it before any work, analyze_heads and textspan again).
+    that number: a caller (train.py) calls it before any work, and analyze_heads and
+    textspan call it again.
 
     TextSpan's span is the top right singular vectors of the head's raw contributions, so its
     rank is at most min(rank, num_images, embed_dim); after that many picks every remaining
     text is zero inside it and further picks would be noise. A request above that, above the
     bank's size, or below 1 is refused; the default is capped, with a one-line warning.
     """
+    if rank < 1:
+        raise DeARError(f"rank={rank}: TextSpan keeps the top `rank` singular directions; use 1 or more")
     if num_images < 2:
         raise DeARError(f"the head analysis has {num_images} image(s); TextSpan measures how a head varies "
                         "across images and needs at least 2")
@@ -154,8 +157,9 @@ def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *,
             warnings.warn(f"TextSpan makes {limit} picks per head, not the default {picks}: {why}")
         return min(picks, limit)
     if not 1 <= requested <= limit:
+        more = " or give the analysis more images" if limit == num_images else ""
         raise DeARError(f"--descriptions {requested}: TextSpan can make 1..{limit} picks per head here ({why}); "
-                        f"ask for at most {limit}" + (" or give the analysis more images" if limit == num_images else ""))
+                        f"ask for at most {limit}{more}")
     return requested
 
 

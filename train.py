@@ -170,7 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("what to run")
     g.add_argument("--dataset", nargs="+", help="dataset name(s) from data.py, 'all' for the protocol's "
-                   "datasets, or 'toyworld' (the project's own world: no downloads)")
+                   "datasets, 'toyworld' (the project's own world: no downloads), or the PATH of your own data: "
+                   "a folder of class folders (PATH/<class>/<image>; the split is drawn once, 50/20/30 per class, "
+                   "and written to PATH/split_<name>.json) or a split file in CoOp's format (image paths "
+                   "relative to its folder); its name in tables and run folders is its folder's name")
     g.add_argument("--protocol", choices=PROTOCOLS, help="base2novel | fewshot | cross | dg")
     g.add_argument("--method", nargs="+", choices=METHODS, help="rows of the table: zeroshot = CLIP with the "
                    "dataset's template, no training; linear-probe = logistic regression on the frozen image "
@@ -185,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seeds", nargs="+", type=int, help="seeds; tables report the mean")
     g.add_argument("--shots", nargs="+", type=int, help="shots per class")
     g.add_argument("--source", help="training dataset of cross and dg")
+    g.add_argument("--template", help="class prompt template, '{}' standing for the class name, for every "
+                   f"dataset of the call (unset: each benchmark's CoOp template; your own data: {data.OWN_TEMPLATE!r})")
 
     g = p.add_argument_group("where things are")
     g.add_argument("--root", help="the $DATA folder in CoOp's layout (toyworld: made in the cache)")
@@ -259,6 +264,8 @@ def default_help(key: str) -> str:
 
 
 def recipe_of(dataset: str) -> Recipe:
+    if dataset not in RECIPES and data.get_spec(dataset).own:  # your own data: the default recipe
+        return Recipe()
     if dataset not in RECIPES:  # a dataset added to data.py without a recipe here
         raise TrainError(f"--dataset {dataset}: train.py has no training recipe for it; add a row to RECIPES "
                          "in train.py")
@@ -290,7 +297,7 @@ def _default(value, default):
 
 
 def _dataset_names(typed: List[str], protocol: str, source: Optional[str]) -> List[str]:
-    names = [n.strip().lower().replace("-", "_") for n in typed]
+    names = [data.own_dataset_name(n) if data.is_own_data(n) else n.strip().lower().replace("-", "_") for n in typed]
     if names == ["all"]:
         names = {"base2novel": PAPER_DATASETS, "fewshot": PAPER_DATASETS,
                  "cross": [n for n in PAPER_DATASETS if n != _default(source, DEFAULTS["source"])],
@@ -309,6 +316,14 @@ def settings_from_flags(args: argparse.Namespace) -> Dict[str, object]:
                          "--dataset all)")
     protocol = _default(args.protocol, DEFAULTS["protocol"])
     names = _dataset_names(args.dataset, protocol, args.source)
+    typed = [data.own_dataset_name(n) if data.is_own_data(n) else n for n in args.dataset]  # no paths in a folder name
+    output = _default(args.output, os.path.join("runs", f"{protocol}-{'-'.join(typed)}"))
+    own = [(data.own_dataset_name(n), os.path.abspath(n)) for n in args.dataset if data.is_own_data(n)]
+    if len({name for name, _ in own}) < len(own):
+        raise TrainError(f"--dataset {' '.join(path for _, path in own)}: two have the same folder name; rename "
+                         "one (the name is used in tables and run folders)")
+    dataset_paths = dict(own)
+    register_own_data(dataset_paths, output)
     toy = names == ["toyworld"]
     if "toyworld" in names and not toy:
         raise TrainError("--dataset toyworld runs on its own; give it alone")
@@ -355,11 +370,12 @@ def settings_from_flags(args: argparse.Namespace) -> Dict[str, object]:
         raise TrainError("--shots takes several values only with --protocol fewshot")
     # The order of the keys is the order of settings.json.
     return dict(
-        dataset=names, protocol=protocol, source=source, method=list(dict.fromkeys(flag("method"))), roles=roles,
-        fusion=fusion, seeds=list(dict.fromkeys(flag("seeds"))), shots=shots,
+        dataset=names, dataset_paths=dataset_paths, template=args.template, protocol=protocol, source=source,
+        method=list(dict.fromkeys(flag("method"))), roles=roles, fusion=fusion,
+        seeds=list(dict.fromkeys(flag("seeds"))), shots=shots,
         root=args.root, weights=None if toy else flag("weights"),  # toy: its own, found by open_inputs
         head_width=args.head_width,  # None: from the file (clip_model.save records it)
-        bpe=args.bpe, output=_default(args.output, os.path.join("runs", f"{protocol}-{'-'.join(args.dataset)}")),
+        bpe=args.bpe, output=output,
         first_layer=flag("first_layer"), beta=flag("beta"), text_tokens=flag("text_tokens"),
         lambda_reg=flag("lambda_reg"), lambda_fusion=flag("lambda_fusion"),
         analysis_images=flag("analysis_images"), descriptions=flag("descriptions"),
@@ -372,6 +388,13 @@ def settings_from_flags(args: argparse.Namespace) -> Dict[str, object]:
         max_epochs_per_call=args.max_epochs_per_call, toy_scale=flag("toy_scale"),
         fingerprints=None,  # SHA-256 of the weights, BPE and roles files: added by open_inputs
     )
+
+
+def register_own_data(dataset_paths: Dict[str, str], output: str) -> None:
+    """Your own data (--dataset PATH): registered in data.py under its folder's name, every
+    file checked; a split drawn for a read-only folder goes to <output>/<name>/."""
+    for name, path in dataset_paths.items():
+        data.own_dataset(path, split_fallback_dir=os.path.join(output, name))
 
 
 def validate_settings(settings: dict) -> None:
@@ -416,6 +439,14 @@ def validate_settings(settings: dict) -> None:
         raise TrainError(f"--low-bits {settings['low_bits']:g} is above --high-bits {settings['high_bits']:g}; "
                          "the low threshold must be the smaller (attribute heads lie at or below it, "
                          "generalization heads at or above --high-bits)")
+    template = settings["template"]
+    try:
+        well_formed = template is None or template.format("x") != template.format("y")
+    except (IndexError, KeyError, ValueError):
+        well_formed = False
+    if not well_formed:
+        raise TrainError(f"--template {template!r}: expected a prompt with one '{{}}' for the class name, "
+                         "e.g. 'a photo of a {}, a kind of flower.'")
     pick_device(settings["device"])  # an unknown or absent device stops here
 
 
@@ -436,9 +467,11 @@ def settings_from_run_folder(args: argparse.Namespace) -> Dict[str, object]:
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
         raise TrainError(f"{path}: unreadable ({type(error).__name__}); the run folder is damaged") from None
     expected_keys = set(settings_from_flags(build_parser().parse_args(["--dataset", "dtd"])))
-    if not isinstance(saved, dict) or set(saved) != expected_keys or not isinstance(saved["fingerprints"], dict):
+    if not isinstance(saved, dict) or set(saved) != expected_keys or not isinstance(saved["fingerprints"], dict) \
+            or not isinstance(saved["dataset_paths"], dict):
         raise TrainError(f"{path}: not the settings of this train.py (damaged, or made by another version); "
                          "start a new run with another --output")
+    register_own_data(saved["dataset_paths"], args.output)  # your own data, found and checked again
     # The typed flags in the form settings.json stores them (--augment off -> False, ...):
     # the same value is accepted, another one refused.
     stored_as = {"dataset": lambda v: _dataset_names(v, saved["protocol"], saved["source"]),
@@ -626,6 +659,7 @@ def plan_jobs(settings: dict) -> List[Job]:
 def training_split(settings: dict, dataset: str, seed: int, shots: int) -> data.DatasetSplits:
     subsample = "base" if settings["protocol"] == "base2novel" else "all"
     split = data.load_dataset(dataset, settings["root"], num_shots=shots, seed=seed, subsample=subsample)
+    split.template = settings["template"] or split.template  # --template overrides the dataset's own
     if not split.train:  # training on nothing would still write a row of the table
         raise TrainError(f"{split.dataset_dir}: no training images{' of the base classes' if subsample == 'base' else ''}; "
                          "the split's 'train' list must name some")
@@ -643,7 +677,7 @@ def evaluation_sets(settings: dict, dataset: str) -> List[EvalSet]:
             which = {"base": " of the base classes", "new": " of the novel classes"}.get(subsample, "")
             raise TrainError(f"{d.dataset_dir}: no test images{which} ({len(d.classnames)} classes); the "
                              f"{column} column needs some: the split's 'test' list must name them")
-        return EvalSet(column, d.test, d.classnames, d.template, trained)
+        return EvalSet(column, d.test, d.classnames, settings["template"] or d.template, trained)
 
     if protocol == "base2novel":
         return [full(dataset, "base", True, "base"), full(dataset, "novel", False, "new")]

@@ -325,7 +325,8 @@ def test_the_analysis_looks_at_the_last_four_layers_by_default(monkeypatch):
     torch.manual_seed(0)
     five = clip_model.CLIP(**dict(TINY_DEEP, vision_layers=5)).eval()  # deeper than four
     bank = dear.description_bank()
-    texts = F.normalize(torch.randn(len(bank), TINY_DEEP["embed_dim"], generator=torch.Generator().manual_seed(1)), dim=-1)
+    generator = torch.Generator().manual_seed(1)
+    texts = F.normalize(torch.randn(len(bank), TINY_DEEP["embed_dim"], generator=generator), dim=-1)
     monkeypatch.setattr(dear, "encode_descriptions", lambda clip, tokenizer, phrases: texts)
     roles = dear.analyze_heads(five, images(8), tokenizer=None, num_descriptions=6, log=lambda line: None)
     assert roles.layers == [1, 2, 3, 4]  # 0-based: the paper's layers 2-5 of 5

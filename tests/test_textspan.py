@@ -140,6 +140,7 @@ def test_a_request_the_span_supports_is_kept_up_to_the_limit():
     (-3, 591, 2000, {}, r"--descriptions -3"),
     (5, 591, 1, {}, r"1 image\(s\); .* at least 2"),
     (None, 591, 1, {}, r"1 image\(s\); .* at least 2"),
+    (5, 591, 2000, {"rank": 0}, r"rank=0: .*use 1 or more"),
 ])
 def test_a_request_the_span_cannot_support_is_refused_in_one_line(requested, bank, images, extra, message):
     with pytest.raises(DeARError, match=message) as error:
@@ -148,7 +149,8 @@ def test_a_request_the_span_cannot_support_is_refused_in_one_line(requested, ban
 
 
 def test_analyze_heads_checks_the_picks_before_it_encodes_a_text(tiny_clip, monkeypatch):
-    images = torch.randn(8, 3, TINY["image_resolution"], TINY["image_resolution"], generator=torch.Generator().manual_seed(0))
+    R = TINY["image_resolution"]
+    images = torch.randn(8, 3, R, R, generator=torch.Generator().manual_seed(0))
     quiet = dict(num_layers=2, log=lambda line: None)
     with pytest.raises(DeARError, match="--descriptions 9: .*rank <= 8"):  # tokenizer None: never reached
         dear.analyze_heads(tiny_clip, images, tokenizer=None, num_descriptions=9, **quiet)
