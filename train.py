@@ -1112,8 +1112,11 @@ def retrieval_check(model: dear.DeAR, job: Job, settings: dict, inputs: Inputs, 
         tiles = [shown[i][0] for q in range(min(RETRIEVAL_QUERIES, len(gallery)))
                  for i in [q] + ranking[q, :RETRIEVAL_SHOWN].tolist()]
         tiles = F.interpolate(torch.stack(tiles), scale_factor=max(1, 96 // size), mode="nearest")  # small images: enlarged
-        torchvision.utils.save_image(tiles, os.path.join(job.folder, f"retrieval_{name.replace(' ', '_')}.png"),
-                                     nrow=1 + RETRIEVAL_SHOWN, padding=2, pad_value=1.0)
+        path = os.path.join(job.folder, f"retrieval_{name.replace(' ', '_')}.png")
+        dear.atomic_write(path, lambda tmp: torchvision.utils.save_image(
+            tiles, tmp, nrow=1 + RETRIEVAL_SHOWN, padding=2, pad_value=1.0, format="PNG"))
+    runtime.log(f"[{job.label}] retrieval: {len(gallery)} test images ranked by {', '.join(rankings)}; "
+                f"pictures retrieval_*.png in {job.folder}")
     if not inputs.toy:
         return None
     from toyworld.task import split_scenes  # the toy world knows every test image's attributes
@@ -1143,8 +1146,7 @@ def retrieval_summary(results: List[dict], attributes: List[str]) -> Tuple[dict,
                   f"mean ± sd over {len(tables)} seeds", "",
                   "| ranked by | " + " | ".join(f"same {a}" for a in attributes) + " |", "|---|" + "---:|" * len(attributes)]
         for name, cells in summary[row].items():
-            label = name if name in ("class", "frozen CLIP") else f"{name} token"
-            label = {"class": "class feature"}.get(label, label)
+            label = {"class": "class feature", "frozen CLIP": "frozen CLIP"}.get(name, f"{name} token")
             lines.append(f"| {label} | " + " | ".join(
                 "blind" if v == "blind" else f"{v[0]:.1f} ± {v[1]:.1f}" for v in cells.values()) + " |")
         lines.append("")
