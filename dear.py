@@ -356,8 +356,8 @@ def analyze_heads(clip: CLIP, image_batches: Union[torch.Tensor, Iterable[torch.
         raise DeARError("image_batches holds no images; the analysis needs at least 2")
     contributions = torch.cat(per_image)  # (n_images, L, H, E)
     n_images, L, H, E = contributions.shape
-    num_descriptions = analysis_picks(num_descriptions, len(bank), n_images, rank=rank, embed_dim=E,
-                                      default=default_picks(bank, attributes))
+    default = default_picks(bank, attributes) if num_descriptions is None else PAPER_PICKS  # the bank's rule
+    num_descriptions = analysis_picks(num_descriptions, len(bank), n_images, rank=rank, embed_dim=E, default=default)
     first = len(clip.visual.transformer.resblocks) - num_layers
     text = encode_descriptions(clip, tokenizer, [d.text for d in bank]).cpu()  # (T, E)
     log(f"  head analysis: {len(bank)} descriptions over {len(set(d.concept for d in bank))} concepts; "

@@ -1111,7 +1111,7 @@ def retrieval_check(model: dear.DeAR, job: Job, settings: dict, inputs: Inputs, 
     for name, ranking in rankings.items():
         tiles = [shown[i][0] for q in range(min(RETRIEVAL_QUERIES, len(gallery)))
                  for i in [q] + ranking[q, :RETRIEVAL_SHOWN].tolist()]
-        tiles = F.interpolate(torch.stack(tiles), scale_factor=max(1, 96 // size), mode="nearest")  # small images: enlarged
+        tiles = F.interpolate(torch.stack(tiles), scale_factor=max(1, 96 // size), mode="nearest")  # small: enlarged
         path = os.path.join(job.folder, f"retrieval_{name.replace(' ', '_')}.png")
         dear.atomic_write(path, lambda tmp: torchvision.utils.save_image(
             tiles, tmp, nrow=1 + RETRIEVAL_SHOWN, padding=2, pad_value=1.0, format="PNG"))
@@ -1139,8 +1139,9 @@ def retrieval_summary(results: List[dict], attributes: List[str]) -> Tuple[dict,
     summary, lines = {}, []
     for row in dict.fromkeys(res["job"]["row"] for res in results if res.get("retrieval")):
         tables = [res["retrieval"] for res in results if res["job"]["row"] == row and res.get("retrieval")]
-        summary[row] = {name: {a: ("blind" if "blind" in [t[name][a] for t in tables] else
-                                   [100 * mean([t[name][a] for t in tables]), 100 * spread([t[name][a] for t in tables])])
+        seeds = lambda name, a: [t[name][a] for t in tables]  # noqa: E731
+        summary[row] = {name: {a: "blind" if "blind" in seeds(name, a) else
+                               [100 * mean(seeds(name, a)), 100 * spread(seeds(name, a))]
                                for a in attributes} for name in tables[0]}
         lines += [f"## {row_label(row)}: precision@{RETRIEVAL_K} (%) of same-value retrieval, "
                   f"mean ± sd over {len(tables)} seeds", "",
