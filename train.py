@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import json
 import math
@@ -948,7 +949,10 @@ def toy_causal_check(inputs: Inputs, role_map: dear.RoleMap, folder: str, log) -
     if os.path.isfile(os.path.join(folder, "causal_check.json")):
         return  # done in an earlier call (a call killed during the check redoes it on --resume)
     log("[toyworld] causal check: mean-ablating every analysed head, zero-shot accuracy per attribute")
-    result = toyworld.causal_check(inputs.clip, inputs.tokenizer, role_map, role_map.attributes, log=log)
+    # The check draws its images and prompts on the CPU: on a GPU it runs on a CPU copy of the
+    # toy CLIP (1.6M parameters), which also gives the same table on every device.
+    clip = inputs.clip if inputs.clip.visual.conv1.weight.is_cpu else copy.deepcopy(inputs.clip).cpu()
+    result = toyworld.causal_check(clip, inputs.tokenizer, role_map, role_map.attributes, log=log)
     write_text(os.path.join(folder, "causal_check.md"), result["table"] + "\n")
     write_json(os.path.join(folder, "causal_check.json"), result)  # last: marks the check done
     log(result["table"])
