@@ -141,7 +141,6 @@ DEFAULTS = dict(
     source="imagenet",  # what cross and dg train on (the paper's protocol)
     weights="ViT-B/16",  # the paper's backbone
     analysis_images=2000,  # training images for the head analysis (a cap: few-shot runs have fewer)
-    descriptions=20,  # TextSpan descriptions kept per head
     device="auto",  # cuda, then mps, then cpu
     amp="on",  # autocast on CUDA (CPU and MPS always run fp32)
     eval_batch_size=64,  # images per evaluation batch
@@ -212,11 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lambda-fusion", type=float, help="weight of the fusion-weight regularisation loss")
     g.add_argument("--analysis-images", type=int, help="at most this many of the run's training images for "
                    "the head analysis, spread evenly over its classes, drawn with the run's seed")
-    g.add_argument("--descriptions", type=int, help="TextSpan descriptions per head")
+    g.add_argument("--descriptions", type=int, help="TextSpan descriptions per head (unset: what the bank "
+                   "supports, the fewest values of an attribute: 16 for the project's bank, 4 for the toy world's)")
     g.add_argument("--low-bits", type=float, help="attribute heads have concept entropy at most this "
-                   "(unset: the lower third of the observed entropies)")
+                   "(unset: a third of log2(min(descriptions, concepts)), the most the picks can spread)")
     g.add_argument("--high-bits", type=float, help="generalization heads have concept entropy at least "
-                   "this (unset: the upper third)")
+                   "this (unset: two thirds of it)")
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, help="training epochs, the warm-up epoch included")
@@ -414,10 +414,10 @@ def validate_settings(settings: dict) -> None:
         return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
     for key, least in (("epochs", 1), ("batch_size", 1), ("eval_batch_size", 1), ("log_every", 1),
-                       ("analysis_images", 1), ("descriptions", 1), ("text_tokens", 0)):
+                       ("analysis_images", 1), ("text_tokens", 0)):
         if not (is_int(settings[key]) and settings[key] >= least):
             refuse(key, "a positive integer" if least else "an integer >= 0")
-    for key, least in (("head_width", 1), ("workers", 0), ("max_epochs_per_call", 1)):
+    for key, least in (("head_width", 1), ("workers", 0), ("max_epochs_per_call", 1), ("descriptions", 1)):
         if settings[key] is not None and not (is_int(settings[key]) and settings[key] >= least):
             refuse(key, "a positive integer" if least else "an integer >= 0")
     if settings["first_layer"] != "auto" and not (is_int(settings["first_layer"]) and settings["first_layer"] >= 1):
@@ -921,7 +921,7 @@ def analyse_heads(settings: dict, job: Job, inputs: Inputs, split: data.DatasetS
         role_map = dear.analyze_heads(
             clip, (images for images, _ in loader), inputs.tokenizer, inputs.bank, inputs.attributes,
             num_layers=analysed_layers(clip),
-            num_descriptions=None if settings["descriptions"] == DEFAULTS["descriptions"] else settings["descriptions"],
+            num_descriptions=settings["descriptions"],  # None: what the bank supports (dear.default_picks)
             rank=80, low_bits=settings["low_bits"], high_bits=settings["high_bits"], log=runtime.log)
         role_map.source = (f"concept entropy on {len(items)} {dataset} training images "
                            f"({classes} classes, seed {job.seed})")
@@ -1081,6 +1081,84 @@ def linear_probe(clip, split: data.DatasetSplits, eval_sets: List[EvalSet], sett
     runtime.log(f"linear probe: L2 {best:g} picked on {len(val_y)} validation images; "
                 + ", ".join(f"{name} {value:.2f}%" for name, value in metrics.items()))
     return metrics
+
+
+# Attribute-conditioned retrieval (the paper's check that an attribute token carries its
+# attribute): the test images ranked by each feature of a trained DeAR (dear.rank_gallery).
+RETRIEVAL_GALLERY = 2000  # test images at most, spread over the classes (our choice: cost)
+RETRIEVAL_QUERIES, RETRIEVAL_SHOWN, RETRIEVAL_K = 4, 8, 10
+
+
+@torch.no_grad()
+def retrieval_check(model: dear.DeAR, job: Job, settings: dict, inputs: Inputs, lists: RunData,
+                    runtime: Runtime) -> Optional[dict]:
+    """For a trained DeAR run: retrieval_<feature>.png in its folder (per row, a test image
+    then its nearest test images by that feature: each attribute token that can read the
+    image, the class feature, frozen CLIP). In the toy world, where every image's attributes
+    are known, also precision@10 of same-value retrieval: {feature: {attribute: share}}, with
+    "blind" for a token that cannot read the image. Returns that (None elsewhere)."""
+    names = ("base", "novel", "all", job.dataset)  # the trained dataset's own test split
+    items = list({item.path: item for s in lists.test[job.dataset] if s.name in names for item in s.items}.values())
+    gallery = analysis_images(items, RETRIEVAL_GALLERY, seed=0)  # evenly over the classes
+    size = inputs.clip.visual.input_resolution
+    loader = DataLoader(data.ImageDataset(gallery, data.test_transform(size)),
+                        batch_size=settings["eval_batch_size"], num_workers=settings["workers"])
+    parts = [dear.retrieval_features(model, images.to(runtime.device)) for images, _ in loader]
+    features = {name: torch.cat([p[name] for p in parts]).cpu() for name in parts[0]}  # {name: (G, E)}
+    rankings = {name: dear.rank_gallery(f, f, max(RETRIEVAL_K, RETRIEVAL_SHOWN), same_images=True)
+                for name, f in features.items()}  # {name: (G, k)}
+
+    import torchvision  # torch's own companion (requirements.txt): the picture grid
+
+    unnormalised = torchvision.transforms.Compose(data.test_transform(size).transforms[:-1])  # pixels in [0, 1]
+    shown = data.ImageDataset(gallery, unnormalised)
+    for name, ranking in rankings.items():
+        tiles = [shown[i][0] for q in range(min(RETRIEVAL_QUERIES, len(gallery)))
+                 for i in [q] + ranking[q, :RETRIEVAL_SHOWN].tolist()]
+        tiles = F.interpolate(torch.stack(tiles), scale_factor=max(1, 96 // size), mode="nearest")  # small: enlarged
+        path = os.path.join(job.folder, f"retrieval_{name.replace(' ', '_')}.png")
+        dear.atomic_write(path, lambda tmp: torchvision.utils.save_image(
+            tiles, tmp, nrow=1 + RETRIEVAL_SHOWN, padding=2, pad_value=1.0, format="PNG"))
+    runtime.log(f"[{job.label}] retrieval: {len(gallery)} test images ranked by {', '.join(rankings)}; "
+                f"pictures retrieval_*.png in {job.folder}")
+    if not inputs.toy:
+        return None
+    from toyworld.task import split_scenes  # the toy world knows every test image's attributes
+
+    images_dir = os.path.join(settings["root"], "toyworld", "images")
+    scenes = split_scenes(settings["root"])
+    scenes = [scenes[os.path.relpath(item.path, images_dir).replace(os.sep, "/")] for item in gallery]
+    table = {name: {} for name in ["class"] + inputs.attributes + ["frozen CLIP"]}
+    for name in table:
+        for attribute in inputs.attributes:
+            values = [getattr(scene, attribute) for scene in scenes]
+            table[name][attribute] = ("blind" if name not in rankings else
+                                      dear.precision_at_k(rankings[name][:, :RETRIEVAL_K], values, values))
+    return table
+
+
+def retrieval_summary(results: List[dict], attributes: List[str]) -> Tuple[dict, str]:
+    """Precision@10 per (feature, attribute), mean and spread over a DeAR row's seeds ->
+    (JSON, markdown)."""
+    summary, lines = {}, []
+    for row in dict.fromkeys(res["job"]["row"] for res in results if res.get("retrieval")):
+        tables = [res["retrieval"] for res in results if res["job"]["row"] == row and res.get("retrieval")]
+        seeds = lambda name, a: [t[name][a] for t in tables]  # noqa: E731
+        summary[row] = {name: {a: "blind" if "blind" in seeds(name, a) else
+                               [100 * mean(seeds(name, a)), 100 * spread(seeds(name, a))]
+                               for a in attributes} for name in tables[0]}
+        lines += [f"## {row_label(row)}: precision@{RETRIEVAL_K} (%) of same-value retrieval, "
+                  f"mean ± sd over {len(tables)} seeds", "",
+                  "| ranked by | " + " | ".join(f"same {a}" for a in attributes) + " |", "|---|" + "---:|" * len(attributes)]
+        for name, cells in summary[row].items():
+            label = {"class": "class feature", "frozen CLIP": "frozen CLIP"}.get(name, f"{name} token")
+            lines.append(f"| {label} | " + " | ".join(
+                "blind" if v == "blind" else f"{v[0]:.1f} ± {v[1]:.1f}" for v in cells.values()) + " |")
+        lines.append("")
+    text = ("# Attribute-conditioned retrieval\n\nGallery: the test split; each test image queries the others "
+            f"by one feature (cosine); a hit is a neighbour with the query's value. Chance = the value's share "
+            "of the test images. A blind token cannot read the image and ranks nothing.\n\n" + "\n".join(lines))
+    return summary, text
 
 
 # ------------------------------------------------------------------------------------------
@@ -1249,6 +1327,8 @@ def run_job(job: Job, settings: dict, inputs: Inputs, role_maps: dict, lists: Ru
                   metrics_by_fusion=by_fusion, logits_by_fusion=logits, accuracy_by_logits=accuracy,
                   settings=job_settings(settings, job))
     if runtime.main:
+        if model is not None:  # pictures in the run folder; the toy world's precision@10 in the result
+            result["retrieval"] = retrieval_check(model, job, settings, inputs, lists, runtime)
         write_text(os.path.join(job.folder, "results.md"), job_table(job, metrics))
         write_json(results_path, result)  # last: its presence marks the run complete
     return result
@@ -1626,6 +1706,12 @@ def run(settings: dict, stack: contextlib.ExitStack) -> int:
         write_json(os.path.join(settings["output"], "summary.json"), summary)
         write_text(os.path.join(settings["output"], "summary.md"), text)
     runtime.log("\n" + text)
+    if any(res.get("retrieval") for res in results):  # the toy world: attribute-conditioned retrieval
+        retrieval, text = retrieval_summary(results, inputs.attributes)
+        if runtime.main:
+            write_json(os.path.join(settings["output"], "retrieval.json"), retrieval)
+            write_text(os.path.join(settings["output"], "retrieval.md"), text)
+        runtime.log(text)
     runtime.log(f"train.py: done in {format_time(time.time() - started)}; tables in "
                 f"{os.path.join(settings['output'], 'summary.md')}")
     if runtime.world > 1:

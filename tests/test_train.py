@@ -466,6 +466,16 @@ def test_toyworld_runs_end_to_end_from_an_empty_cache(tmp_path):
     assert "left out of the fusion" in done.stdout + done.stderr
     general = read(out / "toyworld/dear-all-generalization/seed1/results.json")["accuracy_by_logits"]
     assert general["base"]["fused"] == general["base"]["class"]
+    # Attribute-conditioned retrieval: pictures per feature in every DeAR run folder; the
+    # precision@10 table with a blind token reported as blind, never ranked.
+    retrieval = read(out / "retrieval.json")
+    attributes = ["colour", "shape", "texture", "position"]
+    assert all(retrieval["dear-all-generalization"][a] == dict.fromkeys(attributes, "blind") for a in attributes)
+    for name in ["class", "frozen CLIP"] + attributes:
+        cells = retrieval["dear-all-mixed"][name]
+        assert list(cells) == attributes and all(0 <= mean <= 100 for mean, _ in cells.values()), name
+        assert (out / "toyworld/dear-all-mixed/seed1" / f"retrieval_{name.replace(' ', '_')}.png").is_file()
+    assert "| colour token | blind |" in (out / "retrieval.md").read_text()
     roles = out / "toyworld" / "roles" / "seed1"
     for name in ("roles.json", "roles.png", "masks.png", "causal_check.md", "causal_check.json"):
         assert (roles / name).is_file(), name

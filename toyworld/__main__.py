@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     print(f"bpe         {assets.bpe}")
     print(f"data_root   {assets.data_root}  (data.load_dataset('toyworld', data_root, ...))")
     print(f"attributes  {', '.join(assets.attributes)};  bank: {len(assets.bank)} phrases over "
-          f"{len({concept for _, concept in assets.bank})} concepts")
+          f"{len({dear.Description(*d).concept for d in assets.bank})} concepts")
     print(f"pretraining {assets.report}")
     if args.rebuild:
         from toyworld.pretrain import compare_with_shipped
