@@ -240,6 +240,22 @@ class RoleMap:
         return _role_table(self)
 
 
+def analysis_picks(requested: Optional[int], bank_size: int, num_images: int) -> int:
+    """TextSpan picks per head for a bank of `bank_size` phrases and `num_images` images ->
+    the number (default 20), or DeARError (one line) when they cannot support it: more picks
+    than the bank has phrases, or than the images' span has directions (at most one per image)."""
+    picks = 20 if requested is None else requested
+    if isinstance(picks, bool) or not isinstance(picks, int) or picks < 1:
+        raise DeARError(f"--descriptions {requested}: expected a positive number of TextSpan picks per head")
+    if picks > bank_size:
+        raise DeARError(f"--descriptions {picks}: the description bank has only {bank_size} phrases; ask for "
+                        f"at most {bank_size}")
+    if picks > num_images:
+        raise DeARError(f"--descriptions {picks}: the head analysis has only {num_images} images, whose span "
+                        f"explains at most {num_images} picks; use more images or fewer --descriptions")
+    return picks
+
+
 @torch.no_grad()
 def analyze_heads(clip: CLIP, image_batches: Union[torch.Tensor, Iterable[torch.Tensor]],
                   tokenizer: clip_model.SimpleTokenizer, bank: Optional[Sequence[Description]] = None,

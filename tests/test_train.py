@@ -95,10 +95,18 @@ def world(tmp_path_factory):
     return dict(weights=str(weights), bpe=str(bpe), root=str(root))
 
 
+@pytest.fixture(autouse=True)
+def analysis_cache(tmp_path, monkeypatch):
+    """Each test gets an empty cache (the head analysis is cached there), never the user's."""
+    monkeypatch.delenv("CLIP_CACHE_DIR", raising=False)
+    monkeypatch.setenv("DEAR_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
 def common(world, output, *extra):
     return ["--root", world["root"], "--weights", world["weights"], "--bpe", world["bpe"],
             "--head-width", "32", "--output", str(output), "--epochs", "2", "--batch-size", "4", "--log-every", "2",
-            "--device", "cpu", *extra]
+            "--device", "cpu", "--descriptions", "6", *extra]  # 6 picks: the tiny pools have 12 to 18 images
 
 
 def read(path):
@@ -118,7 +126,7 @@ def learnable(folder):
 def test_base2novel_from_the_command_line_writes_results_and_a_table_that_matches_them(world, tmp_path):
     out = tmp_path / "run"
     args = common(world, out, "--dataset", "dtd", "--seeds", "1", "2", "--roles", "analyse", "all-mixed",
-                  "--shots", "4", "--fusion", "adaptive", "everywhere")
+                  "--shots", "4")  # --fusion: both rules by default
     done = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -129,30 +137,37 @@ def test_base2novel_from_the_command_line_writes_results_and_a_table_that_matche
     results = {f: read(out / f / "results.json") for f in folders}
     for folder in folders[1:]:
         assert (out / folder / "checkpoint.pt").is_file()
-    for seed in (1, 2):  # one analysis per run, on that run's own training images
-        for name in ("roles.json", "roles.txt", "roles.png", "masks.png"):
-            assert (out / "dtd" / "roles" / f"seed{seed}" / name).is_file(), name
-    roles = dear.RoleMap.load(str(out / "dtd" / "roles" / "seed1" / "roles.json"))
+    # One head analysis for both seeds, on the whole training split of the base classes.
+    assert done.stdout.count("head analysis: concept entropy") == 1
+    for name in ("roles.json", "roles.txt", "roles.png", "masks.png", "analysis.json"):
+        assert (out / "dtd" / "roles" / name).is_file(), name
+    assert not list((out / "dtd" / "roles").glob("seed*"))
+    roles = dear.RoleMap.load(str(out / "dtd" / "roles" / "roles.json"))
     assert (roles.vision_layers, roles.num_heads, roles.layers) == (3, 2, [0, 1, 2])  # 2 heads of 32 channels
-    assert "3 classes, seed 1" in roles.source  # the base classes, all of them
+    assert roles.source == "concept entropy on dtd train (base classes), 18 of 18 images, 3 classes"
+    record = read(out / "settings.json")["settings"]["role_maps"]["dtd"]
+    assert record["pool"] in roles.source and record["images"] == 18 and len(record["fingerprint"]) == 64
+    assert record["sha256"] == clip_model._sha256(str(out / "dtd" / "roles" / "roles.json"))
 
     # The summary equals the mean of the per-run results, and the markdown shows those numbers.
     summary = read(out / "summary.json")
     table = summary["tables"]["dtd"]
     assert table["columns"] == ["Base", "Novel", "HM"]
-    # Task-adaptive fusion: base scored with the fused logits, novel with the class branch
-    # alone; "fused everywhere" (the same trained runs) uses the fused logits on both.
-    assert list(table["rows"]) == ["zeroshot", "dear", "dear-fused-everywhere", "dear-all-mixed"]
+    # Both rules, from the same trained runs: the fused logits on every test set (the first,
+    # the ablation's); the class branch alone on the novel classes (MMRL's rule).
+    assert list(table["rows"]) == ["zeroshot", "dear-fused", "dear-class-on-unseen", "dear-all-mixed"]
     for folder in folders[1:]:
         result = results[folder]
-        assert result["logits"] == {"base": "fused", "novel": "class"}
-        assert result["logits_by_fusion"]["everywhere"] == {"base": "fused", "novel": "fused"}
+        assert result["logits"] == {"base": "fused", "novel": "fused"}
+        assert result["logits_by_fusion"]["class-on-unseen"] == {"base": "fused", "novel": "class"}
         accuracy = result["accuracy_by_logits"]
-        assert result["metrics"]["novel"] == accuracy["novel"]["class"]
+        assert result["metrics"]["novel"] == accuracy["novel"]["fused"]
         assert result["metrics"]["base"] == accuracy["base"]["fused"]
-        assert result["metrics_by_fusion"]["everywhere"]["novel"] == accuracy["novel"]["fused"]
-    for row, job_row, mode in (("dear", "dear", "adaptive"), ("dear-fused-everywhere", "dear", "everywhere"),
-                               ("dear-all-mixed", "dear-all-mixed", "adaptive")):
+        assert result["metrics_by_fusion"]["class-on-unseen"]["novel"] == accuracy["novel"]["class"]
+        assert result["role_map"] == (record if folder.startswith("dtd/dear/") else None)
+    for row, job_row, mode in (("dear-fused", "dear", "fused-everywhere"),
+                               ("dear-class-on-unseen", "dear", "class-on-unseen"),
+                               ("dear-all-mixed", "dear-all-mixed", "fused-everywhere")):
         metrics = [results[f"dtd/{job_row}/seed{s}"]["metrics_by_fusion"][mode] for s in (1, 2)]
         base, novel = sum(m["base"] for m in metrics) / 2, sum(m["novel"] for m in metrics) / 2
         assert table["rows"][row] == [round(base, 2), round(novel, 2), round(train.harmonic_mean(base, novel), 2)]
@@ -164,9 +179,9 @@ def test_base2novel_from_the_command_line_writes_results_and_a_table_that_matche
         assert [float(v) for v in re.findall(r"\d+\.\d\d", line)] == cells
     # The spread is the standard deviation of the two seeds' base accuracies.
     bases = [results[f"dtd/dear/seed{s}"]["metrics"]["base"] for s in (1, 2)]
-    assert table["spread"]["dear"][0] == round(abs(bases[0] - bases[1]) / 2 ** 0.5, 2)
-    assert "- DeAR: base fused, novel class branch alone" in markdown
-    assert "- DeAR, fused everywhere: base fused, novel fused" in markdown
+    assert table["spread"]["dear-fused"][0] == round(abs(bases[0] - bases[1]) / 2 ** 0.5, 2)
+    assert "- DeAR, fused on every test set: base fused, novel fused" in markdown
+    assert "- DeAR, class branch alone on unseen classes: base fused, novel class branch alone" in markdown
     assert read(out / "settings.json")["settings"]["epochs"] == 2
 
 
