@@ -436,6 +436,123 @@ def test_the_analysis_images_cover_every_class_evenly_and_follow_the_seed():
 
 
 # ------------------------------------------------------------------------------------------
+# The head analysis: once per model and image pool, cached, reused, copied into each run
+# ------------------------------------------------------------------------------------------
+
+
+def test_one_cached_head_analysis_serves_every_protocol_that_asks_for_the_same_pool(world, tmp_path, capsys,
+                                                                                    analysis_cache):
+    pool = ["--analysis-pool", "imagenet:test", "--method", "dear", "--roles", "analyse", "--seeds", "1",
+            "--epochs", "1", "--shots", "2"]
+    first = tmp_path / "first"
+    assert train.main(common(world, first, "--dataset", "dtd", *pool)) == 0
+    out = capsys.readouterr().out
+    assert out.count("head analysis: concept entropy") == 1 and "reusing" not in out
+    entries = [p for p in (analysis_cache / "head-analysis").iterdir() if p.is_dir()]
+    assert len(entries) == 1 and (entries[0] / "roles.png").is_file()
+    record = read(first / "settings.json")["settings"]["role_maps"]["dtd"]
+    assert record["pool"] == "imagenet test, 6 of 6 images, 3 classes" and record["cache"] == str(entries[0])
+    assert read(first / "dtd/dear/seed1/results.json")["role_map"] == record
+
+    # Another protocol, dataset, seed and shot count, the same model and pool: reused, in one line.
+    second = tmp_path / "second"
+    assert train.main(common(world, second, "--dataset", "dtd", "--protocol", "cross", *pool[:-4],
+                             "--seeds", "2", "--epochs", "1", "--shots", "4")) == 0
+    out = capsys.readouterr().out
+    assert out.count(f"head analysis: reusing the role map cached in {entries[0]}") == 1
+    assert "concept entropy" not in out
+    assert read(second / "settings.json")["settings"]["role_maps"]["imagenet"]["fingerprint"] == record["fingerprint"]
+    assert (second / "imagenet/roles/roles.json").read_bytes() == (first / "dtd/roles/roles.json").read_bytes()
+
+    # The pool is fingerprinted by its images' names and sizes: a changed image is a new pool.
+    image = next(Path(world["root"], "imagenet/images/val").rglob("*.JPEG"))
+    original = image.read_bytes()
+    try:
+        image.write_bytes(original + b"\0")
+        assert train.main(common(world, tmp_path / "third", "--dataset", "dtd", *pool)) == 0
+        assert capsys.readouterr().out.count("head analysis: concept entropy") == 1
+    finally:
+        image.write_bytes(original)
+    assert len([p for p in (analysis_cache / "head-analysis").iterdir() if p.is_dir()]) == 2
+
+    # --resume and --eval-only read the run folder's copy, never the cache; a changed copy is refused.
+    import shutil
+
+    shutil.rmtree(analysis_cache / "head-analysis")
+    (first / "dtd/dear/seed1/results.json").unlink()
+    assert train.main(["--output", str(first), "--eval-only"]) == 0
+    assert not (analysis_cache / "head-analysis").exists()
+    roles = first / "dtd/roles/roles.json"
+    roles.write_text(roles.read_text() + " ")  # any change to the copy
+    refused(["--output", first, "--eval-only"], capsys, "roles.json: missing or not the role map this run was made with")
+
+
+def test_analyse_only_writes_the_roles_and_pictures_then_stops_and_training_reuses_them(world, tmp_path, capsys):
+    out = tmp_path / "roles-first"
+    assert train.main(common(world, out, "--dataset", "dtd", "--analyse-only")) == 0
+    for name in ("roles.json", "roles.txt", "roles.png", "masks.png", "analysis.json"):
+        assert (out / "dtd/roles" / name).is_file(), name
+    assert not (out / "settings.json").exists() and not (out / "dtd/zeroshot").exists()  # nothing trained
+    assert "head analysis: done in" in capsys.readouterr().out
+    assert train.main(common(world, out, "--dataset", "dtd", "--seeds", "1", "--epochs", "1", "--shots", "2",
+                             "--method", "dear")) == 0
+    assert "head analysis: reusing the role map" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--descriptions", "100000"], "--descriptions 100000: the description bank has only 591 phrases"),
+    (["--descriptions", "7", "--analysis-pool", "imagenet:test"],
+     "--descriptions 7: the head analysis has only 6 images"),
+    (["--descriptions", "7", "--analysis-images", "5"], "--descriptions 7: the head analysis has only 5 images"),
+    (["--analysis-pool", "imagenet:val", "--analysis-images", "1", "--descriptions", "1"],
+     "imagenet val has 1 images; the head analysis needs at least 2"),
+    (["--analysis-pool", "imagenet_sketch:train"], "imagenet_sketch is a test set only; use imagenet_sketch:test"),
+    (["--analysis-pool", "imagenet"], "expected 'train' or DATASET:SPLIT"),
+    (["--analysis-pool", "imagenett:test"], "unknown dataset 'imagenett'"),
+    (["--dataset", "dtd", "imagenet", "--protocol", "cross"], "--dataset imagenet: it is the --source"),
+])
+def test_an_analysis_its_images_cannot_support_is_refused_before_any_work(world, tmp_path, capsys,
+                                                                           analysis_cache, flags, message):
+    out = tmp_path / "run"
+    refused(common(world, out, "--dataset", "dtd", "--seeds", "1", "--shots", "4", *flags), capsys, message, out)
+    assert not analysis_cache.exists()
+
+
+def test_descriptions_past_the_bank_or_the_image_cap_stop_before_the_model_is_read(world, tmp_path, capsys,
+                                                                                  monkeypatch):
+    monkeypatch.setattr(train, "open_inputs", lambda *args: pytest.fail("work began before the check"))
+    out = tmp_path / "run"
+    for flags, message in ((["--descriptions", "100000"], "the description bank has only 591 phrases"),
+                           (["--descriptions", "30", "--analysis-images", "29"], "has only 29 images")):
+        refused(common(world, out, "--dataset", "dtd", *flags), capsys, message, out)
+
+
+@pytest.mark.skipif(train.fcntl is None, reason="no file locks on this system")
+def test_a_second_writer_of_a_cache_entry_waits_for_the_first(tmp_path):
+    path = tmp_path / "entry.lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(1)", str(path)],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    lines = []
+    with train.waiting_lock(str(path), lines.append):
+        assert holder.poll() is not None, "the lock was taken while the first writer held it"
+    holder.wait()
+    assert len(lines) == 1 and "waiting for it" in lines[0]
+
+
+def test_a_run_folder_of_an_earlier_format_is_refused_in_one_line(stopped_run, tmp_path, capsys):
+    out, _ = copy_run(stopped_run, tmp_path)
+    saved = read(out / "settings.json")
+    assert saved["format"] == train.RUN_FORMAT
+    del saved["format"]  # as every folder before this version
+    (out / "settings.json").write_text(json.dumps(saved))
+    for flag in ("--resume", "--eval-only"):
+        line = refused(["--output", out, flag], capsys, "settings.json: a run folder of an earlier train.py (format 1")
+        assert "start a new run" in line
+
+
+# ------------------------------------------------------------------------------------------
 # Several processes: torchrun with gloo on CPU
 # ------------------------------------------------------------------------------------------
 
@@ -478,6 +595,8 @@ def wrong_roles_file(tmp_path):
     ("no cuda", "this machine has no CUDA device"),
     ("two role sources", "give at most one of 'analyse' or a roles file"),
     ("inverted thresholds", "--low-bits 3 is above --high-bits 1"),
+    ("old fusion name", "argument --fusion: 'adaptive' is an old name: use class-on-unseen"),
+    ("descriptions past the bank", "--descriptions 100000: the description bank has only 591 phrases"),
 ])
 def test_bad_input_ends_in_one_line_and_exit_status_2_without_a_run_folder(world, tmp_path, case, message):
     if case == "no cuda" and torch.cuda.is_available():
@@ -493,6 +612,8 @@ def test_bad_input_ends_in_one_line_and_exit_status_2_without_a_run_folder(world
         "no cuda": ["--device", "cuda"],
         "inverted thresholds": ["--low-bits", "3", "--high-bits", "1"],
         "two role sources": ["--roles", "analyse", wrong_roles_file(tmp_path)],
+        "old fusion name": ["--fusion", "adaptive"],
+        "descriptions past the bank": ["--descriptions", "100000"],
     }[case]
     done = subprocess.run([sys.executable, "train.py", *args, *change], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
