@@ -529,14 +529,15 @@ def test_descriptions_past_the_bank_or_the_image_cap_stop_before_the_model_is_re
 
 @pytest.mark.skipif(train.fcntl is None, reason="no file locks on this system")
 def test_a_second_writer_of_a_cache_entry_waits_for_the_first(tmp_path):
-    path = tmp_path / "entry.lock"
+    path, released = tmp_path / "entry.lock", tmp_path / "released"
     holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
-                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(1)", str(path)],
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(1); "
+                               "open(sys.argv[2], 'w').close(); f.close()", str(path), str(released)],
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     lines = []
     with train.waiting_lock(str(path), lines.append):
-        assert holder.poll() is not None, "the lock was taken while the first writer held it"
+        assert released.exists(), "the lock was taken while the first writer held it"
     holder.wait()
     assert len(lines) == 1 and "waiting for it" in lines[0]
 
