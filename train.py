@@ -41,8 +41,8 @@ A run folder holds, per dataset / method / seed: settings.json, checkpoint.pt (o
 learnable tensors, the optimizer state and the settings, written atomically at each epoch
 end), results.json and results.md; per trained dataset a copy of the head roles it used
 (<dataset>/roles/: roles.json, roles.txt, roles.png, analysis.json from the cache, and
-masks.png for this run's J); at the top summary.json and summary.md. A run is complete when its results.json exists; summary.md is written when
-every run is. The call that writes a folder holds <output>/.lock; a --roles file is copied to
+masks.png for this run's J); at the top summary.json and summary.md. A run is complete when
+its results.json exists; summary.md is written when every run is. The call that writes a folder holds <output>/.lock; a --roles file is copied to
 roles_file.json, and settings.json records its format version, the SHA-256 of the weights,
 BPE and roles files, and each analysed role map's fingerprint, pool and SHA-256.
 
@@ -304,7 +304,8 @@ def default_help(key: str) -> str:
             usual = getattr(PROTOCOL_RECIPES[protocols[0]], key)
             others = [f"{name}: {shown(getattr(r, key))}" for name, r in RECIPES[protocols[0]].items()
                       if getattr(r, key) != usual]
-            per_protocol.append(f"{', '.join(protocols)} {shown(usual)}" + (f" ({', '.join(others)})" if others else ""))
+            exceptions = f" ({', '.join(others)})" if others else ""
+            per_protocol.append(f"{', '.join(protocols)} {shown(usual)}{exceptions}")
         parts.append("; ".join(per_protocol) + ", from RECIPES")
     if key == "shots":
         parts.append(f"fewshot: {shown(FEWSHOT_SHOTS)}")
@@ -1064,7 +1065,7 @@ def cached_analysis(settings, inputs: "Inputs", items: List[data.Item], pool: st
         dist.barrier()  # the other processes read what rank 0 wrote
     path = os.path.join(entry, "roles.json")
     return dict(fingerprint=fingerprint, pool=pool, images=len(items), picks=picks,
-                sha256=clip_model._sha256(path), cache=entry)  # noqa: SLF001 -- the project's file hasher
+                sha256=file_sha256(path), cache=entry)
 
 
 def run_head_analysis(settings, inputs: "Inputs", items: List[data.Item], pool: str, picks: int, folder: str,
@@ -1101,7 +1102,7 @@ def analysed_role_maps(settings, inputs: "Inputs", runtime: Runtime) -> Tuple[Di
     for dataset in trained_datasets(settings):
         if settings["resume"] or settings["eval_only"]:
             record, path = (settings["role_maps"] or {}).get(dataset), role_copy(settings, dataset)
-            if record is None or not os.path.isfile(path) or clip_model._sha256(path) != record["sha256"]:  # noqa: SLF001
+            if record is None or not os.path.isfile(path) or file_sha256(path) != record["sha256"]:
                 raise TrainError(f"{path}: missing or not the role map this run was made with; the run folder is "
                                  "damaged, start a new run with another --output")
         else:
@@ -1111,6 +1112,10 @@ def analysed_role_maps(settings, inputs: "Inputs", runtime: Runtime) -> Tuple[Di
             path = os.path.join(record["cache"], "roles.json")
         maps[dataset], records[dataset] = load_role_file(path), record
     return maps, records
+
+
+def file_sha256(path: str) -> str:
+    return clip_model._sha256(path)  # noqa: SLF001 -- one file hasher for the project (clip_model's)
 
 
 def role_copy(settings, dataset: str) -> str:

@@ -484,7 +484,7 @@ def test_one_cached_head_analysis_serves_every_protocol_that_asks_for_the_same_p
     assert not (analysis_cache / "head-analysis").exists()
     roles = first / "dtd/roles/roles.json"
     roles.write_text(roles.read_text() + " ")  # any change to the copy
-    refused(["--output", first, "--eval-only"], capsys, "roles.json: missing or not the role map this run was made with")
+    refused(["--output", first, "--eval-only"], capsys, "roles.json: missing or not the role map this run was made")
 
 
 def test_analyse_only_writes_the_roles_and_pictures_then_stops_and_training_reuses_them(world, tmp_path, capsys):
