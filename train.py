@@ -959,7 +959,6 @@ def analysis_images(items: List[data.Item], cap: int, seed: int) -> List[data.It
 # never need the cache, and settings.json records its fingerprint, pool and SHA-256.
 ANALYSIS_SEED = 0  # the pool's draw (analysis_images): fixed, so every run of a model draws the same images
 ANALYSIS_RANK = 80  # TextSpan's rank r (the authors' default)
-ANALYSIS_CODE = ("textspan", "concept_entropy", "dominant_concept", "assign_roles", "analyze_heads")
 
 
 def role_key(job: Job) -> tuple:
@@ -1003,8 +1002,8 @@ def analysis_pool(settings, dataset: str) -> Tuple[List[data.Item], str]:
 def analysis_fingerprint(settings, inputs: "Inputs", items: List[data.Item], picks: int) -> str:
     """SHA-256 of everything the role map depends on: the weights' and BPE file's SHA-256, the
     pool as its list of images (path under --root) and their sizes in bytes (not their bytes:
-    that would read every image), the bank, the analysis settings, and the source code of
-    dear.py's analysis functions (a changed TextSpan must not reuse an old map)."""
+    that would read every image), the bank, the analysis settings, and the source of dear.py
+    and clip_model.py (a changed TextSpan or head decomposition must not reuse an old map)."""
     import hashlib
     import inspect
 
@@ -1015,7 +1014,7 @@ def analysis_fingerprint(settings, inputs: "Inputs", items: List[data.Item], pic
         images=[[os.path.relpath(item.path, settings["root"]), os.path.getsize(item.path)] for item in items],
         bank=[list(entry) for entry in inputs.bank], attributes=list(inputs.attributes), picks=picks,
         rank=ANALYSIS_RANK, low_bits=settings["low_bits"], high_bits=settings["high_bits"],
-        code=hashlib.sha256("".join(inspect.getsource(getattr(dear, f)) for f in ANALYSIS_CODE).encode()).hexdigest())
+        code=hashlib.sha256((inspect.getsource(dear) + inspect.getsource(clip_model)).encode()).hexdigest())
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
