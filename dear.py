@@ -76,42 +76,94 @@ class DeARError(ValueError):
 # ------------------------------------------------------------------------------------------
 
 
+# TextSpan's defaults, the authors' (yossigandelsman/clip_text_span, compute_complete_text_set.py:
+# --w_ov_rank 80) and the paper's number of descriptions per head.
+TEXTSPAN_RANK = 80
+PAPER_PICKS = 20
+
+
 def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
-             num_descriptions: int = 20, rank: int = 80) -> List[int]:
-    """TextSpan's greedy search (Gandelsman et al., ICLR 2024, Alg. 1) for one head.
+             num_descriptions: int = PAPER_PICKS, rank: int = TEXTSPAN_RANK) -> List[int]:
+    """TextSpan's greedy search (Gandelsman et al., ICLR 2024, Alg. 1) for one head, as its
+    authors' code runs it: yossigandelsman/clip_text_span, compute_complete_text_set.py,
+    `replace_with_iterative_removal` (same picks, same order).
 
     contributions:   (n_images, E) the head's direct contributions to the image embeddings
     text_embeddings: (n_texts, E)  the description bank, encoded and normalised
     returns: the indices of `num_descriptions` descriptions, most explanatory first.
 
-    1. Centre the contributions and keep the top r = min(rank, n_images - 1) right singular
-       vectors: the subspace the head actually writes into.
-    2. Project every text embedding onto that subspace.
-    3. Repeat: pick the description whose projection varies most across images (largest
-       standard deviation of contributions @ text), then remove its direction from both the
-       contributions and the remaining texts, so the next pick explains something new.
+    1. Keep the top r = min(rank, n_images, E) right singular vectors of the *raw* (not
+       centred) contributions: the subspace the head writes into, its mean included.
+    2. Project every text embedding onto that span.
+    3. Centre the contributions, as the authors do. (It changes no pick: a standard deviation
+       ignores what all images share, and removing a direction commutes with centring.)
+    4. Repeat: pick the description whose projection varies most across images (largest
+       standard deviation of contributions @ text), then remove its (unit) direction from both
+       the contributions and the remaining texts, so the next pick explains something new.
+    At most r picks (`analysis_picks`): after r removals every text is zero inside the span.
     """
-    n_images = contributions.shape[0]
-    if n_images < 2:
-        raise DeARError(f"TextSpan needs at least 2 images (it measures variation across them), got {n_images}")
+    n_images, width = contributions.shape
+    num_descriptions = analysis_picks(num_descriptions, text_embeddings.shape[0], n_images, rank=rank,
+                                      embed_dim=width)
     data = contributions.double()
-    data = data - data.mean(dim=0, keepdim=True)  # (n, E)
-    r = min(rank, n_images - 1, data.shape[1])
-    _, _, right = torch.linalg.svd(data, full_matrices=False)  # right: (min(n, E), E)
-    span = right[:r]  # (r, E), orthonormal rows
+    _, _, right = torch.linalg.svd(data, full_matrices=False)  # right: (min(n, E), E), raw data
+    span = right[:rank]  # (r, E), orthonormal rows (the authors' vh[:rank])
     texts = text_embeddings.double() @ span.T @ span  # (T, E): each text inside the head's span
+    data = data - data.mean(dim=0, keepdim=True)  # (n, E), centred once the span is fixed
 
     chosen: List[int] = []
-    for _ in range(min(num_descriptions, texts.shape[0])):
+    for _ in range(num_descriptions):
         spread = (data @ texts.T).std(dim=0)  # (T,): how much each text direction varies
-        if chosen:
-            spread[chosen] = -1.0  # already explained (their spread is ~0 anyway)
+        # A chosen text is exactly zero once removed (spread 0); -1 also keeps it out of a tie
+        # at 0, where the authors' argmax would pick it again.
+        spread[chosen] = -1.0
         best = int(spread.argmax())
         chosen.append(best)
+        # The authors divide by the text's squared norm; a unit direction is the same projection.
         direction = texts[best] / texts[best].norm().clamp_min(1e-12)  # (E,)
         data = data - (data @ direction)[:, None] * direction[None]  # remove it from the head ...
         texts = texts - (texts @ direction)[:, None] * direction[None]  # ... and from the bank
     return chosen
+
+
+def default_picks(bank_size: int, num_images: int) -> int:
+    """The default number of TextSpan picks per head: today simply the paper's 20, whatever
+    the bank and the pool. (The one place a rule that follows from the bank plugs in.)"""
+    return PAPER_PICKS
+
+
+def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *,
+                   rank: int = TEXTSPAN_RANK, embed_dim: Optional[int] = None) -> int:
+    """How many descriptions TextSpan picks per head: `requested` (--descriptions) or, when it
+    is None, `default_picks`. The one check of that number: a caller (train.py) calls it before
+    any work, and analyze_heads and textspan call it again.
+
+    TextSpan's span is the top right singular vectors of the head's raw contributions, so its
+    rank is at most min(rank, num_images, embed_dim); after that many picks every remaining
+    text is zero inside it and further picks would be noise. A request above that, above the
+    bank's size, or below 1 is refused; the default is capped, with a one-line warning.
+    """
+    if rank < 1:
+        raise DeARError(f"rank={rank}: TextSpan keeps the top `rank` singular directions; use 1 or more")
+    if num_images < 2:
+        raise DeARError(f"the head analysis has {num_images} image(s); TextSpan measures how a head varies "
+                        "across images and needs at least 2")
+    limits = [(bank_size, f"the bank has {bank_size} descriptions"),
+              (num_images, f"the span of {num_images} images' contributions has rank <= {num_images}"),
+              (rank, f"TextSpan keeps {rank} singular directions")]
+    if embed_dim is not None:
+        limits.append((embed_dim, f"the embedding has {embed_dim} dimensions"))
+    limit, why = min(limits, key=lambda entry: entry[0])
+    if requested is None:
+        picks = default_picks(bank_size, num_images)
+        if picks > limit:
+            warnings.warn(f"TextSpan makes {limit} picks per head, not the default {picks}: {why}")
+        return min(picks, limit)
+    if not 1 <= requested <= limit:
+        more = " or give the analysis more images" if limit == num_images else ""
+        raise DeARError(f"--descriptions {requested}: TextSpan can make 1..{limit} picks per head here ({why}); "
+                        f"ask for at most {limit}{more}")
+    return requested
 
 
 # ------------------------------------------------------------------------------------------
@@ -240,27 +292,11 @@ class RoleMap:
         return _role_table(self)
 
 
-def analysis_picks(requested: Optional[int], bank_size: int, num_images: int) -> int:
-    """TextSpan picks per head for a bank of `bank_size` phrases and `num_images` images ->
-    the number (default 20), or DeARError (one line) when they cannot support it: more picks
-    than the bank has phrases, or than the images' span has directions (at most one per image)."""
-    picks = 20 if requested is None else requested
-    if isinstance(picks, bool) or not isinstance(picks, int) or picks < 1:
-        raise DeARError(f"--descriptions {requested}: expected a positive number of TextSpan picks per head")
-    if picks > bank_size:
-        raise DeARError(f"--descriptions {picks}: the description bank has only {bank_size} phrases; ask for "
-                        f"at most {bank_size}")
-    if picks > num_images:
-        raise DeARError(f"--descriptions {picks}: the head analysis has only {num_images} images, whose span "
-                        f"explains at most {num_images} picks; use more images or fewer --descriptions")
-    return picks
-
-
 @torch.no_grad()
 def analyze_heads(clip: CLIP, image_batches: Union[torch.Tensor, Iterable[torch.Tensor]],
                   tokenizer: clip_model.SimpleTokenizer, bank: Optional[Sequence[Description]] = None,
                   attributes: Sequence[str] = CORE_ATTRIBUTES, num_layers: Optional[int] = None,
-                  num_descriptions: int = 20, rank: int = 80, low_bits: Optional[float] = None,
+                  num_descriptions: Optional[int] = None, rank: int = TEXTSPAN_RANK, low_bits: Optional[float] = None,
                   high_bits: Optional[float] = None, log: Callable[[str], None] = print) -> RoleMap:
     """DeAR's head analysis (paper Sec. 3.2, METHOD.md Sec. 3) -> RoleMap.
 
@@ -270,8 +306,8 @@ def analyze_heads(clip: CLIP, image_batches: Union[torch.Tensor, Iterable[torch.
     i.e. the concepts that can have attribute heads (default: the paper's five).
     For every head of the last `num_layers` layers (default: the last four, as in the paper):
     its direct contributions to the image embeddings (divided by each embedding's norm, as
-    TextSpan does), TextSpan's top `num_descriptions` descriptions from the bank, their
-    concept entropy, and its role.
+    TextSpan does), TextSpan's top `num_descriptions` descriptions from the bank (default and
+    limits: `analysis_picks`), their concept entropy, and its role.
     """
     bank = [Description(*entry) for entry in bank] if bank is not None else description_bank()
     depth = len(clip.visual.transformer.resblocks)
@@ -288,11 +324,12 @@ def analyze_heads(clip: CLIP, image_batches: Union[torch.Tensor, Iterable[torch.
     if not per_image:
         raise DeARError("image_batches holds no images; the analysis needs at least 2")
     contributions = torch.cat(per_image)  # (n_images, L, H, E)
-    n_images, L, H, _ = contributions.shape
+    n_images, L, H, E = contributions.shape
+    num_descriptions = analysis_picks(num_descriptions, len(bank), n_images, rank=rank, embed_dim=E)
     first = len(clip.visual.transformer.resblocks) - num_layers
     text = encode_descriptions(clip, tokenizer, [d.text for d in bank]).cpu()  # (T, E)
     log(f"  head analysis: {len(bank)} descriptions over {len(set(d.concept for d in bank))} concepts; "
-        f"TextSpan with rank {min(rank, n_images - 1)} and {num_descriptions} picks per head")
+        f"TextSpan with rank {min(rank, n_images, E)} and {num_descriptions} picks per head")
 
     analysed = []
     for li in range(L):

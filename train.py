@@ -251,8 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "TextSpan's pool)")
     g.add_argument("--analysis-images", type=int, help="at most this many images of the pool, spread evenly "
                    "over its classes with a fixed seed")
-    g.add_argument("--descriptions", type=int, help="TextSpan descriptions per head (unset: 20; at most the "
-                   "bank's phrases and the analysis images)")
+    g.add_argument("--descriptions", type=int, help="TextSpan descriptions per head (unset: 20, capped with a "
+                   "warning where the bank, the images or TextSpan's rank cannot support it; typed: refused there)")
     g.add_argument("--analyse-only", action="store_true", help="run the head analysis alone (roles.json, "
                    "roles.png, masks.png in --output and the cache), then stop")
     g.add_argument("--low-bits", type=float, help="attribute heads have concept entropy at most this "
@@ -958,7 +958,7 @@ def analysis_images(items: List[data.Item], cap: int, seed: int) -> List[data.It
 # run folder keeps a copy of the map it used (<dataset>/roles/), so --resume and --eval-only
 # never need the cache, and settings.json records its fingerprint, pool and SHA-256.
 ANALYSIS_SEED = 0  # the pool's draw (analysis_images): fixed, so every run of a model draws the same images
-ANALYSIS_RANK = 80  # TextSpan's rank r (the authors' default)
+ANALYSIS_RANK = dear.TEXTSPAN_RANK  # TextSpan's rank r (the authors' default, 80)
 
 
 def role_key(job: Job) -> tuple:
@@ -1106,7 +1106,8 @@ def analysed_role_maps(settings, inputs: "Inputs", runtime: Runtime) -> Tuple[Di
                                  "damaged, start a new run with another --output")
         else:
             items, pool = analysis_pool(settings, dataset)
-            picks = dear.analysis_picks(settings["descriptions"], len(inputs.bank), len(items))
+            picks = dear.analysis_picks(settings["descriptions"], len(inputs.bank), len(items), rank=ANALYSIS_RANK,
+                                        embed_dim=inputs.clip.visual.proj.shape[1])
             record = cached_analysis(settings, inputs, items, pool, picks, runtime)
             path = os.path.join(record["cache"], "roles.json")
         maps[dataset], records[dataset] = load_role_file(path), record
@@ -1804,9 +1805,10 @@ def run(settings: dict, stack: contextlib.ExitStack) -> int:
         remove_temporary_files(settings["output"])
         check_finished_runs(settings, jobs)
 
-    if analysing(settings) and fresh:  # TextSpan's picks against the bank and the pool's cap, before any work
+    if analysing(settings) and fresh and settings["descriptions"] is not None:  # before any work: a typed
+        # --descriptions against the bank and the pool's cap (the default is capped, with a warning, later)
         dear.analysis_picks(settings["descriptions"], len(description_bank(settings["dataset"] == ["toyworld"])),
-                            settings["analysis_images"])
+                            settings["analysis_images"], rank=ANALYSIS_RANK)
     runtime = setup_runtime(settings)  # 2. device (and processes, under torchrun)
     inputs = open_inputs(settings, runtime)  # 4. model: CLIP, tokenizer, the toy world, checked
     settings = dict(settings, **inputs.files)  # the files' places and SHA-256 complete the settings

@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 
 import dear
+import clip_model
 from clip_model import HeadContributions
 from conftest import TINY_DEEP, assert_close
-from dear import DeAR, HeadRole, RoleMap
+from dear import DeAR, DeARError, HeadRole, RoleMap
 from test_dear_reference import prompts, reference  # the reference forward, and its class prompts
 
 ATTRIBUTES = ["texture", "colour", "shape"]
@@ -176,13 +177,16 @@ def _planted(n=300, E=64, seed=0):
     return bank, data + 0.01 * torch.randn(n, E, generator=generator)
 
 
-def test_textspan_keeps_only_the_top_rank_directions_of_a_wider_embedding():
+def test_textspan_keeps_the_top_rank_directions_of_the_raw_contributions_mean_included():
     bank, data = _planted()  # E = 64 > rank = 3
-    full = dear.textspan(data, bank, num_descriptions=4, rank=80)
-    assert full == [17, 123, 5, 42]
-    truncated = dear.textspan(data, bank, num_descriptions=4, rank=3)
-    assert truncated[:3] == [17, 123, 5]
-    assert truncated[3] != 42, "a direction outside the top-3 span was found: the rank was ignored"
+    data = data + 8.0 * bank[99]  # every image shares a large offset: no variance, but a direction
+    assert dear.textspan(data, bank, num_descriptions=4, rank=80) == [17, 123, 5, 42]
+    # The raw contributions' top 3 directions are the offset, 17 and 123 (centred first they
+    # would be 17, 123, 5): with rank 3 the third pick cannot be 5.
+    truncated = dear.textspan(data, bank, num_descriptions=3, rank=3)
+    assert truncated[:2] == [17, 123] and truncated[2] != 5, "the span was taken after centring, or the rank ignored"
+    with pytest.raises(DeARError, match=r"1\.\.3 picks .*TextSpan keeps 3 singular directions"):
+        dear.textspan(data, bank, num_descriptions=4, rank=3)  # a 4th pick would be noise
 
 
 def test_textspan_removes_each_chosen_direction_from_the_bank():
@@ -310,3 +314,69 @@ def test_a_branch_that_cannot_read_the_image_is_left_out_of_the_fusion(tiny_deep
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning when every branch can see
         make(tiny_deep_clip, MIXED_MAP, J=1)
+
+
+# ------------------------------------------------------------------------------------------
+# Defaults and checks that a wrong analysis would slip past
+# ------------------------------------------------------------------------------------------
+
+
+def test_the_analysis_looks_at_the_last_four_layers_by_default(monkeypatch):
+    torch.manual_seed(0)
+    five = clip_model.CLIP(**dict(TINY_DEEP, vision_layers=5)).eval()  # deeper than four
+    bank = dear.description_bank()
+    generator = torch.Generator().manual_seed(1)
+    texts = F.normalize(torch.randn(len(bank), TINY_DEEP["embed_dim"], generator=generator), dim=-1)
+    monkeypatch.setattr(dear, "encode_descriptions", lambda clip, tokenizer, phrases: texts)
+    roles = dear.analyze_heads(five, images(8), tokenizer=None, num_descriptions=6, log=lambda line: None)
+    assert roles.layers == [1, 2, 3, 4]  # 0-based: the paper's layers 2-5 of 5
+    assert roles.layers[0] == dear.default_first_layer(five) - 1  # where J starts by default
+    assert len(roles.heads) == 4 * HEADS
+
+
+def test_role_thresholds_are_the_entropies_thirds_and_a_head_on_one_takes_its_side():
+    # 12 heads: the 1/3 and 2/3 quantiles fall between equal entropies, so they are exactly 1
+    # and 2 bits (a quarter or three quarters would give 0.875 and 2.125 bits), and four heads
+    # sit exactly on a threshold: on the low one a specialist, on the high one generalization.
+    entropies = [0.0, 0.2, 0.5, 1.0, 1.0, 1.5, 1.5, 2.0, 2.0, 2.5, 3.0, 3.3]
+    concepts = [["colour"]] * 5 + [["shape"]] * 7
+    roles, low, high = dear.assign_roles(entropies, concepts, ATTRIBUTES)
+    assert (low, high) == (1.0, 2.0)
+    assert roles == [("attribute", "colour")] * 5 + [("mixed", None)] * 2 + [("generalization", None)] * 5
+
+
+def test_the_fusion_starts_at_cls_fusion_weight_and_shares_the_rest_evenly(tiny_deep_clip):
+    model = DeAR(tiny_deep_clip, role_map(MIXED_MAP), ATTRIBUTES, first_layer=1, cls_fusion_weight=0.7)
+    assert model.blind_attributes == []
+    assert_close(model.fusion_weights(), torch.tensor([0.7, 0.1, 0.1, 0.1]), 1e-6, "initial fusion weights")
+
+
+def test_the_attribute_projection_starts_as_a_copy_of_clips_proj(tiny_deep_clip):
+    model = DeAR(tiny_deep_clip, role_map(MIXED_MAP), ATTRIBUTES, first_layer=1)
+    proj = tiny_deep_clip.visual.proj
+    assert torch.equal(model.attribute_proj, proj) and model.attribute_proj.data_ptr() != proj.data_ptr()
+    with torch.no_grad():
+        model.attribute_proj.add_(1.0)
+    assert not torch.equal(model.attribute_proj, proj)  # training it leaves CLIP's own alone
+
+
+def test_a_role_map_with_a_head_of_a_layer_missing_or_twice_is_refused():
+    complete = role_map({}, layers=[2])
+    complete.validate(LAYERS, HEADS)
+    missing = RoleMap(LAYERS, HEADS, ATTRIBUTES, [h for h in complete.heads if h.head != 2])
+    with pytest.raises(DeARError, match=r"layer 3 \(index 2\) lists heads \[0, 1, 3\], expected each of 0..3 once"):
+        missing.validate(LAYERS, HEADS)
+    twice = RoleMap(LAYERS, HEADS, ATTRIBUTES, complete.heads + [HeadRole(2, 1, "mixed")])
+    with pytest.raises(DeARError, match=r"lists heads \[0, 1, 1, 2, 3\]"):
+        twice.validate(LAYERS, HEADS)
+
+
+def test_a_branch_is_blind_only_if_no_layer_from_J_on_lets_it_read_the_image(tiny_deep_clip):
+    # J = 2: at layer J only a shape head reads the image, at the last layer only a colour
+    # head; texture is blind everywhere. Reading layer J alone (or the last alone) is wrong.
+    spec = {(1, 0): "shape", (1, 1): "G", (1, 2): "G", (1, 3): "G",
+            (2, 0): "colour", (2, 1): "G", (2, 2): "G", (2, 3): "G"}
+    with pytest.warns(UserWarning, match=r"lets the texture token read the image"):
+        model = DeAR(tiny_deep_clip, role_map(spec), ATTRIBUTES, first_layer=2)
+    assert model.blind_attributes == ["texture"]
+    assert model.fusion_weights()[[0, 2, 3]].gt(0).all() and model.fusion_weights()[1] == 0

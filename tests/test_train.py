@@ -500,12 +500,12 @@ def test_analyse_only_writes_the_roles_and_pictures_then_stops_and_training_reus
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--descriptions", "100000"], "--descriptions 100000: the description bank has only 591 phrases"),
+    (["--descriptions", "100000"], "--descriptions 100000: TextSpan can make 1..80 picks per head here"),
     (["--descriptions", "7", "--analysis-pool", "imagenet:test"],
-     "--descriptions 7: the head analysis has only 6 images"),
-    (["--descriptions", "7", "--analysis-images", "5"], "--descriptions 7: the head analysis has only 5 images"),
+     "--descriptions 7: TextSpan can make 1..6 picks per head here (the span of 6 images' contributions"),
+    (["--descriptions", "7", "--analysis-images", "5"], "--descriptions 7: TextSpan can make 1..5 picks"),
     (["--analysis-pool", "imagenet:val", "--analysis-images", "1", "--descriptions", "1"],
-     "imagenet val has 1 images; the head analysis needs at least 2"),
+     "the head analysis has 1 image(s)"),
     (["--analysis-pool", "imagenet_sketch:train"], "imagenet_sketch is a test set only; use imagenet_sketch:test"),
     (["--analysis-pool", "imagenet"], "expected 'train' or DATASET:SPLIT"),
     (["--analysis-pool", "imagenett:test"], "unknown dataset 'imagenett'"),
@@ -522,8 +522,8 @@ def test_descriptions_past_the_bank_or_the_image_cap_stop_before_the_model_is_re
                                                                                   monkeypatch):
     monkeypatch.setattr(train, "open_inputs", lambda *args: pytest.fail("work began before the check"))
     out = tmp_path / "run"
-    for flags, message in ((["--descriptions", "100000"], "the description bank has only 591 phrases"),
-                           (["--descriptions", "30", "--analysis-images", "29"], "has only 29 images")):
+    for flags, message in ((["--descriptions", "100000"], "TextSpan keeps 80 singular directions"),
+                           (["--descriptions", "30", "--analysis-images", "29"], "the span of 29 images'")):
         refused(common(world, out, "--dataset", "dtd", *flags), capsys, message, out)
 
 
@@ -597,7 +597,7 @@ def wrong_roles_file(tmp_path):
     ("two role sources", "give at most one of 'analyse' or a roles file"),
     ("inverted thresholds", "--low-bits 3 is above --high-bits 1"),
     ("old fusion name", "argument --fusion: 'adaptive' is an old name: use class-on-unseen"),
-    ("descriptions past the bank", "--descriptions 100000: the description bank has only 591 phrases"),
+    ("descriptions past the span", "--descriptions 100000: TextSpan can make 1..80 picks per head here"),
 ])
 def test_bad_input_ends_in_one_line_and_exit_status_2_without_a_run_folder(world, tmp_path, case, message):
     if case == "no cuda" and torch.cuda.is_available():
@@ -614,7 +614,7 @@ def test_bad_input_ends_in_one_line_and_exit_status_2_without_a_run_folder(world
         "inverted thresholds": ["--low-bits", "3", "--high-bits", "1"],
         "two role sources": ["--roles", "analyse", wrong_roles_file(tmp_path)],
         "old fusion name": ["--fusion", "adaptive"],
-        "descriptions past the bank": ["--descriptions", "100000"],
+        "descriptions past the span": ["--descriptions", "100000"],
     }[case]
     done = subprocess.run([sys.executable, "train.py", *args, *change], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
