@@ -6,7 +6,10 @@ What this file holds, top to bottom:
     $DATA, where its split comes from, how its class names are found and its prompt template;
   - readers for the four kinds of layout: CoOp's `split_zhou_*.json` files, ImageNet's
     `classnames.txt` + class folders, FGVC-Aircraft's text lists, and the ImageNet variants;
-  - few-shot sampling (K images per class with the run's seed) and its JSON cache;
+  - few-shot sampling (K images per class with the run's seed, the very images Dassl draws)
+    and its JSON cache;
+  - your own data, with no code to write: a folder of class folders (split 50/20/30 once and
+    written as a CoOp split file) or a split file in CoOp's format (`own_dataset`);
   - the base/novel class split of the base-to-novel protocol;
   - the CLIP image transforms and a torch `Dataset` that yields (image tensor, label);
   - `load_dataset(name, root, num_shots, seed, subsample)`, the one public entry point.
@@ -22,11 +25,12 @@ PromptSRC or MMRL already have a `$DATA` folder laid out as CoOp's DATASETS.md d
 it is, with no Dassl. Where we differ from CoOp, the comment says so:
   - the few-shot cache is JSON (`split_fewshot/shot_16-seed_1.json`), not pickle, and it
     records a fingerprint of the split it was drawn from, so a changed split is re-sampled;
-  - the sampling uses its own `random.Random(seed)`, so the same seed draws the same images
-    on every machine, but not the same images as CoOp's global-state sampling does.
+  - the sampling uses its own `random.Random(seed)` rather than the global `random` that
+    Dassl seeds; the stream is the same, so the same seed draws the same images as CoOp.
 
 Try it:
     python data.py --root $DATA --dataset oxford_pets --shots 16
+    python data.py --dataset path/to/my_photos   # your own data: PATH/<class>/<image>
     python data.py --root $DATA --dataset imagenet_a
     python data.py            # prints the registry table
 """
@@ -142,6 +146,12 @@ class DatasetSpec:
     #                         the other readers find the class names themselves (ImageNet's
     #                         classnames.txt, "<wnid> <name>" per line; FGVC's variants.txt)
     template: str  # CoOp's prompt template; "{}" is replaced by the class name
+    split_fallback_dir: str | None = None  # your own data: where the drawn split goes if `folder` is read-only
+
+    @property
+    def own(self) -> bool:
+        """Your own data (own_dataset): `folder` is its absolute path, not a folder under $DATA."""
+        return os.path.isabs(self.folder)
 
     @property
     def evaluation_only(self) -> bool:
@@ -182,11 +192,15 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")  # for folder-list
 
 
 def get_spec(name: str) -> DatasetSpec:
-    """The registry row for `name` ("oxford_pets"; case and "-" vs "_" do not matter)."""
+    """The registry row for `name` ("oxford_pets"; case and "-" vs "_" do not matter), or
+    that of your own data registered by own_dataset (its folder's name, exactly)."""
+    if name in DATASETS:
+        return DATASETS[name]
     key = str(name).strip().lower().replace("-", "_")
     if key not in DATASETS:
         known = ", ".join(DATASETS)
-        raise DatasetError(f"unknown dataset {name!r}; expected one of: {known}")
+        raise DatasetError(f"unknown dataset {name!r}; expected one of: {known}, or the path of your own data "
+                           f"(a folder of class folders, or a split file)")
     return DATASETS[key]
 
 
@@ -291,13 +305,20 @@ def read_split_json(spec: DatasetSpec, dataset_dir: str) -> ReaderResult:
     """Read `{"train"|"val"|"test": [[relative_path, label, classname], ...]}`.
 
     Paths are relative to `dataset_dir/spec.image_dir` (for Stanford Cars, whose paths start
-    with "cars_train/" or "cars_test/", that is the dataset folder itself).
+    with "cars_train/" or "cars_test/", that is the dataset folder itself; for your own split
+    file, the folder the file sits in).
     """
     split_path = os.path.join(dataset_dir, spec.split_file)
     if not os.path.isfile(split_path):
         raise DatasetError(
             f"{split_path}: split file not found; download {spec.split_file} from the link in "
             f"CoOp's DATASETS.md ({COOP_DATASETS_MD}) and put it there")
+    image_root = os.path.join(dataset_dir, spec.image_dir)
+    _require_dir(image_root, "image folder")
+    return _items_of_split(_read_json_split(split_path), image_root, split_path)
+
+
+def _read_json_split(split_path: str) -> dict:
     try:
         with open(split_path, encoding="utf-8") as f:
             raw = json.load(f)
@@ -308,10 +329,11 @@ def read_split_json(spec: DatasetSpec, dataset_dir: str) -> ReaderResult:
     if not isinstance(raw, dict) or not all(isinstance(raw.get(k), list) for k in ("train", "val", "test")):
         raise DatasetError(f"{split_path}: expected a JSON object with lists 'train', 'val' and "
                            f"'test'; download it again from CoOp's DATASETS.md ({COOP_DATASETS_MD})")
+    return raw
 
-    image_root = os.path.join(dataset_dir, spec.image_dir)
-    _require_dir(image_root, "image folder")
 
+def _items_of_split(raw: dict, image_root: str, split_path: str) -> ReaderResult:
+    """A split's entries -> Items under image_root, every entry and image checked."""
     splits = {}
     for split_name in ("train", "val", "test"):
         items = []
@@ -486,11 +508,176 @@ def read_fgvc_aircraft(spec: DatasetSpec, dataset_dir: str) -> ReaderResult:
     return splits["train"], splits["val"], splits["test"], classnames
 
 
+# -----------------------------------------------------------------------------
+# Your own data: a folder of class folders, or a split file in CoOp's format
+#
+#   PATH/<class name>/<image>        torchvision's ImageFolder layout. Class names are the
+#                                    folder names (underscores -> spaces), labels their sorted
+#                                    order. The train/val/test split is drawn once, per class,
+#                                    50 / 20 / 30 (CoOp's read_and_split_data in its
+#                                    datasets/dtd.py) with a fixed seed, and written as
+#                                    PATH/split_<name>.json in CoOp's format: from then on that
+#                                    file is the split (edit it, or delete it to draw again).
+#                                    If PATH is read-only, it goes to `split_fallback_dir`.
+#   PATH/<anything>.json             a split file in CoOp's format; its image paths are
+#                                    relative to the folder the file sits in.
+#
+# The dataset's name (tables, run folders, caches) is its folder's name. The few-shot cache
+# lives in PATH/split_fewshot/, as for the benchmarks.
+
+OWN_TEMPLATE = "a photo of a {}."  # CoOp's generic template
+OWN_SPLIT_FRACTIONS = (0.5, 0.2)  # train, val per class; test gets the rest (CoOp's read_and_split_data)
+OWN_SPLIT_SEED = 1  # our choice: one fixed seed, so the same folder always gives the same split
+_DRAWN_SPLITS: dict[str, dict] = {}  # folder -> its drawn split, so checking and reading draw once
+
+
+def own_dataset_name(path: str) -> str:
+    """The name of your own data at PATH: the folder's name (for a split file, the name of the
+    folder the file sits in)."""
+    path = os.path.abspath(os.path.expanduser(str(path)))
+    return os.path.basename(os.path.dirname(path) if path.lower().endswith(".json") else path)
+
+
+def is_own_data(value: str) -> bool:
+    """Whether a --dataset value is a path to your own data rather than a benchmark's name:
+    not a registry name, and a path (a separator, a .json file, or something on disk)."""
+    value = str(value)
+    if value in DATASETS or value.strip().lower().replace("-", "_") in (*DATASETS, "all"):
+        return False
+    return "/" in value or os.sep in value or value.lower().endswith(".json") or os.path.exists(value)
+
+
+def own_dataset(path: str, split_fallback_dir: str | None = None) -> DatasetSpec:
+    """Register your own data at PATH (see above) and return its registry row. Everything is
+    checked here, before any work; a folder's split is drawn (in memory) but written only when
+    load_dataset first reads it. Raises DatasetError (one line) on any bad input."""
+    path = os.path.abspath(os.path.expanduser(str(path)))
+    name = own_dataset_name(path)
+    if path.lower().endswith(".json"):
+        if not os.path.isfile(path):
+            raise DatasetError(f"{path}: split file not found; expected a JSON file in CoOp's format, "
+                               f'{{"train"|"val"|"test": [[path, label, classname], ...]}}')
+        spec = DatasetSpec(name, os.path.dirname(path), "split_json", "", os.path.basename(path), OWN_TEMPLATE)
+    elif os.path.isdir(path):
+        spec = DatasetSpec(name, path, "image_folder", "", f"split_{name}.json", OWN_TEMPLATE,
+                           split_fallback_dir and os.path.abspath(split_fallback_dir))
+    else:
+        raise DatasetError(f"{path}: not found; expected a folder of class folders (PATH/<class>/<image>) "
+                           f"or a split file in CoOp's format (.json)")
+    key = name.strip().lower().replace("-", "_")
+    known = DATASETS.get(name) or DATASETS.get(key)
+    if (known is not None and not known.own) or key == "all":
+        raise DatasetError(f"{path}: its name {name!r} is that of a benchmark; rename the folder (the name "
+                           f"is used in tables and run folders)")
+    # Every entry and image checked now, not after the model has loaded.
+    if spec.reader == "image_folder" and _find_own_split(spec) is None:
+        raw = _DRAWN_SPLITS[spec.folder] = draw_image_folder_split(spec.folder)
+        _items_of_split(raw, spec.folder, os.path.join(spec.folder, spec.split_file))
+    else:
+        READERS[spec.reader](spec, spec.folder)
+    DATASETS[name] = spec
+    return spec
+
+
+def _image_files(folder: str) -> tuple[list[str], int]:
+    """(image files under `folder`, recursively, relative to it and sorted; the number of
+    other files skipped). Hidden files and folders are left out."""
+    images, skipped = [], 0
+    for parent, subfolders, files in os.walk(folder):
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
+        for filename in sorted(files):
+            if filename.startswith("."):
+                continue
+            if filename.lower().endswith(IMAGE_EXTENSIONS):
+                images.append(os.path.relpath(os.path.join(parent, filename), folder).replace(os.sep, "/"))
+            else:
+                skipped += 1
+    return images, skipped
+
+
+def draw_image_folder_split(folder: str) -> dict:
+    """PATH/<class>/<image> -> {"train"|"val"|"test": [[path, label, class folder], ...]},
+    50 / 20 / 30 per class as CoOp's read_and_split_data draws it (round() for train and val,
+    the rest test; each part must get an image), with random.Random(OWN_SPLIT_SEED)."""
+    classes = [c for c in _list_subfolders(folder) if c != "split_fewshot"]  # our own cache is no class
+    if len(classes) < 2:
+        raise DatasetError(f"{folder}: {len(classes)} class folder{'s' * (len(classes) != 1)}; expected at least "
+                           f"two, as PATH/<class name>/<image> (torchvision's ImageFolder layout)")
+    folder_of_name: dict[str, str] = {}
+    for class_folder in classes:
+        other = folder_of_name.setdefault(clean_classname(class_folder), class_folder)
+        if other != class_folder:
+            raise DatasetError(f"{folder}: class folders {other!r} and {class_folder!r} both give the class name "
+                               f"{clean_classname(class_folder)!r} (underscores become spaces); rename one")
+    rng = random.Random(OWN_SPLIT_SEED)
+    split: dict[str, list] = {"train": [], "val": [], "test": []}
+    skipped = 0
+    for label, class_folder in enumerate(classes):
+        images, skipped_here = _image_files(os.path.join(folder, class_folder))
+        skipped += skipped_here
+        for relative in images:  # opening the header finds a file that only looks like an image
+            path = os.path.join(folder, class_folder, relative)
+            try:
+                with Image.open(path):  # reads the header only
+                    pass
+            except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+                raise DatasetError(f"{path}: cannot be read as an image ({type(e).__name__}); "
+                                   f"replace it or move it out of the data folder") from None
+        n = len(images)
+        n_train, n_val = round(n * OWN_SPLIT_FRACTIONS[0]), round(n * OWN_SPLIT_FRACTIONS[1])
+        if min(n_train, n_val, n - n_train - n_val) < 1:
+            raise DatasetError(f"{os.path.join(folder, class_folder)}: class {clean_classname(class_folder)!r} has "
+                               f"{n} image{'s' * (n != 1)}; the 50/20/30 train/val/test split needs at least 4 "
+                               f"per class; add images or remove the folder")
+        rng.shuffle(images)
+        entries = [[f"{class_folder}/{relative}", label, class_folder] for relative in images]
+        split["train"] += entries[:n_train]
+        split["val"] += entries[n_train:n_train + n_val]
+        split["test"] += entries[n_train + n_val:]
+    if skipped:
+        _warn(f"{folder}: skipped {skipped} non-image file{'s' * (skipped != 1)} (only "
+              f"{', '.join(IMAGE_EXTENSIONS)} are read)")
+    return split
+
+
+def _find_own_split(spec: DatasetSpec) -> str | None:
+    """The split file of a folder of class folders: in the folder, else in the fallback."""
+    for folder in (spec.folder, spec.split_fallback_dir):
+        if folder and os.path.isfile(os.path.join(folder, spec.split_file)):
+            return os.path.join(folder, spec.split_file)
+    return None
+
+
+def read_image_folder(spec: DatasetSpec, dataset_dir: str) -> ReaderResult:
+    """Your own folder of class folders: its split file if there is one, else the split drawn
+    now and written (to the folder, else to the fallback folder; if neither can be written,
+    the next call draws the same split again). Paths are relative to the data folder."""
+    split_path = _find_own_split(spec)
+    if split_path is not None:
+        return _items_of_split(_read_json_split(split_path), dataset_dir, split_path)
+    raw = _DRAWN_SPLITS.get(dataset_dir) or draw_image_folder_split(dataset_dir)
+    wanted = split_path = os.path.join(dataset_dir, spec.split_file)
+    for folder in filter(None, (dataset_dir, spec.split_fallback_dir)):
+        split_path = os.path.join(folder, spec.split_file)
+        try:
+            _write_json_atomically(split_path, {}, raw)
+        except OSError as e:
+            reason = e.strerror or str(e)
+            continue
+        if split_path != wanted:
+            _warn(f"{wanted}: cannot write the split file ({reason}); wrote it to {split_path}")
+        break
+    else:
+        _warn(f"{wanted}: cannot write the split file ({reason}); the same split is drawn again on each call")
+    return _items_of_split(raw, dataset_dir, split_path)
+
+
 READERS = {
     "split_json": read_split_json,
     "imagenet": read_imagenet,
     "fgvc_aircraft": read_fgvc_aircraft,
     "imagenet_variant": read_imagenet_variant,
+    "image_folder": read_image_folder,
 }
 
 # -----------------------------------------------------------------------------
@@ -498,21 +685,29 @@ READERS = {
 
 
 def sample_few_shot(items: list[Item], num_shots: int, rng: random.Random) -> list[Item]:
-    """K images per class, drawn without replacement with `rng` (Dassl's
-    generate_fewshot_dataset without `repeat`). A class with fewer than K images keeps all
-    of them. The output is grouped by label, in ascending label order."""
-    by_label: dict[int, list[Item]] = defaultdict(list)
+    """K images per class, drawn exactly as Dassl's generate_fewshot_dataset draws them
+    (Dassl.pytorch, dassl/data/datasets/base_dataset.py), which CoOp, CoCoOp, MaPLe, PromptSRC
+    and MMRL all use, so that a seed trains on the images the papers report on:
+
+      - the classes are visited in the order their labels first appear in `items` (the split
+        file's order, which is not sorted for Stanford Cars or Oxford Flowers);
+      - a class with at least K images gives rng.sample(its images, K): K distinct images;
+      - a class with fewer than K images gives rng.choices(its images, k=K): K draws with
+        repetition (Dassl's `repeat=True`, the default CoOp keeps), so every class has K.
+
+    With rng = random.Random(seed) this is the stream Dassl draws from after
+    random.seed(seed). The output is grouped by class, in that visiting order."""
+    by_label: dict[int, list[Item]] = defaultdict(list)  # insertion order = first appearance
     for item in items:
         by_label[item.label].append(item)
     sampled = []
-    for label in sorted(by_label):
-        pool = by_label[label]
-        sampled.extend(rng.sample(pool, num_shots) if len(pool) >= num_shots else pool)
+    for pool in by_label.values():
+        sampled.extend(rng.sample(pool, num_shots) if len(pool) >= num_shots else rng.choices(pool, k=num_shots))
     return sampled
 
 
 def _warn_short_classes(items: list[Item], num_shots: int, where: str) -> None:
-    """Say which classes have fewer than K images (they use all they have)."""
+    """Say which classes have fewer than K images (their K draws repeat images)."""
     counts = Counter(item.label for item in items)
     short = sorted((label, count) for label, count in counts.items() if count < num_shots)
     if short:
@@ -520,7 +715,7 @@ def _warn_short_classes(items: list[Item], num_shots: int, where: str) -> None:
         listed = ", ".join(f"{names[label]!r} has {count}" for label, count in short[:5])
         more = f", and {len(short) - 5} more" if len(short) > 5 else ""
         _warn(f"{where}: {len(short)} of {len(counts)} classes have fewer than {num_shots} images "
-              f"and use all they have ({listed}{more})")
+              f"and repeat some to make {num_shots}, as Dassl does ({listed}{more})")
 
 
 # -----------------------------------------------------------------------------
@@ -531,9 +726,14 @@ def _warn_short_classes(items: list[Item], num_shots: int, where: str) -> None:
 # loading it runs no code), atomically (temp file + os.replace, so an interrupted run never
 # leaves half a file), with a fingerprint of the full split it was drawn from. A cache that
 # does not parse, does not match, or names images the split does not have is rebuilt with a
-# warning, never trusted.
+# warning, never trusted. Like CoOp's pickle it is drawn once: the draw happens before the
+# base/novel subsample, so base and novel runs of one (K, seed) share it.
 
-FEWSHOT_CACHE_FORMAT = "dear-from-scratch few-shot split, version 2"  # 2: + the content's hash
+# Version 3: Dassl's draw (classes in order of first appearance, short classes repeated).
+# Caches of version 2 hold the older draw (sorted classes, short classes kept as they are)
+# and are redrawn, with a warning, never reused.
+FEWSHOT_CACHE_NAME = "dear-from-scratch few-shot split"
+FEWSHOT_CACHE_FORMAT = f"{FEWSHOT_CACHE_NAME}, version 3"
 
 
 def fewshot_cache_path(dataset_dir: str, num_shots: int, seed: int) -> str:
@@ -573,7 +773,10 @@ def _read_fewshot_cache(cache_path: str, full: dict[str, list[Item]], full_entri
             cached = json.load(f)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         return reject(f"cannot be read as JSON ({type(e).__name__})")
-    if not isinstance(cached, dict) or cached.get("format") != FEWSHOT_CACHE_FORMAT:
+    found_format = cached.get("format") if isinstance(cached, dict) else None
+    if found_format != FEWSHOT_CACHE_FORMAT:
+        if isinstance(found_format, str) and found_format.startswith(FEWSHOT_CACHE_NAME):
+            return reject(f"was drawn by an older rule ({found_format!r}), not Dassl's")
         return reject("is not in this file's format")
     if cached.get("fingerprint") != fingerprint:
         return reject("was drawn from a different split (fingerprint mismatch)")
@@ -591,11 +794,15 @@ def _read_fewshot_cache(cache_path: str, full: dict[str, list[Item]], full_entri
             if key not in item_of:
                 return reject(f"lists {entry!r} in '{split_name}', which the split does not have")
             items.append(item_of[key])
-        # Each class must hold min(K, images it has) distinct images, as the sampler makes it.
-        expected = {label: min(count, num_shots)
-                    for label, count in Counter(item.label for item in full[split_name]).items()}
-        if len(set(items)) != len(items) or Counter(item.label for item in items) != expected:
-            return reject(f"does not hold min({num_shots}, available) distinct images per class in '{split_name}'")
+        # Each class must hold K images, as the sampler draws them: distinct when the class has
+        # at least K, repeats allowed (and then unavoidable) when it has fewer.
+        available = Counter(item.label for item in full[split_name])
+        drawn = Counter(item.label for item in items)
+        distinct = Counter(item.label for item in set(items))
+        if drawn != {label: num_shots for label in available} or any(
+                distinct[label] != num_shots for label, count in available.items() if count >= num_shots):
+            return reject(f"does not hold {num_shots} images per class (distinct where the class has "
+                          f"{num_shots}) in '{split_name}'")
         result[split_name] = items
     # Last, for an edit that every check above lets through (one image swapped for another
     # of the same class): the lists must be those the cache was written with.
@@ -638,7 +845,8 @@ def _write_json_atomically(path: str, header: dict, lists: dict[str, list[list]]
 def few_shot_splits(spec: DatasetSpec, dataset_dir: str, full: dict[str, list[Item]],
                     num_shots: int, seed: int) -> dict[str, list[Item]]:
     """K per class for train and min(K, 4) for val (CoOp), read from the cache when it is
-    valid, otherwise sampled with `random.Random(seed)` and cached."""
+    valid, otherwise sampled with `random.Random(seed)` and cached. One stream draws train,
+    then val, as CoOp's datasets do after Dassl's random.seed(seed)."""
     shots = {split_name: (num_shots if split_name == "train" else min(num_shots, 4)) for split_name in full}
     for split_name, k in shots.items():
         _warn_short_classes(full[split_name], k, f"{spec.name} {split_name}")
@@ -691,6 +899,22 @@ def subsample_classes(classnames: list[str], splits: list[list[Item]],
 # The entry point
 
 
+def _benchmark_folder(spec: DatasetSpec, root) -> str:
+    """$DATA/<folder> of a benchmark, checked."""
+    if not root:
+        raise DatasetError(f"root={root!r}: no data root (--root) given; expected the $DATA folder "
+                           f"of CoOp's DATASETS.md ({COOP_DATASETS_MD})")
+    root = os.path.abspath(os.path.expanduser(str(root)))
+    if not os.path.isdir(root):
+        raise DatasetError(f"{root}: data root (--root) not found; expected the $DATA folder of "
+                           f"CoOp's DATASETS.md ({COOP_DATASETS_MD}) that holds {spec.folder}/")
+    dataset_dir = os.path.join(root, spec.folder)
+    if not os.path.isdir(dataset_dir):
+        raise DatasetError(f"{dataset_dir}: dataset folder not found; expected {spec.name} in "
+                           f"{spec.folder}/ as CoOp's DATASETS.md lays it out ({COOP_DATASETS_MD})")
+    return dataset_dir
+
+
 def load_dataset(name: str, root: str, num_shots: int | None = None, seed: int = 1,
                  subsample: str = "all") -> DatasetSplits:
     """Read dataset `name` from `root` ($DATA, laid out as CoOp's DATASETS.md describes).
@@ -717,17 +941,10 @@ def load_dataset(name: str, root: str, num_shots: int | None = None, seed: int =
         raise DatasetError(f"{spec.name}: a test set only (domain generalization); load it with "
                            f"num_shots=None and subsample='all'")
 
-    if not root:
-        raise DatasetError(f"root={root!r}: no data root (--root) given; expected the $DATA folder "
-                           f"of CoOp's DATASETS.md ({COOP_DATASETS_MD})")
-    root = os.path.abspath(os.path.expanduser(str(root)))
-    if not os.path.isdir(root):
-        raise DatasetError(f"{root}: data root (--root) not found; expected the $DATA folder of "
-                           f"CoOp's DATASETS.md ({COOP_DATASETS_MD}) that holds {spec.folder}/")
-    dataset_dir = os.path.join(root, spec.folder)
-    if not os.path.isdir(dataset_dir):
-        raise DatasetError(f"{dataset_dir}: dataset folder not found; expected {spec.name} in "
-                           f"{spec.folder}/ as CoOp's DATASETS.md lays it out ({COOP_DATASETS_MD})")
+    if spec.own:  # your own data: its folder is where own_dataset found it, whatever the root
+        dataset_dir = spec.folder
+    else:
+        dataset_dir = _benchmark_folder(spec, root)
 
     train, val, test, classnames = READERS[spec.reader](spec, dataset_dir)
 
@@ -843,7 +1060,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="data.py", description="Summarise a dataset read from CoOp's layout "
                                                  "(no --dataset: print the registry).")
     parser.add_argument("--root", help="the $DATA folder of CoOp's DATASETS.md")
-    parser.add_argument("--dataset", help=f"one of: {', '.join(DATASETS)}")
+    parser.add_argument("--dataset", help=f"one of: {', '.join(DATASETS)}; or the path of your own data: a folder "
+                        "of class folders (PATH/<class>/<image>) or a split file in CoOp's format")
     parser.add_argument("--shots", type=int, default=None, help="K images per class (default: all)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the few-shot draw")
     parser.add_argument("--subsample", default="all", choices=SUBSAMPLE_CHOICES, help="which classes to keep")
@@ -853,11 +1071,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.dataset is None:
         _print_registry()
         return 0
-    if args.root is None:
-        parser.error("--root is required with --dataset")
+    own = is_own_data(args.dataset)
+    if args.root is None and not own:
+        parser.error("--root is required with --dataset (unless it is the path of your own data)")
     try:
-        data = load_dataset(args.dataset, args.root, num_shots=args.shots, seed=args.seed,
-                            subsample=args.subsample)
+        name = own_dataset(args.dataset).name if own else args.dataset
+        data = load_dataset(name, args.root, num_shots=args.shots, seed=args.seed, subsample=args.subsample)
     except DatasetError as e:
         print(f"data.py: error: {e}", file=sys.stderr)
         return 2

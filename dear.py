@@ -16,7 +16,8 @@ What this file holds, in the order the method runs (bookkeeping last):
     4. the role-based mask ....... one additive (heads, tokens, tokens) mask per layer from J on
     5. the model ................. DeAR: frozen CLIP + attribute tokens (vision), inserted
                                    tokens (text), attribute projection, fusion weights;
-                                   prepare_classes encodes a class list's frozen part once
+                                   prepare_classes encodes a class list's frozen part once;
+                                   retrieval: rank a gallery by one attribute token's feature
     6. the losses ................ cross-entropy on fused logits, self-regularisation, fusion
                                    regularisation
     7. bookkeeping ............... RoleMap JSON and validation, tables, PNG pictures, and the
@@ -126,17 +127,13 @@ def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
     return chosen
 
 
-def default_picks(bank_size: int, num_images: int) -> int:
-    """The default number of TextSpan picks per head: today simply the paper's 20, whatever
-    the bank and the pool. (The one place a rule that follows from the bank plugs in.)"""
-    return PAPER_PICKS
-
-
 def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *,
-                   rank: int = TEXTSPAN_RANK, embed_dim: Optional[int] = None) -> int:
+                   rank: int = TEXTSPAN_RANK, embed_dim: Optional[int] = None,
+                   default: int = PAPER_PICKS) -> int:
     """How many descriptions TextSpan picks per head: `requested` (--descriptions) or, when it
-    is None, `default_picks`. The one check of that number: a caller (train.py) calls it before
-    any work, and analyze_heads and textspan call it again.
+    is None, `default` (analyze_heads passes its bank's `default_picks`). The one check of
+    that number: a caller (train.py) calls it before any work, and analyze_heads and
+    textspan call it again.
 
     TextSpan's span is the top right singular vectors of the head's raw contributions, so its
     rank is at most min(rank, num_images, embed_dim); after that many picks every remaining
@@ -155,7 +152,7 @@ def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *,
         limits.append((embed_dim, f"the embedding has {embed_dim} dimensions"))
     limit, why = min(limits, key=lambda entry: entry[0])
     if requested is None:
-        picks = default_picks(bank_size, num_images)
+        picks = default
         if picks > limit:
             warnings.warn(f"TextSpan makes {limit} picks per head, not the default {picks}: {why}")
         return min(picks, limit)
@@ -210,28 +207,61 @@ class HeadRole:
     concepts: List[str] = field(default_factory=list)  # the concept of each pick
 
 
+def default_picks(bank: Sequence[Description], attributes: Sequence[str]) -> int:
+    """TextSpan picks per head that the bank can support (our rule; METHOD.md Sec. 3):
+    N = the fewest values of any core attribute in the bank.
+
+    Why: a head that carries only attribute a, with k_a values, varies across images along
+    the k_a value phrases' directions (k_a - 1 of them once centred, inside the span of the
+    k_a phrases), and TextSpan removes each picked direction. After k_a picks of a's phrases
+    that head has nothing left to explain along a, so further picks land on other concepts:
+    even a perfect specialist looks spread. N above the smallest k_a thus makes some
+    attributes' heads unreadable. A phrase's value is `Description.value` (its word); a bank
+    without values counts each phrase as its own value. Toy bank: colour 8, shape 6,
+    texture 4, position 4 -> N = 4; the project's bank: shape's 16 words are fewest -> N = 16."""
+    values = {}
+    for entry in bank:
+        entry = Description(*entry)
+        if entry.concept in attributes:
+            values.setdefault(entry.concept, set()).add(entry.value if entry.value is not None else entry.text)
+    if not values:
+        raise DeARError(f"the bank has no phrase of any attribute ({', '.join(attributes)}); "
+                        "label some phrases with an attribute's name")
+    return min(len(v) for v in values.values())
+
+
+def default_thresholds(num_picks: int, num_concepts: int):
+    """(low_bits, high_bits) = thirds of the entropy range that N picks over K concepts can
+    take, [0, log2(min(N, K))] (our choice; METHOD.md Sec. 3). Absolute, unlike thirds of the
+    observed entropies, which always make a third of the heads attribute heads: a head is an
+    attribute head only if it is specialised on the scale its own picks allow."""
+    top = math.log2(max(1, min(num_picks, num_concepts)))
+    return top / 3, 2 * top / 3
+
+
 def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequence[str]],
                  attributes: Sequence[str], low_bits: Optional[float] = None,
-                 high_bits: Optional[float] = None):
+                 high_bits: Optional[float] = None, num_concepts: Optional[int] = None):
     """Heads -> roles (METHOD.md Sec. 3). Returns (roles, low_bits, high_bits), roles a
     list of (role, attribute or None) in the order of the inputs.
 
-    low_bits / high_bits default to the lower and upper thirds of the observed entropies.
+    low_bits / high_bits default to `default_thresholds(N, K)`: N picks per head, K concepts
+    in the bank (`num_concepts`; default: those the heads' picks name).
       H <= low:  a specialist. Its dominant concept is a core attribute -> attribute head for
                  it; otherwise (e.g. a "style" head) -> generalization head, because no
                  attribute token exists for it and it should keep CLIP's general knowledge.
       H >= high: spread over many concepts -> generalization head.
       between:   mixed head.
-    """
-    values = torch.tensor(list(entropies), dtype=torch.float64)
-    if low_bits is None:
-        low_bits = float(torch.quantile(values, 1 / 3))
-    if high_bits is None:
-        high_bits = float(torch.quantile(values, 2 / 3))
+    No head at or below `low` means no head is specialised enough: then there is no
+    attribute head, and the map says so (`RoleMap.table`)."""
+    if num_concepts is None:
+        num_concepts = len({c for concepts in concepts_per_head for c in concepts})
+    low, high = default_thresholds(max(len(c) for c in concepts_per_head), num_concepts)
+    low_bits, high_bits = (low if low_bits is None else low_bits), (high if high_bits is None else high_bits)
     if low_bits > high_bits:
         raise DeARError(f"low_bits={low_bits:g} is above high_bits={high_bits:g}; the low threshold must be the smaller")
     roles = []
-    for entropy, concepts in zip(values.tolist(), concepts_per_head):
+    for entropy, concepts in zip(entropies, concepts_per_head):
         if entropy <= low_bits:
             concept = dominant_concept(concepts)
             roles.append(("attribute", concept) if concept in attributes else ("generalization", None))
@@ -306,8 +336,9 @@ def analyze_heads(clip: CLIP, image_batches: Union[torch.Tensor, Iterable[torch.
     i.e. the concepts that can have attribute heads (default: the paper's five).
     For every head of the last `num_layers` layers (default: the last four, as in the paper):
     its direct contributions to the image embeddings (divided by each embedding's norm, as
-    TextSpan does), TextSpan's top `num_descriptions` descriptions from the bank (default and
-    limits: `analysis_picks`), their concept entropy, and its role.
+    TextSpan does), TextSpan's top `num_descriptions` descriptions from the bank (default:
+    `default_picks`, what the bank's attributes can support; limits: `analysis_picks`), their
+    concept entropy, and its role (thresholds: `default_thresholds` unless given).
     """
     bank = [Description(*entry) for entry in bank] if bank is not None else description_bank()
     depth = len(clip.visual.transformer.resblocks)
@@ -325,7 +356,8 @@ def analyze_heads(clip: CLIP, image_batches: Union[torch.Tensor, Iterable[torch.
         raise DeARError("image_batches holds no images; the analysis needs at least 2")
     contributions = torch.cat(per_image)  # (n_images, L, H, E)
     n_images, L, H, E = contributions.shape
-    num_descriptions = analysis_picks(num_descriptions, len(bank), n_images, rank=rank, embed_dim=E)
+    default = default_picks(bank, attributes) if num_descriptions is None else PAPER_PICKS  # the bank's rule
+    num_descriptions = analysis_picks(num_descriptions, len(bank), n_images, rank=rank, embed_dim=E, default=default)
     first = len(clip.visual.transformer.resblocks) - num_layers
     text = encode_descriptions(clip, tokenizer, [d.text for d in bank]).cpu()  # (T, E)
     log(f"  head analysis: {len(bank)} descriptions over {len(set(d.concept for d in bank))} concepts; "
@@ -340,7 +372,7 @@ def analyze_heads(clip: CLIP, image_batches: Union[torch.Tensor, Iterable[torch.
                                      [bank[i].text for i in picks], concepts))
         log(f"  head analysis: layer {first + li + 1} (index {first + li}) done")
     roles, low, high = assign_roles([h.entropy for h in analysed], [h.concepts for h in analysed],
-                                    attributes, low_bits, high_bits)
+                                    attributes, low_bits, high_bits, len({d.concept for d in bank}))
     for entry, (role, attribute) in zip(analysed, roles):
         entry.role, entry.attribute = role, attribute
     return RoleMap(len(clip.visual.transformer.resblocks), H, list(attributes), analysed, low, high)
@@ -672,6 +704,43 @@ class DeAR(nn.Module):
                 f"({100 * learnable / (learnable + frozen):.2f}% learnable)")
 
 
+# Attribute-conditioned retrieval (the paper's check that an attribute token carries its
+# attribute): rank a gallery by one feature of DeAR's -- an attribute token's, the class
+# token's -- or by frozen CLIP's, and see which images come back.
+
+
+@torch.no_grad()
+def retrieval_features(model: DeAR, images: torch.Tensor) -> dict:
+    """images (B, 3, R, R) -> {"class": (B, E), each attribute: (B, E), "frozen CLIP": (B, E)},
+    every feature normalised. A blind attribute token (`DeAR.blind_attributes`) is left
+    out: its feature does not depend on the image, so it cannot rank anything."""
+    f_cls, f_attr, f_frozen = model.encode_image(images, with_frozen=True)
+    features = {"class": f_cls}
+    features.update({name: f_attr[:, i] for i, name in enumerate(model.attributes)
+                     if name not in model.blind_attributes})
+    features["frozen CLIP"] = f_frozen
+    return {name: F.normalize(value.float(), dim=-1) for name, value in features.items()}
+
+
+def rank_gallery(queries: torch.Tensor, gallery: torch.Tensor, k: int,
+                 same_images: bool = False) -> torch.Tensor:
+    """queries (Q, E), gallery (G, E), both normalised -> (Q, k) gallery indices, most
+    similar (cosine) first. same_images: the queries are the gallery (Q = G), so each query
+    is kept out of its own list."""
+    similarity = queries @ gallery.T  # (Q, G)
+    if same_images:
+        similarity.fill_diagonal_(float("-inf"))
+    return similarity.topk(min(k, similarity.shape[1] - int(same_images)), dim=1).indices
+
+
+def precision_at_k(ranking: torch.Tensor, query_values: Sequence, gallery_values: Sequence) -> float:
+    """ranking (Q, k) from rank_gallery -> the share of the retrieved images whose value
+    (e.g. colour) equals their query's, averaged over the queries."""
+    hits = [sum(gallery_values[j] == query_values[q] for j in row) / len(row)
+            for q, row in enumerate(ranking.tolist())]
+    return sum(hits) / len(hits)
+
+
 # ------------------------------------------------------------------------------------------
 # 6. The losses (paper Sec. 3.4, METHOD.md Sec. 5)
 # ------------------------------------------------------------------------------------------
@@ -836,6 +905,9 @@ def _role_table(role_map: RoleMap) -> str:
         lines.append(f"{layer + 1:>5} | " + " ".join(cells))
     counts = Counter(h.role if h.role != "attribute" else f"attribute:{h.attribute}" for h in role_map.heads)
     lines.append("counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    if not any(h.role == "attribute" for h in role_map.heads):
+        lines.append("no attribute head: no head is specialised enough (entropy <= low); an attribute token "
+                     "reads the image only through mixed heads, and is blind where there are none")
     return "\n".join(lines)
 
 
@@ -943,9 +1015,11 @@ def draw_role_masks(masks: torch.Tensor, num_image_tokens: int, attributes: Sequ
 
 class Description(NamedTuple):
     """One labelled phrase. A NamedTuple, so a caller's own bank can be plain
-    (text, concept) pairs: analyze_heads reads either."""
+    (text, concept) pairs or (text, concept, value) triples: analyze_heads reads either.
+    value: the word of the concept the phrase names ("red"), which `default_picks` counts."""
     text: str
     concept: str
+    value: Optional[str] = None
 
 
 def description_bank() -> List[Description]:
@@ -963,7 +1037,7 @@ def description_bank() -> List[Description]:
                 text = template.format(word)
                 if text not in seen:
                     seen.add(text)
-                    bank.append(Description(text, concept))
+                    bank.append(Description(text, concept, word))
     return bank
 
 

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import json
 import math
@@ -210,7 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("what to run")
     g.add_argument("--dataset", nargs="+", help="dataset name(s) from data.py, 'all' for the protocol's "
-                   "datasets, or 'toyworld' (the project's own world: no downloads)")
+                   "datasets, 'toyworld' (the project's own world: no downloads), or the PATH of your own data: "
+                   "a folder of class folders (PATH/<class>/<image>; the split is drawn once, 50/20/30 per class, "
+                   "and written to PATH/split_<name>.json) or a split file in CoOp's format (image paths "
+                   "relative to its folder); its name in tables and run folders is its folder's name")
     g.add_argument("--protocol", choices=PROTOCOLS, help="base2novel | fewshot | cross | dg")
     g.add_argument("--method", nargs="+", choices=METHODS, help="rows of the table: zeroshot = CLIP with the "
                    "dataset's template, no training; linear-probe = logistic regression on the frozen image "
@@ -227,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seeds", nargs="+", type=int, help="seeds; tables report the mean")
     g.add_argument("--shots", nargs="+", type=int, help="shots per class")
     g.add_argument("--source", help="training dataset of cross and dg")
+    g.add_argument("--template", help="class prompt template, '{}' standing for the class name, for every "
+                   f"dataset of the call (unset: each benchmark's CoOp template; your own data: {data.OWN_TEMPLATE!r})")
 
     g = p.add_argument_group("where things are")
     g.add_argument("--root", help="the $DATA folder in CoOp's layout (toyworld: made in the cache)")
@@ -251,14 +257,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "TextSpan's pool)")
     g.add_argument("--analysis-images", type=int, help="at most this many images of the pool, spread evenly "
                    "over its classes with a fixed seed")
-    g.add_argument("--descriptions", type=int, help="TextSpan descriptions per head (unset: 20, capped with a "
-                   "warning where the bank, the images or TextSpan's rank cannot support it; typed: refused there)")
+    g.add_argument("--descriptions", type=int, help="TextSpan descriptions per head (unset: what the bank "
+                   "supports, the fewest values of an attribute: 16 for the project's bank, 4 for the toy world's; "
+                   "capped with a warning where the images or TextSpan's rank cannot support it; a typed value "
+                   "above that is refused)")
     g.add_argument("--analyse-only", action="store_true", help="run the head analysis alone (roles.json, "
                    "roles.png, masks.png in --output and the cache), then stop")
     g.add_argument("--low-bits", type=float, help="attribute heads have concept entropy at most this "
-                   "(unset: the lower third of the observed entropies)")
+                   "(unset: a third of log2(min(descriptions, concepts)), the most the picks can spread)")
     g.add_argument("--high-bits", type=float, help="generalization heads have concept entropy at least "
-                   "this (unset: the upper third)")
+                   "this (unset: two thirds of it)")
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, help="training epochs, the warm-up epochs included")
@@ -313,6 +321,8 @@ def default_help(key: str) -> str:
 
 
 def recipe_of(protocol: str, dataset: str) -> Recipe:
+    if dataset not in RECIPES[protocol] and data.get_spec(dataset).own:  # your own data: the protocol's recipe
+        return PROTOCOL_RECIPES[protocol]
     if dataset not in RECIPES[protocol]:  # a dataset added to data.py without a recipe here
         raise TrainError(f"--dataset {dataset}: train.py has no {protocol} recipe for it; add it to RECIPES "
                          "in train.py")
@@ -355,7 +365,7 @@ def _default(value, default):
 
 
 def _dataset_names(typed: List[str], protocol: str, source: Optional[str]) -> List[str]:
-    names = [n.strip().lower().replace("-", "_") for n in typed]
+    names = [data.own_dataset_name(n) if data.is_own_data(n) else n.strip().lower().replace("-", "_") for n in typed]
     if names == ["all"]:  # cross and dg: one training on the source, tested on all fourteen targets
         source = _default(source, DEFAULTS["source"]).strip().lower().replace("-", "_")
         names = PAPER_DATASETS if protocol in ("base2novel", "fewshot") else \
@@ -374,6 +384,14 @@ def settings_from_flags(args: argparse.Namespace) -> Dict[str, object]:
                          "--dataset all)")
     protocol = _default(args.protocol, DEFAULTS["protocol"])
     names = _dataset_names(args.dataset, protocol, args.source)
+    typed = [data.own_dataset_name(n) if data.is_own_data(n) else n for n in args.dataset]  # no paths in a folder name
+    output = _default(args.output, os.path.join("runs", f"{protocol}-{'-'.join(typed)}"))
+    own = [(data.own_dataset_name(n), os.path.abspath(n)) for n in args.dataset if data.is_own_data(n)]
+    if len({name for name, _ in own}) < len(own):
+        raise TrainError(f"--dataset {' '.join(path for _, path in own)}: two have the same folder name; rename "
+                         "one (the name is used in tables and run folders)")
+    dataset_paths = dict(own)
+    register_own_data(dataset_paths, output)
     toy = names == ["toyworld"]
     if "toyworld" in names and not toy:
         raise TrainError("--dataset toyworld runs on its own; give it alone")
@@ -417,11 +435,12 @@ def settings_from_flags(args: argparse.Namespace) -> Dict[str, object]:
         raise TrainError("--shots takes several values only with --protocol fewshot")
     # The order of the keys is the order of settings.json.
     return dict(
-        dataset=names, protocol=protocol, source=source, method=list(dict.fromkeys(flag("method"))), roles=roles,
-        fusion=fusion, seeds=list(dict.fromkeys(flag("seeds"))), shots=shots,
+        dataset=names, dataset_paths=dataset_paths, template=args.template, protocol=protocol, source=source,
+        method=list(dict.fromkeys(flag("method"))), roles=roles, fusion=fusion,
+        seeds=list(dict.fromkeys(flag("seeds"))), shots=shots,
         root=args.root, weights=None if toy else flag("weights"),  # toy: its own, found by open_inputs
         head_width=args.head_width,  # None: from the file (clip_model.save records it)
-        bpe=args.bpe, output=_default(args.output, os.path.join("runs", f"{protocol}-{'-'.join(args.dataset)}")),
+        bpe=args.bpe, output=output,
         first_layer=flag("first_layer"), beta=flag("beta"), text_tokens=flag("text_tokens"),
         lambda_reg=flag("lambda_reg"), lambda_fusion=flag("lambda_fusion"),
         analysis_pool=flag("analysis_pool"), analysis_images=flag("analysis_images"),
@@ -436,6 +455,13 @@ def settings_from_flags(args: argparse.Namespace) -> Dict[str, object]:
         fingerprints=None,  # SHA-256 of the weights, BPE and roles files: added by open_inputs
         role_maps=None,  # {trained dataset: the analysed role map's fingerprint, pool, SHA-256}: added by run
     )
+
+
+def register_own_data(dataset_paths: Dict[str, str], output: str) -> None:
+    """Your own data (--dataset PATH): registered in data.py under its folder's name, every
+    file checked; a split drawn for a read-only folder goes to <output>/<name>/."""
+    for name, path in dataset_paths.items():
+        data.own_dataset(path, split_fallback_dir=os.path.join(output, name))
 
 
 def validate_settings(settings: dict) -> None:
@@ -481,6 +507,14 @@ def validate_settings(settings: dict) -> None:
                          "the low threshold must be the smaller (attribute heads lie at or below it, "
                          "generalization heads at or above --high-bits)")
     analysis_pool_of(settings["analysis_pool"])  # a malformed pool stops here
+    template = settings["template"]
+    try:
+        well_formed = template is None or template.format("x") != template.format("y")
+    except (IndexError, KeyError, ValueError):
+        well_formed = False
+    if not well_formed:
+        raise TrainError(f"--template {template!r}: expected a prompt with one '{{}}' for the class name, "
+                         "e.g. 'a photo of a {}, a kind of flower.'")
     pick_device(settings["device"])  # an unknown or absent device stops here
 
 
@@ -508,9 +542,11 @@ def settings_from_run_folder(args: argparse.Namespace) -> Dict[str, object]:
                          f"this one reads {RUN_FORMAT}: one cached head analysis per model, Dassl's warm-up "
                          "recount, renamed fusion rows); finish it with that version, or start a new run")
     expected_keys = set(settings_from_flags(build_parser().parse_args(["--dataset", "dtd"])))
-    if not isinstance(saved, dict) or set(saved) != expected_keys or not isinstance(saved["fingerprints"], dict):
+    if not isinstance(saved, dict) or set(saved) != expected_keys or not isinstance(saved["fingerprints"], dict) \
+            or not isinstance(saved["dataset_paths"], dict):
         raise TrainError(f"{path}: not the settings of this train.py (damaged, or made by another version); "
                          "start a new run with another --output")
+    register_own_data(saved["dataset_paths"], args.output)  # your own data, found and checked again
     # The typed flags in the form settings.json stores them (--augment off -> False, ...):
     # the same value is accepted, another one refused.
     stored_as = {"dataset": lambda v: _dataset_names(v, saved["protocol"], saved["source"]),
@@ -719,6 +755,7 @@ def plan_jobs(settings: dict) -> List[Job]:
 def training_split(settings: dict, dataset: str, seed: int, shots: int) -> data.DatasetSplits:
     subsample = "base" if settings["protocol"] == "base2novel" else "all"
     split = data.load_dataset(dataset, settings["root"], num_shots=shots, seed=seed, subsample=subsample)
+    split.template = settings["template"] or split.template  # --template overrides the dataset's own
     if not split.train:  # training on nothing would still write a row of the table
         raise TrainError(f"{split.dataset_dir}: no training images{' of the base classes' if subsample == 'base' else ''}; "
                          "the split's 'train' list must name some")
@@ -736,7 +773,7 @@ def evaluation_sets(settings: dict, dataset: str) -> List[EvalSet]:
             which = {"base": " of the base classes", "new": " of the novel classes"}.get(subsample, "")
             raise TrainError(f"{d.dataset_dir}: no test images{which} ({len(d.classnames)} classes); the "
                              f"{column} column needs some: the split's 'test' list must name them")
-        return EvalSet(column, d.test, d.classnames, d.template, trained)
+        return EvalSet(column, d.test, d.classnames, settings["template"] or d.template, trained)
 
     if protocol == "base2novel":
         return [full(dataset, "base", True, "base"), full(dataset, "novel", False, "new")]
@@ -1152,7 +1189,10 @@ def toy_causal_check(inputs: Inputs, role_map: dear.RoleMap, folder: str, log) -
     if os.path.isfile(os.path.join(folder, "causal_check.json")):
         return  # done in an earlier call (a call killed during the check redoes it on --resume)
     log("[toyworld] causal check: mean-ablating every analysed head, zero-shot accuracy per attribute")
-    result = toyworld.causal_check(inputs.clip, inputs.tokenizer, role_map, role_map.attributes, log=log)
+    # The check draws its images and prompts on the CPU: on a GPU it runs on a CPU copy of the
+    # toy CLIP (1.6M parameters), which also gives the same table on every device.
+    clip = inputs.clip if inputs.clip.visual.conv1.weight.is_cpu else copy.deepcopy(inputs.clip).cpu()
+    result = toyworld.causal_check(clip, inputs.tokenizer, role_map, role_map.attributes, log=log)
     write_text(os.path.join(folder, "causal_check.md"), result["table"] + "\n")
     write_json(os.path.join(folder, "causal_check.json"), result)  # last: marks the check done
     log(result["table"])
@@ -1285,6 +1325,84 @@ def linear_probe(clip, split: data.DatasetSplits, eval_sets: List[EvalSet], sett
     runtime.log(f"linear probe: L2 {best:g} picked on {len(val_y)} validation images; "
                 + ", ".join(f"{name} {value:.2f}%" for name, value in metrics.items()))
     return metrics
+
+
+# Attribute-conditioned retrieval (the paper's check that an attribute token carries its
+# attribute): the test images ranked by each feature of a trained DeAR (dear.rank_gallery).
+RETRIEVAL_GALLERY = 2000  # test images at most, spread over the classes (our choice: cost)
+RETRIEVAL_QUERIES, RETRIEVAL_SHOWN, RETRIEVAL_K = 4, 8, 10
+
+
+@torch.no_grad()
+def retrieval_check(model: dear.DeAR, job: Job, settings: dict, inputs: Inputs, lists: RunData,
+                    runtime: Runtime) -> Optional[dict]:
+    """For a trained DeAR run: retrieval_<feature>.png in its folder (per row, a test image
+    then its nearest test images by that feature: each attribute token that can read the
+    image, the class feature, frozen CLIP). In the toy world, where every image's attributes
+    are known, also precision@10 of same-value retrieval: {feature: {attribute: share}}, with
+    "blind" for a token that cannot read the image. Returns that (None elsewhere)."""
+    names = ("base", "novel", "all", job.dataset)  # the trained dataset's own test split
+    items = list({item.path: item for s in lists.test[job.dataset] if s.name in names for item in s.items}.values())
+    gallery = analysis_images(items, RETRIEVAL_GALLERY, seed=0)  # evenly over the classes
+    size = inputs.clip.visual.input_resolution
+    loader = DataLoader(data.ImageDataset(gallery, data.test_transform(size)),
+                        batch_size=settings["eval_batch_size"], num_workers=settings["workers"])
+    parts = [dear.retrieval_features(model, images.to(runtime.device)) for images, _ in loader]
+    features = {name: torch.cat([p[name] for p in parts]).cpu() for name in parts[0]}  # {name: (G, E)}
+    rankings = {name: dear.rank_gallery(f, f, max(RETRIEVAL_K, RETRIEVAL_SHOWN), same_images=True)
+                for name, f in features.items()}  # {name: (G, k)}
+
+    import torchvision  # torch's own companion (requirements.txt): the picture grid
+
+    unnormalised = torchvision.transforms.Compose(data.test_transform(size).transforms[:-1])  # pixels in [0, 1]
+    shown = data.ImageDataset(gallery, unnormalised)
+    for name, ranking in rankings.items():
+        tiles = [shown[i][0] for q in range(min(RETRIEVAL_QUERIES, len(gallery)))
+                 for i in [q] + ranking[q, :RETRIEVAL_SHOWN].tolist()]
+        tiles = F.interpolate(torch.stack(tiles), scale_factor=max(1, 96 // size), mode="nearest")  # small: enlarged
+        path = os.path.join(job.folder, f"retrieval_{name.replace(' ', '_')}.png")
+        dear.atomic_write(path, lambda tmp: torchvision.utils.save_image(
+            tiles, tmp, nrow=1 + RETRIEVAL_SHOWN, padding=2, pad_value=1.0, format="PNG"))
+    runtime.log(f"[{job.label}] retrieval: {len(gallery)} test images ranked by {', '.join(rankings)}; "
+                f"pictures retrieval_*.png in {job.folder}")
+    if not inputs.toy:
+        return None
+    from toyworld.task import split_scenes  # the toy world knows every test image's attributes
+
+    images_dir = os.path.join(settings["root"], "toyworld", "images")
+    scenes = split_scenes(settings["root"])
+    scenes = [scenes[os.path.relpath(item.path, images_dir).replace(os.sep, "/")] for item in gallery]
+    table = {name: {} for name in ["class"] + inputs.attributes + ["frozen CLIP"]}
+    for name in table:
+        for attribute in inputs.attributes:
+            values = [getattr(scene, attribute) for scene in scenes]
+            table[name][attribute] = ("blind" if name not in rankings else
+                                      dear.precision_at_k(rankings[name][:, :RETRIEVAL_K], values, values))
+    return table
+
+
+def retrieval_summary(results: List[dict], attributes: List[str]) -> Tuple[dict, str]:
+    """Precision@10 per (feature, attribute), mean and spread over a DeAR row's seeds ->
+    (JSON, markdown)."""
+    summary, lines = {}, []
+    for row in dict.fromkeys(res["job"]["row"] for res in results if res.get("retrieval")):
+        tables = [res["retrieval"] for res in results if res["job"]["row"] == row and res.get("retrieval")]
+        seeds = lambda name, a: [t[name][a] for t in tables]  # noqa: E731
+        summary[row] = {name: {a: "blind" if "blind" in seeds(name, a) else
+                               [100 * mean(seeds(name, a)), 100 * spread(seeds(name, a))]
+                               for a in attributes} for name in tables[0]}
+        lines += [f"## {row_label(row)}: precision@{RETRIEVAL_K} (%) of same-value retrieval, "
+                  f"mean ± sd over {len(tables)} seeds", "",
+                  "| ranked by | " + " | ".join(f"same {a}" for a in attributes) + " |", "|---|" + "---:|" * len(attributes)]
+        for name, cells in summary[row].items():
+            label = {"class": "class feature", "frozen CLIP": "frozen CLIP"}.get(name, f"{name} token")
+            lines.append(f"| {label} | " + " | ".join(
+                "blind" if v == "blind" else f"{v[0]:.1f} ± {v[1]:.1f}" for v in cells.values()) + " |")
+        lines.append("")
+    text = ("# Attribute-conditioned retrieval\n\nGallery: the test split; each test image queries the others "
+            f"by one feature (cosine); a hit is a neighbour with the query's value. Chance = the value's share "
+            "of the test images. A blind token cannot read the image and ranks nothing.\n\n" + "\n".join(lines))
+    return summary, text
 
 
 # ------------------------------------------------------------------------------------------
@@ -1455,6 +1573,8 @@ def run_job(job: Job, settings: dict, inputs: Inputs, role_maps: dict, lists: Ru
                   role_map=(settings["role_maps"] or {}).get(job.dataset) if job.roles == "analyse" else None,
                   settings=job_settings(settings, job))
     if runtime.main:
+        if model is not None:  # pictures in the run folder; the toy world's precision@10 in the result
+            result["retrieval"] = retrieval_check(model, job, settings, inputs, lists, runtime)
         write_text(os.path.join(job.folder, "results.md"), job_table(job, metrics))
         write_json(results_path, result)  # last: its presence marks the run complete
     return result
@@ -1855,6 +1975,12 @@ def run(settings: dict, stack: contextlib.ExitStack) -> int:
         write_json(os.path.join(settings["output"], "summary.json"), summary)
         write_text(os.path.join(settings["output"], "summary.md"), text)
     runtime.log("\n" + text)
+    if any(res.get("retrieval") for res in results):  # the toy world: attribute-conditioned retrieval
+        retrieval, text = retrieval_summary(results, inputs.attributes)
+        if runtime.main:
+            write_json(os.path.join(settings["output"], "retrieval.json"), retrieval)
+            write_text(os.path.join(settings["output"], "retrieval.md"), text)
+        runtime.log(text)
     runtime.log(f"train.py: done in {format_time(time.time() - started)}; tables in "
                 f"{os.path.join(settings['output'], 'summary.md')}")
     if runtime.world > 1:

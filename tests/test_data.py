@@ -34,6 +34,12 @@ sys.path.insert(0, str(REPO))
 import data  # noqa: E402
 from data import DatasetError, DatasetWarning, ImageDataset, load_dataset  # noqa: E402
 
+@pytest.fixture(autouse=True)
+def registry_as_shipped(monkeypatch):
+    """Your own data registers itself in data.DATASETS: each test starts from the shipped registry."""
+    monkeypatch.setattr(data, "DATASETS", dict(data.DATASETS))
+
+
 # -----------------------------------------------------------------------------
 # Writing tiny datasets in CoOp's layout
 
@@ -397,11 +403,32 @@ def test_few_shot_cache_survives_moving_the_data_root(pets_root, tmp_path_factor
         os.path.relpath(i.path, pets_root) for i in first.train]
 
 
-def test_class_with_fewer_than_k_images_uses_all_it_has_and_says_so(tmp_path):
+def test_class_with_fewer_than_k_images_repeats_some_as_dassl_does_and_says_so(tmp_path):
     write_split_dataset(tmp_path, "oxford_pets", train_counts=[2, 8, 8, 8, 8])
     with pytest.warns(DatasetWarning, match=r"oxford_pets train: 1 of 5 classes have fewer than 4 images.*'abyssinian' has 2"):
         result = load_dataset("oxford_pets", tmp_path, num_shots=4)
-    assert labels_of(result.train) == {0: 2, 1: 4, 2: 4, 3: 4, 4: 4}
+    assert labels_of(result.train) == {label: 4 for label in range(5)}  # every class K, as Dassl's repeat=True
+    short = [item for item in result.train if item.label == 0]
+    assert len(set(short)) == 2  # its two images, drawn with repetition to make four
+    with warnings.catch_warnings():  # the cache of a short class (repeats) is valid and reused
+        warnings.simplefilter("error", DatasetWarning)
+        warnings.filterwarnings("ignore", "oxford_pets train", DatasetWarning)
+        again = load_dataset("oxford_pets", tmp_path, num_shots=4)
+    assert again.train == result.train
+
+
+def test_few_shot_cache_of_the_older_rule_is_redrawn_not_reused(pets_root):
+    fresh = load_dataset("oxford_pets", pets_root, num_shots=2)
+    cache = Path(data.fewshot_cache_path(fresh.dataset_dir, 2, 1))
+    stored = json.loads(cache.read_text())
+    stored["format"] = "dear-from-scratch few-shot split, version 2"  # sorted labels, no repeats
+    stored["train"] = stored["train"][2:] + stored["train"][:2]  # a different (older) draw
+    stored["content"] = data._fingerprint({"train": stored["train"], "val": stored["val"]})
+    cache.write_text(json.dumps(stored))
+    with pytest.warns(DatasetWarning, match=r"drawn by an older rule.*version 2.*rebuilding"):
+        rebuilt = load_dataset("oxford_pets", pets_root, num_shots=2)
+    assert rebuilt.train == fresh.train
+    assert json.loads(cache.read_text())["format"] == data.FEWSHOT_CACHE_FORMAT
 
 
 @pytest.mark.parametrize("corruption", [
@@ -444,7 +471,7 @@ def test_few_shot_cache_with_wrong_counts_per_class_is_rebuilt(pets_root):
     def edit(stored):
         stored["train"][1] = stored["train"][0]  # class 0: one image twice instead of two images
 
-    edited_cache_is_rebuilt(pets_root, edit, r"min\(2, available\) distinct images per class")
+    edited_cache_is_rebuilt(pets_root, edit, r"does not hold 2 images per class \(distinct")
 
 
 def test_edited_few_shot_cache_is_rebuilt_even_when_every_entry_is_plausible(pets_root):
@@ -804,9 +831,263 @@ def test_real_coop_split_reads_with_the_published_sizes(tmp_path, name, filename
     assert len(base.test) + len(novel.test) == n_test
 
     sixteen = load_dataset(name, tmp_path, num_shots=16, seed=1)
-    available = labels_of(every.train)
-    assert labels_of(sixteen.train) == {label: min(16, count) for label, count in available.items()}
-    assert labels_of(sixteen.val) == {label: min(4, count) for label, count in labels_of(every.val).items()}
+    assert labels_of(sixteen.train) == {label: 16 for label in range(n_classes)}
+    assert labels_of(sixteen.val) == {label: 4 for label in range(n_classes)}
+    for subsample in ("all", "base", "new"):  # through load_dataset and its cache: Dassl's draw
+        drawn = load_dataset(name, tmp_path, num_shots=16, seed=1, subsample=subsample)
+        assert (relative_entries(drawn.train, image_root), relative_entries(drawn.val, image_root)) == coop_draw(
+            split, 16, 1, subsample)
 
     image, label = ImageDataset(every.test[:1])[0]
     assert image.shape == (3, 224, 224) and label == every.test[0].label
+
+
+# -----------------------------------------------------------------------------
+# The papers' few-shot images: data.py draws what Dassl draws
+#
+# Below, Dassl's procedure written out in our own words (Dassl.pytorch,
+# dassl/data/datasets/base_dataset.py: generate_fewshot_dataset with its default repeat=True,
+# split_dataset_by_label; CoOp, datasets/oxford_pets.py: the few-shot train list, then the
+# validation list with min(K, 4), both after Dassl's set_random_seed, then subsample_classes).
+# It draws from the global `random`, as Dassl does; data.py uses its own random.Random(seed).
+
+
+def dassl_few_shot(entries: list, num_shots: int) -> list:
+    groups: dict = {}  # label -> its entries; a dict keeps the order labels first appear in
+    for entry in entries:
+        groups.setdefault(entry[1], []).append(entry)
+    drawn = []
+    for group in groups.values():
+        drawn += random.sample(group, num_shots) if len(group) >= num_shots else random.choices(group, k=num_shots)
+    return drawn
+
+
+def coop_subsample(lists: list, subsample: str) -> list:
+    if subsample == "all":
+        return lists
+    labels = sorted({entry[1] for entry in lists[0]})
+    half = -(-len(labels) // 2)
+    kept = labels[:half] if subsample == "base" else labels[half:]
+    return [[[entry[0], kept.index(entry[1]), entry[2]] for entry in entries if entry[1] in kept] for entries in lists]
+
+
+def coop_draw(split: dict, num_shots: int, seed: int, subsample: str = "all") -> tuple:
+    """(train, val) of CoOp's few-shot dataset as [relative path, label, name] entries."""
+    state = random.getstate()
+    try:
+        random.seed(seed)  # Dassl's set_random_seed, before the dataset is built
+        train = dassl_few_shot(split["train"], num_shots)
+        val = dassl_few_shot(split["val"], min(num_shots, 4))
+    finally:
+        random.setstate(state)
+    train, val = coop_subsample([train, val], subsample)
+    return [entry[:2] for entry in train], [entry[:2] for entry in val]
+
+
+def test_dassl_transcription_on_draws_worked_out_by_hand():
+    # A class of one image and K = 3: that image three times (repeat=True), whatever the seed.
+    assert coop_draw({"train": [["x.jpg", 0, "x"]], "val": []}, 3, 5)[0] == [["x.jpg", 0]] * 3
+    # A class of exactly K images gives all of them; classes come in the order their labels
+    # first appear in the list (2 before 0), not sorted.
+    split = {"train": [["c.jpg", 2, "c"], ["a.jpg", 0, "a"], ["d.jpg", 2, "c"], ["b.jpg", 0, "a"]], "val": []}
+    train, _ = coop_draw(split, 2, 1)
+    assert [label for _, label in train] == [2, 2, 0, 0]
+    assert sorted(train[:2]) == [["c.jpg", 2], ["d.jpg", 2]] and sorted(train[2:]) == [["a.jpg", 0], ["b.jpg", 0]]
+    # One class: Dassl's draw is one random.sample(class, K) right after random.seed(seed).
+    five = [[f"{i}.jpg", 0, "a"] for i in range(5)]
+    six = [[f"v{i}.jpg", 0, "a"] for i in range(6)]
+    assert coop_draw({"train": five, "val": []}, 2, 7)[0] == [e[:2] for e in random.Random(7).sample(five, 2)]
+    # Validation: min(K, 4) per class, drawn from the same stream after the train list.
+    train, val = coop_draw({"train": five, "val": six}, 16, 2)  # five < 16: choices, then val
+    stream = random.Random(2)
+    assert train == [e[:2] for e in stream.choices(five, k=16)]
+    assert val == [e[:2] for e in stream.sample(six, 4)]
+    assert val != [e[:2] for e in random.Random(2).sample(six, 4)]  # not a fresh stream for val
+    # Base/novel after the draw: base = the first ceil(n/2) sorted labels, relabelled from 0.
+    three = {"train": [["p.jpg", 2, "p"], ["q.jpg", 1, "q"], ["r.jpg", 0, "r"]], "val": []}
+    assert coop_draw(three, 1, 1, "base")[0] == [["q.jpg", 1], ["r.jpg", 0]]
+    assert coop_draw(three, 1, 1, "new")[0] == [["p.jpg", 0]]
+
+
+def relative_entries(items, image_root) -> list:
+    return [[os.path.relpath(item.path, image_root).replace(os.sep, "/"), item.label] for item in items]
+
+
+@pytest.mark.parametrize("filename", [row[1] for row in REAL_SPLITS], ids=[row[0] for row in REAL_SPLITS])
+def test_few_shot_draws_equal_dassls_on_the_real_split_files(filename):
+    split = json.loads(gzip.decompress((COOP_SPLITS / f"{filename}.gz").read_bytes()))
+    root = "/data"
+    full = {name: [data.Item(f"{root}/{entry[0]}", entry[1], data.clean_classname(entry[2])) for entry in entries]
+            for name, entries in split.items()}
+    classnames = data._classnames_from_items(full["train"] + full["val"] + full["test"], filename)
+    for num_shots in (1, 4, 16):
+        for seed in (1, 2, 3):
+            rng = random.Random(seed)  # as data.few_shot_splits: one stream, train then val
+            train = data.sample_few_shot(full["train"], num_shots, rng)
+            val = data.sample_few_shot(full["val"], min(num_shots, 4), rng)
+            for subsample in ("all", "base", "new"):
+                _, (kept_train, kept_val) = data.subsample_classes(classnames, [train, val], subsample)
+                expected = coop_draw(split, num_shots, seed, subsample)
+                got = relative_entries(kept_train, root), relative_entries(kept_val, root)
+                assert got == expected, f"{filename} K={num_shots} seed={seed} {subsample}: not Dassl's draw"
+
+
+# -----------------------------------------------------------------------------
+# Your own data: a folder of class folders, or a split file in CoOp's format
+
+
+def write_image_folder(folder: Path, counts: dict) -> Path:
+    """folder/<class>/<i>.png, counts[class] images each (a colour per class and image)."""
+    for label, (classname, n) in enumerate(counts.items()):
+        for i in range(n):
+            write_image(folder / classname / f"{i}.png", color=(40 * label, 10 * i, 7))
+    return folder
+
+
+def test_image_folder_is_split_50_20_30_per_class_and_written_as_a_coop_split(tmp_path):
+    folder = write_image_folder(tmp_path / "my_things", {"red_ball": 10, "cube": 7, "cone": 4})
+    (folder / "cube" / "notes.txt").write_text("not an image")
+    (folder / "cube" / "readme.md").write_text("not an image")
+    with pytest.warns(DatasetWarning, match=r"my_things: skipped 2 non-image files"):
+        spec = data.own_dataset(str(folder))
+    assert (spec.name, spec.template) == ("my_things", "a photo of a {}.")
+    assert not (folder / "split_my_things.json").exists()  # checked, not yet written
+    result = load_dataset("my_things", None)
+    # Sorted folders -> labels; underscores -> spaces; round(50%), round(20%), the rest.
+    assert result.classnames == ["cone", "cube", "red ball"]
+    assert [labels_of(getattr(result, part)) for part in ("train", "val", "test")] == [
+        {0: 2, 1: 4, 2: 5}, {0: 1, 1: 1, 2: 2}, {0: 1, 1: 2, 2: 3}]
+    written = json.loads((folder / "split_my_things.json").read_text())
+    # CoOp's read_and_split_data (datasets/dtd.py) in our words: per sorted class folder, its
+    # images shuffled, then round(50%) train, round(20%) val, the rest test; one fixed seed.
+    rng, expected = random.Random(data.OWN_SPLIT_SEED), {"train": [], "val": [], "test": []}
+    for label, name in enumerate(["cone", "cube", "red_ball"]):
+        images = sorted(p.name for p in (folder / name).glob("*.png"))
+        rng.shuffle(images)
+        n_train, n_val = round(len(images) * 0.5), round(len(images) * 0.2)
+        entries = [[f"{name}/{image}", label, name] for image in images]
+        for part, chosen in zip(expected, (entries[:n_train], entries[n_train:n_train + n_val], entries[n_train + n_val:])):
+            expected[part] += chosen
+    assert written == expected
+    every = {entry[0] for part in written.values() for entry in part}
+    assert len(every) == 21 and "cube/notes.txt" not in every
+
+    # The file is the split from now on: an edit is what the next call reads.
+    written["test"].append(written["train"].pop(0))
+    (folder / "split_my_things.json").write_text(json.dumps(written))
+    data.own_dataset(str(folder))
+    edited = load_dataset("my_things", None)
+    assert len(edited.train) == 10 and len(edited.test) == 7
+
+    # Few-shot on it: cached in split_fewshot/, which is never taken for a class folder.
+    (folder / "split_my_things.json").unlink()
+    with pytest.warns(DatasetWarning, match="skipped 2"):
+        data.own_dataset(str(folder))
+    few = load_dataset("my_things", None, num_shots=2, seed=1)
+    assert (folder / "split_fewshot" / "shot_2-seed_1.json").is_file()
+    assert labels_of(few.train) == {0: 2, 1: 2, 2: 2}
+    (folder / "split_my_things.json").unlink()
+    with pytest.warns(DatasetWarning, match="skipped 2"):
+        data.own_dataset(str(folder))
+    assert load_dataset("my_things", None) == result  # the same fixed seed draws the same split
+
+
+def test_split_file_paths_are_relative_to_its_folder(tmp_path):
+    folder = tmp_path / "field_photos"
+    split = {"train": [], "val": [], "test": []}
+    for label, name in enumerate(["oak_leaf", "pine"]):
+        for part in split:
+            relative = f"pictures/{name}/{part}.jpg"
+            write_image(folder / relative)
+            split[part].append([relative, label, name])
+    (folder / "labels.json").write_text(json.dumps(split))
+    spec = data.own_dataset(str(folder / "labels.json"))
+    result = load_dataset(spec.name, "/nowhere")  # the root is not used for your own data
+    assert (result.name, result.classnames) == ("field_photos", ["oak leaf", "pine"])
+    assert result.train[0].path == str(folder / "pictures" / "oak_leaf" / "train.jpg")
+
+
+def test_read_only_data_folder_writes_the_split_to_the_fallback_folder(tmp_path, monkeypatch):
+    folder = write_image_folder(tmp_path / "ro_data", {"a": 4, "b": 4})
+    fallback = tmp_path / "run" / "ro_data"
+    real_write = data._write_json_atomically
+
+    def read_only(path, header, lists):
+        if Path(path).parent == folder:
+            raise PermissionError(13, "Permission denied", str(path))
+        real_write(path, header, lists)
+
+    monkeypatch.setattr(data, "_write_json_atomically", read_only)
+    data.own_dataset(str(folder), split_fallback_dir=str(fallback))
+    with pytest.warns(DatasetWarning, match=r"split_ro_data\.json: cannot write the split file \(Permission denied\); wrote it to .*run"):
+        first = load_dataset("ro_data", None)
+    assert (fallback / "split_ro_data.json").is_file() and not (folder / "split_ro_data.json").exists()
+    stored = json.loads((fallback / "split_ro_data.json").read_text())
+    stored["val"], stored["test"] = stored["test"], stored["val"]  # the fallback copy is the one read
+    (fallback / "split_ro_data.json").write_text(json.dumps(stored))
+    data.own_dataset(str(folder), split_fallback_dir=str(fallback))
+    assert load_dataset("ro_data", None).val == first.test
+    data.own_dataset(str(folder))  # no fallback (python data.py): the same split, drawn again, unwritten
+    with pytest.warns(DatasetWarning, match="the same split is drawn again on each call"):
+        assert load_dataset("ro_data", None) == first
+
+
+BAD_OWN_DATA = {
+    "empty folder": ({}, "0 class folders; expected at least two"),
+    "one class": ({"a": 5}, "1 class folder; expected at least two"),
+    "class with no image": ({"a": 5, "b": 0}, "class 'b' has 0 images"),
+    "class too small": ({"a": 5, "tiny_one": 3}, "class 'tiny one' has 3 images; the 50/20/30"),
+    "same class name": ({"big_cat": 5, "big cat": 5}, "'big cat' and 'big_cat' both give the class name 'big cat'"),
+    "not an image": ({"a": 5, "b": 5}, "b/fake.jpg: cannot be read as an image"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_OWN_DATA))
+def test_bad_image_folder_is_a_one_line_error_naming_it_and_writes_nothing(tmp_path, case):
+    counts, message = BAD_OWN_DATA[case]
+    folder = write_image_folder(tmp_path / "bad", counts)
+    folder.mkdir(exist_ok=True)
+    if case == "class with no image":
+        (folder / "b").mkdir()
+        (folder / "b" / "notes.txt").write_text("x")
+    if case == "not an image":
+        (folder / "b" / "fake.jpg").write_text("this is text")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DatasetWarning)
+        with pytest.raises(DatasetError) as error:
+            data.own_dataset(str(folder))
+    assert_one_line_naming(error, message)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written
+    assert "bad" not in data.DATASETS
+
+
+def test_own_split_file_leaving_its_folder_or_named_like_a_benchmark_is_refused(tmp_path):
+    folder = tmp_path / "mine"
+    write_image(tmp_path / "outside.jpg")
+    entries = [["../outside.jpg", 0, "a"], ["../outside.jpg", 1, "b"]]
+    (folder).mkdir()
+    (folder / "split.json").write_text(json.dumps({"train": entries[:1], "val": [], "test": entries[1:]}))
+    with pytest.raises(DatasetError) as error:
+        data.own_dataset(str(folder / "split.json"))
+    assert_one_line_naming(error, "'../outside.jpg' leaves the image folder")
+    write_image_folder(tmp_path / "dtd", {"a": 4, "b": 4})
+    with pytest.raises(DatasetError) as error:
+        data.own_dataset(str(tmp_path / "dtd"))
+    assert_one_line_naming(error, "its name 'dtd' is that of a benchmark; rename the folder")
+    with pytest.raises(DatasetError) as error:
+        data.own_dataset(str(tmp_path / "nowhere"))
+    assert_one_line_naming(error, "nowhere: not found")
+
+
+def test_command_line_shows_your_own_data_and_refuses_a_bad_folder_in_one_line(tmp_path):
+    folder = write_image_folder(tmp_path / "my_photos", {"sea_lion": 5, "seal": 5})
+    run = subprocess.run([sys.executable, str(REPO / "data.py"), "--dataset", str(folder)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "my_photos" in run.stdout and "classes   2: sea lion, seal" in run.stdout
+    assert "'a photo of a {}.'" in run.stdout and (folder / "split_my_photos.json").is_file()
+    (tmp_path / "one" / "only").mkdir(parents=True)
+    run = subprocess.run([sys.executable, str(REPO / "data.py"), "--dataset", str(tmp_path / "one")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "expected at least two" in run.stderr

@@ -203,16 +203,52 @@ def test_concept_entropy_by_hand(concepts, bits):
 
 def test_roles_by_hand():
     entropies = [0.0, 0.2, 1.0, 1.5, 2.5, 3.0]
-    concepts = [["colour"] * 3, ["style"] * 3, ["shape"], ["shape"], ["object"], ["object"]]
-    roles, low, high = dear.assign_roles(entropies, concepts, ATTRIBUTES)
-    # thirds of [0, .2, 1, 1.5, 2.5, 3]: quantile(1/3) = 0.6..., quantile(2/3) = 1.83...
-    assert low == pytest.approx(0.2 + (1.0 - 0.2) * (5 / 3 - 1))
-    assert roles == [("attribute", "colour"), ("generalization", None), ("mixed", None), ("mixed", None),
+    concepts = [["colour"] * 8, ["style"] * 8, ["shape"], ["shape"], ["object"], ["object"]]
+    roles, low, high = dear.assign_roles(entropies, concepts, ATTRIBUTES, num_concepts=12)
+    # 8 picks over 12 concepts spread at most log2(8) = 3 bits: thirds at 1 and 2 bits.
+    assert (low, high) == pytest.approx((1.0, 2.0))
+    assert roles == [("attribute", "colour"), ("generalization", None), ("attribute", "shape"), ("mixed", None),
                      ("generalization", None), ("generalization", None)]
-    roles, _, _ = dear.assign_roles(entropies, concepts, ATTRIBUTES, low_bits=1.0, high_bits=2.9)
-    assert roles[2] == ("attribute", "shape") and roles[4] == ("mixed", None)
+    roles, _, _ = dear.assign_roles(entropies, concepts, ATTRIBUTES, low_bits=0.5, high_bits=2.9)
+    assert roles[2] == ("mixed", None) and roles[4] == ("mixed", None)
     with pytest.raises(DeARError, match="low threshold"):
         dear.assign_roles(entropies, concepts, ATTRIBUTES, low_bits=2.0, high_bits=1.0)
+
+
+def test_thresholds_are_thirds_of_what_the_picks_can_spread_not_of_the_heads_seen():
+    assert dear.default_thresholds(3, 7) == pytest.approx((math.log2(3) / 3, 2 * math.log2(3) / 3))
+    assert dear.default_thresholds(20, 12) == pytest.approx((math.log2(12) / 3, 2 * math.log2(12) / 3))
+    # Ten heads, none specialised (two concepts of three picks each): no attribute head is made.
+    spread = [["colour", "colour", "shape"], ["shape", "texture", "shape"]] * 5
+    entropies = [dear.concept_entropy(c) for c in spread]
+    roles, _, _ = dear.assign_roles(entropies, spread, ATTRIBUTES, num_concepts=7)
+    assert {role for role, _ in roles} == {"mixed"}
+
+
+def test_default_picks_follow_the_fewest_values_of_an_attribute():
+    bank = [(f"a {v} thing", "colour", v) for v in ("red", "green", "blue")]
+    bank += [(f"something {v}", "colour", v) for v in ("red", "green", "blue")]  # a second template
+    bank += [(f"a {v}", "shape", v) for v in ("circle", "square", "star", "cross", "ring")]
+    bank += [(f"at {v}", "place", v) for v in ("left", "right")]  # not an attribute: no say
+    assert dear.default_picks(bank, ["colour", "shape"]) == 3  # colour: 3 values
+    assert dear.default_picks([b[:2] for b in bank], ["colour", "shape"]) == 5  # no values: each phrase its own
+    assert dear.default_picks(dear.description_bank(), ATTRIBUTES) == 16  # shape's 16 words
+    with pytest.raises(DeARError, match="no phrase of any attribute"):
+        dear.default_picks(bank, ["texture"])
+
+
+def test_default_picks_let_a_pure_specialist_reach_zero_bits():
+    """A head that carries a 4-valued attribute varies inside the span of its 4 value phrases:
+    4 picks explain it entirely (0 bits); a 5th has nothing of it left and lands elsewhere."""
+    generator = torch.Generator().manual_seed(0)
+    bank = [(f"{c} {v}", c, str(v)) for c, k in (("position", 4), ("colour", 8), ("scene", 12)) for v in range(k)]
+    text = torch.nn.functional.normalize(torch.randn(len(bank), 32, generator=generator), dim=-1)
+    values = torch.randint(0, 4, (300,), generator=generator)
+    head = text[values] + 0.01 * torch.randn(300, 32, generator=generator)  # (images, E): position only
+    picks = dear.textspan(head, text, dear.default_picks(bank, ["position", "colour"]))
+    assert [bank[i][1] for i in picks] == ["position"] * 4
+    fifth = dear.textspan(head, text, 5)[4]
+    assert bank[fifth][1] != "position"
 
 
 def test_dominant_concept_ties_go_to_the_first_found():
@@ -468,3 +504,41 @@ def test_importing_dear_leaves_the_umask_alone_and_files_follow_it(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert ((tmp_path / "roles.json").stat().st_mode & 0o777) == 0o640
     assert [p.name for p in tmp_path.iterdir()] == ["roles.json"]
+
+
+# ------------------------------------------------------------------------------------------
+# Attribute-conditioned retrieval
+# ------------------------------------------------------------------------------------------
+
+
+def test_rank_gallery_orders_by_cosine_and_keeps_a_query_out_of_its_own_list():
+    angles = torch.tensor([0.0, 0.1, 0.5, 1.2, 3.0])  # on the unit circle: cosine falls with the angle gap
+    gallery = torch.stack([angles.cos(), angles.sin()], dim=1)  # (5, 2)
+    queries = gallery[[0, 3]]
+    assert dear.rank_gallery(queries, gallery, 3).tolist() == [[0, 1, 2], [3, 2, 1]]
+    ranked = dear.rank_gallery(gallery, gallery, 2, same_images=True)
+    assert ranked.tolist() == [[1, 2], [0, 2], [1, 0], [2, 1], [3, 2]]
+    assert dear.rank_gallery(gallery, gallery, 10, same_images=True).shape == (5, 4)  # never itself
+
+
+def test_precision_at_k_by_hand():
+    ranking = torch.tensor([[1, 2, 3], [0, 2, 3]])
+    values = ["red", "red", "blue", "red"]
+    # query 0 (red): red, blue, red -> 2/3; query 1 (red): red, blue, red -> 2/3
+    assert dear.precision_at_k(ranking, values, values) == pytest.approx(2 / 3)
+    assert dear.precision_at_k(ranking, ["blue", "blue"], values) == pytest.approx(1 / 3)
+
+
+def test_retrieval_features_leave_a_blind_token_out(tiny_clip):
+    # colour has an attribute head; no head is mixed; every other token is blind.
+    spec = {(l, h): "G" for l in range(LAYERS) for h in range(HEADS)}
+    spec[(2, 0)] = "colour"
+    with pytest.warns(UserWarning, match="left out of the fusion"):
+        model = make_model(tiny_clip, spec)
+    features = dear.retrieval_features(model, images(4))
+    assert list(features) == ["class", "colour", "frozen CLIP"]
+    assert all(f.shape == (4, TINY["embed_dim"]) for f in features.values())
+    assert_close(features["colour"].norm(dim=-1), torch.ones(4), 1e-5, "normalised")
+    f_cls, f_attr, f_frozen = model.encode_image(images(4), with_frozen=True)
+    assert_close(features["colour"], torch.nn.functional.normalize(f_attr[:, 0], dim=-1), 1e-6, "colour token")
+    assert_close(features["frozen CLIP"], torch.nn.functional.normalize(f_frozen, dim=-1), 1e-6, "frozen CLIP")

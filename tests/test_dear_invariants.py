@@ -334,15 +334,18 @@ def test_the_analysis_looks_at_the_last_four_layers_by_default(monkeypatch):
     assert len(roles.heads) == 4 * HEADS
 
 
-def test_role_thresholds_are_the_entropies_thirds_and_a_head_on_one_takes_its_side():
-    # 12 heads: the 1/3 and 2/3 quantiles fall between equal entropies, so they are exactly 1
-    # and 2 bits (a quarter or three quarters would give 0.875 and 2.125 bits), and four heads
-    # sit exactly on a threshold: on the low one a specialist, on the high one generalization.
-    entropies = [0.0, 0.2, 0.5, 1.0, 1.0, 1.5, 1.5, 2.0, 2.0, 2.5, 3.0, 3.3]
-    concepts = [["colour"]] * 5 + [["shape"]] * 7
-    roles, low, high = dear.assign_roles(entropies, concepts, ATTRIBUTES)
+def test_role_thresholds_are_thirds_of_the_possible_spread_and_a_head_on_one_takes_its_side():
+    # 8 picks over 12 concepts can spread over at most log2(8) = 3 bits: the thresholds are
+    # exactly 1 and 2 bits, whatever the heads' own entropies (their thirds would be other
+    # numbers), and four heads sit exactly on a threshold: on the low one a specialist, on
+    # the high one generalization.
+    entropies = [0.0, 0.2, 0.5, 1.0, 1.0, 1.5, 1.5, 2.0, 2.0, 2.5, 3.0, 3.0]
+    concepts = [["colour"] * 8] * 5 + [["shape"] * 8] * 7
+    roles, low, high = dear.assign_roles(entropies, concepts, ATTRIBUTES, num_concepts=12)
     assert (low, high) == (1.0, 2.0)
     assert roles == [("attribute", "colour")] * 5 + [("mixed", None)] * 2 + [("generalization", None)] * 5
+    # Fewer concepts than picks: the spread is bounded by the concepts, log2(4) = 2 bits.
+    assert dear.assign_roles(entropies, concepts, ATTRIBUTES, num_concepts=4)[1:] == pytest.approx((2 / 3, 4 / 3))
 
 
 def test_the_fusion_starts_at_cls_fusion_weight_and_shares_the_rest_evenly(tiny_deep_clip):

@@ -115,9 +115,9 @@ def test_a_pool_smaller_than_the_rank_spans_every_image_not_one_less():
 # ------------------------------------------------------------------------------------------
 
 
-def test_the_default_is_the_papers_20_capped_by_what_the_span_can_explain():
-    assert dear.default_picks(591, 2000) == dear.PAPER_PICKS == 20
-    assert dear.analysis_picks(None, 591, 2000) == 20
+def test_the_default_is_capped_by_what_the_span_can_explain():
+    assert dear.analysis_picks(None, 591, 2000) == dear.PAPER_PICKS == 20
+    assert dear.analysis_picks(None, 591, 2000, default=16) == 16
     with pytest.warns(UserWarning, match=r"TextSpan makes 10 picks per head, not the default 20: .*rank <= 10"):
         assert dear.analysis_picks(None, 591, 10) == 10  # EuroSAT 1-shot: 10 images
     with pytest.warns(UserWarning, match="the bank has 15 descriptions"):
@@ -157,7 +157,7 @@ def test_analyze_heads_checks_the_picks_before_it_encodes_a_text(tiny_clip, monk
     bank = dear.description_bank()
     texts = F.normalize(torch.randn(len(bank), TINY["embed_dim"], generator=torch.Generator().manual_seed(1)), dim=-1)
     monkeypatch.setattr(dear, "encode_descriptions", lambda clip, tokenizer, phrases: texts)
-    with pytest.warns(UserWarning, match="TextSpan makes 8 picks per head, not the default 20"):
+    with pytest.warns(UserWarning, match="TextSpan makes 8 picks per head, not the default 16"):
         roles = dear.analyze_heads(tiny_clip, images, tokenizer=None, **quiet)
     assert all(len(h.descriptions) == 8 for h in roles.heads)
     roles = dear.analyze_heads(tiny_clip, images, tokenizer=None, num_descriptions=8, **quiet)

@@ -7,6 +7,7 @@ a temporary cache ($DEAR_CACHE_DIR), so nothing touches ~/.cache. About 20 s on 
 Run:  python -m pytest -q tests/test_toyworld.py
 """
 
+import json
 import os
 import random
 import shutil
@@ -111,12 +112,14 @@ def test_captions_name_exactly_the_requested_attributes():
 
 def test_toy_bank_is_labelled_and_large_enough():
     bank = world.toy_bank()
-    assert len(bank) >= 100 and len({text for text, _ in bank}) == len(bank)
-    concepts = {concept for _, concept in bank}
+    assert len(bank) >= 100 and len({text for text, _, _ in bank}) == len(bank)
+    concepts = {concept for _, concept, _ in bank}
     assert set(world.ATTRIBUTES) <= concepts and len(concepts - set(world.ATTRIBUTES)) >= 2
-    for text, concept in bank:  # labelled by construction: a concept's phrase names one of its values
+    for text, concept, value in bank:  # labelled by construction: a concept's phrase names its value
         if concept in world.ATTRIBUTES:
-            assert any(value in text for value in world.ATTRIBUTES[concept]), (text, concept)
+            assert value in world.ATTRIBUTES[concept] and value in text, (text, concept, value)
+    # The picks its attributes support: the fewest values (texture, position: 4).
+    assert dear.default_picks(bank, list(world.ATTRIBUTES)) == 4
 
 
 # ------------------------------------------------------------------------------------------
@@ -129,7 +132,7 @@ def test_learned_bpe_round_trips_every_caption_and_bank_phrase(tmp_path):
     tokenizer = clip_model.SimpleTokenizer(path)
     assert tokenizer.vocab_size == vocab_size < 1000, "vocabulary should be small"
     rng = random.Random(0)
-    texts = world.corpus() + [text for text, _ in world.toy_bank()]
+    texts = world.corpus() + [text for text, _, _ in world.toy_bank()]
     texts += [world.random_caption(world.sample_scene(rng), rng) for _ in range(300)]
     texts += [world.TEMPLATE.format(task.class_name(c, s)) for c, s, _ in task.class_table(task.TaskConfig())]
     for text in texts:
@@ -344,6 +347,22 @@ def test_task_is_rebuilt_when_incomplete(tmp_path):
     assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == [], "temporary folder left behind"
 
 
+def test_split_scenes_are_the_scenes_the_task_images_were_drawn_from(tmp_path):
+    config = task.TaskConfig(image_size=8, images_per_class=(1, 1, 3), seed=4)
+    folder = task.write_task(str(tmp_path), config, log=lambda line: None)
+    scenes = task.split_scenes(str(tmp_path), "test")
+    with open(os.path.join(folder, task.SPLIT_FILE), encoding="utf-8") as f:
+        assert sorted(scenes) == sorted(entry[0] for entry in json.load(f)["test"])
+    for label, (colour, shape, _) in enumerate(task.class_table(config)):
+        paths = [f"{colour}_{shape}/test_{i:03d}.png" for i in range(3)]
+        assert all((scenes[p].colour, scenes[p].shape) == (colour, shape) for p in paths)
+        # The other attributes are only right if the same scenes redraw the same pixels.
+        redrawn = world.render_batch([scenes[p] for p in paths], np.random.default_rng([4, label, 2]), 8, config.style)
+        for path, pixels in zip(paths, redrawn):
+            with Image.open(os.path.join(folder, "images", path)) as image:
+                assert (np.asarray(image) == pixels).all(), path
+
+
 # ------------------------------------------------------------------------------------------
 # The causal check
 
@@ -432,3 +451,5 @@ def test_causal_check_returns_a_well_formed_table(mini_model):
         margins = [causal._selectivity(unit["log_prob_drops"], attribute) for unit in result["heads"] + result["groups"]]
         assert best["selectivity"] == max(margins)
     assert "| colour heads (entropy) | 1 |" in result["table"]
+    listed = [line.split(" | ")[:2] for line in result["table"].splitlines() if line.startswith("| 2.")]
+    assert listed == [[f"| 2.{row['head']}", row["singled_out"]] for row in result["heads"] if row["singled_out"]]

@@ -29,6 +29,13 @@ import dear  # noqa: E402
 import train  # noqa: E402
 from conftest import perturb_  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def registry_as_shipped(monkeypatch):
+    """Your own data registers itself in data.DATASETS: each test starts from the shipped registry."""
+    monkeypatch.setattr(train.data, "DATASETS", dict(train.data.DATASETS))
+
+
 DTD_CLASSES = ["banded", "blotchy", "braided", "bubbly", "cracked"]  # 3 base, 2 novel
 IMAGENET = [("n01440764", "tench"), ("n01443537", "goldfish"), ("n01484850", "great white shark")]
 
@@ -657,6 +664,16 @@ def test_toyworld_runs_end_to_end_from_an_empty_cache(tmp_path):
     assert "left out of the fusion" in done.stdout + done.stderr
     general = read(out / "toyworld/dear-all-generalization/seed1/results.json")["accuracy_by_logits"]
     assert general["base"]["fused"] == general["base"]["class"]
+    # Attribute-conditioned retrieval: pictures per feature in every DeAR run folder; the
+    # precision@10 table with a blind token reported as blind, never ranked.
+    retrieval = read(out / "retrieval.json")
+    attributes = ["colour", "shape", "texture", "position"]
+    assert all(retrieval["dear-all-generalization"][a] == dict.fromkeys(attributes, "blind") for a in attributes)
+    for name in ["class", "frozen CLIP"] + attributes:
+        cells = retrieval["dear-all-mixed"][name]
+        assert list(cells) == attributes and all(0 <= mean <= 100 for mean, _ in cells.values()), name
+        assert (out / "toyworld/dear-all-mixed/seed1" / f"retrieval_{name.replace(' ', '_')}.png").is_file()
+    assert "| colour token | blind |" in (out / "retrieval.md").read_text()
     roles = out / "toyworld" / "roles"
     for name in ("roles.json", "roles.png", "masks.png", "causal_check.md", "causal_check.json"):
         assert (roles / name).is_file(), name
@@ -1011,3 +1028,134 @@ def test_grad_scaler_falls_back_to_the_name_older_torch_has(monkeypatch):
     with pytest.warns(FutureWarning) if hasattr(torch.cuda.amp, "GradScaler") else pytest.raises(AttributeError):
         scaler = train.grad_scaler(enabled=False)
         assert not scaler.is_enabled()
+
+
+# ------------------------------------------------------------------------------------------
+# Your own data: --dataset PATH, a folder of class folders or a split file
+# ------------------------------------------------------------------------------------------
+
+OWN_CLASSES = ["red_dots", "blue", "green", "gold"]  # 2 base, 2 novel
+
+
+def write_own_folder(folder: Path, images_per_class: int = 10) -> Path:
+    for label, name in enumerate(OWN_CLASSES):
+        for i in range(images_per_class):
+            write_image(folder / name / f"{name}{i}.png", (60 * label, 15 * i, 250 - 60 * label))
+    (folder / "blue" / "notes.txt").write_text("a file that is not an image")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def own_data(tmp_path_factory):
+    """An ImageFolder tree and a split file (paths relative to its folder), in a tmp folder."""
+    tmp = tmp_path_factory.mktemp("own")
+    folder = write_own_folder(tmp / "my_textures")
+    split = {"train": [], "val": [], "test": []}
+    for label, name in enumerate(OWN_CLASSES):
+        for part, count in (("train", 4), ("val", 2), ("test", 3)):
+            for i in range(count):
+                relative = f"pics/{name}_{part}{i}.png"
+                write_image(tmp / "labelled" / relative, (60 * label, 20 * i, 90))
+                split[part].append([relative, label, name])
+    (tmp / "labelled" / "my_split.json").write_text(json.dumps(split))
+    return dict(folder=str(folder), split=str(tmp / "labelled" / "my_split.json"))
+
+
+def test_own_image_folder_runs_base2novel_end_to_end_and_eval_only_reproduces_it(world, own_data, tmp_path):
+    out = tmp_path / "run"
+    args = common(world, out, "--dataset", own_data["folder"], "--seeds", "1", "--shots", "2", "--epochs", "1",
+                  "--roles", "analyse")[2:]  # no --root: your own data needs none
+    assert "--root" not in args
+    done = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "skipped 1 non-image file" in done.stderr
+    assert (Path(own_data["folder"]) / "split_my_textures.json").is_file()  # written next to the data
+    table = read(out / "summary.json")["tables"]["my_textures"]  # the folder's name
+    assert table["columns"] == ["Base", "Novel", "HM"]
+    assert list(table["rows"]) == ["zeroshot", "dear-fused", "dear-class-on-unseen"]
+    assert (out / "my_textures" / "roles" / "roles.json").is_file()  # the head analysis ran on it
+    result = read(out / "my_textures" / "dear" / "seed1" / "results.json")
+    saved = read(out / "settings.json")["settings"]
+    assert saved["dataset"] == ["my_textures"] and saved["dataset_paths"] == {"my_textures": own_data["folder"]}
+    (out / "my_textures" / "dear" / "seed1" / "results.json").unlink()
+    assert train.main(["--output", str(out), "--eval-only"]) == 0
+    assert read(out / "my_textures" / "dear" / "seed1" / "results.json")["metrics"] == result["metrics"]
+
+
+def test_own_split_file_runs_fewshot_and_cross_with_its_template(world, own_data, tmp_path):
+    fast = ["--seeds", "1", "--roles", "all-generalization", "--epochs", "1", "--template", "a {} texture."]
+    out = tmp_path / "fewshot"
+    assert train.main(common(world, out, "--protocol", "fewshot", "--dataset", own_data["split"], "--shots", "1", "2",
+                             *fast)) == 0
+    table = read(out / "summary.json")["tables"]["labelled"]  # the split file's folder's name
+    assert table["columns"] == ["1 shot", "2 shots"]
+    assert (out / "labelled" / "dear-all-generalization" / "shots2-seed1" / "results.json").is_file()
+
+    out = tmp_path / "cross"  # as a target of cross-dataset evaluation, beside a benchmark
+    assert train.main(common(world, out, "--protocol", "cross", "--dataset", own_data["split"], "dtd", *fast,
+                             "--shots", "4")) == 0
+    (title, table), = read(out / "summary.json")["tables"].items()
+    assert table["columns"] == ["imagenet (source)", "labelled", "dtd", "Average"]
+    result = read(out / "imagenet/dear-all-generalization/seed1/results.json")
+    assert set(result["metrics"]) == {"imagenet", "labelled", "dtd"}
+
+    unset = train.settings_from_flags(train.build_parser().parse_args(["--dataset", own_data["split"], "dtd"]))
+    assert unset["output"] == os.path.join("runs", "base2novel-labelled-dtd")  # a name, not a path, in the folder
+    recipe = train.Recipe()  # the default recipe, for each value not typed
+    assert (unset["epochs"], unset["batch_size"], unset["lr"], unset["shots"]) == (
+        recipe.epochs, recipe.batch_size, recipe.lr, [recipe.shots])
+
+    # The template reaches every prompt: training and each test set, own data and benchmarks.
+    settings = train.resolve_settings(train.build_parser().parse_args(common(
+        world, tmp_path / "unused", "--protocol", "cross", "--dataset", own_data["split"], "dtd", *fast)))
+    assert {s.template for s in train.evaluation_sets(settings, "imagenet")} == {"a {} texture."}
+    assert train.training_split(settings, "imagenet", 1, 2).prompts[0] == "a tench texture."
+    plain = train.resolve_settings(train.build_parser().parse_args(common(
+        world, tmp_path / "unused", "--protocol", "fewshot", "--dataset", own_data["split"], "dtd")))
+    assert [s.template for s in train.evaluation_sets(plain, "labelled")] == ["a photo of a {}."]
+    assert [s.template for s in train.evaluation_sets(plain, "dtd")] == ["{} texture."]
+
+
+@pytest.mark.parametrize("case, message", [
+    ("empty folder", "0 class folders; expected at least two"),
+    ("one class", "1 class folder; expected at least two"),
+    ("class with no image", "class 'blue' has 0 images"),
+    ("class too small", "class 'gold' has 3 images; the 50/20/30 train/val/test split needs at least 4"),
+    ("not an image", "gold/broken.png: cannot be read as an image"),
+    ("same class name", "class folders 'red dots' and 'red_dots' both give the class name 'red dots'"),
+    ("split leaves its folder", "image path '../outside.png' leaves the image folder"),
+    ("no such path", "nowhere: not found; expected a folder of class folders"),
+    ("benchmark's name", "its name 'dtd' is that of a benchmark; rename the folder"),
+    ("two with one name", "two have the same folder name"),
+    ("template without {}", "--template 'a photo': expected a prompt with one '{}'"),
+])
+def test_bad_own_data_ends_in_one_line_and_exit_2_before_any_work(world, tmp_path, capsys, case, message):
+    folder = tmp_path / "data" / "mine"
+    folder.mkdir(parents=True)
+    if case not in ("empty folder", "one class"):
+        write_own_folder(folder, 4)
+    if case == "one class":
+        write_own_folder(tmp_path / "other", 4)
+        (tmp_path / "other" / "gold").rename(folder / "gold")
+    target = [str(folder)]
+    extra = {"class with no image": lambda: [p.unlink() for p in (folder / "blue").glob("*.png")],
+             "class too small": lambda: (folder / "gold" / "gold0.png").unlink(),
+             "not an image": lambda: (folder / "gold" / "broken.png").write_bytes(b"\x89PNG but no more"),
+             "same class name": lambda: write_image(folder / "red dots" / "x.png", (1, 2, 3))}
+    extra.get(case, lambda: None)()
+    if case == "split leaves its folder":
+        write_image(tmp_path / "data" / "outside.png", (1, 2, 3))
+        entries = [["../outside.png", 0, "a"], ["red_dots/red_dots0.png", 1, "b"]]
+        (folder / "split.json").write_text(json.dumps({"train": entries, "val": [], "test": entries[1:]}))
+        target = [str(folder / "split.json")]
+    if case == "no such path":
+        target = [str(tmp_path / "nowhere")]
+    if case == "benchmark's name":
+        target = [str(folder.rename(tmp_path / "data" / "dtd"))]
+    if case == "two with one name":
+        target = [str(folder), str(write_own_folder(tmp_path / "elsewhere" / "mine", 4))]
+    flags = ["--template", "a photo"] if case.startswith("template") else []
+    before = sorted(tmp_path.rglob("*"))
+    out = tmp_path / "run"
+    refused(common(world, out, "--dataset", *target, "--seeds", "1", *flags), capsys, message, out)
+    assert sorted(tmp_path.rglob("*")) == before  # no split file, no cache, no run folder

@@ -77,7 +77,7 @@ class ToyAssets:
     head_width: int  # channels per attention head (the toy CLIP's 128 = 8 heads x 16)
     data_root: str  # the $DATA folder that holds toyworld/ in CoOp's layout
     attributes: list[str]  # the core attributes, in attribute-token order
-    bank: list[tuple[str, str]]  # (text, concept) pairs: the toy description bank for the head analysis
+    bank: list[tuple[str, str, str]]  # (text, concept, value) triples: the toy description bank for the head analysis
     image_size: int  # pixels; the model's input resolution
     scale: str = "full"
     report: dict = field(default_factory=dict)  # pretraining figures (parameters, seconds, zero-shot)

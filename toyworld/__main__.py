@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     print(f"bpe         {assets.bpe}")
     print(f"data_root   {assets.data_root}  (data.load_dataset('toyworld', data_root, ...))")
     print(f"attributes  {', '.join(assets.attributes)};  bank: {len(assets.bank)} phrases over "
-          f"{len({d.concept for d in assets.bank})} concepts")
+          f"{len({dear.Description(*d).concept for d in assets.bank})} concepts")
     print(f"pretraining {assets.report}")
 
     model, _ = clip_model.load(assets.weights, head_width=assets.head_width)

@@ -240,6 +240,9 @@ def causal_check(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer, r
               "groups": groups, "group_agreement_rate": group_rate, "groups_scored": len(scored_groups),
               "best_per_attribute": best, "measure": measure, "min_drop": min_drop, "dominance": dominance}
     result["table"] = causal_table(result, attributes)
+    named = sum(row["attribute"] == row["singled_out"] for row in rows if row["singled_out"])
+    log(f"causal check: ablation singles out {sum(bool(row['singled_out']) for row in rows)} heads, concept "
+        f"entropy names {named} of them for that attribute")
     log(f"causal check: {len(rows)} heads and {len(groups)} groups ablated on {n_images} images; agreement "
         f"{'n/a' if rate is None else f'{rate:.0%}'} of {len(scored)} scored heads, "
         f"{'n/a' if group_rate is None else f'{group_rate:.0%}'} of {len(scored_groups)} scored groups (by {measure})")
@@ -269,6 +272,15 @@ def causal_table(result: dict, attributes: Sequence[str]) -> str:
         lines.append(f"| {group['name']} | {len(group['heads'])} | "
                      + " | ".join(f"{100 * group['drops'][a]:+.1f} / {group['log_prob_drops'][a]:+.2f}" for a in attributes)
                      + f" | {group['top_attribute']} | {group['singled_out'] or '-'} | {agrees} |")
+    # The yardstick first: the heads whose own removal singles out an attribute, and what
+    # concept entropy calls them.
+    lines += ["", "| head ablation singles out (layer.head, 1-based) | attribute | concept entropy names it |",
+              "|---|---|---|"]
+    for row in (r for r in result["heads"] if r["singled_out"]):
+        named = row["role"] + (f":{row['attribute']}" if row["attribute"] else "")
+        entropy = "" if row["entropy"] is None else f" ({row['entropy']:.2f} b)"
+        lines.append(f"| {row['layer'] + 1}.{row['head']} | {row['singled_out']} | {named}{entropy}"
+                     f"{' (named for it)' if row['attribute'] == row['singled_out'] else ''} |")
     lines += ["", "| attribute | most selective head or group | drop minus largest other drop | singled out |",
               "|---|---|---:|---|"]
     for attribute, best in result["best_per_attribute"].items():

@@ -120,6 +120,30 @@ def task_is_complete(data_root: str, config: TaskConfig) -> bool:
                for entries in split.values() for entry in entries)
 
 
+def _scenes(config: TaskConfig, label: int, split_index: int, count: int) -> list:
+    """The scenes of one class's images in one split (0 train, 1 val, 2 test), from their own seed."""
+    colour, shape, _ = class_table(config)[label]
+    scene_rng = random.Random(f"{config.seed}-{label}-{split_index}")
+    return [world.sample_scene(scene_rng, colour=colour, shape=shape) for _ in range(count)]
+
+
+def split_scenes(data_root: str, split_name: str = "test") -> dict:
+    """{image path relative to images/: its world.Scene} for one split of the task written
+    under data_root: the split file names only the class, so the other attributes (texture,
+    position, ...) are re-drawn from the seeds write_task used, with the config it recorded."""
+    folder = os.path.join(data_root, FOLDER)
+    with open(os.path.join(folder, RECORD_FILE), encoding="utf-8") as f:
+        recorded = json.load(f)["config"]
+    config = TaskConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items()})
+    split_index = ("train", "val", "test").index(split_name)
+    count = config.images_per_class[split_index]
+    scenes = {}
+    for label, (colour, shape, _) in enumerate(class_table(config)):
+        for index, scene in enumerate(_scenes(config, label, split_index, count)):
+            scenes[f"{class_name(colour, shape).replace(' ', '_')}/{split_name}_{index:03d}.png"] = scene
+    return scenes
+
+
 def write_task(data_root: str, config: TaskConfig = TaskConfig(),
                log: Callable[[str], None] = print) -> str:
     """Write the task under `data_root` unless it is already there and complete; return
@@ -145,8 +169,7 @@ def write_task(data_root: str, config: TaskConfig = TaskConfig(),
             for split_index, (split_name, count) in enumerate(zip(split, config.images_per_class)):
                 # One generator per (class, split): any one of them can be re-drawn alone.
                 rng = np.random.default_rng([config.seed, label, split_index])
-                scene_rng = random.Random(f"{config.seed}-{label}-{split_index}")
-                scenes = [world.sample_scene(scene_rng, colour=colour, shape=shape) for _ in range(count)]
+                scenes = _scenes(config, label, split_index, count)
                 images = world.render_batch(scenes, rng, config.image_size, config.style)
                 for index, pixels in enumerate(images):
                     relative = f"{folder_name}/{split_name}_{index:03d}.png"

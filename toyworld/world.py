@@ -12,7 +12,7 @@ What this file holds, top to bottom:
     4. captions ................ caption(scene, named=...) -> "a photo of a small red striped
                                  circle at the top left on a dark background", or a partial one
                                  that names only some attributes ("a photo of a red object")
-    5. the description bank .... toy_bank() -> (text, concept) pairs, each labelled with its
+    5. the description bank .... toy_bank() -> (text, concept, value) triples, each labelled with its
                                  concept by construction (docs/METHOD.md Sec. 3)
     6. the corpus .............. every caption word and bank phrase, for the BPE trainer
 
@@ -344,26 +344,27 @@ _BANK_TEMPLATES = {
 }
 
 
-def toy_bank() -> list[tuple[str, str]]:
-    """Phrases about the toy world, each labelled with its concept: every value of every
-    attribute in each of its concept's templates, plus "scene" phrases that name two
-    attributes at once. About 200 phrases, no duplicates."""
+def toy_bank() -> list[tuple[str, str, str]]:
+    """Phrases about the toy world, each labelled with its concept and the value it names
+    (text, concept, value): every value of every attribute in each of its concept's
+    templates, plus "scene" phrases that name two attributes at once. About 200 phrases, no
+    duplicates."""
     bank, seen = [], set()
 
-    def add(text: str, concept: str) -> None:
+    def add(text: str, concept: str, value: str) -> None:
         if text not in seen:
             seen.add(text)
-            bank.append((text, concept))
+            bank.append((text, concept, value))
 
     for concept, templates in _BANK_TEMPLATES.items():
         for template in templates:
             for value in {**ATTRIBUTES, **EXTRA_ATTRIBUTES}[concept]:
-                add(template.format(value), concept)
+                add(template.format(value), concept, value)
     # Mixed phrases: colour + shape and texture + position, one of each pairing.
     for colour, shape in zip(ATTRIBUTES["colour"], ATTRIBUTES["shape"] * 2):
-        add(f"a {colour} {shape}", "scene")
+        add(f"a {colour} {shape}", "scene", f"{colour} {shape}")
     for texture, position in zip(ATTRIBUTES["texture"], ATTRIBUTES["position"]):
-        add(f"a {texture} object at the {position}", "scene")
+        add(f"a {texture} object at the {position}", "scene", f"{texture} {position}")
     return bank
 
 
@@ -385,7 +386,7 @@ def corpus() -> list[str]:
                     scene = Scene(**{**base.__dict__, attribute: value})
                     texts.append(caption(scene, [attribute], prefix, period))
                     texts.append(caption(scene, None, prefix, period))
-    texts += [text for text, _ in toy_bank()]
+    texts += [text for text, _, _ in toy_bank()]
     texts.append(TEMPLATE.format("red circle"))
     return texts
 

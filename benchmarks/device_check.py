@@ -1,0 +1,733 @@
+"""One command that proves the GPU path and measures it: `python benchmarks/device_check.py`.
+
+On a machine with a CUDA GPU it runs in about 2-5 minutes, prints one table (a pass/fail
+line per check, with its figures) and writes the same as JSON and Markdown in --output
+(default runs/device_check/; the train.py runs' output goes to its logs/). The exit status is
+1 if any check fails. Checks:
+
+  1. parity      random ViT-B/16 (fp32, TF32 off): image and text features on the device
+                 against the CPU (max abs difference <= 1e-3), and the per-head
+                 decomposition's sum against encode_image on the device;
+  2. amp steps   DeAR training steps under autocast bf16, and fp16 with the gradient scaler
+                 (train.py's choice: bf16 where the GPU supports it): the loss and every
+                 learnable gradient finite, every learnable tensor moved, CLIP unchanged;
+     speed       images/s and peak memory of the training step and of the frozen image-only
+                 forward of the same batch, at batch 4 and 32 with 100 and 1,000 classes,
+                 and their time ratio (the same process, one after the other);
+  3. open_clip   image encoding, ours against open_clip's on the same weights and the same
+                 autocast precision, as a throughput ratio (skipped, saying so, when
+                 open-clip-torch is not installed);
+  4. train.py    end to end on the toy world on the device (its default precision: bf16 on
+                 a GPU), and through `torchrun --nproc_per_node=1` in fp32 on a CoOp-layout
+                 dataset written from the toy world's task: each must exit 0, write its table,
+                 and land within a stated tolerance of the same run on the CPU (8.4 and 4.2
+                 accuracy points: TOLERANCE_POINTS_* below say why); a stop after one epoch
+                 and a --resume must end with the same tensors as the unbroken run (bitwise on
+                 the CPU; on a GPU within 1e-3); a DistributedDataParallel step of DeAR over
+                 NCCL (gloo on the CPU) in a process group of one (train.py in one process
+                 starts no group; with 2 GPUs it also runs in 2 processes, over NCCL);
+  5. MFU         the model FLOP utilisation of the training step at batch 32: FLOPs counted
+                 from the model's sizes, over the GPU's dense bf16 peak (a table of known GPUs
+                 below, or --peak-tflops).
+
+    python benchmarks/device_check.py                         # CUDA: the only command needed
+    python benchmarks/device_check.py --device cpu --quick    # every check on a tiny model, seconds
+    python benchmarks/device_check.py --peak-tflops 312       # a GPU the table does not know
+
+The train.py runs use the miniature toy world in both modes (its tiny CLIP is pretrained
+on the CPU in seconds, then cached in $CLIP_CACHE_DIR or ~/.cache/clip-from-scratch): the full
+toy world's pretraining is a fixed ~11 minutes on one CPU thread, more than the budget.
+`--toy-scale full` uses it when its cache exists. The toy run trains the toy recipe for 5
+epochs (--quick: 2, and only the zero-shot and DeAR rows), the CoOp-layout runs 5 epochs on 16
+shots (--quick: 3 on 4).
+
+A GPU machine without network: what to bring. The script needs torch (any version from 2.1
+on: it guards what older versions lack), torchvision, regex, numpy and pillow (the last two
+come with torchvision). ftfy may be missing: the script then puts a stand-in on the path
+(it says so; these checks tokenize plain ASCII, which ftfy leaves as it is). open-clip-torch
+is only for check 3, which is skipped, with a line saying so, without it. Here, with network,
+download the wheels for the GPU machine's Python and platform (e.g. Python 3.12, x86-64 Linux;
+torch's CUDA build from its own index, e.g. cu124 for a recent driver):
+
+    pip download torch torchvision regex numpy pillow ftfy open-clip-torch -d wheels \\
+        --python-version 3.12 --platform manylinux_2_28_x86_64 --only-binary=:all: \\
+        --index-url https://download.pytorch.org/whl/cu124 --extra-index-url https://pypi.org/simple
+
+then copy `wheels/` and this repository to the GPU machine, and there:
+
+    pip install --no-index --find-links wheels torch torchvision regex numpy pillow ftfy open-clip-torch
+    python benchmarks/device_check.py
+
+Where torch and torchvision are installed already, bring only what is missing, without
+dependencies (open-clip-torch would pull in a second torch): `pip download regex ftfy wcwidth
+-d wheels --no-deps` with the same --python-version/--platform/--only-binary flags, then
+`pip install --no-index --find-links wheels regex ftfy wcwidth` there (check 3 is then skipped).
+"""
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# clip_model.py cleans text with ftfy. Without it (a GPU machine may lack it) a stand-in that
+# returns the text unchanged is put on the path, here and for the train.py processes: every
+# prompt in these checks is plain ASCII, which ftfy leaves unchanged anyway.
+try:
+    import ftfy  # noqa: F401
+    FTFY_STAND_IN = None
+except ImportError:
+    FTFY_STAND_IN = tempfile.mkdtemp(prefix="device_check-ftfy-")
+    with open(os.path.join(FTFY_STAND_IN, "ftfy.py"), "w", encoding="utf-8") as stand_in:
+        stand_in.write('"""Written by benchmarks/device_check.py: ftfy is not installed."""\n\n\n'
+                       "def fix_text(text):\n    return text\n")
+    sys.path.insert(0, FTFY_STAND_IN)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [FTFY_STAND_IN, os.environ.get("PYTHONPATH")]))
+import clip_model  # noqa: E402
+import dear  # noqa: E402
+import train  # noqa: E402
+from bench_train_step import B16, class_prompts, mixed_roles  # noqa: E402
+
+# --quick: a CLIP small enough that every check runs in seconds on a CPU, with the shapes
+# that matter kept (several heads, J inside the last four layers, a 1,000-class text side).
+TINY = dict(embed_dim=64, image_resolution=32, vision_layers=4, vision_width=80, vision_patch_size=8,
+            vision_heads=5, context_length=24, vocab_size=1000, transformer_width=32,
+            transformer_heads=4, transformer_layers=4)
+
+# Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, from the vendors' datasheets. The
+# first entry whose name is part of torch.cuda.get_device_name() wins (H200 before H100, the
+# PCIe H100 before the SXM one).
+PEAK_BF16_TFLOPS = [
+    ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("GH200", 989.0), ("B200", 2250.0),
+    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("A10G", 70.0),
+    ("A10", 125.0), ("RTX 6000 Ada", 364.0), ("A6000", 155.0), ("RTX 4090", 165.0), ("RTX 3090", 71.0),
+    ("V100", 125.0), ("T4", 65.0),  # no bf16 on these two: their fp16 peak (train.py uses fp16 there)
+]
+TOLERANCE_FP32 = 1e-3  # max abs difference of features, device vs CPU, both fp32 (TF32 off)
+# Accuracy points a train.py run on the device may differ from the same run on the CPU, in any
+# cell of its table. The miniature toy CLIP is near chance, so its logits are close to ties, and
+# a test column holds 48 images (2.08 points each): an fp32 run may move 2 of them (CUDA's
+# convolutions use TF32 by default); a bf16 run moved 2 in a CPU simulation (bf16 autocast on
+# the CPU against fp32: 4.17 points), so it gets twice the room of fp32.
+TOLERANCE_POINTS_FP32 = 4.2
+TOLERANCE_POINTS_AMP = 8.4
+
+
+class Report:
+    """The table: one row per check -> (name, status, figures); status pass / fail / skip / info."""
+
+    def __init__(self):
+        self.rows, self.started = [], time.time()
+
+    def add(self, name: str, ok, figures: str, **values) -> None:
+        status = ok if isinstance(ok, str) else ("pass" if ok else "fail")
+        self.rows.append(dict(check=name, status=status, figures=figures, values=values))
+        print(f"  [{time.time() - self.started:4.0f} s] {status:<5} {name}: {figures}", flush=True)
+
+    @property
+    def failed(self) -> bool:
+        return any(row["status"] == "fail" for row in self.rows)
+
+    def markdown(self) -> str:
+        lines = ["| check | result | figures |", "|---|---|---|"]
+        lines += [f"| {row['check']} | {row['status']} | {row['figures']} |" for row in self.rows]
+        return "\n".join(lines)
+
+
+def write_file(path: str, text: str) -> None:
+    def write(temporary: str) -> None:
+        with open(temporary, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    clip_model.atomic_write(path, write)  # no half-written table if the run is killed
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_mb(device: torch.device):
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def timed(run, device: torch.device, warmup: int, repeats: int) -> float:
+    """Seconds per call of run(), the mean over `repeats` calls after `warmup` untimed ones."""
+    for _ in range(warmup):
+        run()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    synchronize(device)
+    return (time.perf_counter() - start) / repeats
+
+
+def random_clip(config: dict, seed: int = 0) -> clip_model.CLIP:
+    """A CLIP with random weights, biases and LayerNorm gains included (a fresh model has zero
+    biases and unit gains, which would hide a bias that goes missing on one device)."""
+    torch.manual_seed(seed)
+    clip = clip_model.CLIP(**config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in clip.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.02)
+    return clip.eval().requires_grad_(False)
+
+
+def autocast(device: torch.device, dtype):
+    """train.py's autocast, for any device (CPU autocast runs bf16, and fp16 on torch >= 2.4)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    with warnings.catch_warnings():  # older torch warns and disables CPU fp16 autocast
+        warnings.simplefilter("ignore")
+        return torch.autocast(device.type, dtype=dtype)
+
+
+def grad_scaler(device: torch.device, enabled: bool):
+    """train.py's scaler on CUDA; on the CPU torch.amp.GradScaler("cpu") where torch has it."""
+    if device.type == "cuda":
+        return train.grad_scaler(enabled)
+    if hasattr(torch.amp, "GradScaler"):
+        return torch.amp.GradScaler("cpu", enabled=enabled)
+    return torch.cuda.amp.GradScaler(enabled=False)  # torch < 2.3: the fp16 steps go unscaled on CPU
+
+
+def guarded(report: Report, name: str, check, *args):
+    """Run one check; an exception fails it (with its line in the table, the traceback on
+    stderr) and the next check still runs."""
+    try:
+        return check(*args)
+    except Exception as error:  # noqa: BLE001 -- whatever breaks on the device is the finding
+        traceback.print_exc()
+        message = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+        report.add(name, False, f"{type(error).__name__}: {message}")
+        return None
+
+
+# ------------------------------------------------------------------------------------------
+# 1. Parity
+# ------------------------------------------------------------------------------------------
+
+
+def check_parity(report: Report, config: dict, device: torch.device) -> clip_model.CLIP:
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here (TF32 rounds to 10 bits)
+    torch.backends.cudnn.allow_tf32 = False
+    clip = random_clip(config)
+    generator = torch.Generator().manual_seed(1)
+    images = torch.randn(4, 3, config["image_resolution"], config["image_resolution"], generator=generator)
+    texts = class_prompts(8, generator, config["context_length"], config["vocab_size"])
+    with torch.no_grad():
+        cpu_image, cpu_text = clip.encode_image(images), clip.encode_text(texts)
+        clip = clip.to(device)
+        dev_image = clip.encode_image(images.to(device)).cpu()
+        dev_text = clip.encode_text(texts.to(device)).cpu()
+        parts = clip_model.head_contributions(clip, images.to(device), num_layers=4)
+        decomposition = (parts.total() - clip.encode_image(images.to(device))).abs().max().item()
+    image_diff = (dev_image - cpu_image).abs().max().item()
+    text_diff = (dev_text - cpu_text).abs().max().item()
+    scale = cpu_image.abs().max().item()
+    report.add(f"1. parity {device.type} vs cpu, fp32, TF32 off", max(image_diff, text_diff) <= TOLERANCE_FP32,
+               f"image {image_diff:.1e}, text {text_diff:.1e} max abs (features up to {scale:.2f}; <= {TOLERANCE_FP32:g})",
+               image=image_diff, text=text_diff)
+    report.add("1. per-head decomposition sum vs encode_image", decomposition <= TOLERANCE_FP32,
+               f"{decomposition:.1e} max abs on {device.type} (<= {TOLERANCE_FP32:g})", difference=decomposition)
+    torch.backends.cudnn.allow_tf32 = True  # back to torch's defaults for the rest
+    return clip
+
+
+# ------------------------------------------------------------------------------------------
+# 2. DeAR steps under autocast, and their speed
+# ------------------------------------------------------------------------------------------
+
+
+def build_step(clip, config: dict, device: torch.device, batch: int, classes: int, dtype, seed: int = 0,
+               record: bool = True):
+    """A DeAR on `clip` with a mixed role map, one batch and class list, and a train.py-style
+    step: autocast forward and losses, (scaled) backward, AdamW. -> (model, step, images,
+    last: the last step's loss and, if `record`, a copy of its unscaled gradients)"""
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():  # a blind attribute token in the tiny model is expected
+        warnings.simplefilter("ignore")
+        model = dear.DeAR(clip, mixed_roles(config["vision_layers"], config["vision_heads"])).to(device)
+    resolution = config["image_resolution"]
+    images = torch.randn(batch, 3, resolution, resolution, generator=generator).to(device)
+    labels = torch.randint(0, classes, (batch,), generator=generator).to(device)
+    prompts = class_prompts(classes, generator, config["context_length"], config["vocab_size"]).to(device)
+    with autocast(device, dtype):
+        prepared = model.prepare_classes(prompts)  # once per class list, as in train.py
+    optimizer = torch.optim.AdamW(model.learnable_parameters(), lr=1e-3)
+    scaler = grad_scaler(device, enabled=dtype == torch.float16)
+    last = {"prompt_tokens": int(prompts.argmax(dim=-1).max()) + 1}  # DeAR cuts the prompts after the longest
+
+    def step():
+        with autocast(device, dtype):
+            output = model(images, prepared, with_frozen=True)
+            loss = dear.dear_loss(output, labels)["total"]
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)  # so that the gradients read below are the true ones
+        last["loss"] = loss.detach()
+        if record:
+            last["grads"] = [None if p.grad is None else p.grad.detach().clone() for p in model.learnable_parameters()]
+        scaler.step(optimizer)
+        scaler.update()
+
+    return model, step, images, last
+
+
+STEPS = 6  # per precision; GradScaler starts at 2^16 and halves its scale after each overflow
+
+
+def check_amp_steps(report: Report, clip, config: dict, device: torch.device, quick: bool) -> None:
+    dtypes = [torch.bfloat16, torch.float16]
+    for dtype in dtypes:
+        name = f"2. DeAR steps, autocast {str(dtype).replace('torch.', '')}" + (
+            " + grad scaler" if dtype == torch.float16 else "")
+        if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            report.add(name, "skip", "this GPU has no bf16 (train.py uses fp16 with the scaler here)")
+            continue
+        frozen = {key: value.clone() for key, value in clip.state_dict().items()}
+        model, step, _, last = build_step(clip, config, device, batch=4, classes=10 if quick else 100, dtype=dtype)
+        before = [p.detach().clone() for p in model.learnable_parameters()]
+        skipped = 0
+        for _ in range(STEPS):  # fp16: the scaler may skip the first steps while it backs off
+            step()
+            skipped += not all(g is not None and torch.isfinite(g).all() for g in last["grads"])
+        grads_ok = all(g is not None and bool(torch.isfinite(g).all()) for g in last["grads"])
+        loss_ok = bool(torch.isfinite(last["loss"]))
+        names = ["vision_tokens", "text_tokens", "attribute_proj", "fusion_logits"]
+        still = [n for n, p, b in zip(names, model.learnable_parameters(), before) if torch.equal(p.detach(), b)]
+        changed = [key for key, value in clip.state_dict().items() if not torch.equal(value, frozen[key])]
+        ok = loss_ok and grads_ok and not still and not changed
+        figures = (f"loss {last['loss'].item():.3f} {'finite' if loss_ok else 'NOT finite'}; grads "
+                   f"{'finite' if grads_ok else 'NOT finite'} (last of {STEPS} steps; {skipped} skipped by the scaler); "
+                   f"learnables {'all moved' if not still else 'unmoved: ' + ', '.join(still)}; "
+                   f"CLIP {'unchanged' if not changed else 'CHANGED: ' + ', '.join(changed[:3])}")
+        report.add(name, ok, figures, loss=last["loss"].item(), skipped=skipped, unmoved=still, clip_changed=changed)
+        del model
+
+
+def check_speed(report: Report, clip, config: dict, device: torch.device, dtype, quick: bool) -> dict:
+    """img/s and peak memory of the step and of the frozen image-only forward of the same
+    batch -> {(batch, classes): (step seconds, prompt tokens)} (for the MFU)."""
+    warmup, repeats = (1, 1) if quick else (3, 10)
+    precision = str(dtype).replace("torch.", "") if dtype is not None else "fp32"
+    seconds = {}
+    for batch in (4, 32):
+        for classes in ((10, 100) if quick else (100, 1000)):
+            reset_peak(device)
+            model, step, images, last = build_step(clip, config, device, batch, classes, dtype, record=False)
+            step_s = timed(step, device, warmup, repeats)
+            step_mb = peak_mb(device)
+            finite, prompt_tokens = bool(torch.isfinite(last["loss"])), last["prompt_tokens"]
+            del model, step, last
+            reset_peak(device)
+
+            def forward():
+                with torch.no_grad(), autocast(device, dtype):
+                    clip.encode_image(images)
+
+            image_s = timed(forward, device, warmup, repeats)
+            image_mb = peak_mb(device)
+            seconds[(batch, classes)] = (step_s, prompt_tokens)
+            memory = (f", peak {step_mb:,.0f} MB vs {image_mb:,.0f} MB" if step_mb is not None else "")
+            report.add(f"2. speed, batch {batch}, {classes} classes, {precision}", finite,
+                       f"step {batch / step_s:,.1f} img/s, frozen image forward {batch / image_s:,.1f} img/s: "
+                       f"ratio {step_s / image_s:.2f}{memory}",
+                       step_images_per_s=batch / step_s, image_forward_images_per_s=batch / image_s,
+                       ratio=step_s / image_s, step_peak_mb=step_mb, image_forward_peak_mb=image_mb)
+    return seconds
+
+
+# ------------------------------------------------------------------------------------------
+# 3. Ours against open_clip
+# ------------------------------------------------------------------------------------------
+
+
+def check_open_clip(report: Report, config: dict, device: torch.device, dtype, quick: bool) -> None:
+    name = "3. image encoding, ours vs open_clip"
+    try:
+        import open_clip
+    except ImportError:
+        report.add(name, "skip", "open-clip-torch is not installed (pip install open-clip-torch to compare)")
+        return
+    torch.manual_seed(0)
+    if quick:
+        reference = open_clip.model.CLIP(
+            embed_dim=config["embed_dim"], quick_gelu=True,
+            vision_cfg=dict(layers=config["vision_layers"], width=config["vision_width"], image_size=config["image_resolution"],
+                            head_width=config["vision_width"] // config["vision_heads"], patch_size=config["vision_patch_size"]),
+            text_cfg=dict(context_length=config["context_length"], vocab_size=config["vocab_size"],
+                          width=config["transformer_width"], heads=config["transformer_heads"],
+                          layers=config["transformer_layers"]))
+    else:
+        reference = open_clip.create_model("ViT-B-16-quickgelu", pretrained=None)
+    reference = reference.eval().to(device)
+    ours = clip_model.build_model(reference.state_dict(), head_width=config["vision_width"] // config["vision_heads"])
+    ours = ours.eval().to(device)
+    batch = 8 if quick else 32
+    images = torch.randn(batch, 3, config["image_resolution"], config["image_resolution"], device=device)
+    with torch.no_grad(), autocast(device, dtype):
+        difference = (ours.encode_image(images).float() - reference.encode_image(images).float()).abs().max().item()
+        rates = {}
+        for _ in range(3):  # alternate, so that a slow moment of the machine hits both alike
+            for label, model in (("ours", ours), ("open_clip", reference)):
+                seconds = timed(lambda: model.encode_image(images), device, 1, 2 if quick else 10)
+                rates[label] = max(rates.get(label, 0.0), batch / seconds)
+    ratio = rates["ours"] / rates["open_clip"]
+    tolerance = TOLERANCE_FP32 if dtype is None else 0.05  # bf16/fp16 keep 8/11 bits
+    precision = str(dtype).replace("torch.", "") if dtype is not None else "fp32"
+    # The ratio counts on the GPU at ViT-B/16's size; a tiny model on a CPU measures overheads.
+    fast_enough = ratio >= 0.8 or quick
+    report.add(name, difference <= tolerance and fast_enough,
+               f"{precision}, batch {batch}: ours {rates['ours']:,.1f} img/s, open_clip {rates['open_clip']:,.1f}: "
+               f"ratio {ratio:.2f} (>= 0.8{'; not counted with --quick' if quick else ''}); "
+               f"features max abs {difference:.1e} (<= {tolerance:g})",
+               ratio=ratio, difference=difference, **{f"{k}_images_per_s": v for k, v in rates.items()})
+
+
+# ------------------------------------------------------------------------------------------
+# 4. train.py end to end
+# ------------------------------------------------------------------------------------------
+
+
+def run_command(argv: list, env: dict, log_path: str) -> int:
+    with open(log_path, "w") as log:
+        return subprocess.run(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+
+
+def torchrun(processes: int) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+
+
+def summary_cells(folder: str) -> dict:
+    """summary.json -> {"dataset/row/column": accuracy} (every number of the tables)."""
+    with open(os.path.join(folder, "summary.json"), encoding="utf-8") as f:
+        tables = json.load(f)["tables"]
+    cells = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                walk(f"{prefix}/{key}", inner)
+        elif isinstance(value, list):
+            for index, inner in enumerate(value):
+                walk(f"{prefix}/{index}", inner)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            cells[prefix] = float(value)
+
+    walk("", tables)
+    return cells
+
+
+def largest_gap(a: dict, b: dict) -> float:
+    if set(a) != set(b) or not a:
+        return math.inf
+    return max(abs(a[key] - b[key]) for key in a)
+
+
+def learnable_tensors(folder: str) -> dict:
+    paths = [os.path.join(root, "checkpoint.pt") for root, _, files in os.walk(folder) if "checkpoint.pt" in files]
+    return {os.path.relpath(path, folder): torch.load(path, map_location="cpu", weights_only=True)["learnable"]
+            for path in sorted(paths)}
+
+
+def write_coop_copy(data_root: str, target: str) -> str:
+    """The toy world's task (a CoOp-layout folder, toyworld/task.py) rewritten as a 'dtd' dataset:
+    its images and its split under DTD's split-file name, so that train.py reads it as a
+    CoOp dataset (the toy world itself runs only in one process)."""
+    source = os.path.join(data_root, "toyworld")
+    shutil.copytree(os.path.join(source, "images"), os.path.join(target, "dtd", "images"))
+    with open(os.path.join(source, "split_toyworld.json"), encoding="utf-8") as f:
+        split = json.load(f)
+    with open(os.path.join(target, "dtd", "split_zhou_DescribableTextures.json"), "w", encoding="utf-8") as f:
+        json.dump(split, f)
+    return target
+
+
+def check_train_py(report: Report, device: torch.device, quick: bool, toy_scale: str, scratch: str,
+                   logs: str) -> None:
+    import toyworld
+
+    assets = toyworld.prepare(toy_scale, log=lambda line: None)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1" if device.type == "cpu" else "4"))
+    epochs = ["--epochs", "2" if quick else "5"]
+    os.makedirs(logs, exist_ok=True)
+
+    def train_py(tag: str, *flags, launcher=None):
+        """train.py with these flags: under `launcher` (torchrun) in a subprocess, else in this
+        process through train.main, the same code as the command line without a fresh Python."""
+        folder, log_path = os.path.join(scratch, tag), os.path.join(logs, f"{tag}.txt")
+        argv = ["--output", folder, *flags]
+        if launcher is not None:
+            code = run_command([*launcher, "train.py", *argv], env, log_path)
+        else:
+            with open(log_path, "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                try:
+                    code = train.main(argv)
+                except SystemExit as stop:  # argparse's exit on a flag this torch's train.py refuses
+                    code = stop.code if isinstance(stop.code, int) else 2
+                except Exception:  # noqa: BLE001 -- a crash is this run's result: its last line goes in the table
+                    traceback.print_exc()
+                    code = 1
+        return folder, code, os.path.isfile(os.path.join(folder, "summary.md"))
+
+    def tail(tag: str) -> str:
+        with open(os.path.join(logs, f"{tag}.txt"), encoding="utf-8", errors="replace") as f:
+            lines = [line.strip() for line in f if line.strip()]
+        return lines[-1][:200] if lines else "(no output)"
+
+    # (a) The toy world end to end (analysis, causal check, every row) on the device and on the CPU.
+    # --quick: zero-shot and DeAR with the head analysis (and the toy world's causal check); the
+    # full mode every row of the toy table.
+    toy = ["--dataset", "toyworld", "--toy-scale", toy_scale, "--seeds", "1", *epochs]
+    if quick:
+        toy += ["--method", "zeroshot", "dear", "--roles", "analyse"]
+    folder, code, written = train_py(f"toy-{device.type}", *toy, "--device", str(device))
+    if code != 0:
+        report.add(f"4. train.py toy world on {device.type}", False, f"exit {code}: {tail(f'toy-{device.type}')}")
+    else:
+        cpu_folder = folder
+        if device.type != "cpu":
+            cpu_folder, cpu_code, _ = train_py("toy-cpu", *toy, "--device", "cpu")
+        gap = largest_gap(summary_cells(folder), summary_cells(cpu_folder)) if written else math.inf
+        report.add(f"4. train.py toy world ({toy_scale}) on {device.type}, default precision",
+                   written and gap <= TOLERANCE_POINTS_AMP,
+                   f"exit 0, table written; largest cell gap to the CPU run {gap:.2f} points (<= {TOLERANCE_POINTS_AMP:g})"
+                   + (" (the CPU run is this run)" if device.type == "cpu" else ""), gap=gap)
+
+    # (b) torchrun on a CoOp-layout copy of the toy task, in fp32 (--amp off), against one plain
+    # process on the CPU; then a stop after one epoch and --resume against the unbroken run. With
+    # one process train.py starts no process group (there is nothing to average); (c) below runs
+    # DDP over NCCL itself, and a machine with 2 GPUs also runs train.py in 2 processes.
+    root = write_coop_copy(assets.data_root, os.path.join(scratch, "data"))
+    coop = ["--dataset", "dtd", "--root", root, "--weights", assets.weights, "--bpe", assets.bpe,
+            "--head-width", str(assets.head_width), "--seeds", "1", "--method", "zeroshot", "dear",
+            "--roles", "all-generalization", "--shots", "4" if quick else "16", "--epochs", "3" if quick else "5",
+            "--batch-size", "4", "--amp", "off"]
+    ddp, code, written = train_py("coop-torchrun", *coop, "--device", device.type, launcher=torchrun(1))
+    if code != 0:
+        report.add(f"4. torchrun x 1 train.py on {device.type}", False, f"exit {code}: {tail('coop-torchrun')}")
+        return
+    # On the CPU the plain-process reference is the resumed run below (bit-identical or not).
+    reference, ref_code = ddp, 0
+    if device.type != "cpu":
+        reference, ref_code, _ = train_py("coop-cpu", *coop, "--device", "cpu")
+    gap = largest_gap(summary_cells(ddp), summary_cells(reference)) if written and ref_code == 0 else math.inf
+    report.add(f"4. torchrun x 1 train.py on {device.type}, fp32", written and gap <= TOLERANCE_POINTS_FP32,
+               f"exit 0, table written; largest cell gap to one CPU process {gap:.2f} points (<= {TOLERANCE_POINTS_FP32:g})"
+               + (" (compared below)" if device.type == "cpu" else ""), gap=gap)
+    if device.type == "cuda" and torch.cuda.device_count() >= 2:  # train.py's own NCCL path
+        pair, code, written = train_py("coop-torchrun-2", *coop, "--device", "cuda", launcher=torchrun(2))
+        gap = largest_gap(summary_cells(pair), summary_cells(reference)) if code == 0 and written else math.inf
+        report.add("4. torchrun x 2 train.py on cuda (nccl)", code == 0 and written and gap <= TOLERANCE_POINTS_AMP,
+                   f"exit {code}, largest cell gap to one CPU process {gap:.2f} points (<= {TOLERANCE_POINTS_AMP:g}: "
+                   "two processes split each batch)" if code == 0 else f"exit {code}: {tail('coop-torchrun-2')}")
+
+    broken, code, _ = train_py("coop-broken", *coop, "--device", device.type, "--max-epochs-per-call", "1")
+    stopped = code == 0 and not os.path.isfile(os.path.join(broken, "summary.md"))
+    if stopped:
+        _, code, _ = train_py("coop-broken", "--resume")
+    if not stopped or code != 0:
+        report.add(f"4. resume after a stop, {device.type}", False, f"stop or resume failed: {tail('coop-broken')}")
+    else:
+        unbroken, resumed = learnable_tensors(ddp), learnable_tensors(broken)
+        same_runs = set(unbroken) == set(resumed) and bool(unbroken)
+        difference = max((float((resumed[run][key].float() - tensor.float()).abs().max())
+                          for run, tensors in unbroken.items() for key, tensor in tensors.items()),
+                         default=math.inf) if same_runs else math.inf
+        cells = largest_gap(summary_cells(ddp), summary_cells(broken))
+        # Bit-identical on the CPU (tested); on a GPU the same up to kernels whose sums are not
+        # run-to-run deterministic, which README's resume guarantee says.
+        exact = difference == 0.0
+        ok = exact if device.type == "cpu" else (difference <= 1e-3 and cells <= TOLERANCE_POINTS_FP32)
+        report.add(f"4. resume after a stop = unbroken run, {device.type}", ok,
+                   f"learnable tensors {'bit-identical' if exact else f'differ by {difference:.1e} max abs'}; "
+                   f"largest cell gap {cells:.2f} points", difference=difference, cells=cells, bit_identical=exact)
+
+    # (c) DistributedDataParallel over DeAR through the backend train.py picks, in a one-process group.
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    figures = guarded(report, f"4. DDP step of DeAR, process group {backend}", ddp_smoke, device, backend)
+    if figures is not None:
+        report.add(f"4. DDP step of DeAR, process group {backend}", True, figures)
+
+
+def ddp_smoke(device: torch.device, backend: str) -> str:
+    """train.py's DDP pieces on a tiny DeAR in a process group of one: the wrapper, a forward
+    and backward under autocast, the float64 all_reduce of the test counts, a barrier."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:  # a free port for the group's rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        dtype = None if device.type != "cuda" else (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
+        clip = random_clip(TINY).to(device)
+        model, _, images, _ = build_step(clip, TINY, device, batch=4, classes=10, dtype=dtype)
+        with warnings.catch_warnings():  # newer torch deprecates broadcast_buffers, which train.py passes
+            warnings.simplefilter("ignore")
+            network = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[device.index or 0] if device.type == "cuda" else None, broadcast_buffers=False)
+        prompts = class_prompts(10, torch.Generator().manual_seed(0), TINY["context_length"], TINY["vocab_size"])
+        with autocast(device, dtype):
+            output = network(images, model.prepare_classes(prompts.to(device)), with_frozen=True)
+            loss = dear.dear_loss(output, torch.zeros(4, dtype=torch.long, device=device))["total"]
+        loss.backward()
+        counts = torch.tensor([3.0, 4.0], dtype=torch.float64, device=device)
+        dist.all_reduce(counts)  # what train.py's _sum_over_processes does with the test counts
+        dist.barrier()
+        if not all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in model.learnable_parameters()):
+            raise RuntimeError("a learnable gradient is missing or not finite after DDP's backward")
+        precision = "fp32" if dtype is None else f"autocast {str(dtype).replace('torch.', '')}"
+        return f"DDP forward/backward ({precision}), loss {loss.item():.3f}, all_reduce {counts.tolist()}, barrier: done"
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------
+# 5. Model FLOP utilisation
+# ------------------------------------------------------------------------------------------
+
+
+def step_flops(config: dict, batch: int, classes: int, prompt_tokens: int, attributes: int = 5,
+               text_tokens: int = 4) -> float:
+    """Matrix-product FLOPs (2 per multiply-add) of one DeAR training step as dear.py runs it.
+    A layer over S sequences of T tokens of width d: 24 S T d^2 in its linear maps, 4 S T^2 d in
+    attention. Backward: CLIP is frozen, so only the gradients of the activations are formed,
+    about as much as the forward again (twice that in attention, where Q, K and V all get one)."""
+    def forward(S, T, d):
+        return 24 * S * T * d * d + 4 * S * T * T * d
+
+    def backward(S, T, d):
+        return 24 * S * T * d * d + 8 * S * T * T * d
+
+    layers, d = config["vision_layers"], config["vision_width"]
+    J = max(layers - 4, 0)  # 0-based index of DeAR's first layer (dear.default_first_layer, 1-based)
+    patches = (config["image_resolution"] // config["vision_patch_size"]) ** 2
+    N = 1 + patches
+    flops = 2 * batch * patches * 3 * config["vision_patch_size"] ** 2 * d  # patch embedding
+    flops += J * forward(batch, N, d)  # layers before J, no autograd
+    flops += (layers - J) * forward(batch, N, d)  # the frozen pass for L_reg
+    flops += (layers - J) * (forward(batch, N + attributes, d) + backward(batch, N + attributes, d))
+    width_t, T = config["transformer_width"], prompt_tokens + text_tokens
+    flops += (config["transformer_layers"] - J) * (forward(classes, T, width_t) + backward(classes, T, width_t))
+    flops += 3 * 2 * batch * (1 + attributes) * classes * config["embed_dim"]  # logits, forward + backward
+    return float(flops)
+
+
+def device_peak_tflops(device: torch.device, given):
+    if given is not None:
+        return given, "--peak-tflops"
+    if device.type != "cuda":
+        return None, None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in PEAK_BF16_TFLOPS:
+        if key in name:
+            return tflops, f"{name} ({key} in the table)"
+    return None, name
+
+
+def check_mfu(report: Report, config: dict, device: torch.device, seconds: dict, peak_given) -> None:
+    classes = min(c for b, c in seconds if b == 32)
+    step_s, longest = seconds[(32, classes)]
+    flops = step_flops(config, 32, classes, longest)
+    achieved = flops / step_s / 1e12
+    peak, source = device_peak_tflops(device, peak_given)
+    if peak is None:
+        report.add(f"5. MFU, step at batch 32, {classes} classes", "info",
+                   f"{flops / 1e9:,.1f} GFLOP per step, {achieved:,.3g} TFLOP/s achieved; no peak known for "
+                   f"{source or device.type} (give --peak-tflops)", flops=flops, achieved_tflops=achieved)
+        return
+    mfu = achieved / peak
+    report.add(f"5. MFU, step at batch 32, {classes} classes", 0 < mfu < 1,
+               f"{flops / 1e9:,.1f} GFLOP per step, {achieved:,.3g} TFLOP/s of {peak:,.3g} ({source}): MFU {100 * mfu:.1f}%",
+               flops=flops, achieved_tflops=achieved, peak_tflops=peak, mfu=mfu)
+
+
+# ------------------------------------------------------------------------------------------
+# The command
+# ------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Prove the GPU path of this project and measure it (one table).")
+    parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
+    parser.add_argument("--quick", action="store_true", help="a tiny CLIP instead of ViT-B/16, 2 epochs: seconds")
+    parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, for the MFU")
+    parser.add_argument("--toy-scale", default="miniature", choices=("miniature", "full"),
+                        help="the toy world for the train.py runs (full: only when its cache exists)")
+    parser.add_argument("--output", default=os.path.join("runs", "device_check"), help="folder for the table files")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("device_check.py: error: --device cuda: no CUDA device here; use --device cpu --quick", file=sys.stderr)
+        return 2
+    started = time.time()
+    config = TINY if args.quick else B16
+    # train.py's precision: bf16 where supported, else fp16; CPU checks run bf16 autocast too.
+    dtype = torch.bfloat16 if device.type != "cuda" or torch.cuda.is_bf16_supported() else torch.float16
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    print(f"device check: {'tiny CLIP' if args.quick else 'ViT-B/16'}, {where}, torch {torch.__version__}, "
+          f"python {sys.version.split()[0]}" + ("; ftfy is not installed: a stand-in that changes no text"
+                                                if FTFY_STAND_IN else ""), flush=True)
+
+    report = Report()
+    clip = guarded(report, "1. parity", check_parity, report, config, device)
+    if clip is None:  # the model could not even run on the device: the checks below would only repeat that
+        clip = random_clip(config).to(device)
+    guarded(report, "2. DeAR steps", check_amp_steps, report, clip, config, device, args.quick)
+    # The speed in train.py's precision: autocast on CUDA, fp32 on the CPU (as train.py runs there).
+    seconds = guarded(report, "2. speed", check_speed, report, clip, config, device,
+                      dtype if device.type == "cuda" else None, args.quick)
+    del clip
+    guarded(report, "3. ours vs open_clip", check_open_clip, report, config, device, dtype, args.quick)
+    with tempfile.TemporaryDirectory(prefix="device_check-") as scratch:
+        guarded(report, "4. train.py", check_train_py, report, device, args.quick, args.toy_scale, scratch,
+                os.path.join(args.output, "logs"))
+    if seconds:
+        guarded(report, "5. MFU", check_mfu, report, config, device, seconds, args.peak_tflops)
+    else:
+        report.add("5. MFU", False, "no step time (check 2 failed)")
+
+    elapsed = time.time() - started
+    title = (f"Device check: {'tiny CLIP (--quick)' if args.quick else 'ViT-B/16'}, {where}, torch {torch.__version__}, "
+             f"{elapsed:.0f} s; {'FAILED' if report.failed else 'all checks passed'}")
+    table = report.markdown()
+    print("\n" + title + "\n\n" + table)
+    os.makedirs(args.output, exist_ok=True)
+    stem = os.path.join(args.output, f"device_check_{device.type}{'_quick' if args.quick else ''}")
+    record = dict(title=title, device=where, torch=torch.__version__, quick=args.quick, seconds=elapsed,
+                  passed=not report.failed, checks=report.rows)
+    for suffix, text in ((".md", f"{title}\n\n{table}\n"), (".json", json.dumps(record, indent=1, default=str))):
+        write_file(stem + suffix, text)
+    print(f"\nwritten: {stem}.md, {stem}.json")
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

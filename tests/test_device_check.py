@@ -1,0 +1,145 @@
+"""Tests of benchmarks/device_check.py, the one command that proves the GPU path.
+
+No GPU here: the script runs as `--device cpu --quick` (every check, a tiny CLIP), so that it
+cannot rot between the rare moments a GPU is at hand; its checks are shown to fail on the
+bugs they are there for; its FLOP count, which the MFU rests on, is held against torch's own
+count of a real step; and the GPU table is looked up by name as a GPU reports it.
+
+    python -m pytest -q tests/test_device_check.py
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import device_check  # noqa: E402
+
+
+def test_quick_mode_runs_every_check_on_the_cpu_and_writes_the_table_it_prints(tmp_path):
+    out = tmp_path / "table"
+    env = dict(os.environ, CLIP_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "benchmarks/device_check.py", "--device", "cpu", "--quick",
+                           "--peak-tflops", "0.2", "--output", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "all checks passed" in done.stdout
+
+    record = json.loads((out / "device_check_cpu_quick.json").read_text())
+    rows = record["checks"]
+    assert [row["check"][:2] for row in rows] == ["1."] * 2 + ["2."] * 6 + ["3."] + ["4."] * 4 + ["5."]
+    for row in rows:  # open_clip is a dev requirement, so nothing may be skipped here
+        assert row["status"] == "pass", row
+    assert rows[0]["values"]["image"] <= 1e-3 and rows[1]["values"]["difference"] <= 1e-3
+    assert not rows[2]["values"]["unmoved"] and not rows[3]["values"]["clip_changed"]
+    resume = next(row for row in rows if row["check"].startswith("4. resume"))
+    assert resume["values"]["bit_identical"]
+    assert 0 < rows[-1]["values"]["mfu"] < 1  # from --peak-tflops
+    # The printed table is the Markdown file's table, line for line.
+    table = (out / "device_check_cpu_quick.md").read_text().split("\n\n", 1)[1].strip()
+    assert table in done.stdout
+
+
+@pytest.fixture
+def tiny_clip():
+    return device_check.random_clip(device_check.TINY)
+
+
+def amp_rows(tiny_clip) -> list:
+    report = device_check.Report()
+    device_check.check_amp_steps(report, tiny_clip, device_check.TINY, torch.device("cpu"), quick=True)
+    return report.rows
+
+
+def test_the_amp_check_passes_a_good_step_and_fails_one_that_touches_clip(tiny_clip, monkeypatch):
+    assert [row["status"] for row in amp_rows(tiny_clip)] == ["pass", "pass"]
+    build = device_check.build_step
+
+    def touching_clip(clip, *args, **kwargs):  # an optimizer that also moves a CLIP weight
+        model, step, images, last = build(clip, *args, **kwargs)
+
+        def bad_step():
+            step()
+            with torch.no_grad():
+                clip.visual.proj.add_(1e-3)
+
+        return model, bad_step, images, last
+
+    monkeypatch.setattr(device_check, "build_step", touching_clip)
+    rows = amp_rows(tiny_clip)
+    assert [row["status"] for row in rows] == ["fail", "fail"]
+    assert rows[0]["values"]["clip_changed"] == ["visual.proj"]
+
+
+def test_the_amp_check_fails_a_step_that_leaves_a_learnable_tensor_without_gradient(tiny_clip, monkeypatch):
+    build = device_check.build_step
+
+    def detached_text_tokens(*args, **kwargs):  # e.g. the text tokens cut off the graph
+        model, step, images, last = build(*args, **kwargs)
+        model.text_tokens.requires_grad_(False)
+        return model, step, images, last
+
+    monkeypatch.setattr(device_check, "build_step", detached_text_tokens)
+    rows = amp_rows(tiny_clip)
+    assert [row["status"] for row in rows] == ["fail", "fail"]
+    assert rows[0]["values"]["unmoved"] == ["text_tokens"] and "NOT finite" in rows[0]["figures"]
+
+
+def test_the_flop_count_of_a_step_equals_torchs_own_count_of_a_real_step(tiny_clip):
+    """The MFU's numerator: step_flops against torch's FlopCounterMode over one real DeAR step
+    (the plain attention kernel, whose matrix products the counter sees), to 1%."""
+    flop_counter = pytest.importorskip("torch.utils.flop_counter")
+    attention = pytest.importorskip("torch.nn.attention")  # torch >= 2.3: choose the plain kernel
+    _, step, _, last = device_check.build_step(tiny_clip, device_check.TINY, torch.device("cpu"), 8, 20, None)
+    step()
+    with attention.sdpa_kernel(attention.SDPBackend.MATH), flop_counter.FlopCounterMode(display=False) as counter:
+        step()
+    estimate = device_check.step_flops(device_check.TINY, 8, 20, last["prompt_tokens"])
+    assert abs(estimate / counter.get_total_flops() - 1) < 0.01, (estimate, counter.get_total_flops())
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H200", 989.0), ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
+    ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA L4", 121.0), ("NVIDIA L40S", 362.0),
+    ("NVIDIA A10G", 70.0), ("NVIDIA GeForce RTX 4090", 165.0), ("NVIDIA Some Future GPU", None),
+])
+def test_a_gpu_finds_its_peak_by_the_name_it_reports(monkeypatch, name, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert device_check.device_peak_tflops(torch.device("cuda"), None)[0] == peak
+    assert device_check.device_peak_tflops(torch.device("cuda"), 123.0) == (123.0, "--peak-tflops")
+
+
+def test_a_check_that_breaks_fails_the_table_and_the_exit_status_and_the_others_still_run(tmp_path, monkeypatch):
+    ran = []
+
+    def broken_parity(*args):
+        raise RuntimeError("Expected all tensors to be on the same device")
+
+    monkeypatch.setattr(device_check, "check_parity", broken_parity)
+    for name in ("check_amp_steps", "check_speed", "check_open_clip", "check_train_py", "check_mfu"):
+        monkeypatch.setattr(device_check, name, lambda *args, name=name: ran.append(name))
+    assert device_check.main(["--device", "cpu", "--quick", "--output", str(tmp_path)]) == 1
+    record = json.loads((tmp_path / "device_check_cpu_quick.json").read_text())
+    assert not record["passed"] and record["checks"][0]["status"] == "fail"
+    assert "same device" in record["checks"][0]["figures"]
+    assert ran == ["check_amp_steps", "check_speed", "check_open_clip", "check_train_py"]  # no step time, no MFU
+
+
+def test_without_ftfy_a_stand_in_serves_this_process_and_the_train_py_processes(tmp_path):
+    blocker = tmp_path / "no_ftfy"  # a machine without ftfy: importing it fails
+    blocker.mkdir()
+    (blocker / "ftfy.py").write_text("raise ImportError('No module named ftfy')\n")
+    probe = ("import device_check, clip_model, ftfy, subprocess, sys; print(ftfy.__doc__); "
+             "print(subprocess.run([sys.executable, '-c', 'import ftfy; print(ftfy.__doc__)'], "
+             "capture_output=True, text=True).stdout)")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO / "benchmarks", capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(blocker)), timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("Written by benchmarks/device_check.py: ftfy is not installed.") == 2
