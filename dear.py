@@ -1,6 +1,6 @@
 """
 dear.py -- DeAR, the method: head roles by concept entropy, attribute tokens, the role-based
-attention mask, the losses and task-adaptive fusion.
+attention mask, the losses and the learned fusion of the branches.
 
 Paper: "DeAR: Fine-Grained VLM Adaptation by Decomposing Attention Head Roles"
 (Ma, Yang, Wang, Chen, Xian, Teng; CVPR 2026). The project's method notes, with the choices
@@ -659,8 +659,8 @@ class DeAR(nn.Module):
 
         branch k in {cls, attr_1..attr_A}: logits_k = s * cos(f_k, t_c), s CLIP's frozen scale;
         fused logits = sum_k alpha_k * logits_k, used in training. At test time train.py
-        uses them only where the test classes are the trained ones, and the class branch alone
-        elsewhere (task-adaptive fusion, as MMRL evaluates): both are in the output."""
+        scores every test set both ways (fused everywhere; the class branch alone on classes
+        that were not trained, as MMRL evaluates): both are in the output."""
         f_cls, f_attr, f_frozen = self.encode_image(images, with_frozen)
         t = self.encode_text(classes)
         features = torch.cat([f_cls[:, None], f_attr], dim=1)  # (B, 1 + A, E)

@@ -6,15 +6,16 @@ CoOp's layout, dear.py is the method (head roles, attribute tokens, role masks, 
 This file ties them together and reads top to bottom like nanoGPT's train.py:
 
     1. settings ...... argparse flags (grouped, each with help) + the defaults, each written
-                       once: a recipe per dataset (docs/METHOD.md Sec. 7) and one table for
-                       the rest; resolved and checked once, saved with every run
+                       once: a recipe per protocol and dataset (docs/METHOD.md Sec. 7) and
+                       one table for the rest; resolved and checked once, saved with every run
     2. device ........ --device auto: cuda, then mps, then cpu; torchrun -> DDP
     3. data .......... the train/test lists of each protocol (docs/METHOD.md Sec. 6)
-    4. model ......... CLIP (or the toy world's), head roles (analysed now, a file, or an
-                       ablation) -> DeAR, built by one function
-    5. optimizer ..... AdamW, one constant warm-up epoch, then cosine (per epoch, as Dassl)
+    4. model ......... CLIP (or the toy world's), head roles (one cached analysis per model
+                       and image pool, a file, or an ablation) -> DeAR, built by one function
+    5. optimizer ..... AdamW, a constant warm-up, then cosine recounted after it (Dassl's)
     6. evaluation .... accuracy with the fused logits and with the class branch alone, in one
-                       pass; task-adaptive fusion picks per test set (zero-shot: CLIP alone)
+                       pass; the DeAR row under both rules (fused everywhere; the class
+                       branch alone on unseen classes); zero-shot: CLIP alone
     7. loop .......... one DeAR run: the training loop, then its evaluation (train_job, run_job)
     8. tables ........ results.json + markdown tables in the paper's shape
     9. run folder .... files written whole, checkpoints, the lock (plumbing, out of the way)
@@ -23,8 +24,9 @@ This file ties them together and reads top to bottom like nanoGPT's train.py:
 Protocols (--protocol):
     base2novel  train on the base half of the classes, test base and novel; Base, Novel, HM
     fewshot     1/2/4/8/16 shots of every class, test every class
-    cross       train on ImageNet (--source), test the ten other datasets
-    dg          train on ImageNet (--source), test ImageNet-V2, -Sketch, -A and -R
+    cross, dg   one training on ImageNet (--source), tested on every --dataset: 'all' is
+                the ten other datasets (the cross-dataset table) and ImageNet-V2, -Sketch,
+                -A and -R (the domain-generalization table), from the same trained models
 
 Run it:
     python train.py --dataset toyworld                       # the toy world: no downloads, CPU, minutes
@@ -32,15 +34,17 @@ Run it:
     python train.py --dataset all --root $DATA --protocol fewshot --seeds 1
     python train.py --output runs/base2novel-oxford_pets --resume       # continue a stopped run
     python train.py --output runs/base2novel-oxford_pets --eval-only    # evaluate it again
-    torchrun --nproc_per_node=4 train.py --dataset imagenet --root $DATA --protocol dg
+    python train.py --dataset dtd --root $DATA --analyse-only     # the head roles alone, then stop
+    torchrun --nproc_per_node=4 train.py --dataset all --root $DATA --protocol cross
 
 A run folder holds, per dataset / method / seed: settings.json, checkpoint.pt (only the
 learnable tensors, the optimizer state and the settings, written atomically at each epoch
-end), results.json and results.md; per dataset and run the head roles
-(<dataset>/roles/<run>/roles.json, roles.txt, roles.png, masks.png); at the top summary.json
-and summary.md. A run is complete when its results.json exists; summary.md is written when
-every run is. The call that writes a folder holds <output>/.lock; a --roles file is copied to
-roles_file.json, and settings.json records the SHA-256 of the weights, BPE and roles files.
+end), results.json and results.md; per trained dataset a copy of the head roles it used
+(<dataset>/roles/: roles.json, roles.txt, roles.png, analysis.json from the cache, and
+masks.png for this run's J); at the top summary.json and summary.md. A run is complete when
+its results.json exists; summary.md is written when every run is. The call that writes a folder holds <output>/.lock; a --roles file is copied to
+roles_file.json, and settings.json records its format version, the SHA-256 of the weights,
+BPE and roles files, and each analysed role map's fingerprint, pool and SHA-256.
 
 Layer numbers: the paper counts from 1 ("J = 9"); so do --first-layer and every printed line.
 """
@@ -89,41 +93,77 @@ import dear
 
 @dataclass(frozen=True)
 class Recipe:
-    """How one dataset trains (docs/METHOD.md Sec. 7: where the paper is silent, MMRL's
-    recipe, the closest public relative of DeAR). The field defaults are the recipe of most
-    of the paper's datasets; each field is the default of the flag of the same name."""
+    """How one protocol trains one dataset (docs/METHOD.md Sec. 7, a table of every default
+    with its source: where the paper is silent, MMRL++'s config files, the closest public
+    relative of DeAR, whose token rule DeAR uses). The field defaults are MMRL++'s
+    base-to-novel yaml; each field is the default of the flag of the same name."""
 
-    epochs: int = 10  # training epochs, the warm-up epoch included
+    epochs: int = 10  # training epochs, the warm-up epochs included
     batch_size: int = 4  # images per step (per process under torchrun)
-    lr: float = 1e-3  # AdamW's learning rate after the warm-up epoch, then cosine decay
+    lr: float = 1e-3  # AdamW's learning rate after the warm-up, then cosine decay
+    warmup_epochs: int = 1  # epochs at the constant WARMUP_LR before the cosine (Dassl's recount)
     shots: int = 16  # training images per class (every protocol but fewshot, which sweeps)
     lambda_reg: float = 1.0  # weight of the self-regularisation loss (docs/METHOD.md Sec. 5)
-    lambda_fusion: float = 0.1  # weight of the fusion-weight regularisation loss
-    beta: float = 0.5  # each layer's fresh tokens against the previous layer's output tokens
+    lambda_fusion: float = 0.1  # weight of the fusion-weight regularisation loss (our choice)
+    beta: float = 0.9  # each layer's fresh tokens against the previous layer's output tokens
     first_layer: str = "auto"  # J, 1-based as in the paper; auto = first of the last four layers
     text_tokens: int = 4  # K, learnable tokens in the text tower
     augment: bool = True  # random resized crop + flip (CoOp's)
 
 
-# The paper's eleven datasets, in its tables' order. They share one recipe; the exceptions
-# are written out below. A dataset without a row has no recipe (recipe_of says so) rather
-# than silently borrowing another dataset's.
+# The paper's eleven datasets, in its tables' order.
 PAPER_DATASETS = ["imagenet", "caltech101", "oxford_pets", "stanford_cars", "oxford_flowers", "food101",
                   "fgvc_aircraft", "sun397", "dtd", "eurosat", "ucf101"]
-RECIPES: Dict[str, Recipe] = {name: Recipe() for name in PAPER_DATASETS}
-RECIPES["imagenet"] = Recipe(epochs=5, batch_size=32)  # 1,000 classes: fewer epochs of larger batches (MMRL)
-# The toy world's tiny CLIP learns from few, small images: more epochs at a larger lr; no
-# crop or flip, which would move the object and so change its position, one of the attributes.
-RECIPES["toyworld"] = Recipe(epochs=20, batch_size=8, lr=5e-3, augment=False)
+# Each protocol's recipe, from MMRL++'s yaml files (yunncheng/MMRL, configs/trainers/MMRLpp/):
+# vit_b16.yaml, vit_b16_few_shot.yaml, vit_b16_cross_datasets.yaml (cross and dg share one
+# ImageNet training), and vit_b16_imagenet.yaml for ImageNet in base2novel and fewshot.
+PROTOCOL_RECIPES = {"base2novel": Recipe(), "fewshot": Recipe(epochs=100, batch_size=32, lr=2e-3),
+                    "cross": Recipe(epochs=1, batch_size=32, warmup_epochs=0)}
+PROTOCOL_RECIPES["dg"] = PROTOCOL_RECIPES["cross"]
+# (beta, lambda_reg) per dataset: MMRL++'s trainers/config.py, which MMRL's train.py merges
+# after the yaml (so it wins); B2N and FS share one table, CD sets ImageNet's training.
+MMRLPP_B2N_FS = {"imagenet": (0.9, 0.2), "fgvc_aircraft": (0.9, 2.0), "ucf101": (0.9, 3.0), "dtd": (0.9, 7.0),
+                 "oxford_pets": (0.7, 0.01), "stanford_cars": (0.7, 6.0), "caltech101": (0.6, 3.0),
+                 "sun397": (0.5, 3.0), "oxford_flowers": (0.4, 7.0), "eurosat": (0.2, 0.01), "food101": (0.1, 1.0)}
+MMRLPP_CD = {"imagenet": (0.9, 0.1)}
 
-WARMUP_EPOCHS, WARMUP_LR, WEIGHT_DECAY = 1, 1e-5, 5e-4  # Dassl's constant warm-up; its decay
+
+def _recipes() -> Dict[str, Dict[str, Recipe]]:
+    """{protocol: {dataset: Recipe}}: the protocol's recipe with each dataset's exceptions."""
+    recipes: Dict[str, Dict[str, Recipe]] = {}
+    for protocol in ("base2novel", "fewshot", "cross"):
+        usual, table = PROTOCOL_RECIPES[protocol], MMRLPP_CD if protocol == "cross" else MMRLPP_B2N_FS
+        recipes[protocol] = {}
+        for name in PAPER_DATASETS:
+            recipe = usual
+            if name == "imagenet" and protocol in ("base2novel", "fewshot"):  # vit_b16_imagenet.yaml
+                recipe = dataclasses.replace(recipe, epochs=5, batch_size=32, lr=1e-3)
+            if name in table:
+                recipe = dataclasses.replace(recipe, beta=table[name][0], lambda_reg=table[name][1])
+            recipes[protocol][name] = recipe
+        # The toy world's tiny CLIP learns from few, small images: more epochs at a larger lr
+        # (our choice); no crop or flip, which would move the object and so change its
+        # position, one of the attributes; beta 0.5 (our choice: no MMRL++ value exists for it).
+        recipes[protocol]["toyworld"] = Recipe(epochs=20, batch_size=8, lr=5e-3, beta=0.5, augment=False)
+    del recipes["cross"]["toyworld"]  # the toy world has no cross-dataset protocol
+    recipes["dg"] = recipes["cross"]  # one ImageNet training serves both
+    return recipes
+
+
+RECIPES = _recipes()
+
+WARMUP_LR, WEIGHT_DECAY = 1e-5, 5e-4  # MMRL++'s WARMUP_CONS_LR; Dassl's OPTIM.WEIGHT_DECAY
 PROTOCOLS = ("base2novel", "fewshot", "cross", "dg")
-# Which logits a test set is scored with (DeAR's task-adaptive fusion, as MMRL evaluates):
-#   adaptive    the fused logits where the test classes are the trained classes in the trained
-#               domain (base2novel's base set, fewshot, the source set of cross and dg); the
-#               class branch alone everywhere else, whose classes the attribute branches never saw
-#   everywhere  the fused logits on every test set (the ablation)
-FUSION_MODES = ("adaptive", "everywhere")
+# How DeAR's two kinds of logits score a test set. Both rules are shown in every table by
+# default, because DeAR's public material does not settle which its tables use (docs/METHOD.md
+# Sec. 5):
+#   fused-everywhere   the fused logits, with the fusion weights learned on the training
+#                      classes, on every test set (DeAR's description of its inference)
+#   class-on-unseen    the fused logits where the test classes are the trained classes in the
+#                      trained domain; the class branch alone on classes that were not trained
+#                      (novel classes, other datasets, ImageNet's variants): MMRL's code
+FUSION_MODES = ("fused-everywhere", "class-on-unseen")
+OLD_FUSION_NAMES = {"everywhere": "fused-everywhere", "adaptive": "class-on-unseen"}
 METHODS = ("zeroshot", "linear-probe", "dear")
 ROLE_ABLATIONS = ("all-mixed", "all-generalization")  # besides "analyse" and a roles file
 DG_TARGETS = ["imagenet_v2", "imagenet_sketch", "imagenet_a", "imagenet_r"]
@@ -135,12 +175,13 @@ MAX_SEED = 2**32 - 1  # numpy's range; torch's per-epoch seeds are derived from 
 DEFAULTS = dict(
     protocol="base2novel",  # the paper's main table
     method=["zeroshot", "dear"],  # CLIP as it is, and DeAR
-    roles=["analyse"],  # DeAR's own head analysis, on each run's training images
-    fusion=["adaptive"],  # the paper's task-adaptive fusion
+    roles=["analyse"],  # DeAR's own head analysis: one role map per model and image pool, cached
+    fusion=list(FUSION_MODES),  # both rules of scoring DeAR, one table row each (Sec. 5 of METHOD.md)
     seeds=[1, 2, 3],  # CoOp's three seeds; the tables report the mean
     source="imagenet",  # what cross and dg train on (the paper's protocol)
     weights="ViT-B/16",  # the paper's backbone
-    analysis_images=2000,  # training images for the head analysis (a cap: few-shot runs have fewer)
+    analysis_pool="train",  # the trained dataset's whole training split (base classes in base2novel)
+    analysis_images=2000,  # at most this many images of the pool for the head analysis
     device="auto",  # cuda, then mps, then cpu
     amp="on",  # autocast on CUDA (CPU and MPS always run fp32)
     eval_batch_size=64,  # images per evaluation batch
@@ -148,10 +189,9 @@ DEFAULTS = dict(
     toy_scale="full",  # the toy world the README's table comes from
 )
 # The toy world shows more rows by default: the linear probe (how far the frozen features
-# separate the classes), the two role ablations beside DeAR, and DeAR under both fusion
-# modes. It brings its own model (--weights, --bpe, --head-width refused).
-TOY_DEFAULTS = dict(method=list(METHODS), roles=["all-mixed", "all-generalization", "analyse"],
-                    fusion=list(FUSION_MODES))
+# separate the classes) and the two role ablations beside DeAR. It brings its own model
+# (--weights, --bpe, --head-width refused).
+TOY_DEFAULTS = dict(method=list(METHODS), roles=["all-mixed", "all-generalization", "analyse"])
 
 # Flags that say how to run, not what to compute: they may change on --resume / --eval-only.
 RUN_CONTROL = {"output", "resume", "eval_only", "device", "workers", "log_every", "eval_batch_size",
@@ -179,12 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", nargs="+", choices=METHODS, help="rows of the table: zeroshot = CLIP with the "
                    "dataset's template, no training; linear-probe = logistic regression on the frozen image "
                    "features (training classes only); dear = DeAR")
-    g.add_argument("--roles", nargs="+", help="head roles for DeAR: 'analyse' (concept entropy on the training "
-                   "images, saved in the run folder), a roles JSON file, 'all-mixed' (no mask: plain deep "
-                   "prompting) or 'all-generalization'; several give one table row each")
-    g.add_argument("--fusion", nargs="+", choices=FUSION_MODES, help="logits DeAR is scored with: adaptive = "
-                   "fused on the trained classes (base, fewshot, the source dataset), the class branch alone "
-                   "elsewhere; everywhere = fused on every test set. Several give the DeAR row once each, "
+    g.add_argument("--roles", nargs="+", help="head roles for DeAR: 'analyse' (concept entropy on "
+                   "--analysis-pool, once per model and pool, cached and copied into the run folder), a roles "
+                   "JSON file, 'all-mixed' (no mask: plain deep prompting) or 'all-generalization'; several "
+                   "give one table row each")
+    g.add_argument("--fusion", nargs="+", type=fusion_name, metavar="{" + ",".join(FUSION_MODES) + "}",
+                   help="how DeAR is scored: fused-everywhere = the fused logits (weights learned on the "
+                   "training classes) on every test set; class-on-unseen = fused on the trained classes, the "
+                   "class branch alone on classes not trained (MMRL's rule). Each gives the DeAR row once, "
                    "from the same trained model (the role ablations use the first)")
     g.add_argument("--seeds", nargs="+", type=int, help="seeds; tables report the mean")
     g.add_argument("--shots", nargs="+", type=int, help="shots per class")
@@ -209,19 +251,28 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--text-tokens", type=int, help="K, learnable tokens inserted in the text tower")
     g.add_argument("--lambda-reg", type=float, help="weight of the self-regularisation loss")
     g.add_argument("--lambda-fusion", type=float, help="weight of the fusion-weight regularisation loss")
-    g.add_argument("--analysis-images", type=int, help="at most this many of the run's training images for "
-                   "the head analysis, spread evenly over its classes, drawn with the run's seed")
+    g.add_argument("--analysis-pool", help="images of the head analysis: 'train' = the trained dataset's whole "
+                   "training split (base2novel: its base classes only; never the few-shot draw), or "
+                   "DATASET:SPLIT of the registry, e.g. imagenet:test (ImageNet's validation images, "
+                   "TextSpan's pool)")
+    g.add_argument("--analysis-images", type=int, help="at most this many images of the pool, spread evenly "
+                   "over its classes with a fixed seed")
     g.add_argument("--descriptions", type=int, help="TextSpan descriptions per head (unset: what the bank "
-                   "supports, the fewest values of an attribute: 16 for the project's bank, 4 for the toy world's)")
+                   "supports, the fewest values of an attribute: 16 for the project's bank, 4 for the toy world's; "
+                   "capped with a warning where the images or TextSpan's rank cannot support it; a typed value "
+                   "above that is refused)")
+    g.add_argument("--analyse-only", action="store_true", help="run the head analysis alone (roles.json, "
+                   "roles.png, masks.png in --output and the cache), then stop")
     g.add_argument("--low-bits", type=float, help="attribute heads have concept entropy at most this "
                    "(unset: a third of log2(min(descriptions, concepts)), the most the picks can spread)")
     g.add_argument("--high-bits", type=float, help="generalization heads have concept entropy at least "
                    "this (unset: two thirds of it)")
 
     g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=int, help="training epochs, the warm-up epoch included")
+    g.add_argument("--epochs", type=int, help="training epochs, the warm-up epochs included")
     g.add_argument("--batch-size", type=int, help="images per step (per process under torchrun)")
-    g.add_argument("--lr", type=float, help="AdamW learning rate after the warm-up epoch (cosine decay)")
+    g.add_argument("--lr", type=float, help="AdamW learning rate after the warm-up (cosine decay)")
+    g.add_argument("--warmup-epochs", type=int, help=f"epochs at a constant {WARMUP_LR:g} before the cosine")
     g.add_argument("--augment", choices=("on", "off"), help="random resized crop + flip for training")
 
     g = p.add_argument_group("running")
@@ -255,22 +306,37 @@ def default_help(key: str) -> str:
     parts = [shown(DEFAULTS[key])] if key in DEFAULTS else []
     if key in TOY_DEFAULTS:
         parts.append(f"toyworld: {shown(TOY_DEFAULTS[key])}")
-    if key in Recipe.__dataclass_fields__:
-        usual = getattr(Recipe(), key)
-        others = [f"{name}: {shown(getattr(r, key))}" for name, r in RECIPES.items() if getattr(r, key) != usual]
-        parts.append(f"{shown(usual)} from RECIPES" + (f" ({', '.join(others)})" if others else ""))
+    if key in Recipe.__dataclass_fields__:  # per protocol, then the datasets that differ
+        per_protocol = []
+        for protocols in (("base2novel",), ("fewshot",), ("cross", "dg")):
+            usual = getattr(PROTOCOL_RECIPES[protocols[0]], key)
+            others = [f"{name}: {shown(getattr(r, key))}" for name, r in RECIPES[protocols[0]].items()
+                      if getattr(r, key) != usual]
+            exceptions = f" ({', '.join(others)})" if others else ""
+            per_protocol.append(f"{', '.join(protocols)} {shown(usual)}{exceptions}")
+        parts.append("; ".join(per_protocol) + ", from RECIPES")
     if key == "shots":
         parts.append(f"fewshot: {shown(FEWSHOT_SHOTS)}")
     return f" (default {'; '.join(parts)})" if parts else ""
 
 
-def recipe_of(dataset: str) -> Recipe:
-    if dataset not in RECIPES and data.get_spec(dataset).own:  # your own data: the default recipe
-        return Recipe()
-    if dataset not in RECIPES:  # a dataset added to data.py without a recipe here
-        raise TrainError(f"--dataset {dataset}: train.py has no training recipe for it; add a row to RECIPES "
+def recipe_of(protocol: str, dataset: str) -> Recipe:
+    if dataset not in RECIPES[protocol] and data.get_spec(dataset).own:  # your own data: the protocol's recipe
+        return PROTOCOL_RECIPES[protocol]
+    if dataset not in RECIPES[protocol]:  # a dataset added to data.py without a recipe here
+        raise TrainError(f"--dataset {dataset}: train.py has no {protocol} recipe for it; add it to RECIPES "
                          "in train.py")
-    return RECIPES[dataset]
+    return RECIPES[protocol][dataset]
+
+
+def fusion_name(value: str) -> str:
+    """--fusion's type: a mode of FUSION_MODES; the names of earlier versions get a one-line hint."""
+    if value in OLD_FUSION_NAMES:
+        raise argparse.ArgumentTypeError(f"'{value}' is an old name: use {OLD_FUSION_NAMES[value]} (the rows are "
+                                         "now named by what they do)")
+    if value not in FUSION_MODES:
+        raise argparse.ArgumentTypeError(f"invalid choice: '{value}' (choose from {', '.join(FUSION_MODES)})")
+    return value
 
 
 def resolve_settings(args: argparse.Namespace) -> Dict[str, object]:
@@ -280,6 +346,7 @@ def resolve_settings(args: argparse.Namespace) -> Dict[str, object]:
     added once they are found (open_inputs), and nothing changes them after that."""
     settings = settings_from_run_folder(args) if (args.resume or args.eval_only) else settings_from_flags(args)
     settings["resume"], settings["eval_only"] = bool(args.resume), bool(args.eval_only)
+    settings["analyse_only"] = bool(args.analyse_only)
     validate_settings(settings)
     if settings["workers"] is None:  # loading processes help on CUDA; on CPU they compete with the model
         settings["workers"] = 4 if pick_device(settings["device"]).type == "cuda" else 0
@@ -299,10 +366,10 @@ def _default(value, default):
 
 def _dataset_names(typed: List[str], protocol: str, source: Optional[str]) -> List[str]:
     names = [data.own_dataset_name(n) if data.is_own_data(n) else n.strip().lower().replace("-", "_") for n in typed]
-    if names == ["all"]:
-        names = {"base2novel": PAPER_DATASETS, "fewshot": PAPER_DATASETS,
-                 "cross": [n for n in PAPER_DATASETS if n != _default(source, DEFAULTS["source"])],
-                 "dg": DG_TARGETS}[protocol]
+    if names == ["all"]:  # cross and dg: one training on the source, tested on all fourteen targets
+        source = _default(source, DEFAULTS["source"]).strip().lower().replace("-", "_")
+        names = PAPER_DATASETS if protocol in ("base2novel", "fewshot") else \
+            [n for n in PAPER_DATASETS if n != source] + DG_TARGETS
     return list(names)
 
 
@@ -342,17 +409,14 @@ def settings_from_flags(args: argparse.Namespace) -> Dict[str, object]:
             raise TrainError(f"--source {source}: a test set only; train on a dataset with training images")
     elif args.source:
         raise TrainError(f"--source is for --protocol cross or dg, not {protocol}")
-    if protocol == "dg":
-        for name in names:
-            if not data.get_spec(name).evaluation_only:
-                raise TrainError(f"--protocol dg tests on {', '.join(DG_TARGETS)}; {name} is not one of them "
-                                 "(use --protocol cross)")
+    if source in names:
+        raise TrainError(f"--dataset {source}: it is the --source; its test set is already the first column")
     if protocol in ("base2novel", "fewshot"):
         for name in names:
             if name != "toyworld" and data.get_spec(name).evaluation_only:
                 raise TrainError(f"--dataset {name} is a test set only; use it with --protocol dg")
 
-    recipe = recipe_of(source or names[0])
+    recipe = recipe_of(protocol, source or names[0])
     defaults = dict(DEFAULTS, **TOY_DEFAULTS) if toy else DEFAULTS
 
     def flag(key: str):  # typed, else the recipe's, else the default
@@ -379,15 +443,17 @@ def settings_from_flags(args: argparse.Namespace) -> Dict[str, object]:
         bpe=args.bpe, output=output,
         first_layer=flag("first_layer"), beta=flag("beta"), text_tokens=flag("text_tokens"),
         lambda_reg=flag("lambda_reg"), lambda_fusion=flag("lambda_fusion"),
-        analysis_images=flag("analysis_images"), descriptions=flag("descriptions"),
+        analysis_pool=flag("analysis_pool"), analysis_images=flag("analysis_images"),
+        descriptions=args.descriptions,  # None: dear.analysis_picks's default
         low_bits=args.low_bits, high_bits=args.high_bits,
         epochs=flag("epochs"), batch_size=flag("batch_size"), lr=flag("lr"),
-        warmup_epochs=WARMUP_EPOCHS, warmup_lr=WARMUP_LR, weight_decay=WEIGHT_DECAY,
+        warmup_epochs=flag("warmup_epochs"), warmup_lr=WARMUP_LR, weight_decay=WEIGHT_DECAY,
         augment=recipe.augment if args.augment is None else args.augment == "on",
         device=flag("device"), amp=flag("amp"), workers=args.workers,
         eval_batch_size=flag("eval_batch_size"), log_every=flag("log_every"),
         max_epochs_per_call=args.max_epochs_per_call, toy_scale=flag("toy_scale"),
         fingerprints=None,  # SHA-256 of the weights, BPE and roles files: added by open_inputs
+        role_maps=None,  # {trained dataset: the analysed role map's fingerprint, pool, SHA-256}: added by run
     )
 
 
@@ -414,7 +480,7 @@ def validate_settings(settings: dict) -> None:
         return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
     for key, least in (("epochs", 1), ("batch_size", 1), ("eval_batch_size", 1), ("log_every", 1),
-                       ("analysis_images", 1), ("text_tokens", 0)):
+                       ("analysis_images", 1), ("warmup_epochs", 0), ("text_tokens", 0)):
         if not (is_int(settings[key]) and settings[key] >= least):
             refuse(key, "a positive integer" if least else "an integer >= 0")
     for key, least in (("head_width", 1), ("workers", 0), ("max_epochs_per_call", 1), ("descriptions", 1)):
@@ -440,6 +506,7 @@ def validate_settings(settings: dict) -> None:
         raise TrainError(f"--low-bits {settings['low_bits']:g} is above --high-bits {settings['high_bits']:g}; "
                          "the low threshold must be the smaller (attribute heads lie at or below it, "
                          "generalization heads at or above --high-bits)")
+    analysis_pool_of(settings["analysis_pool"])  # a malformed pool stops here
     template = settings["template"]
     try:
         well_formed = template is None or template.format("x") != template.format("y")
@@ -459,14 +526,21 @@ def settings_from_run_folder(args: argparse.Namespace) -> Dict[str, object]:
                          "evaluates the finished runs again)")
     if not args.output:
         raise TrainError("--resume and --eval-only need --output, the run folder to continue")
+    if args.analyse_only:
+        raise TrainError("--analyse-only starts nothing to resume; drop --resume / --eval-only")
     path = os.path.join(args.output, "settings.json")
     try:
         with open(path, encoding="utf-8") as f:
-            saved = json.load(f)["settings"]
+            saved_file = json.load(f)
+        saved = saved_file["settings"]
     except FileNotFoundError:
         raise TrainError(f"{path}: not found; --output must be a run folder made by train.py") from None
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
         raise TrainError(f"{path}: unreadable ({type(error).__name__}); the run folder is damaged") from None
+    if saved_file.get("format") != RUN_FORMAT:  # what a folder means changed: refused, not misread
+        raise TrainError(f"{path}: a run folder of an earlier train.py ({saved_file.get('format') or 'format 1'}; "
+                         f"this one reads {RUN_FORMAT}: one cached head analysis per model, Dassl's warm-up "
+                         "recount, renamed fusion rows); finish it with that version, or start a new run")
     expected_keys = set(settings_from_flags(build_parser().parse_args(["--dataset", "dtd"])))
     if not isinstance(saved, dict) or set(saved) != expected_keys or not isinstance(saved["fingerprints"], dict) \
             or not isinstance(saved["dataset_paths"], dict):
@@ -481,7 +555,7 @@ def settings_from_run_folder(args: argparse.Namespace) -> Dict[str, object]:
                  "seeds": lambda v: list(dict.fromkeys(v)), "shots": lambda v: list(dict.fromkeys(v)),
                  "fusion": lambda v: list(dict.fromkeys(v))}
     for key, value in _given(args).items():
-        if key in ("resume", "eval_only"):
+        if key in ("resume", "eval_only", "analyse_only"):
             continue
         value = stored_as.get(key, lambda v: v)(value)
         if key in RUN_CONTROL:
@@ -491,6 +565,21 @@ def settings_from_run_folder(args: argparse.Namespace) -> Dict[str, object]:
                              f"{saved.get(key)!r}); drop it, or start a new run with another --output")
     saved["max_epochs_per_call"] = args.max_epochs_per_call  # a limit of an earlier call is not this one's
     return saved
+
+
+def analysis_pool_of(value: str) -> Tuple[Optional[str], str]:
+    """--analysis-pool -> (registry dataset or None for the trained dataset's own, split)."""
+    if value == "train":
+        return None, "train"
+    name, _, split = value.partition(":")
+    name = name.strip().lower().replace("-", "_")
+    if split not in ("train", "val", "test"):
+        raise TrainError(f"--analysis-pool {value}: expected 'train' or DATASET:SPLIT with SPLIT train, val or "
+                         "test (e.g. imagenet:test, ImageNet's validation images)")
+    data.get_spec(name)  # an unknown name stops here, with the list of known ones
+    if data.get_spec(name).evaluation_only and split != "test":
+        raise TrainError(f"--analysis-pool {value}: {name} is a test set only; use {name}:test")
+    return name, split
 
 
 # ------------------------------------------------------------------------------------------
@@ -614,24 +703,30 @@ def row_name(roles: str) -> str:
 ROW_LABELS = {"zeroshot": "CLIP (zero-shot)", "linear-probe": "Linear probe (frozen image features)", "dear": "DeAR",
               "dear-all-mixed": "DeAR, all heads mixed (no mask)",
               "dear-all-generalization": "DeAR, all heads generalization"}
-EVERYWHERE = "-fused-everywhere"  # table rows scored with --fusion everywhere end in this
+# The DeAR row once per --fusion mode; its table key and label say what the mode does.
+FUSION_ROWS = {"fused-everywhere": ("-fused", ", fused on every test set"),
+               "class-on-unseen": ("-class-on-unseen", ", class branch alone on unseen classes")}
 
 
 def table_rows(settings: dict) -> Dict[str, tuple]:
-    """{table row: (job row, fusion mode)}: zero-shot; the linear probe; each --roles row under the first
-    --fusion mode; the DeAR row (analysed or a file) once more under every further mode.
-    Rows under "everywhere" get the suffix EVERYWHERE; all come from the same trained runs."""
+    """{table row: (job row, fusion mode)}: zero-shot; the linear probe; the DeAR row (analysed
+    or a file) once under every --fusion mode (its key ends in that mode's suffix); each role
+    ablation under the first mode only. All DeAR rows of one job row come from the same runs."""
     fusion = settings["fusion"]
     rows = {"zeroshot": ("zeroshot", None), "linear-probe": ("linear-probe", None)}
     for roles in settings["roles"]:
-        for mode in (fusion if roles not in ROLE_ABLATIONS else fusion[:1]):
-            rows[row_name(roles) + (EVERYWHERE if mode == "everywhere" else "")] = (row_name(roles), mode)
+        if roles in ROLE_ABLATIONS:
+            rows[row_name(roles)] = (row_name(roles), fusion[0])
+        else:
+            for mode in fusion:
+                rows[row_name(roles) + FUSION_ROWS[mode][0]] = (row_name(roles), mode)
     return rows
 
 
 def row_label(row: str) -> str:
-    if row.endswith(EVERYWHERE):
-        return ROW_LABELS.get(row[: -len(EVERYWHERE)], row[: -len(EVERYWHERE)]) + ", fused everywhere"
+    for suffix, label in FUSION_ROWS.values():
+        if row.endswith(suffix):
+            return ROW_LABELS.get(row[: -len(suffix)], row[: -len(suffix)]) + label
     return ROW_LABELS.get(row, row)
 
 
@@ -669,7 +764,7 @@ def training_split(settings: dict, dataset: str, seed: int, shots: int) -> data.
 
 def evaluation_sets(settings: dict, dataset: str) -> List[EvalSet]:
     """The test sets of a protocol, each with its own class list, and whether its classes are
-    the trained ones (which decides the logits under task-adaptive fusion)."""
+    the trained ones (which decides the logits under class-on-unseen)."""
     root, protocol = settings["root"], settings["protocol"]
 
     def full(name: str, column: str, trained: bool, subsample: str = "all") -> EvalSet:
@@ -812,7 +907,7 @@ class Inputs:
     clip: clip_model.CLIP
     tokenizer: clip_model.SimpleTokenizer
     attributes: List[str]
-    bank: Optional[list]  # None: dear.py's own bank (real CLIP); the toy world brings its own
+    bank: List[tuple]  # (text, concept) pairs of the head analysis: dear.py's bank, or the toy world's own
     toy: bool  # the toy world: a causal check follows each head analysis (the ground truth is known)
     files: dict  # root, weights, head_width, bpe, fingerprints: merged into the settings once, by run
 
@@ -822,7 +917,8 @@ def open_inputs(settings: dict, runtime: Runtime) -> Inputs:
     settings before any run folder is written. The toy world enters here, through one call
     (toyworld.prepare) that makes or reuses its model, BPE file and data in the cache."""
     files = {key: settings[key] for key in ("root", "weights", "head_width", "bpe")}
-    attributes, bank, toy = list(dear.CORE_ATTRIBUTES), None, settings["dataset"] == ["toyworld"]
+    toy = settings["dataset"] == ["toyworld"]
+    attributes, bank = list(dear.CORE_ATTRIBUTES), description_bank(toy)
     if toy:
         import toyworld  # the project's own world (toyworld/), only needed here
 
@@ -833,7 +929,7 @@ def open_inputs(settings: dict, runtime: Runtime) -> Inputs:
         # toyworld); a resumed one keeps the files it was made with (their content is checked).
         found = dict(root=assets.data_root, weights=assets.weights, head_width=assets.head_width, bpe=assets.bpe)
         files = {key: _default(value, found[key]) for key, value in files.items()}
-        attributes, bank = list(assets.attributes), list(assets.bank)
+        attributes, bank = list(assets.attributes), [tuple(entry) for entry in assets.bank]
 
     clip, tokenizer = load_clip(files, runtime)
     fingerprints = input_fingerprints(files["weights"], tokenizer, role_file_of(settings))
@@ -872,7 +968,7 @@ def build_dear(settings: dict, inputs: Inputs, role_map: dear.RoleMap) -> dear.D
 
 
 def analysis_images(items: List[data.Item], cap: int, seed: int) -> List[data.Item]:
-    """At most `cap` of a run's training images, spread evenly over its classes: each class's
+    """At most `cap` of the pool's images, spread evenly over its classes: each class's
     images in a seeded random order, then one image per class in turn (the classes too in a
     seeded order, so that a cap below the class count still samples classes at random), until
     the cap or the images run out. Never the first images of a list sorted by label, which
@@ -892,52 +988,196 @@ def analysis_images(items: List[data.Item], cap: int, seed: int) -> List[data.It
     return chosen
 
 
+# The head analysis (paper Sec. 3.2) belongs to the CLIP model and the images it was measured
+# on, not to a run: it is computed once per (weights, image pool, bank, analysis settings),
+# cached under <cache>/head-analysis/<fingerprint>/ (clip_model.default_cache_dir()), and
+# reused by every seed, shot count, protocol and dataset that asks for the same thing. Each
+# run folder keeps a copy of the map it used (<dataset>/roles/), so --resume and --eval-only
+# never need the cache, and settings.json records its fingerprint, pool and SHA-256.
+ANALYSIS_SEED = 0  # the pool's draw (analysis_images): fixed, so every run of a model draws the same images
+ANALYSIS_RANK = dear.TEXTSPAN_RANK  # TextSpan's rank r (the authors' default, 80)
+
+
 def role_key(job: Job) -> tuple:
-    """Role maps are per run: the analysis reads that run's own training images."""
-    return (job.dataset, job.roles, job.seed, job.shots)
+    """Role maps are per trained dataset and --roles choice (every seed and shot count shares one)."""
+    return (job.dataset, job.roles)
 
 
-def analyse_heads(settings: dict, job: Job, inputs: Inputs, split: data.DatasetSplits,
-                  runtime: Runtime) -> dear.RoleMap:
-    """DeAR Sec. 3.2 on this run's training images (its own few-shot draw, evenly over its
-    classes, drawn with its seed; `analysis_images`), saved as roles.json / roles.txt /
-    roles.png / masks.png in <output>/<dataset>/roles/<seedS or shotsK-seedS>/. In the toy
-    world the causal check follows (toy_causal_check)."""
-    clip, dataset = inputs.clip, job.dataset
-    folder = os.path.join(settings["output"], dataset, "roles", os.path.basename(job.folder))
-    path = os.path.join(folder, "roles.json")
-    if os.path.isfile(path):  # made by an earlier call of this run (--resume) or by rank 0
-        role_map = load_role_file(path)
-        if runtime.main and inputs.toy:  # a step the earlier call may not have finished
-            toy_causal_check(inputs, role_map, folder, runtime.log)
-        return role_map
+def analysing(settings) -> bool:
+    return settings["analyse_only"] or ("dear" in settings["method"] and "analyse" in settings["roles"])
+
+
+def description_bank(toy: bool) -> List[tuple]:
+    """The bank of the head analysis: the toy world's own, or dear.py's for real CLIP."""
+    if toy:
+        from toyworld import world  # only the word lists: cheap, builds nothing
+
+        return [tuple(entry) for entry in world.toy_bank()]
+    return [tuple(entry) for entry in dear.description_bank()]
+
+
+def analysis_pool(settings, dataset: str) -> Tuple[List[data.Item], str]:
+    """The images the head analysis of trained dataset `dataset` reads (--analysis-pool, capped
+    by --analysis-images, evenly over its classes, drawn with ANALYSIS_SEED) and a one-line
+    description of them. 'train' is the whole training split, never a few-shot draw, and in
+    base2novel its base classes only, so that no image of a novel class is seen before the test."""
+    name, split = analysis_pool_of(settings["analysis_pool"])
+    if name is None:
+        subsample = "base" if settings["protocol"] == "base2novel" else "all"
+        items = data.load_dataset(dataset, settings["root"], num_shots=None, subsample=subsample).train
+        what = f"{dataset} train" + (" (base classes)" if subsample == "base" else "")
+    else:
+        items = getattr(data.load_dataset(name, settings["root"], num_shots=None), split)
+        what = f"{name} {split}"
+    chosen = analysis_images(items, settings["analysis_images"], ANALYSIS_SEED)
+    if len(chosen) < 2:  # TextSpan measures variation across images
+        raise TrainError(f"--analysis-pool {settings['analysis_pool']}: {what} has {len(chosen)} images; the "
+                         "head analysis needs at least 2 (choose another pool, e.g. imagenet:test)")
+    return chosen, f"{what}, {len(chosen)} of {len(items)} images, {len({i.label for i in chosen})} classes"
+
+
+def analysis_fingerprint(settings, inputs: "Inputs", items: List[data.Item], picks: int) -> str:
+    """SHA-256 of everything the role map depends on: the weights' and BPE file's SHA-256, the
+    pool as its list of images (path under --root) and their sizes in bytes (not their bytes:
+    that would read every image), the bank, the analysis settings, and the source of dear.py
+    and clip_model.py (a changed TextSpan or head decomposition must not reuse an old map)."""
+    import hashlib
+    import inspect
+
+    clip = inputs.clip
+    key = dict(
+        weights=inputs.files["fingerprints"]["weights"], bpe=inputs.files["fingerprints"]["bpe"],
+        heads=clip.visual.transformer.heads, layers=analysed_layers(clip),
+        images=[[os.path.relpath(item.path, settings["root"]), os.path.getsize(item.path)] for item in items],
+        bank=[list(entry) for entry in inputs.bank], attributes=list(inputs.attributes), picks=picks,
+        rank=ANALYSIS_RANK, low_bits=settings["low_bits"], high_bits=settings["high_bits"],
+        code=hashlib.sha256((inspect.getsource(dear) + inspect.getsource(clip_model)).encode()).hexdigest())
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+@contextlib.contextmanager
+def waiting_lock(path: str, log):
+    """An exclusive lock on `path` while a cache entry is checked and written: a second writer
+    waits, then finds the entry made and reuses it (the OS drops the lock if the holder dies)."""
+    if fcntl is None:  # Windows: no lock
+        yield
+        return
+    with open(path, "a", encoding="utf-8") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            log(f"head analysis: another process is analysing the same heads ({path}); waiting for it")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def cached_analysis(settings, inputs: "Inputs", items: List[data.Item], pool: str, picks: int,
+                    runtime: Runtime) -> dict:
+    """The role map of these images: from the cache, or analysed now and cached. -> its record
+    {fingerprint, pool, images, picks, sha256, cache} (the cache folder holds roles.json,
+    roles.txt, roles.png, analysis.json, and in the toy world the causal check)."""
+    import shutil
+
+    fingerprint = analysis_fingerprint(settings, inputs, items, picks)
+    root = os.path.join(clip_model.default_cache_dir(), "head-analysis")
+    entry = os.path.join(root, fingerprint[:16])
     if runtime.main:
-        items = analysis_images(split.train, settings["analysis_images"], job.seed)
-        classes = len({item.label for item in items})
-        runtime.log(f"[{job.label}] head analysis: concept entropy of every head of the last "
-                    f"{analysed_layers(clip)} layers over {len(items)} training images of {classes} classes")
-        loader = DataLoader(data.ImageDataset(items, data.test_transform(clip.visual.input_resolution)),
-                            batch_size=settings["eval_batch_size"], num_workers=settings["workers"])
-        role_map = dear.analyze_heads(
-            clip, (images for images, _ in loader), inputs.tokenizer, inputs.bank, inputs.attributes,
-            num_layers=analysed_layers(clip),
-            num_descriptions=settings["descriptions"],  # None: what the bank supports (dear.default_picks)
-            rank=80, low_bits=settings["low_bits"], high_bits=settings["high_bits"], log=runtime.log)
-        role_map.source = (f"concept entropy on {len(items)} {dataset} training images "
-                           f"({classes} classes, seed {job.seed})")
-        table = role_map.table()
-        runtime.log(table)
-        dear.draw_heatmap(role_map, os.path.join(folder, "roles.png"))
+        reason = clip_model.unwritable_reason(root)
+        if reason:
+            raise TrainError(f"{root}: the head-analysis cache {reason}; set $CLIP_CACHE_DIR to a writable folder")
+        os.makedirs(root, exist_ok=True)
+        with waiting_lock(entry + ".lock", runtime.log):
+            if os.path.isfile(os.path.join(entry, "roles.json")):
+                runtime.log(f"head analysis: reusing the role map cached in {entry} ({pool})")
+            else:
+                temporary = os.path.join(root, f".tmp-{os.getpid()}-{fingerprint[:16]}")
+                shutil.rmtree(temporary, ignore_errors=True)
+                run_head_analysis(settings, inputs, items, pool, picks, temporary, runtime)
+                write_json(os.path.join(temporary, "analysis.json"), dict(fingerprint=fingerprint, pool=pool,
+                                                                          images=len(items), picks=picks))
+                shutil.rmtree(entry, ignore_errors=True)  # an entry without roles.json is incomplete
+                os.replace(temporary, entry)  # whole or not at all
+    if runtime.world > 1:
+        dist.barrier()  # the other processes read what rank 0 wrote
+    path = os.path.join(entry, "roles.json")
+    return dict(fingerprint=fingerprint, pool=pool, images=len(items), picks=picks,
+                sha256=file_sha256(path), cache=entry)
+
+
+def run_head_analysis(settings, inputs: "Inputs", items: List[data.Item], pool: str, picks: int, folder: str,
+                      runtime: Runtime) -> None:
+    """DeAR Sec. 3.2 on `items`: concept entropy of every head of the last four layers ->
+    roles.json, roles.txt, roles.png in `folder` (and the toy world's causal check)."""
+    clip, started = inputs.clip, time.time()
+    runtime.log(f"head analysis: concept entropy of every head of the last {analysed_layers(clip)} layers on "
+                f"{pool}; {picks} TextSpan picks per head (done once per model and pool, then cached)")
+    loader = DataLoader(data.ImageDataset(items, data.test_transform(clip.visual.input_resolution)),
+                        batch_size=settings["eval_batch_size"], num_workers=settings["workers"])
+    role_map = dear.analyze_heads(
+        clip, (images for images, _ in loader), inputs.tokenizer, inputs.bank, inputs.attributes,
+        num_layers=analysed_layers(clip), num_descriptions=picks, rank=ANALYSIS_RANK,
+        low_bits=settings["low_bits"], high_bits=settings["high_bits"], log=runtime.log)
+    role_map.source = f"concept entropy on {pool}"
+    table = role_map.table()
+    runtime.log(table)
+    dear.draw_heatmap(role_map, os.path.join(folder, "roles.png"))
+    write_text(os.path.join(folder, "roles.txt"), table + "\n")
+    if inputs.toy:
+        toy_causal_check(inputs, role_map, folder, runtime.log)
+    role_map.save(os.path.join(folder, "roles.json"))
+    runtime.log(f"head analysis: done in {format_time(time.time() - started)}")
+
+
+def analysed_role_maps(settings, inputs: "Inputs", runtime: Runtime) -> Tuple[Dict[str, dear.RoleMap], dict]:
+    """{trained dataset: its analysed RoleMap}, {trained dataset: the map's record}. A new run
+    takes them from the cache (analysing what is not there); --resume / --eval-only read the
+    run folder's copies and check them against the SHA-256 that settings.json recorded."""
+    maps, records = {}, {}
+    if not analysing(settings):
+        return maps, records
+    for dataset in trained_datasets(settings):
+        if settings["resume"] or settings["eval_only"]:
+            record, path = (settings["role_maps"] or {}).get(dataset), role_copy(settings, dataset)
+            if record is None or not os.path.isfile(path) or file_sha256(path) != record["sha256"]:
+                raise TrainError(f"{path}: missing or not the role map this run was made with; the run folder is "
+                                 "damaged, start a new run with another --output")
+        else:
+            items, pool = analysis_pool(settings, dataset)
+            picks = dear.analysis_picks(settings["descriptions"], len(inputs.bank), len(items), rank=ANALYSIS_RANK,
+                                        embed_dim=inputs.clip.visual.proj.shape[1])
+            record = cached_analysis(settings, inputs, items, pool, picks, runtime)
+            path = os.path.join(record["cache"], "roles.json")
+        maps[dataset], records[dataset] = load_role_file(path), record
+    return maps, records
+
+
+def file_sha256(path: str) -> str:
+    return clip_model._sha256(path)  # noqa: SLF001 -- one file hasher for the project (clip_model's)
+
+
+def role_copy(settings, dataset: str) -> str:
+    return os.path.join(settings["output"], dataset, "roles", "roles.json")
+
+
+def copy_role_maps(settings, inputs: "Inputs", records: dict) -> None:
+    """The run folder keeps what the cache holds for each map it uses, and the masks of its own
+    J (masks.png: the role map does not fix J, so it is drawn per run)."""
+    import shutil
+
+    for dataset, record in records.items():
+        folder = os.path.dirname(role_copy(settings, dataset))
+        os.makedirs(folder, exist_ok=True)
+        for name in sorted(os.listdir(record["cache"])):
+            shutil.copyfile(os.path.join(record["cache"], name), os.path.join(folder, f".tmp-copy-{name}"))
+            os.replace(os.path.join(folder, f".tmp-copy-{name}"), os.path.join(folder, name))
+        role_map, clip = load_role_file(role_copy(settings, dataset)), inputs.clip
         J, image_tokens = first_layer_of(settings, clip), 1 + clip.visual.grid_size**2
         masks = dear.build_role_masks(role_map, J, len(clip.visual.transformer.resblocks), image_tokens)
         dear.draw_role_masks(masks, image_tokens, role_map.attributes, J, os.path.join(folder, "masks.png"))
-        write_text(os.path.join(folder, "roles.txt"), table + "\n")
-        role_map.save(path)  # last: its presence means the analysis is complete
-        if inputs.toy:
-            toy_causal_check(inputs, role_map, folder, runtime.log)
-    if runtime.world > 1:
-        dist.barrier()  # the other processes read what rank 0 wrote
-    return load_role_file(path)
+
+
+def trained_datasets(settings) -> List[str]:
+    return [settings["source"]] if settings["source"] else list(settings["dataset"])
 
 
 def toy_causal_check(inputs: Inputs, role_map: dear.RoleMap, folder: str, log) -> None:
@@ -966,11 +1206,15 @@ def toy_causal_check(inputs: Inputs, role_map: dear.RoleMap, folder: str, log) -
 
 
 def learning_rate(settings: dict, epoch: int) -> float:
-    """Dassl's schedule, per epoch: a constant warm-up (1e-5) for the first epoch(s), then
-    cosine annealing of the base lr over all epochs (epoch 0-based)."""
-    if epoch < settings["warmup_epochs"]:
+    """Dassl's schedule for epoch `epoch` (0-based): the constant warm-up lr (1e-5) for the first
+    warmup_epochs, then cosine annealing over `epochs` whose count restarts after the warm-up
+    (WARMUP_RECOUNT = True, Dassl's default: dassl/optim/lr_scheduler.py, ConstantWarmupScheduler
+    hands over to a CosineAnnealingLR(T_max = epochs) that was never stepped). So the first
+    epoch after the warm-up runs at the full lr, and epoch e at lr (1 + cos(pi (e - W) / T)) / 2."""
+    warmup = settings["warmup_epochs"]
+    if epoch < warmup:
         return settings["warmup_lr"]
-    return 0.5 * settings["lr"] * (1 + math.cos(math.pi * epoch / settings["epochs"]))
+    return 0.5 * settings["lr"] * (1 + math.cos(math.pi * (epoch - warmup) / settings["epochs"]))
 
 
 def grad_scaler(enabled: bool):
@@ -990,7 +1234,7 @@ def grad_scaler(enabled: bool):
 
 def logits_used(eval_set: EvalSet, fusion: str) -> str:
     """"fused" or "class": which of DeAR's logits score this test set under this fusion mode."""
-    return "fused" if fusion == "everywhere" or eval_set.trained else "class"
+    return "fused" if fusion == "fused-everywhere" or eval_set.trained else "class"
 
 
 @torch.no_grad()
@@ -1323,8 +1567,10 @@ def run_job(job: Job, settings: dict, inputs: Inputs, role_maps: dict, lists: Ru
     first = settings["fusion"][0]
     # "metrics" and "logits": the run's own numbers (the first --fusion mode), and which logits
     # scored each test set; the *_by_fusion fields hold the same for every mode asked for.
+    # role_map: which analysed map (fingerprint, pool, SHA-256) the run used, if it used one.
     result = dict(job=dataclasses.asdict(job), metrics=by_fusion[first], fusion=first, logits=logits[first],
                   metrics_by_fusion=by_fusion, logits_by_fusion=logits, accuracy_by_logits=accuracy,
+                  role_map=(settings["role_maps"] or {}).get(job.dataset) if job.roles == "analyse" else None,
                   settings=job_settings(settings, job))
     if runtime.main:
         if model is not None:  # pictures in the run folder; the toy world's precision@10 in the result
@@ -1426,15 +1672,18 @@ def summarise(settings: dict, results: List[dict]) -> dict:
                                        for row in rows})
         for d in datasets:
             tables[d] = dict(columns=columns, rows=per[d])
-    else:
-        source, targets = settings["source"], settings["dataset"]
-        values = {row: [cell(source, row, source)] + [cell(source, row, t) for t in targets] for row in rows}
-        for row in rows:
-            values[row].append(mean(values[row][1:]))
-        names = [DG_NAMES.get(n, n) if protocol == "dg" else n for n in [source] + targets]
-        title = ("Cross-dataset evaluation" if protocol == "cross" else "Domain generalization") + \
-            f": trained on {source}, tested on {len(targets)} targets"
-        tables[title] = dict(columns=[f"{names[0]} (source)"] + names[1:] + ["Average"], rows=values)
+    else:  # cross and dg: one training on the source; other datasets and ImageNet's variants get a table each
+        source = settings["source"]
+        for title, dg in (("Cross-dataset evaluation", False), ("Domain generalization", True)):
+            targets = [t for t in settings["dataset"] if data.get_spec(t).evaluation_only == dg]
+            if not targets:
+                continue
+            values = {row: [cell(source, row, source)] + [cell(source, row, t) for t in targets] for row in rows}
+            for row in rows:
+                values[row].append(mean(values[row][1:]))
+            names = [DG_NAMES.get(n, n) if dg else n for n in [source] + targets]
+            tables[f"{title}: trained on {source}, tested on {len(targets)} targets"] = dict(
+                columns=[f"{names[0]} (source)"] + names[1:] + ["Average"], rows=values)
     for table in tables.values():  # an empty cell (nan) is stored as null
         for key in ("rows", "spread"):
             if key in table:
@@ -1445,7 +1694,8 @@ def summarise(settings: dict, results: List[dict]) -> dict:
 
 def markdown(summary: dict, settings: dict) -> str:
     titles = {"base2novel": "Base-to-novel generalization", "fewshot": "Few-shot classification",
-              "cross": "Cross-dataset evaluation", "dg": "Domain generalization"}
+              "cross": "Cross-dataset evaluation and domain generalization",
+              "dg": "Cross-dataset evaluation and domain generalization"}
     seeds = ", ".join(map(str, settings["seeds"]))
     lines = [f"# {titles[settings['protocol']]}", "",
              f"Accuracy (%), mean over seeds {seeds}; {settings['weights']}; "
@@ -1461,7 +1711,8 @@ def markdown(summary: dict, settings: dict) -> str:
                 "-" if v is None else f"{v:.2f}" + (f" ± {d:.2f}" if d else "") for v, d in zip(values, spreads)) + " |")
         lines.append("")
     names = {"fused": "fused", "class": "class branch alone", "clip": "CLIP"}
-    lines.append("Logits per test set (task-adaptive fusion: fused where the test classes are the trained ones):")
+    lines.append("Logits per test set (fused = DeAR's fusion with the weights learned on the training classes; "
+                 "class branch alone = MMRL's rule for classes not trained):")
     for row, used in summary.get("logits", {}).items():
         if used:
             lines.append(f"- {row_label(row)}: " + ", ".join(f"{test} {names.get(kind, kind)}"
@@ -1478,6 +1729,10 @@ def markdown(summary: dict, settings: dict) -> str:
 # accepted only with the settings of this run, and one process at a time writes a folder.
 
 CHECKPOINT_FORMAT = "dear-from-scratch checkpoint, version 1"  # checked on load: not some other .pt
+# What a run folder means. Version 2: one cached head analysis per model and pool (copied to
+# <dataset>/roles/), Dassl's warm-up recount, the fusion rows named by what they do, the
+# lineage's per-protocol recipes. An older folder is refused on --resume / --eval-only.
+RUN_FORMAT = "dear-from-scratch run folder, version 2"
 
 
 def write_text(path: str, text: str) -> None:
@@ -1614,9 +1869,9 @@ def remove_temporary_files(output: str) -> None:
                 os.remove(os.path.join(folder, name))
 
 
-def start_run_folder(settings: dict, runtime: Runtime, stack: contextlib.ExitStack) -> None:
+def start_run_folder(settings: dict, inputs: Inputs, runtime: Runtime, stack: contextlib.ExitStack) -> None:
     """A new run's folder: made, locked, checked again under the lock (another call may have
-    started it meanwhile), then the roles file it uses and settings.json written."""
+    started it meanwhile), then the roles it uses and, last, settings.json written."""
     output = settings["output"]
     os.makedirs(output, exist_ok=True)
     lock_run_folder(output, stack)
@@ -1625,9 +1880,10 @@ def start_run_folder(settings: dict, runtime: Runtime, stack: contextlib.ExitSta
     if role_file_of(settings) is not None:  # the run keeps the roles it used
         with open(role_file_of(settings), encoding="utf-8") as f:
             write_text(os.path.join(output, "roles_file.json"), f.read())
-    saved = {k: v for k, v in settings.items() if k not in ("resume", "eval_only")}
+    copy_role_maps(settings, inputs, settings["role_maps"] or {})  # --resume / --eval-only read these
+    saved = {k: v for k, v in settings.items() if k not in ("resume", "eval_only", "analyse_only")}
     write_json(os.path.join(output, "settings.json"), dict(
-        settings=saved, torch=torch.__version__, python=platform.python_version(),
+        format=RUN_FORMAT, settings=saved, torch=torch.__version__, python=platform.python_version(),
         command="python train.py " + " ".join(sys.argv[1:]), world_size=runtime.world))
 
 
@@ -1669,26 +1925,39 @@ def run(settings: dict, stack: contextlib.ExitStack) -> int:
         remove_temporary_files(settings["output"])
         check_finished_runs(settings, jobs)
 
+    if analysing(settings) and fresh and settings["descriptions"] is not None:  # before any work: a typed
+        # --descriptions against the bank and the pool's cap (the default is capped, with a warning, later)
+        dear.analysis_picks(settings["descriptions"], len(description_bank(settings["dataset"] == ["toyworld"])),
+                            settings["analysis_images"], rank=ANALYSIS_RANK)
     runtime = setup_runtime(settings)  # 2. device (and processes, under torchrun)
     inputs = open_inputs(settings, runtime)  # 4. model: CLIP, tokenizer, the toy world, checked
-    # The files' places and SHA-256 complete the settings; read-only from here on.
-    settings = types.MappingProxyType(dict(settings, **inputs.files))
-    lists = read_data(settings, jobs)  # 3. data: every list read, every listed image checked
+    settings = dict(settings, **inputs.files)  # the files' places and SHA-256 complete the settings
+    # 3. data: every list read, every listed image checked (the analysis alone needs none of it)
+    lists = read_data(settings, jobs) if not settings["analyse_only"] else None
+    analysed, records = analysed_role_maps(settings, inputs, runtime)  # one cached analysis per pool
+    if fresh:
+        settings["role_maps"] = records or None
+    settings = types.MappingProxyType(settings)  # read-only from here on
+    if settings["analyse_only"]:
+        if runtime.main:
+            check_output_folder(settings["output"])
+            copy_role_maps(settings, inputs, records)
+            for dataset in records:
+                runtime.log(f"train.py: head roles of {dataset} in {os.path.dirname(role_copy(settings, dataset))} "
+                            "(roles.json, roles.txt, roles.png, masks.png); train with them by leaving out "
+                            "--analyse-only (the cache is reused)")
+        return 0
 
     if runtime.main and fresh:  # from here on the run folder exists
-        start_run_folder(settings, runtime, stack)
+        start_run_folder(settings, inputs, runtime, stack)
     runtime.log(f"train.py: {settings['protocol']} on {', '.join(settings['dataset'])}; {len(jobs)} runs "
                 f"({', '.join(dict.fromkeys(job.row for job in jobs))}); device {runtime.device}"
                 f"{f' x {runtime.world} processes' if runtime.world > 1 else ''}"
                 f"{f', autocast {runtime.amp_dtype}' if runtime.amp_dtype else ''}; output {settings['output']}")
 
-    # The head roles of every DeAR run first (each analysis reads its own run's images).
-    role_maps = {}
-    for job in jobs:
-        if job.roles is not None:
-            analysed = (analyse_heads(settings, job, inputs, lists.train[split_key(job)], runtime)
-                        if job.roles == "analyse" else None)
-            role_maps[role_key(job)] = role_map_for(job.roles, inputs.clip, inputs.attributes, analysed)
+    # The head roles of every DeAR run: one map per trained dataset and --roles choice.
+    role_maps = {role_key(job): role_map_for(job.roles, inputs.clip, inputs.attributes, analysed.get(job.dataset))
+                 for job in jobs if job.roles is not None}
 
     # A run counts as done once its results.json is written, the whole call once summary.md is.
     started, results = time.time(), []

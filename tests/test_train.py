@@ -102,10 +102,18 @@ def world(tmp_path_factory):
     return dict(weights=str(weights), bpe=str(bpe), root=str(root))
 
 
+@pytest.fixture(autouse=True)
+def analysis_cache(tmp_path, monkeypatch):
+    """Each test gets an empty cache (the head analysis is cached there), never the user's."""
+    monkeypatch.delenv("CLIP_CACHE_DIR", raising=False)
+    monkeypatch.setenv("DEAR_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
 def common(world, output, *extra):
     return ["--root", world["root"], "--weights", world["weights"], "--bpe", world["bpe"],
             "--head-width", "32", "--output", str(output), "--epochs", "2", "--batch-size", "4", "--log-every", "2",
-            "--device", "cpu", *extra]
+            "--device", "cpu", "--descriptions", "6", *extra]  # 6 picks: the tiny pools have 12 to 18 images
 
 
 def read(path):
@@ -125,7 +133,7 @@ def learnable(folder):
 def test_base2novel_from_the_command_line_writes_results_and_a_table_that_matches_them(world, tmp_path):
     out = tmp_path / "run"
     args = common(world, out, "--dataset", "dtd", "--seeds", "1", "2", "--roles", "analyse", "all-mixed",
-                  "--shots", "4", "--fusion", "adaptive", "everywhere")
+                  "--shots", "4")  # --fusion: both rules by default
     done = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -136,30 +144,37 @@ def test_base2novel_from_the_command_line_writes_results_and_a_table_that_matche
     results = {f: read(out / f / "results.json") for f in folders}
     for folder in folders[1:]:
         assert (out / folder / "checkpoint.pt").is_file()
-    for seed in (1, 2):  # one analysis per run, on that run's own training images
-        for name in ("roles.json", "roles.txt", "roles.png", "masks.png"):
-            assert (out / "dtd" / "roles" / f"seed{seed}" / name).is_file(), name
-    roles = dear.RoleMap.load(str(out / "dtd" / "roles" / "seed1" / "roles.json"))
+    # One head analysis for both seeds, on the whole training split of the base classes.
+    assert done.stdout.count("head analysis: concept entropy") == 1
+    for name in ("roles.json", "roles.txt", "roles.png", "masks.png", "analysis.json"):
+        assert (out / "dtd" / "roles" / name).is_file(), name
+    assert not list((out / "dtd" / "roles").glob("seed*"))
+    roles = dear.RoleMap.load(str(out / "dtd" / "roles" / "roles.json"))
     assert (roles.vision_layers, roles.num_heads, roles.layers) == (3, 2, [0, 1, 2])  # 2 heads of 32 channels
-    assert "3 classes, seed 1" in roles.source  # the base classes, all of them
+    assert roles.source == "concept entropy on dtd train (base classes), 18 of 18 images, 3 classes"
+    record = read(out / "settings.json")["settings"]["role_maps"]["dtd"]
+    assert record["pool"] in roles.source and record["images"] == 18 and len(record["fingerprint"]) == 64
+    assert record["sha256"] == clip_model._sha256(str(out / "dtd" / "roles" / "roles.json"))
 
     # The summary equals the mean of the per-run results, and the markdown shows those numbers.
     summary = read(out / "summary.json")
     table = summary["tables"]["dtd"]
     assert table["columns"] == ["Base", "Novel", "HM"]
-    # Task-adaptive fusion: base scored with the fused logits, novel with the class branch
-    # alone; "fused everywhere" (the same trained runs) uses the fused logits on both.
-    assert list(table["rows"]) == ["zeroshot", "dear", "dear-fused-everywhere", "dear-all-mixed"]
+    # Both rules, from the same trained runs: the fused logits on every test set (the first,
+    # the ablation's); the class branch alone on the novel classes (MMRL's rule).
+    assert list(table["rows"]) == ["zeroshot", "dear-fused", "dear-class-on-unseen", "dear-all-mixed"]
     for folder in folders[1:]:
         result = results[folder]
-        assert result["logits"] == {"base": "fused", "novel": "class"}
-        assert result["logits_by_fusion"]["everywhere"] == {"base": "fused", "novel": "fused"}
+        assert result["logits"] == {"base": "fused", "novel": "fused"}
+        assert result["logits_by_fusion"]["class-on-unseen"] == {"base": "fused", "novel": "class"}
         accuracy = result["accuracy_by_logits"]
-        assert result["metrics"]["novel"] == accuracy["novel"]["class"]
+        assert result["metrics"]["novel"] == accuracy["novel"]["fused"]
         assert result["metrics"]["base"] == accuracy["base"]["fused"]
-        assert result["metrics_by_fusion"]["everywhere"]["novel"] == accuracy["novel"]["fused"]
-    for row, job_row, mode in (("dear", "dear", "adaptive"), ("dear-fused-everywhere", "dear", "everywhere"),
-                               ("dear-all-mixed", "dear-all-mixed", "adaptive")):
+        assert result["metrics_by_fusion"]["class-on-unseen"]["novel"] == accuracy["novel"]["class"]
+        assert result["role_map"] == (record if folder.startswith("dtd/dear/") else None)
+    for row, job_row, mode in (("dear-fused", "dear", "fused-everywhere"),
+                               ("dear-class-on-unseen", "dear", "class-on-unseen"),
+                               ("dear-all-mixed", "dear-all-mixed", "fused-everywhere")):
         metrics = [results[f"dtd/{job_row}/seed{s}"]["metrics_by_fusion"][mode] for s in (1, 2)]
         base, novel = sum(m["base"] for m in metrics) / 2, sum(m["novel"] for m in metrics) / 2
         assert table["rows"][row] == [round(base, 2), round(novel, 2), round(train.harmonic_mean(base, novel), 2)]
@@ -171,9 +186,9 @@ def test_base2novel_from_the_command_line_writes_results_and_a_table_that_matche
         assert [float(v) for v in re.findall(r"\d+\.\d\d", line)] == cells
     # The spread is the standard deviation of the two seeds' base accuracies.
     bases = [results[f"dtd/dear/seed{s}"]["metrics"]["base"] for s in (1, 2)]
-    assert table["spread"]["dear"][0] == round(abs(bases[0] - bases[1]) / 2 ** 0.5, 2)
-    assert "- DeAR: base fused, novel class branch alone" in markdown
-    assert "- DeAR, fused everywhere: base fused, novel fused" in markdown
+    assert table["spread"]["dear-fused"][0] == round(abs(bases[0] - bases[1]) / 2 ** 0.5, 2)
+    assert "- DeAR, fused on every test set: base fused, novel fused" in markdown
+    assert "- DeAR, class branch alone on unseen classes: base fused, novel class branch alone" in markdown
     assert read(out / "settings.json")["settings"]["epochs"] == 2
 
 
@@ -204,7 +219,7 @@ def test_linear_probe_fits_the_training_classes_and_scores_only_sets_with_those_
 
 
 def test_summary_leaves_the_linear_probe_novel_and_hm_empty_and_shows_the_spread():
-    settings = dict(protocol="base2novel", dataset=["a"], roles=["analyse"], fusion=["adaptive"],
+    settings = dict(protocol="base2novel", dataset=["a"], roles=["analyse"], fusion=["class-on-unseen"],
                     seeds=[1, 2], shots=[16])
     results = [dict(job=dict(dataset="a", row="linear-probe", shots=16), metrics=dict(base=b)) for b in (80.0, 84.0)]
     results += [dict(job=dict(dataset="a", row="dear", shots=16), metrics=dict(base=b, novel=n))
@@ -212,7 +227,7 @@ def test_summary_leaves_the_linear_probe_novel_and_hm_empty_and_shows_the_spread
     table = train.summarise(settings, results)["tables"]["a"]
     assert table["rows"]["linear-probe"] == [82.0, None, None]
     assert table["spread"]["linear-probe"][0] == round(4 / 2 ** 0.5, 2)
-    assert table["spread"]["dear"][:2] == [round(4 / 2 ** 0.5, 2)] * 2
+    assert table["spread"]["dear-class-on-unseen"][:2] == [round(4 / 2 ** 0.5, 2)] * 2
     lines = train.markdown(dict(tables={"a": table}), dict(settings, weights="w")).splitlines()
     assert "| Linear probe (frozen image features) | 82.00 ± 2.83 | - | - |" in lines
 
@@ -260,12 +275,49 @@ def test_resume_refuses_a_flag_that_would_change_the_run(world, tmp_path, capsys
     assert "already holds a run" in capsys.readouterr().err
 
 
-def test_learning_rate_is_a_constant_warmup_then_cosine():
-    settings = dict(warmup_epochs=1, warmup_lr=1e-5, lr=1e-3, epochs=10)
-    lrs = [train.learning_rate(settings, e) for e in range(10)]
-    assert lrs[0] == 1e-5
-    assert lrs[1] == pytest.approx(0.5e-3 * (1 + torch.cos(torch.tensor(torch.pi / 10)).item()))
-    assert all(a > b for a, b in zip(lrs[1:], lrs[2:]))  # strictly decreasing after the warm-up
+def dassl_learning_rates(lr, epochs, warmup, warmup_lr):
+    """Dassl's schedule as Dassl builds it (KaiyangZhou/Dassl.pytorch, dassl/optim/lr_scheduler.py,
+    written again here): torch's CosineAnnealingLR(T_max = epochs), wrapped for `warmup` > 0 in
+    a constant warm-up that hands over to it, WARMUP_RECOUNT = True (Dassl's default: the cosine
+    is left unstepped during the warm-up). Stepped once per epoch, as Dassl's trainer does; ->
+    the lr each epoch ran at."""
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, float(epochs))
+
+    class ConstantWarmup(torch.optim.lr_scheduler.LRScheduler):
+        def __init__(self):
+            self.successor, self.warmup_epoch = cosine, warmup
+            super().__init__(optimizer)
+
+        def get_lr(self):
+            if self.last_epoch >= self.warmup_epoch:
+                return self.successor.get_last_lr()
+            return [warmup_lr for _ in self.base_lrs]
+
+        def step(self, epoch=None):
+            if self.last_epoch >= self.warmup_epoch:
+                self.successor.step()
+                self._last_lr = self.successor.get_last_lr()
+            else:
+                super().step()
+
+    scheduler = ConstantWarmup() if warmup > 0 else cosine
+    rates = []
+    for _ in range(epochs):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return rates
+
+
+@pytest.mark.parametrize("lr, epochs, warmup", [(1e-3, 10, 1), (2e-3, 100, 1), (1e-3, 1, 0), (1e-3, 5, 0),
+                                                (5e-3, 20, 1), (1e-3, 6, 2)])
+def test_learning_rate_is_dassls_warmup_then_cosine_recounted_after_it(lr, epochs, warmup):
+    settings = dict(warmup_epochs=warmup, warmup_lr=1e-5, lr=lr, epochs=epochs)
+    ours = [train.learning_rate(settings, e) for e in range(epochs)]
+    assert ours == pytest.approx(dassl_learning_rates(lr, epochs, warmup, 1e-5), rel=1e-9, abs=1e-15)
+    if warmup:  # the epoch boundaries: the warm-up's last epoch, then the full lr (the recount)
+        assert ours[warmup - 1] == 1e-5 and ours[warmup] == pytest.approx(lr)
 
 
 # ------------------------------------------------------------------------------------------
@@ -285,34 +337,53 @@ def test_fewshot_cross_and_dg_write_the_paper_shaped_tables(world, tmp_path):
         assert value == round(result["metrics"]["all"], 2)
         assert result["logits"] == {"all": "fused"}  # the trained classes: fused
 
+    # Cross-dataset and domain generalization: one training on ImageNet, tested on an ordinary
+    # dataset and on a variant, one table each (both from the same trained run).
     fast += ["--shots", "4"]
-    out = tmp_path / "cross"
-    assert train.main(common(world, out, "--protocol", "cross", "--dataset", "dtd", *fast)) == 0
-    (title, table), = read(out / "summary.json")["tables"].items()
-    assert title.startswith("Cross-dataset") and table["columns"] == ["imagenet (source)", "dtd", "Average"]
-    result = read(out / "imagenet/dear-all-generalization/seed1/results.json")
-    assert set(result["metrics"]) == {"imagenet", "dtd"}
-    assert result["logits"] == {"imagenet": "fused", "dtd": "class"}  # fused on the source only
+    for protocol in ("cross", "dg"):
+        out = tmp_path / protocol
+        assert train.main(common(world, out, "--protocol", protocol, "--dataset", "dtd", "imagenet_sketch",
+                                 *fast)) == 0
+        assert [p.parent.name for p in out.rglob("checkpoint.pt")] == ["seed1"]  # trained once
+        (cross_title, cross), (dg_title, dg) = read(out / "summary.json")["tables"].items()
+        assert cross_title.startswith("Cross-dataset") and cross["columns"] == ["imagenet (source)", "dtd", "Average"]
+        assert dg_title.startswith("Domain generalization")
+        assert dg["columns"] == ["ImageNet (source)", "-Sketch", "Average"]
+        result = read(out / "imagenet/dear-all-generalization/seed1/results.json")
+        assert set(result["metrics"]) == {"imagenet", "dtd", "imagenet_sketch"}
+        row = "dear-all-generalization"
+        assert cross["rows"][row] == [round(result["metrics"][k], 2) for k in ("imagenet", "dtd", "dtd")]
+        assert dg["rows"][row] == [round(result["metrics"][k], 2) for k in ("imagenet",) + ("imagenet_sketch",) * 2]
+        assert result["logits"] == {"imagenet": "fused", "dtd": "fused", "imagenet_sketch": "fused"}
+        assert result["logits_by_fusion"]["class-on-unseen"] == {"imagenet": "fused", "dtd": "class",
+                                                                 "imagenet_sketch": "class"}
+        assert "| CLIP (zero-shot) |" in (out / "summary.md").read_text()
+    # 'all' is the ten other datasets and the four variants, under either protocol's name.
+    for protocol in ("cross", "dg"):
+        names = train._dataset_names(["all"], protocol, None)
+        assert len(names) == 14 and "imagenet" not in names and set(train.DG_TARGETS) <= set(names)
 
-    out = tmp_path / "dg"
-    assert train.main(common(world, out, "--protocol", "dg", "--dataset", "imagenet_sketch", *fast)) == 0
-    (title, table), = read(out / "summary.json")["tables"].items()
-    assert title.startswith("Domain generalization") and table["columns"] == ["ImageNet (source)", "-Sketch", "Average"]
-    assert "| CLIP (zero-shot) |" in (out / "summary.md").read_text()
-    result = read(out / "imagenet/dear-all-generalization/seed1/results.json")
-    assert result["logits"] == {"imagenet": "fused", "imagenet_sketch": "class"}
+
+def test_a_datasets_hm_is_the_hm_of_its_mean_base_and_mean_novel_not_the_mean_of_per_seed_hms():
+    settings = dict(protocol="base2novel", dataset=["a"], roles=["analyse"], fusion=["fused-everywhere"],
+                    seeds=[1, 2], shots=[16])
+    results = [dict(job=dict(dataset="a", row="dear", shots=16), metrics=dict(base=b, novel=n))
+               for b, n in ((90.0, 10.0), (50.0, 50.0))]
+    table = train.summarise(settings, results)["tables"]["a"]
+    # mean base 70, mean novel 30: HM 42.0; the per-seed HMs 18 and 50 would average 34.0
+    assert table["rows"]["dear-fused"] == [70.0, 30.0, 42.0]
 
 
 def test_summary_takes_hm_of_the_averages_as_the_paper_does():
-    settings = dict(protocol="base2novel", dataset=["a", "b"], roles=["analyse"], fusion=["adaptive"],
+    settings = dict(protocol="base2novel", dataset=["a", "b"], roles=["analyse"], fusion=["class-on-unseen"],
                     seeds=[1], shots=[16])
     results = [dict(job=dict(dataset=d, row="dear", shots=16), metrics=dict(base=b, novel=n))
                for d, b, n in (("a", 90.0, 10.0), ("b", 50.0, 50.0))]
     summary = train.summarise(settings, results)
-    average = summary["tables"]["Average over 2 datasets"]["rows"]["dear"]
+    average = summary["tables"]["Average over 2 datasets"]["rows"]["dear-class-on-unseen"]
     # base 70, novel 30: HM(70, 30) = 42.0, not the mean of the per-dataset HMs (18.0 and 50.0)
     assert average == [70.0, 30.0, 42.0]
-    assert summary["tables"]["a"]["rows"]["dear"] == [90.0, 10.0, 18.0]
+    assert summary["tables"]["a"]["rows"]["dear-class-on-unseen"] == [90.0, 10.0, 18.0]
 
 
 # ------------------------------------------------------------------------------------------
@@ -353,8 +424,8 @@ def test_evaluate_scores_the_fused_and_the_class_branch_logits_and_each_set_gets
         assert accuracy == pytest.approx({"fused": fused, "class": alone}), name
         differs |= (out.logits.argmax(-1) != out.branch_logits[:, 0].argmax(-1)).any().item()
         # The documented rule: fused on the trained classes, the class branch alone elsewhere.
-        assert train.logits_used(eval_set, "adaptive") == ("fused" if name == "base" else "class")
-        assert train.logits_used(eval_set, "everywhere") == "fused"
+        assert train.logits_used(eval_set, "class-on-unseen") == ("fused" if name == "base" else "class")
+        assert train.logits_used(eval_set, "fused-everywhere") == "fused"
     assert differs, "the two kinds of logits agree on every image: the test could not tell them apart"
 
 
@@ -369,6 +440,124 @@ def test_the_analysis_images_cover_every_class_evenly_and_follow_the_seed():
     few = train.analysis_images(items, 4, seed=1)
     assert len({item.label for item in few}) == 4  # a cap below the class count: one per class
     assert sorted(train.analysis_images(items, 500, seed=3), key=lambda i: i.path) == sorted(items, key=lambda i: i.path)
+
+
+# ------------------------------------------------------------------------------------------
+# The head analysis: once per model and image pool, cached, reused, copied into each run
+# ------------------------------------------------------------------------------------------
+
+
+def test_one_cached_head_analysis_serves_every_protocol_that_asks_for_the_same_pool(world, tmp_path, capsys,
+                                                                                    analysis_cache):
+    pool = ["--analysis-pool", "imagenet:test", "--method", "dear", "--roles", "analyse", "--seeds", "1",
+            "--epochs", "1", "--shots", "2"]
+    first = tmp_path / "first"
+    assert train.main(common(world, first, "--dataset", "dtd", *pool)) == 0
+    out = capsys.readouterr().out
+    assert out.count("head analysis: concept entropy") == 1 and "reusing" not in out
+    entries = [p for p in (analysis_cache / "head-analysis").iterdir() if p.is_dir()]
+    assert len(entries) == 1 and (entries[0] / "roles.png").is_file()
+    record = read(first / "settings.json")["settings"]["role_maps"]["dtd"]
+    assert record["pool"] == "imagenet test, 6 of 6 images, 3 classes" and record["cache"] == str(entries[0])
+    assert read(first / "dtd/dear/seed1/results.json")["role_map"] == record
+
+    # Another protocol, dataset, seed and shot count, the same model and pool: reused, in one line.
+    second = tmp_path / "second"
+    assert train.main(common(world, second, "--dataset", "dtd", "--protocol", "cross", *pool[:-4],
+                             "--seeds", "2", "--epochs", "1", "--shots", "4")) == 0
+    out = capsys.readouterr().out
+    assert out.count(f"head analysis: reusing the role map cached in {entries[0]}") == 1
+    assert "concept entropy" not in out
+    assert read(second / "settings.json")["settings"]["role_maps"]["imagenet"]["fingerprint"] == record["fingerprint"]
+    assert (second / "imagenet/roles/roles.json").read_bytes() == (first / "dtd/roles/roles.json").read_bytes()
+
+    # The pool is fingerprinted by its images' names and sizes: a changed image is a new pool.
+    image = next(Path(world["root"], "imagenet/images/val").rglob("*.JPEG"))
+    original = image.read_bytes()
+    try:
+        image.write_bytes(original + b"\0")
+        assert train.main(common(world, tmp_path / "third", "--dataset", "dtd", *pool)) == 0
+        assert capsys.readouterr().out.count("head analysis: concept entropy") == 1
+    finally:
+        image.write_bytes(original)
+    assert len([p for p in (analysis_cache / "head-analysis").iterdir() if p.is_dir()]) == 2
+
+    # --resume and --eval-only read the run folder's copy, never the cache; a changed copy is refused.
+    import shutil
+
+    shutil.rmtree(analysis_cache / "head-analysis")
+    (first / "dtd/dear/seed1/results.json").unlink()
+    assert train.main(["--output", str(first), "--eval-only"]) == 0
+    assert not (analysis_cache / "head-analysis").exists()
+    roles = first / "dtd/roles/roles.json"
+    roles.write_text(roles.read_text() + " ")  # any change to the copy
+    refused(["--output", first, "--eval-only"], capsys, "roles.json: missing or not the role map this run was made")
+
+
+def test_analyse_only_writes_the_roles_and_pictures_then_stops_and_training_reuses_them(world, tmp_path, capsys):
+    out = tmp_path / "roles-first"
+    assert train.main(common(world, out, "--dataset", "dtd", "--analyse-only")) == 0
+    for name in ("roles.json", "roles.txt", "roles.png", "masks.png", "analysis.json"):
+        assert (out / "dtd/roles" / name).is_file(), name
+    assert not (out / "settings.json").exists() and not (out / "dtd/zeroshot").exists()  # nothing trained
+    assert "head analysis: done in" in capsys.readouterr().out
+    assert train.main(common(world, out, "--dataset", "dtd", "--seeds", "1", "--epochs", "1", "--shots", "2",
+                             "--method", "dear")) == 0
+    assert "head analysis: reusing the role map" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--descriptions", "100000"], "--descriptions 100000: TextSpan can make 1..80 picks per head here"),
+    (["--descriptions", "7", "--analysis-pool", "imagenet:test"],
+     "--descriptions 7: TextSpan can make 1..6 picks per head here (the span of 6 images' contributions"),
+    (["--descriptions", "7", "--analysis-images", "5"], "--descriptions 7: TextSpan can make 1..5 picks"),
+    (["--analysis-pool", "imagenet:val", "--analysis-images", "1", "--descriptions", "1"],
+     "the head analysis has 1 image(s)"),
+    (["--analysis-pool", "imagenet_sketch:train"], "imagenet_sketch is a test set only; use imagenet_sketch:test"),
+    (["--analysis-pool", "imagenet"], "expected 'train' or DATASET:SPLIT"),
+    (["--analysis-pool", "imagenett:test"], "unknown dataset 'imagenett'"),
+    (["--dataset", "dtd", "imagenet", "--protocol", "cross"], "--dataset imagenet: it is the --source"),
+])
+def test_an_analysis_its_images_cannot_support_is_refused_before_any_work(world, tmp_path, capsys,
+                                                                           analysis_cache, flags, message):
+    out = tmp_path / "run"
+    refused(common(world, out, "--dataset", "dtd", "--seeds", "1", "--shots", "4", *flags), capsys, message, out)
+    assert not analysis_cache.exists()
+
+
+def test_descriptions_past_the_bank_or_the_image_cap_stop_before_the_model_is_read(world, tmp_path, capsys,
+                                                                                  monkeypatch):
+    monkeypatch.setattr(train, "open_inputs", lambda *args: pytest.fail("work began before the check"))
+    out = tmp_path / "run"
+    for flags, message in ((["--descriptions", "100000"], "TextSpan keeps 80 singular directions"),
+                           (["--descriptions", "30", "--analysis-images", "29"], "the span of 29 images'")):
+        refused(common(world, out, "--dataset", "dtd", *flags), capsys, message, out)
+
+
+@pytest.mark.skipif(train.fcntl is None, reason="no file locks on this system")
+def test_a_second_writer_of_a_cache_entry_waits_for_the_first(tmp_path):
+    path, released = tmp_path / "entry.lock", tmp_path / "released"
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(1); "
+                               "open(sys.argv[2], 'w').close(); f.close()", str(path), str(released)],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    lines = []
+    with train.waiting_lock(str(path), lines.append):
+        assert released.exists(), "the lock was taken while the first writer held it"
+    holder.wait()
+    assert len(lines) == 1 and "waiting for it" in lines[0]
+
+
+def test_a_run_folder_of_an_earlier_format_is_refused_in_one_line(stopped_run, tmp_path, capsys):
+    out, _ = copy_run(stopped_run, tmp_path)
+    saved = read(out / "settings.json")
+    assert saved["format"] == train.RUN_FORMAT
+    del saved["format"]  # as every folder before this version
+    (out / "settings.json").write_text(json.dumps(saved))
+    for flag in ("--resume", "--eval-only"):
+        line = refused(["--output", out, flag], capsys, "settings.json: a run folder of an earlier train.py (format 1")
+        assert "start a new run" in line
 
 
 # ------------------------------------------------------------------------------------------
@@ -388,7 +577,7 @@ def test_torchrun_with_two_processes_trains_and_writes_one_result(world, tmp_pat
     assert "x 2 processes" in done.stdout
     result = read(out / "dtd/dear/seed1/results.json")
     assert set(result["metrics"]) == {"base", "novel", "hm"}
-    assert (out / "summary.md").is_file() and (out / "dtd" / "roles" / "seed1" / "roles.json").is_file()
+    assert (out / "summary.md").is_file() and (out / "dtd" / "roles" / "roles.json").is_file()
     assert not list(out.rglob(".tmp-*"))  # no half-written file left behind
 
 
@@ -414,6 +603,8 @@ def wrong_roles_file(tmp_path):
     ("no cuda", "this machine has no CUDA device"),
     ("two role sources", "give at most one of 'analyse' or a roles file"),
     ("inverted thresholds", "--low-bits 3 is above --high-bits 1"),
+    ("old fusion name", "argument --fusion: 'adaptive' is an old name: use class-on-unseen"),
+    ("descriptions past the span", "--descriptions 100000: TextSpan can make 1..80 picks per head here"),
 ])
 def test_bad_input_ends_in_one_line_and_exit_status_2_without_a_run_folder(world, tmp_path, case, message):
     if case == "no cuda" and torch.cuda.is_available():
@@ -429,6 +620,8 @@ def test_bad_input_ends_in_one_line_and_exit_status_2_without_a_run_folder(world
         "no cuda": ["--device", "cuda"],
         "inverted thresholds": ["--low-bits", "3", "--high-bits", "1"],
         "two role sources": ["--roles", "analyse", wrong_roles_file(tmp_path)],
+        "old fusion name": ["--fusion", "adaptive"],
+        "descriptions past the span": ["--descriptions", "100000"],
     }[case]
     done = subprocess.run([sys.executable, "train.py", *args, *change], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
@@ -448,19 +641,24 @@ def test_toyworld_runs_end_to_end_from_an_empty_cache(tmp_path):
     out, cache = tmp_path / "toy", tmp_path / "cache"
     env = dict(os.environ, DEAR_CACHE_DIR=str(cache))
     done = subprocess.run([sys.executable, "train.py", "--dataset", "toyworld", "--toy-scale", "miniature",
-                           "--seeds", "1", "--epochs", "2", "--output", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300, env=env)
+                           "--seeds", "1", "2", "--epochs", "2", "--output", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "pretraining" in done.stdout.lower()  # nothing was cached: the toy CLIP was trained first
     assert (cache / "toyworld" / "miniature").is_dir()
+    # One head analysis (and one causal check) for every seed: the role map belongs to the model.
+    assert done.stdout.count("head analysis: concept entropy") == 1
+    assert done.stdout.count("causal check: mean-ablating") == 1 and "reusing the role map" not in done.stdout
+    assert re.search(r"head analysis: done in \d+:\d\d:\d\d", done.stdout)
 
     summary = read(out / "summary.json")
     table = summary["tables"]["toyworld"]
-    assert list(table["rows"]) == ["zeroshot", "linear-probe", "dear-all-mixed", "dear-all-generalization", "dear",
-                                   "dear-fused-everywhere"]  # the toy table's rows
+    assert list(table["rows"]) == ["zeroshot", "linear-probe", "dear-all-mixed", "dear-all-generalization",
+                                   "dear-fused", "dear-class-on-unseen"]  # the toy table's rows
     markdown = (out / "summary.md").read_text()
     for label in ("CLIP (zero-shot)", "Linear probe", "DeAR, all heads mixed (no mask)",
-                  "DeAR, all heads generalization", "| DeAR |", "| DeAR, fused everywhere |"):
+                  "DeAR, all heads generalization", "| DeAR, fused on every test set |",
+                  "| DeAR, class branch alone on unseen classes |"):
         assert label in markdown
     # All generalization: no attribute branch can read the image, so the class branch alone.
     assert "left out of the fusion" in done.stdout + done.stderr
@@ -476,7 +674,7 @@ def test_toyworld_runs_end_to_end_from_an_empty_cache(tmp_path):
         assert list(cells) == attributes and all(0 <= mean <= 100 for mean, _ in cells.values()), name
         assert (out / "toyworld/dear-all-mixed/seed1" / f"retrieval_{name.replace(' ', '_')}.png").is_file()
     assert "| colour token | blind |" in (out / "retrieval.md").read_text()
-    roles = out / "toyworld" / "roles" / "seed1"
+    roles = out / "toyworld" / "roles"
     for name in ("roles.json", "roles.png", "masks.png", "causal_check.md", "causal_check.json"):
         assert (roles / name).is_file(), name
     causal = read(roles / "causal_check.json")
@@ -484,17 +682,32 @@ def test_toyworld_runs_end_to_end_from_an_empty_cache(tmp_path):
     # The run reads the toy world as any CoOp dataset: the saved settings point at the cache.
     settings = read(out / "settings.json")["settings"]
     assert settings["weights"].startswith(str(cache)) and settings["root"].startswith(str(cache))
+    fingerprint = settings["role_maps"]["toyworld"]["fingerprint"]
 
-    # A call killed during the causal check (roles.json written, causal_check.json not) redoes
-    # it on --resume; a task build killed half-way leaves a folder that the next call removes.
-    for name in ("causal_check.md", "causal_check.json"):
-        (roles / name).unlink()
+    # Other seeds and shots: the same model and pool, so the cached map, said in one line.
+    again = tmp_path / "again"
+    done = subprocess.run([sys.executable, "train.py", "--dataset", "toyworld", "--toy-scale", "miniature",
+                           "--seeds", "3", "--shots", "2", "--epochs", "1", "--method", "dear", "--roles",
+                           "analyse", "--output", str(again)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("head analysis: reusing the role map cached in") == 1
+    assert "concept entropy of every head" not in done.stdout and "causal check" not in done.stdout
+    assert read(again / "settings.json")["settings"]["role_maps"]["toyworld"]["fingerprint"] == fingerprint
+    assert read(again / "toyworld/roles/causal_check.json") == causal
+
+    # A resumed run reads its own copy, never the cache; a task build killed half-way leaves a
+    # folder that the next call removes.
+    import shutil
+
+    shutil.rmtree(cache / "head-analysis")
+    (out / "toyworld/dear/seed2/results.json").unlink()
     leftover = Path(settings["root"]) / ".toyworld-building-killed"
     leftover.mkdir()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DEAR_CACHE_DIR", str(cache))
-        assert train.main(["--output", str(out), "--resume"]) == 0
-    assert read(roles / "causal_check.json") == causal
+        assert train.main(["--output", str(out), "--eval-only"]) == 0
+    assert (out / "toyworld/dear/seed2/results.json").is_file() and not (cache / "head-analysis").exists()
     assert not leftover.exists()
 
 
@@ -549,12 +762,12 @@ def test_a_zero_negative_or_non_finite_value_is_refused_not_replaced(world, tmp_
 
 
 def test_a_dataset_without_a_recipe_is_refused_not_given_another_datasets(world, tmp_path, capsys, monkeypatch):
-    """RECIPES is one default plus the exceptions; a trainable dataset with no row at all (one
-    added to data.py and forgotten here) must not silently train with caltech101's recipe."""
-    monkeypatch.delitem(train.RECIPES, "dtd")
+    """RECIPES is one default per protocol plus the exceptions; a trainable dataset with no row
+    at all (one added to data.py and forgotten here) must not silently train with another's."""
+    monkeypatch.delitem(train.RECIPES["base2novel"], "dtd")
     out = tmp_path / "run"
     refused(common(world, out, "--dataset", "dtd", "--seeds", "1"), capsys,
-            "--dataset dtd: train.py has no training recipe for it; add a row to RECIPES", out)
+            "--dataset dtd: train.py has no base2novel recipe for it; add it to RECIPES", out)
 
 
 def test_help_shows_each_default_from_the_one_table_that_holds_it(monkeypatch, capsys):
@@ -562,16 +775,34 @@ def test_help_shows_each_default_from_the_one_table_that_holds_it(monkeypatch, c
     generated from them, so changing a table changes the help and the resolved setting alike."""
     monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps at the terminal's width
     monkeypatch.setitem(train.DEFAULTS, "log_every", 7)
-    monkeypatch.setitem(train.RECIPES, "imagenet", train.Recipe(epochs=3, batch_size=32))
+    monkeypatch.setitem(train.RECIPES["cross"], "imagenet", train.Recipe(epochs=3, batch_size=32))
     text = " ".join(train.build_parser().format_help().split())
     assert "a progress line every N steps (default 7)" in text
-    assert "training epochs, the warm-up epoch included (default 10 from RECIPES (imagenet: 3, toyworld: 20))" in text
+    assert ("training epochs, the warm-up epochs included (default base2novel 10 (imagenet: 5, toyworld: 20); "
+            "fewshot 100 (imagenet: 5, toyworld: 20); cross, dg 1 (imagenet: 3), from RECIPES)") in text
     assert "(default analyse; toyworld: all-mixed all-generalization analyse)" in text
     assert "every N steps (default 20)" not in text  # the old --log-every default is nowhere
     settings = train.resolve_settings(train.build_parser().parse_args(["--dataset", "dtd", "--device", "cpu"]))
     assert settings["log_every"] == 7 and settings["epochs"] == train.Recipe().epochs == 10
     assert train.resolve_settings(train.build_parser().parse_args(
         ["--dataset", "imagenet_sketch", "--protocol", "dg", "--device", "cpu"]))["epochs"] == 3
+
+
+def test_each_protocol_trains_with_the_lineages_recipe_and_its_per_dataset_values():
+    """MMRL++ (yunncheng/MMRL): the protocol's yaml (configs/trainers/MMRLpp/), then
+    trainers/config.py's beta and regularisation weight per dataset, which MMRL's train.py
+    merges last; the cross-dataset table (CD) is not the base-to-novel one (B2N, FS)."""
+    def resolved(*argv):
+        s = train.resolve_settings(train.build_parser().parse_args([*argv, "--device", "cpu"]))
+        return [s[k] for k in ("epochs", "batch_size", "lr", "warmup_epochs", "beta", "lambda_reg")]
+
+    assert resolved("--dataset", "oxford_pets") == [10, 4, 1e-3, 1, 0.7, 0.01]  # vit_b16.yaml + B2N
+    assert resolved("--dataset", "imagenet") == [5, 32, 1e-3, 1, 0.9, 0.2]  # vit_b16_imagenet.yaml + B2N
+    assert resolved("--dataset", "dtd", "--protocol", "fewshot") == [100, 32, 2e-3, 1, 0.9, 7.0]  # few_shot.yaml
+    assert resolved("--dataset", "imagenet", "--protocol", "fewshot") == [5, 32, 1e-3, 1, 0.9, 0.2]
+    for protocol in ("cross", "dg"):  # vit_b16_cross_datasets.yaml + CD's ImageNet
+        assert resolved("--dataset", "all", "--protocol", protocol) == [1, 32, 1e-3, 0, 0.9, 0.1]
+    assert resolved("--dataset", "eurosat", "--beta", "0.3") == [10, 4, 1e-3, 1, 0.3, 0.01]  # a typed flag wins
 
 
 def write_json_file(path, value):
@@ -840,8 +1071,9 @@ def test_own_image_folder_runs_base2novel_end_to_end_and_eval_only_reproduces_it
     assert "skipped 1 non-image file" in done.stderr
     assert (Path(own_data["folder"]) / "split_my_textures.json").is_file()  # written next to the data
     table = read(out / "summary.json")["tables"]["my_textures"]  # the folder's name
-    assert table["columns"] == ["Base", "Novel", "HM"] and list(table["rows"]) == ["zeroshot", "dear"]
-    assert (out / "my_textures" / "roles" / "seed1" / "roles.json").is_file()  # the head analysis ran on it
+    assert table["columns"] == ["Base", "Novel", "HM"]
+    assert list(table["rows"]) == ["zeroshot", "dear-fused", "dear-class-on-unseen"]
+    assert (out / "my_textures" / "roles" / "roles.json").is_file()  # the head analysis ran on it
     result = read(out / "my_textures" / "dear" / "seed1" / "results.json")
     saved = read(out / "settings.json")["settings"]
     assert saved["dataset"] == ["my_textures"] and saved["dataset_paths"] == {"my_textures": own_data["folder"]}
