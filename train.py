@@ -1144,7 +1144,8 @@ def analysed_role_maps(settings, inputs: "Inputs", runtime: Runtime) -> Tuple[Di
         else:
             items, pool = analysis_pool(settings, dataset)
             picks = dear.analysis_picks(settings["descriptions"], len(inputs.bank), len(items), rank=ANALYSIS_RANK,
-                                        embed_dim=inputs.clip.visual.proj.shape[1])
+                                        embed_dim=inputs.clip.visual.proj.shape[1],
+                                        default=dear.default_picks(inputs.bank, inputs.attributes))
             record = cached_analysis(settings, inputs, items, pool, picks, runtime)
             path = os.path.join(record["cache"], "roles.json")
         maps[dataset], records[dataset] = load_role_file(path), record

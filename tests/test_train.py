@@ -683,6 +683,9 @@ def test_toyworld_runs_end_to_end_from_an_empty_cache(tmp_path):
     settings = read(out / "settings.json")["settings"]
     assert settings["weights"].startswith(str(cache)) and settings["root"].startswith(str(cache))
     fingerprint = settings["role_maps"]["toyworld"]["fingerprint"]
+    # Unset --descriptions: the toy bank's rule (its fewest values of an attribute: 4), not the paper's 20.
+    assert settings["role_maps"]["toyworld"]["picks"] == 4
+    assert all(len(head.descriptions) == 4 for head in dear.RoleMap.load(str(roles / "roles.json")).heads)
 
     # Other seeds and shots: the same model and pool, so the cached map, said in one line.
     again = tmp_path / "again"
