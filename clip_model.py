@@ -45,6 +45,7 @@ Try it (needs a checkpoint; with no network pass a local file):
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import html
@@ -467,6 +468,27 @@ def unwritable_reason(path: str) -> Optional[str]:
     except OSError as error:
         return f"cannot write in {existing} ({error.strerror or error})"
     return None
+
+
+@contextlib.contextmanager
+def waiting_lock(path: str, waiting_message: str, log: Callable[[str], None] = print):
+    """An exclusive lock on the file `path` (created if missing) for a `with` block, around a
+    cache entry that is checked and then written: a second process logs `waiting_message`
+    once and blocks until the first leaves the block, then finds the entry made. The OS drops
+    the lock however its holder ends. No lock where fcntl is missing (Windows). The one copy:
+    train.py's head-analysis cache and the toy world's cache use it."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a", encoding="utf-8") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            log(waiting_message)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def atomic_write(path: str, write: Callable[[str], None]) -> None:

@@ -1055,22 +1055,6 @@ def analysis_fingerprint(settings, inputs: "Inputs", items: List[data.Item], pic
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
-@contextlib.contextmanager
-def waiting_lock(path: str, log):
-    """An exclusive lock on `path` while a cache entry is checked and written: a second writer
-    waits, then finds the entry made and reuses it (the OS drops the lock if the holder dies)."""
-    if fcntl is None:  # Windows: no lock
-        yield
-        return
-    with open(path, "a", encoding="utf-8") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            log(f"head analysis: another process is analysing the same heads ({path}); waiting for it")
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
-
-
 def cached_analysis(settings, inputs: "Inputs", items: List[data.Item], pool: str, picks: int,
                     runtime: Runtime) -> dict:
     """The role map of these images: from the cache, or analysed now and cached. -> its record
@@ -1086,7 +1070,8 @@ def cached_analysis(settings, inputs: "Inputs", items: List[data.Item], pool: st
         if reason:
             raise TrainError(f"{root}: the head-analysis cache {reason}; set $CLIP_CACHE_DIR to a writable folder")
         os.makedirs(root, exist_ok=True)
-        with waiting_lock(entry + ".lock", runtime.log):
+        with clip_model.waiting_lock(entry + ".lock", "head analysis: another process is analysing the same "
+                                     f"heads ({entry}.lock); waiting for it", runtime.log):
             if os.path.isfile(os.path.join(entry, "roles.json")):
                 runtime.log(f"head analysis: reusing the role map cached in {entry} ({pool})")
             else:

@@ -543,7 +543,7 @@ def test_a_second_writer_of_a_cache_entry_waits_for_the_first(tmp_path):
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     lines = []
-    with train.waiting_lock(str(path), lines.append):
+    with clip_model.waiting_lock(str(path), "waiting for it", lines.append):
         assert released.exists(), "the lock was taken while the first writer held it"
     holder.wait()
     assert len(lines) == 1 and "waiting for it" in lines[0]

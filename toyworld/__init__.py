@@ -40,7 +40,6 @@ Try it:  python -m toyworld --scale miniature      (~10 s)
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import os
 import shutil
@@ -99,6 +98,7 @@ def prepare(scale: str = "full", cache_dir: Optional[str] = None,
     rebuild=True pretrains the model afresh in the cache (about 11 minutes for "full") and
     returns that one instead of the shipped one.
     """
+    import clip_model
     from toyworld import world
     from toyworld.pretrain import CONFIGS, pretrained_clip
     from toyworld.task import TaskConfig, write_task
@@ -111,7 +111,11 @@ def prepare(scale: str = "full", cache_dir: Optional[str] = None,
     assert task_config.image_size == config.image_size, "the task is drawn at the model's resolution"
     folder = cache_folder(config, cache_dir)
     data_root = os.path.join(folder, "data")
-    with _locked(os.path.dirname(folder), log):  # one builder at a time; the others wait, then reuse
+    # One builder at a time (two would build twice, or clean away each other's half-built
+    # task); the others wait, then reuse.
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    with clip_model.waiting_lock(os.path.join(os.path.dirname(folder), ".lock"),
+                                 f"toy world: another process is preparing {os.path.dirname(folder)}; waiting for it", log):
         # A task build killed half-way leaves its temporary folder; no one else is building now.
         for leftover in glob.glob(os.path.join(glob.escape(data_root), ".toyworld-building-*")):
             shutil.rmtree(leftover, ignore_errors=True)
@@ -120,23 +124,3 @@ def prepare(scale: str = "full", cache_dir: Optional[str] = None,
     return ToyAssets(weights=cached.weights, bpe=cached.bpe, head_width=cached.head_width,
                      data_root=data_root, attributes=list(world.ATTRIBUTES), bank=world.toy_bank(),
                      image_size=config.image_size, scale=scale, report=cached.report)
-
-
-@contextlib.contextmanager
-def _locked(folder: str, log: Callable[[str], None]):
-    """An exclusive lock on <folder>/.lock while the cache is checked and (re)built: two
-    processes preparing the same world would otherwise build it twice, or clean away each
-    other's half-built task. The OS releases it when the process ends, however it ends."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: no lock
-        yield
-        return
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, ".lock"), "a", encoding="utf-8") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            log(f"toy world: another process is preparing {folder}; waiting for it")
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
