@@ -191,12 +191,18 @@ SUBSAMPLE_CHOICES = ("all", "base", "new", "novel")  # CoOp says "new"; "novel" 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")  # for folder-listed datasets
 
 
+def dataset_key(name: str) -> str:
+    """A dataset name as the registry spells it: case, spaces around it and "-" vs "_" do not
+    matter ("Oxford-Pets" -> "oxford_pets"). The one place that rule is written."""
+    return str(name).strip().lower().replace("-", "_")
+
+
 def get_spec(name: str) -> DatasetSpec:
     """The registry row for `name` ("oxford_pets"; case and "-" vs "_" do not matter), or
     that of your own data registered by own_dataset (its folder's name, exactly)."""
     if name in DATASETS:
         return DATASETS[name]
-    key = str(name).strip().lower().replace("-", "_")
+    key = dataset_key(name)
     if key not in DATASETS:
         known = ", ".join(DATASETS)
         raise DatasetError(f"unknown dataset {name!r}; expected one of: {known}, or the path of your own data "
@@ -542,7 +548,7 @@ def is_own_data(value: str) -> bool:
     """Whether a --dataset value is a path to your own data rather than a benchmark's name:
     not a registry name, and a path (a separator, a .json file, or something on disk)."""
     value = str(value)
-    if value in DATASETS or value.strip().lower().replace("-", "_") in (*DATASETS, "all"):
+    if value in DATASETS or dataset_key(value) in (*DATASETS, "all"):
         return False
     return "/" in value or os.sep in value or value.lower().endswith(".json") or os.path.exists(value)
 
@@ -564,7 +570,7 @@ def own_dataset(path: str, split_fallback_dir: str | None = None) -> DatasetSpec
     else:
         raise DatasetError(f"{path}: not found; expected a folder of class folders (PATH/<class>/<image>) "
                            f"or a split file in CoOp's format (.json)")
-    key = name.strip().lower().replace("-", "_")
+    key = dataset_key(name)
     known = DATASETS.get(name) or DATASETS.get(key)
     if (known is not None and not known.own) or key == "all":
         raise DatasetError(f"{path}: its name {name!r} is that of a benchmark; rename the folder (the name "

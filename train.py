@@ -365,9 +365,9 @@ def _default(value, default):
 
 
 def _dataset_names(typed: List[str], protocol: str, source: Optional[str]) -> List[str]:
-    names = [data.own_dataset_name(n) if data.is_own_data(n) else n.strip().lower().replace("-", "_") for n in typed]
+    names = [data.own_dataset_name(n) if data.is_own_data(n) else data.dataset_key(n) for n in typed]
     if names == ["all"]:  # cross and dg: one training on the source, tested on all fourteen targets
-        source = _default(source, DEFAULTS["source"]).strip().lower().replace("-", "_")
+        source = data.dataset_key(_default(source, DEFAULTS["source"]))
         names = PAPER_DATASETS if protocol in ("base2novel", "fewshot") else \
             [n for n in PAPER_DATASETS if n != source] + DG_TARGETS
     return list(names)
@@ -404,7 +404,7 @@ def settings_from_flags(args: argparse.Namespace) -> Dict[str, object]:
             data.get_spec(name)  # unknown names stop here, with the list of known ones
     source = None
     if protocol in ("cross", "dg"):
-        source = _default(args.source, DEFAULTS["source"]).lower().replace("-", "_")
+        source = data.dataset_key(_default(args.source, DEFAULTS["source"]))
         if data.get_spec(source).evaluation_only:
             raise TrainError(f"--source {source}: a test set only; train on a dataset with training images")
     elif args.source:
@@ -550,7 +550,7 @@ def settings_from_run_folder(args: argparse.Namespace) -> Dict[str, object]:
     # The typed flags in the form settings.json stores them (--augment off -> False, ...):
     # the same value is accepted, another one refused.
     stored_as = {"dataset": lambda v: _dataset_names(v, saved["protocol"], saved["source"]),
-                 "source": lambda v: v.strip().lower().replace("-", "_"), "augment": lambda v: v == "on",
+                 "source": data.dataset_key, "augment": lambda v: v == "on",
                  "roles": _role_choices, "method": lambda v: list(dict.fromkeys(v)),
                  "seeds": lambda v: list(dict.fromkeys(v)), "shots": lambda v: list(dict.fromkeys(v)),
                  "fusion": lambda v: list(dict.fromkeys(v))}
@@ -572,7 +572,7 @@ def analysis_pool_of(value: str) -> Tuple[Optional[str], str]:
     if value == "train":
         return None, "train"
     name, _, split = value.partition(":")
-    name = name.strip().lower().replace("-", "_")
+    name = data.dataset_key(name)
     if split not in ("train", "val", "test"):
         raise TrainError(f"--analysis-pool {value}: expected 'train' or DATASET:SPLIT with SPLIT train, val or "
                          "test (e.g. imagenet:test, ImageNet's validation images)")
