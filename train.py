@@ -1153,9 +1153,9 @@ def copy_role_maps(settings, inputs: "Inputs", records: dict) -> None:
     for dataset, record in records.items():
         folder = os.path.dirname(role_copy(settings, dataset))
         os.makedirs(folder, exist_ok=True)
-        for name in sorted(os.listdir(record["cache"])):
-            shutil.copyfile(os.path.join(record["cache"], name), os.path.join(folder, f".tmp-copy-{name}"))
-            os.replace(os.path.join(folder, f".tmp-copy-{name}"), os.path.join(folder, name))
+        for name in sorted(os.listdir(record["cache"])):  # each file whole (clip_model.atomic_write)
+            source = os.path.join(record["cache"], name)
+            dear.atomic_write(os.path.join(folder, name), lambda tmp: shutil.copyfile(source, tmp))
         role_map, clip = load_role_file(role_copy(settings, dataset)), inputs.clip
         J, image_tokens = first_layer_of(settings, clip), 1 + clip.visual.grid_size**2
         masks = dear.build_role_masks(role_map, J, len(clip.visual.transformer.resblocks), image_tokens)
