@@ -45,7 +45,6 @@ Try it (needs a checkpoint; with no network pass a local file):
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import hashlib
 import html
@@ -449,46 +448,6 @@ def default_cache_dir() -> str:
     home_cache = os.path.join(os.path.expanduser("~"), ".cache")
     new, old = os.path.join(home_cache, "clip-from-scratch"), os.path.join(home_cache, "dear-from-scratch")
     return old if os.path.isdir(old) and not os.path.isdir(new) else new
-
-
-def unwritable_reason(path: str) -> Optional[str]:
-    """None if files can be made in `path`, or in the nearest existing folder above it (the
-    one a later makedirs would write into); else the reason, as a short phrase. Tried by
-    writing a probe file: os.access is not enough (root, read-only mounts). Shared with
-    train.py's --output check and `python -m toyworld`'s path checks."""
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        return f"lies under {existing}, which is a file"
-    probe = os.path.join(existing, f".tmp-write-test-{secrets.token_hex(6)}")
-    try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        os.remove(probe)
-    except OSError as error:
-        return f"cannot write in {existing} ({error.strerror or error})"
-    return None
-
-
-@contextlib.contextmanager
-def waiting_lock(path: str, waiting_message: str, log: Callable[[str], None] = print):
-    """An exclusive lock on the file `path` (created if missing) for a `with` block, around a
-    cache entry that is checked and then written: a second process logs `waiting_message`
-    once and blocks until the first leaves the block, then finds the entry made. The OS drops
-    the lock however its holder ends. No lock where fcntl is missing (Windows). The one copy:
-    train.py's head-analysis cache and the toy world's cache use it."""
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    with open(path, "a", encoding="utf-8") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            log(waiting_message)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
 
 
 def atomic_write(path: str, write: Callable[[str], None]) -> None:

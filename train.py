@@ -79,6 +79,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 import clip_model
 import data
 import dear
+import runs
 
 # ------------------------------------------------------------------------------------------
 # 1. Settings
@@ -1066,11 +1067,11 @@ def cached_analysis(settings, inputs: "Inputs", items: List[data.Item], pool: st
     root = os.path.join(clip_model.default_cache_dir(), "head-analysis")
     entry = os.path.join(root, fingerprint[:16])
     if runtime.main:
-        reason = clip_model.unwritable_reason(root)
+        reason = runs.unwritable_reason(root)
         if reason:
             raise TrainError(f"{root}: the head-analysis cache {reason}; set $CLIP_CACHE_DIR to a writable folder")
         os.makedirs(root, exist_ok=True)
-        with clip_model.waiting_lock(entry + ".lock", "head analysis: another process is analysing the same "
+        with runs.waiting_lock(entry + ".lock", "head analysis: another process is analysing the same "
                                      f"heads ({entry}.lock); waiting for it", runtime.log):
             if os.path.isfile(os.path.join(entry, "roles.json")):
                 runtime.log(f"head analysis: reusing the role map cached in {entry} ({pool})")
@@ -1817,7 +1818,7 @@ def check_output_folder(output: str) -> None:
         raise TrainError("--output '': expected a folder for the run")
     if os.path.exists(output) and not os.path.isdir(output):
         raise TrainError(f"--output {output}: is a file, not a folder; choose another --output")
-    reason = clip_model.unwritable_reason(output)  # tried by writing, before any data is read
+    reason = runs.unwritable_reason(output)  # tried by writing, before any data is read
     if reason:
         raise TrainError(f"--output {output}: {reason}; choose another --output")
     if os.path.exists(os.path.join(output, "settings.json")):

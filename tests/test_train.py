@@ -27,6 +27,7 @@ sys.path.insert(0, str(REPO))
 import clip_model  # noqa: E402
 import dear  # noqa: E402
 import train  # noqa: E402
+import runs  # noqa: E402
 from conftest import perturb_  # noqa: E402
 
 
@@ -543,7 +544,7 @@ def test_a_second_writer_of_a_cache_entry_waits_for_the_first(tmp_path):
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     lines = []
-    with clip_model.waiting_lock(str(path), "waiting for it", lines.append):
+    with runs.waiting_lock(str(path), "waiting for it", lines.append):
         assert released.exists(), "the lock was taken while the first writer held it"
     holder.wait()
     assert len(lines) == 1 and "waiting for it" in lines[0]

@@ -98,7 +98,7 @@ def prepare(scale: str = "full", cache_dir: Optional[str] = None,
     rebuild=True pretrains the model afresh in the cache (about 11 minutes for "full") and
     returns that one instead of the shipped one.
     """
-    import clip_model
+    import runs
     from toyworld import world
     from toyworld.pretrain import CONFIGS, pretrained_clip
     from toyworld.task import TaskConfig, write_task
@@ -114,8 +114,8 @@ def prepare(scale: str = "full", cache_dir: Optional[str] = None,
     # One builder at a time (two would build twice, or clean away each other's half-built
     # task); the others wait, then reuse.
     os.makedirs(os.path.dirname(folder), exist_ok=True)
-    with clip_model.waiting_lock(os.path.join(os.path.dirname(folder), ".lock"),
-                                 f"toy world: another process is preparing {os.path.dirname(folder)}; waiting for it", log):
+    with runs.waiting_lock(os.path.join(os.path.dirname(folder), ".lock"),
+                           f"toy world: another process is preparing {os.path.dirname(folder)}; waiting for it", log):
         # A task build killed half-way leaves its temporary folder; no one else is building now.
         for leftover in glob.glob(os.path.join(glob.escape(data_root), ".toyworld-building-*")):
             shutil.rmtree(leftover, ignore_errors=True)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 import clip_model
+import runs
 import data
 import dear
 import toyworld
@@ -56,7 +57,7 @@ def save_grid(path: str, image_size: int, rows: int = 4, columns: int = 6, seed:
 def writable_folder(path: str, flag: str) -> None:
     """Stop (one line) unless files can be made in `path`, or in the folder that would hold
     it: checked before the minutes of preparing the world, not after."""
-    reason = clip_model.unwritable_reason(path)
+    reason = runs.unwritable_reason(path)
     if reason:
         raise ValueError(f"{flag} {path}: {reason}")
 
