@@ -1,36 +1,791 @@
 """
-runs.py -- the run-folder harness: boilerplate a student of the method need not read.
+runs.py -- the run-folder harness: the boilerplate a student of the method need not read.
 
-train.py is the teaching path (recipes, data, model, head analysis, the loop, evaluation);
-everything a run folder needs to be safe and repeatable lives here instead: settings
-resolution and validation, refusing to resume over other settings, input fingerprints, the
+train.py is the teaching path (recipes, data, model, head analysis, the loop, evaluation); what
+makes a run folder safe and repeatable lives here: the flags and the settings they resolve to,
+their checks, the refusal to resume over other settings, the input files' fingerprints, the
 folder lock and the cache locks, checkpoint files and their checks, temporary-file cleanup,
-the summary tables and their markdown, and the PNG pictures (roles, masks, retrieval).
+the devices and processes, the summary tables and their markdown, the PNG pictures (roles,
+masks, retrieval), and the one-line errors.
 
-How it fits the project: it imports clip_model.py, dear.py and data.py as it needs; train.py
-imports it; nothing else in the library does (clip_model.py, dear.py and data.py stay
-copyable without it), and it never imports train.py: what it needs from there (the recipe
-table, for one) train.py passes in.
+How it fits: it imports clip_model.py, dear.py and data.py; train.py imports it; nothing in
+the library does (those three stay copyable without it), and it never imports train.py:
+what it needs from there (the recipes and defaults, a RecipeBook) train.py passes in.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
+import json
+import math
 import os
+import platform
 import secrets
-from typing import Callable, Optional
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import clip_model
+import data
+import dear
+
+# What a call can ask for. DeAR gives two kinds of logits (fused, and the class branch alone),
+# and its public material does not settle which its tables use (docs/METHOD.md Sec. 5), so
+# every table shows the DeAR row under both rules by default:
+#   fused-everywhere   the fused logits, weights learned on the training classes, on every test set
+#   class-on-unseen    fused on the trained classes in the trained domain; the class branch alone
+#                      on classes not trained (novel classes, other datasets, variants): MMRL's code
+PROTOCOLS = ("base2novel", "fewshot", "cross", "dg")
+METHODS = ("zeroshot", "linear-probe", "dear")
+FUSION_MODES = ("fused-everywhere", "class-on-unseen")
+OLD_FUSION_NAMES = {"everywhere": "fused-everywhere", "adaptive": "class-on-unseen"}
+ROLE_ABLATIONS = ("all-mixed", "all-generalization")  # besides "analyse" and a roles file
+MAX_SEED = 2**32 - 1  # numpy's range; the per-epoch seeds are derived from it (seed * 100003 + epoch)
+# Flags that say how to run, not what to compute: they may change on --resume / --eval-only.
+RUN_CONTROL = {"output", "resume", "eval_only", "device", "workers", "log_every", "eval_batch_size",
+               "max_epochs_per_call", "amp", "root", "weights", "bpe"}  # (and the files' places)
+CHECKPOINT_FORMAT = "dear-from-scratch checkpoint, version 1"  # checked on load: not some other .pt
+# What a run folder means. Version 2: one cached head analysis per model and pool (copied to
+# <dataset>/roles/), Dassl's warm-up recount, the fusion rows named by what they do, the
+# lineage's per-protocol recipes. An older folder is refused on --resume / --eval-only.
+RUN_FORMAT = "dear-from-scratch run folder, version 2"
+
+
+class TrainError(Exception):
+    """Bad input to train.py: one line naming the flag or file and what to do."""
+
+
+class RecipeBook(NamedTuple):
+    """train.py's tables, handed to the settings code here (runs.py never imports train.py)."""
+    recipes: dict  # {protocol: {dataset: Recipe}}
+    protocol_recipes: dict  # {protocol: Recipe}: your own data's
+    defaults: dict  # the flags outside a recipe
+    toy_defaults: dict  # what the toy world shows by default instead
+    paper_datasets: list  # --dataset all (base2novel, fewshot)
+    dg_targets: list  # ImageNet's variants (cross and dg's 'all')
+    fewshot_shots: list  # the few-shot sweep
+    warmup_lr: float
+    weight_decay: float
 
 
 # ------------------------------------------------------------------------------------------
-# Files: writability, locks
+# 1. Flags -> settings, checked once, before anything is read or written
 # ------------------------------------------------------------------------------------------
+# Each flag is the value typed, else the trained dataset's recipe, else the book's defaults.
+# The result is saved with the run (settings.json, every results.json and checkpoint); a
+# resumed call reads it back instead of resolving again, and nothing rewrites it afterwards.
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse prints the whole usage before an error; a user wants the one line (exit 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
+    # Every default is None, so an unset flag is told apart from a typed one (--resume refuses
+    # a typed change); "(default ...)" is added to each help line from the book.
+    p = OneLineParser(prog="train.py", description="DeAR on CLIP: train and evaluate on the paper's protocols. "
+                      "Unset DeAR and optimisation flags come from the trained dataset's recipe (RECIPES in train.py).")
+    g = p.add_argument_group("what to run")
+    g.add_argument("--dataset", nargs="+", help="dataset name(s) from data.py, 'all' for the protocol's "
+                   "datasets, 'toyworld' (the project's own world: no downloads), or the PATH of your own data: "
+                   "a folder of class folders (PATH/<class>/<image>; the split is drawn once, 50/20/30 per class, "
+                   "and written to PATH/split_<name>.json) or a split file in CoOp's format (image paths "
+                   "relative to its folder); its name in tables and run folders is its folder's name")
+    g.add_argument("--protocol", choices=PROTOCOLS, help="base2novel | fewshot | cross | dg")
+    g.add_argument("--method", nargs="+", choices=METHODS, help="rows of the table: zeroshot = CLIP with the "
+                   "dataset's template, no training; linear-probe = logistic regression on the frozen image "
+                   "features (training classes only); dear = DeAR")
+    g.add_argument("--roles", nargs="+", help="head roles for DeAR: 'analyse' (concept entropy on "
+                   "--analysis-pool, once per model and pool, cached and copied into the run folder), a roles "
+                   "JSON file, 'all-mixed' (no mask: plain deep prompting) or 'all-generalization'; several "
+                   "give one table row each")
+    g.add_argument("--fusion", nargs="+", type=fusion_name, metavar="{" + ",".join(FUSION_MODES) + "}",
+                   help="how DeAR is scored: fused-everywhere = the fused logits (weights learned on the "
+                   "training classes) on every test set; class-on-unseen = fused on the trained classes, the "
+                   "class branch alone on classes not trained (MMRL's rule). Each gives the DeAR row once, "
+                   "from the same trained model (the role ablations use the first)")
+    g.add_argument("--seeds", nargs="+", type=int, help="seeds; tables report the mean")
+    g.add_argument("--shots", nargs="+", type=int, help="shots per class")
+    g.add_argument("--source", help="training dataset of cross and dg")
+    g.add_argument("--template", help="class prompt template, '{}' standing for the class name, for every "
+                   f"dataset of the call (unset: each benchmark's CoOp template; your own data: {data.OWN_TEMPLATE!r})")
+    g = p.add_argument_group("where things are")
+    g.add_argument("--root", help="the $DATA folder in CoOp's layout (toyworld: made in the cache)")
+    g.add_argument("--weights", help="CLIP: ViT-B/32, ViT-B/16, ViT-L/14 or a checkpoint path")
+    g.add_argument("--head-width", type=int, help="channels per attention head when loading --weights "
+                   "(unset: what the file says -- files written by clip_model.save carry it -- else "
+                   "64, as in every OpenAI model)")
+    g.add_argument("--bpe", help="CLIP's BPE merges file (unset: $CLIP_BPE_PATH, the cache, or a download)")
+    g.add_argument("--output", help="run folder (unset: runs/<protocol>-<datasets>)")
+    g = p.add_argument_group("DeAR")
+    g.add_argument("--first-layer", type=int, help="J, the first vision and text layer with learnable "
+                   "tokens, 1-based as in the paper; auto = the first of the last four layers")
+    g.add_argument("--beta", type=float, help="weight of each layer's fresh tokens against the previous "
+                   "layer's output tokens, in [0, 1]")
+    g.add_argument("--text-tokens", type=int, help="K, learnable tokens inserted in the text tower")
+    g.add_argument("--lambda-reg", type=float, help="weight of the self-regularisation loss")
+    g.add_argument("--lambda-fusion", type=float, help="weight of the fusion-weight regularisation loss")
+    g.add_argument("--analysis-pool", help="images of the head analysis: 'train' = the trained dataset's whole "
+                   "training split (base2novel: its base classes only; never the few-shot draw), or "
+                   "DATASET:SPLIT of the registry, e.g. imagenet:test (ImageNet's validation images, "
+                   "TextSpan's pool)")
+    g.add_argument("--analysis-images", type=int, help="at most this many images of the pool, spread evenly "
+                   "over its classes with a fixed seed")
+    g.add_argument("--descriptions", type=int, help="TextSpan descriptions per head (unset: what the bank "
+                   "supports, the fewest values of an attribute: 16 for the project's bank, 4 for the toy world's; "
+                   "capped with a warning where the images or TextSpan's rank cannot support it; a typed value "
+                   "above that is refused)")
+    g.add_argument("--analyse-only", action="store_true", help="run the head analysis alone (roles.json, "
+                   "roles.png, masks.png in --output and the cache), then stop")
+    g.add_argument("--low-bits", type=float, help="attribute heads have concept entropy at most this "
+                   "(unset: a third of log2(min(descriptions, concepts)), the most the picks can spread)")
+    g.add_argument("--high-bits", type=float, help="generalization heads have concept entropy at least "
+                   "this (unset: two thirds of it)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=int, help="training epochs, the warm-up epochs included")
+    g.add_argument("--batch-size", type=int, help="images per step (per process under torchrun)")
+    g.add_argument("--lr", type=float, help="AdamW learning rate after the warm-up (cosine decay)")
+    g.add_argument("--warmup-epochs", type=int, help=f"epochs at a constant {book.warmup_lr:g} before the cosine")
+    g.add_argument("--augment", choices=("on", "off"), help="random resized crop + flip for training")
+    g = p.add_argument_group("running")
+    g.add_argument("--device", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
+    g.add_argument("--amp", choices=("on", "off"), help="mixed precision by autocast, CUDA only")
+    g.add_argument("--workers", type=int, help="data-loading processes (unset: 4 on CUDA, 0 on CPU)")
+    g.add_argument("--eval-batch-size", type=int, help="images per evaluation batch")
+    g.add_argument("--log-every", type=int, help="a progress line every N steps")
+    g.add_argument("--resume", action="store_true", help="continue the runs in --output from their last checkpoint")
+    g.add_argument("--eval-only", action="store_true", help="evaluate the finished runs in --output again")
+    g.add_argument("--max-epochs-per-call", type=int, help="stop after this many epochs in this call "
+                   "(for time-limited jobs); --resume continues")
+    g = p.add_argument_group("toy world")
+    g.add_argument("--toy-scale", choices=("full", "miniature"), help="size of the toy world (miniature is "
+                   "the seconds-long version the tests run)")
+    for action in p._actions:  # noqa: SLF001 -- argparse keeps no public list of its flags
+        if action.help and action.dest != "help":
+            action.help += default_help(action.dest, book)
+    return p
+
+
+def default_help(key: str, book: RecipeBook) -> str:
+    """' (default ...)' for a flag's help, from the book: the one place defaults live."""
+    def shown(value) -> str:
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+    parts = [shown(book.defaults[key])] if key in book.defaults else []
+    if key in book.toy_defaults:
+        parts.append(f"toyworld: {shown(book.toy_defaults[key])}")
+    if key in {f.name for f in dataclasses.fields(book.protocol_recipes["base2novel"])}:  # per protocol
+        per_protocol = []
+        for protocols in (("base2novel",), ("fewshot",), ("cross", "dg")):
+            usual = getattr(book.protocol_recipes[protocols[0]], key)
+            others = [f"{name}: {shown(getattr(r, key))}" for name, r in book.recipes[protocols[0]].items()
+                      if getattr(r, key) != usual]  # then the datasets that differ
+            per_protocol.append(f"{', '.join(protocols)} {shown(usual)}" + (f" ({', '.join(others)})" if others else ""))
+        parts.append("; ".join(per_protocol) + ", from RECIPES")
+    if key == "shots":
+        parts.append(f"fewshot: {shown(book.fewshot_shots)}")
+    return f" (default {'; '.join(parts)})" if parts else ""
+
+
+def fusion_name(value: str) -> str:
+    """--fusion's type: a mode of FUSION_MODES; the names of earlier versions get a one-line hint."""
+    if value in OLD_FUSION_NAMES:
+        raise argparse.ArgumentTypeError(f"'{value}' is an old name: use {OLD_FUSION_NAMES[value]} (the rows are "
+                                         "now named by what they do)")
+    if value not in FUSION_MODES:
+        raise argparse.ArgumentTypeError(f"invalid choice: '{value}' (choose from {', '.join(FUSION_MODES)})")
+    return value
+
+
+def resolve_settings(args: argparse.Namespace, book: RecipeBook) -> Dict[str, object]:
+    """The settings of this call, complete and checked: a new run's from the flags, or those
+    saved in --output for --resume / --eval-only (with the run-control flags that may change).
+    The files' places and SHA-256 are added once found (train.open_inputs), then never changed."""
+    fresh = not (args.resume or args.eval_only)
+    settings = settings_from_flags(args, book) if fresh else settings_from_run_folder(args, book)
+    settings.update(resume=bool(args.resume), eval_only=bool(args.eval_only), analyse_only=bool(args.analyse_only))
+    validate_settings(settings)
+    if settings["workers"] is None:  # loading processes help on CUDA; on CPU they compete with the model
+        settings["workers"] = 4 if pick_device(settings["device"]).type == "cuda" else 0
+    return settings
+
+
+def _default(value, default):
+    """Never `value or default`, which would turn a typed 0 into the default."""
+    return default if value is None else value
+
+
+def dataset_names(typed: List[str], protocol: str, source: Optional[str], book: RecipeBook) -> List[str]:
+    names = [data.own_dataset_name(n) if data.is_own_data(n) else data.dataset_key(n) for n in typed]
+    if names == ["all"]:  # cross and dg: one training on the source, tested on all fourteen targets
+        source = data.dataset_key(_default(source, book.defaults["source"]))
+        names = book.paper_datasets if protocol in ("base2novel", "fewshot") else \
+            [n for n in book.paper_datasets if n != source] + book.dg_targets
+    return list(names)
+
+
+def _role_choices(typed: List[str]) -> List[str]:
+    return list(dict.fromkeys("analyse" if r == "analyze" else r for r in typed))
+
+
+def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str, object]:
+    """A new run: the flags + the trained dataset's recipe + the defaults -> every setting, explicit."""
+    if not args.dataset:
+        raise TrainError("--dataset is required (e.g. --dataset toyworld, --dataset oxford_pets --root $DATA, "
+                         "--dataset all)")
+    protocol = _default(args.protocol, book.defaults["protocol"])
+    names = dataset_names(args.dataset, protocol, args.source, book)
+    typed = [data.own_dataset_name(n) if data.is_own_data(n) else n for n in args.dataset]  # no paths in a folder name
+    output = _default(args.output, os.path.join("runs", f"{protocol}-{'-'.join(typed)}"))
+    own = [(data.own_dataset_name(n), os.path.abspath(n)) for n in args.dataset if data.is_own_data(n)]
+    if len({name for name, _ in own}) < len(own):
+        raise TrainError(f"--dataset {' '.join(path for _, path in own)}: two have the same folder name; rename "
+                         "one (the name is used in tables and run folders)")
+    register_own_data(dict(own), output)
+    toy = names == ["toyworld"]
+    if "toyworld" in names and not toy:
+        raise TrainError("--dataset toyworld runs on its own; give it alone")
+    for flag in ("weights", "bpe", "head_width"):
+        if toy and getattr(args, flag) is not None:  # it would be replaced by the toy world's own
+            raise TrainError(f"--{flag.replace('_', '-')}: the toy world brings its own model, BPE file and "
+                             f"head width (made in the cache); drop --{flag.replace('_', '-')}")
+    for name in names:
+        if name != "toyworld" and data.get_spec(name).evaluation_only and protocol in ("base2novel", "fewshot"):
+            raise TrainError(f"--dataset {name} is a test set only; use it with --protocol dg")  # (unknown: data.py's line)
+    source = None
+    if protocol in ("cross", "dg"):
+        source = data.dataset_key(_default(args.source, book.defaults["source"]))
+        if data.get_spec(source).evaluation_only:
+            raise TrainError(f"--source {source}: a test set only; train on a dataset with training images")
+        if source in names:
+            raise TrainError(f"--dataset {source}: it is the --source; its test set is already the first column")
+    elif args.source:
+        raise TrainError(f"--source is for --protocol cross or dg, not {protocol}")
+
+    trained = source or names[0]
+    if trained not in book.recipes[protocol] and not data.get_spec(trained).own:  # added to data.py, not here
+        raise TrainError(f"--dataset {trained}: train.py has no {protocol} recipe for it; add it to RECIPES "
+                         "in train.py")
+    recipe = book.recipes[protocol].get(trained, book.protocol_recipes[protocol])  # own data: the protocol's
+    defaults = dict(book.defaults, **book.toy_defaults) if toy else book.defaults
+
+    def flag(key: str):  # typed, else the recipe's, else the default
+        return _default(getattr(args, key), getattr(recipe, key) if hasattr(recipe, key) else defaults.get(key))
+
+    roles = _role_choices(flag("roles"))
+    for choice in roles:
+        if choice not in ("analyse", *ROLE_ABLATIONS) and not os.path.isfile(choice):
+            raise TrainError(f"--roles {choice}: no such file; give a roles JSON written by the head analysis, "
+                             f"'analyse', {' or '.join(repr(r) for r in ROLE_ABLATIONS)}")
+    if sum(choice not in ROLE_ABLATIONS for choice in roles) > 1:
+        raise TrainError(f"--roles {' '.join(roles)}: give at most one of 'analyse' or a roles file (both make the "
+                         "DeAR row); add the ablations all-mixed / all-generalization beside it")
+    shots = list(dict.fromkeys(_default(args.shots, book.fewshot_shots if protocol == "fewshot" else [recipe.shots])))
+    if protocol != "fewshot" and len(shots) > 1:
+        raise TrainError("--shots takes several values only with --protocol fewshot")
+    return dict(  # the order of the keys is the order of settings.json
+        dataset=names, dataset_paths=dict(own), template=args.template, protocol=protocol, source=source,
+        method=list(dict.fromkeys(flag("method"))), roles=roles, fusion=list(dict.fromkeys(flag("fusion"))),
+        seeds=list(dict.fromkeys(flag("seeds"))), shots=shots,
+        root=args.root, weights=None if toy else flag("weights"),  # toy: its own, found by train.open_inputs
+        head_width=args.head_width,  # None: from the file (clip_model.save records it)
+        bpe=args.bpe, output=output,
+        first_layer=flag("first_layer"), beta=flag("beta"), text_tokens=flag("text_tokens"),
+        lambda_reg=flag("lambda_reg"), lambda_fusion=flag("lambda_fusion"),
+        analysis_pool=flag("analysis_pool"), analysis_images=flag("analysis_images"),
+        descriptions=args.descriptions,  # None: dear.analysis_picks's default
+        low_bits=args.low_bits, high_bits=args.high_bits,
+        epochs=flag("epochs"), batch_size=flag("batch_size"), lr=flag("lr"),
+        warmup_epochs=flag("warmup_epochs"), warmup_lr=book.warmup_lr, weight_decay=book.weight_decay,
+        augment=recipe.augment if args.augment is None else args.augment == "on",
+        device=flag("device"), amp=flag("amp"), workers=args.workers,
+        eval_batch_size=flag("eval_batch_size"), log_every=flag("log_every"),
+        max_epochs_per_call=args.max_epochs_per_call, toy_scale=flag("toy_scale"),
+        fingerprints=None,  # SHA-256 of the weights, BPE and roles files: added by train.open_inputs
+        role_maps=None,  # {trained dataset: the analysed map's fingerprint, pool, SHA-256}: added by train.run
+    )
+
+
+def register_own_data(dataset_paths: Dict[str, str], output: str) -> None:
+    """Your own data (--dataset PATH): registered in data.py under its folder's name, every file
+    checked; a split drawn for a read-only folder goes to <output>/<name>/."""
+    for name, path in dataset_paths.items():
+        data.own_dataset(path, split_fallback_dir=os.path.join(output, name))
+
+
+def validate_settings(settings: dict) -> None:
+    """Every number in range and finite, before anything is read or written (resumed calls too:
+    they may change the run-control flags). The method's own ranges are dear.py's checks."""
+    def refuse(key: str, expected: str):
+        value = settings[key]
+        raise TrainError(f"--{key.replace('_', '-')} {' '.join(map(str, value)) if isinstance(value, list) else value}: "
+                         f"{expected}")
+
+    def is_int(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    def dear_check(key: str, check: Callable, *values):  # dear.py's message, under the flag's name
+        try:
+            check(*values)
+        except dear.DeARError as error:
+            refuse(key, str(error))
+
+    for key, least, optional in (("epochs", 1, 0), ("batch_size", 1, 0), ("eval_batch_size", 1, 0),
+                                 ("log_every", 1, 0), ("analysis_images", 1, 0), ("warmup_epochs", 0, 0),
+                                 ("text_tokens", 0, 0), ("head_width", 1, 1), ("workers", 0, 1),
+                                 ("max_epochs_per_call", 1, 1), ("descriptions", 1, 1), ("first_layer", 1, 1)):
+        if not (optional and settings[key] in (None, "auto")) and not (is_int(settings[key]) and settings[key] >= least):
+            refuse(key, "expected a positive integer" if least else "expected an integer >= 0")
+    if not settings["seeds"] or not all(is_int(s) and 0 <= s <= MAX_SEED for s in settings["seeds"]):
+        refuse("seeds", f"expected integers from 0 to {MAX_SEED}")
+    if not settings["shots"] or not all(is_int(k) and k >= 1 for k in settings["shots"]):
+        refuse("shots", "expected positive integers")
+    if not (isinstance(settings["lr"], (int, float)) and math.isfinite(settings["lr"]) and settings["lr"] > 0):
+        refuse("lr", "expected a positive, finite learning rate")  # an inf lr trains on NaN
+    for key in ("lambda_reg", "lambda_fusion"):
+        if not (isinstance(settings[key], (int, float)) and math.isfinite(settings[key]) and settings[key] >= 0):
+            refuse(key, "expected a finite weight >= 0")  # a NaN is not even valid JSON
+    dear_check("beta", dear.check_beta, settings["beta"])
+    dear_check("low_bits", dear.check_thresholds, settings["low_bits"], None)
+    dear_check("high_bits", dear.check_thresholds, None, settings["high_bits"])
+    dear_check("low_bits", dear.check_thresholds, settings["low_bits"], settings["high_bits"])
+    analysis_pool_of(settings["analysis_pool"])  # a malformed pool stops here
+    template = settings["template"]
+    try:
+        well_formed = template is None or template.format("x") != template.format("y")
+    except (IndexError, KeyError, ValueError):
+        well_formed = False
+    if not well_formed:
+        raise TrainError(f"--template {template!r}: expected a prompt with one '{{}}' for the class name, "
+                         "e.g. 'a photo of a {}, a kind of flower.'")
+    pick_device(settings["device"])  # an unknown or absent device stops here
+
+
+def settings_from_run_folder(args: argparse.Namespace, book: RecipeBook) -> Dict[str, object]:
+    """--resume / --eval-only: the run folder's saved settings; a flag that would change what is
+    computed is refused (it would silently mix two experiments in one folder)."""
+    if args.resume and args.eval_only:
+        raise TrainError("--resume and --eval-only: give one (--resume finishes the runs, --eval-only "
+                         "evaluates the finished runs again)")
+    if not args.output:
+        raise TrainError("--resume and --eval-only need --output, the run folder to continue")
+    if args.analyse_only:
+        raise TrainError("--analyse-only starts nothing to resume; drop --resume / --eval-only")
+    path = os.path.join(args.output, "settings.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved_file = json.load(f)
+        saved = saved_file["settings"]
+    except FileNotFoundError:
+        raise TrainError(f"{path}: not found; --output must be a run folder made by train.py") from None
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
+        raise TrainError(f"{path}: unreadable ({type(error).__name__}); the run folder is damaged") from None
+    if saved_file.get("format") != RUN_FORMAT:  # what a folder means changed: refused, not misread
+        raise TrainError(f"{path}: a run folder of an earlier train.py ({saved_file.get('format') or 'format 1'}; "
+                         f"this one reads {RUN_FORMAT}: one cached head analysis per model, Dassl's warm-up "
+                         "recount, renamed fusion rows); finish it with that version, or start a new run")
+    expected_keys = set(settings_from_flags(build_parser(book).parse_args(["--dataset", "dtd"]), book))
+    if not isinstance(saved, dict) or set(saved) != expected_keys or not isinstance(saved["fingerprints"], dict) \
+            or not isinstance(saved["dataset_paths"], dict):
+        raise TrainError(f"{path}: not the settings of this train.py (damaged, or made by another version); "
+                         "start a new run with another --output")
+    register_own_data(saved["dataset_paths"], args.output)  # your own data, found and checked again
+    # The typed flags in the form settings.json stores them (--augment off -> False, ...).
+    unique = lambda v: list(dict.fromkeys(v))  # noqa: E731
+    stored_as = {"dataset": lambda v: dataset_names(v, saved["protocol"], saved["source"], book),
+                 "source": data.dataset_key, "augment": lambda v: v == "on", "roles": _role_choices,
+                 "method": unique, "seeds": unique, "shots": unique, "fusion": unique}
+    for key, value in vars(args).items():
+        if value is None or value is False or key in ("resume", "eval_only", "analyse_only"):
+            continue  # not typed (a typed 0 or "" is a value)
+        value = stored_as.get(key, lambda v: v)(value)
+        if key in RUN_CONTROL:
+            saved[key] = value
+        elif saved.get(key) != value:
+            raise TrainError(f"--{key.replace('_', '-')} cannot change in a saved run (it holds "
+                             f"{saved.get(key)!r}); drop it, or start a new run with another --output")
+    saved["max_epochs_per_call"] = args.max_epochs_per_call  # a limit of an earlier call is not this one's
+    return saved
+
+
+def analysis_pool_of(value: str):
+    """--analysis-pool -> (registry dataset, or None for the trained dataset's own; split)."""
+    if value == "train":
+        return None, "train"
+    name, _, split = value.partition(":")
+    name = data.dataset_key(name)
+    if split not in ("train", "val", "test"):
+        raise TrainError(f"--analysis-pool {value}: expected 'train' or DATASET:SPLIT with SPLIT train, val or "
+                         "test (e.g. imagenet:test, ImageNet's validation images)")
+    if data.get_spec(name).evaluation_only and split != "test":  # (an unknown name: data.py's one line)
+        raise TrainError(f"--analysis-pool {value}: {name} is a test set only; use {name}:test")
+    return name, split
+
+
+def role_file_of(settings) -> Optional[str]:
+    """The --roles choice that is a file, if any (at most one per call)."""
+    return next((choice for choice in settings["roles"] if choice not in ("analyse", *ROLE_ABLATIONS)), None)
+
+
+# ------------------------------------------------------------------------------------------
+# 2. Devices and processes
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Runtime:
+    """Where the tensors live and how many processes share the work, decided once per call."""
+    device: torch.device
+    rank: int = 0
+    world: int = 1
+    amp_dtype: Optional[torch.dtype] = None  # autocast dtype on CUDA, None = fp32
+
+    @property
+    def main(self) -> bool:  # rank 0 alone prints and writes files
+        return self.rank == 0
+
+    def log(self, line: str) -> None:
+        if self.main:
+            print(line, flush=True)
+
+
+def pick_device(name: str) -> torch.device:
+    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        device = None
+    # torch knows more device types (meta, xla, hpu, ...) than this script drives.
+    if device is None or device.type not in ("cpu", "cuda", "mps") or (device.type != "cuda" and device.index):
+        raise TrainError(f"--device {name}: not a device; use auto, cpu, cuda, cuda:N or mps")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TrainError(f"--device {name}: this machine has no CUDA device; use --device auto or cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise TrainError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA devices "
+                         f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    if device.type == "mps" and not mps:
+        raise TrainError(f"--device {name}: MPS is not available here; use --device auto or cpu")
+    return device
+
+
+def setup_runtime(settings) -> Runtime:
+    """One process, or one of several started by torchrun (which sets RANK and WORLD_SIZE):
+    each then drives one device and DistributedDataParallel averages the gradients."""
+    device, world, rank = pick_device(settings["device"]), int(os.environ.get("WORLD_SIZE", "1")), 0
+    if world > 1:
+        rank = int(os.environ["RANK"])
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")  # gloo: CPU (and the tests)
+    amp_dtype = None
+    if device.type == "cuda" and settings["amp"] == "on":  # autocast on CUDA only; CPU and MPS run fp32
+        amp_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return Runtime(device, rank, world, amp_dtype)
+
+
+def autocast(runtime: Runtime):
+    if runtime.amp_dtype is None:
+        return torch.autocast("cpu", enabled=False)
+    return torch.autocast(runtime.device.type, dtype=runtime.amp_dtype)
+
+
+def grad_scaler(enabled: bool):
+    """fp16's loss scaler: torch.amp.GradScaler("cuda") is torch >= 2.3; older torch
+    (requirements.txt allows 2.1) has the same class as torch.cuda.amp.GradScaler."""
+    if hasattr(torch.amp, "GradScaler"):
+        return torch.amp.GradScaler("cuda", enabled=enabled)
+    return torch.cuda.amp.GradScaler(enabled=enabled)
+
+
+def sum_over_processes(values: List[float], runtime: Runtime) -> List[float]:
+    if runtime.world == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=runtime.device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+# ------------------------------------------------------------------------------------------
+# 3. Jobs and table rows
+# ------------------------------------------------------------------------------------------
+# A call is a list of Jobs (a table row x dataset x seed x shots), each with its own folder.
+
+
+@dataclass
+class Job:
+    dataset: str  # the dataset trained on (the source, for cross and dg)
+    row: str  # "zeroshot", "linear-probe", "dear", "dear-all-mixed", "dear-all-generalization"
+    roles: Optional[str]  # "analyse", an ablation, or a roles file (None for zeroshot)
+    seed: Optional[int]  # None for zero-shot: it has no randomness, one run serves every seed
+    shots: Optional[int]  # None for zero-shot (it does not train)
+    folder: str
+
+    @property
+    def label(self) -> str:
+        parts = [self.dataset, self.row] + ([f"seed {self.seed}"] if self.seed is not None else [])
+        return " / ".join(parts + ([f"{self.shots} shots"] if self.shots is not None else []))
+
+
+ROW_LABELS = {"zeroshot": "CLIP (zero-shot)", "linear-probe": "Linear probe (frozen image features)", "dear": "DeAR",
+              "dear-all-mixed": "DeAR, all heads mixed (no mask)",
+              "dear-all-generalization": "DeAR, all heads generalization"}
+# The DeAR row once per --fusion mode; its table key and label say what the mode does.
+FUSION_ROWS = {"fused-everywhere": ("-fused", ", fused on every test set"),
+               "class-on-unseen": ("-class-on-unseen", ", class branch alone on unseen classes")}
+
+
+def row_name(roles: str) -> str:
+    return "dear" if roles not in ROLE_ABLATIONS else f"dear-{roles}"
+
+
+def trained_datasets(settings) -> List[str]:
+    return [settings["source"]] if settings["source"] else list(settings["dataset"])
+
+
+def plan_jobs(settings) -> List[Job]:
+    """Every run of the call, in order. Zero-shot depends on neither seed nor shots: one run
+    per dataset fills every seed's place in the tables."""
+    jobs, out = [], settings["output"]
+    for dataset in trained_datasets(settings):
+        if "zeroshot" in settings["method"]:
+            jobs.append(Job(dataset, "zeroshot", None, None, None, os.path.join(out, dataset, "zeroshot")))
+        rows = [("linear-probe", None)] if "linear-probe" in settings["method"] else []
+        rows += [(row_name(r), r) for r in settings["roles"]] if "dear" in settings["method"] else []
+        for row, roles in rows:  # one run per shots x seed
+            for shots in settings["shots"]:
+                for seed in settings["seeds"]:
+                    leaf = f"seed{seed}" if settings["protocol"] != "fewshot" else f"shots{shots}-seed{seed}"
+                    jobs.append(Job(dataset, row, roles, seed, shots, os.path.join(out, dataset, row, leaf)))
+    return jobs
+
+
+def table_rows(settings) -> Dict[str, tuple]:
+    """{table row: (job row, fusion mode)}: zero-shot; the linear probe; the DeAR row once per
+    --fusion mode (its key ends in the mode's suffix); each ablation under the first mode."""
+    rows = {"zeroshot": ("zeroshot", None), "linear-probe": ("linear-probe", None)}
+    for roles in settings["roles"]:
+        for mode in settings["fusion"][:1] if roles in ROLE_ABLATIONS else settings["fusion"]:
+            rows[row_name(roles) + ("" if roles in ROLE_ABLATIONS else FUSION_ROWS[mode][0])] = (row_name(roles), mode)
+    return rows
+
+
+def row_label(row: str) -> str:
+    for suffix, label in FUSION_ROWS.values():
+        if row.endswith(suffix):
+            return ROW_LABELS.get(row[: -len(suffix)], row[: -len(suffix)]) + label
+    return ROW_LABELS.get(row, row)
+
+
+def job_settings(settings, job: Job) -> dict:
+    """What decides a run's result: saved with it and compared on --resume."""
+    keep = {k: v for k, v in settings.items() if k not in RUN_CONTROL}
+    return dict(keep, job=dict(dataset=job.dataset, row=job.row, roles=job.roles, seed=job.seed, shots=job.shots))
+
+
+# ------------------------------------------------------------------------------------------
+# 4. Input files: the model, the BPE file, role files, their fingerprints, the analysis cache
+# ------------------------------------------------------------------------------------------
+
+
+def load_clip(weights: str, head_width: Optional[int], bpe: Optional[str], device):
+    """-> (frozen CLIP on the device, tokenizer), the tokenizer checked against the model."""
+    clip, _ = clip_model.load(weights, device=device, head_width=head_width)
+    tokenizer = clip_model.SimpleTokenizer(bpe)
+    if tokenizer.vocab_size != clip.token_embedding.num_embeddings:  # ids past the table, or other words
+        raise TrainError(f"--bpe {tokenizer.bpe_path}: gives a vocabulary of {tokenizer.vocab_size} tokens, the "
+                         f"model {weights} has {clip.token_embedding.num_embeddings}; pass the BPE "
+                         "file the model was trained with")
+    return clip.eval().requires_grad_(False), tokenizer
+
+
+def load_role_file(path: str) -> dear.RoleMap:
+    """dear.RoleMap.load, with valid JSON of the wrong shape (a list, a string layer) one line too."""
+    try:
+        return dear.RoleMap.load(path)
+    except dear.DeARError:
+        raise
+    except (AttributeError, TypeError, ValueError, KeyError, RecursionError) as error:
+        raise TrainError(f"{path}: not a DeAR role file ({type(error).__name__}); give a roles JSON "
+                         "written by the head analysis") from None
+
+
+def role_map_for(choice: str, clip, attributes: List[str], analysed: Optional[dear.RoleMap]) -> dear.RoleMap:
+    """A RoleMap for --roles CHOICE: this call's analysis, an ablation, or a file (checked)."""
+    depth, heads = len(clip.visual.transformer.resblocks), clip.visual.transformer.heads
+    if choice == "analyse":
+        return analysed
+    if choice in ROLE_ABLATIONS:
+        layers = range(depth - dear.analysed_layers(depth), depth)
+        return dear.RoleMap.uniform(choice.split("-", 1)[1], depth, heads, layers, attributes)
+    try:  # dear.py's messages name arguments; say which flag the value came from
+        role_map = load_role_file(choice)
+        role_map.validate(depth, heads, attributes)
+    except dear.DeARError as error:
+        raise TrainError(f"--roles {choice}: {error}") from None
+    return role_map
+
+
+def first_layer(settings, clip) -> int:
+    """The paper's 1-based J; "auto" = dear.default_first_layer."""
+    auto = settings["first_layer"] == "auto"
+    return dear.default_first_layer(len(clip.visual.transformer.resblocks)) if auto else settings["first_layer"]
+
+
+def check_model_fit(settings, clip, attributes: List[str]) -> None:
+    """What DeAR's settings must fit in this model, checked before any run folder is written."""
+    if "dear" not in settings["method"]:
+        return
+    if role_file_of(settings) is not None:  # a roles file made for another model stops here
+        role_map_for(role_file_of(settings), clip, attributes, None)
+    if settings["text_tokens"] > clip.context_length:  # memory grows with (77 + K)^2: a typo, not a setting
+        raise TrainError(f"--text-tokens {settings['text_tokens']}: expected at most the model's context "
+                         f"length ({clip.context_length})")
+    try:  # J counts in both towers
+        dear.check_first_layer(first_layer(settings, clip), min(len(clip.visual.transformer.resblocks),
+                                                                len(clip.transformer.resblocks)))
+    except dear.DeARError as error:
+        raise TrainError(f"--first-layer {settings['first_layer']}: {error}") from None
+
+
+def input_fingerprints(settings, weights: str, tokenizer) -> dict:
+    """SHA-256 of every input that decides the result but is named as a place (--weights, --bpe,
+    a --roles file): another file at the same place, or the same file elsewhere, is told apart
+    by its content. A named model is its published file, whose SHA-256 clip_model checks on
+    every load (the last part of its URL's path). --resume / --eval-only: checked against the
+    saved ones (the files may have moved, not changed)."""
+    role_file = role_file_of(settings)
+    if role_file is not None and not os.path.isfile(role_file):  # resumed after the file was moved
+        raise TrainError(f"--roles {role_file}: no such file; put it back (the run folder keeps a copy, "
+                         "roles_file.json)")
+    named = clip_model._MODELS.get(weights)  # noqa: SLF001 -- the published checksums
+    fingerprints = dict(weights=named.split("/")[-2] if named else sha256(weights), bpe=sha256(tokenizer.bpe_path),
+                        roles_file=sha256(role_file) if role_file else None)
+    if settings["resume"] or settings["eval_only"]:
+        for key, flag in (("weights", f"--weights {weights}"), ("bpe", f"--bpe {tokenizer.bpe_path}"),
+                          ("roles_file", f"--roles {role_file}")):
+            now, then = fingerprints[key], settings["fingerprints"].get(key)
+            if now != then:
+                kept = f" (a copy is {os.path.join(settings['output'], 'roles_file.json')})" if key == "roles_file" else ""
+                raise TrainError(f"{flag}: not the file this run was made with (SHA-256 {str(now)[:12]}... now, "
+                                 f"{str(then)[:12]}... then); resume with the original file{kept}, or start a "
+                                 "new run with another --output")
+    return fingerprints
+
+
+def sha256(path: str) -> str:
+    return clip_model._sha256(path)  # noqa: SLF001 -- one file hasher for the project (clip_model's)
+
+
+def analysis_fingerprint(settings, clip, items: list, bank: list, attributes: list, picks: int, rank: int) -> str:
+    """SHA-256 of everything a role map depends on: the weights' and BPE file's SHA-256, the pool
+    as its images (path under --root) and their sizes (not their bytes: that would read every
+    image), the bank, the analysis settings, and the source of dear.py and clip_model.py (a
+    changed TextSpan or head decomposition must not reuse an old map)."""
+    import hashlib
+    import inspect
+
+    depth = len(clip.visual.transformer.resblocks)
+    key = dict(
+        weights=settings["fingerprints"]["weights"], bpe=settings["fingerprints"]["bpe"],
+        heads=clip.visual.transformer.heads, layers=dear.analysed_layers(depth),
+        images=[[os.path.relpath(item.path, settings["root"]), os.path.getsize(item.path)] for item in items],
+        bank=[list(entry) for entry in bank], attributes=list(attributes), picks=picks,
+        rank=rank, low_bits=settings["low_bits"], high_bits=settings["high_bits"],
+        code=hashlib.sha256((inspect.getsource(dear) + inspect.getsource(clip_model)).encode()).hexdigest())
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def analysis_cache(fingerprint: str, pool: str, analyse: Callable[[str], None], runtime: Runtime) -> str:
+    """The cache folder of one head analysis (<cache>/head-analysis/<fingerprint>/): made by
+    analyse(folder) if missing, into a temporary folder renamed whole, under a lock that makes
+    a second process wait and then reuse it. -> the folder."""
+    root = os.path.join(clip_model.default_cache_dir(), "head-analysis")
+    entry = os.path.join(root, fingerprint[:16])
+    if runtime.main:
+        reason = unwritable_reason(root)
+        if reason:
+            raise TrainError(f"{root}: the head-analysis cache {reason}; set $CLIP_CACHE_DIR to a writable folder")
+        os.makedirs(root, exist_ok=True)
+        with waiting_lock(entry + ".lock", "head analysis: another process is analysing the same "
+                          f"heads ({entry}.lock); waiting for it", runtime.log):
+            if os.path.isfile(os.path.join(entry, "roles.json")):
+                runtime.log(f"head analysis: reusing the role map cached in {entry} ({pool})")
+            else:
+                temporary = os.path.join(root, f".tmp-{os.getpid()}-{fingerprint[:16]}")
+                shutil.rmtree(temporary, ignore_errors=True)
+                analyse(temporary)
+                shutil.rmtree(entry, ignore_errors=True)  # an entry without roles.json is incomplete
+                os.replace(temporary, entry)  # whole or not at all
+    if runtime.world > 1:
+        dist.barrier()  # the other processes read what rank 0 wrote
+    return entry
+
+
+def role_copy(settings, dataset: str) -> str:
+    """The run folder's copy of a trained dataset's analysed role map."""
+    return os.path.join(settings["output"], dataset, "roles", "roles.json")
+
+
+def checked_role_copy(settings, dataset: str) -> str:
+    """--resume / --eval-only read the run folder's copy, never the cache: checked by SHA-256."""
+    record, path = (settings["role_maps"] or {}).get(dataset), role_copy(settings, dataset)
+    if record is None or not os.path.isfile(path) or sha256(path) != record["sha256"]:
+        raise TrainError(f"{path}: missing or not the role map this run was made with; the run folder is "
+                         "damaged, start a new run with another --output")
+    return path
+
+
+def copy_role_maps(settings, clip, records: dict) -> None:
+    """The run folder keeps what the cache holds for each map it uses, and the masks of its own J
+    (masks.png: a role map does not fix J, so it is drawn per run)."""
+    for dataset, record in records.items():
+        folder = os.path.dirname(role_copy(settings, dataset))
+        for name in sorted(os.listdir(record["cache"])):  # each file whole
+            source = os.path.join(record["cache"], name)
+            clip_model.atomic_write(os.path.join(folder, name), lambda tmp: shutil.copyfile(source, tmp))
+        role_map, J = load_role_file(role_copy(settings, dataset)), first_layer(settings, clip)
+        image_tokens = 1 + clip.visual.grid_size**2
+        masks = dear.build_role_masks(role_map, J, len(clip.visual.transformer.resblocks), image_tokens)
+        draw_role_masks(masks, image_tokens, role_map.attributes, J, os.path.join(folder, "masks.png"))
+
+
+# ------------------------------------------------------------------------------------------
+# 5. The run folder: files written whole, the lock, checkpoints and their checks
+# ------------------------------------------------------------------------------------------
+# Every file is written to a temporary name and renamed (clip_model.atomic_write: a reader
+# never sees half a file), a checkpoint or results.json is accepted only with the settings of
+# this run, and one process at a time writes a folder.
+
+
+def write_text(path: str, text: str) -> None:
+    clip_model.atomic_write(path, lambda tmp: open(tmp, "w", encoding="utf-8").write(text))
+
+
+def write_json(path: str, value) -> None:
+    write_text(path, json.dumps(value, indent=2, allow_nan=False) + "\n")  # NaN is not JSON
 
 
 def unwritable_reason(path: str) -> Optional[str]:
-    """None if files can be made in `path`, or in the nearest existing folder above it (the
-    one a later makedirs would write into); else the reason, as a short phrase. Tried by
-    writing a probe file: os.access is not enough (root, read-only mounts). Used by
-    train.py's --output check, the head-analysis cache and `python -m toyworld`'s path checks."""
+    """None if files can be made in `path`, or in the nearest existing folder above it (the one
+    a later makedirs would write into); else the reason, as a short phrase. Tried by writing a
+    probe file: os.access is not enough (root, read-only mounts). Used by --output's check, the
+    head-analysis cache and `python -m toyworld`'s path checks."""
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
@@ -47,11 +802,10 @@ def unwritable_reason(path: str) -> Optional[str]:
 
 @contextlib.contextmanager
 def waiting_lock(path: str, waiting_message: str, log: Callable[[str], None] = print):
-    """An exclusive lock on the file `path` (created if missing) for a `with` block, around a
-    cache entry that is checked and then written: a second process logs `waiting_message`
-    once and blocks until the first leaves the block, then finds the entry made. The OS drops
-    the lock however its holder ends. No lock where fcntl is missing (Windows). The one copy:
-    the head-analysis cache and the toy world's cache use it."""
+    """An exclusive lock on the file `path` for a `with` block, around a cache entry that is
+    checked and then written: a second process logs `waiting_message` once and blocks until the
+    first leaves, then finds the entry made. The OS drops the lock however its holder ends. No
+    lock where fcntl is missing (Windows). The head-analysis cache and the toy world's use it."""
     try:
         import fcntl
     except ImportError:
@@ -64,3 +818,466 @@ def waiting_lock(path: str, waiting_message: str, log: Callable[[str], None] = p
             log(waiting_message)
             fcntl.flock(handle, fcntl.LOCK_EX)
         yield
+
+
+def check_output_folder(output: str) -> None:
+    """A fresh run's --output: a folder that can be made and written, not already holding a run."""
+    if not output:
+        raise TrainError("--output '': expected a folder for the run")
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise TrainError(f"--output {output}: is a file, not a folder; choose another --output")
+    reason = unwritable_reason(output)  # tried by writing, before any data is read
+    if reason:
+        raise TrainError(f"--output {output}: {reason}; choose another --output")
+    if os.path.exists(os.path.join(output, "settings.json")):
+        raise TrainError(f"{output}: already holds a run; continue it with --resume, evaluate it with "
+                         "--eval-only, or choose another --output")
+
+
+def lock_run_folder(output: str, stack: contextlib.ExitStack) -> None:
+    """One writer per run folder: an exclusive lock on <output>/.lock held until the call ends
+    (the OS drops it when the process dies, even by SIGKILL: no stale lock to clean), then the
+    .tmp-* files of a write killed half-way removed (no other process can be writing them)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock; do not start two calls on one folder there
+        return
+    handle = open(os.path.join(output, ".lock"), "a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip()
+        handle.close()
+        raise TrainError(f"{output}: in use by another train.py process{f' (pid {holder})' if holder else ''}; "
+                         "wait for it to end, or choose another --output") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    stack.callback(handle.close)  # closing the file releases the lock
+    for folder, _, files in os.walk(output):
+        for name in files:
+            if name.startswith(".tmp-"):
+                os.remove(os.path.join(folder, name))
+
+
+def check_run_folder(settings, jobs: List[Job], stack: contextlib.ExitStack) -> None:
+    """Before any work: a fresh run's --output is usable; a resumed one is locked, cleaned, and
+    every results.json and checkpoint in it was made with this run's settings (a folder mixing
+    two runs, from files copied in or two writers, is refused rather than summarised)."""
+    if not (settings["resume"] or settings["eval_only"]):
+        return check_output_folder(settings["output"])
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    lock_run_folder(settings["output"], stack)
+    for job in jobs:
+        path = os.path.join(job.folder, "results.json")
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    result = json.load(f)
+                well_shaped(isinstance(result, dict) and isinstance(result.get("metrics"), dict)
+                            and all(isinstance(v, float) for v in result["metrics"].values())
+                            and isinstance(result.get("job"), dict) and isinstance(result.get("settings"), dict))
+            except (OSError, ValueError, RecursionError) as error:
+                raise TrainError(f"{path}: unreadable results ({type(error).__name__}); delete it and "
+                                 "--resume evaluates that run again") from None
+            if result["settings"] != job_settings(settings, job):
+                raise TrainError(f"{path}: made with other settings than this run's "
+                                 f"({differences(result['settings'], job_settings(settings, job))}): the folder "
+                                 "mixes two runs; start again with another --output")
+        elif job.row != "zeroshot":
+            load_checkpoint(os.path.join(job.folder, "checkpoint.pt"), job_settings(settings, job))
+
+
+def start_run_folder(settings, clip, world: int, stack: contextlib.ExitStack) -> None:
+    """A new run's folder: made, locked, checked again under the lock (another call may have
+    started it meanwhile), then the roles it uses and, last, settings.json written."""
+    os.makedirs(settings["output"], exist_ok=True)
+    lock_run_folder(settings["output"], stack)
+    check_output_folder(settings["output"])
+    if role_file_of(settings) is not None:  # the run keeps the roles it used
+        with open(role_file_of(settings), encoding="utf-8") as f:
+            write_text(os.path.join(settings["output"], "roles_file.json"), f.read())
+    copy_role_maps(settings, clip, settings["role_maps"] or {})  # --resume / --eval-only read these
+    saved = {k: v for k, v in settings.items() if k not in ("resume", "eval_only", "analyse_only")}
+    write_json(os.path.join(settings["output"], "settings.json"), dict(
+        format=RUN_FORMAT, settings=saved, torch=torch.__version__, python=platform.python_version(),
+        command="python train.py " + " ".join(sys.argv[1:]), world_size=world))
+
+
+class WrongShape(ValueError):
+    """A run file that parses but does not hold what train.py writes."""
+
+
+def well_shaped(condition: bool) -> None:
+    """An explicit check, where `assert` would vanish under `python -O` and let a damaged file
+    through to a traceback later."""
+    if not condition:
+        raise WrongShape("wrong shape")
+
+
+def load_checkpoint(path: str, expected: dict) -> Optional[dict]:
+    """The checkpoint at `path` (None if there is none), refused unless it is ours and was made
+    with the `expected` settings."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        well_shaped(isinstance(checkpoint, dict) and checkpoint.get("format") == CHECKPOINT_FORMAT
+                    and isinstance(checkpoint.get("epoch"), int) and isinstance(checkpoint.get("settings"), dict)
+                    and all(isinstance(checkpoint.get(key), dict) for key in ("learnable", "optimizer", "scaler")))
+    except Exception as error:  # noqa: BLE001 -- any unreadable file gets the same advice
+        raise TrainError(f"{path}: unreadable checkpoint ({type(error).__name__}); delete it to restart "
+                         "that run from scratch") from None
+    if checkpoint["settings"] != expected:
+        raise TrainError(f"{path}: made with other settings than this run's "
+                         f"({differences(checkpoint['settings'], expected)}); use another --output")
+    return checkpoint
+
+
+def save_checkpoint(path: str, settings: dict, epoch: int, model, optimizer, scaler) -> None:
+    """Only the learnable tensors, the optimizer's and scaler's state and the run's settings."""
+    state = dict(format=CHECKPOINT_FORMAT, settings=settings, epoch=epoch, learnable=model.learnable_state_dict(),
+                 optimizer=optimizer.state_dict(), scaler=scaler.state_dict())
+
+    def write(temporary: str) -> None:
+        try:
+            torch.save(state, temporary)
+        except RuntimeError as error:  # torch's file writer reports a full disk this way
+            raise TrainError(f"{path}: cannot write the checkpoint ({' '.join(str(error).split())[:100]}); "
+                             "free disk space, then continue with --resume") from None
+
+    clip_model.atomic_write(path, write)
+
+
+def differences(found: dict, expected: dict) -> str:
+    """'lr 0.002 (expected 0.001), ...': what makes two settings dicts differ."""
+    keys = [k for k in sorted(set(found) | set(expected)) if found.get(k) != expected.get(k)]
+    return ", ".join(f"{k} {str(found.get(k))[:40]} (expected {str(expected.get(k))[:40]})" for k in keys[:3])
+
+
+def format_time(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class Progress:
+    """An epoch's running sums and its progress lines (every --log-every steps and at the epoch's
+    end): losses and training accuracy over the images seen so far, the speed, the time left."""
+
+    def __init__(self, label: str, settings, runtime: Runtime, steps: int):
+        self.label, self.settings, self.runtime, self.steps = label, settings, runtime, steps
+        self.started, self.done = time.time(), 0
+
+    def start_epoch(self) -> None:
+        self.sums = dict.fromkeys(("total", "ce", "reg", "fusion", "correct", "images"), 0.0)
+        self.epoch_started = time.time()
+
+    def step(self, epoch: int, step: int, steps_per_epoch: int, lr: float, losses: dict, logits, labels) -> None:
+        sums, n = self.sums, len(labels)
+        for key in ("total", "ce", "reg", "fusion"):
+            sums[key] += losses[key].item() * n
+        sums["correct"] += (logits.argmax(-1) == labels).sum().item()
+        sums["images"] += n
+        self.done += 1
+        if step % self.settings["log_every"] == 0 or step == steps_per_epoch:
+            left = (time.time() - self.started) / self.done * (self.steps - self.done)
+            rate = sums["images"] * self.runtime.world / max(time.time() - self.epoch_started, 1e-9)
+            n = sums["images"]
+            self.runtime.log(
+                f"[{self.label}] epoch {epoch + 1}/{self.settings['epochs']} step {step}/{steps_per_epoch} "
+                f"loss {sums['total'] / n:.4f} (ce {sums['ce'] / n:.4f} reg {sums['reg'] / n:.4f} "
+                f"fusion {sums['fusion'] / n:.4f}) acc {100 * sums['correct'] / n:.1f}% lr {lr:.2e} "
+                f"{rate:.1f} img/s, {format_time(left)} left")
+
+
+# ------------------------------------------------------------------------------------------
+# 6. Tables in the paper's shape
+# ------------------------------------------------------------------------------------------
+# Each cell is the mean over seeds. For base-to-novel, HM is computed from the mean base and
+# mean novel accuracies, and the "Average" block's HM from the average base and novel over
+# datasets -- as CoCoOp, MaPLe and the DeAR paper compute it.
+
+DG_NAMES = {"imagenet": "ImageNet", "imagenet_v2": "-V2", "imagenet_sketch": "-Sketch",
+            "imagenet_a": "-A", "imagenet_r": "-R"}
+
+
+def harmonic_mean(base: float, novel: float) -> float:
+    if math.isnan(base) or math.isnan(novel):
+        return math.nan  # a row without a novel number (the linear probe) has no HM
+    return 2 * base * novel / (base + novel) if base + novel > 0 else 0.0
+
+
+def mean(values: List[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def spread(values: List[float]) -> float:
+    """Sample standard deviation over seeds (0 for a single run, e.g. zero-shot)."""
+    if len(values) < 2:
+        return 0.0
+    return math.sqrt(sum((v - mean(values)) ** 2 for v in values) / (len(values) - 1))
+
+
+def job_table(label: str, metrics: dict) -> str:
+    return "\n".join(["| " + " | ".join(["run"] + list(metrics)) + " |", "|" + "---|" * (len(metrics) + 1),
+                      "| " + " | ".join([label] + [f"{v:.2f}" for v in metrics.values()]) + " |"]) + "\n"
+
+
+def summarise(settings, results: List[dict]) -> dict:
+    """-> {"rows", "tables": {name: {"columns", "rows": {row: [values]}, "spread"?}}, "logits"}
+    with the values rounded to two decimals exactly as the markdown shows them."""
+    protocol, datasets = settings["protocol"], settings["dataset"]
+    spec = {row: job_row_mode for row, job_row_mode in table_rows(settings).items()
+            if any(res["job"]["row"] == job_row_mode[0] for res in results)}
+    rows = list(spec)
+
+    def seed_values(dataset: str, row: str, metric: str, shots: Optional[int] = None) -> List[float]:
+        return [res.get("metrics_by_fusion", {}).get(spec[row][1], res["metrics"]).get(metric, math.nan)
+                for res in results if res["job"]["row"] == spec[row][0] and res["job"]["dataset"] == dataset
+                and (shots is None or res["job"]["shots"] in (None, shots))]  # the row's fusion mode
+
+    def cell(dataset: str, row: str, metric: str, shots: Optional[int] = None) -> float:
+        return mean(seed_values(dataset, row, metric, shots))
+
+    logits = {}  # which logits scored each test set, per row (the same for every seed and dataset)
+    for row in rows:
+        res = next(res for res in results if res["job"]["row"] == spec[row][0])
+        logits[row] = res.get("logits_by_fusion", {}).get(spec[row][1], res.get("logits", {}))
+    tables: Dict[str, dict] = {}
+    average = f"Average over {len(datasets)} datasets"
+    if protocol == "base2novel":
+        per = {d: {row: [cell(d, row, "base"), cell(d, row, "novel")] for row in rows} for d in datasets}
+        for d in datasets:
+            for row in rows:
+                per[d][row].append(harmonic_mean(*per[d][row]))
+        if len(datasets) > 1:
+            means = {row: [mean([per[d][row][i] for d in datasets]) for i in (0, 1)] for row in rows}
+            tables[average] = dict(columns=["Base", "Novel", "HM"],
+                                   rows={row: [*m, harmonic_mean(*m)] for row, m in means.items()})
+        for d in datasets:  # the spread over seeds of base, novel and each seed's own HM
+            spreads = {row: [spread(seed_values(d, row, "base")), spread(seed_values(d, row, "novel")),
+                             spread([harmonic_mean(b, n) for b, n in zip(seed_values(d, row, "base"),
+                                                                           seed_values(d, row, "novel"))])]
+                       for row in rows}
+            tables[d] = dict(columns=["Base", "Novel", "HM"], rows=per[d], spread=spreads)
+    elif protocol == "fewshot":
+        shots = settings["shots"]
+        per = {d: {row: [cell(d, row, "all", k) for k in shots] for row in rows} for d in datasets}
+        columns = [f"{k} shot{'s' if k > 1 else ''}" for k in shots]
+        if len(datasets) > 1:
+            tables[average] = dict(columns=columns, rows={row: [mean([per[d][row][i] for d in datasets])
+                                                                for i in range(len(shots))] for row in rows})
+        for d in datasets:
+            tables[d] = dict(columns=columns, rows=per[d])
+    else:  # cross and dg: one training on the source; other datasets and ImageNet's variants get a table each
+        source = settings["source"]
+        for title, dg in (("Cross-dataset evaluation", False), ("Domain generalization", True)):
+            targets = [t for t in datasets if data.get_spec(t).evaluation_only == dg]
+            if targets:
+                values = {row: [cell(source, row, source)] + [cell(source, row, t) for t in targets] for row in rows}
+                for row in rows:
+                    values[row].append(mean(values[row][1:]))
+                names = [DG_NAMES.get(n, n) if dg else n for n in [source] + targets]
+                tables[f"{title}: trained on {source}, tested on {len(targets)} targets"] = dict(
+                    columns=[f"{names[0]} (source)"] + names[1:] + ["Average"], rows=values)
+    for table in tables.values():  # an empty cell (nan) is stored as null
+        for key in set(table) & {"rows", "spread"}:
+            table[key] = {row: [None if math.isnan(v) else round(v, 2) for v in vals] for row, vals in table[key].items()}
+    return dict(protocol=protocol, seeds=settings["seeds"], rows=rows, tables=tables, logits=logits)
+
+
+def markdown(summary: dict, settings) -> str:
+    titles = dict(base2novel="Base-to-novel generalization", fewshot="Few-shot classification",
+                  cross="Cross-dataset evaluation and domain generalization",
+                  dg="Cross-dataset evaluation and domain generalization")
+    shots = settings["shots"]
+    lines = [f"# {titles[settings['protocol']]}", "",
+             f"Accuracy (%), mean over seeds {', '.join(map(str, settings['seeds']))}; {settings['weights']}; "
+             f"{'shots ' + ', '.join(map(str, shots)) if settings['protocol'] == 'fewshot' else str(shots[0]) + ' shots'}. "
+             "Zero-shot CLIP does not train: one run serves every seed. ± = standard deviation over seeds; "
+             "- = no number (the linear probe has no classifier for unseen classes).", ""]
+    for name, table in summary["tables"].items():
+        lines += [f"## {name}", "", "| Method | " + " | ".join(table["columns"]) + " |",
+                  "|---|" + "---:|" * len(table["columns"])]
+        for row, values in table["rows"].items():
+            spreads = table.get("spread", {}).get(row, [None] * len(values))
+            lines.append(f"| {row_label(row)} | " + " | ".join(
+                "-" if v is None else f"{v:.2f}" + (f" ± {d:.2f}" if d else "") for v, d in zip(values, spreads)) + " |")
+        lines.append("")
+    names = {"fused": "fused", "class": "class branch alone", "clip": "CLIP"}
+    lines.append("Logits per test set (fused = DeAR's fusion with the weights learned on the training classes; "
+                 "class branch alone = MMRL's rule for classes not trained):")
+    for row, used in summary.get("logits", {}).items():
+        if used:
+            lines.append(f"- {row_label(row)}: " + ", ".join(f"{test} {names.get(kind, kind)}"
+                                                             for test, kind in used.items()))
+    fallen = [name for name, record in (settings.get("role_maps") or {}).items() if record.get("class_branch_only")]
+    if fallen:  # dear.falls_back_to_class_branch: both DeAR rows are then the class branch's
+        lines.append(f"- The head analysis of {', '.join(fallen)} names no attribute head: DeAR falls back to the "
+                     "class branch alone there.")
+    return "\n".join(lines + [""])
+
+
+def retrieval_summary(results: List[dict], attributes: List[str], k: int):
+    """Precision@k per (feature, attribute), mean and spread over a DeAR row's seeds -> (JSON, markdown)."""
+    summary, lines = {}, []
+    for row in dict.fromkeys(res["job"]["row"] for res in results if res.get("retrieval")):
+        tables = [res["retrieval"] for res in results if res["job"]["row"] == row and res.get("retrieval")]
+        seeds = lambda name, a: [t[name][a] for t in tables]  # noqa: E731
+        summary[row] = {name: {a: "blind" if "blind" in seeds(name, a) else
+                               [100 * mean(seeds(name, a)), 100 * spread(seeds(name, a))]
+                               for a in attributes} for name in tables[0]}
+        lines += [f"## {row_label(row)}: precision@{k} (%) of same-value retrieval, "
+                  f"mean ± sd over {len(tables)} seeds", "",
+                  "| ranked by | " + " | ".join(f"same {a}" for a in attributes) + " |", "|---|" + "---:|" * len(attributes)]
+        for name, cells in summary[row].items():
+            label = {"class": "class feature", "frozen CLIP": "frozen CLIP"}.get(name, f"{name} token")
+            lines.append(f"| {label} | " + " | ".join(
+                "blind" if v == "blind" else f"{v[0]:.1f} ± {v[1]:.1f}" for v in cells.values()) + " |")
+        lines.append("")
+    text = ("# Attribute-conditioned retrieval\n\nGallery: the test split; each test image queries the others "
+            f"by one feature (cosine); a hit is a neighbour with the query's value. Chance = the value's share "
+            "of the test images. A blind token cannot read the image and ranks nothing.\n\n" + "\n".join(lines))
+    return summary, text
+
+
+def write_summaries(settings, results: List[dict], attributes: List[str], k: int, runtime: Runtime) -> None:
+    """summary.json / .md (and, where a run measured retrieval, retrieval.json / .md), printed too."""
+    summary = summarise(settings, results)
+    text = markdown(summary, settings)
+    if runtime.main:
+        write_json(os.path.join(settings["output"], "summary.json"), summary)
+        write_text(os.path.join(settings["output"], "summary.md"), text)
+    runtime.log("\n" + text)
+    if any(res.get("retrieval") for res in results):  # the toy world: attribute-conditioned retrieval
+        retrieval, text = retrieval_summary(results, attributes, k)
+        if runtime.main:
+            write_json(os.path.join(settings["output"], "retrieval.json"), retrieval)
+            write_text(os.path.join(settings["output"], "retrieval.md"), text)
+        runtime.log(text)
+
+
+# ------------------------------------------------------------------------------------------
+# 7. PNG pictures: head roles, role masks, retrieval
+# ------------------------------------------------------------------------------------------
+# One hue per attribute, grey-blue for generalization, light grey for mixed. Pillow is
+# torchvision's own dependency.
+ATTRIBUTE_COLOURS = [(214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14), (23, 190, 207),
+                     (227, 119, 194), (188, 189, 34), (140, 86, 75)]
+GENERALIZATION_COLOUR, MIXED_COLOUR = (52, 78, 120), (200, 200, 200)
+
+
+def _role_colour(entry: dear.HeadRole, attributes: List[str]):
+    if entry.role == "attribute":
+        return ATTRIBUTE_COLOURS[list(attributes).index(entry.attribute) % len(ATTRIBUTE_COLOURS)]
+    return GENERALIZATION_COLOUR if entry.role == "generalization" else MIXED_COLOUR
+
+
+def draw_heatmap(role_map: dear.RoleMap, path: str) -> None:
+    """layers (rows, 1-based) x heads (columns); each cell coloured by role, with the head's
+    concept entropy written in it, and a legend."""
+    from PIL import Image, ImageDraw
+
+    cell_w, cell_h, left, top = 58, 34, 96, 40
+    layers, H = role_map.layers, role_map.num_heads
+    legend = [(f"attribute: {a}", ATTRIBUTE_COLOURS[i % len(ATTRIBUTE_COLOURS)])
+              for i, a in enumerate(role_map.attributes)]
+    legend += [("generalization", GENERALIZATION_COLOUR), ("mixed", MIXED_COLOUR)]
+    height = top + len(layers) * cell_h + 30 + 18 * ((len(legend) + 2) // 3)
+    image = Image.new("RGB", (max(left + H * cell_w + 10, 560), height), "white")
+    draw = ImageDraw.Draw(image)
+    draw.text((8, 6), f"DeAR head roles ({role_map.source}); number = concept entropy (bits)", fill="black")
+    for head in range(H):
+        draw.text((left + head * cell_w + cell_w // 2 - 8, top - 16), f"h{head}", fill="black")
+    for row, layer in enumerate(layers):
+        y = top + row * cell_h
+        draw.text((8, y + cell_h // 2 - 6), f"layer {layer + 1}", fill="black")
+        for head in range(H):
+            entry = role_map.role_of(layer, head)
+            colour, x = _role_colour(entry, role_map.attributes), left + head * cell_w
+            draw.rectangle([x, y, x + cell_w - 2, y + cell_h - 2], fill=colour)
+            draw.text((x + 6, y + cell_h // 2 - 6), "" if entry.entropy is None else f"{entry.entropy:.2f}",
+                      fill="black" if sum(colour) > 450 else "white")
+    y = top + len(layers) * cell_h + 12
+    for i, (name, colour) in enumerate(legend):
+        x, yy = 8 + (i % 3) * 180, y + (i // 3) * 18
+        draw.rectangle([x, yy, x + 12, yy + 12], fill=colour)
+        draw.text((x + 18, yy), name, fill="black")
+    clip_model.atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))
+
+
+def draw_role_masks(masks: torch.Tensor, num_image_tokens: int, attributes: List[str], first_layer: int,
+                    path: str) -> None:
+    """The folded masks (L, H, T, T): one small (1 + A) x (1 + A) grid per head, one row of grids
+    per layer (1-based). White = may attend, black = may not."""
+    from PIL import Image, ImageDraw
+
+    layers, H, A, N = masks.shape[0], masks.shape[1], len(attributes), num_image_tokens
+    cell, left, top, gap = 9, 80, 62, 10
+    grid = (1 + A) * cell
+    width = max(left + H * (grid + gap), 470)  # wide enough for the two title lines
+    image = Image.new("RGB", (width, top + layers * (grid + gap) + 20), "white")
+    draw = ImageDraw.Draw(image)
+    draw.text((6, 6), "DeAR role masks: one grid per head, one row of grids per layer", fill="black")
+    draw.text((6, 20), "row = query, column = key, in the order CLS (standing for the image's", fill="black")
+    draw.text((6, 34), "tokens), " + ", ".join(attributes) + "; white = may attend, black = may not", fill="black")
+    for head in range(H):
+        draw.text((left + head * (grid + gap) + grid // 2 - 6, top - 14), f"h{head}", fill="black")
+    for li in range(layers):
+        y0 = top + li * (grid + gap)
+        draw.text((6, y0 + grid // 2 - 6), f"layer {first_layer + li}", fill="black")
+        for head in range(H):
+            m = masks[li, head]  # the image tokens folded into the CLS row and column
+            folded = torch.cat([torch.cat([m[:1, :1], m[:1, N:]], 1), torch.cat([m[N:, :1], m[N:, N:]], 1)], 0)
+            x0 = left + head * (grid + gap)
+            for r in range(1 + A):
+                for c in range(1 + A):
+                    draw.rectangle([x0 + c * cell, y0 + r * cell, x0 + (c + 1) * cell - 1, y0 + (r + 1) * cell - 1],
+                                   fill="white" if folded[r, c] == 0 else "black", outline=(150, 150, 150))
+    clip_model.atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))
+
+
+def draw_retrieval(gallery: list, rankings: Dict[str, torch.Tensor], size: int, queries: int, shown: int,
+                   folder: str) -> None:
+    """retrieval_<feature>.png in `folder`: per row, a test image then its `shown` nearest gallery
+    images by that feature (rankings: {feature: (G, k) indices})."""
+    import torchvision  # torch's own companion (requirements.txt): the picture grid
+
+    unnormalised = torchvision.transforms.Compose(data.test_transform(size).transforms[:-1])  # pixels in [0, 1]
+    pictures = data.ImageDataset(gallery, unnormalised)
+    for name, ranking in rankings.items():
+        tiles = [pictures[i][0] for q in range(min(queries, len(gallery))) for i in [q] + ranking[q, :shown].tolist()]
+        tiles = F.interpolate(torch.stack(tiles), scale_factor=max(1, 96 // size), mode="nearest")  # small: enlarged
+        clip_model.atomic_write(os.path.join(folder, f"retrieval_{name.replace(' ', '_')}.png"),
+                                lambda tmp: torchvision.utils.save_image(tiles, tmp, nrow=1 + shown, padding=2,
+                                                                         pad_value=1.0, format="PNG"))
+
+
+# ------------------------------------------------------------------------------------------
+# 8. Errors: one line, exit status 2
+# ------------------------------------------------------------------------------------------
+
+
+def one_line_errors(call: Callable[[], int]) -> int:
+    """call() -> its exit status; a known error is one line on stderr and exit status 2, before
+    any work where the checks come first (and --resume continues after one that came later)."""
+    import warnings
+
+    # data.py's warnings (a class with fewer than K images, a rebuilt cache) as one line each.
+    warnings.formatwarning = lambda message, category, *rest: f"warning: {message}\n"
+    try:
+        return call()
+    except (TrainError, data.DatasetError, dear.DeARError, clip_model.CLIPError) as error:
+        print(f"train.py: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # a full disk, a folder made read-only mid-run: one line too
+        where = f"{error.filename}: " if error.filename else ""
+        print(f"train.py: error: {where}{error.strerror or error}; fix it, then continue with --resume",
+              file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("train.py: interrupted; the last finished epoch is saved: continue with --resume", file=sys.stderr)
+        return 130

@@ -117,6 +117,11 @@ def common(world, output, *extra):
             "--device", "cpu", "--descriptions", "6", *extra]  # 6 picks: the tiny pools have 12 to 18 images
 
 
+def settings_of(argv):
+    """The resolved settings of a command line, as train.main would make them."""
+    return runs.resolve_settings(runs.build_parser(train.BOOK).parse_args(argv), train.BOOK)
+
+
 def read(path):
     with open(path, encoding="utf-8") as f:
         return json.load(f)
@@ -178,11 +183,11 @@ def test_base2novel_from_the_command_line_writes_results_and_a_table_that_matche
                                ("dear-all-mixed", "dear-all-mixed", "fused-everywhere")):
         metrics = [results[f"dtd/{job_row}/seed{s}"]["metrics_by_fusion"][mode] for s in (1, 2)]
         base, novel = sum(m["base"] for m in metrics) / 2, sum(m["novel"] for m in metrics) / 2
-        assert table["rows"][row] == [round(base, 2), round(novel, 2), round(train.harmonic_mean(base, novel), 2)]
+        assert table["rows"][row] == [round(base, 2), round(novel, 2), round(runs.harmonic_mean(base, novel), 2)]
     assert table["rows"]["zeroshot"][:2] == [round(results["dtd/zeroshot"]["metrics"][k], 2) for k in ("base", "novel")]
     markdown = (out / "summary.md").read_text()
     for row, values in table["rows"].items():  # each cell: mean, then "± spread" when seeds differ
-        line = next(l for l in markdown.splitlines() if l.startswith(f"| {train.row_label(row)} |"))
+        line = next(l for l in markdown.splitlines() if l.startswith(f"| {runs.row_label(row)} |"))
         cells = [x for v, d in zip(values, table["spread"][row]) for x in ([v, d] if d else [v])]
         assert [float(v) for v in re.findall(r"\d+\.\d\d", line)] == cells
     # The spread is the standard deviation of the two seeds' base accuracies.
@@ -225,16 +230,16 @@ def test_summary_leaves_the_linear_probe_novel_and_hm_empty_and_shows_the_spread
     results = [dict(job=dict(dataset="a", row="linear-probe", shots=16), metrics=dict(base=b)) for b in (80.0, 84.0)]
     results += [dict(job=dict(dataset="a", row="dear", shots=16), metrics=dict(base=b, novel=n))
                 for b, n in ((70.0, 50.0), (74.0, 54.0))]
-    table = train.summarise(settings, results)["tables"]["a"]
+    table = runs.summarise(settings, results)["tables"]["a"]
     assert table["rows"]["linear-probe"] == [82.0, None, None]
     assert table["spread"]["linear-probe"][0] == round(4 / 2 ** 0.5, 2)
     assert table["spread"]["dear-class-on-unseen"][:2] == [round(4 / 2 ** 0.5, 2)] * 2
-    lines = train.markdown(dict(tables={"a": table}), dict(settings, weights="w")).splitlines()
+    lines = runs.markdown(dict(tables={"a": table}), dict(settings, weights="w")).splitlines()
     assert "| Linear probe (frozen image features) | 82.00 ± 2.83 | - | - |" in lines
     assert not any("names no attribute head" in line for line in lines)
     fallen = dict(settings, weights="w", role_maps={"a": dict(class_branch_only=True)})
     assert "- The head analysis of a names no attribute head: DeAR falls back to the class branch alone there." \
-        in train.markdown(dict(tables={"a": table}), fallen).splitlines()
+        in runs.markdown(dict(tables={"a": table}), fallen).splitlines()
 
 
 # ------------------------------------------------------------------------------------------
@@ -365,7 +370,7 @@ def test_fewshot_cross_and_dg_write_the_paper_shaped_tables(world, tmp_path):
         assert "| CLIP (zero-shot) |" in (out / "summary.md").read_text()
     # 'all' is the ten other datasets and the four variants, under either protocol's name.
     for protocol in ("cross", "dg"):
-        names = train._dataset_names(["all"], protocol, None)
+        names = runs.dataset_names(["all"], protocol, None, train.BOOK)
         assert len(names) == 14 and "imagenet" not in names and set(train.DG_TARGETS) <= set(names)
 
 
@@ -374,7 +379,7 @@ def test_a_datasets_hm_is_the_hm_of_its_mean_base_and_mean_novel_not_the_mean_of
                     seeds=[1, 2], shots=[16])
     results = [dict(job=dict(dataset="a", row="dear", shots=16), metrics=dict(base=b, novel=n))
                for b, n in ((90.0, 10.0), (50.0, 50.0))]
-    table = train.summarise(settings, results)["tables"]["a"]
+    table = runs.summarise(settings, results)["tables"]["a"]
     # mean base 70, mean novel 30: HM 42.0; the per-seed HMs 18 and 50 would average 34.0
     assert table["rows"]["dear-fused"] == [70.0, 30.0, 42.0]
 
@@ -384,7 +389,7 @@ def test_summary_takes_hm_of_the_averages_as_the_paper_does():
                     seeds=[1], shots=[16])
     results = [dict(job=dict(dataset=d, row="dear", shots=16), metrics=dict(base=b, novel=n))
                for d, b, n in (("a", 90.0, 10.0), ("b", 50.0, 50.0))]
-    summary = train.summarise(settings, results)
+    summary = runs.summarise(settings, results)
     average = summary["tables"]["Average over 2 datasets"]["rows"]["dear-class-on-unseen"]
     # base 70, novel 30: HM(70, 30) = 42.0, not the mean of the per-dataset HMs (18.0 and 50.0)
     assert average == [70.0, 30.0, 42.0]
@@ -408,7 +413,7 @@ def test_evaluate_scores_the_fused_and_the_class_branch_logits_and_each_set_gets
         model.attribute_proj.normal_(0, 1.0)
         model.vision_tokens.normal_(0, 1.0)
         model.fusion_logits.copy_(torch.tensor([-20.0, 1.0, 2.0, 3.0, 4.0, 5.0]))
-    settings, runtime = dict(eval_batch_size=3, workers=0), train.Runtime(torch.device("cpu"))
+    settings, runtime = dict(eval_batch_size=3, workers=0), runs.Runtime(torch.device("cpu"))
     sets = {}
     for name, subsample, trained in (("base", "base", True), ("novel", "new", False)):
         d = data.load_dataset("dtd", world["root"], num_shots=None, subsample=subsample)
@@ -539,7 +544,7 @@ def test_descriptions_past_the_bank_or_the_image_cap_stop_before_the_model_is_re
         refused(common(world, out, "--dataset", "dtd", *flags), capsys, message, out)
 
 
-@pytest.mark.skipif(train.fcntl is None, reason="no file locks on this system")
+@pytest.mark.skipif(sys.platform == "win32", reason="no file locks on this system")
 def test_a_second_writer_of_a_cache_entry_waits_for_the_first(tmp_path):
     path, released = tmp_path / "entry.lock", tmp_path / "released"
     holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
@@ -557,7 +562,7 @@ def test_a_second_writer_of_a_cache_entry_waits_for_the_first(tmp_path):
 def test_a_run_folder_of_an_earlier_format_is_refused_in_one_line(stopped_run, tmp_path, capsys):
     out, _ = copy_run(stopped_run, tmp_path)
     saved = read(out / "settings.json")
-    assert saved["format"] == train.RUN_FORMAT
+    assert saved["format"] == runs.RUN_FORMAT
     del saved["format"]  # as every folder before this version
     (out / "settings.json").write_text(json.dumps(saved))
     for flag in ("--resume", "--eval-only"):
@@ -607,7 +612,7 @@ def wrong_roles_file(tmp_path):
     ("unknown flag value", "argument --protocol: invalid choice: 'base2new'"),
     ("no cuda", "this machine has no CUDA device"),
     ("two role sources", "give at most one of 'analyse' or a roles file"),
-    ("inverted thresholds", "--low-bits 3 is above --high-bits 1"),
+    ("inverted thresholds", "low_bits=3 is above high_bits=1"),
     ("old fusion name", "argument --fusion: 'adaptive' is an old name: use class-on-unseen"),
     ("descriptions past the span", "--descriptions 100000: TextSpan can make 1..80 picks per head here"),
 ])
@@ -744,7 +749,7 @@ def refused(argv, capsys, fragment, output=None):
     (["--lr", "0"], "--lr 0.0: expected a positive, finite learning rate"),
     (["--lr", "inf"], "--lr inf: expected a positive, finite"),
     (["--lambda-fusion", "nan"], "--lambda-fusion nan: expected a finite weight"),
-    (["--beta", "nan"], "--beta nan: expected a value in [0, 1]"),
+    (["--beta", "nan"], "--beta nan: beta=nan is outside [0, 1]"),
     (["--head-width", "0"], "--head-width 0: expected a positive integer"),
     (["--analysis-images", "0"], "--analysis-images 0"),
     (["--descriptions", "0"], "--descriptions 0"),
@@ -754,13 +759,13 @@ def refused(argv, capsys, fragment, output=None):
     (["--max-epochs-per-call", "-1"], "--max-epochs-per-call -1"),
     (["--text-tokens", "-1"], "--text-tokens -1: expected an integer >= 0"),
     (["--text-tokens", "100000"], "--text-tokens 100000: expected at most the model's context length (16)"),
-    (["--first-layer", "0"], "--first-layer 0: expected a layer number >= 1"),
-    (["--first-layer", "3"], "--first-layer 3: expected at most 2, the model's number of layers"),  # text: 2
+    (["--first-layer", "0"], "--first-layer 0: expected a positive integer"),
+    (["--first-layer", "3"], "--first-layer 3: first_layer J=3 is out of range: use 1..2"),  # text: 2
     (["--workers", "-1"], "--workers -1: expected an integer >= 0"),
     (["--seeds", "-1"], "--seeds -1: expected integers from 0 to 4294967295"),
     (["--seeds", str(2**64)], "--seeds 18446744073709551616"),
-    (["--low-bits", "2", "--high-bits", "1"], "--low-bits 2 is above --high-bits 1"),
-    (["--high-bits=-inf"], "--high-bits -inf: expected a finite entropy"),
+    (["--low-bits", "2", "--high-bits", "1"], "--low-bits 2.0: low_bits=2 is above high_bits=1"),
+    (["--high-bits=-inf"], "--high-bits -inf: high_bits=-inf: expected a finite entropy"),
     (["--device", "meta"], "--device meta: not a device"),
     (["--device", "cpu:3"], "--device cpu:3: not a device"),
 ])
@@ -784,15 +789,15 @@ def test_help_shows_each_default_from_the_one_table_that_holds_it(monkeypatch, c
     monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps at the terminal's width
     monkeypatch.setitem(train.DEFAULTS, "log_every", 7)
     monkeypatch.setitem(train.RECIPES["cross"], "imagenet", train.Recipe(epochs=3, batch_size=32))
-    text = " ".join(train.build_parser().format_help().split())
+    text = " ".join(runs.build_parser(train.BOOK).format_help().split())
     assert "a progress line every N steps (default 7)" in text
     assert ("training epochs, the warm-up epochs included (default base2novel 10 (imagenet: 5, toyworld: 20); "
             "fewshot 100 (imagenet: 5, toyworld: 20); cross, dg 1 (imagenet: 3), from RECIPES)") in text
     assert "(default analyse; toyworld: all-mixed all-generalization analyse)" in text
     assert "every N steps (default 20)" not in text  # the old --log-every default is nowhere
-    settings = train.resolve_settings(train.build_parser().parse_args(["--dataset", "dtd", "--device", "cpu"]))
+    settings = settings_of(["--dataset", "dtd", "--device", "cpu"])
     assert settings["log_every"] == 7 and settings["epochs"] == train.Recipe().epochs == 10
-    assert train.resolve_settings(train.build_parser().parse_args(
+    assert settings_of((
         ["--dataset", "imagenet_sketch", "--protocol", "dg", "--device", "cpu"]))["epochs"] == 3
 
 
@@ -801,7 +806,7 @@ def test_each_protocol_trains_with_the_lineages_recipe_and_its_per_dataset_value
     trainers/config.py's beta and regularisation weight per dataset, which MMRL's train.py
     merges last; the cross-dataset table (CD) is not the base-to-novel one (B2N, FS)."""
     def resolved(*argv):
-        s = train.resolve_settings(train.build_parser().parse_args([*argv, "--device", "cpu"]))
+        s = settings_of([*argv, "--device", "cpu"])
         return [s[k] for k in ("epochs", "batch_size", "lr", "warmup_epochs", "beta", "lambda_reg")]
 
     assert resolved("--dataset", "oxford_pets") == [10, 4, 1e-3, 1, 0.7, 0.01]  # vit_b16.yaml + B2N
@@ -1034,7 +1039,7 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_run_resumes(world, tmp_
 def test_grad_scaler_falls_back_to_the_name_older_torch_has(monkeypatch):
     monkeypatch.delattr(torch.amp, "GradScaler", raising=False)
     with pytest.warns(FutureWarning) if hasattr(torch.cuda.amp, "GradScaler") else pytest.raises(AttributeError):
-        scaler = train.grad_scaler(enabled=False)
+        scaler = runs.grad_scaler(enabled=False)
         assert not scaler.is_enabled()
 
 
@@ -1107,19 +1112,19 @@ def test_own_split_file_runs_fewshot_and_cross_with_its_template(world, own_data
     result = read(out / "imagenet/dear-all-generalization/seed1/results.json")
     assert set(result["metrics"]) == {"imagenet", "labelled", "dtd"}
 
-    unset = train.settings_from_flags(train.build_parser().parse_args(["--dataset", own_data["split"], "dtd"]))
+    unset = runs.settings_from_flags(runs.build_parser(train.BOOK).parse_args(["--dataset", own_data["split"], "dtd"]),
+                                     train.BOOK)
     assert unset["output"] == os.path.join("runs", "base2novel-labelled-dtd")  # a name, not a path, in the folder
     recipe = train.Recipe()  # the default recipe, for each value not typed
     assert (unset["epochs"], unset["batch_size"], unset["lr"], unset["shots"]) == (
         recipe.epochs, recipe.batch_size, recipe.lr, [recipe.shots])
 
     # The template reaches every prompt: training and each test set, own data and benchmarks.
-    settings = train.resolve_settings(train.build_parser().parse_args(common(
-        world, tmp_path / "unused", "--protocol", "cross", "--dataset", own_data["split"], "dtd", *fast)))
+    settings = settings_of(common(world, tmp_path / "unused", "--protocol", "cross", "--dataset", own_data["split"], "dtd",
+                                *fast))
     assert {s.template for s in train.evaluation_sets(settings, "imagenet")} == {"a {} texture."}
     assert train.training_split(settings, "imagenet", 1, 2).prompts[0] == "a tench texture."
-    plain = train.resolve_settings(train.build_parser().parse_args(common(
-        world, tmp_path / "unused", "--protocol", "fewshot", "--dataset", own_data["split"], "dtd")))
+    plain = settings_of(common(world, tmp_path / "unused", "--protocol", "fewshot", "--dataset", own_data["split"], "dtd"))
     assert [s.template for s in train.evaluation_sets(plain, "labelled")] == ["a photo of a {}."]
     assert [s.template for s in train.evaluation_sets(plain, "dtd")] == ["{} texture."]
 
