@@ -96,81 +96,75 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
     # a typed change); "(default ...)" is added to each help line from the book.
     p = OneLineParser(prog="train.py", description="DeAR on CLIP: train and evaluate on the paper's protocols. "
                       "Unset DeAR and optimisation flags come from the trained dataset's recipe (RECIPES in train.py).")
-    g = p.add_argument_group("what to run")
-    g.add_argument("--dataset", nargs="+", help="dataset name(s) from data.py, 'all' for the protocol's "
-                   "datasets, 'toyworld' (the project's own world: no downloads), or the PATH of your own data: "
-                   "a folder of class folders (PATH/<class>/<image>; the split is drawn once, 50/20/30 per class, "
-                   "and written to PATH/split_<name>.json) or a split file in CoOp's format (image paths "
-                   "relative to its folder); its name in tables and run folders is its folder's name")
-    g.add_argument("--protocol", choices=PROTOCOLS, help="base2novel | fewshot | cross | dg")
-    g.add_argument("--method", nargs="+", choices=METHODS, help="rows of the table: zeroshot = CLIP with the "
-                   "dataset's template, no training; linear-probe = logistic regression on the frozen image "
-                   "features (training classes only); dear = DeAR")
-    g.add_argument("--roles", nargs="+", help="head roles for DeAR: 'analyse' (concept entropy on "
-                   "--analysis-pool, once per model and pool, cached and copied into the run folder), a roles "
-                   "JSON file, 'all-mixed' (no mask: plain deep prompting) or 'all-generalization'; several "
-                   "give one table row each")
-    g.add_argument("--fusion", nargs="+", type=fusion_name, metavar="{" + ",".join(FUSION_MODES) + "}",
-                   help="how DeAR is scored: fused-everywhere = the fused logits (weights learned on the "
-                   "training classes) on every test set; class-on-unseen = fused on the trained classes, the "
-                   "class branch alone on classes not trained (MMRL's rule). Each gives the DeAR row once, "
-                   "from the same trained model (the role ablations use the first)")
-    g.add_argument("--seeds", nargs="+", type=int, help="seeds; tables report the mean")
-    g.add_argument("--shots", nargs="+", type=int, help="shots per class")
-    g.add_argument("--source", help="training dataset of cross and dg")
-    g.add_argument("--template", help="class prompt template, '{}' standing for the class name, for every "
-                   f"dataset of the call (unset: each benchmark's CoOp template; your own data: {data.OWN_TEMPLATE!r})")
-    g = p.add_argument_group("where things are")
-    g.add_argument("--root", help="the $DATA folder in CoOp's layout (toyworld: made in the cache)")
-    g.add_argument("--weights", help="CLIP: ViT-B/32, ViT-B/16, ViT-L/14 or a checkpoint path")
-    g.add_argument("--head-width", type=int, help="channels per attention head when loading --weights "
-                   "(unset: what the file says -- files written by clip_model.save carry it -- else "
-                   "64, as in every OpenAI model)")
-    g.add_argument("--bpe", help="CLIP's BPE merges file (unset: $CLIP_BPE_PATH, the cache, or a download)")
-    g.add_argument("--output", help="run folder (unset: runs/<protocol>-<datasets>)")
-    g = p.add_argument_group("DeAR")
-    g.add_argument("--first-layer", type=int, help="J, the first vision and text layer with learnable "
-                   "tokens, 1-based as in the paper; auto = the first of the last four layers")
-    g.add_argument("--beta", type=float, help="weight of each layer's fresh tokens against the previous "
-                   "layer's output tokens, in [0, 1]")
-    g.add_argument("--text-tokens", type=int, help="K, learnable tokens inserted in the text tower")
-    g.add_argument("--lambda-reg", type=float, help="weight of the self-regularisation loss")
-    g.add_argument("--lambda-fusion", type=float, help="weight of the fusion-weight regularisation loss")
-    g.add_argument("--analysis-pool", help="images of the head analysis: 'train' = the trained dataset's whole "
-                   "training split (base2novel: its base classes only; never the few-shot draw), or "
-                   "DATASET:SPLIT of the registry, e.g. imagenet:test (ImageNet's validation images, "
-                   "TextSpan's pool)")
-    g.add_argument("--analysis-images", type=int, help="at most this many images of the pool, spread evenly "
-                   "over its classes with a fixed seed")
-    g.add_argument("--descriptions", type=int, help="TextSpan descriptions per head (unset: what the bank "
-                   "supports, the fewest values of an attribute: 16 for the project's bank, 4 for the toy world's; "
-                   "capped with a warning where the images or TextSpan's rank cannot support it; a typed value "
-                   "above that is refused)")
-    g.add_argument("--analyse-only", action="store_true", help="run the head analysis alone (roles.json, "
-                   "roles.png, masks.png in --output and the cache), then stop")
-    g.add_argument("--low-bits", type=float, help="attribute heads have concept entropy at most this "
-                   "(unset: a third of log2(min(descriptions, concepts)), the most the picks can spread)")
-    g.add_argument("--high-bits", type=float, help="generalization heads have concept entropy at least "
-                   "this (unset: two thirds of it)")
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=int, help="training epochs, the warm-up epochs included")
-    g.add_argument("--batch-size", type=int, help="images per step (per process under torchrun)")
-    g.add_argument("--lr", type=float, help="AdamW learning rate after the warm-up (cosine decay)")
-    g.add_argument("--warmup-epochs", type=int, help=f"epochs at a constant {book.warmup_lr:g} before the cosine")
-    g.add_argument("--augment", choices=("on", "off"), help="random resized crop + flip for training")
-    g = p.add_argument_group("running")
-    g.add_argument("--device", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
-    g.add_argument("--amp", choices=("on", "off"), help="mixed precision by autocast, CUDA only")
-    g.add_argument("--workers", type=int, help="data-loading processes (unset: 4 on CUDA, 0 on CPU)")
-    g.add_argument("--eval-batch-size", type=int, help="images per evaluation batch")
-    g.add_argument("--log-every", type=int, help="a progress line every N steps")
-    g.add_argument("--resume", action="store_true", help="continue the runs in --output from their last checkpoint")
-    g.add_argument("--eval-only", action="store_true", help="evaluate the finished runs in --output again")
-    g.add_argument("--max-epochs-per-call", type=int, help="stop after this many epochs in this call "
-                   "(for time-limited jobs); --resume continues")
-    g = p.add_argument_group("toy world")
-    g.add_argument("--toy-scale", choices=("full", "miniature"), help="size of the toy world (miniature is "
-                   "the seconds-long version the tests run)")
+    g = p.add_argument_group("what to run").add_argument
+    g("--dataset", nargs="+", help="dataset name(s) from data.py, 'all' for the protocol's datasets, 'toyworld' "
+      "(the project's own world: no downloads), or the PATH of your own data: a folder of class folders "
+      "(PATH/<class>/<image>; the split is drawn once, 50/20/30 per class, and written to PATH/split_<name>.json) "
+      "or a split file in CoOp's format (image paths relative to its folder); its name in tables and run folders "
+      "is its folder's name")
+    g("--protocol", choices=PROTOCOLS, help="base2novel | fewshot | cross | dg")
+    g("--method", nargs="+", choices=METHODS, help="rows of the table: zeroshot = CLIP with the dataset's "
+      "template, no training; linear-probe = logistic regression on the frozen image features (training classes "
+      "only); dear = DeAR")
+    g("--roles", nargs="+", help="head roles for DeAR: 'analyse' (concept entropy on --analysis-pool, once per "
+      "model and pool, cached and copied into the run folder), a roles JSON file, 'all-mixed' (no mask: plain deep "
+      "prompting) or 'all-generalization'; several give one table row each")
+    g("--fusion", nargs="+", type=fusion_name, metavar="{" + ",".join(FUSION_MODES) + "}", help="how DeAR is "
+      "scored: fused-everywhere = the fused logits (weights learned on the training classes) on every test set; "
+      "class-on-unseen = fused on the trained classes, the class branch alone on classes not trained (MMRL's "
+      "rule). Each gives the DeAR row once, from the same trained model (the role ablations use the first)")
+    g("--seeds", nargs="+", type=int, help="seeds; tables report the mean")
+    g("--shots", nargs="+", type=int, help="shots per class")
+    g("--source", help="training dataset of cross and dg")
+    g("--template", help="class prompt template, '{}' standing for the class name, for every dataset of the call "
+      f"(unset: each benchmark's CoOp template; your own data: {data.OWN_TEMPLATE!r})")
+    g = p.add_argument_group("where things are").add_argument
+    g("--root", help="the $DATA folder in CoOp's layout (toyworld: made in the cache)")
+    g("--weights", help="CLIP: ViT-B/32, ViT-B/16, ViT-L/14 or a checkpoint path")
+    g("--head-width", type=int, help="channels per attention head when loading --weights (unset: what the file "
+      "says -- files written by clip_model.save carry it -- else 64, as in every OpenAI model)")
+    g("--bpe", help="CLIP's BPE merges file (unset: $CLIP_BPE_PATH, the cache, or a download)")
+    g("--output", help="run folder (unset: runs/<protocol>-<datasets>)")
+    g = p.add_argument_group("DeAR").add_argument
+    g("--first-layer", type=int, help="J, the first vision and text layer with learnable tokens, 1-based as in "
+      "the paper; auto = the first of the last four layers")
+    g("--beta", type=float, help="weight of each layer's fresh tokens against the previous layer's output "
+      "tokens, in [0, 1]")
+    g("--text-tokens", type=int, help="K, learnable tokens inserted in the text tower")
+    g("--lambda-reg", type=float, help="weight of the self-regularisation loss")
+    g("--lambda-fusion", type=float, help="weight of the fusion-weight regularisation loss")
+    g("--analysis-pool", help="images of the head analysis: 'train' = the trained dataset's whole training split "
+      "(base2novel: its base classes only; never the few-shot draw), or DATASET:SPLIT of the registry, e.g. "
+      "imagenet:test (ImageNet's validation images, TextSpan's pool)")
+    g("--analysis-images", type=int, help="at most this many images of the pool, spread evenly over its classes "
+      "with a fixed seed")
+    g("--descriptions", type=int, help="TextSpan descriptions per head (unset: what the bank supports, the fewest "
+      "values of an attribute: 16 for the project's bank, 4 for the toy world's; capped with a warning where the "
+      "images or TextSpan's rank cannot support it; a typed value above that is refused)")
+    g("--analyse-only", action="store_true", help="run the head analysis alone (roles.json, roles.png, masks.png "
+      "in --output and the cache), then stop")
+    g("--low-bits", type=float, help="attribute heads have concept entropy at most this (unset: a third of "
+      "log2(min(descriptions, concepts)), the most the picks can spread)")
+    g("--high-bits", type=float, help="generalization heads have concept entropy at least this (unset: two thirds "
+      "of it)")
+    g = p.add_argument_group("optimisation").add_argument
+    g("--epochs", type=int, help="training epochs, the warm-up epochs included")
+    g("--batch-size", type=int, help="images per step (per process under torchrun)")
+    g("--lr", type=float, help="AdamW learning rate after the warm-up (cosine decay)")
+    g("--warmup-epochs", type=int, help=f"epochs at a constant {book.warmup_lr:g} before the cosine")
+    g("--augment", choices=("on", "off"), help="random resized crop + flip for training")
+    g = p.add_argument_group("running").add_argument
+    g("--device", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
+    g("--amp", choices=("on", "off"), help="mixed precision by autocast, CUDA only")
+    g("--workers", type=int, help="data-loading processes (unset: 4 on CUDA, 0 on CPU)")
+    g("--eval-batch-size", type=int, help="images per evaluation batch")
+    g("--log-every", type=int, help="a progress line every N steps")
+    g("--resume", action="store_true", help="continue the runs in --output from their last checkpoint")
+    g("--eval-only", action="store_true", help="evaluate the finished runs in --output again")
+    g("--max-epochs-per-call", type=int, help="stop after this many epochs in this call (for time-limited jobs); "
+      "--resume continues")
+    p.add_argument_group("toy world").add_argument("--toy-scale", choices=("full", "miniature"), help="size of the "
+                                                  "toy world (miniature is the seconds-long version the tests run)")
     for action in p._actions:  # noqa: SLF001 -- argparse keeps no public list of its flags
         if action.help and action.dest != "help":
             action.help += default_help(action.dest, book)
@@ -343,12 +337,13 @@ def validate_settings(settings: dict) -> None:
         except dear.DeARError as error:
             refuse(key, str(error))
 
+    # (key, least value, None or "auto" allowed): dear.check_first_layer checks J's top once the model is read
     for key, least, optional in (("epochs", 1, 0), ("batch_size", 1, 0), ("eval_batch_size", 1, 0),
                                  ("log_every", 1, 0), ("analysis_images", 1, 0), ("warmup_epochs", 0, 0),
                                  ("text_tokens", 0, 0), ("head_width", 1, 1), ("workers", 0, 1),
                                  ("max_epochs_per_call", 1, 1), ("descriptions", 1, 1), ("first_layer", 1, 1)):
         if not (optional and settings[key] in (None, "auto")) and not (is_int(settings[key]) and settings[key] >= least):
-            refuse(key, "expected a positive integer" if least else "expected an integer >= 0")
+            refuse(key, "expected a positive integer" if least else "expected an integer >= 0")  # a typed 0 too
     if not settings["seeds"] or not all(is_int(s) and 0 <= s <= MAX_SEED for s in settings["seeds"]):
         refuse("seeds", f"expected integers from 0 to {MAX_SEED}")
     if not settings["shots"] or not all(is_int(k) and k >= 1 for k in settings["shots"]):
@@ -463,13 +458,13 @@ class Runtime:
 
 
 def pick_device(name: str) -> torch.device:
-    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()  # old torch: none
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError):
-        device = None
+        device = None  # e.g. "gpu": refused below, in one line
     # torch knows more device types (meta, xla, hpu, ...) than this script drives.
     if device is None or device.type not in ("cpu", "cuda", "mps") or (device.type != "cuda" and device.index):
         raise TrainError(f"--device {name}: not a device; use auto, cpu, cuda, cuda:N or mps")
@@ -496,29 +491,29 @@ def setup_runtime(settings) -> Runtime:
     amp_dtype = None
     if device.type == "cuda" and settings["amp"] == "on":  # autocast on CUDA only; CPU and MPS run fp32
         amp_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return Runtime(device, rank, world, amp_dtype)
+    return Runtime(device, rank, world, amp_dtype)  # decided once: nothing below decides again
 
 
 def autocast(runtime: Runtime):
     if runtime.amp_dtype is None:
-        return torch.autocast("cpu", enabled=False)
-    return torch.autocast(runtime.device.type, dtype=runtime.amp_dtype)
+        return torch.autocast("cpu", enabled=False)  # a no-op context: fp32
+    return torch.autocast(runtime.device.type, dtype=runtime.amp_dtype)  # bf16 where supported, else fp16
 
 
 def grad_scaler(enabled: bool):
     """fp16's loss scaler: torch.amp.GradScaler("cuda") is torch >= 2.3; older torch
     (requirements.txt allows 2.1) has the same class as torch.cuda.amp.GradScaler."""
     if hasattr(torch.amp, "GradScaler"):
-        return torch.amp.GradScaler("cuda", enabled=enabled)
+        return torch.amp.GradScaler("cuda", enabled=enabled)  # disabled: every call passes through
     return torch.cuda.amp.GradScaler(enabled=enabled)
 
 
 def sum_over_processes(values: List[float], runtime: Runtime) -> List[float]:
     if runtime.world == 1:
-        return values
+        return values  # one process: nothing to sum
     tensor = torch.tensor(values, dtype=torch.float64, device=runtime.device)
-    dist.all_reduce(tensor)
-    return tensor.tolist()
+    dist.all_reduce(tensor)  # in place: every process gets the sums
+    return tensor.tolist()  # [correct..., total] summed over processes
 
 
 # ------------------------------------------------------------------------------------------
@@ -534,7 +529,7 @@ class Job:
     roles: Optional[str]  # "analyse", an ablation, or a roles file (None for zeroshot)
     seed: Optional[int]  # None for zero-shot: it has no randomness, one run serves every seed
     shots: Optional[int]  # None for zero-shot (it does not train)
-    folder: str
+    folder: str  # <output>/<dataset>/<row>/<seed leaf>: checkpoint.pt, results.json, results.md
 
     @property
     def label(self) -> str:
@@ -551,17 +546,17 @@ FUSION_ROWS = {"fused-everywhere": ("-fused", ", fused on every test set"),
 
 
 def row_name(roles: str) -> str:
-    return "dear" if roles not in ROLE_ABLATIONS else f"dear-{roles}"
+    return "dear" if roles not in ROLE_ABLATIONS else f"dear-{roles}"  # analysed or a file: the DeAR row
 
 
 def trained_datasets(settings) -> List[str]:
-    return [settings["source"]] if settings["source"] else list(settings["dataset"])
+    return [settings["source"]] if settings["source"] else list(settings["dataset"])  # cross, dg: the source alone
 
 
 def plan_jobs(settings) -> List[Job]:
     """Every run of the call, in order. Zero-shot depends on neither seed nor shots: one run
     per dataset fills every seed's place in the tables."""
-    jobs, out = [], settings["output"]
+    jobs, out = [], settings["output"]  # in order: zero-shot, then the trained rows
     for dataset in trained_datasets(settings):
         if "zeroshot" in settings["method"]:
             jobs.append(Job(dataset, "zeroshot", None, None, None, os.path.join(out, dataset, "zeroshot")))
@@ -589,12 +584,12 @@ def row_label(row: str) -> str:
     for suffix, label in FUSION_ROWS.values():
         if row.endswith(suffix):
             return ROW_LABELS.get(row[: -len(suffix)], row[: -len(suffix)]) + label
-    return ROW_LABELS.get(row, row)
+    return ROW_LABELS.get(row, row)  # a row without a label shows its key
 
 
 def job_settings(settings, job: Job) -> dict:
     """What decides a run's result: saved with it and compared on --resume."""
-    keep = {k: v for k, v in settings.items() if k not in RUN_CONTROL}
+    keep = {k: v for k, v in settings.items() if k not in RUN_CONTROL}  # how to run may change, not what
     return dict(keep, job=dict(dataset=job.dataset, row=job.row, roles=job.roles, seed=job.seed, shots=job.shots))
 
 
@@ -605,13 +600,13 @@ def job_settings(settings, job: Job) -> dict:
 
 def load_clip(weights: str, head_width: Optional[int], bpe: Optional[str], device):
     """-> (frozen CLIP on the device, tokenizer), the tokenizer checked against the model."""
-    clip, _ = clip_model.load(weights, device=device, head_width=head_width)
-    tokenizer = clip_model.SimpleTokenizer(bpe)
+    clip, _ = clip_model.load(weights, device=device, head_width=head_width)  # errors: clip_model's one line
+    tokenizer = clip_model.SimpleTokenizer(bpe)  # None: $CLIP_BPE_PATH, the cache, or a download
     if tokenizer.vocab_size != clip.token_embedding.num_embeddings:  # ids past the table, or other words
         raise TrainError(f"--bpe {tokenizer.bpe_path}: gives a vocabulary of {tokenizer.vocab_size} tokens, the "
                          f"model {weights} has {clip.token_embedding.num_embeddings}; pass the BPE "
                          "file the model was trained with")
-    return clip.eval().requires_grad_(False), tokenizer
+    return clip.eval().requires_grad_(False), tokenizer  # CLIP stays frozen: DeAR learns tokens only
 
 
 def load_role_file(path: str) -> dear.RoleMap:
@@ -619,7 +614,7 @@ def load_role_file(path: str) -> dear.RoleMap:
     try:
         return dear.RoleMap.load(path)
     except dear.DeARError:
-        raise
+        raise  # already one line, naming the file
     except (AttributeError, TypeError, ValueError, KeyError, RecursionError) as error:
         raise TrainError(f"{path}: not a DeAR role file ({type(error).__name__}); give a roles JSON "
                          "written by the head analysis") from None
@@ -629,9 +624,9 @@ def role_map_for(choice: str, clip, attributes: List[str], analysed: Optional[de
     """A RoleMap for --roles CHOICE: this call's analysis, an ablation, or a file (checked)."""
     depth, heads = len(clip.visual.transformer.resblocks), clip.visual.transformer.heads
     if choice == "analyse":
-        return analysed
+        return analysed  # measured by train.analysed_role_maps
     if choice in ROLE_ABLATIONS:
-        layers = range(depth - dear.analysed_layers(depth), depth)
+        layers = range(depth - dear.analysed_layers(depth), depth)  # the analysed (last four) layers, 0-based
         return dear.RoleMap.uniform(choice.split("-", 1)[1], depth, heads, layers, attributes)
     try:  # dear.py's messages name arguments; say which flag the value came from
         role_map = load_role_file(choice)
@@ -700,7 +695,7 @@ def analysis_fingerprint(settings, clip, items: list, bank: list, attributes: li
     import hashlib
     import inspect
 
-    depth = len(clip.visual.transformer.resblocks)
+    depth = len(clip.visual.transformer.resblocks)  # vision layers
     key = dict(
         weights=settings["fingerprints"]["weights"], bpe=settings["fingerprints"]["bpe"],
         heads=clip.visual.transformer.heads, layers=dear.analysed_layers(depth),
@@ -708,7 +703,7 @@ def analysis_fingerprint(settings, clip, items: list, bank: list, attributes: li
         bank=[list(entry) for entry in bank], attributes=list(attributes), picks=picks,
         rank=rank, low_bits=settings["low_bits"], high_bits=settings["high_bits"],
         code=hashlib.sha256((inspect.getsource(dear) + inspect.getsource(clip_model)).encode()).hexdigest())
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()  # sorted keys: one text per key
 
 
 def analysis_cache(fingerprint: str, pool: str, analyse: Callable[[str], None], runtime: Runtime) -> str:
@@ -716,25 +711,25 @@ def analysis_cache(fingerprint: str, pool: str, analyse: Callable[[str], None], 
     analyse(folder) if missing, into a temporary folder renamed whole, under a lock that makes
     a second process wait and then reuse it. -> the folder."""
     root = os.path.join(clip_model.default_cache_dir(), "head-analysis")
-    entry = os.path.join(root, fingerprint[:16])
+    entry = os.path.join(root, fingerprint[:16])  # 64 bits of the SHA-256 name the folder
     if runtime.main:
         reason = unwritable_reason(root)
         if reason:
             raise TrainError(f"{root}: the head-analysis cache {reason}; set $CLIP_CACHE_DIR to a writable folder")
-        os.makedirs(root, exist_ok=True)
+        os.makedirs(root, exist_ok=True)  # the lock file lives beside the entries
         with waiting_lock(entry + ".lock", "head analysis: another process is analysing the same "
                           f"heads ({entry}.lock); waiting for it", runtime.log):
             if os.path.isfile(os.path.join(entry, "roles.json")):
                 runtime.log(f"head analysis: reusing the role map cached in {entry} ({pool})")
             else:
                 temporary = os.path.join(root, f".tmp-{os.getpid()}-{fingerprint[:16]}")
-                shutil.rmtree(temporary, ignore_errors=True)
-                analyse(temporary)
+                shutil.rmtree(temporary, ignore_errors=True)  # left by this pid's earlier killed call
+                analyse(temporary)  # roles.json, roles.txt, roles.png, analysis.json (toy: the causal check)
                 shutil.rmtree(entry, ignore_errors=True)  # an entry without roles.json is incomplete
                 os.replace(temporary, entry)  # whole or not at all
     if runtime.world > 1:
         dist.barrier()  # the other processes read what rank 0 wrote
-    return entry
+    return entry  # its roles.json exists: complete
 
 
 def role_copy(settings, dataset: str) -> str:
@@ -755,12 +750,12 @@ def copy_role_maps(settings, clip, records: dict) -> None:
     """The run folder keeps what the cache holds for each map it uses, and the masks of its own J
     (masks.png: a role map does not fix J, so it is drawn per run)."""
     for dataset, record in records.items():
-        folder = os.path.dirname(role_copy(settings, dataset))
+        folder = os.path.dirname(role_copy(settings, dataset))  # <output>/<dataset>/roles/
         for name in sorted(os.listdir(record["cache"])):  # each file whole
             source = os.path.join(record["cache"], name)
             clip_model.atomic_write(os.path.join(folder, name), lambda tmp: shutil.copyfile(source, tmp))
         role_map, J = load_role_file(role_copy(settings, dataset)), first_layer(settings, clip)
-        image_tokens = 1 + clip.visual.grid_size**2
+        image_tokens = 1 + clip.visual.grid_size**2  # CLS + the patch grid
         masks = dear.build_role_masks(role_map, J, len(clip.visual.transformer.resblocks), image_tokens)
         draw_role_masks(masks, image_tokens, role_map.attributes, J, os.path.join(folder, "masks.png"))
 
@@ -774,7 +769,7 @@ def copy_role_maps(settings, clip, records: dict) -> None:
 
 
 def write_text(path: str, text: str) -> None:
-    clip_model.atomic_write(path, lambda tmp: open(tmp, "w", encoding="utf-8").write(text))
+    clip_model.atomic_write(path, lambda tmp: open(tmp, "w", encoding="utf-8").write(text))  # whole or not at all
 
 
 def write_json(path: str, value) -> None:
@@ -788,13 +783,13 @@ def unwritable_reason(path: str) -> Optional[str]:
     head-analysis cache and `python -m toyworld`'s path checks."""
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
+        existing = os.path.dirname(existing)  # up to the folder a makedirs would start from
     if not os.path.isdir(existing):
         return f"lies under {existing}, which is a file"
     probe = os.path.join(existing, f".tmp-write-test-{secrets.token_hex(6)}")
     try:
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        os.remove(probe)
+        os.remove(probe)  # nothing is left behind by the check
     except OSError as error:
         return f"cannot write in {existing} ({error.strerror or error})"
     return None
@@ -816,7 +811,7 @@ def waiting_lock(path: str, waiting_message: str, log: Callable[[str], None] = p
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             log(waiting_message)
-            fcntl.flock(handle, fcntl.LOCK_EX)
+            fcntl.flock(handle, fcntl.LOCK_EX)  # blocks until the holder's block ends
         yield
 
 
@@ -847,19 +842,19 @@ def lock_run_folder(output: str, stack: contextlib.ExitStack) -> None:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         handle.seek(0)
-        holder = handle.read().strip()
+        holder = handle.read().strip()  # the pid its holder wrote
         handle.close()
         raise TrainError(f"{output}: in use by another train.py process{f' (pid {holder})' if holder else ''}; "
                          "wait for it to end, or choose another --output") from None
     handle.seek(0)
-    handle.truncate()
+    handle.truncate()  # ours now: our pid, for the next caller's message
     handle.write(f"{os.getpid()}\n")
     handle.flush()
     stack.callback(handle.close)  # closing the file releases the lock
     for folder, _, files in os.walk(output):
         for name in files:
             if name.startswith(".tmp-"):
-                os.remove(os.path.join(folder, name))
+                os.remove(os.path.join(folder, name))  # a write killed half-way
 
 
 def check_run_folder(settings, jobs: List[Job], stack: contextlib.ExitStack) -> None:
@@ -867,7 +862,7 @@ def check_run_folder(settings, jobs: List[Job], stack: contextlib.ExitStack) -> 
     every results.json and checkpoint in it was made with this run's settings (a folder mixing
     two runs, from files copied in or two writers, is refused rather than summarised)."""
     if not (settings["resume"] or settings["eval_only"]):
-        return check_output_folder(settings["output"])
+        return check_output_folder(settings["output"])  # a fresh run: its folder is made later, whole
     if int(os.environ.get("RANK", "0")) != 0:
         return
     lock_run_folder(settings["output"], stack)
@@ -907,15 +902,11 @@ def start_run_folder(settings, clip, world: int, stack: contextlib.ExitStack) ->
         command="python train.py " + " ".join(sys.argv[1:]), world_size=world))
 
 
-class WrongShape(ValueError):
-    """A run file that parses but does not hold what train.py writes."""
-
-
 def well_shaped(condition: bool) -> None:
-    """An explicit check, where `assert` would vanish under `python -O` and let a damaged file
-    through to a traceback later."""
+    """A run file that parses but does not hold what train.py writes is refused: an explicit
+    check, where `assert` would vanish under `python -O` and let it through to a traceback."""
     if not condition:
-        raise WrongShape("wrong shape")
+        raise ValueError("wrong shape")
 
 
 def load_checkpoint(path: str, expected: dict) -> Optional[dict]:
@@ -924,7 +915,7 @@ def load_checkpoint(path: str, expected: dict) -> Optional[dict]:
     if not os.path.isfile(path):
         return None
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data, no code
         well_shaped(isinstance(checkpoint, dict) and checkpoint.get("format") == CHECKPOINT_FORMAT
                     and isinstance(checkpoint.get("epoch"), int) and isinstance(checkpoint.get("settings"), dict)
                     and all(isinstance(checkpoint.get(key), dict) for key in ("learnable", "optimizer", "scaler")))
@@ -949,7 +940,7 @@ def save_checkpoint(path: str, settings: dict, epoch: int, model, optimizer, sca
             raise TrainError(f"{path}: cannot write the checkpoint ({' '.join(str(error).split())[:100]}); "
                              "free disk space, then continue with --resume") from None
 
-    clip_model.atomic_write(path, write)
+    clip_model.atomic_write(path, write)  # a run killed mid-save keeps the previous epoch's
 
 
 def differences(found: dict, expected: dict) -> str:
@@ -959,7 +950,7 @@ def differences(found: dict, expected: dict) -> str:
 
 
 def format_time(seconds: float) -> str:
-    seconds = int(max(seconds, 0))
+    seconds = int(max(seconds, 0))  # h:mm:ss
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
@@ -969,7 +960,7 @@ class Progress:
 
     def __init__(self, label: str, settings, runtime: Runtime, steps: int):
         self.label, self.settings, self.runtime, self.steps = label, settings, runtime, steps
-        self.started, self.done = time.time(), 0
+        self.started, self.done = time.time(), 0  # for the time left of this call
 
     def start_epoch(self) -> None:
         self.sums = dict.fromkeys(("total", "ce", "reg", "fusion", "correct", "images"), 0.0)
@@ -979,13 +970,13 @@ class Progress:
         sums, n = self.sums, len(labels)
         for key in ("total", "ce", "reg", "fusion"):
             sums[key] += losses[key].item() * n
-        sums["correct"] += (logits.argmax(-1) == labels).sum().item()
+        sums["correct"] += (logits.argmax(-1) == labels).sum().item()  # the fused logits' training accuracy
         sums["images"] += n
-        self.done += 1
+        self.done += 1  # steps done in this call
         if step % self.settings["log_every"] == 0 or step == steps_per_epoch:
             left = (time.time() - self.started) / self.done * (self.steps - self.done)
             rate = sums["images"] * self.runtime.world / max(time.time() - self.epoch_started, 1e-9)
-            n = sums["images"]
+            n = sums["images"]  # the averages are over the epoch's images so far
             self.runtime.log(
                 f"[{self.label}] epoch {epoch + 1}/{self.settings['epochs']} step {step}/{steps_per_epoch} "
                 f"loss {sums['total'] / n:.4f} (ce {sums['ce'] / n:.4f} reg {sums['reg'] / n:.4f} "
@@ -1011,7 +1002,7 @@ def harmonic_mean(base: float, novel: float) -> float:
 
 
 def mean(values: List[float]) -> float:
-    return sum(values) / len(values) if values else math.nan
+    return sum(values) / len(values) if values else math.nan  # nan: an empty cell, stored as null
 
 
 def spread(values: List[float]) -> float:
@@ -1181,13 +1172,11 @@ def draw_heatmap(role_map: dear.RoleMap, path: str) -> None:
     concept entropy written in it, and a legend."""
     from PIL import Image, ImageDraw
 
-    cell_w, cell_h, left, top = 58, 34, 96, 40
-    layers, H = role_map.layers, role_map.num_heads
-    legend = [(f"attribute: {a}", ATTRIBUTE_COLOURS[i % len(ATTRIBUTE_COLOURS)])
-              for i, a in enumerate(role_map.attributes)]
-    legend += [("generalization", GENERALIZATION_COLOUR), ("mixed", MIXED_COLOUR)]
-    height = top + len(layers) * cell_h + 30 + 18 * ((len(legend) + 2) // 3)
-    image = Image.new("RGB", (max(left + H * cell_w + 10, 560), height), "white")
+    cell_w, cell_h, left, top, layers, H = 58, 34, 96, 40, role_map.layers, role_map.num_heads  # pixels
+    legend = [(f"attribute: {a}", ATTRIBUTE_COLOURS[i % len(ATTRIBUTE_COLOURS)]) for i, a in
+              enumerate(role_map.attributes)] + [("generalization", GENERALIZATION_COLOUR), ("mixed", MIXED_COLOUR)]
+    height = top + len(layers) * cell_h + 30 + 18 * ((len(legend) + 2) // 3)  # the legend: three per line
+    image = Image.new("RGB", (max(left + H * cell_w + 10, 560), height), "white")  # 560: the title's width
     draw = ImageDraw.Draw(image)
     draw.text((8, 6), f"DeAR head roles ({role_map.source}); number = concept entropy (bits)", fill="black")
     for head in range(H):
@@ -1216,8 +1205,7 @@ def draw_role_masks(masks: torch.Tensor, num_image_tokens: int, attributes: List
     from PIL import Image, ImageDraw
 
     layers, H, A, N = masks.shape[0], masks.shape[1], len(attributes), num_image_tokens
-    cell, left, top, gap = 9, 80, 62, 10
-    grid = (1 + A) * cell
+    cell, left, top, gap, grid = 9, 80, 62, 10, (1 + A) * 9  # pixels; a head's grid: CLS + A tokens square
     width = max(left + H * (grid + gap), 470)  # wide enough for the two title lines
     image = Image.new("RGB", (width, top + layers * (grid + gap) + 20), "white")
     draw = ImageDraw.Draw(image)
