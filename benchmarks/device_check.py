@@ -99,6 +99,7 @@ except ImportError:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [FTFY_STAND_IN, os.environ.get("PYTHONPATH")]))
 import clip_model  # noqa: E402
 import dear  # noqa: E402
+import runs  # noqa: E402
 import train  # noqa: E402
 from bench_train_step import B16, class_prompts, mixed_roles  # noqa: E402
 
@@ -207,7 +208,7 @@ def autocast(device: torch.device, dtype):
 def grad_scaler(device: torch.device, enabled: bool):
     """train.py's scaler on CUDA; on the CPU torch.amp.GradScaler("cpu") where torch has it."""
     if device.type == "cuda":
-        return train.grad_scaler(enabled)
+        return runs.grad_scaler(enabled)
     if hasattr(torch.amp, "GradScaler"):
         return torch.amp.GradScaler("cpu", enabled=enabled)
     return torch.cuda.amp.GradScaler(enabled=False)  # torch < 2.3: the fp16 steps go unscaled on CPU
