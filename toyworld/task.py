@@ -1,27 +1,20 @@
 """
 toyworld/task.py -- the downstream task: a few-shot classification dataset written to disk in
-CoOp's layout, so data.py reads it like any of the benchmark datasets.
-
-What this file holds:
+CoOp's layout, so data.py reads it (registry row "toyworld") like any benchmark dataset.
 
     1. the classes ...... colour x shape combinations ("red circle"), ordered so that data.py's
                           base/novel rule (first ceil(n/2) labels are base) makes the novel
-                          classes *unseen combinations* of colours and shapes that the base
-                          classes do use -- the toy version of base-to-novel generalisation
+                          classes *unseen combinations* of colours and shapes the base classes
+                          use: the toy version of base-to-novel generalisation
     2. writing it ....... <data_root>/toyworld/images/<class>/<split>_<n>.png and
-                          <data_root>/toyworld/split_toyworld.json, {"train"|"val"|"test":
-                          [[path relative to images/, label, class name], ...]}, built in a
-                          temporary folder and renamed into place; reused when complete
+                          split_toyworld.json, {"train"|"val"|"test": [[path relative to
+                          images/, label, class name], ...]}, built in a temporary folder and
+                          renamed into place; reused when complete
 
-Why it is not trivial for the toy CLIP: its images are drawn in the *shifted* style (tinted,
-blotchy, noisier backgrounds and outlined shapes; world.STYLES), which pretraining never saw,
-and every image also varies in texture, position, size and background, which the class name
-does not mention. Zero-shot accuracy is therefore well below 100% (measured figures in the
-README), leaving room for prompt learning to help.
-
-How it fits: toyworld/__init__.py's `prepare` calls `write_task`; train.py then calls
-`data.load_dataset("toyworld", data_root, num_shots=16, seed=..., subsample="base")` through
-the registry row in data.py, exactly as for oxford_pets.
+Why it is not trivial for the toy CLIP: the images are drawn in the *shifted* style (tinted,
+blotchy, noisier backgrounds, outlined shapes; world.STYLES) that pretraining never saw, and
+vary in texture, position, size and background, which the class name does not mention. So
+zero-shot accuracy is well below 100% (README), leaving room for prompt learning.
 
 Try it:  python -m toyworld.task /tmp/toydata && python data.py --root /tmp/toydata --dataset toyworld --shots 16
 """
@@ -43,15 +36,13 @@ import torch
 from PIL import Image
 
 from toyworld import world
-from toyworld._files import atomic_write_json
 
 FOLDER, IMAGE_DIR, SPLIT_FILE = "toyworld", "images", "split_toyworld.json"  # data.py's registry row
 RECORD_FILE = "toyworld_task.json"  # what was written, with which settings: the completeness check
+SPLITS = ("train", "val", "test")  # the order of TaskConfig.images_per_class
 
-# ------------------------------------------------------------------------------------------
-# 1. The classes
-# ------------------------------------------------------------------------------------------
 
+# ---- 1. The classes ----------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class TaskConfig:
@@ -87,10 +78,7 @@ def class_name(colour: str, shape: str) -> str:
     return f"{colour} {shape}"
 
 
-# ------------------------------------------------------------------------------------------
-# 2. Writing it
-# ------------------------------------------------------------------------------------------
-
+# ---- 2. Writing it -----------------------------------------------------------------------
 
 def _is_split(value) -> bool:
     """The split file's shape: {"train"|"val"|"test": [[relative_path, label, classname], ...]}."""
@@ -110,21 +98,21 @@ def task_is_complete(data_root: str, config: TaskConfig) -> bool:
             split = json.load(f)
     except (OSError, ValueError, RecursionError):
         return False
-    if not isinstance(record, dict) or not _is_split(split):  # valid JSON of the wrong shape
-        return False
-    if record.get("config") != json.loads(json.dumps(asdict(config))):  # tuples -> lists, as stored
-        return False
-    if record.get("world") != world.fingerprint():  # drawn from another version of world.py
-        return False
-    return all(os.path.isfile(os.path.join(folder, IMAGE_DIR, entry[0]))
-               for entries in split.values() for entry in entries)
+    return (isinstance(record, dict) and _is_split(split)  # valid JSON, and of the right shape
+            and record.get("config") == json.loads(json.dumps(asdict(config)))  # tuples -> lists, as stored
+            and record.get("world") == world.fingerprint()  # not drawn from another version of world.py
+            and all(os.path.isfile(os.path.join(folder, IMAGE_DIR, entry[0]))
+                    for entries in split.values() for entry in entries))
 
 
-def _scenes(config: TaskConfig, label: int, split_index: int, count: int) -> list:
-    """The scenes of one class's images in one split (0 train, 1 val, 2 test), from their own seed."""
+def _drawn(config: TaskConfig, label: int, split_index: int) -> list[tuple[str, world.Scene]]:
+    """[(image path relative to images/, its scene)] of one class in one split (0 train, 1 val,
+    2 test), from their own seed. Class folders have no spaces, as CoOp's."""
     colour, shape, _ = class_table(config)[label]
     scene_rng = random.Random(f"{config.seed}-{label}-{split_index}")
-    return [world.sample_scene(scene_rng, colour=colour, shape=shape) for _ in range(count)]
+    prefix = f"{class_name(colour, shape).replace(' ', '_')}/{SPLITS[split_index]}"
+    return [(f"{prefix}_{index:03d}.png", world.sample_scene(scene_rng, colour=colour, shape=shape))
+            for index in range(config.images_per_class[split_index])]
 
 
 def split_scenes(data_root: str, split_name: str = "test") -> dict:
@@ -135,13 +123,8 @@ def split_scenes(data_root: str, split_name: str = "test") -> dict:
     with open(os.path.join(folder, RECORD_FILE), encoding="utf-8") as f:
         recorded = json.load(f)["config"]
     config = TaskConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items()})
-    split_index = ("train", "val", "test").index(split_name)
-    count = config.images_per_class[split_index]
-    scenes = {}
-    for label, (colour, shape, _) in enumerate(class_table(config)):
-        for index, scene in enumerate(_scenes(config, label, split_index, count)):
-            scenes[f"{class_name(colour, shape).replace(' ', '_')}/{split_name}_{index:03d}.png"] = scene
-    return scenes
+    return {path: scene for label in range(len(class_table(config)))
+            for path, scene in _drawn(config, label, SPLITS.index(split_name))}
 
 
 def write_task(data_root: str, config: TaskConfig = TaskConfig(),
@@ -160,31 +143,29 @@ def write_task(data_root: str, config: TaskConfig = TaskConfig(),
     os.makedirs(data_root, exist_ok=True)
     building = tempfile.mkdtemp(dir=data_root, prefix=".toyworld-building-")
     try:
-        split: dict[str, list] = {"train": [], "val": [], "test": []}
+        split: dict[str, list] = {name: [] for name in SPLITS}
         table = class_table(config)
         for label, (colour, shape, _) in enumerate(table):
             name = class_name(colour, shape)
-            folder_name = name.replace(" ", "_")  # class folders without spaces, as CoOp's
-            os.makedirs(os.path.join(building, IMAGE_DIR, folder_name))
-            for split_index, (split_name, count) in enumerate(zip(split, config.images_per_class)):
+            os.makedirs(os.path.join(building, IMAGE_DIR, name.replace(" ", "_")))
+            for split_index, split_name in enumerate(SPLITS):
+                drawn = _drawn(config, label, split_index)
                 # One generator per (class, split): any one of them can be re-drawn alone.
                 rng = np.random.default_rng([config.seed, label, split_index])
-                scenes = _scenes(config, label, split_index, count)
-                images = world.render_batch(scenes, rng, config.image_size, config.style)
-                for index, pixels in enumerate(images):
-                    relative = f"{folder_name}/{split_name}_{index:03d}.png"
+                images = world.render_batch([scene for _, scene in drawn], rng, config.image_size, config.style)
+                for (relative, _), pixels in zip(drawn, images):
                     Image.fromarray(pixels).save(os.path.join(building, IMAGE_DIR, relative))
                     split[split_name].append([relative, label, name])
+        n_base = math.ceil(len(table) / 2)
+        record = {"what": "the toy world's downstream task (toyworld/task.py); labels 0..n_base-1 are base",
+                  "config": asdict(config), "world": world.fingerprint(),
+                  "base_classes": [class_name(c, s) for c, s, _ in table[:n_base]],
+                  "novel_classes": [class_name(c, s) for c, s, _ in table[n_base:]]}
+        # Plain writes: the whole folder is renamed into place only once both are complete.
         with open(os.path.join(building, SPLIT_FILE), "w", encoding="utf-8") as f:
             json.dump(split, f)
-        n_base = math.ceil(len(table) / 2)
-        atomic_write_json(os.path.join(building, RECORD_FILE), {
-            "what": "the toy world's downstream task (toyworld/task.py); labels 0..n_base-1 are base",
-            "config": asdict(config),
-            "world": world.fingerprint(),
-            "base_classes": [class_name(c, s) for c, s, _ in table[:n_base]],
-            "novel_classes": [class_name(c, s) for c, s, _ in table[n_base:]],
-        })
+        with open(os.path.join(building, RECORD_FILE), "w", encoding="utf-8") as f:
+            f.write(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
         if os.path.exists(target):
             shutil.rmtree(target)  # an incomplete or outdated task: replaced, not trusted
         os.replace(building, target)
