@@ -194,7 +194,7 @@ def zero_shot_scores(model: clip_model.CLIP, images: torch.Tensor, scenes: Seque
     scale = model.logit_scale.exp()
     result = {}
     for name, prompts in text.items():
-        values = {**world.ATTRIBUTES, **world.EXTRA_ATTRIBUTES}[name]
+        values = world.VALUES[name]
         truth = torch.tensor([values.index(scene.value(name)) for scene in scenes])  # (B,)
         log_probs = (scale * image_features @ prompts.T).log_softmax(dim=-1)  # (B, n_values)
         result[name] = {"accuracy": (log_probs.argmax(dim=-1) == truth).float().mean().item(),

@@ -1,30 +1,22 @@
 """
 toyworld/world.py -- the toy world itself: what a scene is, how it is drawn, how it is described.
 
-What this file holds, top to bottom:
-
-    1. the attribute table ..... ATTRIBUTES (the four core attributes DeAR gets a token for:
-                                 colour, shape, texture, position) and EXTRA_ATTRIBUTES
-                                 (size, background: things captions can say but no token gets)
+    1. the attribute table ..... ATTRIBUTES (the four core attributes DeAR gets a token for) and
+                                 EXTRA_ATTRIBUTES (size, background: said, but no token)
     2. scenes .................. Scene (the attribute values of one image), sample_scene(rng)
-    3. the renderer ............ render(scene, seed, size, style) -> (size, size, 3) uint8, and
-                                 render_batch for many scenes at once (numpy, vectorised)
+    3. the renderer ............ render / render_batch -> (size, size, 3) uint8 (numpy, vectorised)
     4. captions ................ caption(scene, named=...) -> "a photo of a small red striped
                                  circle at the top left on a dark background", or a partial one
-                                 that names only some attributes ("a photo of a red object")
-    5. the description bank .... toy_bank() -> (text, concept, value) triples, each labelled with its
-                                 concept by construction (docs/METHOD.md Sec. 3)
+                                 ("a photo of a red object")
+    5. the description bank .... toy_bank() -> (text, concept, value) triples, each labelled with
+                                 its concept by construction (docs/METHOD.md Sec. 3)
     6. the corpus .............. every caption word and bank phrase, for the BPE trainer
 
-How it fits: bpe.py learns its merges from `corpus()`, pretrain.py draws scenes and renders
-them fresh every batch, task.py writes a downstream dataset with the shifted style, causal.py
-asks zero-shot questions with partial captions. Every image's attribute values are known,
-because the image is drawn from them: that is what lets the toy world *measure* whether a
-head that concept entropy calls "colour" really carries colour (docs/METHOD.md Sec. 8).
-
-The grammar is deliberately tiny: the article is always "a" ("a orange circle"), words come in
-one fixed order, and the only punctuation is an optional final ".". A caption that names no
-shape says "object" instead.
+Every image's attribute values are known, because the image is drawn from them: that is what
+lets the toy world *measure* whether a head that concept entropy calls "colour" really
+carries colour (docs/METHOD.md Sec. 8). The grammar is deliberately tiny: the article is
+always "a" ("a orange circle"), words come in one fixed order, the only punctuation is an
+optional final ".", and a caption that names no shape says "object".
 
 Try it:  python -m toyworld.world     (prints a few scenes with their captions)
 """
@@ -33,15 +25,13 @@ from __future__ import annotations
 
 import hashlib
 import random
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
 
-# ------------------------------------------------------------------------------------------
-# 1. The attribute table
-# ------------------------------------------------------------------------------------------
+# ---- 1. The attribute table --------------------------------------------------------------
 # The core attributes, in token order: DeAR gets one attribute token per entry (docs/METHOD.md
 # Sec. 4; the toy world's stand-ins for the paper's colour, shape, texture, object, location).
 # Each value is a word (or words) the captions use.
@@ -58,6 +48,7 @@ EXTRA_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "size": ("small", "large"),
     "background": ("dark", "light"),
 }
+VALUES = {**ATTRIBUTES, **EXTRA_ATTRIBUTES}  # every attribute a scene has -> its values
 
 # Base RGB of each colour word; the renderer jitters it per image.
 COLOUR_RGB = {
@@ -67,10 +58,7 @@ COLOUR_RGB = {
 assert set(COLOUR_RGB) == set(ATTRIBUTES["colour"]), "every colour word needs an RGB value"
 
 
-# ------------------------------------------------------------------------------------------
-# 2. Scenes: the attribute values of one image
-# ------------------------------------------------------------------------------------------
-
+# ---- 2. Scenes: the attribute values of one image ----------------------------------------
 
 @dataclass(frozen=True)
 class Scene:
@@ -95,21 +83,11 @@ assert SCENE_FIELDS == tuple(ATTRIBUTES) + tuple(EXTRA_ATTRIBUTES), "Scene field
 def sample_scene(rng: random.Random, **fixed: str) -> Scene:
     """A scene with every attribute drawn uniformly, except those given in `fixed`
     (e.g. sample_scene(rng, colour="red", shape="circle"))."""
-    values = {}
-    for name, choices in {**ATTRIBUTES, **EXTRA_ATTRIBUTES}.items():
-        if name in fixed:
-            assert fixed[name] in choices, f"{fixed[name]!r} is not a {name}; expected one of {choices}"
-            values[name] = fixed[name]
-        else:
-            values[name] = rng.choice(choices)
-    unknown = set(fixed) - set(values)
-    assert not unknown, f"unknown attributes {sorted(unknown)}; expected some of {SCENE_FIELDS}"
-    return Scene(**values)
+    assert all(fixed[name] in VALUES.get(name, ()) for name in fixed), f"{fixed}: not attribute values"
+    return Scene(**{name: fixed[name] if name in fixed else rng.choice(choices) for name, choices in VALUES.items()})
 
 
-# ------------------------------------------------------------------------------------------
-# 3. The renderer
-# ------------------------------------------------------------------------------------------
+# ---- 3. The renderer ---------------------------------------------------------------------
 # Everything is computed on a grid of pixel centres in [0, 1] x [0, 1], for a whole batch at
 # once (B images of S x S pixels). A shape is an inside/outside test in the object's own
 # coordinates (u, v) = (pixel - centre) / radius, so every shape fits in the unit disc and
@@ -239,9 +217,7 @@ def render(scene: Scene, seed: int, size: int = 32, style: str = "pretrain") -> 
     return render_batch([scene], np.random.default_rng(seed), size, style)[0]
 
 
-# ------------------------------------------------------------------------------------------
-# 4. Captions
-# ------------------------------------------------------------------------------------------
+# ---- 4. Captions -------------------------------------------------------------------------
 # One word order for everything: "<prefix> [size] [colour] [texture] <shape|object>
 # [at the <position>] [on a <background> background]". A caption names a chosen subset of
 # the attributes; the others are left out (a missing shape becomes "object"). The partial
@@ -262,13 +238,7 @@ def caption(scene: Scene, named: Optional[Iterable[str]] = None, prefix: str = "
     named = set(SCENE_FIELDS if named is None else named)
     unknown = named - set(SCENE_FIELDS)
     assert not unknown, f"cannot name {sorted(unknown)}; attributes are {SCENE_FIELDS}"
-    words = [prefix]
-    if "size" in named:
-        words.append(scene.size)
-    if "colour" in named:
-        words.append(scene.colour)
-    if "texture" in named:
-        words.append(scene.texture)
+    words = [prefix] + [scene.value(name) for name in ("size", "colour", "texture") if name in named]
     words.append(scene.shape if "shape" in named else "object")
     if "position" in named:
         words.append(f"at the {scene.position}")
@@ -284,10 +254,8 @@ def random_naming(rng: random.Random) -> set[str]:
 
     Why so many partial captions: an attribute is only *learned* from captions where it is
     what tells the images of a batch apart. In a full caption the easy attributes (colour,
-    texture) already single out the image; "a photo of a object at the top left" (one
-    attribute named) leaves position as the only thing to match on. The zero-shot prompts
-    are exactly such one-attribute captions.
-    """
+    texture) already single out the image; "a photo of a object at the top left" leaves
+    position as the only thing to match on (and the zero-shot prompts are such captions)."""
     core = list(ATTRIBUTES)
     kind = rng.randrange(3)
     if kind == 0:
@@ -316,14 +284,11 @@ def attribute_prompts(attribute: str, prefix: str = "a photo of a") -> list[str]
     """Zero-shot prompts for one attribute, one per value, in the table's order:
     attribute_prompts("texture") -> ["a photo of a solid object", "a photo of a striped
     object", ...]. Built with `caption` so they are exactly the training phrasing."""
-    values = {**ATTRIBUTES, **EXTRA_ATTRIBUTES}[attribute]
     template = Scene("red", "circle", "solid", "top left")
-    return [caption(Scene(**{**template.__dict__, attribute: value}), [attribute], prefix) for value in values]
+    return [caption(replace(template, **{attribute: value}), [attribute], prefix) for value in VALUES[attribute]]
 
 
-# ------------------------------------------------------------------------------------------
-# 5. The description bank (for the head analysis, docs/METHOD.md Sec. 3)
-# ------------------------------------------------------------------------------------------
+# ---- 5. The description bank (for the head analysis, docs/METHOD.md Sec. 3) --------------
 # dear.description_bank() speaks about real photos (bicycles, beaches); most of its words
 # mean nothing to the toy CLIP. This bank speaks the toy world's language: every phrase is
 # built from one concept's words and a few templates, so its concept is known by
@@ -347,31 +312,22 @@ _BANK_TEMPLATES = {
 def toy_bank() -> list[tuple[str, str, str]]:
     """Phrases about the toy world, each labelled with its concept and the value it names
     (text, concept, value): every value of every attribute in each of its concept's
-    templates, plus "scene" phrases that name two attributes at once. About 200 phrases, no
-    duplicates."""
-    bank, seen = [], set()
-
-    def add(text: str, concept: str, value: str) -> None:
-        if text not in seen:
-            seen.add(text)
-            bank.append((text, concept, value))
-
-    for concept, templates in _BANK_TEMPLATES.items():
-        for template in templates:
-            for value in {**ATTRIBUTES, **EXTRA_ATTRIBUTES}[concept]:
-                add(template.format(value), concept, value)
+    templates, plus "scene" phrases that name two attributes at once. 142 phrases, no
+    duplicates (the first concept to say a text keeps it)."""
+    phrases = [(template.format(value), concept, value) for concept, templates in _BANK_TEMPLATES.items()
+               for template in templates for value in VALUES[concept]]
     # Mixed phrases: colour + shape and texture + position, one of each pairing.
-    for colour, shape in zip(ATTRIBUTES["colour"], ATTRIBUTES["shape"] * 2):
-        add(f"a {colour} {shape}", "scene", f"{colour} {shape}")
-    for texture, position in zip(ATTRIBUTES["texture"], ATTRIBUTES["position"]):
-        add(f"a {texture} object at the {position}", "scene", f"{texture} {position}")
-    return bank
+    phrases += [(f"a {colour} {shape}", "scene", f"{colour} {shape}")
+                for colour, shape in zip(ATTRIBUTES["colour"], ATTRIBUTES["shape"] * 2)]
+    phrases += [(f"a {texture} object at the {position}", "scene", f"{texture} {position}")
+                for texture, position in zip(ATTRIBUTES["texture"], ATTRIBUTES["position"])]
+    bank: dict[str, tuple[str, str, str]] = {}
+    for entry in phrases:
+        bank.setdefault(entry[0], entry)
+    return list(bank.values())
 
 
-# ------------------------------------------------------------------------------------------
-# 6. The corpus the BPE is learned from
-# ------------------------------------------------------------------------------------------
-
+# ---- 6. The corpus the BPE is learned from -----------------------------------------------
 
 def corpus() -> list[str]:
     """Every text the toy CLIP will ever be asked to read: one caption per (prefix, period,
@@ -381,9 +337,9 @@ def corpus() -> list[str]:
     base = Scene("red", "circle", "solid", "top left", "small", "dark")
     for prefix in PREFIXES:
         for period in (False, True):
-            for attribute, values in {**ATTRIBUTES, **EXTRA_ATTRIBUTES}.items():
+            for attribute, values in VALUES.items():
                 for value in values:
-                    scene = Scene(**{**base.__dict__, attribute: value})
+                    scene = replace(base, **{attribute: value})
                     texts.append(caption(scene, [attribute], prefix, period))
                     texts.append(caption(scene, None, prefix, period))
     texts += [text for text, _, _ in toy_bank()]
@@ -391,9 +347,7 @@ def corpus() -> list[str]:
     return texts
 
 
-# ------------------------------------------------------------------------------------------
-# What a cache was drawn from
-# ------------------------------------------------------------------------------------------
+# ---- What a cache was drawn from ---------------------------------------------------------
 # The caches (pretrain.py's toy CLIP, task.py's images) record this fingerprint and are rebuilt
 # when it changes, so editing a colour, a radius, a style or a caption template never reuses a
 # model or a task drawn from the old world. It covers the tables above, not the drawing code:
