@@ -2,22 +2,12 @@
 toyworld -- a small world of drawn shapes, a tiny CLIP pretrained on it from scratch on a CPU,
 and a downstream task, so that the whole DeAR pipeline runs (and can be *measured*) offline.
 
-Why it exists (docs/METHOD.md Sec. 8): real CLIP weights and benchmark images cannot be fetched
-without a network, and even with them a laptop cannot ask "does a head that concept entropy
-calls 'colour' really carry colour?". Here it can: every image is drawn from known attribute
-values, so each claim of the method has a ground truth. What the toy world shows about real
-CLIP is only what it shows about its own small world.
+Why (docs/METHOD.md Sec. 8): real CLIP weights and benchmark images cannot be fetched without
+a network, and even with them one cannot ask "does a head that concept entropy calls 'colour'
+really carry colour?". Here one can: every image is drawn from known attribute values (colour,
+shape, texture, position; plus size and background), so each claim of the method has a ground
+truth. What the toy world shows about real CLIP is only what it shows about its own small world.
 
-The world (world.py): one object per image on a noisy grey background,
-    colour   red orange yellow green cyan blue purple pink
-    shape    circle square triangle diamond cross star
-    texture  solid striped dotted checkered
-    position top left, top right, bottom left, bottom right
-plus two non-core attributes (size: small/large, background: dark/light), with jittered size,
-position and colour. Captions name all or some of these ("a photo of a red striped circle at
-the top left", "a photo of a red object").
-
-The package, in the order `prepare` uses it:
     world.py     the attribute table, the renderer, captions, the description bank
     bpe.py       a byte-level BPE learned from the captions, in OpenAI's merges-file format
     pretrain.py  CLIP's contrastive pretraining of a tiny clip_model.CLIP; the cache; the
@@ -48,20 +38,19 @@ from typing import Callable, Optional
 
 __all__ = ["ToyAssets", "prepare", "causal_check", "SCALES"]
 
-# What each scale builds: the pretraining config (a key of pretrain.CONFIGS) and the task's
-# settings (task.TaskConfig fields). "full" is the lab (its model is shipped; building it again
-# takes ~11 minutes on 2 cores); "miniature" is for the tests (16 px, 2 layers, seconds).
+# What each scale builds: a key of pretrain.CONFIGS and task.TaskConfig's fields. "full" is the
+# lab (its model is shipped; building it again takes ~11 minutes on 2 cores); "miniature" is
+# for the tests (16 px, 2 layers, seconds).
 SCALES = {
     "full": {"pretrain": "full", "task": {"image_size": 48, "images_per_class": (32, 8, 30)}},
     "miniature": {"pretrain": "miniature", "task": {"image_size": 16, "images_per_class": (16, 4, 4)}},
 }
 
-# The submodules are imported where they are used, not here, so that `python -m toyworld.task`
-# (or .pretrain, .world, .bpe) runs its module once, without runpy's "found in sys.modules"
-# warning. `toyworld.causal_check` is looked up on first use (PEP 562).
-
 
 def __getattr__(name: str):
+    # The submodules are imported where they are used, so that `python -m toyworld.task` (or
+    # .pretrain, .world, .bpe) runs its module once, without runpy's "found in sys.modules"
+    # warning; `toyworld.causal_check` is looked up on first use (PEP 562).
     if name == "causal_check":
         from toyworld.causal import causal_check
 
@@ -86,24 +75,17 @@ class ToyAssets:
 
 def prepare(scale: str = "full", cache_dir: Optional[str] = None,
             log: Callable[[str], None] = print, rebuild: bool = False) -> ToyAssets:
-    """Find (or make) the toy CLIP and its BPE file, and make (or reuse) the downstream task;
-    return where they are.
+    """Find (or make) the toy CLIP and its BPE file, and make (or reuse) the downstream task.
 
-    The "full" model is shipped in toyworld/assets/full/ (checked by SHA-256): every user
-    gets the very model the README was measured on, in seconds. Other scales are built.
-    cache_dir: the cache root (default clip_model.default_cache_dir(), i.e. $CLIP_CACHE_DIR or
-    ~/.cache/clip-from-scratch); the task, and any model built here, go under
-    <cache_dir>/toyworld/<scale>/. A cache that is missing, incomplete, corrupt or made with
-    other settings is rebuilt, with a line saying why; a good one is reused (no retraining).
-    rebuild=True pretrains the model afresh in the cache (about 11 minutes for "full") and
-    returns that one instead of the shipped one.
-    """
+    The "full" model is the shipped one (toyworld/assets/full/, checked by SHA-256): every user
+    gets the very model the README was measured on. Other scales, and everything with
+    rebuild=True, are built in <cache_dir>/toyworld/<scale>/ (cache_dir: default
+    clip_model.default_cache_dir()), where the task is written too. A cache that is missing,
+    incomplete, corrupt or made with other settings is rebuilt, with a line saying why."""
     import runs
     from toyworld import world
-    from toyworld.pretrain import CONFIGS, pretrained_clip
+    from toyworld.pretrain import CONFIGS, cache_folder, pretrained_clip
     from toyworld.task import TaskConfig, write_task
-
-    from toyworld.pretrain import cache_folder
 
     if scale not in SCALES:
         raise ValueError(f"unknown toy world scale {scale!r}; expected one of {', '.join(SCALES)}")
