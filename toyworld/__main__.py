@@ -20,7 +20,6 @@ import sys
 import textwrap
 from typing import Optional
 
-import numpy as np
 import torch
 
 import clip_model
@@ -121,7 +120,7 @@ def main(argv=None) -> int:
         print(f"wrote {args.grid}")
     if args.causal:
         layers = len(model.visual.transformer.resblocks)
-        images, _ = draw_batch(random.Random(7), np.random.default_rng(7), 256, assets.image_size)
+        images, _ = draw_batch(7, 256, assets.image_size)
         roles = dear.analyze_heads(model, [images], tokenizer, assets.bank, assets.attributes,
                                    num_layers=min(2, layers), num_descriptions=10, log=lambda line: None)
         print(roles.table())

@@ -35,10 +35,8 @@ Try it:  python -m toyworld --scale miniature --causal
 from __future__ import annotations
 
 import contextlib
-import random
 from typing import Callable, Iterator, Optional, Sequence
 
-import numpy as np
 import torch
 
 import clip_model
@@ -165,8 +163,8 @@ def causal_check(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer, r
     decisive_key = "log_prob_drops" if measure == "log_prob" else "drops"
     clip = clip.eval()
     size = clip.visual.input_resolution
-    images, scenes = draw_batch(random.Random(seed), np.random.default_rng(seed), n_images, size, style)
-    reference, _ = draw_batch(random.Random(seed + 1), np.random.default_rng(seed + 1), n_images, size, style)
+    images, scenes = draw_batch(seed, n_images, size, style)
+    reference, _ = draw_batch(seed + 1, n_images, size, style)
     text = prompt_features(clip, tokenizer, attributes)  # the text side is never ablated
     baseline = zero_shot_scores(clip, images, scenes, text)
     means = mean_head_outputs(clip, reference, role_map.layers)

@@ -50,10 +50,8 @@ class PretrainConfig:
     name: str  # the cache folder's name
     # -- the model (clip_model.CLIP's constructor arguments, less the vocabulary) --
     image_size: int = 48  # pixels; the toy world draws at this size, no resizing anywhere
-    # 48 / 12 = a 4 x 4 grid of patches + CLS = 17 tokens, the same sequence as 32 px with
-    # patch 8, so the transformer costs the same; only the patch embedding and the renderer
-    # grow (about +7% per step). The extra pixels are for shape: at 32 px a small star was
-    # 8 pixels across and shape zero-shot stayed near 70%.
+    # 48 / 12 = 4 x 4 patches + CLS = 17 tokens, as 32 px with patch 8 (+7% per step), but at
+    # 32 px a small star was 8 pixels across and shape zero-shot stayed near 70%.
     patch_size: int = 12
     vision_width: int = 128
     vision_layers: int = 4
@@ -85,10 +83,6 @@ class PretrainConfig:
     log_every: int = 100  # steps between loss lines
     seed: int = 0
 
-    @property
-    def vision_heads(self) -> int:
-        return self.vision_width // self.head_width
-
 
 CONFIGS = {
     "full": PretrainConfig("full"),
@@ -112,7 +106,7 @@ def build_clip(config: PretrainConfig, vocab_size: int) -> clip_model.CLIP:
     model = clip_model.CLIP(
         embed_dim=config.embed_dim, image_resolution=config.image_size,
         vision_layers=config.vision_layers, vision_width=config.vision_width,
-        vision_patch_size=config.patch_size, vision_heads=config.vision_heads,
+        vision_patch_size=config.patch_size, vision_heads=config.vision_width // config.head_width,
         context_length=config.context_length, vocab_size=vocab_size,
         transformer_width=config.text_width, transformer_heads=config.text_width // config.head_width,
         transformer_layers=config.text_layers)
@@ -138,18 +132,17 @@ def to_model_input(images: np.ndarray) -> torch.Tensor:
     return (x - _MEAN) / _STD
 
 
-def draw_batch(scene_rng: random.Random, pixel_rng: np.random.Generator, n: int, size: int,
-               style: str = "pretrain") -> tuple[torch.Tensor, list[world.Scene]]:
-    """n fresh scenes and their images: ((n, 3, size, size) model input, scenes)."""
+def draw_batch(seed: int, n: int, size: int, style: str = "pretrain") -> tuple[torch.Tensor, list[world.Scene]]:
+    """n scenes drawn from `seed` and their images: ((n, 3, size, size) model input, scenes)."""
+    scene_rng = random.Random(seed)
     scenes = [world.sample_scene(scene_rng) for _ in range(n)]
-    return to_model_input(world.render_batch(scenes, pixel_rng, size, style)), scenes
+    return to_model_input(world.render_batch(scenes, np.random.default_rng(seed), size, style)), scenes
 
 
 def eval_set(config: PretrainConfig) -> tuple[torch.Tensor, list[world.Scene]]:
     """The fixed zero-shot evaluation images, from their own seed: every zero-shot line of a
     build, and its report, measure the same images."""
-    seed = 10_000 + config.seed
-    return draw_batch(random.Random(seed), np.random.default_rng(seed), config.eval_images, config.image_size)
+    return draw_batch(10_000 + config.seed, config.eval_images, config.image_size)
 
 
 def training_scenes(rng: random.Random, n: int, twin_share: float) -> list[world.Scene]:
@@ -261,81 +254,77 @@ def pretrain(config: PretrainConfig, tokenizer: clip_model.SimpleTokenizer,
     """Train a fresh CLIP on freshly drawn toy images for config.max_steps steps on
     config.threads threads; return it (eval mode). Logs a loss line every log_every steps (with
     the time left) and a zero-shot line every eval_every."""
-    with fixed_threads(config.threads):
-        return _pretrain(config, tokenizer, log)
+    with fixed_threads(config.threads):  # restored afterwards
+        torch.manual_seed(config.seed)
+        model = build_clip(config, tokenizer.vocab_size)
+        n_parameters = sum(p.numel() for p in model.parameters())
+        log(f"toy CLIP '{config.name}': {n_parameters:,} parameters; {config.image_size}px images, "
+            f"patch {config.patch_size}, vision {config.vision_layers} layers x "
+            f"{config.vision_width // config.head_width} heads of {config.head_width}, text "
+            f"{config.text_layers} layers, vocabulary {tokenizer.vocab_size}; "
+            f"{config.max_steps} steps of {config.batch_size} images on {config.threads} thread(s), "
+            f"{'bf16 autocast' if config.bf16 else 'fp32'}")
 
+        # No weight decay on gains, biases and the temperature (1-D tensors), as is usual, nor on
+        # the embeddings (timm's rule for pos_embed / cls_token): decay pulls the positional
+        # embedding towards zero, and with it the only thing that says where an object is.
+        embeddings = {id(model.visual.positional_embedding), id(model.visual.class_embedding),
+                      id(model.positional_embedding), id(model.token_embedding.weight)}
+        decay = [p for p in model.parameters() if p.ndim >= 2 and id(p) not in embeddings]
+        no_decay = [p for p in model.parameters() if p.ndim < 2 or id(p) in embeddings]
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                       {"params": no_decay, "weight_decay": 0.0}], lr=config.lr)
 
-def _pretrain(config: PretrainConfig, tokenizer: clip_model.SimpleTokenizer,
-              log: Callable[[str], None]) -> clip_model.CLIP:
-    torch.manual_seed(config.seed)
-    model = build_clip(config, tokenizer.vocab_size)
-    n_parameters = sum(p.numel() for p in model.parameters())
-    log(f"toy CLIP '{config.name}': {n_parameters:,} parameters; {config.image_size}px images, "
-        f"patch {config.patch_size}, vision {config.vision_layers} layers x {config.vision_heads} heads "
-        f"of {config.head_width}, text {config.text_layers} layers, vocabulary {tokenizer.vocab_size}; "
-        f"{config.max_steps} steps of {config.batch_size} images on {config.threads} thread(s), "
-        f"{'bf16 autocast' if config.bf16 else 'fp32'}")
+        scene_rng, pixel_rng = random.Random(config.seed), np.random.default_rng(config.seed)
+        eval_images, eval_scenes = eval_set(config)
+        expected = EXPECTED_SECONDS.get(config.name, 0.0)
+        start = time.time()
+        loss_sum, loss_count = 0.0, 0
+        for step in range(1, config.max_steps + 1):
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(config, step - 1)
 
-    # No weight decay on gains, biases and the temperature (1-D tensors), as is usual, nor on
-    # the embeddings (timm's rule for pos_embed / cls_token): decay pulls the positional
-    # embedding towards zero, and with it the only thing that says where an object is.
-    embeddings = {id(model.visual.positional_embedding), id(model.visual.class_embedding),
-                  id(model.positional_embedding), id(model.token_embedding.weight)}
-    decay = [p for p in model.parameters() if p.ndim >= 2 and id(p) not in embeddings]
-    no_decay = [p for p in model.parameters() if p.ndim < 2 or id(p) in embeddings]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=config.lr)
+            # A fresh batch: scenes, their images, and a caption per image naming random attributes.
+            scenes = training_scenes(scene_rng, config.batch_size, config.twin_share)
+            images = to_model_input(world.render_batch(scenes, pixel_rng, config.image_size))
+            named = [world.random_naming(scene_rng) for _ in scenes]
+            captions = [world.random_caption(scene, scene_rng, n) for scene, n in zip(scenes, named)]
+            positives = torch.tensor([[world.describes(scenes[j], named[j], scenes[i]) for j in range(len(scenes))]
+                                      for i in range(len(scenes))])  # (B, B): caption j true of image i
 
-    scene_rng, pixel_rng = random.Random(config.seed), np.random.default_rng(config.seed)
-    eval_images, eval_scenes = eval_set(config)
-    expected = EXPECTED_SECONDS.get(config.name, 0.0)
-    start = time.time()
-    loss_sum, loss_count = 0.0, 0
-    for step in range(1, config.max_steps + 1):
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(config, step - 1)
+            model.train()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
+                image_features = model.encode_image(images)  # (B, E)
+                text_features = model.encode_text(tokenizer.tokenize(captions, config.context_length))  # (B, E)
+            loss = contrastive_loss(image_features.float(), text_features.float(), model.logit_scale, positives)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            loss_sum, loss_count = loss_sum + loss.item(), loss_count + 1
 
-        # A fresh batch: scenes, their images, and a caption per image naming random attributes.
-        scenes = training_scenes(scene_rng, config.batch_size, config.twin_share)
-        images = to_model_input(world.render_batch(scenes, pixel_rng, config.image_size))
-        named = [world.random_naming(scene_rng) for _ in scenes]
-        captions = [world.random_caption(scene, scene_rng, n) for scene, n in zip(scenes, named)]
-        positives = torch.tensor([[world.describes(scenes[j], named[j], scenes[i]) for j in range(len(scenes))]
-                                  for i in range(len(scenes))])  # (B, B): caption j true of image i
-
-        model.train()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
-            image_features = model.encode_image(images)  # (B, E)
-            text_features = model.encode_text(tokenizer.tokenize(captions, config.context_length))  # (B, E)
-        loss = contrastive_loss(image_features.float(), text_features.float(), model.logit_scale, positives)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        loss_sum, loss_count = loss_sum + loss.item(), loss_count + 1
-
-        last = step == config.max_steps
-        if step % config.log_every == 0 or last:
-            elapsed = time.time() - start
-            left = (config.max_steps - step) * elapsed / step  # at the pace so far
-            log(f"  step {step:>5}/{config.max_steps}  loss {loss_sum / loss_count:.3f}  "
-                f"lr {optimizer.param_groups[0]['lr']:.2e}  scale {model.logit_scale.exp().item():5.1f}  "
-                f"{step * config.batch_size / elapsed:,.0f} images/s  {elapsed:.0f} s elapsed, ~{left:.0f} s left")
-            loss_sum, loss_count = 0.0, 0
-            if step == config.log_every and expected and left + elapsed > 1.5 * expected:
-                # Slow or busy machine: the build is not cut short (the model would differ),
-                # it takes longer. Say so once, early.
-                log(f"  this machine is running slower than the ~{expected / 60:.0f} minutes expected on "
-                    f"2 quiet cores: pretraining will take about {(left + elapsed) / 60:.0f} minutes "
-                    "(the same model either way)")
-        if step % config.eval_every == 0 or last:
-            model.eval()
-            accuracy = zero_shot_accuracy(model, tokenizer, eval_images, eval_scenes)
-            log("  zero-shot " + "  ".join(f"{name} {value:.0%}" for name, value in accuracy.items())
-                + f"  (chance: {'  '.join(f'{1 / len(v):.0%}' for v in world.ATTRIBUTES.values())})")
-    model.eval()
-    log(f"pretraining done: {config.max_steps} steps, {config.max_steps * config.batch_size:,} images, "
-        f"{time.time() - start:.0f} s")
-    return model
+            last = step == config.max_steps
+            if step % config.log_every == 0 or last:
+                elapsed = time.time() - start
+                left = (config.max_steps - step) * elapsed / step  # at the pace so far
+                log(f"  step {step:>5}/{config.max_steps}  loss {loss_sum / loss_count:.3f}  "
+                    f"lr {optimizer.param_groups[0]['lr']:.2e}  scale {model.logit_scale.exp().item():5.1f}  "
+                    f"{step * config.batch_size / elapsed:,.0f} images/s  {elapsed:.0f} s elapsed, ~{left:.0f} s left")
+                loss_sum, loss_count = 0.0, 0
+                if step == config.log_every and expected and left + elapsed > 1.5 * expected:
+                    # Slow or busy machine: the build is not cut short (the model would differ),
+                    # it takes longer. Say so once, early.
+                    log(f"  this machine is running slower than the ~{expected / 60:.0f} minutes expected on "
+                        f"2 quiet cores: pretraining will take about {(left + elapsed) / 60:.0f} minutes "
+                        "(the same model either way)")
+            if step % config.eval_every == 0 or last:
+                model.eval()
+                accuracy = zero_shot_accuracy(model, tokenizer, eval_images, eval_scenes)
+                log("  zero-shot " + "  ".join(f"{name} {value:.0%}" for name, value in accuracy.items())
+                    + f"  (chance: {'  '.join(f'{1 / len(v):.0%}' for v in world.ATTRIBUTES.values())})")
+        model.eval()
+        log(f"pretraining done: {config.max_steps} steps, {config.max_steps * config.batch_size:,} images, "
+            f"{time.time() - start:.0f} s")
+        return model
 
 
 # ---- 6. The cache ------------------------------------------------------------------------
