@@ -380,7 +380,7 @@ def test_ablation_hook_replaces_only_that_head_and_removing_it_restores_the_mode
     with torch.no_grad():
         plain = model.encode_image(images)
         clean_input = seen["x"]
-        with causal.ablate_head(model, layer=1, head=0, mean_output=means[1]):
+        with causal.ablate_heads(model, [(1, 0)], means):
             ablated = model.encode_image(images)
         ablated_input = seen["x"]
         restored = model.encode_image(images)

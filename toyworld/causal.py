@@ -9,11 +9,10 @@ attribute with partial-caption prompts ("a photo of a red object" vs "... blue o
 and compare the drop from the unablated model (what the head carried) with the head's role.
 
 What is measured per head and attribute: the drop in zero-shot *accuracy* (as a fraction:
-0.05 = 5 points) and the drop in the mean *log-probability* of the true value (in nats).
-Accuracy is the number one reports, but it saturates: when colour is recognised with 100%
-accuracy by a wide margin, removing one colour head rarely flips a prediction, even though
-it visibly lowers the model's confidence. So agreement is decided on the log-probability
-drops by default (measure="log_prob"); measure="accuracy" decides on accuracy instead.
+0.05 = 5 points) and in the mean *log-probability* of the true value (in nats). Accuracy
+saturates: when colour is recognised at 100% by a wide margin, removing one colour head rarely
+flips a prediction, though it visibly lowers the model's confidence. So agreement is decided on
+the log-probability drops by default (measure="log_prob"), or on accuracy (measure="accuracy").
 
 Agreement, as defined here (our choice; the paper runs no such test):
     A head's drops *single out* an attribute when its largest drop is at least `min_drop`
@@ -66,34 +65,28 @@ def mean_head_outputs(model: clip_model.CLIP, images: torch.Tensor, layers: Sequ
 
 
 @contextlib.contextmanager
-def ablate_head(model: clip_model.CLIP, layer: int, head: int, mean_output: torch.Tensor) -> Iterator[None]:
-    """Inside the block, head `head` of vision layer `layer` (0-based) outputs `mean_output`
-    (its (N, H*D) mean from mean_head_outputs; only the head's own D channels are used)
-    instead of what it computes. The hook is removed on leaving, whatever happens."""
-    attn = model.visual.transformer.resblocks[layer].attn
-    channels = slice(head * attn.head_dim, (head + 1) * attn.head_dim)
+def ablate_heads(model: clip_model.CLIP, heads: Sequence[tuple[int, int]],
+                 means: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Inside the block, each head of `heads` ((layer, head) pairs, 0-based, vision tower)
+    outputs its mean from mean_head_outputs (its own D channels of means[layer], (N, H*D))
+    instead of what it computes. Pre-hooks on one out_proj chain (each sees the previous
+    one's output), so heads of one layer combine. The hooks are removed on leaving."""
+    handles = []
+    for layer, head in heads:
+        attn = model.visual.transformer.resblocks[layer].attn
 
-    def replace(module, inputs):
-        merged = inputs[0].clone()  # (B, N, H*D): never write into the attention's own tensor
-        merged[..., channels] = mean_output[..., channels].to(merged.dtype)  # broadcast over B
-        return (merged,)
+        def replace(module, inputs, channels=slice(head * attn.head_dim, (head + 1) * attn.head_dim),
+                    mean_output=means[layer]):
+            merged = inputs[0].clone()  # (B, N, H*D): never write into the attention's own tensor
+            merged[..., channels] = mean_output[..., channels].to(merged.dtype)  # broadcast over B
+            return (merged,)
 
-    handle = attn.out_proj.register_forward_pre_hook(replace)
+        handles.append(attn.out_proj.register_forward_pre_hook(replace))
     try:
         yield
     finally:
-        handle.remove()
-
-
-@contextlib.contextmanager
-def ablate_heads(model: clip_model.CLIP, heads: Sequence[tuple[int, int]],
-                 means: dict[int, torch.Tensor]) -> Iterator[None]:
-    """Mean-ablate several heads at once ((layer, head) pairs, 0-based). Pre-hooks on one
-    out_proj chain (each sees the previous one's output), so heads of one layer combine."""
-    with contextlib.ExitStack() as stack:
-        for layer, head in heads:
-            stack.enter_context(ablate_head(model, layer, head, means[layer]))
-        yield
+        for handle in handles:
+            handle.remove()
 
 
 def head_groups(role_map: dear.RoleMap, attributes: Sequence[str]) -> list[dict]:
@@ -183,8 +176,6 @@ def causal_check(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer, r
     for entry in role_map.heads:
         row = {"layer": entry.layer, "head": entry.head, "role": entry.role, "attribute": entry.attribute,
                "entropy": entry.entropy, **ablated([(entry.layer, entry.head)])}
-        # Attribute heads agree when their attribute is singled out, generalization heads when
-        # none is; mixed heads are not scored.
         row["agrees"] = {"attribute": row["singled_out"] == entry.attribute,
                          "generalization": row["singled_out"] is None}.get(entry.role)
         rows.append(row)

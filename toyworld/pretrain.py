@@ -2,19 +2,18 @@
 toyworld/pretrain.py -- pretrain a tiny CLIP on the toy world from scratch, on a CPU, and keep it
 in a cache in OpenAI's formats.
 
-    1. configurations ...... PretrainConfig and its two scales: "full" (48x48 images, 4+3 layers
-                             of 8 heads, ~1.6M parameters, ~11 minutes) and "miniature" (tests)
-    2. data ................ images drawn fresh every batch, normalised as data.test_transform
-                             normalises a saved PNG, with their captions
+    1. configurations ...... "full" (48 px, 4+3 layers of 8 heads, ~1.6M parameters, ~11
+                             minutes) and "miniature" (the tests')
+    2. data ................ images drawn fresh every batch, with their captions
     3. zero-shot ........... per-attribute accuracy with partial-caption prompts
     4. the loss ............ CLIP's symmetric InfoNCE with a learnable, clamped temperature
     5. the training loop ... AdamW, warm-up then cosine, a fixed step budget, progress lines
     6. the cache ........... <cache>/toyworld/<config name>/{clip.pt, bpe.txt.gz, config.json}
     7. the shipped model ... toyworld/assets/full/, checked by SHA-256, used instead of pretraining
 
-The checkpoint is a plain `state_dict()` of `clip_model.CLIP` (OpenAI's key names), so train.py
-loads it with `clip_model.load(path, head_width=...)` as it loads ViT-B/16, and the tokenizer is
-`clip_model.SimpleTokenizer(bpe_path)`. Nothing downstream knows the model is a toy.
+The checkpoint is a plain `state_dict()` of `clip_model.CLIP` (OpenAI's key names): train.py
+loads it with `clip_model.load(path, head_width=...)` as it loads ViT-B/16. Nothing downstream
+knows the model is a toy.
 
 Try it:  python -m toyworld.pretrain --scale miniature              (a few seconds)
          python -m toyworld.pretrain --scale full --rebuild    (about 11 minutes on 2 cores)
@@ -126,8 +125,7 @@ _STD = torch.tensor(data.CLIP_STD).view(1, 3, 1, 1)
 
 def to_model_input(images: np.ndarray) -> torch.Tensor:
     """uint8 (B, S, S, 3) -> float (B, 3, S, S), exactly what data.test_transform(S) makes of
-    the same pixels saved as a PNG (Resize and CenterCrop to S are the identity at size S;
-    ToTensor divides by 255; Normalize uses CLIP's mean and std). A test checks it."""
+    the same pixels saved as a PNG (Resize and CenterCrop are the identity at size S)."""
     x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255.0  # (B, 3, S, S) in [0, 1]
     return (x - _MEAN) / _STD
 
@@ -208,16 +206,13 @@ def zero_shot_accuracy(model: clip_model.CLIP, tokenizer: clip_model.SimpleToken
 def contrastive_loss(image_features: torch.Tensor, text_features: torch.Tensor,
                      logit_scale: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
     """CLIP's loss (Radford et al. 2021, Fig. 3): cross-entropy over the batch in both
-    directions, image -> its caption and caption -> its image.
-
-    image_features, text_features: (B, E), not normalised; logit_scale: log of the temperature
-    s (CLIP clamps s at 100); positives: (B, B) bool, [i, j] = caption j is true of image i.
+    directions, image -> its caption and caption -> its image. image_features, text_features:
+    (B, E), not normalised; logit_scale: log of the temperature s (clamped at 100, as CLIP);
+    positives: (B, B) bool, [i, j] = caption j is true of image i.
 
     The one change from CLIP: a partial caption such as "a red object" is true of *every* red
-    image in the batch, and a one-hot target would push those true matches apart. So the
-    target of each row is spread evenly over its positives (the diagonal always is one); with
-    full captions of distinct scenes this is exactly CLIP's one-hot loss.
-    """
+    image in the batch, so each row's target is spread evenly over its positives (the diagonal
+    always is one) instead of one-hot; for distinct scenes' full captions it is CLIP's loss."""
     image_features = F.normalize(image_features, dim=-1)
     text_features = F.normalize(text_features, dim=-1)
     scale = logit_scale.clamp(max=math.log(100.0)).exp()
@@ -265,9 +260,9 @@ def pretrain(config: PretrainConfig, tokenizer: clip_model.SimpleTokenizer,
             f"{config.max_steps} steps of {config.batch_size} images on {config.threads} thread(s), "
             f"{'bf16 autocast' if config.bf16 else 'fp32'}")
 
-        # No weight decay on gains, biases and the temperature (1-D tensors), as is usual, nor on
-        # the embeddings (timm's rule for pos_embed / cls_token): decay pulls the positional
-        # embedding towards zero, and with it the only thing that says where an object is.
+        # No weight decay on 1-D tensors (gains, biases, the temperature), nor on the embeddings
+        # (timm's rule for pos_embed / cls_token): decay pulls the positional embedding, the only
+        # thing that says where an object is, towards zero.
         embeddings = {id(model.visual.positional_embedding), id(model.visual.class_embedding),
                       id(model.positional_embedding), id(model.token_embedding.weight)}
         decay = [p for p in model.parameters() if p.ndim >= 2 and id(p) not in embeddings]

@@ -80,29 +80,22 @@ def class_name(colour: str, shape: str) -> str:
 
 # ---- 2. Writing it -----------------------------------------------------------------------
 
-def _is_split(value) -> bool:
-    """The split file's shape: {"train"|"val"|"test": [[relative_path, label, classname], ...]}."""
-    return isinstance(value, dict) and all(
-        isinstance(entries, list) and all(isinstance(e, list) and e and isinstance(e[0], str) for e in entries)
-        for entries in value.values())
-
-
 def task_is_complete(data_root: str, config: TaskConfig) -> bool:
     """True if <data_root>/toyworld holds this config's task in full: its record matches and
-    every image the split lists exists."""
+    every image the split lists exists. Files that are missing, not JSON, or JSON of another
+    shape (the lookups below fail) mean False: the task is rebuilt."""
     folder = os.path.join(data_root, FOLDER)
     try:
         with open(os.path.join(folder, RECORD_FILE), encoding="utf-8") as f:
             record = json.load(f)
         with open(os.path.join(folder, SPLIT_FILE), encoding="utf-8") as f:
-            split = json.load(f)
-    except (OSError, ValueError, RecursionError):
+            split = json.load(f)  # {"train"|"val"|"test": [[relative_path, label, classname], ...]}
+        return (record["config"] == json.loads(json.dumps(asdict(config)))  # tuples -> lists, as stored
+                and record["world"] == world.fingerprint()  # not drawn from another version of world.py
+                and all(os.path.isfile(os.path.join(folder, IMAGE_DIR, entry[0]))
+                        for entries in split.values() for entry in entries))
+    except (OSError, ValueError, RecursionError, TypeError, KeyError, IndexError, AttributeError):
         return False
-    return (isinstance(record, dict) and _is_split(split)  # valid JSON, and of the right shape
-            and record.get("config") == json.loads(json.dumps(asdict(config)))  # tuples -> lists, as stored
-            and record.get("world") == world.fingerprint()  # not drawn from another version of world.py
-            and all(os.path.isfile(os.path.join(folder, IMAGE_DIR, entry[0]))
-                    for entries in split.values() for entry in entries))
 
 
 def _drawn(config: TaskConfig, label: int, split_index: int) -> list[tuple[str, world.Scene]]:

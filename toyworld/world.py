@@ -1,15 +1,11 @@
 """
 toyworld/world.py -- the toy world itself: what a scene is, how it is drawn, how it is described.
 
-    1. the attribute table ..... ATTRIBUTES (the four core attributes DeAR gets a token for) and
-                                 EXTRA_ATTRIBUTES (size, background: said, but no token)
+    1. the attribute table ..... ATTRIBUTES (one DeAR attribute token each), EXTRA_ATTRIBUTES
     2. scenes .................. Scene (the attribute values of one image), sample_scene(rng)
     3. the renderer ............ render / render_batch -> (size, size, 3) uint8 (numpy, vectorised)
-    4. captions ................ caption(scene, named=...) -> "a photo of a small red striped
-                                 circle at the top left on a dark background", or a partial one
-                                 ("a photo of a red object")
-    5. the description bank .... toy_bank() -> (text, concept, value) triples, each labelled with
-                                 its concept by construction (docs/METHOD.md Sec. 3)
+    4. captions ................ caption(scene, named=...) -> "a photo of a red object", ...
+    5. the description bank .... toy_bank(): (text, concept, value), labelled by construction
     6. the corpus .............. every caption word and bank phrase, for the BPE trainer
 
 Every image's attribute values are known, because the image is drawn from them: that is what
@@ -96,12 +92,9 @@ def sample_scene(rng: random.Random, **fixed: str) -> Scene:
 
 @dataclass(frozen=True)
 class Style:
-    """How the world is drawn (not *what*): background, noise, outline.
-
-    "pretrain" is the style the tiny CLIP learns from; "shifted" is the downstream task's: a
-    tinted, blotchy, noisier background and a dark outline, so that zero-shot CLIP meets
-    something it was not trained on and the task is not solved before training starts.
-    """
+    """How the world is drawn (not *what*). "pretrain" is the style the tiny CLIP learns from;
+    "shifted" is the downstream task's (tinted, blotchy, noisier, outlined), so that zero-shot
+    CLIP meets something it was not trained on and the task is not solved before training."""
 
     name: str
     noise: float  # std of the per-pixel Gaussian noise, in 0-255 units
@@ -218,11 +211,9 @@ def render(scene: Scene, seed: int, size: int = 32, style: str = "pretrain") -> 
 
 
 # ---- 4. Captions -------------------------------------------------------------------------
-# One word order for everything: "<prefix> [size] [colour] [texture] <shape|object>
-# [at the <position>] [on a <background> background]". A caption names a chosen subset of
-# the attributes; the others are left out (a missing shape becomes "object"). The partial
-# captions are what zero-shot prompts are made of: "a photo of a red object" asks about
-# colour only.
+# One word order: "<prefix> [size] [colour] [texture] <shape|object> [at the <position>]
+# [on a <background> background]", naming a chosen subset of the attributes. The partial
+# captions are the zero-shot prompts: "a photo of a red object" asks about colour only.
 
 PREFIXES = ("a photo of a", "a picture of a", "a")
 TEMPLATE = "a photo of a {}."  # the downstream task's prompt template (data.py's registry row)
@@ -236,8 +227,7 @@ def caption(scene: Scene, named: Optional[Iterable[str]] = None, prefix: str = "
     'a photo of a red object'
     """
     named = set(SCENE_FIELDS if named is None else named)
-    unknown = named - set(SCENE_FIELDS)
-    assert not unknown, f"cannot name {sorted(unknown)}; attributes are {SCENE_FIELDS}"
+    assert named <= set(SCENE_FIELDS), f"cannot name {sorted(named - set(SCENE_FIELDS))}; attributes are {SCENE_FIELDS}"
     words = [prefix] + [scene.value(name) for name in ("size", "colour", "texture") if name in named]
     words.append(scene.shape if "shape" in named else "object")
     if "position" in named:
@@ -289,12 +279,10 @@ def attribute_prompts(attribute: str, prefix: str = "a photo of a") -> list[str]
 
 
 # ---- 5. The description bank (for the head analysis, docs/METHOD.md Sec. 3) --------------
-# dear.description_bank() speaks about real photos (bicycles, beaches); most of its words
-# mean nothing to the toy CLIP. This bank speaks the toy world's language: every phrase is
-# built from one concept's words and a few templates, so its concept is known by
-# construction. size and background are the non-core concepts (no attribute token); the
-# "scene" concept holds phrases that name several attributes at once, so a head that mixes
-# everything has somewhere to spread.
+# dear.description_bank() speaks about real photos, in words that mean nothing to the toy CLIP.
+# This bank is built from one concept's words and a few templates per phrase, so its concept is
+# known by construction; size and background are non-core concepts, and "scene" phrases name
+# several attributes at once, so a head that mixes everything has somewhere to spread.
 
 _BANK_TEMPLATES = {
     "colour": ("a {} object", "something {}", "a photo of a {} object", "a picture of a {} object",
