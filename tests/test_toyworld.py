@@ -168,7 +168,7 @@ def test_saved_checkpoint_reloads_with_the_same_embeddings(tmp_path):
     write_bpe(world.corpus(), path)
     tokenizer = clip_model.SimpleTokenizer(path)
     config = pretrain.replace(pretrain.CONFIGS["miniature"], max_steps=3, eval_every=3, log_every=3)
-    model = pretrain.pretrain(config, tokenizer, log=lambda line: None)
+    model, _ = pretrain.pretrain(config, tokenizer, log=lambda line: None)
     torch.save(model.state_dict(), tmp_path / "clip.pt")
     loaded, preprocess = clip_model.load(str(tmp_path / "clip.pt"), head_width=config.head_width)
     images, _ = pretrain.draw_batch(0, 4, config.image_size)

@@ -69,7 +69,6 @@ class ToyAssets:
     attributes: list[str]  # the core attributes, in attribute-token order
     bank: list[tuple[str, str, str]]  # (text, concept, value) triples: the toy description bank for the head analysis
     image_size: int  # pixels; the model's input resolution
-    scale: str = "full"
     report: dict = field(default_factory=dict)  # pretraining figures (parameters, seconds, zero-shot)
 
 
@@ -105,4 +104,4 @@ def prepare(scale: str = "full", cache_dir: Optional[str] = None,
         write_task(data_root, task_config, log)
     return ToyAssets(weights=cached.weights, bpe=cached.bpe, head_width=cached.head_width,
                      data_root=data_root, attributes=list(world.ATTRIBUTES), bank=world.toy_bank(),
-                     image_size=config.image_size, scale=scale, report=cached.report)
+                     image_size=config.image_size, report=cached.report)

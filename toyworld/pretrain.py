@@ -22,14 +22,13 @@ Try it:  python -m toyworld.pretrain --scale miniature              (a few secon
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
 import random
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -137,12 +136,6 @@ def draw_batch(seed: int, n: int, size: int, style: str = "pretrain") -> tuple[t
     return to_model_input(world.render_batch(scenes, np.random.default_rng(seed), size, style)), scenes
 
 
-def eval_set(config: PretrainConfig) -> tuple[torch.Tensor, list[world.Scene]]:
-    """The fixed zero-shot evaluation images, from their own seed: every zero-shot line of a
-    build, and its report, measure the same images."""
-    return draw_batch(10_000 + config.seed, config.eval_images, config.image_size)
-
-
 def training_scenes(rng: random.Random, n: int, twin_share: float) -> list[world.Scene]:
     """n scenes for one training batch, shuffled: about twin_share of them in twin pairs (a
     scene and a copy with one core attribute redrawn), the rest drawn independently.
@@ -185,20 +178,11 @@ def zero_shot_scores(model: clip_model.CLIP, images: torch.Tensor, scenes: Seque
     scale = model.logit_scale.exp()
     result = {}
     for name, prompts in text.items():
-        values = world.VALUES[name]
-        truth = torch.tensor([values.index(scene.value(name)) for scene in scenes])  # (B,)
+        truth = torch.tensor([world.VALUES[name].index(scene.value(name)) for scene in scenes])  # (B,)
         log_probs = (scale * image_features @ prompts.T).log_softmax(dim=-1)  # (B, n_values)
         result[name] = {"accuracy": (log_probs.argmax(dim=-1) == truth).float().mean().item(),
                         "log_prob": log_probs.gather(1, truth[:, None]).mean().item()}
     return result
-
-
-def zero_shot_accuracy(model: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer,
-                       images: torch.Tensor, scenes: Sequence[world.Scene],
-                       attributes: Sequence[str] = tuple(world.ATTRIBUTES)) -> dict[str, float]:
-    """Per attribute: zero-shot accuracy with partial-caption prompts; images (B, 3, S, S)."""
-    scores = zero_shot_scores(model, images, scenes, prompt_features(model, tokenizer, attributes))
-    return {name: score["accuracy"] for name, score in scores.items()}
 
 
 # ---- 4. The loss: CLIP's symmetric InfoNCE -----------------------------------------------
@@ -233,23 +217,15 @@ def learning_rate(config: PretrainConfig, step: int) -> float:
     return config.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-@contextlib.contextmanager
-def fixed_threads(n: int) -> Iterator[None]:
-    """torch runs on exactly n threads inside the block; the caller's setting is restored."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def pretrain(config: PretrainConfig, tokenizer: clip_model.SimpleTokenizer,
-             log: Callable[[str], None] = print) -> clip_model.CLIP:
+             log: Callable[[str], None] = print) -> tuple[clip_model.CLIP, dict[str, float]]:
     """Train a fresh CLIP on freshly drawn toy images for config.max_steps steps on
-    config.threads threads; return it (eval mode). Logs a loss line every log_every steps (with
-    the time left) and a zero-shot line every eval_every."""
-    with fixed_threads(config.threads):  # restored afterwards
+    config.threads threads (the caller's count is restored); return it (eval mode) and its last
+    zero-shot accuracy per attribute. Logs a loss line every log_every steps (with the time
+    left) and a zero-shot line every eval_every."""
+    callers_threads = torch.get_num_threads()
+    torch.set_num_threads(config.threads)
+    try:
         torch.manual_seed(config.seed)
         model = build_clip(config, tokenizer.vocab_size)
         n_parameters = sum(p.numel() for p in model.parameters())
@@ -271,10 +247,11 @@ def pretrain(config: PretrainConfig, tokenizer: clip_model.SimpleTokenizer,
                                        {"params": no_decay, "weight_decay": 0.0}], lr=config.lr)
 
         scene_rng, pixel_rng = random.Random(config.seed), np.random.default_rng(config.seed)
-        eval_images, eval_scenes = eval_set(config)
+        # A fixed evaluation set from its own seed: every zero-shot line measures the same images.
+        eval_images, eval_scenes = draw_batch(10_000 + config.seed, config.eval_images, config.image_size)
         expected = EXPECTED_SECONDS.get(config.name, 0.0)
         start = time.time()
-        loss_sum, loss_count = 0.0, 0
+        loss_sum, loss_count, accuracy = 0.0, 0, {}
         for step in range(1, config.max_steps + 1):
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(config, step - 1)
@@ -313,13 +290,17 @@ def pretrain(config: PretrainConfig, tokenizer: clip_model.SimpleTokenizer,
                         "(the same model either way)")
             if step % config.eval_every == 0 or last:
                 model.eval()
-                accuracy = zero_shot_accuracy(model, tokenizer, eval_images, eval_scenes)
+                text = prompt_features(model, tokenizer, world.ATTRIBUTES)
+                scores = zero_shot_scores(model, eval_images, eval_scenes, text)
+                accuracy = {name: score["accuracy"] for name, score in scores.items()}
                 log("  zero-shot " + "  ".join(f"{name} {value:.0%}" for name, value in accuracy.items())
                     + f"  (chance: {'  '.join(f'{1 / len(v):.0%}' for v in world.ATTRIBUTES.values())})")
         model.eval()
         log(f"pretraining done: {config.max_steps} steps, {config.max_steps * config.batch_size:,} images, "
             f"{time.time() - start:.0f} s")
-        return model
+        return model, accuracy
+    finally:
+        torch.set_num_threads(callers_threads)
 
 
 # ---- 6. The cache ------------------------------------------------------------------------
@@ -391,10 +372,8 @@ def pretrained_clip(config: PretrainConfig, cache_dir: Optional[str] = None,
     assert tokenizer.vocab_size == vocab_size, f"BPE file gives {tokenizer.vocab_size} ids, expected {vocab_size}"
 
     started = time.time()
-    model = pretrain(config, tokenizer, log)
+    model, zero_shot = pretrain(config, tokenizer, log)  # the last zero-shot line's figures
     seconds = time.time() - started
-    with fixed_threads(config.threads):
-        zero_shot = zero_shot_accuracy(model, tokenizer, *eval_set(config))
     # The result depends on the settings and the torch build (and the CPU's kernels: README)
     # only; the seconds are this machine's, informative.
     report = {"parameters": sum(p.numel() for p in model.parameters()), "steps": config.max_steps,
