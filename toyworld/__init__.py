@@ -2,18 +2,15 @@
 toyworld -- a small world of drawn shapes, a tiny CLIP pretrained on it from scratch on a CPU,
 and a downstream task, so that the whole DeAR pipeline runs (and can be *measured*) offline.
 
-Why (docs/METHOD.md Sec. 8): real CLIP weights and benchmark images cannot be fetched without
-a network, and even with them one cannot ask "does a head that concept entropy calls 'colour'
-really carry colour?". Here one can: every image is drawn from known attribute values (colour,
-shape, texture, position; plus size and background), so each claim of the method has a ground
-truth. What the toy world shows about real CLIP is only what it shows about its own small world.
+Why (docs/METHOD.md Sec. 8): with real CLIP one cannot ask "does a head that concept entropy
+calls 'colour' really carry colour?". Here one can: every image is drawn from known attribute
+values, so each claim of the method has a ground truth (about this small world only).
 
     world.py     the attribute table, the renderer, captions, the description bank
     bpe.py       a byte-level BPE learned from the captions, in OpenAI's merges-file format
     pretrain.py  CLIP's contrastive pretraining of a tiny clip_model.CLIP; the cache; the
                  shipped model (assets/full/, checked by SHA-256)
-    task.py      the downstream task (colour x shape classes, shifted drawing style) in
-                 CoOp's layout, read by data.py's "toyworld" registry row
+    task.py      the downstream task in CoOp's layout (data.py's "toyworld" registry row)
     causal.py    mean-ablation of each head vs its concept-entropy role
     __main__.py  python -m toyworld: prepare and show what was made
 
@@ -48,9 +45,8 @@ SCALES = {
 
 
 def __getattr__(name: str):
-    # The submodules are imported where they are used, so that `python -m toyworld.task` (or
-    # .pretrain, .world, .bpe) runs its module once, without runpy's "found in sys.modules"
-    # warning; `toyworld.causal_check` is looked up on first use (PEP 562).
+    # `toyworld.causal_check`, imported on first use (PEP 562): importing the submodules here
+    # would make `python -m toyworld.pretrain` (.world, ...) run its module twice.
     if name == "causal_check":
         from toyworld.causal import causal_check
 

@@ -7,9 +7,6 @@ python -m toyworld -- prepare the toy world (or find it in the cache) and show w
     python -m toyworld --grid samples.png            # a grid of images with their captions
     python -m toyworld --rebuild                     # pretrain the full model again (~11 minutes)
                                                      # and say whether it is the shipped one
-
-Prints the paths train.py uses, the pretraining figures, the task's zero-shot accuracy (base and
-novel classes), and with --causal the head analysis and the ablation table.
 """
 
 from __future__ import annotations
@@ -28,7 +25,7 @@ import data
 import dear
 import toyworld
 from toyworld import world
-from toyworld.pretrain import draw_batch
+from toyworld.pretrain import compare_with_shipped, draw_batch
 from toyworld.task import zero_shot_on_task
 
 
@@ -104,8 +101,6 @@ def main(argv=None) -> int:
           f"{len({dear.Description(*d).concept for d in assets.bank})} concepts")
     print(f"pretraining {assets.report}")
     if args.rebuild:
-        from toyworld.pretrain import compare_with_shipped
-
         print(f"rebuilt     {compare_with_shipped(assets.weights, assets.bpe, toyworld.SCALES[args.scale]['pretrain'])}")
 
     model, _ = clip_model.load(assets.weights, head_width=assets.head_width)
@@ -119,10 +114,9 @@ def main(argv=None) -> int:
         save_grid(args.grid, assets.image_size)
         print(f"wrote {args.grid}")
     if args.causal:
-        layers = len(model.visual.transformer.resblocks)
         images, _ = draw_batch(7, 256, assets.image_size)
-        roles = dear.analyze_heads(model, [images], tokenizer, assets.bank, assets.attributes,
-                                   num_layers=min(2, layers), num_descriptions=10, log=lambda line: None)
+        roles = dear.analyze_heads(model, [images], tokenizer, assets.bank, assets.attributes, log=lambda line: None,
+                                   num_layers=min(2, len(model.visual.transformer.resblocks)), num_descriptions=10)
         print(roles.table())
         print(toyworld.causal_check(model, tokenizer, roles)["table"])
     return 0

@@ -7,10 +7,8 @@ OpenAI's merges-file format so that `clip_model.SimpleTokenizer(path)` reads it 
                             pairs over the corpus's words, merge the most frequent, repeat
     3. the file ........... "#version: ..." then one "left right" merge per line, gzipped
 
-Why learn one: CLIP's own 49k-merge file is not available offline, and 49,408 token
-embeddings would be most of a 1M-parameter model. A BPE learned from our ~60 words has a few
-hundred merges and spells every corpus word as one token; the toy CLIP's vocabulary is then
-512 (bytes, and bytes ending a word) + merges + 2 special tokens.
+Why learn one: CLIP's own 49k-merge file is not available offline, and 49,408 token embeddings
+would be most of a 1M-parameter model. Ours has a few hundred merges, one token per corpus word.
 
 Try it:  python -m toyworld.bpe /tmp/toy_bpe.txt.gz
 """

@@ -25,8 +25,7 @@ Agreement, as defined here (our choice; the paper runs no such test):
 
 How the ablation works: clip_model's attention puts the heads side by side, (B, N, H*D), right
 before `attn.out_proj` mixes them, so head h's output is channels [h*D, (h+1)*D) of out_proj's
-*input*. A forward pre-hook on out_proj reads or overwrites exactly that slice; removing the
-hook restores the model exactly. train.py runs the check after each toy-world head analysis.
+*input*, which a forward pre-hook reads or overwrites; removing the hook restores the model.
 
 Try it:  python -m toyworld --scale miniature --causal
 """
@@ -90,15 +89,12 @@ def ablate_heads(model: clip_model.CLIP, heads: Sequence[tuple[int, int]],
 
 
 def head_groups(role_map: dear.RoleMap, attributes: Sequence[str]) -> list[dict]:
-    """The groups ablated together: all heads of one role, and all heads concept entropy
-    names for one attribute. Why groups: when colour is carried by three heads, removing any
-    one of them costs little, and single-head ablation cannot tell "redundant" from "absent";
-    removing the three together can.
-
-    Each group: {"name", "heads": [(layer, head)], "expects": the attribute its removal
-    should single out, None for "no attribute" (generalization heads), or "-" (not scored:
-    mixed heads, and all attribute heads together, which span several attributes)}. Empty
-    groups are left out."""
+    """The groups ablated together: all heads of one role, and all heads concept entropy names
+    for one attribute. Why: when three heads carry colour, removing one costs little, and
+    single-head ablation cannot tell "redundant" from "absent"; removing the three can.
+    Each non-empty group: {"name", "heads": [(layer, head)], "expects": the attribute its
+    removal should single out, None for none (generalization heads), or "-" (not scored:
+    mixed heads, and all attribute heads together, which span several attributes)}."""
     groups = []
     for role, expects in (("attribute", "-"), ("generalization", None), ("mixed", "-")):
         members = [(h.layer, h.head) for h in role_map.heads if h.role == role]
@@ -138,10 +134,7 @@ def causal_check(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer, r
                  min_drop: Optional[float] = None, dominance: float = 2.0,
                  log: Callable[[str], None] = print) -> dict:
     """Mean-ablate every head the RoleMap covers, and groups of them, and compare the drops
-    with the roles.
-
-    Images are drawn fresh from the toy world (n_images to evaluate on, another n_images as the
-    reference for the means), at the model's own resolution and in `style`.
+    with the roles, on n_images fresh toy images in `style` (another n_images for the means).
     Returns {"baseline": {attribute: {"accuracy", "log_prob"}}, "heads": [one dict per head:
     layer (0-based), head, role, attribute, entropy, drops {attribute: accuracy lost, as a
     fraction}, log_prob_drops {attribute: nats lost}, top_attribute (largest drop by

@@ -304,10 +304,9 @@ def pretrain(config: PretrainConfig, tokenizer: clip_model.SimpleTokenizer,
 
 
 # ---- 6. The cache ------------------------------------------------------------------------
-# <cache>/toyworld/<name>/: bpe.txt.gz (OpenAI's merges format) first, then clip.pt
-# (clip_model.save: OpenAI's keys, float32, plus the head counts and the activation), then
-# config.json (the config, the world's fingerprint, the report). Every file is written
-# atomically, so a folder whose config.json matches the current settings is complete.
+# <cache>/toyworld/<name>/: bpe.txt.gz, then clip.pt (clip_model.save), then config.json (the
+# config, the world's fingerprint, the report). Every file is written atomically, so a folder
+# whose config.json matches the current settings is complete.
 
 
 @dataclass
@@ -374,8 +373,7 @@ def pretrained_clip(config: PretrainConfig, cache_dir: Optional[str] = None,
     started = time.time()
     model, zero_shot = pretrain(config, tokenizer, log)  # the last zero-shot line's figures
     seconds = time.time() - started
-    # The result depends on the settings and the torch build (and the CPU's kernels: README)
-    # only; the seconds are this machine's, informative.
+    # The model depends on the settings, the torch build and the CPU's kernels only (README).
     report = {"parameters": sum(p.numel() for p in model.parameters()), "steps": config.max_steps,
               "images": config.max_steps * config.batch_size, "threads": config.threads,
               "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -394,11 +392,10 @@ def pretrained_clip(config: PretrainConfig, cache_dir: Optional[str] = None,
 
 
 # ---- 7. The shipped model ----------------------------------------------------------------
-# The "full" model's last bits depend on the CPU it was built on: torch's own kernels
-# (ATEN_CPU_CAPABILITY) and MKL's matrix products add in another order on another instruction
-# set, and 3,200 steps turn 1e-7 into another model (README, "Same model everywhere"). So the
-# repository ships the model the README was measured on, in the cache's layout, checked by
-# the SHA-256s below; `python -m toyworld --rebuild` builds it again and says if it matches.
+# A build's last bits depend on the CPU: torch's kernels (ATEN_CPU_CAPABILITY) and MKL add in
+# another order on another instruction set, and 3,200 steps turn 1e-7 into another model
+# (README, "Same model everywhere"). So the repository ships the model the README was measured
+# on, in the cache's layout; `python -m toyworld --rebuild` builds it again and compares.
 
 SHIPPED_FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 SHIPPED_SHA256 = {
@@ -414,10 +411,10 @@ def _shipped_record(name: str) -> dict:
 
 
 def shipped_clip(config: PretrainConfig, log: Callable[[str], None] = print) -> Optional[CachedCLIP]:
-    """The shipped model for `config` (toyworld/assets/<name>/), its files checked by
-    SHA-256; None when none is shipped for it, or when the shipped one was made with other
-    settings or another world (then it is built, as before shipping). A shipped file that is
-    missing or altered is an error: silently building another model is what shipping avoids."""
+    """The shipped model for `config` (toyworld/assets/<name>/), its files checked by SHA-256;
+    None when none is shipped for it or it was made with other settings or another world. A
+    shipped file missing or altered is an error: silently building another model is what
+    shipping avoids."""
     if config.name not in SHIPPED_SHA256:
         return None
     folder = os.path.join(SHIPPED_FOLDER, config.name)

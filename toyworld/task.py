@@ -2,19 +2,15 @@
 toyworld/task.py -- the downstream task: a few-shot classification dataset written to disk in
 CoOp's layout, so data.py reads it (registry row "toyworld") like any benchmark dataset.
 
-    1. the classes ...... colour x shape combinations ("red circle"), ordered so that data.py's
-                          base/novel rule (first ceil(n/2) labels are base) makes the novel
-                          classes *unseen combinations* of colours and shapes the base classes
-                          use: the toy version of base-to-novel generalisation
+    1. the classes ...... colour x shape combinations ("red circle"); the novel classes are
+                          *unseen combinations* of the base classes' colours and shapes
     2. writing it ....... <data_root>/toyworld/images/<class>/<split>_<n>.png and
-                          split_toyworld.json, {"train"|"val"|"test": [[path relative to
-                          images/, label, class name], ...]}, built in a temporary folder and
-                          renamed into place; reused when complete
+                          split_toyworld.json, built in a temporary folder and renamed into
+                          place; reused when complete
 
-Why it is not trivial for the toy CLIP: the images are drawn in the *shifted* style (tinted,
-blotchy, noisier backgrounds, outlined shapes; world.STYLES) that pretraining never saw, and
-vary in texture, position, size and background, which the class name does not mention. So
-zero-shot accuracy is well below 100% (README), leaving room for prompt learning.
+Why it is not trivial for the toy CLIP: the images are drawn in the *shifted* style that
+pretraining never saw (world.STYLES), and vary in texture, position, size and background,
+which the class name does not mention: zero-shot accuracy is well below 100% (README).
 
 Try it:  python -m toyworld.task /tmp/toydata && python data.py --root /tmp/toydata --dataset toyworld --shots 16
 """
@@ -66,12 +62,10 @@ def class_table(config: TaskConfig) -> list[tuple[str, str, bool]]:
     """
     cells = [(colour, shape, (ci + si) % 2 == 0)
              for ci, colour in enumerate(config.colours) for si, shape in enumerate(config.shapes)]
-    base = [cell for cell in cells if cell[2]]
-    novel = [cell for cell in cells if not cell[2]]
-    assert len(base) == math.ceil(len(cells) / 2), (
-        f"{len(base)} base cells of {len(cells)}; use an even number of shapes or colours so the "
-        "chess board splits in half")
-    return base + novel
+    n_base = sum(cell[2] for cell in cells)
+    assert n_base == math.ceil(len(cells) / 2), (
+        f"{n_base} base cells of {len(cells)}; use an even number of shapes or colours so the chess board splits in half")
+    return sorted(cells, key=lambda cell: not cell[2])  # stable: base cells first, each in grid order
 
 
 def class_name(colour: str, shape: str) -> str:
@@ -123,12 +117,8 @@ def split_scenes(data_root: str, split_name: str = "test") -> dict:
 def write_task(data_root: str, config: TaskConfig = TaskConfig(),
                log: Callable[[str], None] = print) -> str:
     """Write the task under `data_root` unless it is already there and complete; return
-    <data_root>/toyworld.
-
-    Everything is written into a temporary folder next to the target and renamed into place
-    at the end, so an interrupted run never leaves a half task that looks complete. An
-    incomplete or differently configured folder is removed and rebuilt.
-    """
+    <data_root>/toyworld. It is written into a temporary folder renamed into place at the end,
+    so an interrupted run never leaves a half task that looks complete."""
     target = os.path.join(data_root, FOLDER)
     if task_is_complete(data_root, config):
         log(f"toy task: reusing {target}")

@@ -84,10 +84,9 @@ def sample_scene(rng: random.Random, **fixed: str) -> Scene:
 
 
 # ---- 3. The renderer ---------------------------------------------------------------------
-# Everything is computed on a grid of pixel centres in [0, 1] x [0, 1], for a whole batch at
-# once (B images of S x S pixels). A shape is an inside/outside test in the object's own
-# coordinates (u, v) = (pixel - centre) / radius, so every shape fits in the unit disc and
-# jittering the radius or centre moves and scales it for free.
+# A whole batch (B images of S x S pixels) at once, on a grid of pixel centres in [0, 1]^2. A
+# shape is an inside test in the object's coordinates (u, v) = (pixel - centre) / radius, so
+# every shape fits in the unit disc and jittering the radius or centre comes for free.
 
 
 @dataclass(frozen=True)
@@ -318,9 +317,8 @@ def toy_bank() -> list[tuple[str, str, str]]:
 # ---- 6. The corpus the BPE is learned from -----------------------------------------------
 
 def corpus() -> list[str]:
-    """Every text the toy CLIP will ever be asked to read: one caption per (prefix, period,
-    value of each attribute, named alone or all together), the bank, the task's prompt
-    template. The BPE only needs the *words*, so listing each word in context is enough."""
+    """Every word the toy CLIP will ever read, in context (all the BPE needs): one caption per
+    (prefix, period, value, named alone or with all), the bank, the task's prompt template."""
     texts = []
     base = Scene("red", "circle", "solid", "top left", "small", "dark")
     for prefix in PREFIXES:
@@ -337,9 +335,8 @@ def corpus() -> list[str]:
 
 # ---- What a cache was drawn from ---------------------------------------------------------
 # The caches (pretrain.py's toy CLIP, task.py's images) record this fingerprint and are rebuilt
-# when it changes, so editing a colour, a radius, a style or a caption template never reuses a
-# model or a task drawn from the old world. It covers the tables above, not the drawing code:
-# a change to how render_batch or caption work must bump WORLD_VERSION by hand.
+# when it changes. It covers the tables above, not the drawing code: a change to how
+# render_batch or caption work must bump WORLD_VERSION by hand.
 WORLD_VERSION = 2  # 1: 32 px world, clock-stopped pretraining; 2: 48 px, larger objects, twins
 
 
