@@ -29,7 +29,6 @@ _BYTE_ENCODER = clip_model.bytes_to_unicode()  # byte value -> printable charact
 
 
 # ---- 1. Pre-tokenisation: exactly what SimpleTokenizer.encode does before its merges -----
-
 def words_of(text: str) -> list[str]:
     """Text -> the words SimpleTokenizer would apply merges to, each spelled in
     bytes_to_unicode characters ("a red circle." -> ["a", "red", "circle", "."])."""
@@ -39,7 +38,6 @@ def words_of(text: str) -> list[str]:
 
 
 # ---- 2. Training -------------------------------------------------------------------------
-
 def train_bpe(texts: Iterable[str], max_merges: int = 2000) -> list[tuple[str, str]]:
     """Learn merges from `texts`, most useful first.
 
@@ -67,7 +65,6 @@ def train_bpe(texts: Iterable[str], max_merges: int = 2000) -> list[tuple[str, s
 
 
 # ---- 3. The merges file (OpenAI's bpe_simple_vocab_16e6.txt.gz format) -------------------
-
 def write_bpe(texts: Iterable[str], path: str) -> int:
     """Learn merges from `texts` and write them to `path` (gzipped if it ends in .gz),
     atomically. Returns the vocabulary size SimpleTokenizer will have: 512 + merges + 2."""

@@ -44,7 +44,6 @@ from toyworld.pretrain import draw_batch, prompt_features, zero_shot_scores
 
 
 # ---- 1. Reading and replacing one head's output ------------------------------------------
-
 @torch.no_grad()
 def mean_head_outputs(model: clip_model.CLIP, images: torch.Tensor, layers: Sequence[int]) -> dict[int, torch.Tensor]:
     """For each layer, the mean over `images` of out_proj's input: (N, H*D), i.e. every
@@ -106,7 +105,6 @@ def head_groups(role_map: dear.RoleMap, attributes: Sequence[str]) -> list[dict]
 
 
 # ---- 2. The check ------------------------------------------------------------------------
-
 def _selectivity(decisive: dict[str, float], attribute: str) -> float:
     """How much more removing a unit costs `attribute` than any other attribute:
     drop(attribute) - max drop(other) (negative drops count as 0)."""
@@ -176,13 +174,11 @@ def causal_check(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer, r
     # The same for groups of heads removed together: the groups concept entropy defines, and,
     # per attribute, the heads whose own ablation singles it out (the group ablation itself
     # would name; not scored, it is the yardstick).
-    by_ablation = []
-    for attribute in attributes:
-        members = [(row["layer"], row["head"]) for row in rows if row["singled_out"] == attribute]
-        if members:
-            by_ablation.append({"name": f"{attribute} heads (ablation)", "heads": members, "expects": "-"})
+    by_ablation = [{"name": f"{attribute} heads (ablation)",
+                    "heads": [(row["layer"], row["head"]) for row in rows if row["singled_out"] == attribute],
+                    "expects": "-"} for attribute in attributes]
     groups = []
-    for group in head_groups(role_map, attributes) + by_ablation:
+    for group in head_groups(role_map, attributes) + [group for group in by_ablation if group["heads"]]:
         unit = ablated(group["heads"])
         agrees = None if group["expects"] == "-" else unit["singled_out"] == group["expects"]
         groups.append({**group, **unit, "agrees": agrees})
@@ -210,17 +206,14 @@ def causal_check(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer, r
 
 
 # ---- 3. The table ------------------------------------------------------------------------
-
 def _percent(rate: Optional[float]) -> str:
     return "n/a" if rate is None else f"{rate:.0%}"
 
 
-def _role(row: dict) -> str:
-    return row["role"] + (f":{row['attribute']}" if row["attribute"] else "")
-
-
-def _role_and_entropy(row: dict) -> str:
-    return _role(row) + ("" if row["entropy"] is None else f" ({row['entropy']:.2f} b)")
+def _role(row: dict, entropy: bool = False) -> str:
+    """"attribute:colour", with " (0.85 b)" when `entropy` and the row has one."""
+    named = row["role"] + (f":{row['attribute']}" if row["attribute"] else "")
+    return named + ("" if not entropy or row["entropy"] is None else f" ({row['entropy']:.2f} b)")
 
 
 def causal_table(result: dict, attributes: Sequence[str]) -> str:
@@ -236,7 +229,7 @@ def causal_table(result: dict, attributes: Sequence[str]) -> str:
     lines.append("| baseline | | | " + " | ".join(
         f"{result['baseline'][a]['accuracy']:.0%} acc, {result['baseline'][a]['log_prob']:.2f} nats"
         for a in attributes) + " | | | |")
-    lines += [f"| {row['layer'] + 1} | {row['head']} | {_role_and_entropy(row)} | " + cells(row)
+    lines += [f"| {row['layer'] + 1} | {row['head']} | {_role(row, entropy=True)} | " + cells(row)
               for row in result["heads"]]
     lines += ["", "| group (removed together) | heads | " + columns, "|" + "---|" * (5 + len(attributes))]
     lines += [f"| {group['name']} | {len(group['heads'])} | " + cells(group) for group in result["groups"]]
@@ -244,7 +237,7 @@ def causal_table(result: dict, attributes: Sequence[str]) -> str:
     # concept entropy calls them.
     lines += ["", "| head ablation singles out (layer.head, 1-based) | attribute | concept entropy names it |",
               "|---|---|---|"]
-    lines += [f"| {row['layer'] + 1}.{row['head']} | {row['singled_out']} | {_role_and_entropy(row)}"
+    lines += [f"| {row['layer'] + 1}.{row['head']} | {row['singled_out']} | {_role(row, entropy=True)}"
               f"{' (named for it)' if row['attribute'] == row['singled_out'] else ''} |"
               for row in result["heads"] if row["singled_out"]]
     lines += ["", "| attribute | most selective head or group | drop minus largest other drop | singled out |",

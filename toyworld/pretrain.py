@@ -41,8 +41,8 @@ from toyworld.bpe import write_bpe
 
 CACHE_FORMAT = "dear-from-scratch toy CLIP cache, version 1"
 
-# ---- 1. Configurations -------------------------------------------------------------------
 
+# ---- 1. Configurations -------------------------------------------------------------------
 @dataclass(frozen=True)
 class PretrainConfig:
     name: str  # the cache folder's name
@@ -55,8 +55,7 @@ class PretrainConfig:
     vision_layers: int = 4
     text_width: int = 128
     text_layers: int = 3
-    # Both towers: width / head_width heads. 8 heads of 16 rather than 4 of 32: more, narrower
-    # heads leave each head room for fewer things, which is what lets some specialise.
+    # Both towers: width / head_width heads; 8 of 16 rather than 4 of 32 lets some specialise.
     head_width: int = 16
     embed_dim: int = 128
     context_length: int = 24  # the longest caption is 17 tokens + start and end
@@ -84,8 +83,7 @@ class PretrainConfig:
 
 CONFIGS = {
     "full": PretrainConfig("full"),
-    # For the tests: 16 x 16 pixels, 2 + 1 layers of width 64, a few dozen steps. It learns
-    # almost nothing; it exists so every code path runs in seconds.
+    # For the tests: 16 px, 2 + 1 layers of width 64, 30 steps: it learns almost nothing, in seconds.
     "miniature": PretrainConfig(
         "miniature", image_size=16, patch_size=4, vision_width=64, vision_layers=2, text_width=64,
         text_layers=1, head_width=32, embed_dim=64, batch_size=32, warmup_steps=5, max_steps=30,
@@ -156,7 +154,6 @@ def training_scenes(rng: random.Random, n: int, twin_share: float) -> list[world
 
 
 # ---- 3. Zero-shot accuracy per attribute -------------------------------------------------
-
 @torch.no_grad()
 def prompt_features(model: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer,
                     attributes: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -186,7 +183,6 @@ def zero_shot_scores(model: clip_model.CLIP, images: torch.Tensor, scenes: Seque
 
 
 # ---- 4. The loss: CLIP's symmetric InfoNCE -----------------------------------------------
-
 def contrastive_loss(image_features: torch.Tensor, text_features: torch.Tensor,
                      logit_scale: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
     """CLIP's loss (Radford et al. 2021, Fig. 3): cross-entropy over the batch in both
@@ -208,7 +204,6 @@ def contrastive_loss(image_features: torch.Tensor, text_features: torch.Tensor,
 
 
 # ---- 5. The training loop ----------------------------------------------------------------
-
 def learning_rate(config: PretrainConfig, step: int) -> float:
     """Linear warm-up over warmup_steps, then a cosine from lr to 0 at max_steps."""
     if step < config.warmup_steps:
@@ -473,9 +468,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--bf16", action="store_true", help="use bf16 autocast (measure first: often slower on CPU)")
     parser.add_argument("--rebuild", action="store_true", help="pretrain afresh in the cache, even where a model is shipped")
     args = parser.parse_args(argv)
-    config = replace(CONFIGS[args.scale], bf16=args.bf16)  # both configs: bf16=False
-    if args.steps is not None:
-        config = replace(config, max_steps=args.steps)
+    steps = {} if args.steps is None else {"max_steps": args.steps}
+    config = replace(CONFIGS[args.scale], bf16=args.bf16, **steps)  # both configs: bf16=False
     cached = pretrained_clip(config, args.cache_dir, rebuild=args.rebuild)
     if args.rebuild:
         print(compare_with_shipped(cached.weights, cached.bpe, config.name))

@@ -39,7 +39,6 @@ SPLITS = ("train", "val", "test")  # the order of TaskConfig.images_per_class
 
 
 # ---- 1. The classes ----------------------------------------------------------------------
-
 @dataclass(frozen=True)
 class TaskConfig:
     colours: tuple[str, ...] = ("red", "yellow", "green", "blue")
@@ -73,7 +72,6 @@ def class_name(colour: str, shape: str) -> str:
 
 
 # ---- 2. Writing it -----------------------------------------------------------------------
-
 def task_is_complete(data_root: str, config: TaskConfig) -> bool:
     """True if <data_root>/toyworld holds this config's task in full: its record matches and
     every image the split lists exists. Files that are missing, not JSON, or JSON of another
@@ -171,12 +169,11 @@ def zero_shot_on_task(model, tokenizer, data_root: str, subsample: str = "all") 
     text = torch.nn.functional.normalize(model.encode_text(prompts), dim=-1)  # (classes, E)
     loader = torch.utils.data.DataLoader(
         data.ImageDataset(splits.test, data.test_transform(model.visual.input_resolution)), batch_size=256)
-    correct = total = 0
+    correct = 0
     for images, labels in loader:
         image_features = torch.nn.functional.normalize(model.encode_image(images), dim=-1)
         correct += ((image_features @ text.T).argmax(dim=-1) == labels).sum().item()
-        total += len(labels)
-    return correct / total
+    return correct / len(splits.test)
 
 
 if __name__ == "__main__":

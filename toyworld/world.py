@@ -55,7 +55,6 @@ assert set(COLOUR_RGB) == set(ATTRIBUTES["colour"]), "every colour word needs an
 
 
 # ---- 2. Scenes: the attribute values of one image ----------------------------------------
-
 @dataclass(frozen=True)
 class Scene:
     """One object on a background. Every field is a word from the tables above; the exact
@@ -166,9 +165,8 @@ def render_batch(scenes: Sequence[Scene], rng: np.random.Generator, size: int = 
     grey = np.array([rng.uniform(45, 95) if s.background == "dark" else rng.uniform(150, 200)
                      for s in scenes])  # (B,)
     image = np.repeat(grey[:, None, None, None], 3, axis=3) * np.ones((1, S, S, 1))  # (B, S, S, 3)
-    if look.tint:
-        tint = rng.uniform(-1, 1, size=(B, 1, 1, 3)) * look.tint * 80  # a colour cast per image
-        image = image + tint
+    if look.tint:  # a colour cast per image
+        image = image + rng.uniform(-1, 1, size=(B, 1, 1, 3)) * look.tint * 80
     if look.blotches:
         # Low-frequency blobs: a few random sinusoids, the same in all channels.
         fx, fy = rng.uniform(1, 3, size=(2, B, 1, 1))
@@ -239,12 +237,9 @@ def caption(scene: Scene, named: Optional[Iterable[str]] = None, prefix: str = "
 def random_naming(rng: random.Random) -> set[str]:
     """Which attributes a training caption names: a third of the time every core attribute,
     a third exactly one, a third a random non-empty subset; size and background each a third
-    of the time on top.
-
-    Why so many partial captions: an attribute is only *learned* from captions where it is
-    what tells the images of a batch apart. In a full caption the easy attributes (colour,
-    texture) already single out the image; "a photo of a object at the top left" leaves
-    position as the only thing to match on (and the zero-shot prompts are such captions)."""
+    of the time on top. Why so many partial captions: an attribute is only *learned* where it
+    tells the images of a batch apart; in a full caption colour and texture already do, while
+    "a photo of a object at the top left" leaves position as the only thing to match on."""
     core = list(ATTRIBUTES)
     kind = rng.randrange(3)
     if kind == 0:
@@ -315,7 +310,6 @@ def toy_bank() -> list[tuple[str, str, str]]:
 
 
 # ---- 6. The corpus the BPE is learned from -----------------------------------------------
-
 def corpus() -> list[str]:
     """Every word the toy CLIP will ever read, in context (all the BPE needs): one caption per
     (prefix, period, value, named alone or with all), the bank, the task's prompt template."""
