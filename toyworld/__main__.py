@@ -105,10 +105,9 @@ def main(argv=None) -> int:
 
     model, _ = clip_model.load(assets.weights, head_width=assets.head_width)
     tokenizer = clip_model.SimpleTokenizer(assets.bpe)
-    with torch.no_grad():
-        for subsample in ("base", "novel"):
-            accuracy = zero_shot_on_task(model, tokenizer, assets.data_root, subsample)
-            print(f"task zero-shot accuracy, {subsample} classes (test): {accuracy:.1%}")
+    for subsample in ("base", "novel"):
+        accuracy = zero_shot_on_task(model, tokenizer, assets.data_root, subsample)
+        print(f"task zero-shot accuracy, {subsample} classes (test): {accuracy:.1%}")
 
     if args.grid:
         save_grid(args.grid, assets.image_size)

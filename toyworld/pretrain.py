@@ -73,7 +73,7 @@ class PretrainConfig:
     threads: int = 1
     twin_share: float = 0.5  # share of each batch drawn as "twin" pairs (see training_scenes)
     position_init_std: float = 0.25  # image positional embedding init (OpenAI: width**-0.5); see build_clip
-    bf16: bool = False  # bf16 autocast on CPU: measured slower than fp32 here (see README)
+    bf16: bool = False  # bf16 autocast on CPU: measured no faster (docs/MEASURED.md)
     # -- bookkeeping --
     eval_images: int = 512  # a fixed set for the zero-shot lines
     eval_every: int = 500  # steps between zero-shot lines
@@ -91,7 +91,7 @@ CONFIGS = {
 }
 
 
-# Seconds expected on 2 quiet cores (README, "Measured": 0.19 s per step on one thread); a
+# Seconds expected on 2 quiet cores (docs/MEASURED.md: 0.19 s per step on one thread); a
 # build that looks much slower says how long it will take. Not in the config: no effect on the model.
 EXPECTED_SECONDS = {"full": 610.0}
 
@@ -108,7 +108,7 @@ def build_clip(config: PretrainConfig, vocab_size: int) -> clip_model.CLIP:
         transformer_layers=config.text_layers)
     # OpenAI's std width**-0.5 (0.09 here) makes position a ~15% ripple on patch embeddings of
     # std ~0.5; with it (and weight decay on it) position zero-shot stayed at chance for a whole
-    # 9-minute run. Measured (README, "Measured"): std 0.5 gets position to 100% by 32k images
+    # 9-minute run. Measured (docs/MEASURED.md): std 0.5 gets position to 100% by 32k images
     # but leaves shape at chance; 0.25 is the compromise.
     with torch.no_grad():
         model.visual.positional_embedding.normal_(std=config.position_init_std)
@@ -368,7 +368,7 @@ def pretrained_clip(config: PretrainConfig, cache_dir: Optional[str] = None,
     started = time.time()
     model, zero_shot = pretrain(config, tokenizer, log)  # the last zero-shot line's figures
     seconds = time.time() - started
-    # The model depends on the settings, the torch build and the CPU's kernels only (README).
+    # The model depends on the settings, the torch build and the CPU's kernels only.
     report = {"parameters": sum(p.numel() for p in model.parameters()), "steps": config.max_steps,
               "images": config.max_steps * config.batch_size, "threads": config.threads,
               "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -389,8 +389,8 @@ def pretrained_clip(config: PretrainConfig, cache_dir: Optional[str] = None,
 # ---- 7. The shipped model ----------------------------------------------------------------
 # A build's last bits depend on the CPU: torch's kernels (ATEN_CPU_CAPABILITY) and MKL add in
 # another order on another instruction set, and 3,200 steps turn 1e-7 into another model
-# (README, "Same model everywhere"). So the repository ships the model the README was measured
-# on, in the cache's layout; `python -m toyworld --rebuild` builds it again and compares.
+# (docs/MEASURED.md, "Same model everywhere"). So the repository ships the model the docs were
+# measured on, in the cache's layout; `python -m toyworld --rebuild` builds it again and compares.
 
 SHIPPED_FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 SHIPPED_SHA256 = {

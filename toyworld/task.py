@@ -10,7 +10,7 @@ CoOp's layout, so data.py reads it (registry row "toyworld") like any benchmark 
 
 Why it is not trivial for the toy CLIP: the images are drawn in the *shifted* style that
 pretraining never saw (world.STYLES), and vary in texture, position, size and background,
-which the class name does not mention: zero-shot accuracy is well below 100% (README).
+which the class name does not mention: zero-shot accuracy is well below 100% (docs/MEASURED.md).
 
 Try it:  python -m toyworld.task /tmp/toydata && python data.py --root /tmp/toydata --dataset toyworld --shots 16
 """
