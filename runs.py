@@ -187,7 +187,8 @@ def default_help(key: str, book: RecipeBook) -> str:
             usual = getattr(book.protocol_recipes[protocols[0]], key)
             others = [f"{name}: {shown(getattr(r, key))}" for name, r in book.recipes[protocols[0]].items()
                       if getattr(r, key) != usual]  # then the datasets that differ
-            per_protocol.append(f"{', '.join(protocols)} {shown(usual)}" + (f" ({', '.join(others)})" if others else ""))
+            exceptions = f" ({', '.join(others)})" if others else ""
+            per_protocol.append(f"{', '.join(protocols)} {shown(usual)}{exceptions}")
         parts.append("; ".join(per_protocol) + ", from RECIPES")
     if key == "shots":
         parts.append(f"fewshot: {shown(book.fewshot_shots)}")
@@ -258,7 +259,7 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
                              f"head width (made in the cache); drop --{flag.replace('_', '-')}")
     for name in names:
         if name != "toyworld" and data.get_spec(name).evaluation_only and protocol in ("base2novel", "fewshot"):
-            raise TrainError(f"--dataset {name} is a test set only; use it with --protocol dg")  # (unknown: data.py's line)
+            raise TrainError(f"--dataset {name} is a test set only; use it with --protocol dg")  # unknown: get_spec's
     source = None
     if protocol in ("cross", "dg"):
         source = data.dataset_key(_default(args.source, book.defaults["source"]))
@@ -325,8 +326,8 @@ def validate_settings(settings: dict) -> None:
     they may change the run-control flags). The method's own ranges are dear.py's checks."""
     def refuse(key: str, expected: str):
         value = settings[key]
-        raise TrainError(f"--{key.replace('_', '-')} {' '.join(map(str, value)) if isinstance(value, list) else value}: "
-                         f"{expected}")
+        shown = " ".join(map(str, value)) if isinstance(value, list) else value
+        raise TrainError(f"--{key.replace('_', '-')} {shown}: {expected}")
 
     def is_int(value) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
@@ -342,7 +343,7 @@ def validate_settings(settings: dict) -> None:
                                  ("log_every", 1, 0), ("analysis_images", 1, 0), ("warmup_epochs", 0, 0),
                                  ("text_tokens", 0, 0), ("head_width", 1, 1), ("workers", 0, 1),
                                  ("max_epochs_per_call", 1, 1), ("descriptions", 1, 1), ("first_layer", 1, 1)):
-        if not (optional and settings[key] in (None, "auto")) and not (is_int(settings[key]) and settings[key] >= least):
+        if not (optional and settings[key] in (None, "auto") or is_int(settings[key]) and settings[key] >= least):
             refuse(key, "expected a positive integer" if least else "expected an integer >= 0")  # a typed 0 too
     if not settings["seeds"] or not all(is_int(s) and 0 <= s <= MAX_SEED for s in settings["seeds"]):
         refuse("seeds", f"expected integers from 0 to {MAX_SEED}")
@@ -676,7 +677,8 @@ def input_fingerprints(settings, weights: str, tokenizer) -> dict:
                           ("roles_file", f"--roles {role_file}")):
             now, then = fingerprints[key], settings["fingerprints"].get(key)
             if now != then:
-                kept = f" (a copy is {os.path.join(settings['output'], 'roles_file.json')})" if key == "roles_file" else ""
+                copy = os.path.join(settings["output"], "roles_file.json")
+                kept = f" (a copy is {copy})" if key == "roles_file" else ""
                 raise TrainError(f"{flag}: not the file this run was made with (SHA-256 {str(now)[:12]}... now, "
                                  f"{str(then)[:12]}... then); resume with the original file{kept}, or start a "
                                  "new run with another --output")
@@ -1076,7 +1078,8 @@ def summarise(settings, results: List[dict]) -> dict:
                     columns=[f"{names[0]} (source)"] + names[1:] + ["Average"], rows=values)
     for table in tables.values():  # an empty cell (nan) is stored as null
         for key in set(table) & {"rows", "spread"}:
-            table[key] = {row: [None if math.isnan(v) else round(v, 2) for v in vals] for row, vals in table[key].items()}
+            table[key] = {row: [None if math.isnan(v) else round(v, 2) for v in vals]
+                          for row, vals in table[key].items()}
     return dict(protocol=protocol, seeds=settings["seeds"], rows=rows, tables=tables, logits=logits)
 
 
@@ -1085,9 +1088,9 @@ def markdown(summary: dict, settings) -> str:
                   cross="Cross-dataset evaluation and domain generalization",
                   dg="Cross-dataset evaluation and domain generalization")
     shots = settings["shots"]
+    shots = "shots " + ", ".join(map(str, shots)) if settings["protocol"] == "fewshot" else f"{shots[0]} shots"
     lines = [f"# {titles[settings['protocol']]}", "",
-             f"Accuracy (%), mean over seeds {', '.join(map(str, settings['seeds']))}; {settings['weights']}; "
-             f"{'shots ' + ', '.join(map(str, shots)) if settings['protocol'] == 'fewshot' else str(shots[0]) + ' shots'}. "
+             f"Accuracy (%), mean over seeds {', '.join(map(str, settings['seeds']))}; {settings['weights']}; {shots}. "
              "Zero-shot CLIP does not train: one run serves every seed. ± = standard deviation over seeds; "
              "- = no number (the linear probe has no classifier for unseen classes).", ""]
     for name, table in summary["tables"].items():
@@ -1095,8 +1098,8 @@ def markdown(summary: dict, settings) -> str:
                   "|---|" + "---:|" * len(table["columns"])]
         for row, values in table["rows"].items():
             spreads = table.get("spread", {}).get(row, [None] * len(values))
-            lines.append(f"| {row_label(row)} | " + " | ".join(
-                "-" if v is None else f"{v:.2f}" + (f" ± {d:.2f}" if d else "") for v, d in zip(values, spreads)) + " |")
+            lines.append(f"| {row_label(row)} | " + " | ".join("-" if v is None else f"{v:.2f}" + (
+                f" ± {d:.2f}" if d else "") for v, d in zip(values, spreads)) + " |")  # ± only where seeds differ
         lines.append("")
     names = {"fused": "fused", "class": "class branch alone", "clip": "CLIP"}
     lines.append("Logits per test set (fused = DeAR's fusion with the weights learned on the training classes; "
@@ -1123,14 +1126,15 @@ def retrieval_summary(results: List[dict], attributes: List[str], k: int):
                                for a in attributes} for name in tables[0]}
         lines += [f"## {row_label(row)}: precision@{k} (%) of same-value retrieval, "
                   f"mean ± sd over {len(tables)} seeds", "",
-                  "| ranked by | " + " | ".join(f"same {a}" for a in attributes) + " |", "|---|" + "---:|" * len(attributes)]
+                  "| ranked by | " + " | ".join(f"same {a}" for a in attributes) + " |",
+                  "|---|" + "---:|" * len(attributes)]
         for name, cells in summary[row].items():
             label = {"class": "class feature", "frozen CLIP": "frozen CLIP"}.get(name, f"{name} token")
             lines.append(f"| {label} | " + " | ".join(
                 "blind" if v == "blind" else f"{v[0]:.1f} ± {v[1]:.1f}" for v in cells.values()) + " |")
         lines.append("")
     text = ("# Attribute-conditioned retrieval\n\nGallery: the test split; each test image queries the others "
-            f"by one feature (cosine); a hit is a neighbour with the query's value. Chance = the value's share "
+            "by one feature (cosine); a hit is a neighbour with the query's value. Chance = the value's share "
             "of the test images. A blind token cannot read the image and ranks nothing.\n\n" + "\n".join(lines))
     return summary, text
 

@@ -158,8 +158,8 @@ def training_split(settings, dataset: str, seed: int, shots: int) -> data.Datase
     split = data.load_dataset(dataset, settings["root"], num_shots=shots, seed=seed, subsample=subsample)
     split.template = settings["template"] or split.template  # --template overrides the dataset's own
     if not split.train:  # training on nothing would still write a row of the table
-        raise TrainError(f"{split.dataset_dir}: no training images{' of the base classes' if subsample == 'base' else ''}; "
-                         "the split's 'train' list must name some")
+        which = " of the base classes" if subsample == "base" else ""
+        raise TrainError(f"{split.dataset_dir}: no training images{which}; the split's 'train' list must name some")
     return split
 
 
@@ -214,8 +214,8 @@ def analysis_images(items: List[data.Item], cap: int, seed: int) -> List[data.It
     queues = [[group[i] for i in torch.randperm(len(group), generator=generator).tolist()]
               for _, group in sorted(by_class.items())]
     queues = [queues[i] for i in torch.randperm(len(queues), generator=generator).tolist()]
-    rounds = [queue[depth] for depth in range(max(map(len, queues), default=0)) for queue in queues if depth < len(queue)]
-    return rounds[:cap]
+    depths = range(max(map(len, queues), default=0))
+    return [queue[depth] for depth in depths for queue in queues if depth < len(queue)][:cap]  # round by round
 
 
 # ------------------------------------------------------------------------------------------
@@ -308,7 +308,8 @@ def run_head_analysis(settings, inputs: Inputs, items: list, pool: str, picks: i
                       runtime: runs.Runtime) -> None:
     """Concept entropy of every head of the last four layers -> roles.json, roles.txt, roles.png
     in `folder` (and, in the toy world, the causal check)."""
-    clip, started, layers = inputs.clip, time.time(), dear.analysed_layers(len(inputs.clip.visual.transformer.resblocks))
+    clip, started = inputs.clip, time.time()
+    layers = dear.analysed_layers(len(clip.visual.transformer.resblocks))  # the last four
     runtime.log(f"head analysis: concept entropy of every head of the last {layers} layers on "
                 f"{pool}; {picks} TextSpan picks per head (done once per model and pool, then cached)")
     role_map = dear.analyze_heads(
@@ -388,14 +389,16 @@ def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap, s
               runtime: runs.Runtime) -> Optional[dear.DeAR]:
     """Train one DeAR run, a checkpoint at every epoch end -> the model (None if
     --max-epochs-per-call stopped it first)."""
-    clip, expected, checkpoint_path = inputs.clip, runs.job_settings(settings, job), os.path.join(job.folder, "checkpoint.pt")
+    clip, expected = inputs.clip, runs.job_settings(settings, job)  # expected: what its checkpoint must hold
+    checkpoint_path = os.path.join(job.folder, "checkpoint.pt")
     torch.manual_seed(job.seed)  # the learnable tokens' initialisation
     model = build_dear(settings, inputs, role_map).to(runtime.device)
     runtime.log(f"[{job.label}] {len(split.train)} training images, {len(split.classnames)} classes; "
                 f"attribute tokens from layer J={model.first_layer} (1-based)"
                 f"{'; class branch alone (no attribute head)' if model.class_branch_only else ''}; "
                 f"{model.parameter_summary()}")
-    optimizer = torch.optim.AdamW(model.learnable_parameters(), lr=settings["lr"], weight_decay=settings["weight_decay"])
+    optimizer = torch.optim.AdamW(model.learnable_parameters(), lr=settings["lr"],
+                                  weight_decay=settings["weight_decay"])  # the tokens and fusion weights alone
     scaler = runs.grad_scaler(enabled=runtime.amp_dtype == torch.float16)  # fp16 only; bf16 needs no scaling
     checkpoint = runs.load_checkpoint(checkpoint_path, expected) if settings["resume"] else None
     start_epoch = 0 if checkpoint is None else checkpoint["epoch"]
@@ -445,7 +448,8 @@ def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap, s
         if runtime.main:  # rank 0 writes; every rank holds the same tokens (DDP)
             runs.save_checkpoint(checkpoint_path, expected, epoch + 1, model, optimizer, scaler)
         alpha = ", ".join(f"{a:.2f}" for a in model.fusion_weights().tolist())
-        runtime.log(f"[{job.label}] epoch {epoch + 1} done in {runs.format_time(time.time() - progress.epoch_started)}; "
+        took = runs.format_time(time.time() - progress.epoch_started)
+        runtime.log(f"[{job.label}] epoch {epoch + 1} done in {took}; "
                     f"fusion weights alpha (cls, {', '.join(inputs.attributes)}) = {alpha}; checkpoint saved")
     if runtime.world > 1:
         dist.barrier()
@@ -556,7 +560,7 @@ def retrieval_check(model: dear.DeAR, job: runs.Job, settings, inputs: Inputs, l
     names = ("base", "novel", "all", job.dataset)  # the trained dataset's own test split
     items = list({item.path: item for s in lists.test[job.dataset] if s.name in names for item in s.items}.values())
     gallery, size = analysis_images(items, RETRIEVAL_GALLERY, seed=0), inputs.clip.visual.input_resolution
-    parts = [dear.retrieval_features(model, images.to(runtime.device)) for images, _ in loader_of(gallery, settings, size)]
+    parts = [dear.retrieval_features(model, x.to(runtime.device)) for x, _ in loader_of(gallery, settings, size)]
     features = {name: torch.cat([p[name] for p in parts]).cpu() for name in parts[0]}  # {name: (G, E)}
     rankings = {name: dear.rank_gallery(f, f, max(RETRIEVAL_K, RETRIEVAL_SHOWN), same_images=True)
                 for name, f in features.items()}  # {name: (G, k)}
@@ -570,9 +574,9 @@ def retrieval_check(model: dear.DeAR, job: runs.Job, settings, inputs: Inputs, l
     images_dir, scenes = os.path.join(settings["root"], "toyworld", "images"), split_scenes(settings["root"])
     scenes = [scenes[os.path.relpath(item.path, images_dir).replace(os.sep, "/")] for item in gallery]
     values = {a: [getattr(scene, a) for scene in scenes] for a in inputs.attributes}
-    return {name: {a: "blind" if name not in rankings else
-                   dear.precision_at_k(rankings[name][:, :RETRIEVAL_K], values[a], values[a]) for a in inputs.attributes}
-            for name in ["class"] + inputs.attributes + ["frozen CLIP"]}
+    return {name: {a: "blind" if name not in rankings else  # a blind token ranks nothing
+                   dear.precision_at_k(rankings[name][:, :RETRIEVAL_K], values[a], values[a])
+                   for a in inputs.attributes} for name in ["class"] + inputs.attributes + ["frozen CLIP"]}
 
 
 def run_job(job: runs.Job, settings, inputs: Inputs, role_maps: dict, lists: RunData,
@@ -661,7 +665,8 @@ def run(args) -> int:
                 runs.check_output_folder(settings["output"])
                 runs.copy_role_maps(settings, inputs.clip, records)
                 for dataset in records:
-                    runtime.log(f"train.py: head roles of {dataset} in {os.path.dirname(runs.role_copy(settings, dataset))} "
+                    folder = os.path.dirname(runs.role_copy(settings, dataset))
+                    runtime.log(f"train.py: head roles of {dataset} in {folder} "
                                 "(roles.json, roles.txt, roles.png, masks.png); train with them by leaving out "
                                 "--analyse-only (the cache is reused)")
             return 0
@@ -676,7 +681,8 @@ def run(args) -> int:
                      for job in jobs if job.roles is not None}  # one per trained dataset and --roles choice
         started, results = time.time(), []
         for index, job in enumerate(jobs, 1):  # a run is done once its results.json is written
-            runtime.log(f"== run {index}/{len(jobs)}: {job.label} (elapsed {runs.format_time(time.time() - started)}) ==")
+            elapsed = runs.format_time(time.time() - started)
+            runtime.log(f"== run {index}/{len(jobs)}: {job.label} (elapsed {elapsed}) ==")
             result = run_job(job, settings, inputs, role_maps, lists, runtime)
             if result is None:
                 return 0  # stopped by --max-epochs-per-call; resumable
