@@ -1,44 +1,24 @@
 """
 clip_model.py -- OpenAI's CLIP (ViT image tower + causal text tower), written out by hand.
 
-What this file holds, bottom-up (each part only uses the parts above it):
+Bottom-up: 1. blocks (QuickGELU, per-head attention, residual block), 2. the two towers,
+3. CLIP, 4. weights (build_model reads the architecture off the tensors; load reads OpenAI's
+TorchScript files or plain state dicts, downloading with a SHA-256 check), 5. preprocessing,
+6. the byte-level BPE tokenizer, 7. head_contributions: the image embedding as an exact sum
+of one direct contribution per attention head (TextSpan).
 
-    1. building blocks ........ QuickGELU, per-head multi-head attention, the residual block
-    2. the two towers ......... VisionTransformer (image -> embedding), the text transformer
-    3. CLIP ................... encode_image / encode_text / forward (logits), as OpenAI's
-    4. weights ................ build_model(state_dict) infers the architecture from tensor
-                                shapes; load(name_or_path) reads OpenAI's TorchScript files or
-                                plain state dicts, downloading (SHA-256 checked) when it can
-    5. image preprocessing .... OpenAI's test transform
-    6. tokenizer .............. CLIP's byte-level BPE (SimpleTokenizer, tokenize)
-    7. analysis ............... head_contributions: the image embedding as an exact sum of
-                                direct contributions, one per attention head (TextSpan)
+Why by hand: DeAR (Ma et al., CVPR 2026) works per attention head: it measures what each
+head of the last vision layers contributes (Sec. 3.2) and gives every head its own mask
+(Sec. 3.3). `nn.MultiheadAttention` hides the heads, so here q, k, v are (B, H, N, D) and a
+(H, N, N) mask is added to each head's scores. Everything else, down to the parameter names,
+is OpenAI's `clip/model.py`, so checkpoints load with `load_state_dict(strict=True)`, and the
+strict load is itself the architecture check. dear.py builds on this file, which imports
+only torch, torchvision, ftfy and regex, so it can be copied out alone (docs/METHOD.md "CLIP").
 
-How it fits the project: this file imports only torch, torchvision, ftfy and regex, so it
-can be copied out alone (into any folder or package). `dear.py` builds the DeAR method on top
-of it (it reuses the blocks, the per-head mask argument of the attention and
-`head_contributions`). The project's method notes are docs/METHOD.md in the repository
-(dear-from-scratch); this file is their section "CLIP".
-
-Why write CLIP out instead of importing it: DeAR (Ma et al., CVPR 2026) works *per attention
-head*. It measures what each head of the last vision layers contributes (Sec. 3.2) and then
-gives every head its own attention mask (Sec. 3.3). `nn.MultiheadAttention` hides the heads
-and accepts one mask per sample, so here the heads are explicit: q, k and v are reshaped to
-(batch, heads, tokens, head_dim) and a mask of shape (heads, tokens, tokens) is simply added
-to each head's scores. Everything else follows OpenAI's `clip/model.py` exactly, down to the
-parameter names, so OpenAI's checkpoints load with `load_state_dict(strict=True)` and the
-strict load is itself a check that the architecture is right.
-
-Conventions: float32, batch-first. Shapes are written as
-    B = batch, N = tokens, C = width (channels), H = heads, D = head_dim = C // H, E = embed dim.
-Mixed precision, where wanted, is an autocast context in the caller, never a conversion
-baked into the model.
-
-Files and environment: downloads are cached in $CLIP_CACHE_DIR (default
-~/.cache/clip-from-scratch); $CLIP_BPE_PATH names a BPE merges file. The older names
-$DEAR_CACHE_DIR / $DEAR_BPE_PATH and ~/.cache/dear-from-scratch still work.
-
-Try it (needs a checkpoint; with no network pass a local file):
+Shapes: B batch, N tokens, C width, H heads, D = C // H head width, E embedding. float32 and
+batch-first; mixed precision is the caller's autocast, never baked in. Downloads are cached
+in $CLIP_CACHE_DIR (default ~/.cache/clip-from-scratch); $CLIP_BPE_PATH names a BPE file (the
+older $DEAR_CACHE_DIR / $DEAR_BPE_PATH and ~/.cache/dear-from-scratch still work).
 
     python clip_model.py --weights ViT-B/16 --image cat.jpg --texts "a cat" "a dog"
 """
@@ -51,11 +31,9 @@ import html
 import os
 import secrets
 import sys
-import time
 import urllib.error
 import urllib.request
 import warnings
-import zipfile
 from collections import OrderedDict
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -67,21 +45,16 @@ import torch.nn.functional as F
 
 
 class CLIPError(ValueError):
-    """Bad input to this module: an argument (named in the message) out of range or of the
-    wrong shape. The message is one line that says what to do, so a command-line program can
-    print it as it is and exit. (Raised instead of `assert`, which `python -O` removes.)"""
+    """Bad input (an argument out of range or of the wrong shape). The message is one line
+    that names it and says what to do; raised instead of `assert`, which `python -O` strips."""
 
 
 class CLIPFileError(CLIPError, RuntimeError):
-    """A checkpoint or BPE file that cannot be found, fetched or read.
-
-    The message is always one line that names the file (or model name) and says what to do,
-    so a command-line program can print it as it is and exit.
-    """
+    """A checkpoint or BPE file that cannot be found, fetched or read; one line naming it."""
 
 
 def _one_line(text: object, limit: int = 200) -> str:
-    """Squash an exception text into a short single line (for CLIPFileError messages)."""
+    """An exception's text squashed into one short line, for the messages above."""
     flat = " ".join(str(text).split())
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
@@ -89,9 +62,7 @@ def _one_line(text: object, limit: int = 200) -> str:
 # ------------------------------------------------------------------------------------------
 # 1. Building blocks
 # ------------------------------------------------------------------------------------------
-# LayerNorm is torch's own nn.LayerNorm. (OpenAI subclasses it only to run it in float32
-# inside an fp16 model; we keep the model in float32, and autocast keeps LayerNorm in float32
-# anyway.)
+# LayerNorm is torch's own: OpenAI subclasses it only to run it in fp32 inside an fp16 model.
 
 
 class QuickGELU(nn.Module):
@@ -410,11 +381,10 @@ class CLIP(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------
-# 4. Weights: build_model infers the architecture, load finds and reads the file
+# 4. Weights: build_model reads the architecture off the tensors, load finds the file
 # ------------------------------------------------------------------------------------------
 
-# OpenAI's published ViT checkpoints. The long hex string in each address is the file's
-# SHA-256, which is how a download is checked.
+# OpenAI's published ViT checkpoints; the hex folder in each address is the file's SHA-256.
 _MODELS = {
     "ViT-B/32": "https://openaipublic.azureedge.net/clip/models/"
     "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af/ViT-B-32.pt",
@@ -424,12 +394,9 @@ _MODELS = {
     "b8cca3fd41ae0c99ba7e8951adf17d267cdb84cd88be6f7c2e0eca1737a03836/ViT-L-14.pt",
 }
 
-# Entries that are not parameters. OpenAI's TorchScript state dicts carry the first three
-# next to the tensors. The last three are what no tensor shape can tell -- how each tower's
-# width splits into heads, and which activation the MLPs use -- and `save` writes them, so
-# that a file written by `save` loads right with no extra argument.
-_METADATA_KEYS = ("input_resolution", "context_length", "vocab_size",
-                  "vision_heads", "text_heads", "activation")
+# Entries that are not parameters: OpenAI's TorchScript state dicts carry the first three;
+# `save` writes the last three, what no tensor shape tells (head splits, MLP activation).
+_METADATA_KEYS = ("input_resolution", "context_length", "vocab_size", "vision_heads", "text_heads", "activation")
 
 
 def available_models() -> list:
@@ -438,10 +405,8 @@ def available_models() -> list:
 
 
 def default_cache_dir() -> str:
-    """Where downloaded files are kept: $CLIP_CACHE_DIR, else ~/.cache/clip-from-scratch.
-
-    The older names still work: $DEAR_CACHE_DIR, and ~/.cache/dear-from-scratch when it
-    exists and the new folder does not (so an existing cache is not downloaded again)."""
+    """$CLIP_CACHE_DIR, else ~/.cache/clip-from-scratch. The older names still work:
+    $DEAR_CACHE_DIR, and ~/.cache/dear-from-scratch if it exists and the new one does not."""
     for variable in ("CLIP_CACHE_DIR", "DEAR_CACHE_DIR"):
         if os.environ.get(variable):
             return os.environ[variable]
@@ -451,17 +416,12 @@ def default_cache_dir() -> str:
 
 
 def atomic_write(path: str, write: Callable[[str], None]) -> None:
-    """Call write(temporary_path), then rename onto `path`: readers never see half a file, and
-    a write that fails (an exception in `write`) leaves no temporary behind.
-
-    The one copy in the project's library files: dear.py uses this one (clip_model.py must
-    stay copyable alone, and dear.py already imports it); data.py, which must stand alone
-    too and imports nothing from the project, keeps its own small copy and says so."""
+    """Call write(temporary_path), then rename it onto `path`: readers never see half a file,
+    and a failed write leaves no temporary behind. The project's one copy (dear.py and the
+    toy world reuse it; data.py, which stands alone, keeps its own small one)."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    # A fresh name created with mode 0666, which the kernel trims by the process's umask, as
-    # for any new file (mkstemp would make it 0600, and reading the umask means setting it).
-    while True:
+    while True:  # a fresh name with mode 0666 less the umask, as any new file (mkstemp: 0600)
         temporary = os.path.join(folder, f".tmp-{secrets.token_hex(6)}-{os.path.basename(path)}")
         try:
             os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
@@ -477,19 +437,12 @@ def atomic_write(path: str, write: Callable[[str], None]) -> None:
 
 
 def save(model: CLIP, path: str) -> None:
-    """Write `model` as a plain state dict in OpenAI's key format, plus three entries that no
-    tensor shape can tell: {"vision_heads": int, "text_heads": int, "activation": str}.
-
-    `load(path)` then rebuilds exactly this model with no extra argument; other readers of
-    OpenAI-format state dicts see three extra keys (OpenAI's own files carry extras too:
-    input_resolution, context_length, vocab_size). Written through `atomic_write`, so a
-    reader never sees half a file. The same tensors give the same bytes (torch names the zip's
-    inner folder after the file it writes to; a file handle gets the fixed name "archive"), so
-    a SHA-256 of the file identifies the model.
-    """
-    state = dict(model.state_dict())
-    state.update(vision_heads=model.visual.transformer.heads, text_heads=model.transformer.heads,
-                 activation=model.activation)
+    """Write `model` as a plain state dict with OpenAI's keys plus {"vision_heads", "text_heads",
+    "activation"}, so that `load(path)` rebuilds it with no argument. Atomic; the same tensors
+    give the same bytes (a file handle makes torch name the zip's inner folder "archive"), so
+    a SHA-256 of the file identifies the model."""
+    state = dict(model.state_dict(), vision_heads=model.visual.transformer.heads,
+                 text_heads=model.transformer.heads, activation=model.activation)
 
     def write(temporary: str) -> None:
         with open(temporary, "wb") as handle:
@@ -498,110 +451,65 @@ def save(model: CLIP, path: str) -> None:
     atomic_write(path, write)
 
 
-def _heads(what: str, width: int, from_file, heads, head_width) -> int:
-    """How many heads one tower has: `heads`, else width // `head_width`, else what the file
-    says, else OpenAI's 64-channel heads. An argument that contradicts the file is an error:
-    it would build a different model from the one that was trained."""
-    if heads is None and head_width is not None:
-        if head_width < 1 or width % head_width:
+def _heads(what: str, width: int, stored, heads, head_width) -> int:
+    """One tower's head count: the argument (`heads`, else width / `head_width`), else the
+    file's entry, else OpenAI's heads of 64 channels. An argument that contradicts the file is
+    refused: it would build another model than the one trained."""
+    if heads is None and head_width:
+        if width % head_width:
             raise CLIPFileError(f"the {what} width {width} is not a multiple of head_width={head_width}; "
                                 "pass the head_width the model was trained with")
         heads = width // head_width
-    if heads is not None:
-        if from_file is not None and int(from_file) != heads:
-            raise CLIPFileError(f"the file says {what}_heads={int(from_file)}, the arguments ask for "
-                                f"{heads}; leave vision_heads/text_heads/head_width out to use the file's")
-        if heads < 1 or width % heads:
-            raise CLIPFileError(f"the {what} width {width} does not split into {what}_heads={heads} heads")
-        return heads
-    if from_file is not None:
-        return int(from_file)
-    if width % 64:
+    if heads is not None and stored is not None and heads != int(stored):
+        raise CLIPFileError(f"the file says {what}_heads={int(stored)}, the arguments ask for {heads}; "
+                            "leave vision_heads/text_heads/head_width out to use the file's")
+    if heads is None and stored is None and width % 64:
         raise CLIPFileError(f"the {what} width {width} is not a multiple of 64 (OpenAI's head width); "
                             "pass the head_width (or vision_heads/text_heads) the model was trained with")
-    return width // 64
+    return heads if heads is not None else int(stored) if stored is not None else width // 64
 
 
 def build_model(state_dict: dict, head_width: Optional[int] = None, vision_heads: Optional[int] = None,
                 text_heads: Optional[int] = None, activation: Optional[str] = None) -> CLIP:
-    """Build a CLIP whose shape matches `state_dict`, load the weights strictly, return it in
-    eval mode and float32.
+    """A CLIP shaped like `state_dict`, its weights loaded strictly, in eval mode, float32.
 
-    Every dimension is read off a tensor (OpenAI's rule), so ViT-B/32, B/16, L/14 and any
-    small model saved with the same keys load through this one path. Two things no tensor
-    can tell, and that change every output when wrong:
-      * how each width splits into heads: the entries "vision_heads"/"text_heads" that
-        `save` writes, else the arguments (`vision_heads`, `text_heads`, or `head_width` for
-        both towers), else OpenAI's heads of 64 channels;
-      * the MLP activation: the entry "activation", else the argument, else "quick_gelu"
-        (OpenAI's). open_clip's models without "-quickgelu" in their name use "gelu".
-    Arguments that contradict the file's entries are refused.
+    Every size is read off a tensor, as OpenAI's build_model does, so ViT-B/32, B/16, L/14 and
+    any model saved with the same keys load here. What no tensor tells, and what changes every
+    output when wrong: the heads per tower (the file's entries, else `vision_heads` /
+    `text_heads` / `head_width`, else 64-channel heads) and the MLP activation (the file's,
+    else the argument, else "quick_gelu"; open_clip's models without "-quickgelu" use "gelu").
     """
-    metadata = {k: state_dict[k] for k in _METADATA_KEYS if k in state_dict}
-    state_dict = {k: v for k, v in state_dict.items() if k not in _METADATA_KEYS}
-
-    if any(k.startswith("visual.layer1.") or k.startswith("visual.attnpool.") for k in state_dict):
-        raise CLIPFileError(
-            "this is a ResNet CLIP checkpoint (visual.layer1 / visual.attnpool keys); only the "
-            "ViT models are supported: use ViT-B/32, ViT-B/16 or ViT-L/14"
-        )
-    required = ["visual.conv1.weight", "visual.positional_embedding", "visual.proj",
-                "token_embedding.weight", "positional_embedding", "ln_final.weight",
-                "text_projection"]
-    missing = [k for k in required if k not in state_dict]
-    if missing:
-        raise CLIPFileError(
-            f"not an OpenAI CLIP ViT state dict: missing {', '.join(missing[:4])}"
-            + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-        )
-
-    # Vision tower: width from the patch conv, patch size from its kernel, grid from the
-    # number of positions, depth from the number of attention blocks.
-    vision_width = state_dict["visual.conv1.weight"].shape[0]
-    vision_patch_size = state_dict["visual.conv1.weight"].shape[-1]
-    vision_layers = len({k.split(".")[3] for k in state_dict
-                         if k.startswith("visual.transformer.resblocks.")})
-    grid_size = round((state_dict["visual.positional_embedding"].shape[0] - 1) ** 0.5)
-    image_resolution = vision_patch_size * grid_size
-    # Text tower.
-    embed_dim = state_dict["text_projection"].shape[1]
-    context_length = state_dict["positional_embedding"].shape[0]
-    vocab_size = state_dict["token_embedding.weight"].shape[0]
-    transformer_width = state_dict["ln_final.weight"].shape[0]
-    transformer_layers = len({k.split(".")[2] for k in state_dict
-                              if k.startswith("transformer.resblocks.")})
-    # What the shapes cannot tell: the head split and the activation.
-    vision_heads = _heads("vision", vision_width, metadata.get("vision_heads"), vision_heads, head_width)
-    text_heads = _heads("text", transformer_width, metadata.get("text_heads"), text_heads, head_width)
-    stored = metadata.get("activation")
-    if activation is not None and stored is not None and activation != stored:
-        raise CLIPFileError(f"the file says activation={stored!r}, the arguments ask for {activation!r}; "
-                            "leave activation out to use the file's")
-    activation = activation or stored or "quick_gelu"
-    if activation not in ACTIVATIONS:
-        raise CLIPFileError(f"activation={activation!r}; use one of {', '.join(map(repr, ACTIVATIONS))}")
-
+    state_dict = dict(state_dict)
+    stored = {k: state_dict.pop(k) for k in _METADATA_KEYS if k in state_dict}
+    if any(k.startswith(("visual.layer1.", "visual.attnpool.")) for k in state_dict):
+        raise CLIPFileError("this is a ResNet CLIP checkpoint (visual.layer1 / visual.attnpool keys); only "
+                            "the ViT models are supported: use ViT-B/32, ViT-B/16 or ViT-L/14")
+    try:
+        vision_width = state_dict["visual.conv1.weight"].shape[0]
+        vision_patch_size = state_dict["visual.conv1.weight"].shape[-1]
+        grid_size = round((state_dict["visual.positional_embedding"].shape[0] - 1) ** 0.5)
+        embed_dim = state_dict["text_projection"].shape[1]
+        context_length, transformer_width = state_dict["positional_embedding"].shape
+        vocab_size = state_dict["token_embedding.weight"].shape[0]
+    except KeyError as error:
+        raise CLIPFileError(f"not an OpenAI CLIP ViT state dict: it has no {error}") from None
+    vision_layers = len([k for k in state_dict if k.startswith("visual.") and k.endswith(".attn.in_proj_weight")])
+    transformer_layers = len({k.split(".")[2] for k in state_dict if k.startswith("transformer.resblocks.")})
+    if activation is not None and stored.get("activation", activation) != activation:
+        raise CLIPFileError(f"the file says activation={stored['activation']!r}, the arguments ask for "
+                            f"{activation!r}; leave activation out to use the file's")
     model = CLIP(
-        embed_dim=embed_dim, image_resolution=image_resolution, vision_layers=vision_layers,
+        embed_dim=embed_dim, image_resolution=vision_patch_size * grid_size, vision_layers=vision_layers,
         vision_width=vision_width, vision_patch_size=vision_patch_size,
-        vision_heads=vision_heads, context_length=context_length,
-        vocab_size=vocab_size, transformer_width=transformer_width,
-        transformer_heads=text_heads, transformer_layers=transformer_layers, activation=activation,
+        vision_heads=_heads("vision", vision_width, stored.get("vision_heads"), vision_heads, head_width),
+        context_length=context_length, vocab_size=vocab_size, transformer_width=transformer_width,
+        transformer_heads=_heads("text", transformer_width, stored.get("text_heads"), text_heads, head_width),
+        transformer_layers=transformer_layers, activation=activation or stored.get("activation", "quick_gelu"),
     )
-
-    # Compare the key sets first: load_state_dict's own message is many lines long.
-    expected = model.state_dict()
-    missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in expected]
-    wrong_shape = [k for k in expected if k in state_dict
-                   and tuple(state_dict[k].shape) != tuple(expected[k].shape)]
-    for problem, keys in (("missing keys", missing), ("unexpected keys", unexpected),
-                          ("keys with the wrong shape", wrong_shape)):
-        if keys:
-            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
-            raise CLIPFileError(f"state dict does not fit a CLIP ViT: {problem} {', '.join(keys[:3])}{more}")
-
-    model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
+    try:  # the strict load checks every key and shape; torch's message, on one line
+        model.load_state_dict({k: v.float() for k, v in state_dict.items()})
+    except RuntimeError as error:
+        raise CLIPFileError(f"state dict does not fit a CLIP ViT: {_one_line(str(error).partition(':')[2], 300)}") from None
     return model.eval()
 
 
@@ -614,15 +522,10 @@ def _sha256(path: str) -> str:
 
 
 def download(url: str, sha256: str, root: Optional[str] = None, what: str = "file") -> str:
-    """Fetch `url` into `root` (the cache), check its SHA-256, return the local path.
-
-    A file already in the cache with the right checksum is reused. The download goes to a
-    temporary file that is renamed only once complete and verified, so an interrupted
-    download never leaves a half-written file under the real name. Progress goes to stderr.
-    """
-    root = root or default_cache_dir()
-    os.makedirs(root, exist_ok=True)
-    target = os.path.join(root, os.path.basename(url))
+    """Fetch `url` into `root` (default: the cache) unless a file with the right SHA-256 is
+    there already; return its path. The name appears only for a complete, checked file
+    (atomic_write). Progress lines go to stderr."""
+    target = os.path.join(root or default_cache_dir(), os.path.basename(url))
     if os.path.isfile(target):
         if _sha256(target) == sha256:
             return target
@@ -631,63 +534,43 @@ def download(url: str, sha256: str, root: Optional[str] = None, what: str = "fil
     def fetch(partial: str) -> None:
         try:
             with urllib.request.urlopen(url, timeout=30) as source, open(partial, "wb") as sink:
-                total = int(source.headers.get("Content-Length") or 0)
-                done, last_report = 0, 0.0
-                while chunk := source.read(1 << 20):
+                total, done = int(source.headers.get("Content-Length") or 0), 0
+                for number, chunk in enumerate(iter(lambda: source.read(1 << 20), b""), start=1):
                     sink.write(chunk)
                     done += len(chunk)
-                    if time.time() - last_report > 2 or done == total:  # a line every 2 s
-                        last_report = time.time()
+                    if number % 32 == 0 or done == total:  # a line every 32 MiB, and at the end
                         share = f" ({100 * done / total:.0f}%)" if total else ""
                         print(f"downloading {what}: {done / 2**20:.1f} MiB{share}", file=sys.stderr)
         except (urllib.error.URLError, OSError, ValueError) as error:
-            raise CLIPFileError(
-                f"{what}: cannot download {url} ({_one_line(getattr(error, 'reason', error), 120)}); "
-                f"without network, get the file elsewhere and pass its local path"
-            ) from None
+            raise CLIPFileError(f"{what}: cannot download {url} ({_one_line(getattr(error, 'reason', error), 120)}); "
+                                "without network, get the file elsewhere and pass its local path") from None
         if _sha256(partial) != sha256:
             raise CLIPFileError(f"{what}: the file downloaded from {url} fails its SHA-256 check; try again")
 
-    atomic_write(target, fetch)  # the name appears only for a complete, checked file
+    atomic_write(target, fetch)
     return target
 
 
-def _is_torchscript_archive(path: str) -> bool:
-    """TorchScript archives (what OpenAI publishes) are zip files with a code/ folder and a
-    constants.pkl; `torch.save` zip files have neither."""
-    with zipfile.ZipFile(path) as archive:
-        names = archive.namelist()
-    return any(n.endswith("/constants.pkl") or "/code/" in n for n in names)
-
-
 def read_state_dict(path: str) -> dict:
-    """Read a checkpoint file into a {name: tensor} dict on the CPU.
-
-    OpenAI's files are TorchScript archives: `torch.jit.load(...).state_dict()` reads their
-    weights without running any of their code paths. Anything else must be a plain state
-    dict, read with `weights_only=True` so that a checkpoint cannot execute code on load.
-    """
+    """A checkpoint file -> {name: tensor} on the CPU. As OpenAI's clip.load: a TorchScript
+    archive (OpenAI's files) gives its state_dict() and runs none of its code; anything else
+    is read as a plain state dict, with weights_only=True so that loading runs no code."""
     if not os.path.isfile(path):
         raise CLIPFileError(f"{path}: no such file; pass the path to a CLIP checkpoint")
     try:
-        if zipfile.is_zipfile(path) and _is_torchscript_archive(path):
-            # Recent torch marks TorchScript deprecated; OpenAI's files exist only in it.
-            with warnings.catch_warnings():
+        try:
+            with warnings.catch_warnings():  # recent torch marks TorchScript deprecated
                 warnings.simplefilter("ignore", FutureWarning)
                 state_dict = torch.jit.load(path, map_location="cpu").state_dict()
-        else:
+        except RuntimeError:  # not a TorchScript archive
             state_dict = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # torch raises many kinds here; they all mean "unreadable"
-        raise CLIPFileError(
-            f"{path}: cannot be read as a checkpoint (truncated, corrupt or not a PyTorch "
-            f"file: {_one_line(error, 100)}); download it again or pass another file"
-        ) from None
+    except Exception as error:  # torch raises many kinds here; all mean "unreadable"
+        raise CLIPFileError(f"{path}: cannot be read as a checkpoint (truncated, corrupt or not a PyTorch "
+                            f"file: {_one_line(error, 100)}); download it again or pass another file") from None
     if isinstance(state_dict, dict) and isinstance(state_dict.get("state_dict"), dict):
         state_dict = state_dict["state_dict"]  # a common wrapper around the weights
     if not isinstance(state_dict, dict) or not all(
-        isinstance(k, str) and (isinstance(v, torch.Tensor) or k in _METADATA_KEYS)
-        for k, v in state_dict.items()
-    ):
+            isinstance(k, str) and (torch.is_tensor(v) or k in _METADATA_KEYS) for k, v in state_dict.items()):
         raise CLIPFileError(f"{path}: holds a {type(state_dict).__name__}, not a state dict of tensors")
     return dict(state_dict)
 
@@ -696,20 +579,15 @@ def load(name_or_path: str, device: Union[str, torch.device] = "cpu", jit: bool 
          download_root: Optional[str] = None, head_width: Optional[int] = None,
          vision_heads: Optional[int] = None, text_heads: Optional[int] = None,
          activation: Optional[str] = None):
-    """Load a CLIP ViT -> (model in eval mode, float32, on `device`; its test transform).
+    """A CLIP ViT -> (model in eval mode, float32, on `device`; its test transform).
 
-    name_or_path: one of `available_models()` ("ViT-B/16", ...) -- taken from the cache or
-    downloaded with a SHA-256 check -- or the path of a checkpoint file: an OpenAI
-    TorchScript archive or a plain state dict in OpenAI's key format.
-    jit: accepted for OpenAI's `clip.load(..., jit=False)`; this module always builds the
-    eager model (jit=True is refused).
-
-    When the extra arguments are needed: never for OpenAI's models (heads of 64 channels,
-    QuickGELU) or for files written by `save` (they carry their heads and activation). For any
-    other state dict, give what no tensor shape can tell, or the model loads *wrong without
-    an error*: heads that are not 64 channels wide (`head_width=32`, or `vision_heads=` /
-    `text_heads=` when the towers differ), and `activation="gelu"` for open_clip's models
-    without "-quickgelu" in their name (e.g. "ViT-B-16" with LAION's weights).
+    name_or_path: one of `available_models()` (from the cache, else downloaded and SHA-256
+    checked) or a checkpoint file (OpenAI's TorchScript, or a state dict with OpenAI's keys).
+    jit=False is OpenAI's argument; this module builds only the eager model.
+    The other arguments are needed only for foreign state dicts (not OpenAI's, not written
+    by `save`), which otherwise load *wrong without an error*: heads not 64 channels wide
+    (`head_width=32`, or `vision_heads=` / `text_heads=`), and `activation="gelu"` for
+    open_clip's models without "-quickgelu" in their name (e.g. LAION's "ViT-B-16").
     """
     if jit:
         raise CLIPError("jit=True is not supported: this module builds the eager model, which is "
@@ -720,15 +598,13 @@ def load(name_or_path: str, device: Union[str, torch.device] = "cpu", jit: bool 
     elif os.path.isfile(name_or_path):
         path = name_or_path
     else:
-        raise CLIPFileError(
-            f"{name_or_path}: neither a model name ({', '.join(_MODELS)}) nor an existing "
-            "file; pass one of those names or the path to a checkpoint"
-        )
+        raise CLIPFileError(f"{name_or_path}: neither a model name ({', '.join(_MODELS)}) nor an existing "
+                            "file; pass one of those names or the path to a checkpoint")
     state_dict = read_state_dict(path)
     try:
         model = build_model(state_dict, head_width=head_width, vision_heads=vision_heads,
                             text_heads=text_heads, activation=activation)
-    except CLIPFileError as error:
+    except CLIPError as error:  # also the model's own checks (head split, activation name)
         raise CLIPFileError(f"{path}: {error}") from None
     return model.to(device), image_transform(model.visual.input_resolution)
 
