@@ -1,17 +1,14 @@
 """
 data.py -- the benchmark datasets of prompt learning, read from CoOp's on-disk layout.
 
-Top to bottom: the registry (one DatasetSpec per dataset: its folder under $DATA, its reader,
-its prompt template); the readers of CoOp's split_zhou_*.json files, ImageNet and its four
-variants (classnames.txt + class folders), FGVC-Aircraft's lists and your own data (a folder
-of class folders, split 50/20/30 once and written as a CoOp split file, or a split file);
-few-shot sampling (the images Dassl draws) and its cache; the base/novel split;
-`load_dataset`, the entry point; CLIP's transforms and a torch Dataset.
-
-It reads a $DATA folder laid out as CoOp's DATASETS.md says, with no Dassl, and imports
-nothing from the project, so it can be copied out alone (docs/METHOD.md Sec. 6). Where we
-differ from CoOp: the few-shot cache is JSON with a fingerprint of its split (CoOp: a pickle),
-and the draw uses its own random.Random(seed), the stream Dassl's seeded global `random` gives.
+Top to bottom: the registry (one DatasetSpec per dataset); readers for CoOp's split files,
+ImageNet and its variants, FGVC-Aircraft and your own data (a folder of class folders, split
+50/20/30 once and written as a CoOp split file, or a split file); few-shot sampling (the
+images Dassl draws) and its cache; the base/novel split; `load_dataset`; CLIP's transforms and
+a torch Dataset. It reads $DATA as CoOp's DATASETS.md lays it out, with no Dassl, and imports
+nothing from the project, so it can be copied out alone (docs/METHOD.md Sec. 6). Unlike CoOp,
+the few-shot cache is JSON with fingerprints (not a pickle), drawn from its own
+random.Random(seed): the stream Dassl's seeded global `random` gives.
 
     python data.py --root $DATA --dataset oxford_pets --shots 16
     python data.py --dataset path/to/my_photos   # your own data: PATH/<class>/<image>
@@ -69,7 +66,7 @@ class Item:
 
 @dataclass
 class DatasetSplits:
-    """What load_dataset returns. classnames[i] names label i in every list."""
+    """What load_dataset returns; classnames[i] names label i in every list."""
 
     name: str  # registry name, e.g. "oxford_pets"
     dataset_dir: str  # $DATA/<folder>: the split and the few-shot cache live here
@@ -84,12 +81,7 @@ class DatasetSplits:
         return [self.template.format(name) for name in self.classnames]
 
 
-# ---- The registry: one row per dataset --------------------------------------------------
-# Readers: "split_json" (CoOp's split_zhou_*.json: {"train"|"val"|"test": [[path, label, name]]}),
-# "imagenet" (classnames.txt, "<wnid> <name>" per line in label order, and images/{train,val}/<wnid>/),
-# "imagenet_variant" (a copy of classnames.txt and one folder per class), "fgvc_aircraft"
-# (variants.txt and images_variant_{train,val,test}.txt). Templates: CoOp's CUSTOM_TEMPLATES
-# (trainers/coop.py).
+# ---- The registry: one row per dataset -------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -99,7 +91,7 @@ class DatasetSpec:
     reader: str  # the reader that understands the layout (READERS)
     image_dir: str  # the folder, inside `folder`, that image paths are relative to
     split_file: str | None  # CoOp's split file inside `folder` (the other readers find their classes)
-    template: str  # CoOp's prompt; "{}" is the class name
+    template: str  # CoOp's prompt (CUSTOM_TEMPLATES, trainers/coop.py); "{}" is the class name
     split_fallback_dir: str | None = None  # your own data: where its split goes if `folder` is read-only
 
     @property
@@ -155,12 +147,10 @@ def get_spec(name: str) -> DatasetSpec:
 
 
 def clean_classname(name: str) -> str:
-    """CoOp's cleaning for the prompt: "american_pit_bull_terrier" -> "american pit bull terrier"."""
-    return name.replace("_", " ")
+    return name.replace("_", " ")  # CoOp's: "american_pit_bull_terrier" -> "american pit bull terrier"
 
 
-# ---- Checks and listings shared by the readers ------------------------------------------
-
+# ---- Checks and listings shared by the readers -----------------------------------------------
 
 def _require(path: str, what: str, exists=os.path.isfile) -> None:
     if not exists(path):
@@ -169,10 +159,10 @@ def _require(path: str, what: str, exists=os.path.isfile) -> None:
 
 
 def _image_path(image_root: str, relative_path: str, where: str) -> str:
-    """image_root/relative_path, refused if it leaves image_root ("../x.jpg", an absolute path):
-    a split names images of its own dataset, never files elsewhere on disk."""
+    """image_root/relative_path, refused if it leaves image_root ("../x.jpg"): a split names
+    images of its own dataset, never files elsewhere on disk."""
     path = os.path.join(image_root, relative_path)
-    if os.path.isabs(relative_path) or not os.path.normpath(path).startswith(os.path.normpath(image_root) + os.sep):
+    if not os.path.normpath(path).startswith(os.path.normpath(image_root) + os.sep):
         raise DatasetError(f"{where}: image path {relative_path!r} leaves the image folder {image_root}; "
                            f"expected a path relative to it, without '..'")
     return path
@@ -181,38 +171,33 @@ def _image_path(image_root: str, relative_path: str, where: str) -> str:
 def _check_split(splits: dict[str, list[Item]], listed_in: str) -> None:
     """Each image once (a repeat would be drawn twice, one in train and test would leak the
     test set), and every image on disk: one isfile each is fast, a crash mid-epoch is not."""
-    seen: dict[str, str] = {}
-    for split_name, items in splits.items():
-        for item in items:
-            key = os.path.normpath(item.path)
-            if key in seen:
-                raise DatasetError(f"{listed_in}: {item.path} is listed twice (in '{seen[key]}' and "
-                                   f"'{split_name}'); expected each image once; remove the repeated entry")
-            seen[key] = split_name
+    seen: dict[str, str] = {}  # normalised path -> the split that lists it
+    for split_name, item in ((name, item) for name, items in splits.items() for item in items):
+        key = os.path.normpath(item.path)
+        if key in seen:
+            raise DatasetError(f"{listed_in}: {item.path} is listed twice (in '{seen[key]}' and "
+                               f"'{split_name}'); expected each image once; remove the repeated entry")
+        seen[key] = split_name
     missing = [path for path in seen if not os.path.isfile(path)]
     if missing:
         raise DatasetError(f"{missing[0]}: image listed in {listed_in} not found ({len(missing)} of {len(seen)} "
-                           f"listed images are missing); expected the images where CoOp's DATASETS.md puts them "
-                           f"({COOP_DATASETS_MD})")
+                           f"listed images are missing); expected the images where CoOp's DATASETS.md puts them")
 
 
 def _classnames_from_items(items: list[Item], source: str) -> list[str]:
     """The class list a split's items define: one name per label, labels 0..n-1."""
     name_of: dict[int, str] = {}
     for item in items:
-        known = name_of.setdefault(item.label, item.classname)
-        if known != item.classname:
-            raise DatasetError(f"{source}: label {item.label} has two class names, {known!r} "
+        if name_of.setdefault(item.label, item.classname) != item.classname:
+            raise DatasetError(f"{source}: label {item.label} has two class names, {name_of[item.label]!r} "
                                f"and {item.classname!r}; expected one name per label")
-    labels = sorted(name_of)
-    if labels != list(range(len(labels))):
-        raise DatasetError(f"{source}: labels are {str(labels[:3])[:60]}...{str(labels[-3:])[:60]} for "
-                           f"{len(labels)} classes; expected consecutive labels 0..{len(labels) - 1}")
-    return [name_of[label] for label in labels]
+    if sorted(name_of) != list(range(len(name_of))):
+        raise DatasetError(f"{source}: labels {str(sorted(name_of))[:80]} are not 0..{len(name_of) - 1}; "
+                           "expected consecutive labels")
+    return [name_of[label] for label in range(len(name_of))]
 
 
-def _subfolders(folder: str) -> list[str]:
-    """Subfolders, sorted; files beside them (README.txt) and hidden entries are ignored."""
+def _subfolders(folder: str) -> list[str]:  # sorted; files beside them (README.txt) are ignored
     return sorted(e.name for e in os.scandir(folder) if e.is_dir() and not e.name.startswith("."))
 
 
@@ -220,7 +205,7 @@ def _image_files(folder: str) -> tuple[list[str], int]:
     """(image files under `folder`, recursively, relative and sorted; how many other files)."""
     images, skipped = [], 0
     for parent, subfolders, files in os.walk(folder):
-        subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))  # hidden ones skipped
         for filename in sorted(f for f in files if not f.startswith(".")):
             if filename.lower().endswith(IMAGE_EXTENSIONS):
                 images.append(os.path.relpath(os.path.join(parent, filename), folder).replace(os.sep, "/"))
@@ -229,129 +214,97 @@ def _image_files(folder: str) -> tuple[list[str], int]:
     return images, skipped
 
 
-# A reader returns (train, val, test, class names). val is None when the dataset has none of
-# its own (ImageNet: CoOp validates on the test set).
-ReaderResult = tuple[list[Item], list[Item] | None, list[Item], list[str]]
+# ---- Readers: (spec, dataset folder) -> (train, val, test, class names) ----------------------
+# val is None when the dataset has none of its own (ImageNet: CoOp validates on the test set).
 
-
-# ---- Reader: CoOp's split_zhou_*.json -----------------------------------------------------
-
-
-def read_split_json(spec: DatasetSpec, dataset_dir: str) -> ReaderResult:
-    """`{"train"|"val"|"test": [[relative_path, label, classname], ...]}`, the paths relative to
-    dataset_dir/image_dir (for Stanford Cars, "cars_train/..." under the dataset folder)."""
-    split_path = os.path.join(dataset_dir, spec.split_file)
+def read_split_json(spec: DatasetSpec, dataset_dir: str) -> tuple:
+    """CoOp's split_zhou_*.json, `{"train"|"val"|"test": [[relative_path, label, classname]]}`,
+    paths relative to dataset_dir/image_dir (for Stanford Cars, "cars_train/..." in the folder)."""
+    split_path, image_root = os.path.join(dataset_dir, spec.split_file), os.path.join(dataset_dir, spec.image_dir)
     _require(split_path, "split file")  # CoOp's DATASETS.md links each split file
-    image_root = os.path.join(dataset_dir, spec.image_dir)
     _require(image_root, "image folder", os.path.isdir)
     return _items_of_split(_read_json_split(split_path), image_root, split_path)
 
 
 def _read_json_split(split_path: str) -> dict:
+    again = f"download it again from CoOp's DATASETS.md ({COOP_DATASETS_MD})"
     try:
         with open(split_path, encoding="utf-8") as f:
             raw = json.load(f)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:  # ValueError: also a 5,000-digit number
         raise DatasetError(f"{split_path}: not a valid JSON split file ({type(e).__name__}: "
-                           f"{' '.join(str(e).split())[:100]}); download it again from CoOp's DATASETS.md "
-                           f"({COOP_DATASETS_MD})") from None
+                           f"{' '.join(str(e).split())[:100]}); {again}") from None
     if not isinstance(raw, dict) or not all(isinstance(raw.get(k), list) for k in ("train", "val", "test")):
-        raise DatasetError(f"{split_path}: expected a JSON object with lists 'train', 'val' and "
-                           f"'test'; download it again from CoOp's DATASETS.md ({COOP_DATASETS_MD})")
+        raise DatasetError(f"{split_path}: expected a JSON object with lists 'train', 'val' and 'test'; {again}")
     return raw
 
 
-def _items_of_split(raw: dict, image_root: str, split_path: str) -> ReaderResult:
+def _items_of_split(raw: dict, image_root: str, split_path: str) -> tuple:
     """A split's entries -> Items under image_root, every entry and image checked."""
-    splits = {}
-    for split_name in ("train", "val", "test"):
-        splits[split_name] = []
+    splits: dict[str, list[Item]] = {"train": [], "val": [], "test": []}
+    for split_name, items in splits.items():
         for position, entry in enumerate(raw[split_name]):
             where = f"{split_path}: entry {position} of '{split_name}'"
             if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
                     and not os.path.isabs(entry[0]) and type(entry[1]) is int and isinstance(entry[2], str)):
                 raise DatasetError(f"{where} is {repr(entry)[:100]}; expected [relative_image_path, label, classname]")
-            path = _image_path(image_root, entry[0], where)
-            splits[split_name].append(Item(path, entry[1], clean_classname(entry[2])))
+            items.append(Item(_image_path(image_root, entry[0], where), entry[1], clean_classname(entry[2])))
     _check_split(splits, split_path)
     classnames = _classnames_from_items(splits["train"] + splits["val"] + splits["test"], split_path)
     return splits["train"], splits["val"], splits["test"], classnames
 
 
-# ---- Readers: ImageNet (classnames.txt + class folders) and its four variants -----------------
-
-
-def _read_imagenet_classnames(dataset_dir: str) -> dict[str, str]:
-    """classnames.txt ("<wnid> <name>" per line, in label order; CoOp's copy has CLIP's names,
-    "n01514668 rooster") -> {wnid: cleaned name}, in order."""
-    path = os.path.join(dataset_dir, "classnames.txt")
-    _require(path, "classnames.txt (ImageNet's class list, one '<wnid> <name>' per line, linked from CoOp's "
-                   "DATASETS.md; the variants hold a copy of it)")
-    names: dict[str, str] = {}
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            wnid, _, name = line.strip().partition(" ")
-            if wnid and (not name.strip() or wnid in names):
-                raise DatasetError(f"{path}: line {line_number} is {line.strip()!r}; expected "
-                                   f"'<wnid> <class name>' with each wnid once")
-            if wnid:
-                names[wnid] = clean_classname(name.strip())
-    return names
-
-
 def _read_class_folders(image_root: str, label_of: dict[str, int], classnames: list[str], what: str) -> list[Item]:
-    """Items from image_root/<folder>/<image>, every folder a class of label_of."""
+    """Items of image_root/<folder>/<image>, every folder a class of label_of."""
     _require(image_root, what, os.path.isdir)
     items = []
     for folder in _subfolders(image_root):
         if folder not in label_of:
-            raise DatasetError(f"{os.path.join(image_root, folder)}: class folder not listed in the "
-                               f"dataset's classnames.txt; expected only the classes classnames.txt names")
-        label = label_of[folder]
-        items += [Item(os.path.join(image_root, folder, f), label, classnames[label])
+            raise DatasetError(f"{os.path.join(image_root, folder)}: class folder not listed in the dataset's "
+                               "classnames.txt; expected only the classes classnames.txt names")
+        items += [Item(os.path.join(image_root, folder, f), label_of[folder], classnames[label_of[folder]])
                   for f in _image_files(os.path.join(image_root, folder))[0]]
     return items
 
 
-def read_imagenet(spec: DatasetSpec, dataset_dir: str) -> ReaderResult:
-    """As CoOp reads it: train from images/train/<wnid>/, test from images/val/<wnid>/ (the
-    50,000 validation images), no validation split of its own; labels in classnames.txt order."""
-    names = _read_imagenet_classnames(dataset_dir)
-    label_of = {wnid: label for label, wnid in enumerate(names)}
+def read_imagenet(spec: DatasetSpec, dataset_dir: str) -> tuple:
+    """ImageNet as CoOp reads it: classnames.txt ("<wnid> <name>" per line, label order; CoOp's
+    copy has CLIP's names), train from images/train/<wnid>/, test from images/val/<wnid>/ (the
+    50,000 validation images), no validation split of its own.
+
+    The variants (-V2, -Sketch, -A, -R: test sets only, a copy of classnames.txt) are read here
+    too, labelled as CoOp labels them: the classes with a folder, in classnames.txt order, as
+    0..n-1. For -V2 and -Sketch (all 1000) that is ImageNet's index space; -A and -R hold 200, so
+    a model trained on ImageNet classifies among those 200 names (CoOp's imagenet_a.py and
+    imagenet_r.py; CoCoOp, MaPLe, PromptSRC report it so). -V2's folders are "0".."999"."""
+    path, names = os.path.join(dataset_dir, "classnames.txt"), {}  # wnid -> cleaned name, in label order
+    _require(path, "classnames.txt (ImageNet's class list, one '<wnid> <name>' per line, linked from CoOp's "
+                   "DATASETS.md; the variants hold a copy of it)")
+    with open(path, encoding="utf-8") as f:
+        for line_number, (wnid, _, name) in enumerate((line.strip().partition(" ") for line in f), start=1):
+            if wnid and (not name.strip() or wnid in names):
+                raise DatasetError(f"{path}: line {line_number} is {wnid + ' ' + name!r}; expected "
+                                   f"'<wnid> <class name>' with each wnid once")
+            if wnid:
+                names[wnid] = clean_classname(name.strip())
     image_root = os.path.join(dataset_dir, spec.image_dir)
-    lists = {part: _read_class_folders(os.path.join(image_root, part), label_of, list(names.values()), what)
-             for part, what in (("train", "training image folder"),
-                                ("val", "validation image folder (the val images sorted into <wnid>/ folders)"))}
-    for part, items in lists.items():
-        present = {item.label for item in items}
-        absent = [wnid for wnid, label in label_of.items() if label not in present]
-        if absent:
-            raise DatasetError(f"{os.path.join(image_root, part, absent[0])}: no images for this class ({len(absent)} "
-                               f"of {len(label_of)} classes of classnames.txt have none); expected one folder "
-                               f"of images per line of classnames.txt")
-    return lists["train"], None, lists["val"], list(names.values())
-
-
-def read_imagenet_variant(spec: DatasetSpec, dataset_dir: str) -> ReaderResult:
-    """ImageNet-V2, -Sketch, -A and -R: test sets only, labelled as CoOp labels them.
-
-    The classes are those with a folder, in classnames.txt order, labelled 0..n-1. For -V2 and
-    -Sketch (all 1000) that is ImageNet's index space; -A and -R hold 200 classes, so a model
-    trained on ImageNet classifies among those 200 names (CoOp's imagenet_a.py/imagenet_r.py, as
-    CoCoOp, MaPLe and PromptSRC report). -V2 names its folders "0".."999" (line i of
-    classnames.txt), the others by wnid.
-    """
-    names = _read_imagenet_classnames(dataset_dir)
-    wnids = list(names)
-    image_root = os.path.join(dataset_dir, spec.image_dir)
+    if not spec.evaluation_only:
+        label_of, classnames = {wnid: label for label, wnid in enumerate(names)}, list(names.values())
+        train = _read_class_folders(os.path.join(image_root, "train"), label_of, classnames, "training image folder")
+        test = _read_class_folders(os.path.join(image_root, "val"), label_of, classnames,
+                                   "validation image folder (the val images sorted into <wnid>/ folders)")
+        for part, items in (("train", train), ("val", test)):
+            if absent := sorted(set(label_of.values()) - {item.label for item in items}):
+                raise DatasetError(f"{os.path.join(image_root, part, list(names)[absent[0]])}: no images for this "
+                                   f"class ({len(absent)} of {len(names)} have none); expected a folder per class")
+        return train, None, test, classnames
     _require(image_root, "image folder", os.path.isdir)
-    wnid_of_folder = {folder: folder for folder in _subfolders(image_root)}
-    if spec.name == "imagenet_v2":
-        for folder in wnid_of_folder:
-            if not (folder.isdigit() and int(folder) < len(wnids)):
-                raise DatasetError(f"{os.path.join(image_root, folder)}: unexpected folder; expected folders "
-                                   f"named 0..{len(wnids) - 1}, folder i holding class i of classnames.txt")
-            wnid_of_folder[folder] = wnids[int(folder)]
+    wnids, wnid_of_folder = list(names), {folder: folder for folder in _subfolders(image_root)}
+    for folder in wnid_of_folder if spec.name == "imagenet_v2" else ():  # folder i is line i of classnames.txt
+        if not (folder.isdigit() and int(folder) < len(wnids)):
+            raise DatasetError(f"{os.path.join(image_root, folder)}: unexpected folder; expected folders named "
+                               f"0..{len(wnids) - 1}, folder i holding class i of classnames.txt")
+        wnid_of_folder[folder] = wnids[int(folder)]
     present = set(wnid_of_folder.values())
     kept = [wnid for wnid in wnids if wnid in present]  # the classes present, in classnames.txt order
     label_of = {folder: kept.index(wnid) for folder, wnid in wnid_of_folder.items() if wnid in names}
@@ -361,46 +314,37 @@ def read_imagenet_variant(spec: DatasetSpec, dataset_dir: str) -> ReaderResult:
     return [], [], test, [names[wnid] for wnid in kept]
 
 
-# ---- Reader: FGVC-Aircraft's text lists -----------------------------------------------------
-
-
-def read_fgvc_aircraft(spec: DatasetSpec, dataset_dir: str) -> ReaderResult:
-    """The archive's data/ folder: variants.txt (one per line, in label order) and
+def read_fgvc_aircraft(spec: DatasetSpec, dataset_dir: str) -> tuple:
+    """The archive's data/ folder: variants.txt (one per line, label order) and
     images_variant_{train,val,test}.txt ("<image id> <variant>", the variant may hold spaces:
     "1025794 Cessna 172"); the image is images/<image id>.jpg."""
-    variants_path = os.path.join(dataset_dir, "variants.txt")
+    variants_path, image_root = os.path.join(dataset_dir, "variants.txt"), os.path.join(dataset_dir, spec.image_dir)
     _require(variants_path, "FGVC-Aircraft class list (variants.txt, from the archive's data/ folder)")
-    with open(variants_path, encoding="utf-8") as f:
-        variants = [line.strip() for line in f if line.strip()]
-    label_of = {variant: label for label, variant in enumerate(variants)}
-    image_root = os.path.join(dataset_dir, spec.image_dir)
     _require(image_root, "image folder", os.path.isdir)
-    splits = {}
-    for split_name in ("train", "val", "test"):
+    with open(variants_path, encoding="utf-8") as f:
+        label_of = {variant: label for label, variant in enumerate(line.strip() for line in f if line.strip())}
+    splits: dict[str, list[Item]] = {"train": [], "val": [], "test": []}
+    for split_name, items in splits.items():
         list_path = os.path.join(dataset_dir, f"images_variant_{split_name}.txt")
         _require(list_path, "FGVC-Aircraft image list (from the archive's data/ folder)")
-        splits[split_name] = []
         with open(list_path, encoding="utf-8") as f:
-            for line_number, line in enumerate(f, start=1):
-                image_id, _, variant = line.strip().partition(" ")
+            for line_number, (image_id, _, variant) in enumerate((line.strip().partition(" ") for line in f), 1):
                 if image_id and variant not in label_of:
-                    raise DatasetError(f"{list_path}: line {line_number} is {line.strip()!r}; expected "
+                    raise DatasetError(f"{list_path}: line {line_number} is {image_id + ' ' + variant!r}; expected "
                                        f"'<image id> <variant>' with a variant listed in {variants_path}")
                 if image_id:
                     path = _image_path(image_root, image_id + ".jpg", f"{list_path}: line {line_number}")
-                    splits[split_name].append(Item(path, label_of[variant], clean_classname(variant)))
-        _check_split({split_name: splits[split_name]}, list_path)
-    _check_split(splits, f"the image lists in {dataset_dir}")
-    return splits["train"], splits["val"], splits["test"], [clean_classname(v) for v in variants]
+                    items.append(Item(path, label_of[variant], clean_classname(variant)))
+        _check_split({split_name: items}, list_path)
+    _check_split(splits, f"the image lists in {dataset_dir}")  # and no image in two lists
+    return splits["train"], splits["val"], splits["test"], [clean_classname(v) for v in label_of]
 
 
-# ---- Your own data: a folder of class folders, or a split file in CoOp's format -----------------
-#   PATH/<class>/<image>  torchvision's ImageFolder layout: class names are the folder names
-#                         (underscores -> spaces), labels their sorted order. The split is drawn
-#                         once, 50/20/30 per class (CoOp's read_and_split_data, datasets/dtd.py),
-#                         and written as PATH/split_<name>.json: from then on that file is the
-#                         split (edit it, or delete it to draw again); if PATH is read-only, it
-#                         goes to split_fallback_dir.
+# ---- Your own data: a folder of class folders, or a split file in CoOp's format --------------
+#   PATH/<class>/<image>  torchvision's ImageFolder layout (labels: the sorted folders), split once
+#                         50/20/30 per class (CoOp's read_and_split_data, datasets/dtd.py) and written
+#                         as PATH/split_<name>.json, from then on the split (edit it, or delete it to
+#                         draw again); into split_fallback_dir if PATH is read-only.
 #   PATH/<any>.json       a split in CoOp's format, paths relative to the file's folder.
 # The name (tables, run folders) is the folder's; the few-shot cache is PATH/split_fewshot/.
 
@@ -410,25 +354,22 @@ OWN_SPLIT_SEED = 1  # our choice: one fixed seed, so the same folder always give
 _DRAWN_SPLITS: dict[str, dict] = {}  # folder -> its drawn split, so that checking and reading draw once
 
 
-def own_dataset_name(path: str) -> str:
-    """The folder's name (for a split file, that of the folder it sits in)."""
+def own_dataset_name(path: str) -> str:  # the folder's name (a split file's: that of its folder)
     path = os.path.abspath(os.path.expanduser(str(path)))
     return os.path.basename(os.path.dirname(path) if path.lower().endswith(".json") else path)
 
 
 def is_own_data(value: str) -> bool:
     """Whether a --dataset value is a path rather than a registry name."""
-    value = str(value)
-    if value in DATASETS or dataset_key(value) in (*DATASETS, "all"):
+    if str(value) in DATASETS or dataset_key(value) in (*DATASETS, "all"):
         return False
-    return "/" in value or os.sep in value or value.lower().endswith(".json") or os.path.exists(value)
+    return "/" in str(value) or os.sep in str(value) or str(value).lower().endswith(".json") or os.path.exists(value)
 
 
 def own_dataset(path: str, split_fallback_dir: str | None = None) -> DatasetSpec:
     """Register your own data at PATH and return its row. Everything is checked now, before any
     work; a folder's split is drawn (in memory) but written only when load_dataset first reads it."""
-    path = os.path.abspath(os.path.expanduser(str(path)))
-    name = own_dataset_name(path)
+    path, name = os.path.abspath(os.path.expanduser(str(path))), own_dataset_name(path)
     if path.lower().endswith(".json"):
         if not os.path.isfile(path):
             raise DatasetError(f"{path}: split file not found; expected a JSON file in CoOp's format, "
@@ -463,18 +404,15 @@ def draw_image_folder_split(folder: str) -> dict:
                            f"two, as PATH/<class name>/<image> (torchvision's ImageFolder layout)")
     folder_of_name: dict[str, str] = {}
     for class_folder in classes:
-        other = folder_of_name.setdefault(clean_classname(class_folder), class_folder)
-        if other != class_folder:
+        if (other := folder_of_name.setdefault(clean_classname(class_folder), class_folder)) != class_folder:
             raise DatasetError(f"{folder}: class folders {other!r} and {class_folder!r} both give the class name "
                                f"{clean_classname(class_folder)!r} (underscores become spaces); rename one")
-    rng, skipped = random.Random(OWN_SPLIT_SEED), 0
-    split: dict[str, list] = {"train": [], "val": [], "test": []}
+    rng, skipped, split = random.Random(OWN_SPLIT_SEED), 0, {"train": [], "val": [], "test": []}
     for label, class_folder in enumerate(classes):
         images, skipped_here = _image_files(os.path.join(folder, class_folder))
         skipped += skipped_here
-        for relative in images:  # opening the header finds a file that only looks like an image
-            path = os.path.join(folder, class_folder, relative)
-            try:
+        for path in (os.path.join(folder, class_folder, relative) for relative in images):
+            try:  # opening the header finds a file that only looks like an image
                 Image.open(path).close()
             except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
                 raise DatasetError(f"{path}: cannot be read as an image ({type(e).__name__}); "
@@ -487,31 +425,26 @@ def draw_image_folder_split(folder: str) -> dict:
                                f"per class; add images or remove the folder")
         rng.shuffle(images)
         entries = [[f"{class_folder}/{relative}", label, class_folder] for relative in images]
-        split["train"] += entries[:n_train]
-        split["val"] += entries[n_train:n_train + n_val]
-        split["test"] += entries[n_train + n_val:]
+        for part, chosen in zip(split, (entries[:n_train], entries[n_train:n_train + n_val], entries[n_train + n_val:])):
+            split[part] += chosen
     if skipped:
-        _warn(f"{folder}: skipped {skipped} non-image file{'s' * (skipped != 1)} (only "
-              f"{', '.join(IMAGE_EXTENSIONS)} are read)")
+        _warn(f"{folder}: skipped {skipped} non-image file{'s' * (skipped != 1)} (only {', '.join(IMAGE_EXTENSIONS)} "
+              "are read)")
     return split
 
 
-def _find_own_split(spec: DatasetSpec) -> str | None:
-    """The split file of a folder of class folders: in the folder, else in the fallback."""
-    for folder in filter(None, (spec.folder, spec.split_fallback_dir)):
-        if os.path.isfile(os.path.join(folder, spec.split_file)):
-            return os.path.join(folder, spec.split_file)
-    return None
+def _find_own_split(spec: DatasetSpec) -> str | None:  # in the data folder, else in the fallback
+    found = [os.path.join(f, spec.split_file) for f in (spec.folder, spec.split_fallback_dir) if f]
+    return next((path for path in found if os.path.isfile(path)), None)
 
 
-def read_image_folder(spec: DatasetSpec, dataset_dir: str) -> ReaderResult:
+def read_image_folder(spec: DatasetSpec, dataset_dir: str) -> tuple:
     """A folder of class folders: its split file if there is one, else the split drawn now and
     written (to the folder, else the fallback; if neither is writable, drawn again next time)."""
-    split_path = _find_own_split(spec)
-    if split_path is not None:
+    if (split_path := _find_own_split(spec)) is not None:
         return _items_of_split(_read_json_split(split_path), dataset_dir, split_path)
     raw = _DRAWN_SPLITS.get(dataset_dir) or draw_image_folder_split(dataset_dir)
-    wanted = split_path = os.path.join(dataset_dir, spec.split_file)
+    wanted = os.path.join(dataset_dir, spec.split_file)
     for folder in filter(None, (dataset_dir, spec.split_fallback_dir)):
         split_path = os.path.join(folder, spec.split_file)
         try:
@@ -521,53 +454,36 @@ def read_image_folder(spec: DatasetSpec, dataset_dir: str) -> ReaderResult:
             continue
         if split_path != wanted:
             _warn(f"{wanted}: cannot write the split file ({reason}); wrote it to {split_path}")
-        break
-    else:
-        _warn(f"{wanted}: cannot write the split file ({reason}); the same split is drawn again on each call")
-    return _items_of_split(raw, dataset_dir, split_path)
+        return _items_of_split(raw, dataset_dir, split_path)
+    _warn(f"{wanted}: cannot write the split file ({reason}); the same split is drawn again on each call")
+    return _items_of_split(raw, dataset_dir, wanted)
 
 
-READERS = {"split_json": read_split_json, "imagenet": read_imagenet, "fgvc_aircraft": read_fgvc_aircraft,
-           "imagenet_variant": read_imagenet_variant, "image_folder": read_image_folder}
+READERS = {"split_json": read_split_json, "imagenet": read_imagenet, "imagenet_variant": read_imagenet,
+           "fgvc_aircraft": read_fgvc_aircraft, "image_folder": read_image_folder}
 
 
-# ---- Few-shot sampling and its cache --------------------------------------------------------
-
+# ---- Few-shot sampling and its cache ----------------------------------------------------------
 
 def sample_few_shot(items: list[Item], num_shots: int, rng: random.Random) -> list[Item]:
-    """K images per class, drawn as Dassl's generate_fewshot_dataset draws them (Dassl.pytorch,
-    dassl/data/datasets/base_dataset.py; CoOp, CoCoOp, MaPLe, PromptSRC and MMRL use it), so that
-    a seed trains on the images the papers report on: classes in the order their labels first
-    appear in `items` (not sorted for Stanford Cars or Oxford Flowers); rng.sample(class, K) for
-    a class of at least K images, else rng.choices(class, k=K) (Dassl's repeat=True). With
-    rng = random.Random(seed) this is Dassl's stream after random.seed(seed)."""
+    """K images per class as Dassl's generate_fewshot_dataset draws them (Dassl.pytorch,
+    dassl/data/datasets/base_dataset.py; CoOp, CoCoOp, MaPLe, PromptSRC and MMRL use it), so a
+    seed trains on the papers' images: classes in the order their labels first appear (not
+    sorted for Stanford Cars or Oxford Flowers); rng.sample(class, K) for a class of at least K
+    images, else rng.choices(class, k=K) (Dassl's repeat=True). With rng = random.Random(seed)
+    this is Dassl's stream after random.seed(seed)."""
     by_label: dict[int, list[Item]] = {}  # insertion order = first appearance
     for item in items:
         by_label.setdefault(item.label, []).append(item)
-    sampled = []
-    for pool in by_label.values():
-        sampled += rng.sample(pool, num_shots) if len(pool) >= num_shots else rng.choices(pool, k=num_shots)
-    return sampled
+    return [item for pool in by_label.values() for item in
+            (rng.sample(pool, num_shots) if len(pool) >= num_shots else rng.choices(pool, k=num_shots))]
 
 
-def _warn_short_classes(items: list[Item], num_shots: int, where: str) -> None:
-    counts = Counter(item.label for item in items)
-    short = sorted((label, count) for label, count in counts.items() if count < num_shots)
-    if short:
-        names = {item.label: item.classname for item in items}
-        listed = ", ".join(f"{names[label]!r} has {count}" for label, count in short[:5])
-        more = f", and {len(short) - 5} more" if len(short) > 5 else ""
-        _warn(f"{where}: {len(short)} of {len(counts)} classes have fewer than {num_shots} images "
-              f"and repeat some to make {num_shots}, as Dassl does ({listed}{more})")
-
-
-# The cache, $DATA/<folder>/split_fewshot/shot_{K}-seed_{seed}.json: CoOp pickles the drawn
-# items so that every run of one (K, seed) trains on the same images; we write JSON (readable,
-# and loading it runs no code) with two SHA-256s, of the full split it was drawn from and of
-# its own lists. A cache that does not parse, is of another format, was drawn from another
-# split or was edited is redrawn with a warning, never trusted. It is drawn before the
-# base/novel subsample, so base and novel runs of one (K, seed) share it. Version 3 is
-# Dassl's draw; version 2 drew otherwise (sorted classes, short classes kept short).
+# The cache, <dataset folder>/split_fewshot/shot_{K}-seed_{seed}.json: as CoOp's pickle, every
+# run of one (K, seed) trains on the same images; JSON (readable, loading it runs no code) with
+# SHA-256s of the full split it was drawn from and of its own lists, so that a cache of another
+# format, of another split, or edited is redrawn with a warning, never trusted. Drawn before the
+# base/novel subsample, it serves both halves. Version 3: Dassl's draw (version 2 drew otherwise).
 FEWSHOT_CACHE_NAME = "dear-from-scratch few-shot split"
 FEWSHOT_CACHE_FORMAT = f"{FEWSHOT_CACHE_NAME}, version 3"
 
@@ -581,12 +497,12 @@ def _fingerprint(lists: dict) -> str:
 
 
 def _read_fewshot_cache(cache_path: str, fingerprint: str, parts: list[str]) -> dict | None:
-    """The cached lists, or None (with a warning saying why) when they cannot be trusted."""
-    if not os.path.exists(cache_path):
-        return None
+    """The cache's content, or None (with a warning saying why) when it cannot be trusted."""
     try:
         with open(cache_path, encoding="utf-8") as f:
             cached = json.load(f)
+    except FileNotFoundError:
+        return None
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         reason = f"cannot be read as JSON ({type(e).__name__})"
     else:
@@ -605,8 +521,8 @@ def _read_fewshot_cache(cache_path: str, fingerprint: str, parts: list[str]) -> 
 
 
 def _write_json_atomically(path: str, header: dict, lists: dict[str, list[list]]) -> None:
-    """{**header, **lists} as JSON, one entry per line, through a temporary file and os.replace.
-    data.py's own small copy of clip_model.atomic_write, on purpose: data.py stands alone."""
+    """{**header, **lists} as JSON, one entry per line, through a temporary file and os.replace:
+    data.py's own small copy of clip_model.atomic_write, on purpose (data.py stands alone)."""
     fields = [f"  {json.dumps(key)}: {json.dumps(value)}" for key, value in header.items()]
     fields += [f"  {json.dumps(key)}: [\n" + ",\n".join(f"    {json.dumps(e)}" for e in entries) + "\n  ]"
                for key, entries in lists.items()]
@@ -623,23 +539,25 @@ def _write_json_atomically(path: str, header: dict, lists: dict[str, list[list]]
 
 def few_shot_splits(spec: DatasetSpec, dataset_dir: str, full: dict[str, list[Item]],
                     num_shots: int, seed: int) -> dict[str, list[Item]]:
-    """K per class for train, min(K, 4) for val (CoOp), from the cache when it is valid, else
-    drawn from one random.Random(seed) stream, train then val, as CoOp's datasets after Dassl's
-    random.seed(seed), and cached. Entries are [path relative to dataset_dir, label, name], so
-    that the cache stays valid when $DATA moves."""
+    """K per class for train, min(K, 4) for val (CoOp): from the cache when it can be trusted,
+    else drawn from one random.Random(seed) stream, train then val (CoOp's datasets after Dassl's
+    random.seed(seed)), and cached. Paths are stored relative, so that $DATA may move."""
     shots = {part: num_shots if part == "train" else min(num_shots, 4) for part in full}
     for part, k in shots.items():
-        _warn_short_classes(full[part], k, f"{spec.name} {part}")
+        counts, names = Counter(item.label for item in full[part]), {item.label: item.classname for item in full[part]}
+        if short := sorted((label, count) for label, count in counts.items() if count < k):
+            listed = ", ".join(f"{names[label]!r} has {count}" for label, count in short[:5])
+            _warn(f"{spec.name} {part}: {len(short)} of {len(counts)} classes have fewer than {k} images and repeat "
+                  f"some to make {k}, as Dassl does ({listed}{f', and {len(short) - 5} more' * (len(short) > 5)})")
 
-    def entries(items: list[Item]) -> list[list]:
+    def entries(items: list[Item]) -> list[list]:  # [path relative to the dataset folder, label, name]
         return [[os.path.relpath(i.path, dataset_dir).replace(os.sep, "/"), i.label, i.classname] for i in items]
 
     full_entries = {part: entries(items) for part, items in full.items()}
     cache_path, fingerprint = fewshot_cache_path(dataset_dir, num_shots, seed), _fingerprint(full_entries)
-    cached = _read_fewshot_cache(cache_path, fingerprint, list(full))
-    if cached is not None:
+    if (cached := _read_fewshot_cache(cache_path, fingerprint, list(full))) is not None:
         item_of = {tuple(e): item for part in full for e, item in zip(full_entries[part], full[part])}
-        return {part: [item_of[tuple(e)] for e in cached[part]] for part in full}
+        return {part: [item_of[tuple(e)] for e in cached[part]] for part in full}  # all written from this split
     rng = random.Random(seed)
     sampled = {part: sample_few_shot(full[part], shots[part], rng) for part in full}
     lists = {part: entries(items) for part, items in sampled.items()}
@@ -652,12 +570,10 @@ def few_shot_splits(spec: DatasetSpec, dataset_dir: str, full: dict[str, list[It
     return sampled
 
 
-# ---- Base/novel split (CoOp's OxfordPets.subsample_classes) ----------------------------------
+# ---- Base/novel split (CoOp's OxfordPets.subsample_classes) and the entry point -------------
 
-
-def subsample_classes(classnames: list[str], splits: list[list[Item]],
-                      subsample: str) -> tuple[list[str], list[list[Item]]]:
-    """Keep the base (first ceil(n/2) labels) or the novel ("new": the other floor(n/2)) classes
+def subsample_classes(classnames: list[str], splits: list[list[Item]], subsample: str) -> tuple:
+    """Keep the base (first ceil(n/2) labels) or the novel ("new", the other floor(n/2)) classes
     in every list, relabelled from 0, names in order. CoOp applies it after few-shot sampling, so
     a base class has the same few-shot images whether or not the run subsamples."""
     if subsample == "all":
@@ -669,9 +585,6 @@ def subsample_classes(classnames: list[str], splits: list[list[Item]],
         [replace(item, label=new_label[item.label]) for item in items if item.label in new_label] for items in splits]
 
 
-# ---- The entry point --------------------------------------------------------------------
-
-
 def load_dataset(name: str, root: str, num_shots: int | None = None, seed: int = 1,
                  subsample: str = "all") -> DatasetSplits:
     """Read dataset `name` from `root` ($DATA, laid out as CoOp's DATASETS.md describes).
@@ -679,13 +592,10 @@ def load_dataset(name: str, root: str, num_shots: int | None = None, seed: int =
     num_shots: None for every training image, or K >= 1 per class (val: min(K, 4)), drawn with
     `seed` and cached. subsample: "all", "base" or "new"/"novel", after the few-shot draw (CoOp).
     ImageNet's `val` is its test list (CoOp); the variants are test sets only (train and val
-    empty, num_shots=None, subsample="all"). Raises DatasetError (one line) on any bad input.
-    """
-    spec = get_spec(name)
-    subsample = str(subsample).lower()
+    empty, num_shots=None, subsample="all"). Raises DatasetError (one line) on any bad input."""
+    spec, subsample = get_spec(name), str(subsample).lower()
     if subsample not in SUBSAMPLE_CHOICES:
         raise DatasetError(f"subsample={subsample!r}: expected one of {', '.join(SUBSAMPLE_CHOICES)}")
-    subsample = "new" if subsample == "novel" else subsample
     if num_shots is not None and (type(num_shots) is not int or num_shots < 1):
         raise DatasetError(f"num_shots={num_shots!r}: expected None (all training images) or an integer >= 1")
     if type(seed) is not int:
@@ -693,23 +603,22 @@ def load_dataset(name: str, root: str, num_shots: int | None = None, seed: int =
     if spec.evaluation_only and (num_shots is not None or subsample != "all"):
         raise DatasetError(f"{spec.name}: a test set only (domain generalization); load it with "
                            f"num_shots=None and subsample='all'")
-    if spec.own:  # your own data lives where own_dataset found it, whatever the root
-        dataset_dir = spec.folder
-    else:
+    dataset_dir = spec.folder  # your own data lives where own_dataset found it, whatever the root
+    if not spec.own:
         root = os.path.abspath(os.path.expanduser(str(root))) if root else "(no root given)"
         if not os.path.isdir(root):
             raise DatasetError(f"{root}: data root (--root) not found; expected the $DATA folder of CoOp's "
                                f"DATASETS.md ({COOP_DATASETS_MD}) that holds {spec.folder}/")
         dataset_dir = os.path.join(root, spec.folder)
         _require(dataset_dir, "dataset folder", os.path.isdir)
-
     train, val, test, classnames = READERS[spec.reader](spec, dataset_dir)
     if num_shots is not None:
-        sampled = few_shot_splits(spec, dataset_dir, {"train": train} if val is None else
-                                  {"train": train, "val": val}, num_shots, seed)
+        full = {"train": train} if val is None else {"train": train, "val": val}
+        sampled = few_shot_splits(spec, dataset_dir, full, num_shots, seed)
         train, val = sampled["train"], sampled.get("val")
-    classnames, (train, val, test) = subsample_classes(classnames, [train, test if val is None else val, test],
-                                                       subsample)
+    val = test if val is None else val  # ImageNet: CoOp validates on the test set
+    classnames, (train, val, test) = subsample_classes(classnames, [train, val, test],
+                                                       "new" if subsample == "novel" else subsample)
     return DatasetSplits(spec.name, dataset_dir, train, val, test, classnames, spec.template)
 
 
@@ -763,8 +672,7 @@ class ImageDataset(Dataset):
         return self.transform(load_image(item.path)), item.label
 
 
-# ---- Command line: a summary of one dataset, or the registry -------------------------------
-
+# ---- Command line: a summary of one dataset, or the registry --------------------------------
 
 class OneLineParser(argparse.ArgumentParser):
     """An error as one line, not the whole usage (--help has it); exit status 2, as argparse's."""
@@ -801,14 +709,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     shots = "all images" if args.shots is None else f"{args.shots} shots, seed {args.seed}"
     print(f"{d.name}  ({d.dataset_dir})  {shots}, subsample={args.subsample}")
-    print(f"  classes   {len(d.classnames)}: {', '.join(d.classnames[:5])}{', ...' if len(d.classnames) > 5 else ''}")
+    print(f"  classes   {len(d.classnames)}: {', '.join(d.classnames[:5])}{', ...' * (len(d.classnames) > 5)}")
     for split_name in ("train", "val", "test"):
         counts = Counter(item.label for item in getattr(d, split_name)).values()
         per_class = f"{min(counts)}-{max(counts)} per class" if counts else "empty"
         print(f"  {split_name:<9} {len(getattr(d, split_name)):>6} images ({per_class})")
-    print(f"  template  {d.template!r}")
-    if d.classnames:
-        print(f"  prompt    {d.prompts[0]!r}")
+    print(f"  template  {d.template!r}" + (f"\n  prompt    {d.prompts[0]!r}" if d.classnames else ""))
     return 0
 
 
