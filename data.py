@@ -1,14 +1,11 @@
 """
 data.py -- the benchmark datasets of prompt learning, read from CoOp's on-disk layout.
 
-Top to bottom: the registry (one DatasetSpec per dataset); readers for CoOp's split files,
-ImageNet and its variants, FGVC-Aircraft and your own data (a folder of class folders, split
-50/20/30 once and written as a CoOp split file, or a split file); few-shot sampling (the
-images Dassl draws) and its cache; the base/novel split; `load_dataset`; CLIP's transforms and
-a torch Dataset. It reads $DATA as CoOp's DATASETS.md lays it out, with no Dassl, and imports
-nothing from the project, so it can be copied out alone (docs/METHOD.md Sec. 6). Unlike CoOp,
-the few-shot cache is JSON with fingerprints (not a pickle), drawn from its own
-random.Random(seed): the stream Dassl's seeded global `random` gives.
+Top to bottom: the registry (a DatasetSpec per dataset); readers for CoOp's split files,
+ImageNet and its variants, FGVC-Aircraft and your own data; few-shot sampling (the images
+Dassl draws) and its cache; the base/novel split; `load_dataset`; CLIP's transforms and a torch
+Dataset. It reads $DATA as CoOp's DATASETS.md lays it out, without Dassl, and imports nothing
+from the project, so it can be copied out alone (docs/METHOD.md Sec. 6).
 
     python data.py --root $DATA --dataset oxford_pets --shots 16
     python data.py --dataset path/to/my_photos   # your own data: PATH/<class>/<image>
@@ -46,7 +43,7 @@ class DatasetError(Exception):
         # worker process 0.\nOriginal Traceback ...\ndata.DatasetError: <our line>"): keep our line.
         if message.startswith("Caught DatasetError") and "\nOriginal Traceback" in message:
             message = message.rstrip().rsplit("\n", 1)[-1].split("DatasetError: ", 1)[-1]
-        super().__init__(message.replace("\r", " ").replace("\n", " "))
+        super().__init__(message.replace("\r", " ").replace("\n", " "))  # one line, whatever it quotes
 
 
 class DatasetWarning(UserWarning):
@@ -54,7 +51,7 @@ class DatasetWarning(UserWarning):
 
 
 def _warn(message: str) -> None:
-    warnings.warn(message, DatasetWarning, stacklevel=2)
+    warnings.warn(message, DatasetWarning, stacklevel=2)  # attributed to the caller of the function that warns
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +62,7 @@ class Item:
 
 
 @dataclass
-class DatasetSplits:
-    """What load_dataset returns; classnames[i] names label i in every list."""
-
+class DatasetSplits:  # what load_dataset returns; classnames[i] names label i in every list
     name: str  # registry name, e.g. "oxford_pets"
     dataset_dir: str  # $DATA/<folder>: the split and the few-shot cache live here
     train: list[Item]
@@ -96,15 +91,15 @@ class DatasetSpec:
 
     @property
     def own(self) -> bool:
-        return os.path.isabs(self.folder)
+        return os.path.isabs(self.folder)  # your own data (own_dataset): its folder is an absolute path
 
     @property
     def evaluation_only(self) -> bool:  # the ImageNet variants: test sets of domain generalization
         return self.reader == "imagenet_variant"
 
 
-# The first eleven rows take part in base-to-novel, few-shot and cross-dataset evaluation;
-# ImageNet is the source of cross-dataset and domain generalization, whose targets are the variants.
+# Rows 2-11: base-to-novel, few-shot, cross-dataset; ImageNet: the source of cross-dataset and domain
+# generalization, whose targets are the variants.
 # fmt: off
 DATASETS: dict[str, DatasetSpec] = {spec.name: spec for spec in [
     #           name               folder                  reader              image_dir                                  split_file                              template
@@ -139,7 +134,7 @@ def dataset_key(name: str) -> str:
 
 def get_spec(name: str) -> DatasetSpec:
     """The registry row of `name`, or of your own data registered by own_dataset."""
-    spec = DATASETS.get(name) or DATASETS.get(dataset_key(name))
+    spec = DATASETS.get(name) or DATASETS.get(dataset_key(name))  # own data: its folder's name, exactly
     if spec is None:
         raise DatasetError(f"unknown dataset {name!r}; expected one of: {', '.join(DATASETS)}, or the path of "
                            f"your own data (a folder of class folders, or a split file)")
@@ -159,9 +154,8 @@ def _require(path: str, what: str, exists=os.path.isfile) -> None:
 
 
 def _image_path(image_root: str, relative_path: str, where: str) -> str:
-    """image_root/relative_path, refused if it leaves image_root ("../x.jpg"): a split names
-    images of its own dataset, never files elsewhere on disk."""
-    path = os.path.join(image_root, relative_path)
+    """image_root/relative_path, refused if it leaves image_root: a split names its own images."""
+    path = os.path.join(image_root, relative_path)  # "../x.jpg" would reach files elsewhere on disk
     if not os.path.normpath(path).startswith(os.path.normpath(image_root) + os.sep):
         raise DatasetError(f"{where}: image path {relative_path!r} leaves the image folder {image_root}; "
                            f"expected a path relative to it, without '..'")
@@ -169,16 +163,15 @@ def _image_path(image_root: str, relative_path: str, where: str) -> str:
 
 
 def _check_split(splits: dict[str, list[Item]], listed_in: str) -> None:
-    """Each image once (a repeat would be drawn twice, one in train and test would leak the
-    test set), and every image on disk: one isfile each is fast, a crash mid-epoch is not."""
-    seen: dict[str, str] = {}  # normalised path -> the split that lists it
+    """Each image once, and every image on disk (one isfile each is fast, a crash mid-epoch is not)."""
+    seen: dict[str, str] = {}  # normalised path -> its split: a repeat is drawn twice, or leaks the test set
     for split_name, item in ((name, item) for name, items in splits.items() for item in items):
         key = os.path.normpath(item.path)
         if key in seen:
             raise DatasetError(f"{listed_in}: {item.path} is listed twice (in '{seen[key]}' and "
                                f"'{split_name}'); expected each image once; remove the repeated entry")
         seen[key] = split_name
-    missing = [path for path in seen if not os.path.isfile(path)]
+    missing = [path for path in seen if not os.path.isfile(path)]  # all of them: the count says how bad
     if missing:
         raise DatasetError(f"{missing[0]}: image listed in {listed_in} not found ({len(missing)} of {len(seen)} "
                            f"listed images are missing); expected the images where CoOp's DATASETS.md puts them")
@@ -191,7 +184,7 @@ def _classnames_from_items(items: list[Item], source: str) -> list[str]:
         if name_of.setdefault(item.label, item.classname) != item.classname:
             raise DatasetError(f"{source}: label {item.label} has two class names, {name_of[item.label]!r} "
                                f"and {item.classname!r}; expected one name per label")
-    if sorted(name_of) != list(range(len(name_of))):
+    if sorted(name_of) != list(range(len(name_of))):  # a skipped label would shift every class after it
         raise DatasetError(f"{source}: labels {str(sorted(name_of))[:80]} are not 0..{len(name_of) - 1}; "
                            "expected consecutive labels")
     return [name_of[label] for label in range(len(name_of))]
@@ -204,7 +197,7 @@ def _subfolders(folder: str) -> list[str]:  # sorted; files beside them (README.
 def _image_files(folder: str) -> tuple[list[str], int]:
     """(image files under `folder`, recursively, relative and sorted; how many other files)."""
     images, skipped = [], 0
-    for parent, subfolders, files in os.walk(folder):
+    for parent, subfolders, files in os.walk(folder):  # recursive: your own class folders may nest
         subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))  # hidden ones skipped
         for filename in sorted(f for f in files if not f.startswith(".")):
             if filename.lower().endswith(IMAGE_EXTENSIONS):
@@ -218,16 +211,16 @@ def _image_files(folder: str) -> tuple[list[str], int]:
 # val is None when the dataset has none of its own (ImageNet: CoOp validates on the test set).
 
 def read_split_json(spec: DatasetSpec, dataset_dir: str) -> tuple:
-    """CoOp's split_zhou_*.json, `{"train"|"val"|"test": [[relative_path, label, classname]]}`,
-    paths relative to dataset_dir/image_dir (for Stanford Cars, "cars_train/..." in the folder)."""
-    split_path, image_root = os.path.join(dataset_dir, spec.split_file), os.path.join(dataset_dir, spec.image_dir)
+    """CoOp's split_zhou_*.json, `{"train"|"val"|"test": [[relative_path, label, classname]]}`."""
+    split_path = os.path.join(dataset_dir, spec.split_file)
+    image_root = os.path.join(dataset_dir, spec.image_dir)  # Stanford Cars: "" ("cars_train/..." paths)
     _require(split_path, "split file")  # CoOp's DATASETS.md links each split file
     _require(image_root, "image folder", os.path.isdir)
     return _items_of_split(_read_json_split(split_path), image_root, split_path)
 
 
 def _read_json_split(split_path: str) -> dict:
-    again = f"download it again from CoOp's DATASETS.md ({COOP_DATASETS_MD})"
+    again = f"download it again from CoOp's DATASETS.md ({COOP_DATASETS_MD})"  # what to do, for both errors
     try:
         with open(split_path, encoding="utf-8") as f:
             raw = json.load(f)
@@ -244,12 +237,12 @@ def _items_of_split(raw: dict, image_root: str, split_path: str) -> tuple:
     splits: dict[str, list[Item]] = {"train": [], "val": [], "test": []}
     for split_name, items in splits.items():
         for position, entry in enumerate(raw[split_name]):
-            where = f"{split_path}: entry {position} of '{split_name}'"
+            where = f"{split_path}: entry {position} of '{split_name}'"  # what every error here names
             if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
                     and not os.path.isabs(entry[0]) and type(entry[1]) is int and isinstance(entry[2], str)):
                 raise DatasetError(f"{where} is {repr(entry)[:100]}; expected [relative_image_path, label, classname]")
             items.append(Item(_image_path(image_root, entry[0], where), entry[1], clean_classname(entry[2])))
-    _check_split(splits, split_path)
+    _check_split(splits, split_path)  # now, not when a DataLoader worker meets the file mid-epoch
     classnames = _classnames_from_items(splits["train"] + splits["val"] + splits["test"], split_path)
     return splits["train"], splits["val"], splits["test"], classnames
 
@@ -268,15 +261,10 @@ def _read_class_folders(image_root: str, label_of: dict[str, int], classnames: l
 
 
 def read_imagenet(spec: DatasetSpec, dataset_dir: str) -> tuple:
-    """ImageNet as CoOp reads it: classnames.txt ("<wnid> <name>" per line, label order; CoOp's
-    copy has CLIP's names), train from images/train/<wnid>/, test from images/val/<wnid>/ (the
-    50,000 validation images), no validation split of its own.
-
-    The variants (-V2, -Sketch, -A, -R: test sets only, a copy of classnames.txt) are read here
-    too, labelled as CoOp labels them: the classes with a folder, in classnames.txt order, as
-    0..n-1. For -V2 and -Sketch (all 1000) that is ImageNet's index space; -A and -R hold 200, so
-    a model trained on ImageNet classifies among those 200 names (CoOp's imagenet_a.py and
-    imagenet_r.py; CoCoOp, MaPLe, PromptSRC report it so). -V2's folders are "0".."999"."""
+    """ImageNet as CoOp reads it: classnames.txt ("<wnid> <name>" per line, in label order; CoOp's
+    copy has CLIP's names), train from images/train/<wnid>/, test from images/val/<wnid>/, no
+    validation split of its own. The variants (test sets only) hold a copy of classnames.txt and
+    a folder per class: labelled as CoOp's imagenet_a.py / imagenet_r.py label them (below)."""
     path, names = os.path.join(dataset_dir, "classnames.txt"), {}  # wnid -> cleaned name, in label order
     _require(path, "classnames.txt (ImageNet's class list, one '<wnid> <name>' per line, linked from CoOp's "
                    "DATASETS.md; the variants hold a copy of it)")
@@ -293,20 +281,20 @@ def read_imagenet(spec: DatasetSpec, dataset_dir: str) -> tuple:
         train = _read_class_folders(os.path.join(image_root, "train"), label_of, classnames, "training image folder")
         test = _read_class_folders(os.path.join(image_root, "val"), label_of, classnames,
                                    "validation image folder (the val images sorted into <wnid>/ folders)")
-        for part, items in (("train", train), ("val", test)):
+        for part, items in (("train", train), ("val", test)):  # a half-extracted archive shows here
             if absent := sorted(set(label_of.values()) - {item.label for item in items}):
                 raise DatasetError(f"{os.path.join(image_root, part, list(names)[absent[0]])}: no images for this "
                                    f"class ({len(absent)} of {len(names)} have none); expected a folder per class")
         return train, None, test, classnames
     _require(image_root, "image folder", os.path.isdir)
-    wnids, wnid_of_folder = list(names), {folder: folder for folder in _subfolders(image_root)}
-    for folder in wnid_of_folder if spec.name == "imagenet_v2" else ():  # folder i is line i of classnames.txt
-        if not (folder.isdigit() and int(folder) < len(wnids)):
-            raise DatasetError(f"{os.path.join(image_root, folder)}: unexpected folder; expected folders named "
-                               f"0..{len(wnids) - 1}, folder i holding class i of classnames.txt")
-        wnid_of_folder[folder] = wnids[int(folder)]
+    wnids, v2 = list(names), spec.name == "imagenet_v2"  # -V2's folders are "0".."999": line i of classnames.txt
+    wnid_of_folder = {f: wnids[int(f)] if v2 and f.isdigit() and int(f) < len(wnids) else f  # others: wnids
+                      for f in _subfolders(image_root)}  # a folder of no class is named by _read_class_folders
     present = set(wnid_of_folder.values())
-    kept = [wnid for wnid in wnids if wnid in present]  # the classes present, in classnames.txt order
+    # The classes with a folder, in classnames.txt order, labelled 0..n-1: for -V2 and -Sketch (all
+    # 1000) ImageNet's index space; -A and -R hold 200, so a model trained on ImageNet classifies
+    # among those 200 names, as CoOp, CoCoOp, MaPLe and PromptSRC report it.
+    kept = [wnid for wnid in wnids if wnid in present]
     label_of = {folder: kept.index(wnid) for folder, wnid in wnid_of_folder.items() if wnid in names}
     test = _read_class_folders(image_root, label_of, [names[wnid] for wnid in kept], "image folder")
     if not test:
@@ -315,9 +303,8 @@ def read_imagenet(spec: DatasetSpec, dataset_dir: str) -> tuple:
 
 
 def read_fgvc_aircraft(spec: DatasetSpec, dataset_dir: str) -> tuple:
-    """The archive's data/ folder: variants.txt (one per line, label order) and
-    images_variant_{train,val,test}.txt ("<image id> <variant>", the variant may hold spaces:
-    "1025794 Cessna 172"); the image is images/<image id>.jpg."""
+    """The archive's data/ folder: variants.txt (one per line, label order), and per split
+    images_variant_<split>.txt ("<image id> <variant>": "1025794 Cessna 172") -> images/<id>.jpg."""
     variants_path, image_root = os.path.join(dataset_dir, "variants.txt"), os.path.join(dataset_dir, spec.image_dir)
     _require(variants_path, "FGVC-Aircraft class list (variants.txt, from the archive's data/ folder)")
     _require(image_root, "image folder", os.path.isdir)
@@ -335,16 +322,15 @@ def read_fgvc_aircraft(spec: DatasetSpec, dataset_dir: str) -> tuple:
                 if image_id:
                     path = _image_path(image_root, image_id + ".jpg", f"{list_path}: line {line_number}")
                     items.append(Item(path, label_of[variant], clean_classname(variant)))
-        _check_split({split_name: items}, list_path)
+        _check_split({split_name: items}, list_path)  # the missing image named with its list
     _check_split(splits, f"the image lists in {dataset_dir}")  # and no image in two lists
     return splits["train"], splits["val"], splits["test"], [clean_classname(v) for v in label_of]
 
 
 # ---- Your own data: a folder of class folders, or a split file in CoOp's format --------------
-#   PATH/<class>/<image>  torchvision's ImageFolder layout (labels: the sorted folders), split once
-#                         50/20/30 per class (CoOp's read_and_split_data, datasets/dtd.py) and written
-#                         as PATH/split_<name>.json, from then on the split (edit it, or delete it to
-#                         draw again); into split_fallback_dir if PATH is read-only.
+#   PATH/<class>/<image>  torchvision's ImageFolder layout (labels: the sorted folders), split once 50/20/30
+#                         per class and written as PATH/split_<name>.json, from then on the split (edit it,
+#                         or delete it to draw again); into split_fallback_dir if PATH is read-only.
 #   PATH/<any>.json       a split in CoOp's format, paths relative to the file's folder.
 # The name (tables, run folders) is the folder's; the few-shot cache is PATH/split_fewshot/.
 
@@ -361,7 +347,7 @@ def own_dataset_name(path: str) -> str:  # the folder's name (a split file's: th
 
 def is_own_data(value: str) -> bool:
     """Whether a --dataset value is a path rather than a registry name."""
-    if str(value) in DATASETS or dataset_key(value) in (*DATASETS, "all"):
+    if str(value) in DATASETS or dataset_key(value) in (*DATASETS, "all"):  # "all": train.py's every-dataset
         return False
     return "/" in str(value) or os.sep in str(value) or str(value).lower().endswith(".json") or os.path.exists(value)
 
@@ -381,7 +367,7 @@ def own_dataset(path: str, split_fallback_dir: str | None = None) -> DatasetSpec
     else:
         raise DatasetError(f"{path}: not found; expected a folder of class folders (PATH/<class>/<image>) "
                            f"or a split file in CoOp's format (.json)")
-    known = DATASETS.get(name) or DATASETS.get(dataset_key(name))
+    known = DATASETS.get(name) or DATASETS.get(dataset_key(name))  # a benchmark's name would shadow it
     if (known is not None and not known.own) or dataset_key(name) == "all":
         raise DatasetError(f"{path}: its name {name!r} is that of a benchmark; rename the folder (the name "
                            f"is used in tables and run folders)")
@@ -390,14 +376,13 @@ def own_dataset(path: str, split_fallback_dir: str | None = None) -> DatasetSpec
         _items_of_split(raw, spec.folder, os.path.join(spec.folder, spec.split_file))
     else:
         READERS[spec.reader](spec, spec.folder)
-    DATASETS[name] = spec
+    DATASETS[name] = spec  # from now on get_spec / load_dataset know it by name
     return spec
 
 
 def draw_image_folder_split(folder: str) -> dict:
-    """PATH/<class>/<image> -> {"train"|"val"|"test": [[path, label, class folder], ...]}: per
-    class, shuffled with random.Random(OWN_SPLIT_SEED), round(50%) train, round(20%) val, the
-    rest test, as CoOp's read_and_split_data; each part must get an image."""
+    """PATH/<class>/<image> -> {"train"|"val"|"test": [[path, label, class folder], ...]}, drawn as
+    CoOp's read_and_split_data (datasets/dtd.py) draws it; each part must get an image."""
     classes = [c for c in _subfolders(folder) if c != "split_fewshot"]  # our own cache is no class
     if len(classes) < 2:
         raise DatasetError(f"{folder}: {len(classes)} class folder{'s' * (len(classes) != 1)}; expected at least "
@@ -417,17 +402,17 @@ def draw_image_folder_split(folder: str) -> dict:
             except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
                 raise DatasetError(f"{path}: cannot be read as an image ({type(e).__name__}); "
                                    f"replace it or move it out of the data folder") from None
-        n = len(images)
+        n = len(images)  # per class, so that every class is in every part
         n_train, n_val = round(n * OWN_SPLIT_FRACTIONS[0]), round(n * OWN_SPLIT_FRACTIONS[1])
         if min(n_train, n_val, n - n_train - n_val) < 1:
             raise DatasetError(f"{os.path.join(folder, class_folder)}: class {clean_classname(class_folder)!r} has "
                                f"{n} image{'s' * (n != 1)}; the 50/20/30 train/val/test split needs at least 4 "
                                f"per class; add images or remove the folder")
-        rng.shuffle(images)
+        rng.shuffle(images)  # then round(50%) train, round(20%) val, the rest test
         entries = [[f"{class_folder}/{relative}", label, class_folder] for relative in images]
-        for part, chosen in zip(split, (entries[:n_train], entries[n_train:n_train + n_val], entries[n_train + n_val:])):
-            split[part] += chosen
-    if skipped:
+        for part, (start, stop) in zip(split, ((0, n_train), (n_train, n_train + n_val), (n_train + n_val, n))):
+            split[part] += entries[start:stop]
+    if skipped:  # said once for the whole folder, not once per file
         _warn(f"{folder}: skipped {skipped} non-image file{'s' * (skipped != 1)} (only {', '.join(IMAGE_EXTENSIONS)} "
               "are read)")
     return split
@@ -443,7 +428,7 @@ def read_image_folder(spec: DatasetSpec, dataset_dir: str) -> tuple:
     written (to the folder, else the fallback; if neither is writable, drawn again next time)."""
     if (split_path := _find_own_split(spec)) is not None:
         return _items_of_split(_read_json_split(split_path), dataset_dir, split_path)
-    raw = _DRAWN_SPLITS.get(dataset_dir) or draw_image_folder_split(dataset_dir)
+    raw = _DRAWN_SPLITS.get(dataset_dir) or draw_image_folder_split(dataset_dir)  # the same fixed-seed draw
     wanted = os.path.join(dataset_dir, spec.split_file)
     for folder in filter(None, (dataset_dir, spec.split_fallback_dir)):
         split_path = os.path.join(folder, spec.split_file)
@@ -467,25 +452,20 @@ READERS = {"split_json": read_split_json, "imagenet": read_imagenet, "imagenet_v
 
 def sample_few_shot(items: list[Item], num_shots: int, rng: random.Random) -> list[Item]:
     """K images per class as Dassl's generate_fewshot_dataset draws them (Dassl.pytorch,
-    dassl/data/datasets/base_dataset.py; CoOp, CoCoOp, MaPLe, PromptSRC and MMRL use it), so a
-    seed trains on the papers' images: classes in the order their labels first appear (not
-    sorted for Stanford Cars or Oxford Flowers); rng.sample(class, K) for a class of at least K
-    images, else rng.choices(class, k=K) (Dassl's repeat=True). With rng = random.Random(seed)
-    this is Dassl's stream after random.seed(seed)."""
-    by_label: dict[int, list[Item]] = {}  # insertion order = first appearance
+    dassl/data/datasets/base_dataset.py; CoOp, CoCoOp, MaPLe, PromptSRC and MMRL use it), so that
+    a seed trains on the papers' images; rng = random.Random(seed) is Dassl's random.seed(seed)."""
+    by_label: dict[int, list[Item]] = {}  # classes in the order they first appear (not sorted: Cars, Flowers)
     for item in items:
         by_label.setdefault(item.label, []).append(item)
-    return [item for pool in by_label.values() for item in
+    return [item for pool in by_label.values() for item in  # fewer than K: K draws with repeats (repeat=True)
             (rng.sample(pool, num_shots) if len(pool) >= num_shots else rng.choices(pool, k=num_shots))]
 
 
-# The cache, <dataset folder>/split_fewshot/shot_{K}-seed_{seed}.json: as CoOp's pickle, every
-# run of one (K, seed) trains on the same images; JSON (readable, loading it runs no code) with
-# SHA-256s of the full split it was drawn from and of its own lists, so that a cache of another
-# format, of another split, or edited is redrawn with a warning, never trusted. Drawn before the
-# base/novel subsample, it serves both halves. Version 3: Dassl's draw (version 2 drew otherwise).
+# The cache, split_fewshot/shot_{K}-seed_{seed}.json: as CoOp's pickle, every run of one (K, seed)
+# trains on the same images. JSON (readable; loading runs no code) with SHA-256s of the split it was
+# drawn from and of its own lists: another format, another split or an edit is redrawn, never trusted.
 FEWSHOT_CACHE_NAME = "dear-from-scratch few-shot split"
-FEWSHOT_CACHE_FORMAT = f"{FEWSHOT_CACHE_NAME}, version 3"
+FEWSHOT_CACHE_FORMAT = f"{FEWSHOT_CACHE_NAME}, version 3"  # 3: Dassl's draw (2 drew otherwise)
 
 
 def fewshot_cache_path(dataset_dir: str, num_shots: int, seed: int) -> str:
@@ -539,9 +519,8 @@ def _write_json_atomically(path: str, header: dict, lists: dict[str, list[list]]
 
 def few_shot_splits(spec: DatasetSpec, dataset_dir: str, full: dict[str, list[Item]],
                     num_shots: int, seed: int) -> dict[str, list[Item]]:
-    """K per class for train, min(K, 4) for val (CoOp): from the cache when it can be trusted,
-    else drawn from one random.Random(seed) stream, train then val (CoOp's datasets after Dassl's
-    random.seed(seed)), and cached. Paths are stored relative, so that $DATA may move."""
+    """K per class for train, min(K, 4) for val (CoOp): the cache's, else drawn and cached. Drawn
+    before the base/novel subsample, one cache serves both halves."""
     shots = {part: num_shots if part == "train" else min(num_shots, 4) for part in full}
     for part, k in shots.items():
         counts, names = Counter(item.label for item in full[part]), {item.label: item.classname for item in full[part]}
@@ -550,7 +529,7 @@ def few_shot_splits(spec: DatasetSpec, dataset_dir: str, full: dict[str, list[It
             _warn(f"{spec.name} {part}: {len(short)} of {len(counts)} classes have fewer than {k} images and repeat "
                   f"some to make {k}, as Dassl does ({listed}{f', and {len(short) - 5} more' * (len(short) > 5)})")
 
-    def entries(items: list[Item]) -> list[list]:  # [path relative to the dataset folder, label, name]
+    def entries(items: list[Item]) -> list[list]:  # [path relative to the dataset folder (may move), label, name]
         return [[os.path.relpath(i.path, dataset_dir).replace(os.sep, "/"), i.label, i.classname] for i in items]
 
     full_entries = {part: entries(items) for part, items in full.items()}
@@ -558,7 +537,7 @@ def few_shot_splits(spec: DatasetSpec, dataset_dir: str, full: dict[str, list[It
     if (cached := _read_fewshot_cache(cache_path, fingerprint, list(full))) is not None:
         item_of = {tuple(e): item for part in full for e, item in zip(full_entries[part], full[part])}
         return {part: [item_of[tuple(e)] for e in cached[part]] for part in full}  # all written from this split
-    rng = random.Random(seed)
+    rng = random.Random(seed)  # one stream, train then val: CoOp's datasets after Dassl's random.seed(seed)
     sampled = {part: sample_few_shot(full[part], shots[part], rng) for part in full}
     lists = {part: entries(items) for part, items in sampled.items()}
     header = {"format": FEWSHOT_CACHE_FORMAT, "dataset": spec.name, "num_shots": num_shots, "seed": seed,
@@ -573,9 +552,8 @@ def few_shot_splits(spec: DatasetSpec, dataset_dir: str, full: dict[str, list[It
 # ---- Base/novel split (CoOp's OxfordPets.subsample_classes) and the entry point -------------
 
 def subsample_classes(classnames: list[str], splits: list[list[Item]], subsample: str) -> tuple:
-    """Keep the base (first ceil(n/2) labels) or the novel ("new", the other floor(n/2)) classes
-    in every list, relabelled from 0, names in order. CoOp applies it after few-shot sampling, so
-    a base class has the same few-shot images whether or not the run subsamples."""
+    """Keep the base (first ceil(n/2) labels) or the novel ("new", the rest) classes in every list,
+    relabelled from 0. After few-shot sampling (CoOp): a base class keeps its few-shot images."""
     if subsample == "all":
         return classnames, splits
     n_base = math.ceil(len(classnames) / 2)
@@ -587,12 +565,9 @@ def subsample_classes(classnames: list[str], splits: list[list[Item]], subsample
 
 def load_dataset(name: str, root: str, num_shots: int | None = None, seed: int = 1,
                  subsample: str = "all") -> DatasetSplits:
-    """Read dataset `name` from `root` ($DATA, laid out as CoOp's DATASETS.md describes).
-
-    num_shots: None for every training image, or K >= 1 per class (val: min(K, 4)), drawn with
-    `seed` and cached. subsample: "all", "base" or "new"/"novel", after the few-shot draw (CoOp).
-    ImageNet's `val` is its test list (CoOp); the variants are test sets only (train and val
-    empty, num_shots=None, subsample="all"). Raises DatasetError (one line) on any bad input."""
+    """Dataset `name` from `root` ($DATA). num_shots: None (every training image) or K >= 1 per
+    class (val: min(K, 4)), drawn with `seed` and cached; subsample: "all", "base", "new"/"novel".
+    The variants are test sets only (num_shots=None, subsample="all"). One-line DatasetError."""
     spec, subsample = get_spec(name), str(subsample).lower()
     if subsample not in SUBSAMPLE_CHOICES:
         raise DatasetError(f"subsample={subsample!r}: expected one of {', '.join(SUBSAMPLE_CHOICES)}")
@@ -611,7 +586,7 @@ def load_dataset(name: str, root: str, num_shots: int | None = None, seed: int =
                                f"DATASETS.md ({COOP_DATASETS_MD}) that holds {spec.folder}/")
         dataset_dir = os.path.join(root, spec.folder)
         _require(dataset_dir, "dataset folder", os.path.isdir)
-    train, val, test, classnames = READERS[spec.reader](spec, dataset_dir)
+    train, val, test, classnames = READERS[spec.reader](spec, dataset_dir)  # every entry and image checked
     if num_shots is not None:
         full = {"train": train} if val is None else {"train": train, "val": val}
         sampled = few_shot_splits(spec, dataset_dir, full, num_shots, seed)
@@ -624,8 +599,7 @@ def load_dataset(name: str, root: str, num_shots: int | None = None, seed: int =
 
 # ---- Transforms and the torch Dataset -------------------------------------------------------
 
-# OpenAI CLIP's statistics and test transform: data.py stands alone, so it keeps its own copy
-# of clip_model.py's (change both together).
+# CLIP's statistics and test transform: data.py stands alone, so it keeps its own copy (as clip_model.py).
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -668,7 +642,7 @@ class ImageDataset(Dataset):
         return len(self.items)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        item = self.items[index]
+        item = self.items[index]  # opened here, in the worker: a bad file fails on its own line
         return self.transform(load_image(item.path)), item.label
 
 
@@ -682,11 +656,10 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="data.py", description="Summarise a dataset read from CoOp's layout "
-                                                       "(no --dataset: print the registry).")
+    parser = OneLineParser(prog="data.py", description="Summarise a dataset (no --dataset: print the registry).")
     parser.add_argument("--root", help="the $DATA folder of CoOp's DATASETS.md")
-    parser.add_argument("--dataset", help=f"one of: {', '.join(DATASETS)}; or the path of your own data: a folder "
-                        "of class folders (PATH/<class>/<image>) or a split file in CoOp's format")
+    parser.add_argument("--dataset", help=f"one of: {', '.join(DATASETS)}; or your own data: PATH/<class>/<image> "
+                        "or a split file in CoOp's format")
     parser.add_argument("--shots", type=int, default=None, help="K images per class (default: all)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the few-shot draw")
     parser.add_argument("--subsample", default="all", choices=SUBSAMPLE_CHOICES, help="which classes to keep")
