@@ -1,11 +1,10 @@
 """
 data.py -- the benchmark datasets of prompt learning, read from CoOp's on-disk layout.
 
-Top to bottom: the registry (a DatasetSpec per dataset); readers for CoOp's split files,
-ImageNet and its variants, FGVC-Aircraft and your own data; few-shot sampling (the images
-Dassl draws) and its cache; the base/novel split; `load_dataset`; CLIP's transforms and a torch
-Dataset. It reads $DATA as CoOp's DATASETS.md lays it out, without Dassl, and imports nothing
-from the project, so it can be copied out alone (docs/METHOD.md Sec. 6).
+The registry, the readers (CoOp's split files, ImageNet and its variants, FGVC-Aircraft, your
+own data), few-shot sampling (the images Dassl draws) and its cache, the base/novel split,
+`load_dataset`, CLIP's transforms and a torch Dataset. $DATA as CoOp's DATASETS.md lays it out,
+without Dassl; imports nothing from the project, so it copies out alone (docs/METHOD.md Sec. 6).
 
     python data.py --root $DATA --dataset oxford_pets --shots 16
     python data.py --dataset path/to/my_photos   # your own data: PATH/<class>/<image>
@@ -32,10 +31,8 @@ from torchvision import transforms as T
 
 COOP_DATASETS_MD = "https://github.com/KaiyangZhou/CoOp/blob/main/DATASETS.md"
 
-
 class DatasetError(Exception):
-    """Anything wrong with a dataset on disk or with load_dataset's arguments, in one line: the
-    path or flag at fault, what is wrong, what to do (a command line prints it as it is)."""
+    """A bad dataset or argument, in one line: the path or flag at fault, what is wrong, what to do."""
 
     def __init__(self, message: str):
         message = str(message)
@@ -45,21 +42,17 @@ class DatasetError(Exception):
             message = message.rstrip().rsplit("\n", 1)[-1].split("DatasetError: ", 1)[-1]
         super().__init__(message.replace("\r", " ").replace("\n", " "))  # one line, whatever it quotes
 
-
 class DatasetWarning(UserWarning):
     """Worth knowing, not worth stopping for (a rebuilt cache, a class with fewer than K images)."""
 
-
 def _warn(message: str) -> None:
     warnings.warn(message, DatasetWarning, stacklevel=2)  # attributed to the caller of the function that warns
-
 
 @dataclass(frozen=True, slots=True)
 class Item:
     path: str  # the image file's full path
     label: int  # 0..n_classes-1, the index into the class list
     classname: str  # cleaned (underscores -> spaces), as the prompt uses it
-
 
 @dataclass
 class DatasetSplits:  # what load_dataset returns; classnames[i] names label i in every list
@@ -71,13 +64,10 @@ class DatasetSplits:  # what load_dataset returns; classnames[i] names label i i
     classnames: list[str]
     template: str  # template.format(name) is a class's prompt
 
-    @property
-    def prompts(self) -> list[str]:
-        return [self.template.format(name) for name in self.classnames]
+    prompts = property(lambda self: [self.template.format(name) for name in self.classnames])  # in label order
 
 
 # ---- The registry: one row per dataset -------------------------------------------------------
-
 
 @dataclass(frozen=True)
 class DatasetSpec:
@@ -89,18 +79,11 @@ class DatasetSpec:
     template: str  # CoOp's prompt (CUSTOM_TEMPLATES, trainers/coop.py); "{}" is the class name
     split_fallback_dir: str | None = None  # your own data: where its split goes if `folder` is read-only
 
-    @property
-    def own(self) -> bool:
-        return os.path.isabs(self.folder)  # your own data (own_dataset): its folder is an absolute path
-
-    @property
-    def evaluation_only(self) -> bool:  # the ImageNet variants: test sets of domain generalization
-        return self.reader == "imagenet_variant"
-
+    own = property(lambda self: os.path.isabs(self.folder))  # your own data (own_dataset): an absolute folder
+    evaluation_only = property(lambda self: self.reader == "imagenet_variant")  # test sets of domain generalization
 
 # Rows 2-11: base-to-novel, few-shot, cross-dataset; ImageNet: the source of cross-dataset and domain
 # generalization, whose targets are the variants.
-# fmt: off
 DATASETS: dict[str, DatasetSpec] = {spec.name: spec for spec in [
     #           name               folder                  reader              image_dir                                  split_file                              template
     DatasetSpec("imagenet",        "imagenet",             "imagenet",         "images",                                  None,                                   "a photo of a {}."),
@@ -121,16 +104,13 @@ DATASETS: dict[str, DatasetSpec] = {spec.name: spec for spec in [
     # The project's own toy world (toyworld/task.py writes it in this layout; not a CoOp dataset).
     DatasetSpec("toyworld",        "toyworld",             "split_json",       "images",                                  "split_toyworld.json",                  "a photo of a {}."),
 ]}
-# fmt: on
 
 SUBSAMPLE_CHOICES = ("all", "base", "new", "novel")  # CoOp says "new"; "novel" is the same
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")  # for the datasets listed by folder
 
-
 def dataset_key(name: str) -> str:
     """A name as the registry spells it: case, spaces around it and "-" vs "_" do not matter."""
     return str(name).strip().lower().replace("-", "_")
-
 
 def get_spec(name: str) -> DatasetSpec:
     """The registry row of `name`, or of your own data registered by own_dataset."""
@@ -139,7 +119,6 @@ def get_spec(name: str) -> DatasetSpec:
         raise DatasetError(f"unknown dataset {name!r}; expected one of: {', '.join(DATASETS)}, or the path of "
                            f"your own data (a folder of class folders, or a split file)")
     return spec
-
 
 def clean_classname(name: str) -> str:
     return name.replace("_", " ")  # CoOp's: "american_pit_bull_terrier" -> "american pit bull terrier"
@@ -152,7 +131,6 @@ def _require(path: str, what: str, exists=os.path.isfile) -> None:
         raise DatasetError(f"{path}: {what} not found; put it there as CoOp's DATASETS.md ({COOP_DATASETS_MD}) "
                            "describes")
 
-
 def _image_path(image_root: str, relative_path: str, where: str) -> str:
     """image_root/relative_path, refused if it leaves image_root: a split names its own images."""
     path = os.path.join(image_root, relative_path)  # "../x.jpg" would reach files elsewhere on disk
@@ -160,7 +138,6 @@ def _image_path(image_root: str, relative_path: str, where: str) -> str:
         raise DatasetError(f"{where}: image path {relative_path!r} leaves the image folder {image_root}; "
                            f"expected a path relative to it, without '..'")
     return path
-
 
 def _check_split(splits: dict[str, list[Item]], listed_in: str) -> None:
     """Each image once, and every image on disk (one isfile each is fast, a crash mid-epoch is not)."""
@@ -176,7 +153,6 @@ def _check_split(splits: dict[str, list[Item]], listed_in: str) -> None:
         raise DatasetError(f"{missing[0]}: image listed in {listed_in} not found ({len(missing)} of {len(seen)} "
                            f"listed images are missing); expected the images where CoOp's DATASETS.md puts them")
 
-
 def _classnames_from_items(items: list[Item], source: str) -> list[str]:
     """The class list a split's items define: one name per label, labels 0..n-1."""
     name_of: dict[int, str] = {}
@@ -189,10 +165,8 @@ def _classnames_from_items(items: list[Item], source: str) -> list[str]:
                            "expected consecutive labels")
     return [name_of[label] for label in range(len(name_of))]
 
-
 def _subfolders(folder: str) -> list[str]:  # sorted; files beside them (README.txt) are ignored
     return sorted(e.name for e in os.scandir(folder) if e.is_dir() and not e.name.startswith("."))
-
 
 def _image_files(folder: str) -> tuple[list[str], int]:
     """(image files under `folder`, recursively, relative and sorted; how many other files)."""
@@ -218,7 +192,6 @@ def read_split_json(spec: DatasetSpec, dataset_dir: str) -> tuple:
     _require(image_root, "image folder", os.path.isdir)
     return _items_of_split(_read_json_split(split_path), image_root, split_path)
 
-
 def _read_json_split(split_path: str) -> dict:
     again = f"download it again from CoOp's DATASETS.md ({COOP_DATASETS_MD})"  # what to do, for both errors
     try:
@@ -230,7 +203,6 @@ def _read_json_split(split_path: str) -> dict:
     if not isinstance(raw, dict) or not all(isinstance(raw.get(k), list) for k in ("train", "val", "test")):
         raise DatasetError(f"{split_path}: expected a JSON object with lists 'train', 'val' and 'test'; {again}")
     return raw
-
 
 def _items_of_split(raw: dict, image_root: str, split_path: str) -> tuple:
     """A split's entries -> Items under image_root, every entry and image checked."""
@@ -246,7 +218,6 @@ def _items_of_split(raw: dict, image_root: str, split_path: str) -> tuple:
     classnames = _classnames_from_items(splits["train"] + splits["val"] + splits["test"], split_path)
     return splits["train"], splits["val"], splits["test"], classnames
 
-
 def _read_class_folders(image_root: str, label_of: dict[str, int], classnames: list[str], what: str) -> list[Item]:
     """Items of image_root/<folder>/<image>, every folder a class of label_of."""
     _require(image_root, what, os.path.isdir)
@@ -258,7 +229,6 @@ def _read_class_folders(image_root: str, label_of: dict[str, int], classnames: l
         items += [Item(os.path.join(image_root, folder, f), label_of[folder], classnames[label_of[folder]])
                   for f in _image_files(os.path.join(image_root, folder))[0]]
     return items
-
 
 def read_imagenet(spec: DatasetSpec, dataset_dir: str) -> tuple:
     """ImageNet as CoOp reads it: classnames.txt ("<wnid> <name>" per line, in label order; CoOp's
@@ -301,7 +271,6 @@ def read_imagenet(spec: DatasetSpec, dataset_dir: str) -> tuple:
         raise DatasetError(f"{image_root}: no images found; expected one folder of images per class")
     return [], [], test, [names[wnid] for wnid in kept]
 
-
 def read_fgvc_aircraft(spec: DatasetSpec, dataset_dir: str) -> tuple:
     """The archive's data/ folder: variants.txt (one per line, label order), and per split
     images_variant_<split>.txt ("<image id> <variant>": "1025794 Cessna 172") -> images/<id>.jpg."""
@@ -339,18 +308,15 @@ OWN_SPLIT_FRACTIONS = (0.5, 0.2)  # train, val per class; test gets the rest (Co
 OWN_SPLIT_SEED = 1  # our choice: one fixed seed, so the same folder always gives the same split
 _DRAWN_SPLITS: dict[str, dict] = {}  # folder -> its drawn split, so that checking and reading draw once
 
-
 def own_dataset_name(path: str) -> str:  # the folder's name (a split file's: that of its folder)
     path = os.path.abspath(os.path.expanduser(str(path)))
     return os.path.basename(os.path.dirname(path) if path.lower().endswith(".json") else path)
 
-
 def is_own_data(value: str) -> bool:
-    """Whether a --dataset value is a path rather than a registry name."""
-    if str(value) in DATASETS or dataset_key(value) in (*DATASETS, "all"):  # "all": train.py's every-dataset
-        return False
-    return "/" in str(value) or os.sep in str(value) or str(value).lower().endswith(".json") or os.path.exists(value)
-
+    """Whether a --dataset value is a path (not a registry name, nor train.py's "all")."""
+    value, names = str(value), (*DATASETS, "all")
+    return value not in names and dataset_key(value) not in names and (
+        "/" in value or os.sep in value or value.lower().endswith(".json") or os.path.exists(value))
 
 def own_dataset(path: str, split_fallback_dir: str | None = None) -> DatasetSpec:
     """Register your own data at PATH and return its row. Everything is checked now, before any
@@ -378,7 +344,6 @@ def own_dataset(path: str, split_fallback_dir: str | None = None) -> DatasetSpec
         READERS[spec.reader](spec, spec.folder)
     DATASETS[name] = spec  # from now on get_spec / load_dataset know it by name
     return spec
-
 
 def draw_image_folder_split(folder: str) -> dict:
     """PATH/<class>/<image> -> {"train"|"val"|"test": [[path, label, class folder], ...]}, drawn as
@@ -417,11 +382,9 @@ def draw_image_folder_split(folder: str) -> dict:
               "are read)")
     return split
 
-
 def _find_own_split(spec: DatasetSpec) -> str | None:  # in the data folder, else in the fallback
     found = [os.path.join(f, spec.split_file) for f in (spec.folder, spec.split_fallback_dir) if f]
     return next((path for path in found if os.path.isfile(path)), None)
-
 
 def read_image_folder(spec: DatasetSpec, dataset_dir: str) -> tuple:
     """A folder of class folders: its split file if there is one, else the split drawn now and
@@ -443,7 +406,6 @@ def read_image_folder(spec: DatasetSpec, dataset_dir: str) -> tuple:
     _warn(f"{wanted}: cannot write the split file ({reason}); the same split is drawn again on each call")
     return _items_of_split(raw, dataset_dir, wanted)
 
-
 READERS = {"split_json": read_split_json, "imagenet": read_imagenet, "imagenet_variant": read_imagenet,
            "fgvc_aircraft": read_fgvc_aircraft, "image_folder": read_image_folder}
 
@@ -460,21 +422,17 @@ def sample_few_shot(items: list[Item], num_shots: int, rng: random.Random) -> li
     return [item for pool in by_label.values() for item in  # fewer than K: K draws with repeats (repeat=True)
             (rng.sample(pool, num_shots) if len(pool) >= num_shots else rng.choices(pool, k=num_shots))]
 
-
 # The cache, split_fewshot/shot_{K}-seed_{seed}.json: as CoOp's pickle, every run of one (K, seed)
 # trains on the same images. JSON (readable; loading runs no code) with SHA-256s of the split it was
 # drawn from and of its own lists: another format, another split or an edit is redrawn, never trusted.
 FEWSHOT_CACHE_NAME = "dear-from-scratch few-shot split"
 FEWSHOT_CACHE_FORMAT = f"{FEWSHOT_CACHE_NAME}, version 3"  # 3: Dassl's draw (2 drew otherwise)
 
-
 def fewshot_cache_path(dataset_dir: str, num_shots: int, seed: int) -> str:
     return os.path.join(dataset_dir, "split_fewshot", f"shot_{num_shots}-seed_{seed}.json")
 
-
 def _fingerprint(lists: dict) -> str:
     return hashlib.sha256(json.dumps(lists, sort_keys=True).encode()).hexdigest()
-
 
 def _read_fewshot_cache(cache_path: str, fingerprint: str, parts: list[str]) -> dict | None:
     """The cache's content, or None (with a warning saying why) when it cannot be trusted."""
@@ -499,7 +457,6 @@ def _read_fewshot_cache(cache_path: str, fingerprint: str, parts: list[str]) -> 
     _warn(f"{cache_path}: few-shot cache {reason}; rebuilding it")
     return None
 
-
 def _write_json_atomically(path: str, header: dict, lists: dict[str, list[list]]) -> None:
     """{**header, **lists} as JSON, one entry per line, through a temporary file and os.replace:
     data.py's own small copy of clip_model.atomic_write, on purpose (data.py stands alone)."""
@@ -515,7 +472,6 @@ def _write_json_atomically(path: str, header: dict, lists: dict[str, list[list]]
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
-
 
 def few_shot_splits(spec: DatasetSpec, dataset_dir: str, full: dict[str, list[Item]],
                     num_shots: int, seed: int) -> dict[str, list[Item]]:
@@ -562,7 +518,6 @@ def subsample_classes(classnames: list[str], splits: list[list[Item]], subsample
     return [classnames[old] for old in selected], [
         [replace(item, label=new_label[item.label]) for item in items if item.label in new_label] for items in splits]
 
-
 def load_dataset(name: str, root: str, num_shots: int | None = None, seed: int = 1,
                  subsample: str = "all") -> DatasetSplits:
     """Dataset `name` from `root` ($DATA). num_shots: None (every training image) or K >= 1 per
@@ -603,21 +558,17 @@ def load_dataset(name: str, root: str, num_shots: int | None = None, seed: int =
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
-
 def train_transform(size: int = 224) -> T.Compose:
     """CoOp's / MMRL's augmentation: random resized crop (scale 0.5-1, bicubic), flip, CLIP's normalisation."""
     return T.Compose([T.RandomResizedCrop(size, scale=(0.5, 1.0), interpolation=T.InterpolationMode.BICUBIC),
                       T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(CLIP_MEAN, CLIP_STD)])
-
 
 def test_transform(size: int = 224) -> T.Compose:
     """CLIP's preprocessing: shorter side to `size` (bicubic), centre crop, normalise."""
     return T.Compose([T.Resize(size, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(size),
                       T.ToTensor(), T.Normalize(CLIP_MEAN, CLIP_STD)])
 
-
 test_transform.__test__ = False  # a transform, not a pytest test, when a test file imports it
-
 
 def load_image(path: str) -> Image.Image:
     """An image as RGB, or one line naming the file."""
@@ -629,7 +580,6 @@ def load_image(path: str) -> Image.Image:
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise DatasetError(f"{path}: cannot read image ({type(e).__name__}: {e}); the file is "
                            f"corrupt or not an image, replace it with the original") from e
-
 
 class ImageDataset(Dataset):
     """Items as a torch Dataset of (image tensor (3, size, size), label)."""
@@ -653,7 +603,6 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="data.py", description="Summarise a dataset (no --dataset: print the registry).")
@@ -689,7 +638,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {split_name:<9} {len(getattr(d, split_name)):>6} images ({per_class})")
     print(f"  template  {d.template!r}" + (f"\n  prompt    {d.prompts[0]!r}" if d.classnames else ""))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
