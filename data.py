@@ -338,8 +338,7 @@ def own_dataset(path: str, split_fallback_dir: str | None = None) -> DatasetSpec
         raise DatasetError(f"{path}: its name {name!r} is that of a benchmark; rename the folder (the name "
                            f"is used in tables and run folders)")
     if spec.reader == "image_folder" and _find_own_split(spec) is None:
-        raw = _DRAWN_SPLITS[spec.folder] = draw_image_folder_split(spec.folder)
-        _items_of_split(raw, spec.folder, os.path.join(spec.folder, spec.split_file))
+        _DRAWN_SPLITS[spec.folder] = draw_image_folder_split(spec.folder)  # every class and image checked as drawn
     else:
         READERS[spec.reader](spec, spec.folder)
     DATASETS[name] = spec  # from now on get_spec / load_dataset know it by name
