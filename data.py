@@ -188,7 +188,9 @@ def read_split_json(spec: DatasetSpec, dataset_dir: str) -> tuple:
     """CoOp's split_zhou_*.json, `{"train"|"val"|"test": [[relative_path, label, classname]]}`."""
     split_path = os.path.join(dataset_dir, spec.split_file)
     image_root = os.path.join(dataset_dir, spec.image_dir)  # Stanford Cars: "" ("cars_train/..." paths)
-    _require(split_path, "split file")  # CoOp's DATASETS.md links each split file
+    if not os.path.isfile(split_path):  # CoOp's DATASETS.md links each split file
+        raise DatasetError(f"{split_path}: split file not found; download {spec.split_file} from the link in "
+                           f"CoOp's DATASETS.md ({COOP_DATASETS_MD}) and put it there")
     _require(image_root, "image folder", os.path.isdir)
     return _items_of_split(_read_json_split(split_path), image_root, split_path)
 
@@ -424,8 +426,7 @@ def sample_few_shot(items: list[Item], num_shots: int, rng: random.Random) -> li
 # The cache, split_fewshot/shot_{K}-seed_{seed}.json: as CoOp's pickle, every run of one (K, seed)
 # trains on the same images. JSON (readable; loading runs no code) with SHA-256s of the split it was
 # drawn from and of its own lists: another format, another split or an edit is redrawn, never trusted.
-FEWSHOT_CACHE_NAME = "dear-from-scratch few-shot split"
-FEWSHOT_CACHE_FORMAT = f"{FEWSHOT_CACHE_NAME}, version 3"  # 3: Dassl's draw (2 drew otherwise)
+FEWSHOT_CACHE_FORMAT = "dear-from-scratch few-shot split, version 3"  # 3: Dassl's draw (2 drew otherwise)
 
 def fewshot_cache_path(dataset_dir: str, num_shots: int, seed: int) -> str:
     return os.path.join(dataset_dir, "split_fewshot", f"shot_{num_shots}-seed_{seed}.json")
@@ -444,9 +445,8 @@ def _read_fewshot_cache(cache_path: str, fingerprint: str, parts: list[str]) -> 
         reason = f"cannot be read as JSON ({type(e).__name__})"
     else:
         found = cached.get("format") if isinstance(cached, dict) else None
-        if found != FEWSHOT_CACHE_FORMAT:
-            older = isinstance(found, str) and found.startswith(FEWSHOT_CACHE_NAME)
-            reason = f"was drawn by an older rule ({found!r}), not Dassl's" if older else "is not in this file's format"
+        if found != FEWSHOT_CACHE_FORMAT:  # e.g. version 2, whose draw was not Dassl's
+            reason = f"is of another format ({found!r}), not {FEWSHOT_CACHE_FORMAT!r}"
         elif cached.get("fingerprint") != fingerprint:
             reason = "was drawn from a different split (fingerprint mismatch)"
         elif cached.get("content") != _fingerprint({part: cached.get(part) for part in parts}):

@@ -425,7 +425,7 @@ def test_few_shot_cache_of_the_older_rule_is_redrawn_not_reused(pets_root):
     stored["train"] = stored["train"][2:] + stored["train"][:2]  # a different (older) draw
     stored["content"] = data._fingerprint({"train": stored["train"], "val": stored["val"]})
     cache.write_text(json.dumps(stored))
-    with pytest.warns(DatasetWarning, match=r"drawn by an older rule.*version 2.*rebuilding"):
+    with pytest.warns(DatasetWarning, match=r"of another format .*version 2.*rebuilding"):
         rebuilt = load_dataset("oxford_pets", pets_root, num_shots=2)
     assert rebuilt.train == fresh.train
     assert json.loads(cache.read_text())["format"] == data.FEWSHOT_CACHE_FORMAT
