@@ -349,8 +349,8 @@ def _heads(what: str, width: int, stored, heads, head_width) -> int:
     """One tower's head count: the argument (`heads`, else width / `head_width`), else the
     file's entry, else OpenAI's heads of 64 channels. An argument that contradicts the file is
     refused: it would build another model than the one trained."""
-    if heads is None and head_width:
-        if width % head_width:
+    if heads is None and head_width is not None:
+        if head_width < 1 or width % head_width:
             raise CLIPFileError(f"the {what} width {width} is not a multiple of head_width={head_width}; "
                                 "pass the head_width the model was trained with")
         heads = width // head_width
