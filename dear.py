@@ -258,8 +258,7 @@ def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequenc
         num_concepts = len({c for concepts in concepts_per_head for c in concepts})
     low, high = default_thresholds(max(len(c) for c in concepts_per_head), num_concepts)
     low_bits, high_bits = (low if low_bits is None else low_bits), (high if high_bits is None else high_bits)
-    if low_bits > high_bits:
-        raise DeARError(f"low_bits={low_bits:g} is above high_bits={high_bits:g}; the low threshold must be the smaller")
+    check_thresholds(low_bits, high_bits)
     roles = []
     for entropy, concepts in zip(entropies, concepts_per_head):
         if entropy <= low_bits:
@@ -342,7 +341,7 @@ def analyze_heads(clip: CLIP, image_batches: Union[torch.Tensor, Iterable[torch.
     """
     bank = [Description(*entry) for entry in bank] if bank is not None else description_bank()
     depth = len(clip.visual.transformer.resblocks)
-    num_layers = min(4, depth) if num_layers is None else num_layers
+    num_layers = analysed_layers(depth) if num_layers is None else num_layers
     if not 1 <= num_layers <= depth:
         raise DeARError(f"num_layers={num_layers} is out of range: the vision tower has {depth} layers")
     device = clip.visual.conv1.weight.device
@@ -452,10 +451,54 @@ def blind_attributes(role_masks: torch.Tensor, num_image_tokens: int, attributes
 # ------------------------------------------------------------------------------------------
 
 
-def default_first_layer(clip: CLIP) -> int:
-    """The paper's J (1-based) for any depth: the first of the vision tower's last four layers,
-    where the head analysis looks (J = 9 of 12 for ViT-B/16; 1 for a model of 4 layers or less)."""
-    return max(1, len(clip.visual.transformer.resblocks) - 3)
+ANALYSED_LAYERS = 4  # the paper analyses, and prompts, the vision tower's last four layers
+
+
+def analysed_layers(depth: int) -> int:
+    """How many of a `depth`-layer vision tower's last layers the head analysis reads."""
+    return min(ANALYSED_LAYERS, depth)
+
+
+def default_first_layer(depth: int) -> int:
+    """The paper's J (1-based) for any depth: the first analysed layer (J = 9 of 12 for
+    ViT-B/16; 1 for a model of 4 layers or less)."""
+    return depth - analysed_layers(depth) + 1
+
+
+# The checks of the method's arguments, written once: DeAR's constructor and assign_roles
+# call them, and train.py calls them before any work and turns a DeARError into its one line.
+
+
+def check_first_layer(first_layer: int, depth: int) -> None:
+    """J counts in both towers: 1..depth, depth = the shallower tower's layers."""
+    if isinstance(first_layer, bool) or not isinstance(first_layer, int) or not 1 <= first_layer <= depth:
+        raise DeARError(f"first_layer J={first_layer} is out of range: use 1..{depth} "
+                        "(1-based, the paper's J = 9 for ViT-B/16)")
+
+
+def check_beta(beta: float) -> None:
+    if not (isinstance(beta, (int, float)) and 0.0 <= beta <= 1.0):  # NaN fails both comparisons
+        raise DeARError(f"beta={beta} is outside [0, 1]; beta weighs the fresh tokens against the previous layer's")
+
+
+def check_thresholds(low_bits: Optional[float], high_bits: Optional[float]) -> None:
+    """Entropy thresholds in bits: finite, >= 0, low <= high (None = the default rule's)."""
+    for name, value in (("low_bits", low_bits), ("high_bits", high_bits)):
+        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise DeARError(f"{name}={value}: expected a finite entropy in bits, >= 0")
+    if None not in (low_bits, high_bits) and low_bits > high_bits:
+        raise DeARError(f"low_bits={low_bits:g} is above high_bits={high_bits:g}; the low threshold must be the "
+                        "smaller (attribute heads lie at or below it, generalization heads at or above high_bits)")
+
+
+def falls_back_to_class_branch(role_map: "RoleMap") -> bool:
+    """True when a measured map (its heads carry concept entropies) names no attribute head:
+    no head is specialised enough, so DeAR keeps the class branch alone in the fusion instead
+    of forcing roles (our choice, METHOD.md Sec. 3). Maps given by hand, the ablations' fixed
+    ones (`RoleMap.uniform`) included, are taken as given: the all-mixed map is plain deep
+    prompting with every branch fused, by definition."""
+    measured = any(h.entropy is not None for h in role_map.heads)
+    return measured and not any(h.role == "attribute" for h in role_map.heads)
 
 
 class PreparedClasses(NamedTuple):
@@ -514,12 +557,9 @@ class DeAR(nn.Module):
         vision_layers = len(clip.visual.transformer.resblocks)
         text_layers = len(clip.transformer.resblocks)
         attributes = list(role_map.attributes) if attributes is None else attributes
-        first_layer = default_first_layer(clip) if first_layer is None else first_layer
-        if not 1 <= first_layer <= min(vision_layers, text_layers):
-            raise DeARError(f"first_layer J={first_layer} is out of range: use 1..{min(vision_layers, text_layers)} "
-                            "(1-based, the paper's J = 9 for ViT-B/16)")
-        if not 0.0 <= beta <= 1.0:
-            raise DeARError(f"beta={beta} is outside [0, 1]; beta weighs the fresh tokens against the previous layer's")
+        first_layer = default_first_layer(vision_layers) if first_layer is None else first_layer
+        check_first_layer(first_layer, min(vision_layers, text_layers))
+        check_beta(beta)
         if num_text_tokens < 0:
             raise DeARError(f"num_text_tokens={num_text_tokens} must be 0 or more")
         if not 0.0 < cls_fusion_weight < 1.0:
@@ -554,7 +594,13 @@ class DeAR(nn.Module):
             warnings.warn(f"DeAR: no head from layer J={first_layer} (1-based) lets the "
                           f"{', '.join(self.blind_attributes)} token{'s' if len(self.blind_attributes) > 1 else ''} "
                           "read the image; left out of the fusion (a per-class bias, not a feature)")
-        in_fusion = torch.tensor([True] + [a not in self.blind_attributes for a in self.attributes])
+        # No attribute head measured: the class branch alone (alpha_cls = 1), said once.
+        self.class_branch_only = falls_back_to_class_branch(role_map)
+        if self.class_branch_only:
+            warnings.warn("DeAR: the head analysis names no attribute head (no head is specialised enough); "
+                          "falling back to the class branch alone (the attribute branches leave the fusion)")
+        in_fusion = torch.tensor([True] + [not self.class_branch_only and a not in self.blind_attributes
+                                           for a in self.attributes])
         self.register_buffer("in_fusion", in_fusion, persistent=False)  # (1 + A,) bool
 
     def learnable_parameters(self) -> List[nn.Parameter]:
@@ -906,8 +952,8 @@ def _role_table(role_map: RoleMap) -> str:
     counts = Counter(h.role if h.role != "attribute" else f"attribute:{h.attribute}" for h in role_map.heads)
     lines.append("counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     if not any(h.role == "attribute" for h in role_map.heads):
-        lines.append("no attribute head: no head is specialised enough (entropy <= low); an attribute token "
-                     "reads the image only through mixed heads, and is blind where there are none")
+        lines.append("no attribute head: no head is specialised enough (entropy <= low); DeAR falls back "
+                     "to the class branch alone (falls_back_to_class_branch)")
     return "\n".join(lines)
 
 

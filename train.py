@@ -870,14 +870,14 @@ def role_file_of(settings: dict) -> Optional[str]:
 
 
 def first_layer_of(settings: dict, clip: clip_model.CLIP) -> int:
-    """The paper's 1-based J; "auto" = the first of the last four vision layers."""
+    """The paper's 1-based J; "auto" = dear.default_first_layer."""
     if settings["first_layer"] == "auto":
-        return max(1, len(clip.visual.transformer.resblocks) - 3)
+        return dear.default_first_layer(len(clip.visual.transformer.resblocks))
     return int(settings["first_layer"])
 
 
 def analysed_layers(clip: clip_model.CLIP) -> int:
-    return min(4, len(clip.visual.transformer.resblocks))  # DeAR analyses the last four
+    return dear.analysed_layers(len(clip.visual.transformer.resblocks))
 
 
 def role_map_for(choice: str, clip: clip_model.CLIP, attributes: List[str],
@@ -1135,6 +1135,9 @@ def analysed_role_maps(settings, inputs: "Inputs", runtime: Runtime) -> Tuple[Di
             record = cached_analysis(settings, inputs, items, pool, picks, runtime)
             path = os.path.join(record["cache"], "roles.json")
         maps[dataset], records[dataset] = load_role_file(path), record
+        record.setdefault("class_branch_only", dear.falls_back_to_class_branch(maps[dataset]))
+        if record["class_branch_only"]:
+            runtime.log(f"head analysis ({dataset}): no attribute head; DeAR falls back to the class branch alone")
     return maps, records
 
 
@@ -1407,7 +1410,9 @@ def train_job(job: Job, settings: dict, inputs: Inputs, role_map: dear.RoleMap, 
     torch.manual_seed(job.seed)  # the learnable tokens' initialisation
     model = build_dear(settings, inputs, role_map).to(runtime.device)
     runtime.log(f"[{job.label}] {len(split.train)} training images, {len(split.classnames)} classes; "
-                f"attribute tokens from layer J={model.first_layer} (1-based); {model.parameter_summary()}")
+                f"attribute tokens from layer J={model.first_layer} (1-based)"
+                f"{'; class branch alone (no attribute head)' if model.class_branch_only else ''}; "
+                f"{model.parameter_summary()}")
     optimizer = torch.optim.AdamW(model.learnable_parameters(), lr=settings["lr"],
                                   weight_decay=settings["weight_decay"])
     scaler = grad_scaler(enabled=runtime.amp_dtype == torch.float16)  # fp16 only; bf16 needs no scaling
@@ -1704,6 +1709,10 @@ def markdown(summary: dict, settings: dict) -> str:
         if used:
             lines.append(f"- {row_label(row)}: " + ", ".join(f"{test} {names.get(kind, kind)}"
                                                              for test, kind in used.items()))
+    fallen = [name for name, record in (settings.get("role_maps") or {}).items() if record.get("class_branch_only")]
+    if fallen:  # dear.falls_back_to_class_branch: both DeAR rows are then the class branch's
+        lines.append(f"- The head analysis of {', '.join(fallen)} names no attribute head: DeAR falls back to the "
+                     "class branch alone there.")
     lines.append("")
     return "\n".join(lines)
 

@@ -542,3 +542,23 @@ def test_retrieval_features_leave_a_blind_token_out(tiny_clip):
     f_cls, f_attr, f_frozen = model.encode_image(images(4), with_frozen=True)
     assert_close(features["colour"], torch.nn.functional.normalize(f_attr[:, 0], dim=-1), 1e-6, "colour token")
     assert_close(features["frozen CLIP"], torch.nn.functional.normalize(f_frozen, dim=-1), 1e-6, "frozen CLIP")
+
+
+def test_a_measured_map_without_attribute_heads_falls_back_to_the_class_branch(tiny_clip):
+    """No head specialised enough (entropies measured, none low): alpha = (1, 0, ..., 0), so the
+    fused logits are the class branch's. A hand-made map (the all-mixed ablation) keeps every
+    branch, and one measured attribute head is enough to keep the fusion."""
+    measured = role_map({})
+    for head in measured.heads:
+        head.entropy = 1.5
+    model = DeAR(tiny_clip, measured, ATTRIBUTES, first_layer=2, cls_fusion_weight=0.3)
+    assert model.class_branch_only and dear.falls_back_to_class_branch(measured)
+    assert model.fusion_weights().tolist() == [1.0] + [0.0] * len(ATTRIBUTES)
+    out = model(images(), model.prepare_classes(class_prompts()))
+    assert torch.equal(out.logits, out.branch_logits[:, 0])
+    mixed = DeAR(tiny_clip, RoleMap.uniform("mixed", LAYERS, HEADS, range(LAYERS)), ATTRIBUTES, first_layer=2,
+                 cls_fusion_weight=0.3)
+    assert not mixed.class_branch_only and abs(mixed.fusion_weights()[0].item() - 0.3) < 1e-6
+    measured.heads[-1].role, measured.heads[-1].attribute, measured.heads[-1].entropy = "attribute", ATTRIBUTES[0], 0.0
+    kept = DeAR(tiny_clip, measured, ATTRIBUTES, first_layer=2, cls_fusion_weight=0.3)
+    assert not kept.class_branch_only and abs(kept.fusion_weights()[0].item() - 0.3) < 1e-6

@@ -330,7 +330,7 @@ def test_the_analysis_looks_at_the_last_four_layers_by_default(monkeypatch):
     monkeypatch.setattr(dear, "encode_descriptions", lambda clip, tokenizer, phrases: texts)
     roles = dear.analyze_heads(five, images(8), tokenizer=None, num_descriptions=6, log=lambda line: None)
     assert roles.layers == [1, 2, 3, 4]  # 0-based: the paper's layers 2-5 of 5
-    assert roles.layers[0] == dear.default_first_layer(five) - 1  # where J starts by default
+    assert roles.layers[0] == dear.default_first_layer(len(five.visual.transformer.resblocks)) - 1  # where J starts by default
     assert len(roles.heads) == 4 * HEADS
 
 

@@ -231,6 +231,10 @@ def test_summary_leaves_the_linear_probe_novel_and_hm_empty_and_shows_the_spread
     assert table["spread"]["dear-class-on-unseen"][:2] == [round(4 / 2 ** 0.5, 2)] * 2
     lines = train.markdown(dict(tables={"a": table}), dict(settings, weights="w")).splitlines()
     assert "| Linear probe (frozen image features) | 82.00 ± 2.83 | - | - |" in lines
+    assert not any("names no attribute head" in line for line in lines)
+    fallen = dict(settings, weights="w", role_maps={"a": dict(class_branch_only=True)})
+    assert "- The head analysis of a names no attribute head: DeAR falls back to the class branch alone there." \
+        in train.markdown(dict(tables={"a": table}), fallen).splitlines()
 
 
 # ------------------------------------------------------------------------------------------
