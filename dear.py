@@ -1,37 +1,29 @@
 """
-dear.py -- DeAR, the method: head roles by concept entropy, attribute tokens, the role-based
-attention mask, the losses and the learned fusion of the branches.
+dear.py -- DeAR, the method: "DeAR: Fine-Grained VLM Adaptation by Decomposing Attention Head
+Roles" (Ma, Yang, Wang, Chen, Xian, Teng; CVPR 2026). In the order it runs:
 
-Paper: "DeAR: Fine-Grained VLM Adaptation by Decomposing Attention Head Roles"
-(Ma, Yang, Wang, Chen, Xian, Teng; CVPR 2026). The project's method notes, with the choices
-made where the paper is silent, are docs/METHOD.md in the repository (dear-from-scratch);
-"METHOD.md Sec. N" below points there: Sec. 3 head roles, 4 tokens and mask, 5 losses.
+    1. TextSpan ......... the greedy description search that explains one head (paper Sec. 3.2)
+    2. concept entropy .. how many concepts a head's descriptions spread over (Eq. 2)
+    3. roles ............ entropy -> attribute / generalization / mixed; analyze_heads runs 1-3
+    4. the mask ......... one additive (heads, tokens, tokens) mask per layer from J on (Sec. 3.3)
+    5. the model ........ DeAR: frozen CLIP + attribute tokens (vision), inserted tokens (text),
+                          attribute projection, fusion weights; attribute-conditioned retrieval
+    6. the losses ....... CE on the fused logits, self-regularisation, fusion regularisation (Sec. 3.4)
+    7. bookkeeping ...... RoleMap (the role of every head, its JSON file, its table), the mask as
+                          text, the description bank's word lists
 
-What this file holds, in the order the method runs (bookkeeping last):
+The method in one page: tests/test_dear_reference.py computes DeAR's forward pass from a role
+table one head at a time, in about 100 lines; this file is that computation, batched. The
+choices made where the paper is silent are docs/METHOD.md ("METHOD.md Sec. N" below).
 
-    1. TextSpan .................. the greedy description search that explains one head
-    2. concept entropy ........... how many concepts a head's descriptions spread over
-    3. roles ..................... entropy -> attribute / generalization / mixed; the RoleMap;
-                                   analyze_heads runs 1-3 on every head of the last layers
-    4. the role-based mask ....... one additive (heads, tokens, tokens) mask per layer from J on
-    5. the model ................. DeAR: frozen CLIP + attribute tokens (vision), inserted
-                                   tokens (text), attribute projection, fusion weights;
-                                   prepare_classes encodes a class list's frozen part once;
-                                   retrieval: rank a gallery by one attribute token's feature
-    6. the losses ................ cross-entropy on fused logits, self-regularisation, fusion
-                                   regularisation
-    7. bookkeeping ............... RoleMap JSON and validation, tables, PNG pictures, and the
-                                   description bank's word lists (>500 labelled phrases)
+It imports only clip_model.py (the hand-written CLIP whose attention takes a per-head mask), so
+the two files can be copied together into any project, at its top level or inside a package.
+A caller builds a DeAR from a CLIP and a RoleMap, encodes its class prompts once
+(`prepare_classes`) and trains `learnable_parameters()`.
 
-How it fits: it imports only clip_model.py (the hand-written CLIP whose attention takes a
-per-head mask, `head_contributions`, and the file writer), so the two files can be copied
-together into any project, at its top level or side by side inside a package. A caller builds
-a DeAR from a loaded CLIP and a RoleMap, encodes its class prompts once with
-`prepare_classes`, and trains `learnable_parameters()`.
-
-Layer numbers: the paper counts layers from 1 ("layers 9-12", "J = 9"); Python indexes them
-from 0 (8-11). Arguments named `first_layer` take the paper's 1-based J; everything stored
-(`RoleMap.layers`, `HeadRole.layer`) is 0-based; every printed line says which.
+Layers: the paper counts from 1 ("layers 9-12", "J = 9"), Python from 0. Arguments named
+`first_layer` take the paper's J; everything stored (`RoleMap.layers`, `HeadRole.layer`) is
+0-based; every printed line says which.
 
 Try it on a random small CLIP:  python dear.py
 """
@@ -49,17 +41,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# clip_model.py sits next to this file. Copied into a package (myproj/vendor/dear.py), it is
-# found only by a relative import; copied to the top level of a project (or run as a script,
-# `python dear.py`), there is no package and only the absolute import works. Try both.
+# Inside a package (myproj/vendor/dear.py) only the relative import finds clip_model.py; at a
+# project's top level, or run as `python dear.py`, only the absolute one does.
 try:
     from . import clip_model
 except ImportError:
     import clip_model
 CLIP, causal_mask, head_contributions = clip_model.CLIP, clip_model.causal_mask, clip_model.head_contributions
-# Temporary file + rename, so no reader sees half a file: clip_model's, the one copy this
-# pair of files shares (the role JSON and the pictures below; train.py's files too).
-atomic_write = clip_model.atomic_write
+atomic_write = clip_model.atomic_write  # temporary file + rename: no reader sees half a file
 
 # The paper's five core attributes, in order: one attribute token each (Sec. 3.3).
 CORE_ATTRIBUTES = ("colour", "shape", "texture", "object", "location")
@@ -67,50 +56,42 @@ ROLES = ("attribute", "generalization", "mixed")
 
 
 class DeARError(ValueError):
-    """Bad input to the method (a role file, an attribute name, J, beta): the message is one
-    line that names the file or argument and says what to do. (Raised, never asserted:
-    `python -O` removes asserts.)"""
+    """Bad input to the method (a role file, an attribute name, J, beta): a one-line message
+    naming the file or argument and what to do. Raised, never asserted (`python -O`)."""
 
 
 # ------------------------------------------------------------------------------------------
-# 1. TextSpan: which descriptions explain a head (METHOD.md Sec. 3, paper Sec. 3.2)
+# 1. TextSpan: which descriptions explain a head (paper Sec. 3.2, METHOD.md Sec. 3)
 # ------------------------------------------------------------------------------------------
 
-
-# TextSpan's defaults, the authors' (yossigandelsman/clip_text_span, compute_complete_text_set.py:
-# --w_ov_rank 80) and the paper's number of descriptions per head.
-TEXTSPAN_RANK = 80
-PAPER_PICKS = 20
+# The authors' rank (yossigandelsman/clip_text_span, compute_complete_text_set.py: --w_ov_rank
+# 80) and the paper's number of descriptions per head.
+TEXTSPAN_RANK, PAPER_PICKS = 80, 20
 
 
 def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
              num_descriptions: int = PAPER_PICKS, rank: int = TEXTSPAN_RANK) -> List[int]:
-    """TextSpan's greedy search (Gandelsman et al., ICLR 2024, Alg. 1) for one head, as its
-    authors' code runs it: yossigandelsman/clip_text_span, compute_complete_text_set.py,
-    `replace_with_iterative_removal` (same picks, same order).
+    """TextSpan's greedy search (Gandelsman et al., ICLR 2024, Alg. 1) for one head, with the
+    picks, in order, of its authors' `replace_with_iterative_removal` (compute_complete_text_set.py).
 
-    contributions:   (n_images, E) the head's direct contributions to the image embeddings
-    text_embeddings: (n_texts, E)  the description bank, encoded and normalised
-    returns: the indices of `num_descriptions` descriptions, most explanatory first.
-
-    1. Keep the top r = min(rank, n_images, E) right singular vectors of the *raw* (not
-       centred) contributions: the subspace the head writes into, its mean included.
-    2. Project every text embedding onto that span.
-    3. Centre the contributions, as the authors do. (It changes no pick: a standard deviation
-       ignores what all images share, and removing a direction commutes with centring.)
-    4. Repeat: pick the description whose projection varies most across images (largest
-       standard deviation of contributions @ text), then remove its (unit) direction from both
-       the contributions and the remaining texts, so the next pick explains something new.
-    At most r picks (`analysis_picks`): after r removals every text is zero inside the span.
+    contributions (n_images, E): the head's direct contributions to the image embeddings;
+    text_embeddings (n_texts, E): the description bank, normalised.
+    Returns the indices of `num_descriptions` descriptions, most explanatory first: each pick is
+    the text whose projection varies most across images; its direction is then removed from the
+    head and the bank, so the next pick explains something new. Texts live in the span of the
+    top r = min(rank, n_images, E) right singular vectors of the raw contributions; after r
+    removals every text is zero there, hence at most r picks (`analysis_picks`).
     """
     n_images, width = contributions.shape
     num_descriptions = analysis_picks(num_descriptions, text_embeddings.shape[0], n_images, rank=rank,
                                       embed_dim=width)
     data = contributions.double()
     _, _, right = torch.linalg.svd(data, full_matrices=False)  # right: (min(n, E), E), raw data
-    span = right[:rank]  # (r, E), orthonormal rows (the authors' vh[:rank])
+    span = right[:rank]  # (r, E), orthonormal rows (the authors' vh[:rank]): the mean included
     texts = text_embeddings.double() @ span.T @ span  # (T, E): each text inside the head's span
-    data = data - data.mean(dim=0, keepdim=True)  # (n, E), centred once the span is fixed
+    # Centred once the span is fixed, as the authors do. It changes no pick: a standard
+    # deviation ignores what all images share, and removing a direction commutes with centring.
+    data = data - data.mean(dim=0, keepdim=True)  # (n, E)
 
     chosen: List[int] = []
     for _ in range(num_descriptions):
@@ -130,16 +111,10 @@ def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
 def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *,
                    rank: int = TEXTSPAN_RANK, embed_dim: Optional[int] = None,
                    default: int = PAPER_PICKS) -> int:
-    """How many descriptions TextSpan picks per head: `requested` (--descriptions) or, when it
-    is None, `default` (analyze_heads passes its bank's `default_picks`). The one check of
-    that number: a caller (train.py) calls it before any work, and analyze_heads and
-    textspan call it again.
-
-    TextSpan's span is the top right singular vectors of the head's raw contributions, so its
-    rank is at most min(rank, num_images, embed_dim); after that many picks every remaining
-    text is zero inside it and further picks would be noise. A request above that, above the
-    bank's size, or below 1 is refused; the default is capped, with a one-line warning.
-    """
+    """How many descriptions TextSpan picks per head: `requested` (--descriptions), or `default`
+    when it is None. The one check of that number (train.py calls it before any work).
+    At most min(bank size, num_images, rank, embed_dim), the span's rank (see `textspan`): a
+    request above that, or below 1, is refused; the default is capped, with a warning."""
     if rank < 1:
         raise DeARError(f"rank={rank}: TextSpan keeps the top `rank` singular directions; use 1 or more")
     if num_images < 2:
@@ -152,10 +127,9 @@ def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *,
         limits.append((embed_dim, f"the embedding has {embed_dim} dimensions"))
     limit, why = min(limits, key=lambda entry: entry[0])
     if requested is None:
-        picks = default
-        if picks > limit:
-            warnings.warn(f"TextSpan makes {limit} picks per head, not the default {picks}: {why}")
-        return min(picks, limit)
+        if default > limit:
+            warnings.warn(f"TextSpan makes {limit} picks per head, not the default {default}: {why}")
+        return min(default, limit)
     if not 1 <= requested <= limit:
         more = " or give the analysis more images" if limit == num_images else ""
         raise DeARError(f"--descriptions {requested}: TextSpan can make 1..{limit} picks per head here ({why}); "
@@ -166,34 +140,30 @@ def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *,
 # ------------------------------------------------------------------------------------------
 # 2. Concept entropy (paper Eq. 2)
 # ------------------------------------------------------------------------------------------
-# Every description of the bank is labelled with its concept *by construction* (a word list
-# of that concept in a template; see `description_bank`), so TextSpan's picks for a head
-# become a list of concepts, and their entropy says how specialised the head is.
+# Every phrase of the bank is labelled with its concept by construction (a word of that
+# concept in a template; `description_bank`), so TextSpan's picks become a list of concepts.
 
 
 def concept_entropy(concepts: Sequence[str]) -> float:
-    """DeAR's concept entropy (paper Eq. 2): H = -sum_c P(c) log2 P(c), where P(c) is the share
-    of the head's descriptions that belong to concept c.
-
-    0 bits: every description is about one concept (an attribute specialist);
-    log2(k) bits: spread evenly over k concepts.
-    """
+    """H = -sum_c P(c) log2 P(c), P(c) the share of the head's descriptions about concept c:
+    0 bits for a specialist of one concept, log2(k) bits spread evenly over k concepts."""
     counts = Counter(concepts)
     total = len(concepts)
     return float(-sum((c / total) * math.log2(c / total) for c in counts.values()))
 
 
 def dominant_concept(concepts: Sequence[str]) -> str:
-    """The most frequent concept; a tie goes to the one TextSpan found first (its first
-    description ranks higher, i.e. explains more of the head's variance)."""
+    """The most frequent concept; a tie goes to the one TextSpan found first (it explains more)."""
     counts = Counter(concepts)
     best = max(counts.values())
     return next(c for c in concepts if counts[c] == best)
 
 
 # ------------------------------------------------------------------------------------------
-# 3. Roles: entropy -> attribute / generalization / mixed (METHOD.md Sec. 3)
+# 3. Roles: entropy -> attribute / generalization / mixed (paper Sec. 3.2, METHOD.md Sec. 3)
 # ------------------------------------------------------------------------------------------
+# analyze_heads returns a RoleMap (Sec. 7 below): the vision tower's sizes, the attribute
+# names, one HeadRole per analysed head; what the mask is built from.
 
 
 @dataclass
@@ -208,17 +178,14 @@ class HeadRole:
 
 
 def default_picks(bank: Sequence[Description], attributes: Sequence[str]) -> int:
-    """TextSpan picks per head that the bank can support (our rule; METHOD.md Sec. 3):
-    N = the fewest values of any core attribute in the bank.
+    """TextSpan picks per head that the bank supports (our rule; METHOD.md Sec. 3): N = the
+    fewest values (`Description.value`, else the phrase itself) of any core attribute.
 
-    Why: a head that carries only attribute a, with k_a values, varies across images along
-    the k_a value phrases' directions (k_a - 1 of them once centred, inside the span of the
-    k_a phrases), and TextSpan removes each picked direction. After k_a picks of a's phrases
-    that head has nothing left to explain along a, so further picks land on other concepts:
-    even a perfect specialist looks spread. N above the smallest k_a thus makes some
-    attributes' heads unreadable. A phrase's value is `Description.value` (its word); a bank
-    without values counts each phrase as its own value. Toy bank: colour 8, shape 6,
-    texture 4, position 4 -> N = 4; the project's bank: shape's 16 words are fewest -> N = 16."""
+    Why: a head that carries only attribute a, with k_a values, varies across images along the
+    k_a value phrases' directions, and TextSpan removes each picked one; after k_a picks it has
+    nothing left to explain along a, so further picks land elsewhere and even a perfect
+    specialist looks spread. Toy bank: colour 8, shape 6, texture 4, position 4 -> N = 4; the
+    project's bank: shape's 16 words are fewest -> N = 16."""
     values = {}
     for entry in bank:
         entry = Description(*entry)
@@ -231,10 +198,9 @@ def default_picks(bank: Sequence[Description], attributes: Sequence[str]) -> int
 
 
 def default_thresholds(num_picks: int, num_concepts: int):
-    """(low_bits, high_bits) = thirds of the entropy range that N picks over K concepts can
-    take, [0, log2(min(N, K))] (our choice; METHOD.md Sec. 3). Absolute, unlike thirds of the
-    observed entropies, which always make a third of the heads attribute heads: a head is an
-    attribute head only if it is specialised on the scale its own picks allow."""
+    """(low_bits, high_bits) = thirds of [0, log2(min(N, K))], the entropies N picks over K
+    concepts can take (our choice; METHOD.md Sec. 3). Absolute, unlike thirds of the observed
+    entropies (which always make a third of the heads attribute heads)."""
     top = math.log2(max(1, min(num_picks, num_concepts)))
     return top / 3, 2 * top / 3
 
@@ -242,18 +208,14 @@ def default_thresholds(num_picks: int, num_concepts: int):
 def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequence[str]],
                  attributes: Sequence[str], low_bits: Optional[float] = None,
                  high_bits: Optional[float] = None, num_concepts: Optional[int] = None):
-    """Heads -> roles (METHOD.md Sec. 3). Returns (roles, low_bits, high_bits), roles a
-    list of (role, attribute or None) in the order of the inputs.
-
-    low_bits / high_bits default to `default_thresholds(N, K)`: N picks per head, K concepts
-    in the bank (`num_concepts`; default: those the heads' picks name).
-      H <= low:  a specialist. Its dominant concept is a core attribute -> attribute head for
-                 it; otherwise (e.g. a "style" head) -> generalization head, because no
-                 attribute token exists for it and it should keep CLIP's general knowledge.
-      H >= high: spread over many concepts -> generalization head.
-      between:   mixed head.
-    No head at or below `low` means no head is specialised enough: then there is no
-    attribute head, and the map says so (`RoleMap.table`)."""
+    """Heads -> (roles, low_bits, high_bits), roles a list of (role, attribute or None) in input
+    order. Thresholds default to `default_thresholds(N, K)`, K = `num_concepts` (default: those
+    the picks name).
+      H <= low:  a specialist: an attribute head for its dominant concept if that is a core
+                 attribute, else (e.g. "style": no token for it) a generalization head;
+      H >= high: spread over many concepts: a generalization head;
+      between:   a mixed head.
+    No head at or below low: no attribute head (`falls_back_to_class_branch`)."""
     if num_concepts is None:
         num_concepts = len({c for concepts in concepts_per_head for c in concepts})
     low, high = default_thresholds(max(len(c) for c in concepts_per_head), num_concepts)
@@ -271,54 +233,16 @@ def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequenc
     return roles, low_bits, high_bits
 
 
-@dataclass
-class RoleMap:
-    """The role of every head of the analysed vision layers: what the mask is built from.
-    Saved as readable JSON (`save`/`load`), checked by `validate`, printed by `table()`,
-    drawn by `draw_heatmap`; those bodies are bookkeeping, at the end of the file."""
-
-    vision_layers: int  # depth of the vision tower it was made for
-    num_heads: int  # heads per layer of that tower
-    attributes: List[str]  # the attribute tokens' names, in token order
-    heads: List[HeadRole]  # one per (layer, head), layer-major
-    low_bits: Optional[float] = None
-    high_bits: Optional[float] = None
-    source: str = "analysis"  # "analysis" or the name of a fixed choice ("all-mixed", ...)
-
-    @property
-    def layers(self) -> List[int]:
-        """0-based indices of the layers this map covers, ascending."""
-        return sorted({h.layer for h in self.heads})
-
-    def role_of(self, layer: int, head: int) -> Optional[HeadRole]:
-        return next((h for h in self.heads if h.layer == layer and h.head == head), None)
-
-    @classmethod
-    def uniform(cls, role: str, vision_layers: int, num_heads: int, layers: Sequence[int],
-                attributes: Sequence[str] = CORE_ATTRIBUTES) -> "RoleMap":
-        """Every head "mixed" (plain deep prompting, no mask) or "generalization" (every
-        attribute branch blind, left out of the fusion): the ablations' fixed choices."""
-        return _uniform_role_map(cls, role, vision_layers, num_heads, layers, attributes)
-
-    def validate(self, vision_layers: Optional[int] = None, num_heads: Optional[int] = None,
-                 attributes: Optional[Sequence[str]] = None) -> None:
-        """Check the map is complete and fits a model (when its sizes are given)."""
-        _validate_role_map(self, vision_layers, num_heads, attributes)
-
-    def to_json(self) -> dict:
-        return _role_map_to_json(self)
-
-    def save(self, path: str) -> None:
-        _save_role_map(self, path)
-
-    @classmethod
-    def load(cls, path: str) -> "RoleMap":
-        return _load_role_map(cls, path)
-
-    def table(self) -> str:
-        """One row per layer (1-based, as in the paper), one cell per head:
-        A:col = attribute head for colour, G = generalization, M = mixed; entropy in bits."""
-        return _role_table(self)
+@torch.no_grad()
+def encode_descriptions(clip: CLIP, tokenizer: clip_model.SimpleTokenizer,
+                        texts: Sequence[str], batch_size: int = 256) -> torch.Tensor:
+    """Texts -> (n_texts, E) normalised CLIP text embeddings."""
+    device = clip.positional_embedding.device
+    chunks = []
+    for start in range(0, len(texts), batch_size):
+        ids = tokenizer.tokenize(texts[start:start + batch_size], clip.context_length, truncate=True)
+        chunks.append(F.normalize(clip.encode_text(ids.to(device)), dim=-1))
+    return torch.cat(chunks)
 
 
 @torch.no_grad()
@@ -327,18 +251,14 @@ def analyze_heads(clip: CLIP, image_batches: Union[torch.Tensor, Iterable[torch.
                   attributes: Sequence[str] = CORE_ATTRIBUTES, num_layers: Optional[int] = None,
                   num_descriptions: Optional[int] = None, rank: int = TEXTSPAN_RANK, low_bits: Optional[float] = None,
                   high_bits: Optional[float] = None, log: Callable[[str], None] = print) -> RoleMap:
-    """DeAR's head analysis (paper Sec. 3.2, METHOD.md Sec. 3) -> RoleMap.
+    """DeAR's head analysis (paper Sec. 3.2) -> RoleMap.
 
-    image_batches: preprocessed images (e.g. the task's training images): one (n, 3, R, R)
-    tensor, or an iterable of (B, 3, R, R) batches (a DataLoader's images).
-    bank: labelled phrases (default: the project's 591); attributes: the core attributes,
-    i.e. the concepts that can have attribute heads (default: the paper's five).
-    For every head of the last `num_layers` layers (default: the last four, as in the paper):
-    its direct contributions to the image embeddings (divided by each embedding's norm, as
-    TextSpan does), TextSpan's top `num_descriptions` descriptions from the bank (default:
-    `default_picks`, what the bank's attributes can support; limits: `analysis_picks`), their
-    concept entropy, and its role (thresholds: `default_thresholds` unless given).
-    """
+    image_batches: one (n, 3, R, R) tensor of preprocessed images, or an iterable of (B, 3, R, R)
+    batches. bank: labelled phrases (default: the project's 591); attributes: the concepts that
+    can have attribute heads (default: the paper's five). For every head of the last
+    `num_layers` layers (default: four): its direct contributions to the image embeddings (over
+    each embedding's norm, as TextSpan does), TextSpan's picks (default number: `default_picks`),
+    their concept entropy, its role (`assign_roles`)."""
     bank = [Description(*entry) for entry in bank] if bank is not None else description_bank()
     depth = len(clip.visual.transformer.resblocks)
     num_layers = analysed_layers(depth) if num_layers is None else num_layers
@@ -346,7 +266,12 @@ def analyze_heads(clip: CLIP, image_batches: Union[torch.Tensor, Iterable[torch.
         raise DeARError(f"num_layers={num_layers} is out of range: the vision tower has {depth} layers")
     device = clip.visual.conv1.weight.device
     per_image = []
-    for batch in _checked_batches(image_batches):  # (B, 3, R, R) each
+    for batch in image_batches.split(64) if isinstance(image_batches, torch.Tensor) else image_batches:
+        if not isinstance(batch, torch.Tensor) or batch.dim() != 4:
+            shape = f" of shape {tuple(batch.shape)}" if isinstance(batch, torch.Tensor) else ""
+            raise DeARError(f"image_batches must be a (n, 3, R, R) tensor or yield (B, 3, R, R) tensors; got a "
+                            f"{type(batch).__name__}{shape} (a DataLoader of (images, labels): pass "
+                            "(images for images, _ in loader))")
         parts = head_contributions(clip, batch.to(device), num_layers)
         norm = parts.total().norm(dim=-1)  # (B,)
         per_image.append((parts.heads / norm[:, None, None, None]).cpu())  # (B, L, H, E)
@@ -355,9 +280,9 @@ def analyze_heads(clip: CLIP, image_batches: Union[torch.Tensor, Iterable[torch.
         raise DeARError("image_batches holds no images; the analysis needs at least 2")
     contributions = torch.cat(per_image)  # (n_images, L, H, E)
     n_images, L, H, E = contributions.shape
-    default = default_picks(bank, attributes) if num_descriptions is None else PAPER_PICKS  # the bank's rule
+    default = default_picks(bank, attributes) if num_descriptions is None else PAPER_PICKS
     num_descriptions = analysis_picks(num_descriptions, len(bank), n_images, rank=rank, embed_dim=E, default=default)
-    first = len(clip.visual.transformer.resblocks) - num_layers
+    first = depth - num_layers
     text = encode_descriptions(clip, tokenizer, [d.text for d in bank]).cpu()  # (T, E)
     log(f"  head analysis: {len(bank)} descriptions over {len(set(d.concept for d in bank))} concepts; "
         f"TextSpan with rank {min(rank, n_images, E)} and {num_descriptions} picks per head")
@@ -374,7 +299,7 @@ def analyze_heads(clip: CLIP, image_batches: Union[torch.Tensor, Iterable[torch.
                                     attributes, low_bits, high_bits, len({d.concept for d in bank}))
     for entry, (role, attribute) in zip(analysed, roles):
         entry.role, entry.attribute = role, attribute
-    return RoleMap(len(clip.visual.transformer.resblocks), H, list(attributes), analysed, low, high)
+    return RoleMap(depth, H, list(attributes), analysed, low, high)
 
 
 # ------------------------------------------------------------------------------------------
@@ -415,11 +340,8 @@ def head_mask(role: str, attribute_index: Optional[int], num_image_tokens: int,
 
 def build_role_masks(role_map: RoleMap, first_layer: int, num_layers: int,
                      num_image_tokens: int) -> torch.Tensor:
-    """Masks for every vision layer from J on: (num_layers - J + 1, H, T, T).
-
-    first_layer is the paper's 1-based J. A layer from J on that the map does not cover
-    (possible when J is earlier than the analysed layers) gets mixed heads, i.e. no mask.
-    """
+    """Masks for every vision layer from the paper's 1-based J on: (num_layers - J + 1, H, T, T).
+    A layer the map does not cover (J before the analysed layers) gets mixed heads: no mask."""
     A, H = len(role_map.attributes), role_map.num_heads
     masks = []
     for layer in range(first_layer - 1, num_layers):
@@ -434,13 +356,10 @@ def build_role_masks(role_map: RoleMap, first_layer: int, num_layers: int,
 
 
 def blind_attributes(role_masks: torch.Tensor, num_image_tokens: int, attributes: Sequence[str]) -> List[str]:
-    """The attributes whose token no head from layer J on lets read the image, read off the
-    masks themselves (role_masks: (layers from J, H, T, T), rows and columns ordered [image
-    tokens, attribute tokens]): token a is blind when its row allows no image column in any
-    head of any layer -- no attribute head for it and no mixed head (an uncovered layer is
-    mixed). Such a branch's logits do not depend on the image -- a per-class bias -- so DeAR
-    leaves it out of the fusion. In the all-generalization ablation every attribute is blind,
-    and the class branch stands alone."""
+    """The attributes whose token no head from J on lets read the image, read off the masks
+    (layers from J, H, T, T): no attribute head for it and no mixed head (an uncovered layer is
+    mixed). Such a branch's logits are a per-class bias, so DeAR leaves it out of the fusion; in
+    the all-generalization ablation every attribute is blind and the class branch stands alone."""
     N = num_image_tokens
     reads_image = torch.isfinite(role_masks[:, :, N:, :N]).any(dim=-1)  # (layers, H, A): 0 = allowed
     return [a for a, readable in zip(attributes, reads_image.any(dim=0).any(dim=0)) if not readable]
@@ -449,7 +368,6 @@ def blind_attributes(role_masks: torch.Tensor, num_image_tokens: int, attributes
 # ------------------------------------------------------------------------------------------
 # 5. The model (paper Sec. 3.3-3.4, METHOD.md Sec. 4)
 # ------------------------------------------------------------------------------------------
-
 
 ANALYSED_LAYERS = 4  # the paper analyses, and prompts, the vision tower's last four layers
 
@@ -460,13 +378,12 @@ def analysed_layers(depth: int) -> int:
 
 
 def default_first_layer(depth: int) -> int:
-    """The paper's J (1-based) for any depth: the first analysed layer (J = 9 of 12 for
-    ViT-B/16; 1 for a model of 4 layers or less)."""
+    """The paper's J (1-based): the first analysed layer (9 of 12 for ViT-B/16)."""
     return depth - analysed_layers(depth) + 1
 
 
-# The checks of the method's arguments, written once: DeAR's constructor and assign_roles
-# call them, and train.py calls them before any work and turns a DeARError into its one line.
+# The method's argument checks, written once: DeAR and assign_roles call them; train.py calls
+# them before any work and turns a DeARError into its one line.
 
 
 def check_first_layer(first_layer: int, depth: int) -> None:
@@ -491,20 +408,17 @@ def check_thresholds(low_bits: Optional[float], high_bits: Optional[float]) -> N
                         "smaller (attribute heads lie at or below it, generalization heads at or above high_bits)")
 
 
-def falls_back_to_class_branch(role_map: "RoleMap") -> bool:
-    """True when a measured map (its heads carry concept entropies) names no attribute head:
-    no head is specialised enough, so DeAR keeps the class branch alone in the fusion instead
-    of forcing roles (our choice, METHOD.md Sec. 3). Maps given by hand, the ablations' fixed
-    ones (`RoleMap.uniform`) included, are taken as given: the all-mixed map is plain deep
-    prompting with every branch fused, by definition."""
+def falls_back_to_class_branch(role_map: RoleMap) -> bool:
+    """True when a measured map (entropies present) names no attribute head: no head is
+    specialised enough, so DeAR keeps the class branch alone instead of forcing roles (our
+    choice, METHOD.md Sec. 3). Hand-made maps, `RoleMap.uniform`'s included, are taken as given."""
     measured = any(h.entropy is not None for h in role_map.heads)
     return measured and not any(h.role == "attribute" for h in role_map.heads)
 
 
 class PreparedClasses(NamedTuple):
-    """One class list's text side up to layer J, from `DeAR.prepare_classes`. Nothing in it is
-    learnable, so it is computed once per class list (once per training run, once per test
-    set) and reused by every step; the learnable text tokens enter after it."""
+    """One class list's text side up to layer J (`DeAR.prepare_classes`): nothing in it learns,
+    so it is computed once per class list and reused by every step."""
 
     hidden: torch.Tensor  # (C, L, W) the prompts' states entering text layer J (0-based J - 1)
     eot: torch.Tensor  # (C,) each prompt's end-of-text position (before the K tokens go in)
@@ -523,39 +437,31 @@ class DeAROutput:
 
 
 class DeAR(nn.Module):
-    """Frozen CLIP + DeAR's learnable pieces.
-
-    It freezes the CLIP it is given *in place*: `clip.eval().requires_grad_(False)` on the
-    caller's own module (no copy is made, CLIP's weights are shared, never changed). To go on
-    training that CLIP elsewhere, switch its requires_grad back on yourself.
-
-    attributes: the attribute tokens' names, in order; default: the role map's.
-    first_layer: the paper's 1-based J; default: the first of the vision tower's last four
-    layers (9 for a 12-layer ViT-B/16, as in the paper).
+    """Frozen CLIP + DeAR's learnable pieces. It freezes the CLIP it is given in place
+    (`clip.eval().requires_grad_(False)`, no copy); attributes default to the role map's, the
+    paper's J (`first_layer`) to the first of the last four layers (9 of 12).
 
     Learnable (everything else is CLIP, frozen):
       vision_tokens   (layers from J, A, C_v)  one attribute token per attribute, fresh at each
                                                layer from J (the MMRL++ beta rule)
       text_tokens     (layers from J, K, C_t)  K tokens inserted after the start token
       attribute_proj  (C_v, E)                 attribute tokens -> embedding, init = visual.proj
-      fusion_logits   (1 + A,)                 alpha = softmax(fusion_logits) over the class
-                                               branch and every attribute branch that can read
-                                               the image (`blind_attributes`: the others get
-                                               alpha = 0, with a warning naming them)
+      fusion_logits   (1 + A,)                 alpha = softmax over the class branch and every
+                                               attribute branch that reads the image (the
+                                               `blind_attributes` get alpha = 0, with a warning)
 
-    What runs, and what it costs: layers before J hold nothing learnable, so they run without
-    autograd; the frozen image pass (for L_reg) reuses them; the text side before J runs once
-    per class list (`prepare_classes`), cut after the longest prompt. Each of these is exact:
-    the tests compare DeAR with a plain reference that does none of them
-    (tests/test_dear_reference.py), gradients included.
+    Layers before J hold nothing learnable: they run without autograd, once for the frozen image
+    pass too, and once per class list on the text side (`prepare_classes`). Each shortcut is
+    exact: tests/test_dear_reference.py compares DeAR with a plain reference, gradients included.
     """
+
+    LEARNABLE = ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits")
 
     def __init__(self, clip: CLIP, role_map: RoleMap, attributes: Optional[Sequence[str]] = None,
                  first_layer: Optional[int] = None, beta: float = 0.5, num_text_tokens: int = 4,
                  cls_fusion_weight: float = 0.5):
         super().__init__()
-        vision_layers = len(clip.visual.transformer.resblocks)
-        text_layers = len(clip.transformer.resblocks)
+        vision_layers, text_layers = len(clip.visual.transformer.resblocks), len(clip.transformer.resblocks)
         attributes = list(role_map.attributes) if attributes is None else attributes
         first_layer = default_first_layer(vision_layers) if first_layer is None else first_layer
         check_first_layer(first_layer, min(vision_layers, text_layers))
@@ -570,10 +476,8 @@ class DeAR(nn.Module):
         role_map.validate(vision_layers, clip.visual.transformer.heads, attributes)
 
         self.clip = clip.eval().requires_grad_(False)  # frozen: only the pieces below learn
-        self.role_map = role_map
-        self.attributes = list(attributes)
+        self.role_map, self.attributes = role_map, list(attributes)
         self.first_layer, self.beta, self.num_text_tokens = first_layer, beta, num_text_tokens
-
         A, K = len(self.attributes), num_text_tokens
         width_v, width_t = clip.visual.transformer.width, clip.transformer.width
         self.vision_tokens = nn.Parameter(torch.randn(vision_layers - first_layer + 1, A, width_v) * 0.02)
@@ -583,18 +487,16 @@ class DeAR(nn.Module):
         rest = (1 - cls_fusion_weight) / max(A, 1)
         self.fusion_logits = nn.Parameter(torch.tensor([math.log(cls_fusion_weight)] + [math.log(rest)] * A))
 
-        num_image_tokens = 1 + clip.visual.grid_size**2
-        self.num_image_tokens = num_image_tokens
-        masks = build_role_masks(role_map, first_layer, vision_layers, num_image_tokens)
+        self.num_image_tokens = 1 + clip.visual.grid_size**2
+        masks = build_role_masks(role_map, first_layer, vision_layers, self.num_image_tokens)
         self.register_buffer("role_masks", masks, persistent=False)  # (layers from J, H, T, T)
-        # Branches in the fusion: the class branch, and each attribute branch whose token some
-        # head from J on lets read the image; a blind branch is a per-class bias.
-        self.blind_attributes = blind_attributes(masks, num_image_tokens, self.attributes)
+        # In the fusion: the class branch, and each attribute branch that some head lets read the
+        # image, unless a measured map names no attribute head (then the class branch alone).
+        self.blind_attributes = blind_attributes(masks, self.num_image_tokens, self.attributes)
         if self.blind_attributes:
             warnings.warn(f"DeAR: no head from layer J={first_layer} (1-based) lets the "
                           f"{', '.join(self.blind_attributes)} token{'s' if len(self.blind_attributes) > 1 else ''} "
                           "read the image; left out of the fusion (a per-class bias, not a feature)")
-        # No attribute head measured: the class branch alone (alpha_cls = 1), said once.
         self.class_branch_only = falls_back_to_class_branch(role_map)
         if self.class_branch_only:
             warnings.warn("DeAR: the head analysis names no attribute head (no head is specialised enough); "
@@ -604,7 +506,7 @@ class DeAR(nn.Module):
         self.register_buffer("in_fusion", in_fusion, persistent=False)  # (1 + A,) bool
 
     def learnable_parameters(self) -> List[nn.Parameter]:
-        return [self.vision_tokens, self.text_tokens, self.attribute_proj, self.fusion_logits]
+        return [getattr(self, name) for name in self.LEARNABLE]
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -612,18 +514,14 @@ class DeAR(nn.Module):
         return self
 
     def fusion_weights(self) -> torch.Tensor:
-        """alpha = softmax(w) over the branches in the fusion: (1 + A,), alpha[0] for the class
-        branch; a blind attribute branch (see `blind_attributes`) gets exactly 0."""
+        """alpha = softmax(w) over the branches in the fusion: (1 + A,), alpha[0] the class
+        branch's; a branch out of the fusion gets exactly 0."""
         return self.fusion_logits.masked_fill(~self.in_fusion, float("-inf")).softmax(dim=0)
-
-    # -- vision ------------------------------------------------------------------------------
 
     def encode_image(self, images: torch.Tensor, with_frozen: bool = False):
         """images (B, 3, R, R) -> (f_cls (B, E), f_attr (B, A, E), f_frozen (B, E) or None).
-
-        Layers before J: plain CLIP (no learnable token). From J on: the attribute tokens are
-        appended after the image tokens and every head uses its role mask.
-        """
+        Before J: plain CLIP. From J on: the attribute tokens follow the image tokens and every
+        head uses its role mask."""
         visual = self.clip.visual
         blocks = visual.transformer.resblocks
         j = self.first_layer - 1  # 0-based index of layer J
@@ -653,15 +551,11 @@ class DeAR(nn.Module):
         f_attr = visual.ln_post(tokens) @ self.attribute_proj  # (B, A, E)
         return f_cls, f_attr, frozen
 
-    # -- text ----------------------------------------------------------------------------
-
     @torch.no_grad()
     def prepare_classes(self, class_token_ids: torch.Tensor) -> PreparedClasses:
         """Class prompts (C, L) token ids -> PreparedClasses: the frozen text layers before J,
-        run once for this class list, and plain CLIP's text features.
-
-        The sequences are cut after the longest prompt's end-of-text token: exact, because
-        the causal mask never lets a token read the padding after it."""
+        and plain CLIP's text features. Cut after the longest prompt's end-of-text token: exact,
+        because the causal mask never lets a token read the padding after it."""
         clip, j = self.clip, self.first_layer - 1
         eot = class_token_ids.argmax(dim=-1)  # (C,): the end-of-text id is the largest
         token_ids = class_token_ids[:, : int(eot.max()) + 1]  # (C, L') with L' <= L
@@ -675,11 +569,8 @@ class DeAR(nn.Module):
         return PreparedClasses(hidden=x, eot=eot, frozen=clip.text_to_embedding(plain, eot))
 
     def encode_text(self, classes: PreparedClasses) -> torch.Tensor:
-        """PreparedClasses -> t_c (C, E), the text feature of every class.
-
-        From layer J on, K learnable tokens sit right after the start token (positions 1..K);
-        the causal mask lets every later token, the end-of-text one included, read them.
-        """
+        """PreparedClasses -> t_c (C, E). From J on, K learnable tokens sit right after the start
+        token (positions 1..K); the causal mask lets every later token, end-of-text included, read them."""
         if not isinstance(classes, PreparedClasses):  # e.g. token ids, as an older version took
             raise DeARError(f"classes must be model.prepare_classes(class_token_ids), got a {type(classes).__name__}; "
                             "prepare each class list once, then pass the result to every step")
@@ -696,17 +587,11 @@ class DeAR(nn.Module):
             x = block(x, mask)
         return self.clip.text_to_embedding(x, classes.eot + K)  # end-of-text moved K places right
 
-    # -- both ------------------------------------------------------------------------------
-
-    def forward(self, images: torch.Tensor, classes: PreparedClasses,
-                with_frozen: bool = False) -> DeAROutput:
-        """Logits of every image for every class of `classes` (from `prepare_classes`; paper
-        Eq. 6-7).
-
-        branch k in {cls, attr_1..attr_A}: logits_k = s * cos(f_k, t_c), s CLIP's frozen scale;
-        fused logits = sum_k alpha_k * logits_k, used in training. At test time train.py
-        scores every test set both ways (fused everywhere; the class branch alone on classes
-        that were not trained, as MMRL evaluates): both are in the output."""
+    def forward(self, images: torch.Tensor, classes: PreparedClasses, with_frozen: bool = False) -> DeAROutput:
+        """Logits of every image for every class of `classes` (paper Eq. 6-7): branch k in
+        {cls, attr_1..attr_A} has logits_k = s * cos(f_k, t_c), s CLIP's frozen scale; the fused
+        logits sum_k alpha_k * logits_k train. At test time train.py scores both the fused logits
+        and, on classes not trained, the class branch alone (as MMRL evaluates)."""
         f_cls, f_attr, f_frozen = self.encode_image(images, with_frozen)
         t = self.encode_text(classes)
         features = torch.cat([f_cls[:, None], f_attr], dim=1)  # (B, 1 + A, E)
@@ -715,22 +600,16 @@ class DeAR(nn.Module):
                           classes.frozen if with_frozen else None)
 
     def fused_logits(self, features: torch.Tensor, text_features: torch.Tensor):
-        """features (B, 1 + A, E) [f_cls, f_attr...], text_features (C, E) ->
-        (fused logits (B, C), branch logits (B, 1 + A, C)).
-
-        Split out of forward so that evaluation can encode the class prompts once and reuse
-        them for every test batch (the text side does not depend on the image)."""
+        """features (B, 1 + A, E), text_features (C, E) -> (fused (B, C), branches (B, 1 + A, C)).
+        Apart from forward so that evaluation encodes the class prompts once for every batch."""
         scale = self.clip.logit_scale.exp()
         branch_logits = scale * F.normalize(features, dim=-1) @ F.normalize(text_features, dim=-1).T
         alpha = self.fusion_weights()
         return torch.einsum("bkc,k->bc", branch_logits, alpha.to(branch_logits.dtype)), branch_logits
 
-    # -- checkpoints and printing ----------------------------------------------------------
-
     def learnable_state_dict(self) -> dict:
         """Only what training changes; a checkpoint needs nothing else (CLIP is frozen)."""
-        return {name: getattr(self, name).detach().cpu().clone()
-                for name in ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits")}
+        return {name: getattr(self, name).detach().cpu().clone() for name in self.LEARNABLE}
 
     def load_learnable_state_dict(self, state: dict) -> None:
         for name, value in state.items():
@@ -744,22 +623,20 @@ class DeAR(nn.Module):
     def parameter_summary(self) -> str:
         learnable = sum(p.numel() for p in self.learnable_parameters())
         frozen = sum(p.numel() for p in self.clip.parameters())
-        parts = ", ".join(f"{name} {tuple(getattr(self, name).shape)}" for name in
-                          ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits"))
+        parts = ", ".join(f"{name} {tuple(getattr(self, name).shape)}" for name in self.LEARNABLE)
         return (f"learnable {learnable:,} parameters ({parts}); frozen CLIP {frozen:,} "
                 f"({100 * learnable / (learnable + frozen):.2f}% learnable)")
 
 
 # Attribute-conditioned retrieval (the paper's check that an attribute token carries its
-# attribute): rank a gallery by one feature of DeAR's -- an attribute token's, the class
-# token's -- or by frozen CLIP's, and see which images come back.
+# attribute): rank a gallery by one feature -- an attribute token's, the class token's, or
+# frozen CLIP's -- and see which images come back.
 
 
 @torch.no_grad()
 def retrieval_features(model: DeAR, images: torch.Tensor) -> dict:
-    """images (B, 3, R, R) -> {"class": (B, E), each attribute: (B, E), "frozen CLIP": (B, E)},
-    every feature normalised. A blind attribute token (`DeAR.blind_attributes`) is left
-    out: its feature does not depend on the image, so it cannot rank anything."""
+    """images (B, 3, R, R) -> {"class", each attribute, "frozen CLIP": (B, E)}, normalised. A
+    blind attribute token is left out: its feature does not depend on the image."""
     f_cls, f_attr, f_frozen = model.encode_image(images, with_frozen=True)
     features = {"class": f_cls}
     features.update({name: f_attr[:, i] for i, name in enumerate(model.attributes)
@@ -768,11 +645,9 @@ def retrieval_features(model: DeAR, images: torch.Tensor) -> dict:
     return {name: F.normalize(value.float(), dim=-1) for name, value in features.items()}
 
 
-def rank_gallery(queries: torch.Tensor, gallery: torch.Tensor, k: int,
-                 same_images: bool = False) -> torch.Tensor:
-    """queries (Q, E), gallery (G, E), both normalised -> (Q, k) gallery indices, most
-    similar (cosine) first. same_images: the queries are the gallery (Q = G), so each query
-    is kept out of its own list."""
+def rank_gallery(queries: torch.Tensor, gallery: torch.Tensor, k: int, same_images: bool = False) -> torch.Tensor:
+    """queries (Q, E), gallery (G, E), normalised -> (Q, k) gallery indices, most similar first.
+    same_images: the queries are the gallery, so each query is kept out of its own list."""
     similarity = queries @ gallery.T  # (Q, G)
     if same_images:
         similarity.fill_diagonal_(float("-inf"))
@@ -780,8 +655,7 @@ def rank_gallery(queries: torch.Tensor, gallery: torch.Tensor, k: int,
 
 
 def precision_at_k(ranking: torch.Tensor, query_values: Sequence, gallery_values: Sequence) -> float:
-    """ranking (Q, k) from rank_gallery -> the share of the retrieved images whose value
-    (e.g. colour) equals their query's, averaged over the queries."""
+    """ranking (Q, k) -> the share of retrieved images whose value (e.g. colour) is their query's."""
     hits = [sum(gallery_values[j] == query_values[q] for j in row) / len(row)
             for q, row in enumerate(ranking.tolist())]
     return sum(hits) / len(hits)
@@ -794,10 +668,8 @@ def precision_at_k(ranking: torch.Tensor, query_values: Sequence, gallery_values
 
 def self_regularization_loss(f_cls: torch.Tensor, f_cls_frozen: torch.Tensor,
                              t: torch.Tensor, t_frozen: torch.Tensor) -> torch.Tensor:
-    """L_reg = mean_i (1 - cos(f_cls_i, f_cls_frozen_i)) + mean_c (1 - cos(t_c, t_c_frozen)).
-
-    Keeps the class feature and the text features close to plain CLIP's, which is where the
-    zero-shot knowledge of novel classes lives."""
+    """L_reg = mean_i (1 - cos(f_cls_i, f_cls_frozen_i)) + mean_c (1 - cos(t_c, t_c_frozen)):
+    keeps the class and text features near plain CLIP's, where novel classes' knowledge lives."""
     image_term = 1 - F.cosine_similarity(f_cls, f_cls_frozen, dim=-1).mean()
     text_term = 1 - F.cosine_similarity(t, t_frozen, dim=-1).mean()
     return image_term + text_term
@@ -810,8 +682,8 @@ def fusion_regularization_loss(alpha: torch.Tensor) -> torch.Tensor:
 
 def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0,
               lambda_fusion: float = 0.1) -> dict:
-    """Total = CE(fused logits) + lambda_reg * L_reg + lambda_fusion * L_fusion.
-    Returns every term (for logging) and 'total' (to backpropagate)."""
+    """Total = CE(fused logits) + lambda_reg * L_reg + lambda_fusion * L_fusion: every term (to
+    log) and 'total' (to backpropagate)."""
     if output.frozen_image_features is None or output.frozen_text_features is None:
         raise DeARError("output has no frozen features (needed for L_reg): call the model with with_frozen=True to train")
     ce = F.cross_entropy(output.logits.float(), labels)
@@ -822,148 +694,132 @@ def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0,
 
 
 # ==========================================================================================
-# 7. Bookkeeping: nothing below is the method. Role files (JSON) and their validation, the
-#    printed tables, the PNG pictures, and the description bank's word lists.
+# 7. Bookkeeping, not the method: the RoleMap (its JSON file, its table), the mask as text,
+#    the description bank's word lists.
 # ==========================================================================================
 
 
-@torch.no_grad()
-def encode_descriptions(clip: CLIP, tokenizer: clip_model.SimpleTokenizer,
-                        texts: Sequence[str], batch_size: int = 256) -> torch.Tensor:
-    """Texts -> (n_texts, E) normalised CLIP text embeddings."""
-    device = clip.positional_embedding.device
-    chunks = []
-    for start in range(0, len(texts), batch_size):
-        ids = tokenizer.tokenize(texts[start:start + batch_size], clip.context_length, truncate=True)
-        chunks.append(F.normalize(clip.encode_text(ids.to(device)), dim=-1))
-    return torch.cat(chunks)
+@dataclass
+class RoleMap:
+    """The role of every head of the analysed vision layers: what the mask is built from.
+    Readable JSON (`save`/`load`), checked by `validate`, printed by `table()`."""
 
+    vision_layers: int  # depth of the vision tower it was made for
+    num_heads: int  # heads per layer of that tower
+    attributes: List[str]  # the attribute tokens' names, in token order
+    heads: List[HeadRole]  # one per (layer, head), layer-major
+    low_bits: Optional[float] = None
+    high_bits: Optional[float] = None
+    source: str = "analysis"  # "analysis" or the name of a fixed choice ("all-mixed", ...)
 
-def _checked_batches(image_batches):
-    """analyze_heads' images: one (n, 3, R, R) tensor (cut into batches of 64), or an iterable
-    of (B, 3, R, R) tensors; anything else is a one-line DeARError."""
-    if isinstance(image_batches, torch.Tensor):
-        image_batches = image_batches.split(64)
-    for batch in image_batches:
-        if not isinstance(batch, torch.Tensor) or batch.dim() != 4:
-            raise DeARError(f"image_batches must be a (n, 3, R, R) tensor or yield (B, 3, R, R) tensors; got a "
-                            f"{type(batch).__name__}{f' of shape {tuple(batch.shape)}' if isinstance(batch, torch.Tensor) else ''}"
-                            " (a DataLoader of (images, labels): pass (images for images, _ in loader))")
-        yield batch
+    @property
+    def layers(self) -> List[int]:
+        """0-based indices of the layers this map covers, ascending."""
+        return sorted({h.layer for h in self.heads})
 
+    def role_of(self, layer: int, head: int) -> Optional[HeadRole]:
+        return next((h for h in self.heads if h.layer == layer and h.head == head), None)
 
-def _uniform_role_map(cls, role, vision_layers, num_heads, layers, attributes) -> RoleMap:
-    """RoleMap.uniform: every head of `layers` the same role, "mixed" (= plain deep prompting,
-    no mask) or "generalization" (no head lets an attribute token read the image, so every
-    attribute branch is a per-class bias and is left out of the fusion)."""
-    if role not in ("mixed", "generalization"):
-        raise DeARError(f"uniform role must be 'mixed' or 'generalization', not {role!r}")
-    heads = [HeadRole(layer, head, role) for layer in layers for head in range(num_heads)]
-    return cls(vision_layers, num_heads, list(attributes), heads, source=f"all-{role}")
+    @classmethod
+    def uniform(cls, role: str, vision_layers: int, num_heads: int, layers: Sequence[int],
+                attributes: Sequence[str] = CORE_ATTRIBUTES) -> RoleMap:
+        """The ablations' fixed maps: every head "mixed" (plain deep prompting, no mask) or
+        "generalization" (every attribute branch blind, left out of the fusion)."""
+        if role not in ("mixed", "generalization"):
+            raise DeARError(f"uniform role must be 'mixed' or 'generalization', not {role!r}")
+        heads = [HeadRole(layer, head, role) for layer in layers for head in range(num_heads)]
+        return cls(vision_layers, num_heads, list(attributes), heads, source=f"all-{role}")
 
+    def validate(self, vision_layers: Optional[int] = None, num_heads: Optional[int] = None,
+                 attributes: Optional[Sequence[str]] = None) -> None:
+        """Complete, consistent, and (when the sizes are given) fits the model."""
+        if vision_layers is not None and self.vision_layers != vision_layers:
+            raise DeARError(f"made for a vision tower of {self.vision_layers} layers, this model has "
+                            f"{vision_layers}; re-run the head analysis for this model")
+        if num_heads is not None and self.num_heads != num_heads:
+            raise DeARError(f"made for {self.num_heads} heads per layer, this model has {num_heads}; "
+                            "re-run the head analysis for this model")
+        if attributes is not None and list(attributes) != list(self.attributes):
+            raise DeARError(f"made for attributes {', '.join(self.attributes)}, the model uses "
+                            f"{', '.join(attributes)}; leave DeAR's attributes out (it then takes the "
+                            "role map's) or re-run the head analysis with these attributes")
+        for entry in self.heads:
+            where = f"layer {entry.layer + 1} (index {entry.layer}), head {entry.head}"
+            if not (0 <= entry.layer < self.vision_layers and 0 <= entry.head < self.num_heads):
+                raise DeARError(f"{where} does not exist in a tower of {self.vision_layers} layers x {self.num_heads} heads")
+            if entry.role not in ROLES:
+                raise DeARError(f"{where} has role {entry.role!r}; roles are {', '.join(ROLES)}")
+            if entry.role == "attribute" and entry.attribute not in self.attributes:
+                raise DeARError(f"{where} is an attribute head for {entry.attribute!r}, which is not "
+                                f"one of the attributes ({', '.join(self.attributes)})")
+        for layer in self.layers:
+            present = sorted(h.head for h in self.heads if h.layer == layer)
+            if present != list(range(self.num_heads)):
+                raise DeARError(f"layer {layer + 1} (index {layer}) lists heads {present}, expected each of "
+                                f"0..{self.num_heads - 1} once")
 
-def _role_map_to_json(role_map: RoleMap) -> dict:
-    return {
-        "what": "DeAR head roles (layer and head are 0-based; the paper's layer = layer + 1)",
-        "source": role_map.source,
-        "vision_layers": role_map.vision_layers,
-        "num_heads": role_map.num_heads,
-        "attributes": list(role_map.attributes),
-        "thresholds_bits": {"low": role_map.low_bits, "high": role_map.high_bits},
-        "heads": [asdict(h) for h in role_map.heads],
-    }
+    def to_json(self) -> dict:
+        return {"what": "DeAR head roles (layer and head are 0-based; the paper's layer = layer + 1)",
+                "source": self.source, "vision_layers": self.vision_layers, "num_heads": self.num_heads,
+                "attributes": list(self.attributes), "thresholds_bits": {"low": self.low_bits, "high": self.high_bits},
+                "heads": [asdict(h) for h in self.heads]}
 
+    def save(self, path: str) -> None:
+        text = json.dumps(self.to_json(), indent=2, ensure_ascii=False)
+        atomic_write(path, lambda tmp: open(tmp, "w", encoding="utf-8").write(text + "\n"))
 
-def _save_role_map(role_map: RoleMap, path: str) -> None:
-    text = json.dumps(role_map.to_json(), indent=2, ensure_ascii=False)
-    atomic_write(path, lambda tmp: open(tmp, "w", encoding="utf-8").write(text + "\n"))
+    @classmethod
+    def load(cls, path: str) -> RoleMap:
+        """Read a role file; every problem is one DeARError line that names the file."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            thresholds = data.get("thresholds_bits") or {}
+            role_map = cls(int(data["vision_layers"]), int(data["num_heads"]), list(data["attributes"]),
+                           [HeadRole(**entry) for entry in data["heads"]], thresholds.get("low"),
+                           thresholds.get("high"), data.get("source", "analysis"))
+        except FileNotFoundError:
+            raise DeARError(f"{path}: no such role file; run the head analysis first (analyze_heads, "
+                            "then RoleMap.save) or use RoleMap.uniform('mixed', ...) (no mask)") from None
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise DeARError(f"{path}: not a DeAR role file ({type(error).__name__}: "
+                            f"{' '.join(str(error).split())[:80]}); re-run the head analysis") from None
+        try:
+            role_map.validate()
+        except DeARError as error:
+            raise DeARError(f"{path}: {error}") from None
+        return role_map
 
+    def table(self) -> str:
+        """One row per layer (1-based, as in the paper), one cell per head: A:col = attribute
+        head for colour, G = generalization, M = mixed; entropy in bits."""
+        def bits(value: Optional[float]) -> str:
+            return "-" if value is None else f"{value:.2f}"
 
-def _load_role_map(cls, path: str) -> RoleMap:
-    """Read a role file; every problem is one DeARError line that names the file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        thresholds = data.get("thresholds_bits") or {}
-        role_map = cls(
-            vision_layers=int(data["vision_layers"]), num_heads=int(data["num_heads"]),
-            attributes=list(data["attributes"]),
-            heads=[HeadRole(**entry) for entry in data["heads"]],
-            low_bits=thresholds.get("low"), high_bits=thresholds.get("high"),
-            source=data.get("source", "analysis"),
-        )
-    except FileNotFoundError:
-        raise DeARError(f"{path}: no such role file; run the head analysis first (analyze_heads, "
-                        "then RoleMap.save) or use RoleMap.uniform('mixed', ...) (no mask)") from None
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise DeARError(f"{path}: not a DeAR role file ({type(error).__name__}: "
-                        f"{' '.join(str(error).split())[:80]}); re-run the head analysis") from None
-    try:
-        role_map.validate()
-    except DeARError as error:
-        raise DeARError(f"{path}: {error}") from None
-    return role_map
-
-
-def _validate_role_map(role_map: RoleMap, vision_layers: Optional[int], num_heads: Optional[int],
-                       attributes: Optional[Sequence[str]]) -> None:
-    """RoleMap.validate: complete, consistent, and (when the sizes are given) fits the model."""
-    if vision_layers is not None and role_map.vision_layers != vision_layers:
-        raise DeARError(f"made for a vision tower of {role_map.vision_layers} layers, this model has "
-                        f"{vision_layers}; re-run the head analysis for this model")
-    if num_heads is not None and role_map.num_heads != num_heads:
-        raise DeARError(f"made for {role_map.num_heads} heads per layer, this model has {num_heads}; "
-                        "re-run the head analysis for this model")
-    if attributes is not None and list(attributes) != list(role_map.attributes):
-        raise DeARError(f"made for attributes {', '.join(role_map.attributes)}, the model uses "
-                        f"{', '.join(attributes)}; leave DeAR's attributes out (it then takes the "
-                        "role map's) or re-run the head analysis with these attributes")
-    for entry in role_map.heads:
-        where = f"layer {entry.layer + 1} (index {entry.layer}), head {entry.head}"
-        if not (0 <= entry.layer < role_map.vision_layers and 0 <= entry.head < role_map.num_heads):
-            raise DeARError(f"{where} does not exist in a tower of {role_map.vision_layers} layers x {role_map.num_heads} heads")
-        if entry.role not in ROLES:
-            raise DeARError(f"{where} has role {entry.role!r}; roles are {', '.join(ROLES)}")
-        if entry.role == "attribute" and entry.attribute not in role_map.attributes:
-            raise DeARError(f"{where} is an attribute head for {entry.attribute!r}, which is not "
-                            f"one of the attributes ({', '.join(role_map.attributes)})")
-    for layer in role_map.layers:
-        present = sorted(h.head for h in role_map.heads if h.layer == layer)
-        if present != list(range(role_map.num_heads)):
-            raise DeARError(f"layer {layer + 1} (index {layer}) lists heads {present}, expected each of 0..{role_map.num_heads - 1} once")
-
-
-def _role_table(role_map: RoleMap) -> str:
-    """RoleMap.table: one row per layer (1-based), one cell per head, entropy in bits."""
-    def bits(value: Optional[float]) -> str:
-        return "-" if value is None else f"{value:.2f}"
-
-    lines = [f"Head roles ({role_map.source}); layers numbered as in the paper (1-based), heads 0-based; "
-             f"thresholds low={bits(role_map.low_bits)} high={bits(role_map.high_bits)} bits"]
-    lines.append("layer | " + " ".join(f"{'h' + str(h):>9}" for h in range(role_map.num_heads)))
-    for layer in role_map.layers:
-        cells = []
-        for head in range(role_map.num_heads):
-            entry = role_map.role_of(layer, head)
-            tag = {"attribute": f"A:{(entry.attribute or '')[:3]}", "generalization": "G",
-                   "mixed": "M"}[entry.role]
-            cells.append(f"{tag}{'' if entry.entropy is None else f' {entry.entropy:.2f}'}".rjust(9))
-        lines.append(f"{layer + 1:>5} | " + " ".join(cells))
-    counts = Counter(h.role if h.role != "attribute" else f"attribute:{h.attribute}" for h in role_map.heads)
-    lines.append("counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-    if not any(h.role == "attribute" for h in role_map.heads):
-        lines.append("no attribute head: no head is specialised enough (entropy <= low); DeAR falls back "
-                     "to the class branch alone (falls_back_to_class_branch)")
-    return "\n".join(lines)
+        lines = [f"Head roles ({self.source}); layers numbered as in the paper (1-based), heads 0-based; "
+                 f"thresholds low={bits(self.low_bits)} high={bits(self.high_bits)} bits",
+                 "layer | " + " ".join(f"{'h' + str(h):>9}" for h in range(self.num_heads))]
+        for layer in self.layers:
+            cells = []
+            for head in range(self.num_heads):
+                entry = self.role_of(layer, head)
+                tag = {"attribute": f"A:{(entry.attribute or '')[:3]}", "generalization": "G", "mixed": "M"}[entry.role]
+                cells.append(f"{tag}{'' if entry.entropy is None else f' {entry.entropy:.2f}'}".rjust(9))
+            lines.append(f"{layer + 1:>5} | " + " ".join(cells))
+        counts = Counter(h.role if h.role != "attribute" else f"attribute:{h.attribute}" for h in self.heads)
+        lines.append("counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+        if not any(h.role == "attribute" for h in self.heads):
+            lines.append("no attribute head: no head is specialised enough (entropy <= low); DeAR falls back "
+                         "to the class branch alone (falls_back_to_class_branch)")
+        return "\n".join(lines)
 
 
 def format_head_mask(mask: torch.Tensor, num_image_tokens: int, attributes: Sequence[str]) -> str:
-    """A (T, T) mask as a small text grid, the image tokens folded into one row/column
-    ('image'; they are treated alike by construction). '#' = may attend, '.' = may not."""
+    """A (T, T) mask as a small text grid, the image tokens (alike by construction) folded into
+    one row and column ('image'). '#' = may attend, '.' = may not."""
     N = num_image_tokens
-    image_block = mask[:N, :N]
     if not ((mask[:N, N:] == mask[:1, N:]).all() and (mask[N:, :N] == mask[N:, :1]).all()
-            and (image_block == 0).all()):
+            and (mask[:N, :N] == 0).all()):
         raise DeARError("mask is not uniform over the image tokens; only role masks can be folded")
     names = ["image"] + [a[:8] for a in attributes]
     folded = torch.cat([mask[:1, :1], mask[:1, N:]], 1)  # image row
@@ -1060,22 +916,18 @@ def draw_role_masks(masks: torch.Tensor, num_image_tokens: int, attributes: Sequ
 
 
 class Description(NamedTuple):
-    """One labelled phrase. A NamedTuple, so a caller's own bank can be plain
-    (text, concept) pairs or (text, concept, value) triples: analyze_heads reads either.
-    value: the word of the concept the phrase names ("red"), which `default_picks` counts."""
+    """One labelled phrase; a caller's own bank may be plain (text, concept) pairs or (text,
+    concept, value) triples. value: the word of the concept ("red"), counted by `default_picks`."""
     text: str
     concept: str
     value: Optional[str] = None
 
 
 def description_bank() -> List[Description]:
-    """The project's own bank: every word of a concept in every template of that concept
-    (`_BANK_WORDS`, below).
-
-    591 phrases over 12 concepts (the 5 core attributes first). No phrase appears twice. The
-    non-core concepts are there so that a head that is about none of the five attributes can
-    spread its descriptions over many concepts and get a high entropy.
-    """
+    """The project's bank: every word of a concept in every template of that concept, so each
+    phrase's concept is known by construction. 591 phrases, none twice, over 12 concepts: the 5
+    core attributes first, then 7 others, over which a head about none of the five spreads its
+    descriptions (a high entropy)."""
     bank, seen = [], set()
     for concept, (words, templates) in _BANK_WORDS.items():
         for template in templates:
@@ -1087,66 +939,49 @@ def description_bank() -> List[Description]:
     return bank
 
 
-# The description bank's word lists (METHOD.md Sec. 3): concept -> (words, templates). Every
-# phrase is a word in a template, so its concept is known by construction. The five core
-# attributes come first; the seven others let a head that is about none of them spread its
-# descriptions over many concepts.
-_BANK_WORDS = {
-    # core attributes
-    "colour": (["red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black",
-                "white", "grey", "gold", "silver", "beige", "turquoise", "maroon", "navy blue",
-                "teal", "violet", "crimson"],
-               ["a bright {} colour", "an image dominated by the colour {}", "something coloured {}",
-                "a {} tint"]),
-    "shape": (["round", "square", "triangular", "rectangular", "oval", "cylindrical", "spherical",
-               "star-shaped", "heart-shaped", "hexagonal", "curved", "pointed", "elongated", "flat",
-               "cone-shaped", "spiral"],
+_BANK_WORDS = {  # concept -> (words, templates)
+    "colour": (["red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white", "grey",
+                "gold", "silver", "beige", "turquoise", "maroon", "navy blue", "teal", "violet", "crimson"],
+               ["a bright {} colour", "an image dominated by the colour {}", "something coloured {}", "a {} tint"]),
+    "shape": (["round", "square", "triangular", "rectangular", "oval", "cylindrical", "spherical", "star-shaped",
+               "heart-shaped", "hexagonal", "curved", "pointed", "elongated", "flat", "cone-shaped", "spiral"],
               ["a {} shape", "an object with a {} form", "a {} outline", "something {} in shape"]),
-    "texture": (["striped", "dotted", "checkered", "furry", "smooth", "rough", "fluffy", "woven",
-                 "scaly", "wrinkled", "glossy", "matte", "grainy", "bumpy", "metallic", "wooden",
-                 "knitted", "cracked", "porous", "velvety"],
+    "texture": (["striped", "dotted", "checkered", "furry", "smooth", "rough", "fluffy", "woven", "scaly", "wrinkled",
+                 "glossy", "matte", "grainy", "bumpy", "metallic", "wooden", "knitted", "cracked", "porous", "velvety"],
                 ["a {} texture", "a {} surface", "a close-up of a {} pattern"]),
-    "object": (["bicycle", "car", "dog", "cat", "bird", "flower", "tree", "chair", "airplane", "boat",
-                "house", "cup", "guitar", "clock", "horse", "fish", "shoe", "book", "phone", "lamp",
-                "bottle", "apple", "pizza", "bridge", "train", "butterfly", "mushroom", "umbrella",
-                "laptop", "piano"],
+    "object": (["bicycle", "car", "dog", "cat", "bird", "flower", "tree", "chair", "airplane", "boat", "house", "cup",
+                "guitar", "clock", "horse", "fish", "shoe", "book", "phone", "lamp", "bottle", "apple", "pizza",
+                "bridge", "train", "butterfly", "mushroom", "umbrella", "laptop", "piano"],
                ["a photo of a {}", "a picture of a {}", "a close-up of a {}"]),
-    "location": (["beach", "forest", "city street", "kitchen", "desert", "mountain top", "lake shore",
-                  "snowy field", "office", "garden", "classroom", "stadium", "farm", "coral reef",
-                  "highway", "river bank", "park", "living room", "harbour", "airport"],
+    "location": (["beach", "forest", "city street", "kitchen", "desert", "mountain top", "lake shore", "snowy field",
+                  "office", "garden", "classroom", "stadium", "farm", "coral reef", "highway", "river bank", "park",
+                  "living room", "harbour", "airport"],
                  ["a photo taken at a {}", "a scene in a {}", "the background is a {}"]),
     # non-core concepts
-    "style": (["watercolour painting", "pencil sketch", "oil painting", "cartoon", "3D render",
-               "pixel art", "comic drawing", "mosaic", "embroidery", "origami model", "marble sculpture",
-               "graffiti", "tattoo", "low-poly model", "woodcut print"],
+    "style": (["watercolour painting", "pencil sketch", "oil painting", "cartoon", "3D render", "pixel art",
+               "comic drawing", "mosaic", "embroidery", "origami model", "marble sculpture", "graffiti", "tattoo",
+               "low-poly model", "woodcut print"],
               ["an image in the style of a {}", "a {} of something", "art made as a {}"]),
     "count": (["one", "two", "three", "four", "five", "six", "seven", "a dozen", "many", "hundreds of"],
               ["{} objects in the picture", "an image with {} things in it", "a group of {} items"]),
-    "lighting": (["bright sunlight", "dim light", "backlight", "neon light", "candlelight",
-                  "harsh shadows", "soft light", "golden hour light", "flash", "overcast light",
-                  "studio lighting", "moonlight"],
+    "lighting": (["bright sunlight", "dim light", "backlight", "neon light", "candlelight", "harsh shadows",
+                  "soft light", "golden hour light", "flash", "overcast light", "studio lighting", "moonlight"],
                  ["a photo taken with {}", "a scene lit by {}", "an image full of {}"]),
-    "mood": (["happy", "sad", "peaceful", "scary", "romantic", "energetic", "lonely", "nostalgic",
-              "dramatic", "playful", "calm", "mysterious"],
+    "mood": (["happy", "sad", "peaceful", "scary", "romantic", "energetic", "lonely", "nostalgic", "dramatic",
+              "playful", "calm", "mysterious"],
              ["a {} mood", "a {} atmosphere", "a picture that feels {}"]),
     "text": (["a sign with words", "a logo", "handwritten letters", "a newspaper page", "a street sign",
               "a label with numbers", "a caption", "a book title", "a licence plate", "a price tag"],
              ["an image containing {}", "a photo with {} in it", "a close-up of {}"]),
-    "viewpoint": (["an aerial view", "a close-up view", "a wide-angle view", "a side view",
-                   "a top-down view", "a low-angle view", "a fisheye view", "a macro view",
-                   "a panoramic view", "a rear view"],
+    "viewpoint": (["an aerial view", "a close-up view", "a wide-angle view", "a side view", "a top-down view",
+                   "a low-angle view", "a fisheye view", "a macro view", "a panoramic view", "a rear view"],
                   ["a photo taken from {}", "{} of a scene", "a picture shot as {}"]),
-    "time": (["morning", "noon", "evening", "night", "winter", "summer", "autumn", "spring",
-              "sunset", "dawn"],
+    "time": (["morning", "noon", "evening", "night", "winter", "summer", "autumn", "spring", "sunset", "dawn"],
              ["a photo taken in the {}", "a scene at {}", "an image from the {}"]),
 }
 
 
-# ------------------------------------------------------------------------------------------
-# A small demonstration on a random CLIP (no weights needed)
-# ------------------------------------------------------------------------------------------
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # a small demonstration on a random CLIP (no weights needed)
     torch.manual_seed(0)
     demo_clip = CLIP(embed_dim=64, image_resolution=32, vision_layers=4, vision_width=128,
                      vision_patch_size=8, vision_heads=4, context_length=16, vocab_size=100,
