@@ -1,30 +1,13 @@
-"""
-dear.py -- DeAR, the method: "DeAR: Fine-Grained VLM Adaptation by Decomposing Attention Head
-Roles" (Ma, Yang, Wang, Chen, Xian, Teng; CVPR 2026). In the order it runs:
+"""dear.py -- DeAR ("DeAR: Fine-Grained VLM Adaptation by Decomposing Attention Head Roles", Ma et
+al., CVPR 2026) in the order it runs: 1. TextSpan, 2. concept entropy, 3. head roles (paper Sec.
+3.2; analyze_heads runs 1-3), 4. the role-based mask (Sec. 3.3), 5. the model and retrieval, 6. the
+losses (Sec. 3.4), 7. bookkeeping: RoleMap (its JSON file, its table), the description bank.
 
-    1. TextSpan ......... the greedy description search that explains one head (paper Sec. 3.2)
-    2. concept entropy .. how many concepts a head's descriptions spread over (Eq. 2)
-    3. roles ............ entropy -> attribute / generalization / mixed; analyze_heads runs 1-3
-    4. the mask ......... one additive (heads, tokens, tokens) mask per layer from J on (Sec. 3.3)
-    5. the model ........ DeAR: frozen CLIP + attribute tokens (vision), inserted tokens (text),
-                          attribute projection, fusion weights; attribute-conditioned retrieval
-    6. the losses ....... CE on the fused logits, self-regularisation, fusion regularisation (Sec. 3.4)
-    7. bookkeeping ...... RoleMap (the role of every head, its JSON file, its table), the mask as
-                          text, the description bank's word lists
-
-The method in one page: tests/test_dear_reference.py computes DeAR's forward pass from a role
-table one head at a time, in about 100 lines; this file is that computation, batched. The
-choices made where the paper is silent are docs/METHOD.md ("METHOD.md Sec. N" below).
-
-It imports only clip_model.py (the hand-written CLIP whose attention takes a per-head mask), so
-the two files can be copied together into any project, at its top level or inside a package.
-A caller builds a DeAR from a CLIP and a RoleMap, encodes its class prompts once
-(`prepare_classes`) and trains `learnable_parameters()`.
-
-Layers: the paper counts from 1 ("layers 9-12", "J = 9"), Python from 0. Arguments named
-`first_layer` take the paper's J; everything stored (`RoleMap.layers`, `HeadRole.layer`) is
-0-based; every printed line says which.
-
+The method in one page: tests/test_dear_reference.py computes DeAR's forward pass one head at a
+time from a role table; this file is that computation, batched. docs/METHOD.md ("METHOD.md Sec. N")
+gives the choices made where the paper is silent. Only clip_model.py (the CLIP whose attention takes
+a per-head mask) is imported: copy the two files together. Layers: the paper counts from 1 ("J = 9"),
+Python from 0; `first_layer` is the paper's J, all that is stored (`HeadRole.layer`) is 0-based.
 Try it on a random small CLIP:  python dear.py
 """
 
@@ -41,90 +24,64 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# Inside a package (myproj/vendor/dear.py) only the relative import finds clip_model.py; at a
-# project's top level, or run as `python dear.py`, only the absolute one does.
-try:
+try:  # inside a package (myproj/vendor/) only the relative import works, at the top level only the other
     from . import clip_model
 except ImportError:
     import clip_model
 CLIP, causal_mask, head_contributions = clip_model.CLIP, clip_model.causal_mask, clip_model.head_contributions
 atomic_write = clip_model.atomic_write  # temporary file + rename: no reader sees half a file
 
-# The paper's five core attributes, in order: one attribute token each (Sec. 3.3).
-CORE_ATTRIBUTES = ("colour", "shape", "texture", "object", "location")
+CORE_ATTRIBUTES = ("colour", "shape", "texture", "object", "location")  # the paper's five, one token each
 ROLES = ("attribute", "generalization", "mixed")
-
-
-class DeARError(ValueError):
-    """Bad input to the method (a role file, an attribute name, J, beta): a one-line message
-    naming the file or argument and what to do. Raised, never asserted (`python -O`)."""
-
-
-# ------------------------------------------------------------------------------------------
-# 1. TextSpan: which descriptions explain a head (paper Sec. 3.2, METHOD.md Sec. 3)
-# ------------------------------------------------------------------------------------------
-
-# The authors' rank (yossigandelsman/clip_text_span, compute_complete_text_set.py: --w_ov_rank
-# 80) and the paper's number of descriptions per head.
+# TextSpan's rank, the authors' (yossigandelsman/clip_text_span, compute_complete_text_set.py:
+# --w_ov_rank 80), and the paper's number of descriptions per head.
 TEXTSPAN_RANK, PAPER_PICKS = 80, 20
 
 
+class DeARError(ValueError):
+    """Bad input (a role file, an attribute name, J, beta): one line naming it and what to do."""
+
+
+# ---- 1. TextSpan: which descriptions explain a head (paper Sec. 3.2, METHOD.md Sec. 3) ----------
 def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
              num_descriptions: int = PAPER_PICKS, rank: int = TEXTSPAN_RANK) -> List[int]:
-    """TextSpan's greedy search (Gandelsman et al., ICLR 2024, Alg. 1) for one head, with the
-    picks, in order, of its authors' `replace_with_iterative_removal` (compute_complete_text_set.py).
-
-    contributions (n_images, E): the head's direct contributions to the image embeddings;
-    text_embeddings (n_texts, E): the description bank, normalised.
-    Returns the indices of `num_descriptions` descriptions, most explanatory first: each pick is
-    the text whose projection varies most across images; its direction is then removed from the
-    head and the bank, so the next pick explains something new. Texts live in the span of the
-    top r = min(rank, n_images, E) right singular vectors of the raw contributions; after r
-    removals every text is zero there, hence at most r picks (`analysis_picks`).
-    """
+    """TextSpan (Gandelsman et al., ICLR 2024, Alg. 1; the picks of its authors' compute_complete_
+    text_set.py, in order). contributions (n_images, E): one head's direct contributions to the
+    image embeddings; text_embeddings (n_texts, E), normalised -> indices of `num_descriptions`
+    texts, most explanatory first: each time the text whose projection varies most across images,
+    whose direction then leaves head and bank, so the next pick explains something new."""
     n_images, width = contributions.shape
-    num_descriptions = analysis_picks(num_descriptions, text_embeddings.shape[0], n_images, rank=rank,
-                                      embed_dim=width)
+    num_descriptions = analysis_picks(num_descriptions, text_embeddings.shape[0], n_images, rank=rank, embed_dim=width)
     data = contributions.double()
     _, _, right = torch.linalg.svd(data, full_matrices=False)  # right: (min(n, E), E), raw data
-    span = right[:rank]  # (r, E), orthonormal rows (the authors' vh[:rank]): the mean included
+    span = right[:rank]  # (r, E), r = min(rank, n, E): the authors' vh[:rank], mean included
     texts = text_embeddings.double() @ span.T @ span  # (T, E): each text inside the head's span
-    # Centred once the span is fixed, as the authors do. It changes no pick: a standard
-    # deviation ignores what all images share, and removing a direction commutes with centring.
-    data = data - data.mean(dim=0, keepdim=True)  # (n, E)
-
+    data = data - data.mean(dim=0, keepdim=True)  # (n, E), centred as the authors do: no pick changes
     chosen: List[int] = []
     for _ in range(num_descriptions):
         spread = (data @ texts.T).std(dim=0)  # (T,): how much each text direction varies
-        # A chosen text is exactly zero once removed (spread 0); -1 also keeps it out of a tie
-        # at 0, where the authors' argmax would pick it again.
-        spread[chosen] = -1.0
+        spread[chosen] = -1.0  # removed texts spread 0; -1 keeps them out of a tie at 0 too
         best = int(spread.argmax())
         chosen.append(best)
-        # The authors divide by the text's squared norm; a unit direction is the same projection.
-        direction = texts[best] / texts[best].norm().clamp_min(1e-12)  # (E,)
+        direction = texts[best] / texts[best].norm().clamp_min(1e-12)  # (E,); the same projection as the authors'
         data = data - (data @ direction)[:, None] * direction[None]  # remove it from the head ...
         texts = texts - (texts @ direction)[:, None] * direction[None]  # ... and from the bank
     return chosen
 
 
-def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *,
-                   rank: int = TEXTSPAN_RANK, embed_dim: Optional[int] = None,
-                   default: int = PAPER_PICKS) -> int:
-    """How many descriptions TextSpan picks per head: `requested` (--descriptions), or `default`
-    when it is None. The one check of that number (train.py calls it before any work).
-    At most min(bank size, num_images, rank, embed_dim), the span's rank (see `textspan`): a
-    request above that, or below 1, is refused; the default is capped, with a warning."""
+def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *, rank: int = TEXTSPAN_RANK,
+                   embed_dim: Optional[int] = None, default: int = PAPER_PICKS) -> int:
+    """TextSpan's picks per head, `requested` (--descriptions) or `default`; the one check of it. At
+    most min(bank size, num_images, rank, embed_dim) (after that many removals every text is zero in
+    the span): a request above, or below 1, is refused, the default capped."""
     if rank < 1:
         raise DeARError(f"rank={rank}: TextSpan keeps the top `rank` singular directions; use 1 or more")
     if num_images < 2:
-        raise DeARError(f"the head analysis has {num_images} image(s); TextSpan measures how a head varies "
-                        "across images and needs at least 2")
+        raise DeARError(f"the head analysis has {num_images} image(s); TextSpan needs at least 2 to see a head vary")
     limits = [(bank_size, f"the bank has {bank_size} descriptions"),
               (num_images, f"the span of {num_images} images' contributions has rank <= {num_images}"),
               (rank, f"TextSpan keeps {rank} singular directions")]
-    if embed_dim is not None:
-        limits.append((embed_dim, f"the embedding has {embed_dim} dimensions"))
+    limits += [(embed_dim, f"the embedding has {embed_dim} dimensions")] if embed_dim is not None else []
     limit, why = min(limits, key=lambda entry: entry[0])
     if requested is None:
         if default > limit:
@@ -137,35 +94,20 @@ def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *,
     return requested
 
 
-# ------------------------------------------------------------------------------------------
-# 2. Concept entropy (paper Eq. 2)
-# ------------------------------------------------------------------------------------------
-# Every phrase of the bank is labelled with its concept by construction (a word of that
-# concept in a template; `description_bank`), so TextSpan's picks become a list of concepts.
-
-
+# ---- 2. Concept entropy (paper Eq. 2) of the concepts of a head's picks (each phrase's, by construction)
 def concept_entropy(concepts: Sequence[str]) -> float:
-    """H = -sum_c P(c) log2 P(c), P(c) the share of the head's descriptions about concept c:
-    0 bits for a specialist of one concept, log2(k) bits spread evenly over k concepts."""
+    """H = -sum_c P(c) log2 P(c), P(c) the share of picks about concept c: 0 bits for a specialist."""
     counts = Counter(concepts)
-    total = len(concepts)
-    return float(-sum((c / total) * math.log2(c / total) for c in counts.values()))
+    return float(-sum((c / len(concepts)) * math.log2(c / len(concepts)) for c in counts.values()))
 
 
 def dominant_concept(concepts: Sequence[str]) -> str:
     """The most frequent concept; a tie goes to the one TextSpan found first (it explains more)."""
     counts = Counter(concepts)
-    best = max(counts.values())
-    return next(c for c in concepts if counts[c] == best)
+    return next(c for c in concepts if counts[c] == max(counts.values()))
 
 
-# ------------------------------------------------------------------------------------------
-# 3. Roles: entropy -> attribute / generalization / mixed (paper Sec. 3.2, METHOD.md Sec. 3)
-# ------------------------------------------------------------------------------------------
-# analyze_heads returns a RoleMap (Sec. 7 below): the vision tower's sizes, the attribute
-# names, one HeadRole per analysed head; what the mask is built from.
-
-
+# ---- 3. Roles: entropy -> attribute / generalization / mixed (paper Sec. 3.2, METHOD.md Sec. 3) --
 @dataclass
 class HeadRole:
     layer: int  # 0-based layer index (the paper's layer number is layer + 1)
@@ -178,17 +120,11 @@ class HeadRole:
 
 
 def default_picks(bank: Sequence[Description], attributes: Sequence[str]) -> int:
-    """TextSpan picks per head that the bank supports (our rule; METHOD.md Sec. 3): N = the
-    fewest values (`Description.value`, else the phrase itself) of any core attribute.
-
-    Why: a head that carries only attribute a, with k_a values, varies across images along the
-    k_a value phrases' directions, and TextSpan removes each picked one; after k_a picks it has
-    nothing left to explain along a, so further picks land elsewhere and even a perfect
-    specialist looks spread. Toy bank: colour 8, shape 6, texture 4, position 4 -> N = 4; the
-    project's bank: shape's 16 words are fewest -> N = 16."""
+    """Picks per head the bank supports (our rule; METHOD.md Sec. 3): the fewest values of any core
+    attribute. A head carrying only attribute a varies along its k_a value phrases, each removed
+    once picked: past k_a picks even a perfect specialist looks spread. Ours: 16 (shape's)."""
     values = {}
-    for entry in bank:
-        entry = Description(*entry)
+    for entry in (Description(*entry) for entry in bank):
         if entry.concept in attributes:
             values.setdefault(entry.concept, set()).add(entry.value if entry.value is not None else entry.text)
     if not values:
@@ -198,24 +134,19 @@ def default_picks(bank: Sequence[Description], attributes: Sequence[str]) -> int
 
 
 def default_thresholds(num_picks: int, num_concepts: int):
-    """(low_bits, high_bits) = thirds of [0, log2(min(N, K))], the entropies N picks over K
-    concepts can take (our choice; METHOD.md Sec. 3). Absolute, unlike thirds of the observed
-    entropies (which always make a third of the heads attribute heads)."""
+    """(low_bits, high_bits): thirds of [0, log2(min(N, K))], what N picks over K concepts can take
+    (our choice; METHOD.md Sec. 3); thirds of the observed entropies would always find specialists."""
     top = math.log2(max(1, min(num_picks, num_concepts)))
     return top / 3, 2 * top / 3
 
 
-def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequence[str]],
-                 attributes: Sequence[str], low_bits: Optional[float] = None,
-                 high_bits: Optional[float] = None, num_concepts: Optional[int] = None):
+def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequence[str]], attributes: Sequence[str],
+                 low_bits: Optional[float] = None, high_bits: Optional[float] = None, num_concepts: Optional[int] = None):
     """Heads -> (roles, low_bits, high_bits), roles a list of (role, attribute or None) in input
-    order. Thresholds default to `default_thresholds(N, K)`, K = `num_concepts` (default: those
-    the picks name).
-      H <= low:  a specialist: an attribute head for its dominant concept if that is a core
-                 attribute, else (e.g. "style": no token for it) a generalization head;
-      H >= high: spread over many concepts: a generalization head;
-      between:   a mixed head.
-    No head at or below low: no attribute head (`falls_back_to_class_branch`)."""
+    order; thresholds default to `default_thresholds(N, K)`, K = num_concepts (default: those picked).
+      H <= low:  a specialist: an attribute head if its dominant concept is a core attribute, else
+                 (e.g. "style", no token for it) a generalization head;
+      H >= high: spread over many concepts: a generalization head;  between: a mixed head."""
     if num_concepts is None:
         num_concepts = len({c for concepts in concepts_per_head for c in concepts})
     low, high = default_thresholds(max(len(c) for c in concepts_per_head), num_concepts)
@@ -226,22 +157,19 @@ def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequenc
         if entropy <= low_bits:
             concept = dominant_concept(concepts)
             roles.append(("attribute", concept) if concept in attributes else ("generalization", None))
-        elif entropy >= high_bits:
-            roles.append(("generalization", None))
         else:
-            roles.append(("mixed", None))
+            roles.append(("generalization" if entropy >= high_bits else "mixed", None))
     return roles, low_bits, high_bits
 
 
 @torch.no_grad()
-def encode_descriptions(clip: CLIP, tokenizer: clip_model.SimpleTokenizer,
-                        texts: Sequence[str], batch_size: int = 256) -> torch.Tensor:
+def encode_descriptions(clip: CLIP, tokenizer: clip_model.SimpleTokenizer, texts: Sequence[str],
+                        batch_size: int = 256) -> torch.Tensor:
     """Texts -> (n_texts, E) normalised CLIP text embeddings."""
-    device = clip.positional_embedding.device
     chunks = []
     for start in range(0, len(texts), batch_size):
         ids = tokenizer.tokenize(texts[start:start + batch_size], clip.context_length, truncate=True)
-        chunks.append(F.normalize(clip.encode_text(ids.to(device)), dim=-1))
+        chunks.append(F.normalize(clip.encode_text(ids.to(clip.positional_embedding.device)), dim=-1))
     return torch.cat(chunks)
 
 
@@ -251,30 +179,20 @@ def analyze_heads(clip: CLIP, image_batches: Union[torch.Tensor, Iterable[torch.
                   attributes: Sequence[str] = CORE_ATTRIBUTES, num_layers: Optional[int] = None,
                   num_descriptions: Optional[int] = None, rank: int = TEXTSPAN_RANK, low_bits: Optional[float] = None,
                   high_bits: Optional[float] = None, log: Callable[[str], None] = print) -> RoleMap:
-    """DeAR's head analysis (paper Sec. 3.2) -> RoleMap.
-
-    image_batches: one (n, 3, R, R) tensor of preprocessed images, or an iterable of (B, 3, R, R)
-    batches. bank: labelled phrases (default: the project's 591); attributes: the concepts that
-    can have attribute heads (default: the paper's five). For every head of the last
-    `num_layers` layers (default: four): its direct contributions to the image embeddings (over
-    each embedding's norm, as TextSpan does), TextSpan's picks (default number: `default_picks`),
-    their concept entropy, its role (`assign_roles`)."""
+    """The head analysis (paper Sec. 3.2) -> RoleMap. image_batches: (n, 3, R, R) or an iterable of
+    (B, 3, R, R); bank: default the project's. For each head of the last `num_layers` layers: its
+    direct contributions (over each embedding's norm, as TextSpan does), picks, entropy, role."""
     bank = [Description(*entry) for entry in bank] if bank is not None else description_bank()
     depth = len(clip.visual.transformer.resblocks)
-    num_layers = analysed_layers(depth) if num_layers is None else num_layers
-    if not 1 <= num_layers <= depth:
-        raise DeARError(f"num_layers={num_layers} is out of range: the vision tower has {depth} layers")
-    device = clip.visual.conv1.weight.device
+    num_layers = analysed_layers(depth) if num_layers is None else num_layers  # head_contributions checks it
     per_image = []
     for batch in image_batches.split(64) if isinstance(image_batches, torch.Tensor) else image_batches:
         if not isinstance(batch, torch.Tensor) or batch.dim() != 4:
             shape = f" of shape {tuple(batch.shape)}" if isinstance(batch, torch.Tensor) else ""
             raise DeARError(f"image_batches must be a (n, 3, R, R) tensor or yield (B, 3, R, R) tensors; got a "
-                            f"{type(batch).__name__}{shape} (a DataLoader of (images, labels): pass "
-                            "(images for images, _ in loader))")
-        parts = head_contributions(clip, batch.to(device), num_layers)
-        norm = parts.total().norm(dim=-1)  # (B,)
-        per_image.append((parts.heads / norm[:, None, None, None]).cpu())  # (B, L, H, E)
+                            f"{type(batch).__name__}{shape} (a DataLoader's: pass (x for x, _ in loader))")
+        parts = head_contributions(clip, batch.to(clip.visual.conv1.weight.device), num_layers)
+        per_image.append((parts.heads / parts.total().norm(dim=-1)[:, None, None, None]).cpu())  # (B, L, H, E)
         log(f"  head analysis: contributions of {sum(len(p) for p in per_image)} images")
     if not per_image:
         raise DeARError("image_batches holds no images; the analysis needs at least 2")
@@ -282,12 +200,11 @@ def analyze_heads(clip: CLIP, image_batches: Union[torch.Tensor, Iterable[torch.
     n_images, L, H, E = contributions.shape
     default = default_picks(bank, attributes) if num_descriptions is None else PAPER_PICKS
     num_descriptions = analysis_picks(num_descriptions, len(bank), n_images, rank=rank, embed_dim=E, default=default)
-    first = depth - num_layers
     text = encode_descriptions(clip, tokenizer, [d.text for d in bank]).cpu()  # (T, E)
-    log(f"  head analysis: {len(bank)} descriptions over {len(set(d.concept for d in bank))} concepts; "
+    num_concepts = len({d.concept for d in bank})
+    log(f"  head analysis: {len(bank)} descriptions over {num_concepts} concepts; "
         f"TextSpan with rank {min(rank, n_images, E)} and {num_descriptions} picks per head")
-
-    analysed = []
+    analysed, first = [], depth - num_layers
     for li in range(L):
         for head in range(H):
             picks = textspan(contributions[:, li, head], text, num_descriptions, rank)
@@ -296,34 +213,26 @@ def analyze_heads(clip: CLIP, image_batches: Union[torch.Tensor, Iterable[torch.
                                      [bank[i].text for i in picks], concepts))
         log(f"  head analysis: layer {first + li + 1} (index {first + li}) done")
     roles, low, high = assign_roles([h.entropy for h in analysed], [h.concepts for h in analysed],
-                                    attributes, low_bits, high_bits, len({d.concept for d in bank}))
+                                    attributes, low_bits, high_bits, num_concepts)
     for entry, (role, attribute) in zip(analysed, roles):
         entry.role, entry.attribute = role, attribute
     return RoleMap(depth, H, list(attributes), analysed, low, high)
 
 
-# ------------------------------------------------------------------------------------------
-# 4. The role-based attention mask (paper Sec. 3.3, METHOD.md Sec. 4)
-# ------------------------------------------------------------------------------------------
-# Tokens from layer J on: [CLS, patches (the image's own tokens), attribute tokens]. Each
-# head gets its own additive mask (0 = may attend, -inf = may not):
-#   generalization head: image tokens and attribute tokens never see each other, in either
-#                        direction; each attribute token sees only itself. So, within this
-#                        layer, the head's output at the image tokens does not depend on the
-#                        attribute tokens. Across layers it does: the image tokens it reads
-#                        were already written into by the attribute and mixed heads of earlier
-#                        layers. The mask isolates per layer, not end to end.
+# ---- 4. The role-based attention mask (paper Sec. 3.3, METHOD.md Sec. 4) -------------------------
+# Tokens from layer J on: [CLS, patches (the image's own tokens), attribute tokens]. Each head has
+# its own additive mask (0 = may attend, -inf = may not):
+#   generalization head: image and attribute tokens never see each other; each attribute token sees
+#                        only itself. Within the layer, its output at the image tokens ignores the
+#                        attribute tokens (not across layers: earlier heads wrote into what it reads).
 #   attribute head (a):  attribute token a and the image tokens see each other; the other
 #                        attribute tokens see only themselves.
 #   mixed head:          no restriction.
-# Every row keeps at least one 0 (a token always sees itself), so no softmax is over nothing.
-
-
+# Every row keeps a 0 (a token always sees itself), so no softmax is over nothing.
 def head_mask(role: str, attribute_index: Optional[int], num_image_tokens: int,
               num_attribute_tokens: int) -> torch.Tensor:
     """One head's mask, (T, T) with T = image tokens + attribute tokens; row = query."""
-    N, A = num_image_tokens, num_attribute_tokens
-    T = N + A
+    N, T = num_image_tokens, num_image_tokens + num_attribute_tokens
     allowed = torch.zeros(T, T, dtype=torch.bool)
     allowed[:N, :N] = True  # the image's own tokens always see each other, as in CLIP
     allowed[torch.arange(N, T), torch.arange(N, T)] = True  # each attribute token sees itself
@@ -338,37 +247,30 @@ def head_mask(role: str, attribute_index: Optional[int], num_image_tokens: int,
     return torch.zeros(T, T).masked_fill(~allowed, float("-inf"))
 
 
-def build_role_masks(role_map: RoleMap, first_layer: int, num_layers: int,
-                     num_image_tokens: int) -> torch.Tensor:
-    """Masks for every vision layer from the paper's 1-based J on: (num_layers - J + 1, H, T, T).
-    A layer the map does not cover (J before the analysed layers) gets mixed heads: no mask."""
-    A, H = len(role_map.attributes), role_map.num_heads
+def build_role_masks(role_map: RoleMap, first_layer: int, num_layers: int, num_image_tokens: int) -> torch.Tensor:
+    """Masks of every vision layer from the paper's 1-based J on: (num_layers - J + 1, H, T, T).
+    A layer the map does not cover (J before the analysed layers) has mixed heads: no mask."""
     masks = []
     for layer in range(first_layer - 1, num_layers):
         per_head = []
-        for head in range(H):
+        for head in range(role_map.num_heads):
             entry = role_map.role_of(layer, head)
             role = entry.role if entry else "mixed"
             index = role_map.attributes.index(entry.attribute) if role == "attribute" else None
-            per_head.append(head_mask(role, index, num_image_tokens, A))
+            per_head.append(head_mask(role, index, num_image_tokens, len(role_map.attributes)))
         masks.append(torch.stack(per_head))  # (H, T, T)
     return torch.stack(masks)  # (layers from J, H, T, T)
 
 
 def blind_attributes(role_masks: torch.Tensor, num_image_tokens: int, attributes: Sequence[str]) -> List[str]:
-    """The attributes whose token no head from J on lets read the image, read off the masks
-    (layers from J, H, T, T): no attribute head for it and no mixed head (an uncovered layer is
-    mixed). Such a branch's logits are a per-class bias, so DeAR leaves it out of the fusion; in
-    the all-generalization ablation every attribute is blind and the class branch stands alone."""
+    """The attributes whose token no head from J on (no attribute head for it, no mixed head) lets
+    read the image: a per-class bias, so DeAR leaves its branch out of the fusion."""
     N = num_image_tokens
     reads_image = torch.isfinite(role_masks[:, :, N:, :N]).any(dim=-1)  # (layers, H, A): 0 = allowed
     return [a for a, readable in zip(attributes, reads_image.any(dim=0).any(dim=0)) if not readable]
 
 
-# ------------------------------------------------------------------------------------------
-# 5. The model (paper Sec. 3.3-3.4, METHOD.md Sec. 4)
-# ------------------------------------------------------------------------------------------
-
+# ---- 5. The model (paper Sec. 3.3-3.4, METHOD.md Sec. 4) -----------------------------------------
 ANALYSED_LAYERS = 4  # the paper analyses, and prompts, the vision tower's last four layers
 
 
@@ -382,15 +284,12 @@ def default_first_layer(depth: int) -> int:
     return depth - analysed_layers(depth) + 1
 
 
-# The method's argument checks, written once: DeAR and assign_roles call them; train.py calls
-# them before any work and turns a DeARError into its one line.
-
-
+# The method's argument checks, once: DeAR and assign_roles call them, and train.py before any work.
 def check_first_layer(first_layer: int, depth: int) -> None:
     """J counts in both towers: 1..depth, depth = the shallower tower's layers."""
     if isinstance(first_layer, bool) or not isinstance(first_layer, int) or not 1 <= first_layer <= depth:
-        raise DeARError(f"first_layer J={first_layer} is out of range: use 1..{depth} "
-                        "(1-based, the paper's J = 9 for ViT-B/16)")
+        raise DeARError(f"first_layer J={first_layer} is out of range: use 1..{depth} (1-based, the paper's J = 9 "
+                        "for ViT-B/16)")
 
 
 def check_beta(beta: float) -> None:
@@ -409,17 +308,14 @@ def check_thresholds(low_bits: Optional[float], high_bits: Optional[float]) -> N
 
 
 def falls_back_to_class_branch(role_map: RoleMap) -> bool:
-    """True when a measured map (entropies present) names no attribute head: no head is
-    specialised enough, so DeAR keeps the class branch alone instead of forcing roles (our
-    choice, METHOD.md Sec. 3). Hand-made maps, `RoleMap.uniform`'s included, are taken as given."""
+    """A measured map (entropies present) with no attribute head: DeAR keeps the class branch alone
+    rather than force roles (our choice, METHOD.md Sec. 3). Hand-made maps are taken as given."""
     measured = any(h.entropy is not None for h in role_map.heads)
     return measured and not any(h.role == "attribute" for h in role_map.heads)
 
 
 class PreparedClasses(NamedTuple):
-    """One class list's text side up to layer J (`DeAR.prepare_classes`): nothing in it learns,
-    so it is computed once per class list and reused by every step."""
-
+    """One class list's frozen text side up to layer J (`DeAR.prepare_classes`), made once."""
     hidden: torch.Tensor  # (C, L, W) the prompts' states entering text layer J (0-based J - 1)
     eot: torch.Tensor  # (C,) each prompt's end-of-text position (before the K tokens go in)
     frozen: torch.Tensor  # (C, E) plain CLIP's text features (for L_reg)
@@ -437,23 +333,16 @@ class DeAROutput:
 
 
 class DeAR(nn.Module):
-    """Frozen CLIP + DeAR's learnable pieces. It freezes the CLIP it is given in place
-    (`clip.eval().requires_grad_(False)`, no copy); attributes default to the role map's, the
-    paper's J (`first_layer`) to the first of the last four layers (9 of 12).
-
-    Learnable (everything else is CLIP, frozen):
+    """Frozen CLIP (frozen in place, no copy) + DeAR's learnable pieces; attributes default to the
+    role map's, first_layer (the paper's J) to the first analysed layer.
       vision_tokens   (layers from J, A, C_v)  one attribute token per attribute, fresh at each
                                                layer from J (the MMRL++ beta rule)
       text_tokens     (layers from J, K, C_t)  K tokens inserted after the start token
       attribute_proj  (C_v, E)                 attribute tokens -> embedding, init = visual.proj
       fusion_logits   (1 + A,)                 alpha = softmax over the class branch and every
-                                               attribute branch that reads the image (the
-                                               `blind_attributes` get alpha = 0, with a warning)
-
-    Layers before J hold nothing learnable: they run without autograd, once for the frozen image
-    pass too, and once per class list on the text side (`prepare_classes`). Each shortcut is
-    exact: tests/test_dear_reference.py compares DeAR with a plain reference, gradients included.
-    """
+                                               attribute branch that reads the image
+    Nothing before J learns: it runs without autograd, once for the frozen image pass too, and
+    once per class list on the text side; test_dear_reference.py checks these shortcuts."""
 
     LEARNABLE = ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits")
 
@@ -470,9 +359,6 @@ class DeAR(nn.Module):
             raise DeARError(f"num_text_tokens={num_text_tokens} must be 0 or more")
         if not 0.0 < cls_fusion_weight < 1.0:
             raise DeARError(f"cls_fusion_weight={cls_fusion_weight} must be in (0, 1)")
-        for name in attributes:
-            if not isinstance(name, str) or not name:
-                raise DeARError(f"attribute names must be non-empty strings, got {name!r}")
         role_map.validate(vision_layers, clip.visual.transformer.heads, attributes)
 
         self.clip = clip.eval().requires_grad_(False)  # frozen: only the pieces below learn
@@ -483,8 +369,7 @@ class DeAR(nn.Module):
         self.vision_tokens = nn.Parameter(torch.randn(vision_layers - first_layer + 1, A, width_v) * 0.02)
         self.text_tokens = nn.Parameter(torch.randn(text_layers - first_layer + 1, K, width_t) * 0.02)
         self.attribute_proj = nn.Parameter(clip.visual.proj.detach().clone())
-        # alpha_cls = cls_fusion_weight at the start, the rest shared evenly by the attributes.
-        rest = (1 - cls_fusion_weight) / max(A, 1)
+        rest = (1 - cls_fusion_weight) / max(A, 1)  # alpha_cls = cls_fusion_weight, the rest shared evenly
         self.fusion_logits = nn.Parameter(torch.tensor([math.log(cls_fusion_weight)] + [math.log(rest)] * A))
 
         self.num_image_tokens = 1 + clip.visual.grid_size**2
@@ -492,40 +377,30 @@ class DeAR(nn.Module):
         self.register_buffer("role_masks", masks, persistent=False)  # (layers from J, H, T, T)
         # In the fusion: the class branch, and each attribute branch that some head lets read the
         # image, unless a measured map names no attribute head (then the class branch alone).
-        self.blind_attributes = blind_attributes(masks, self.num_image_tokens, self.attributes)
-        if self.blind_attributes:
-            warnings.warn(f"DeAR: no head from layer J={first_layer} (1-based) lets the "
-                          f"{', '.join(self.blind_attributes)} token{'s' if len(self.blind_attributes) > 1 else ''} "
-                          "read the image; left out of the fusion (a per-class bias, not a feature)")
+        self.blind_attributes = blind = blind_attributes(masks, self.num_image_tokens, self.attributes)
+        if blind:
+            warnings.warn(f"DeAR: no head from layer J={first_layer} (1-based) lets the {', '.join(blind)} "
+                          f"token{'s' if len(blind) > 1 else ''} read the image; left out of the fusion (a "
+                          "per-class bias, not a feature)")
         self.class_branch_only = falls_back_to_class_branch(role_map)
         if self.class_branch_only:
             warnings.warn("DeAR: the head analysis names no attribute head (no head is specialised enough); "
                           "falling back to the class branch alone (the attribute branches leave the fusion)")
-        in_fusion = torch.tensor([True] + [not self.class_branch_only and a not in self.blind_attributes
-                                           for a in self.attributes])
-        self.register_buffer("in_fusion", in_fusion, persistent=False)  # (1 + A,) bool
+        in_fusion = [True] + [not self.class_branch_only and a not in blind for a in self.attributes]
+        self.register_buffer("in_fusion", torch.tensor(in_fusion), persistent=False)  # (1 + A,) bool
 
     def learnable_parameters(self) -> List[nn.Parameter]:
         return [getattr(self, name) for name in self.LEARNABLE]
 
-    def train(self, mode: bool = True):
-        super().train(mode)
-        self.clip.eval()  # CLIP stays in eval mode (it has no dropout, but keep it explicit)
-        return self
-
     def fusion_weights(self) -> torch.Tensor:
-        """alpha = softmax(w) over the branches in the fusion: (1 + A,), alpha[0] the class
-        branch's; a branch out of the fusion gets exactly 0."""
+        """alpha = softmax(w) over the branches in the fusion, (1 + A,), alpha[0] the class branch's."""
         return self.fusion_logits.masked_fill(~self.in_fusion, float("-inf")).softmax(dim=0)
 
     def encode_image(self, images: torch.Tensor, with_frozen: bool = False):
-        """images (B, 3, R, R) -> (f_cls (B, E), f_attr (B, A, E), f_frozen (B, E) or None).
-        Before J: plain CLIP. From J on: the attribute tokens follow the image tokens and every
-        head uses its role mask."""
-        visual = self.clip.visual
+        """images (B, 3, R, R) -> (f_cls (B, E), f_attr (B, A, E), f_frozen (B, E) or None). Before J
+        plain CLIP; from J on the attribute tokens follow the image tokens, each head its role mask."""
+        visual, j = self.clip.visual, self.first_layer - 1  # j: 0-based index of layer J
         blocks = visual.transformer.resblocks
-        j = self.first_layer - 1  # 0-based index of layer J
-
         with torch.no_grad():  # nothing before J is learnable: keep no activations for backward
             x = visual.embed(images.to(self.clip.dtype))  # (B, N, C)
             for block in blocks[:j]:
@@ -536,30 +411,25 @@ class DeAR(nn.Module):
                 for block in blocks[j:]:
                     plain = block(plain)
                 frozen = visual.to_embedding(plain[:, 0])  # (B, E)
-
         B, N, _ = x.shape
         tokens = None
         for i, block in enumerate(blocks[j:]):
             fresh = self.vision_tokens[i].to(x.dtype).expand(B, -1, -1)  # (B, A, C)
             # MMRL++ rule: tokens entering layer l = beta * p_l + (1 - beta) * out_{l-1}.
             tokens = fresh if i == 0 else self.beta * fresh + (1 - self.beta) * tokens
-            sequence = torch.cat([x, tokens], dim=1)  # (B, N + A, C)
-            sequence = block(sequence, self.role_masks[i])  # every head its own (T, T) mask
+            sequence = block(torch.cat([x, tokens], dim=1), self.role_masks[i])  # (B, N + A, C), masked per head
             x, tokens = sequence[:, :N], sequence[:, N:]
-
         f_cls = visual.to_embedding(x[:, 0])  # (B, E): CLS through ln_post and the frozen proj
         f_attr = visual.ln_post(tokens) @ self.attribute_proj  # (B, A, E)
         return f_cls, f_attr, frozen
 
     @torch.no_grad()
     def prepare_classes(self, class_token_ids: torch.Tensor) -> PreparedClasses:
-        """Class prompts (C, L) token ids -> PreparedClasses: the frozen text layers before J,
-        and plain CLIP's text features. Cut after the longest prompt's end-of-text token: exact,
-        because the causal mask never lets a token read the padding after it."""
+        """Class prompts (C, L) token ids -> the frozen text layers before J, plain CLIP's features;
+        cut after the longest prompt (exact: the causal mask keeps the padding unread)."""
         clip, j = self.clip, self.first_layer - 1
         eot = class_token_ids.argmax(dim=-1)  # (C,): the end-of-text id is the largest
-        token_ids = class_token_ids[:, : int(eot.max()) + 1]  # (C, L') with L' <= L
-        x = clip.embed_text(token_ids)  # (C, L', W)
+        x = clip.embed_text(class_token_ids[:, : int(eot.max()) + 1])  # (C, L', W) with L' <= L
         mask = causal_mask(x.shape[1], x.device, x.dtype)
         for block in clip.transformer.resblocks[:j]:
             x = block(x, mask)
@@ -588,10 +458,8 @@ class DeAR(nn.Module):
         return self.clip.text_to_embedding(x, classes.eot + K)  # end-of-text moved K places right
 
     def forward(self, images: torch.Tensor, classes: PreparedClasses, with_frozen: bool = False) -> DeAROutput:
-        """Logits of every image for every class of `classes` (paper Eq. 6-7): branch k in
-        {cls, attr_1..attr_A} has logits_k = s * cos(f_k, t_c), s CLIP's frozen scale; the fused
-        logits sum_k alpha_k * logits_k train. At test time train.py scores both the fused logits
-        and, on classes not trained, the class branch alone (as MMRL evaluates)."""
+        """Paper Eq. 6-7: branch k in {cls, attr_1..attr_A} has logits_k = s * cos(f_k, t_c), s CLIP's
+        frozen scale; fused = sum_k alpha_k * logits_k (train.py also scores the class branch alone)."""
         f_cls, f_attr, f_frozen = self.encode_image(images, with_frozen)
         t = self.encode_text(classes)
         features = torch.cat([f_cls[:, None], f_attr], dim=1)  # (B, 1 + A, E)
@@ -600,8 +468,7 @@ class DeAR(nn.Module):
                           classes.frozen if with_frozen else None)
 
     def fused_logits(self, features: torch.Tensor, text_features: torch.Tensor):
-        """features (B, 1 + A, E), text_features (C, E) -> (fused (B, C), branches (B, 1 + A, C)).
-        Apart from forward so that evaluation encodes the class prompts once for every batch."""
+        """(B, 1 + A, E), (C, E) -> (fused (B, C), branches (B, 1 + A, C)); evaluation's, text encoded once."""
         scale = self.clip.logit_scale.exp()
         branch_logits = scale * F.normalize(features, dim=-1) @ F.normalize(text_features, dim=-1).T
         alpha = self.fusion_weights()
@@ -615,8 +482,8 @@ class DeAR(nn.Module):
         for name, value in state.items():
             target = getattr(self, name)
             if tuple(value.shape) != tuple(target.shape):
-                raise DeARError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, the model "
-                                f"expects {tuple(target.shape)}; it was made with other settings")
+                raise DeARError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, the model expects "
+                                f"{tuple(target.shape)}; it was made with other settings")
             with torch.no_grad():
                 target.copy_(value)
 
@@ -628,20 +495,13 @@ class DeAR(nn.Module):
                 f"({100 * learnable / (learnable + frozen):.2f}% learnable)")
 
 
-# Attribute-conditioned retrieval (the paper's check that an attribute token carries its
-# attribute): rank a gallery by one feature -- an attribute token's, the class token's, or
-# frozen CLIP's -- and see which images come back.
-
-
+# Attribute-conditioned retrieval (the paper's check that a token carries its attribute).
 @torch.no_grad()
 def retrieval_features(model: DeAR, images: torch.Tensor) -> dict:
-    """images (B, 3, R, R) -> {"class", each attribute, "frozen CLIP": (B, E)}, normalised. A
-    blind attribute token is left out: its feature does not depend on the image."""
+    """images (B, 3, R, R) -> {"class", each attribute but the blind, "frozen CLIP": (B, E)}, normalised."""
     f_cls, f_attr, f_frozen = model.encode_image(images, with_frozen=True)
-    features = {"class": f_cls}
-    features.update({name: f_attr[:, i] for i, name in enumerate(model.attributes)
-                     if name not in model.blind_attributes})
-    features["frozen CLIP"] = f_frozen
+    features = {"class": f_cls, **{name: f_attr[:, i] for i, name in enumerate(model.attributes)
+                                   if name not in model.blind_attributes}, "frozen CLIP": f_frozen}
     return {name: F.normalize(value.float(), dim=-1) for name, value in features.items()}
 
 
@@ -656,20 +516,15 @@ def rank_gallery(queries: torch.Tensor, gallery: torch.Tensor, k: int, same_imag
 
 def precision_at_k(ranking: torch.Tensor, query_values: Sequence, gallery_values: Sequence) -> float:
     """ranking (Q, k) -> the share of retrieved images whose value (e.g. colour) is their query's."""
-    hits = [sum(gallery_values[j] == query_values[q] for j in row) / len(row)
-            for q, row in enumerate(ranking.tolist())]
+    hits = [sum(gallery_values[j] == query_values[q] for j in row) / len(row) for q, row in enumerate(ranking.tolist())]
     return sum(hits) / len(hits)
 
 
-# ------------------------------------------------------------------------------------------
-# 6. The losses (paper Sec. 3.4, METHOD.md Sec. 5)
-# ------------------------------------------------------------------------------------------
-
-
-def self_regularization_loss(f_cls: torch.Tensor, f_cls_frozen: torch.Tensor,
-                             t: torch.Tensor, t_frozen: torch.Tensor) -> torch.Tensor:
-    """L_reg = mean_i (1 - cos(f_cls_i, f_cls_frozen_i)) + mean_c (1 - cos(t_c, t_c_frozen)):
-    keeps the class and text features near plain CLIP's, where novel classes' knowledge lives."""
+# ---- 6. The losses (paper Sec. 3.4, METHOD.md Sec. 5) --------------------------------------------
+def self_regularization_loss(f_cls: torch.Tensor, f_cls_frozen: torch.Tensor, t: torch.Tensor,
+                             t_frozen: torch.Tensor) -> torch.Tensor:
+    """L_reg = mean_i (1 - cos(f_cls_i, f_cls_frozen_i)) + mean_c (1 - cos(t_c, t_c_frozen)): near
+    plain CLIP's features, where the novel classes' knowledge lives."""
     image_term = 1 - F.cosine_similarity(f_cls, f_cls_frozen, dim=-1).mean()
     text_term = 1 - F.cosine_similarity(t, t_frozen, dim=-1).mean()
     return image_term + text_term
@@ -680,10 +535,8 @@ def fusion_regularization_loss(alpha: torch.Tensor) -> torch.Tensor:
     return -torch.log(alpha[0])
 
 
-def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0,
-              lambda_fusion: float = 0.1) -> dict:
-    """Total = CE(fused logits) + lambda_reg * L_reg + lambda_fusion * L_fusion: every term (to
-    log) and 'total' (to backpropagate)."""
+def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0, lambda_fusion: float = 0.1) -> dict:
+    """CE(fused logits) + lambda_reg * L_reg + lambda_fusion * L_fusion: each term, and 'total'."""
     if output.frozen_image_features is None or output.frozen_text_features is None:
         raise DeARError("output has no frozen features (needed for L_reg): call the model with with_frozen=True to train")
     ce = F.cross_entropy(output.logits.float(), labels)
@@ -693,29 +546,21 @@ def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0,
     return {"total": ce + lambda_reg * reg + lambda_fusion * fusion, "ce": ce, "reg": reg, "fusion": fusion}
 
 
-# ==========================================================================================
-# 7. Bookkeeping, not the method: the RoleMap (its JSON file, its table), the mask as text,
-#    the description bank's word lists.
-# ==========================================================================================
-
-
+# ---- 7. Bookkeeping, not the method: RoleMap and its JSON file, the tables, the bank --------------
 @dataclass
 class RoleMap:
-    """The role of every head of the analysed vision layers: what the mask is built from.
-    Readable JSON (`save`/`load`), checked by `validate`, printed by `table()`."""
-
+    """The role of every head of the analysed vision layers, which the mask is built from."""
     vision_layers: int  # depth of the vision tower it was made for
     num_heads: int  # heads per layer of that tower
     attributes: List[str]  # the attribute tokens' names, in token order
     heads: List[HeadRole]  # one per (layer, head), layer-major
-    low_bits: Optional[float] = None
+    low_bits: Optional[float] = None  # the entropy thresholds that made it (None: not measured)
     high_bits: Optional[float] = None
     source: str = "analysis"  # "analysis" or the name of a fixed choice ("all-mixed", ...)
 
     @property
     def layers(self) -> List[int]:
-        """0-based indices of the layers this map covers, ascending."""
-        return sorted({h.layer for h in self.heads})
+        return sorted({h.layer for h in self.heads})  # 0-based, ascending
 
     def role_of(self, layer: int, head: int) -> Optional[HeadRole]:
         return next((h for h in self.heads if h.layer == layer and h.head == head), None)
@@ -723,8 +568,7 @@ class RoleMap:
     @classmethod
     def uniform(cls, role: str, vision_layers: int, num_heads: int, layers: Sequence[int],
                 attributes: Sequence[str] = CORE_ATTRIBUTES) -> RoleMap:
-        """The ablations' fixed maps: every head "mixed" (plain deep prompting, no mask) or
-        "generalization" (every attribute branch blind, left out of the fusion)."""
+        """The ablations': every head "mixed" (deep prompting, no mask) or "generalization" (all blind)."""
         if role not in ("mixed", "generalization"):
             raise DeARError(f"uniform role must be 'mixed' or 'generalization', not {role!r}")
         heads = [HeadRole(layer, head, role) for layer in layers for head in range(num_heads)]
@@ -733,16 +577,14 @@ class RoleMap:
     def validate(self, vision_layers: Optional[int] = None, num_heads: Optional[int] = None,
                  attributes: Optional[Sequence[str]] = None) -> None:
         """Complete, consistent, and (when the sizes are given) fits the model."""
+        rerun = "re-run the head analysis for this model"
         if vision_layers is not None and self.vision_layers != vision_layers:
-            raise DeARError(f"made for a vision tower of {self.vision_layers} layers, this model has "
-                            f"{vision_layers}; re-run the head analysis for this model")
+            raise DeARError(f"made for a vision tower of {self.vision_layers} layers, this model has {vision_layers}; {rerun}")
         if num_heads is not None and self.num_heads != num_heads:
-            raise DeARError(f"made for {self.num_heads} heads per layer, this model has {num_heads}; "
-                            "re-run the head analysis for this model")
+            raise DeARError(f"made for {self.num_heads} heads per layer, this model has {num_heads}; {rerun}")
         if attributes is not None and list(attributes) != list(self.attributes):
-            raise DeARError(f"made for attributes {', '.join(self.attributes)}, the model uses "
-                            f"{', '.join(attributes)}; leave DeAR's attributes out (it then takes the "
-                            "role map's) or re-run the head analysis with these attributes")
+            raise DeARError(f"made for attributes {', '.join(self.attributes)}, the model uses {', '.join(attributes)}; "
+                            "leave DeAR's attributes out (it then takes the role map's) or re-run the analysis with these")
         for entry in self.heads:
             where = f"layer {entry.layer + 1} (index {entry.layer}), head {entry.head}"
             if not (0 <= entry.layer < self.vision_layers and 0 <= entry.head < self.num_heads):
@@ -750,8 +592,8 @@ class RoleMap:
             if entry.role not in ROLES:
                 raise DeARError(f"{where} has role {entry.role!r}; roles are {', '.join(ROLES)}")
             if entry.role == "attribute" and entry.attribute not in self.attributes:
-                raise DeARError(f"{where} is an attribute head for {entry.attribute!r}, which is not "
-                                f"one of the attributes ({', '.join(self.attributes)})")
+                raise DeARError(f"{where} is an attribute head for {entry.attribute!r}, which is not one of the "
+                                f"attributes ({', '.join(self.attributes)})")
         for layer in self.layers:
             present = sorted(h.head for h in self.heads if h.layer == layer)
             if present != list(range(self.num_heads)):
@@ -779,8 +621,8 @@ class RoleMap:
                            [HeadRole(**entry) for entry in data["heads"]], thresholds.get("low"),
                            thresholds.get("high"), data.get("source", "analysis"))
         except FileNotFoundError:
-            raise DeARError(f"{path}: no such role file; run the head analysis first (analyze_heads, "
-                            "then RoleMap.save) or use RoleMap.uniform('mixed', ...) (no mask)") from None
+            raise DeARError(f"{path}: no such role file; run the head analysis first (analyze_heads, then "
+                            "RoleMap.save) or use RoleMap.uniform('mixed', ...) (no mask)") from None
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise DeARError(f"{path}: not a DeAR role file ({type(error).__name__}: "
                             f"{' '.join(str(error).split())[:80]}); re-run the head analysis") from None
@@ -791,8 +633,7 @@ class RoleMap:
         return role_map
 
     def table(self) -> str:
-        """One row per layer (1-based, as in the paper), one cell per head: A:col = attribute
-        head for colour, G = generalization, M = mixed; entropy in bits."""
+        """A row per layer (1-based), a cell per head: A:col (attribute head for colour), G, M; bits."""
         def bits(value: Optional[float]) -> str:
             return "-" if value is None else f"{value:.2f}"
 
@@ -815,16 +656,12 @@ class RoleMap:
 
 
 def format_head_mask(mask: torch.Tensor, num_image_tokens: int, attributes: Sequence[str]) -> str:
-    """A (T, T) mask as a small text grid, the image tokens (alike by construction) folded into
-    one row and column ('image'). '#' = may attend, '.' = may not."""
+    """A (T, T) role mask as text, the image tokens (alike by construction) folded into one row and
+    column; '#' may attend, '.' may not."""
     N = num_image_tokens
-    if not ((mask[:N, N:] == mask[:1, N:]).all() and (mask[N:, :N] == mask[N:, :1]).all()
-            and (mask[:N, :N] == 0).all()):
-        raise DeARError("mask is not uniform over the image tokens; only role masks can be folded")
     names = ["image"] + [a[:8] for a in attributes]
-    folded = torch.cat([mask[:1, :1], mask[:1, N:]], 1)  # image row
-    folded = torch.cat([folded, torch.cat([mask[N:, :1], mask[N:, N:]], 1)], 0)  # (1 + A, 1 + A)
-    lines = ["query \\ key " + " ".join(f"{n:>8}" for n in names)]
+    folded = torch.cat([torch.cat([mask[:1, :1], mask[:1, N:]], 1), torch.cat([mask[N:, :1], mask[N:, N:]], 1)])
+    lines = ["query \\ key " + " ".join(f"{n:>8}" for n in names)]  # folded: (1 + A, 1 + A)
     for name, row in zip(names, folded):
         lines.append(f"{name:>11} " + " ".join(f"{'#' if v == 0 else '.':>8}" for v in row))
     return "\n".join(lines)
@@ -916,18 +753,16 @@ def draw_role_masks(masks: torch.Tensor, num_image_tokens: int, attributes: Sequ
 
 
 class Description(NamedTuple):
-    """One labelled phrase; a caller's own bank may be plain (text, concept) pairs or (text,
-    concept, value) triples. value: the word of the concept ("red"), counted by `default_picks`."""
+    """One labelled phrase (a bank may hold plain (text, concept) pairs); value: its word ("red")."""
     text: str
     concept: str
     value: Optional[str] = None
 
 
 def description_bank() -> List[Description]:
-    """The project's bank: every word of a concept in every template of that concept, so each
-    phrase's concept is known by construction. 591 phrases, none twice, over 12 concepts: the 5
-    core attributes first, then 7 others, over which a head about none of the five spreads its
-    descriptions (a high entropy)."""
+    """The project's bank: each word of a concept in each of its templates, so every phrase's concept
+    is known. 591 phrases, none twice: the 5 core attributes, then 7 concepts over which a head about
+    none of them spreads its picks (a high entropy)."""
     bank, seen = [], set()
     for concept, (words, templates) in _BANK_WORDS.items():
         for template in templates:
@@ -983,9 +818,9 @@ _BANK_WORDS = {  # concept -> (words, templates)
 
 if __name__ == "__main__":  # a small demonstration on a random CLIP (no weights needed)
     torch.manual_seed(0)
-    demo_clip = CLIP(embed_dim=64, image_resolution=32, vision_layers=4, vision_width=128,
-                     vision_patch_size=8, vision_heads=4, context_length=16, vocab_size=100,
-                     transformer_width=64, transformer_heads=2, transformer_layers=4).eval()
+    demo_clip = CLIP(embed_dim=64, image_resolution=32, vision_layers=4, vision_width=128, vision_patch_size=8,
+                     vision_heads=4, context_length=16, vocab_size=100, transformer_width=64, transformer_heads=2,
+                     transformer_layers=4).eval()
     heads = [HeadRole(3, 0, "attribute", "colour"), HeadRole(3, 1, "attribute", "shape"),
              HeadRole(3, 2, "generalization"), HeadRole(3, 3, "mixed")]
     demo_roles = RoleMap(4, 4, ["colour", "shape"], heads, source="hand-made demo")
@@ -995,9 +830,7 @@ if __name__ == "__main__":  # a small demonstration on a random CLIP (no weights
     for head, entry in enumerate(heads):
         print(f"\nlayer 4 (index 3), head {head}: {entry.role} {entry.attribute or ''}")
         print(format_head_mask(demo.role_masks[0, head], demo.num_image_tokens, demo.attributes))
-    ids = torch.zeros(3, 16, dtype=torch.long)
-    ids[:, 0], ids[:, 1:4], ids[:, 4] = 98, torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]]), 99
-    classes = demo.prepare_classes(ids)  # the class list's frozen text side, once
-    out = demo(torch.randn(2, 3, 32, 32), classes, with_frozen=True)
+    ids = torch.tensor([[98, 3 * c + 5, 3 * c + 6, 3 * c + 7, 99] + [0] * 11 for c in range(3)])  # 3 class prompts
+    out = demo(torch.randn(2, 3, 32, 32), demo.prepare_classes(ids), with_frozen=True)
     losses = dear_loss(out, torch.tensor([0, 2]))
     print("\nfused logits", tuple(out.logits.shape), "losses", {k: round(v.item(), 4) for k, v in losses.items()})
