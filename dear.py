@@ -3,12 +3,10 @@ al., CVPR 2026) in the order it runs: 1. TextSpan, 2. concept entropy, 3. head r
 3.2; analyze_heads runs 1-3), 4. the role-based mask (Sec. 3.3), 5. the model and retrieval, 6. the
 losses (Sec. 3.4), 7. bookkeeping: RoleMap (its JSON file, its table), the description bank.
 
-The method in one page: tests/test_dear_reference.py computes DeAR's forward pass one head at a
-time from a role table; this file is that computation, batched. docs/METHOD.md ("METHOD.md Sec. N")
-gives the choices made where the paper is silent. Only clip_model.py (the CLIP whose attention takes
-a per-head mask) is imported: copy the two files together. Layers: the paper counts from 1 ("J = 9"),
-Python from 0; `first_layer` is the paper's J, all that is stored (`HeadRole.layer`) is 0-based.
-Try it on a random small CLIP:  python dear.py
+The method in one page: tests/test_dear_reference.py, DeAR's forward pass one head at a time; this
+file batches it. docs/METHOD.md ("METHOD.md Sec. N") has the choices where the paper is silent. It
+imports only clip_model.py: copy the two together. `first_layer` is the paper's 1-based J; what is
+stored (`HeadRole.layer`) is 0-based.  Try it on a random small CLIP:  python dear.py
 """
 
 from __future__ import annotations
@@ -33,9 +31,7 @@ atomic_write = clip_model.atomic_write  # temporary file + rename: no reader see
 
 CORE_ATTRIBUTES = ("colour", "shape", "texture", "object", "location")  # the paper's five, one token each
 ROLES = ("attribute", "generalization", "mixed")
-# TextSpan's rank, the authors' (yossigandelsman/clip_text_span, compute_complete_text_set.py:
-# --w_ov_rank 80), and the paper's number of descriptions per head.
-TEXTSPAN_RANK, PAPER_PICKS = 80, 20
+TEXTSPAN_RANK, PAPER_PICKS = 80, 20  # clip_text_span's --w_ov_rank (compute_complete_text_set.py); the paper's N
 
 
 class DeARError(ValueError):
@@ -71,9 +67,8 @@ def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
 
 def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *, rank: int = TEXTSPAN_RANK,
                    embed_dim: Optional[int] = None, default: int = PAPER_PICKS) -> int:
-    """TextSpan's picks per head, `requested` (--descriptions) or `default`; the one check of it. At
-    most min(bank size, num_images, rank, embed_dim) (after that many removals every text is zero in
-    the span): a request above, or below 1, is refused, the default capped."""
+    """TextSpan's picks per head, `requested` (--descriptions) or `default`, at most min(bank size,
+    num_images, rank, embed_dim), the span's rank: a request above, or below 1, is refused."""
     if rank < 1:
         raise DeARError(f"rank={rank}: TextSpan keeps the top `rank` singular directions; use 1 or more")
     if num_images < 2:
@@ -97,8 +92,8 @@ def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *,
 # ---- 2. Concept entropy (paper Eq. 2) of the concepts of a head's picks (each phrase's, by construction)
 def concept_entropy(concepts: Sequence[str]) -> float:
     """H = -sum_c P(c) log2 P(c), P(c) the share of picks about concept c: 0 bits for a specialist."""
-    counts = Counter(concepts)
-    return float(-sum((c / len(concepts)) * math.log2(c / len(concepts)) for c in counts.values()))
+    counts, total = Counter(concepts), len(concepts)
+    return float(-sum((c / total) * math.log2(c / total) for c in counts.values()))
 
 
 def dominant_concept(concepts: Sequence[str]) -> str:
@@ -120,9 +115,8 @@ class HeadRole:
 
 
 def default_picks(bank: Sequence[Description], attributes: Sequence[str]) -> int:
-    """Picks per head the bank supports (our rule; METHOD.md Sec. 3): the fewest values of any core
-    attribute. A head carrying only attribute a varies along its k_a value phrases, each removed
-    once picked: past k_a picks even a perfect specialist looks spread. Ours: 16 (shape's)."""
+    """Picks per head the bank supports (our rule; METHOD.md Sec. 3): the fewest values of a core
+    attribute; past its k_a values, a pure specialist of a has nothing left to explain (ours: 16)."""
     values = {}
     for entry in (Description(*entry) for entry in bank):
         if entry.concept in attributes:
@@ -141,12 +135,12 @@ def default_thresholds(num_picks: int, num_concepts: int):
 
 
 def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequence[str]], attributes: Sequence[str],
-                 low_bits: Optional[float] = None, high_bits: Optional[float] = None, num_concepts: Optional[int] = None):
-    """Heads -> (roles, low_bits, high_bits), roles a list of (role, attribute or None) in input
-    order; thresholds default to `default_thresholds(N, K)`, K = num_concepts (default: those picked).
-      H <= low:  a specialist: an attribute head if its dominant concept is a core attribute, else
-                 (e.g. "style", no token for it) a generalization head;
-      H >= high: spread over many concepts: a generalization head;  between: a mixed head."""
+                 low_bits: Optional[float] = None, high_bits: Optional[float] = None,
+                 num_concepts: Optional[int] = None):
+    """Heads -> (roles [(role, attribute or None)], low_bits, high_bits); default thresholds from
+    `default_thresholds(N, K)`, K = num_concepts. H <= low: an attribute head for the dominant concept
+    if it is a core attribute, else (e.g. "style": no token) generalization; H >= high: generalization;
+    between: mixed."""
     if num_concepts is None:
         num_concepts = len({c for concepts in concepts_per_head for c in concepts})
     low, high = default_thresholds(max(len(c) for c in concepts_per_head), num_concepts)
@@ -250,16 +244,14 @@ def head_mask(role: str, attribute_index: Optional[int], num_image_tokens: int,
 def build_role_masks(role_map: RoleMap, first_layer: int, num_layers: int, num_image_tokens: int) -> torch.Tensor:
     """Masks of every vision layer from the paper's 1-based J on: (num_layers - J + 1, H, T, T).
     A layer the map does not cover (J before the analysed layers) has mixed heads: no mask."""
-    masks = []
-    for layer in range(first_layer - 1, num_layers):
-        per_head = []
+    A, T = len(role_map.attributes), num_image_tokens + len(role_map.attributes)
+    masks = torch.zeros(num_layers - first_layer + 1, role_map.num_heads, T, T)  # (layers from J, H, T, T)
+    for i, layer in enumerate(range(first_layer - 1, num_layers)):
         for head in range(role_map.num_heads):
-            entry = role_map.role_of(layer, head)
-            role = entry.role if entry else "mixed"
-            index = role_map.attributes.index(entry.attribute) if role == "attribute" else None
-            per_head.append(head_mask(role, index, num_image_tokens, len(role_map.attributes)))
-        masks.append(torch.stack(per_head))  # (H, T, T)
-    return torch.stack(masks)  # (layers from J, H, T, T)
+            entry = role_map.role_of(layer, head) or HeadRole(layer, head, "mixed")
+            index = role_map.attributes.index(entry.attribute) if entry.role == "attribute" else None
+            masks[i, head] = head_mask(entry.role, index, num_image_tokens, A)
+    return masks
 
 
 def blind_attributes(role_masks: torch.Tensor, num_image_tokens: int, attributes: Sequence[str]) -> List[str]:
@@ -288,8 +280,7 @@ def default_first_layer(depth: int) -> int:
 def check_first_layer(first_layer: int, depth: int) -> None:
     """J counts in both towers: 1..depth, depth = the shallower tower's layers."""
     if isinstance(first_layer, bool) or not isinstance(first_layer, int) or not 1 <= first_layer <= depth:
-        raise DeARError(f"first_layer J={first_layer} is out of range: use 1..{depth} (1-based, the paper's J = 9 "
-                        "for ViT-B/16)")
+        raise DeARError(f"first_layer J={first_layer} is out of range: use 1..{depth} (1-based, as the paper's J = 9)")
 
 
 def check_beta(beta: float) -> None:
@@ -303,13 +294,12 @@ def check_thresholds(low_bits: Optional[float], high_bits: Optional[float]) -> N
         if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
             raise DeARError(f"{name}={value}: expected a finite entropy in bits, >= 0")
     if None not in (low_bits, high_bits) and low_bits > high_bits:
-        raise DeARError(f"low_bits={low_bits:g} is above high_bits={high_bits:g}; the low threshold must be the "
-                        "smaller (attribute heads lie at or below it, generalization heads at or above high_bits)")
+        raise DeARError(f"low_bits={low_bits:g} is above high_bits={high_bits:g}; the low threshold must be lower")
 
 
 def falls_back_to_class_branch(role_map: RoleMap) -> bool:
-    """A measured map (entropies present) with no attribute head: DeAR keeps the class branch alone
-    rather than force roles (our choice, METHOD.md Sec. 3). Hand-made maps are taken as given."""
+    """A measured map (entropies present) without attribute heads: keep the class branch alone (our
+    choice, METHOD.md Sec. 3); hand-made maps are taken as given."""
     measured = any(h.entropy is not None for h in role_map.heads)
     return measured and not any(h.role == "attribute" for h in role_map.heads)
 
@@ -333,16 +323,16 @@ class DeAROutput:
 
 
 class DeAR(nn.Module):
-    """Frozen CLIP (frozen in place, no copy) + DeAR's learnable pieces; attributes default to the
-    role map's, first_layer (the paper's J) to the first analysed layer.
+    """Frozen CLIP (in place, no copy) + the learnable pieces; attributes default to the map's, J to
+    the first analysed layer.
       vision_tokens   (layers from J, A, C_v)  one attribute token per attribute, fresh at each
                                                layer from J (the MMRL++ beta rule)
       text_tokens     (layers from J, K, C_t)  K tokens inserted after the start token
       attribute_proj  (C_v, E)                 attribute tokens -> embedding, init = visual.proj
       fusion_logits   (1 + A,)                 alpha = softmax over the class branch and every
                                                attribute branch that reads the image
-    Nothing before J learns: it runs without autograd, once for the frozen image pass too, and
-    once per class list on the text side; test_dear_reference.py checks these shortcuts."""
+    Nothing before J learns: it runs without autograd, shared with the frozen pass, and once per class
+    list on the text side (test_dear_reference.py checks these shortcuts)."""
 
     LEARNABLE = ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits")
 
@@ -360,7 +350,6 @@ class DeAR(nn.Module):
         if not 0.0 < cls_fusion_weight < 1.0:
             raise DeARError(f"cls_fusion_weight={cls_fusion_weight} must be in (0, 1)")
         role_map.validate(vision_layers, clip.visual.transformer.heads, attributes)
-
         self.clip = clip.eval().requires_grad_(False)  # frozen: only the pieces below learn
         self.role_map, self.attributes = role_map, list(attributes)
         self.first_layer, self.beta, self.num_text_tokens = first_layer, beta, num_text_tokens
@@ -371,7 +360,6 @@ class DeAR(nn.Module):
         self.attribute_proj = nn.Parameter(clip.visual.proj.detach().clone())
         rest = (1 - cls_fusion_weight) / max(A, 1)  # alpha_cls = cls_fusion_weight, the rest shared evenly
         self.fusion_logits = nn.Parameter(torch.tensor([math.log(cls_fusion_weight)] + [math.log(rest)] * A))
-
         self.num_image_tokens = 1 + clip.visual.grid_size**2
         masks = build_role_masks(role_map, first_layer, vision_layers, self.num_image_tokens)
         self.register_buffer("role_masks", masks, persistent=False)  # (layers from J, H, T, T)
@@ -399,8 +387,7 @@ class DeAR(nn.Module):
     def encode_image(self, images: torch.Tensor, with_frozen: bool = False):
         """images (B, 3, R, R) -> (f_cls (B, E), f_attr (B, A, E), f_frozen (B, E) or None). Before J
         plain CLIP; from J on the attribute tokens follow the image tokens, each head its role mask."""
-        visual, j = self.clip.visual, self.first_layer - 1  # j: 0-based index of layer J
-        blocks = visual.transformer.resblocks
+        visual, blocks, j = self.clip.visual, self.clip.visual.transformer.resblocks, self.first_layer - 1
         with torch.no_grad():  # nothing before J is learnable: keep no activations for backward
             x = visual.embed(images.to(self.clip.dtype))  # (B, N, C)
             for block in blocks[:j]:
@@ -449,12 +436,9 @@ class DeAR(nn.Module):
         mask = causal_mask(x.shape[1] + K, x.device, x.dtype)  # (L + K, L + K)
         for i, block in enumerate(self.clip.transformer.resblocks[self.first_layer - 1:]):
             fresh = self.text_tokens[i].to(x.dtype).expand(C, -1, -1)  # (C, K, W)
-            if i == 0:
-                x = torch.cat([x[:, :1], fresh, x[:, 1:]], dim=1)  # insert after the start token
-            else:
-                tokens = self.beta * fresh + (1 - self.beta) * x[:, 1:1 + K]
-                x = torch.cat([x[:, :1], tokens, x[:, 1 + K:]], dim=1)
-            x = block(x, mask)
+            tokens = fresh if i == 0 else self.beta * fresh + (1 - self.beta) * x[:, 1:1 + K]  # the MMRL++ rule
+            rest = x[:, 1:] if i == 0 else x[:, 1 + K:]  # layer J inserts the tokens, later layers replace them
+            x = block(torch.cat([x[:, :1], tokens, rest], dim=1), mask)
         return self.clip.text_to_embedding(x, classes.eot + K)  # end-of-text moved K places right
 
     def forward(self, images: torch.Tensor, classes: PreparedClasses, with_frozen: bool = False) -> DeAROutput:
@@ -471,8 +455,7 @@ class DeAR(nn.Module):
         """(B, 1 + A, E), (C, E) -> (fused (B, C), branches (B, 1 + A, C)); evaluation's, text encoded once."""
         scale = self.clip.logit_scale.exp()
         branch_logits = scale * F.normalize(features, dim=-1) @ F.normalize(text_features, dim=-1).T
-        alpha = self.fusion_weights()
-        return torch.einsum("bkc,k->bc", branch_logits, alpha.to(branch_logits.dtype)), branch_logits
+        return torch.einsum("bkc,k->bc", branch_logits, self.fusion_weights().to(branch_logits.dtype)), branch_logits
 
     def learnable_state_dict(self) -> dict:
         """Only what training changes; a checkpoint needs nothing else (CLIP is frozen)."""
@@ -526,8 +509,7 @@ def self_regularization_loss(f_cls: torch.Tensor, f_cls_frozen: torch.Tensor, t:
     """L_reg = mean_i (1 - cos(f_cls_i, f_cls_frozen_i)) + mean_c (1 - cos(t_c, t_c_frozen)): near
     plain CLIP's features, where the novel classes' knowledge lives."""
     image_term = 1 - F.cosine_similarity(f_cls, f_cls_frozen, dim=-1).mean()
-    text_term = 1 - F.cosine_similarity(t, t_frozen, dim=-1).mean()
-    return image_term + text_term
+    return image_term + (1 - F.cosine_similarity(t, t_frozen, dim=-1).mean())
 
 
 def fusion_regularization_loss(alpha: torch.Tensor) -> torch.Tensor:
@@ -538,7 +520,7 @@ def fusion_regularization_loss(alpha: torch.Tensor) -> torch.Tensor:
 def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0, lambda_fusion: float = 0.1) -> dict:
     """CE(fused logits) + lambda_reg * L_reg + lambda_fusion * L_fusion: each term, and 'total'."""
     if output.frozen_image_features is None or output.frozen_text_features is None:
-        raise DeARError("output has no frozen features (needed for L_reg): call the model with with_frozen=True to train")
+        raise DeARError("output has no frozen features (L_reg needs them): call the model with with_frozen=True")
     ce = F.cross_entropy(output.logits.float(), labels)
     reg = self_regularization_loss(output.image_features[:, 0].float(), output.frozen_image_features.float(),
                                    output.text_features.float(), output.frozen_text_features.float())
@@ -634,9 +616,7 @@ class RoleMap:
 
     def table(self) -> str:
         """A row per layer (1-based), a cell per head: A:col (attribute head for colour), G, M; bits."""
-        def bits(value: Optional[float]) -> str:
-            return "-" if value is None else f"{value:.2f}"
-
+        def bits(value: Optional[float]) -> str: return "-" if value is None else f"{value:.2f}"  # noqa: E704
         lines = [f"Head roles ({self.source}); layers numbered as in the paper (1-based), heads 0-based; "
                  f"thresholds low={bits(self.low_bits)} high={bits(self.high_bits)} bits",
                  "layer | " + " ".join(f"{'h' + str(h):>9}" for h in range(self.num_heads))]
@@ -760,18 +740,10 @@ class Description(NamedTuple):
 
 
 def description_bank() -> List[Description]:
-    """The project's bank: each word of a concept in each of its templates, so every phrase's concept
-    is known. 591 phrases, none twice: the 5 core attributes, then 7 concepts over which a head about
-    none of them spreads its picks (a high entropy)."""
-    bank, seen = [], set()
-    for concept, (words, templates) in _BANK_WORDS.items():
-        for template in templates:
-            for word in words:
-                text = template.format(word)
-                if text not in seen:
-                    seen.add(text)
-                    bank.append(Description(text, concept, word))
-    return bank
+    """Each word of a concept in each of its templates (its concept known by construction): 591 phrases,
+    the 5 core attributes, then 7 concepts over which a head about none of them spreads (high entropy)."""
+    return [Description(template.format(word), concept, word)  # no phrase twice (tests/test_dear.py checks)
+            for concept, (words, templates) in _BANK_WORDS.items() for template in templates for word in words]
 
 
 _BANK_WORDS = {  # concept -> (words, templates)
