@@ -41,11 +41,10 @@ class DeARError(ValueError):
 # ---- 1. TextSpan: which descriptions explain a head (paper Sec. 3.2, METHOD.md Sec. 3) ----------
 def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
              num_descriptions: int = PAPER_PICKS, rank: int = TEXTSPAN_RANK) -> List[int]:
-    """TextSpan (Gandelsman et al., ICLR 2024, Alg. 1; the picks of its authors' compute_complete_
-    text_set.py, in order). contributions (n_images, E): one head's direct contributions to the
-    image embeddings; text_embeddings (n_texts, E), normalised -> indices of `num_descriptions`
-    texts, most explanatory first: each time the text whose projection varies most across images,
-    whose direction then leaves head and bank, so the next pick explains something new."""
+    """TextSpan (Gandelsman et al., ICLR 2024, Alg. 1), with the picks of its authors' code, in order.
+    contributions (n_images, E): one head's direct contributions to the image embeddings; text_embeddings
+    (n_texts, E), normalised -> `num_descriptions` indices: each time the text whose projection varies
+    most across images, whose direction then leaves head and bank, so the next explains something new."""
     n_images, width = contributions.shape
     num_descriptions = analysis_picks(num_descriptions, text_embeddings.shape[0], n_images, rank=rank, embed_dim=width)
     data = contributions.double()
@@ -137,10 +136,9 @@ def default_thresholds(num_picks: int, num_concepts: int):
 def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequence[str]], attributes: Sequence[str],
                  low_bits: Optional[float] = None, high_bits: Optional[float] = None,
                  num_concepts: Optional[int] = None):
-    """Heads -> (roles [(role, attribute or None)], low_bits, high_bits); default thresholds from
-    `default_thresholds(N, K)`, K = num_concepts. H <= low: an attribute head for the dominant concept
-    if it is a core attribute, else (e.g. "style": no token) generalization; H >= high: generalization;
-    between: mixed."""
+    """Heads -> ([(role, attribute or None)], low_bits, high_bits), thresholds `default_thresholds(N, K)`
+    unless given. H <= low: an attribute head for its dominant concept if that is a core attribute, else
+    (e.g. "style": no token) generalization; H >= high: generalization; between: mixed."""
     if num_concepts is None:
         num_concepts = len({c for concepts in concepts_per_head for c in concepts})
     low, high = default_thresholds(max(len(c) for c in concepts_per_head), num_concepts)
@@ -242,8 +240,7 @@ def head_mask(role: str, attribute_index: Optional[int], num_image_tokens: int,
 
 
 def build_role_masks(role_map: RoleMap, first_layer: int, num_layers: int, num_image_tokens: int) -> torch.Tensor:
-    """Masks of every vision layer from the paper's 1-based J on: (num_layers - J + 1, H, T, T).
-    A layer the map does not cover (J before the analysed layers) has mixed heads: no mask."""
+    """(num_layers - J + 1, H, T, T), J 1-based; a layer the map does not cover has mixed heads (no mask)."""
     A, T = len(role_map.attributes), num_image_tokens + len(role_map.attributes)
     masks = torch.zeros(num_layers - first_layer + 1, role_map.num_heads, T, T)  # (layers from J, H, T, T)
     for i, layer in enumerate(range(first_layer - 1, num_layers)):
@@ -333,7 +330,6 @@ class DeAR(nn.Module):
                                                attribute branch that reads the image
     Nothing before J learns: it runs without autograd, shared with the frozen pass, and once per class
     list on the text side (test_dear_reference.py checks these shortcuts)."""
-
     LEARNABLE = ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits")
 
     def __init__(self, clip: CLIP, role_map: RoleMap, attributes: Optional[Sequence[str]] = None,
@@ -363,8 +359,7 @@ class DeAR(nn.Module):
         self.num_image_tokens = 1 + clip.visual.grid_size**2
         masks = build_role_masks(role_map, first_layer, vision_layers, self.num_image_tokens)
         self.register_buffer("role_masks", masks, persistent=False)  # (layers from J, H, T, T)
-        # In the fusion: the class branch, and each attribute branch that some head lets read the
-        # image, unless a measured map names no attribute head (then the class branch alone).
+        # In the fusion: the class branch, and the attribute branches some head lets read the image (bar the fallback).
         self.blind_attributes = blind = blind_attributes(masks, self.num_image_tokens, self.attributes)
         if blind:
             warnings.warn(f"DeAR: no head from layer J={first_layer} (1-based) lets the {', '.join(blind)} "
@@ -399,7 +394,6 @@ class DeAR(nn.Module):
                     plain = block(plain)
                 frozen = visual.to_embedding(plain[:, 0])  # (B, E)
         B, N, _ = x.shape
-        tokens = None
         for i, block in enumerate(blocks[j:]):
             fresh = self.vision_tokens[i].to(x.dtype).expand(B, -1, -1)  # (B, A, C)
             # MMRL++ rule: tokens entering layer l = beta * p_l + (1 - beta) * out_{l-1}.
@@ -483,14 +477,13 @@ class DeAR(nn.Module):
 def retrieval_features(model: DeAR, images: torch.Tensor) -> dict:
     """images (B, 3, R, R) -> {"class", each attribute but the blind, "frozen CLIP": (B, E)}, normalised."""
     f_cls, f_attr, f_frozen = model.encode_image(images, with_frozen=True)
-    features = {"class": f_cls, **{name: f_attr[:, i] for i, name in enumerate(model.attributes)
-                                   if name not in model.blind_attributes}, "frozen CLIP": f_frozen}
-    return {name: F.normalize(value.float(), dim=-1) for name, value in features.items()}
+    features = {"class": f_cls, **dict(zip(model.attributes, f_attr.unbind(dim=1))), "frozen CLIP": f_frozen}
+    return {name: F.normalize(value.float(), dim=-1) for name, value in features.items()
+            if name not in model.blind_attributes}
 
 
 def rank_gallery(queries: torch.Tensor, gallery: torch.Tensor, k: int, same_images: bool = False) -> torch.Tensor:
-    """queries (Q, E), gallery (G, E), normalised -> (Q, k) gallery indices, most similar first.
-    same_images: the queries are the gallery, so each query is kept out of its own list."""
+    """(Q, E), (G, E), normalised -> (Q, k) indices, most similar first; same_images: Q is G, self left out."""
     similarity = queries @ gallery.T  # (Q, G)
     if same_images:
         similarity.fill_diagonal_(float("-inf"))
@@ -636,15 +629,11 @@ class RoleMap:
 
 
 def format_head_mask(mask: torch.Tensor, num_image_tokens: int, attributes: Sequence[str]) -> str:
-    """A (T, T) role mask as text, the image tokens (alike by construction) folded into one row and
-    column; '#' may attend, '.' may not."""
-    N = num_image_tokens
-    names = ["image"] + [a[:8] for a in attributes]
+    """A (T, T) role mask as text, the image tokens (alike by construction) folded into one: '#' = may attend."""
+    N, names = num_image_tokens, ["image"] + [a[:8] for a in attributes]
     folded = torch.cat([torch.cat([mask[:1, :1], mask[:1, N:]], 1), torch.cat([mask[N:, :1], mask[N:, N:]], 1)])
-    lines = ["query \\ key " + " ".join(f"{n:>8}" for n in names)]  # folded: (1 + A, 1 + A)
-    for name, row in zip(names, folded):
-        lines.append(f"{name:>11} " + " ".join(f"{'#' if v == 0 else '.':>8}" for v in row))
-    return "\n".join(lines)
+    rows = [f"{name:>11} " + " ".join(f"{'#' if v == 0 else '.':>8}" for v in row) for name, row in zip(names, folded)]
+    return "\n".join(["query \\ key " + " ".join(f"{n:>8}" for n in names)] + rows)  # folded: (1 + A, 1 + A)
 
 
 # Colours of the pictures: one hue per attribute, grey-blue for generalization, light grey mixed.
@@ -746,7 +735,7 @@ def description_bank() -> List[Description]:
             for concept, (words, templates) in _BANK_WORDS.items() for template in templates for word in words]
 
 
-_BANK_WORDS = {  # concept -> (words, templates)
+_BANK_WORDS = {  # concept -> (words, templates): the five core attributes, then seven others (from "style")
     "colour": (["red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white", "grey",
                 "gold", "silver", "beige", "turquoise", "maroon", "navy blue", "teal", "violet", "crimson"],
                ["a bright {} colour", "an image dominated by the colour {}", "something coloured {}", "a {} tint"]),
@@ -764,7 +753,6 @@ _BANK_WORDS = {  # concept -> (words, templates)
                   "office", "garden", "classroom", "stadium", "farm", "coral reef", "highway", "river bank", "park",
                   "living room", "harbour", "airport"],
                  ["a photo taken at a {}", "a scene in a {}", "the background is a {}"]),
-    # non-core concepts
     "style": (["watercolour painting", "pencil sketch", "oil painting", "cartoon", "3D render", "pixel art",
                "comic drawing", "mosaic", "embroidery", "origami model", "marble sculpture", "graffiti", "tattoo",
                "low-poly model", "woodcut print"],
