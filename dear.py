@@ -26,12 +26,12 @@ try:  # inside a package (myproj/vendor/) only the relative import works, at the
     from . import clip_model
 except ImportError:
     import clip_model
-CLIP, causal_mask, head_contributions = clip_model.CLIP, clip_model.causal_mask, clip_model.head_contributions
 atomic_write = clip_model.atomic_write  # temporary file + rename: no reader sees half a file
 
 CORE_ATTRIBUTES = ("colour", "shape", "texture", "object", "location")  # the paper's five, one token each
 ROLES = ("attribute", "generalization", "mixed")
 TEXTSPAN_RANK, PAPER_PICKS = 80, 20  # clip_text_span's --w_ov_rank (compute_complete_text_set.py); the paper's N
+ANALYSED_LAYERS = 4  # the paper analyses, and prompts, the vision tower's last four layers
 
 
 class DeARError(ValueError):
@@ -41,12 +41,11 @@ class DeARError(ValueError):
 # ---- 1. TextSpan: which descriptions explain a head (paper Sec. 3.2, METHOD.md Sec. 3) ----------
 def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
              num_descriptions: int = PAPER_PICKS, rank: int = TEXTSPAN_RANK) -> List[int]:
-    """TextSpan (Gandelsman et al., ICLR 2024, Alg. 1), with the picks of its authors' code, in order.
-    contributions (n_images, E): one head's direct contributions to the image embeddings; text_embeddings
-    (n_texts, E), normalised -> `num_descriptions` indices: each time the text whose projection varies
-    most across images, whose direction then leaves head and bank, so the next explains something new."""
-    n_images, width = contributions.shape
-    num_descriptions = analysis_picks(num_descriptions, text_embeddings.shape[0], n_images, rank=rank, embed_dim=width)
+    """TextSpan (Gandelsman et al., ICLR 2024, Alg. 1; its authors' picks, in order). contributions (n_images,
+    E): a head's direct contributions to the image embeddings; text_embeddings (n_texts, E) -> indices, each
+    the text varying most across images, whose direction then leaves head and bank (the next says more)."""
+    num_descriptions = analysis_picks(num_descriptions, len(text_embeddings), len(contributions), rank=rank,
+                                      embed_dim=contributions.shape[1])
     data = contributions.double()
     _, _, right = torch.linalg.svd(data, full_matrices=False)  # right: (min(n, E), E), raw data
     span = right[:rank]  # (r, E), r = min(rank, n, E): the authors' vh[:rank], mean included
@@ -82,9 +81,8 @@ def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *,
             warnings.warn(f"TextSpan makes {limit} picks per head, not the default {default}: {why}")
         return min(default, limit)
     if not 1 <= requested <= limit:
-        more = " or give the analysis more images" if limit == num_images else ""
         raise DeARError(f"--descriptions {requested}: TextSpan can make 1..{limit} picks per head here ({why}); "
-                        f"ask for at most {limit}{more}")
+                        f"ask for at most {limit}{' or give the analysis more images' if limit == num_images else ''}")
     return requested
 
 
@@ -115,20 +113,19 @@ class HeadRole:
 
 def default_picks(bank: Sequence[Description], attributes: Sequence[str]) -> int:
     """Picks per head the bank supports (our rule; METHOD.md Sec. 3): the fewest values of a core
-    attribute; past its k_a values, a pure specialist of a has nothing left to explain (ours: 16)."""
+    attribute, as a pure specialist has nothing left to explain once its values are picked (ours: 16)."""
     values = {}
     for entry in (Description(*entry) for entry in bank):
         if entry.concept in attributes:
             values.setdefault(entry.concept, set()).add(entry.value if entry.value is not None else entry.text)
     if not values:
-        raise DeARError(f"the bank has no phrase of any attribute ({', '.join(attributes)}); "
-                        "label some phrases with an attribute's name")
+        raise DeARError(f"the bank has no phrase of any attribute ({', '.join(attributes)}); label phrases with these names")
     return min(len(v) for v in values.values())
 
 
 def default_thresholds(num_picks: int, num_concepts: int):
-    """(low_bits, high_bits): thirds of [0, log2(min(N, K))], what N picks over K concepts can take
-    (our choice; METHOD.md Sec. 3); thirds of the observed entropies would always find specialists."""
+    """(low_bits, high_bits): thirds of [0, log2(min(N, K))], the entropies N picks over K concepts can
+    take (our choice, METHOD.md Sec. 3: absolute, as thirds of the observed ones always find specialists)."""
     top = math.log2(max(1, min(num_picks, num_concepts)))
     return top / 3, 2 * top / 3
 
@@ -155,18 +152,16 @@ def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequenc
 
 
 @torch.no_grad()
-def encode_descriptions(clip: CLIP, tokenizer: clip_model.SimpleTokenizer, texts: Sequence[str],
+def encode_descriptions(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer, texts: Sequence[str],
                         batch_size: int = 256) -> torch.Tensor:
     """Texts -> (n_texts, E) normalised CLIP text embeddings."""
-    chunks = []
-    for start in range(0, len(texts), batch_size):
-        ids = tokenizer.tokenize(texts[start:start + batch_size], clip.context_length, truncate=True)
-        chunks.append(F.normalize(clip.encode_text(ids.to(clip.positional_embedding.device)), dim=-1))
-    return torch.cat(chunks)
+    batches = (tokenizer.tokenize(texts[s:s + batch_size], clip.context_length, truncate=True)
+               for s in range(0, len(texts), batch_size))
+    return torch.cat([F.normalize(clip.encode_text(b.to(clip.positional_embedding.device)), dim=-1) for b in batches])
 
 
 @torch.no_grad()
-def analyze_heads(clip: CLIP, image_batches: Union[torch.Tensor, Iterable[torch.Tensor]],
+def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iterable[torch.Tensor]],
                   tokenizer: clip_model.SimpleTokenizer, bank: Optional[Sequence[Description]] = None,
                   attributes: Sequence[str] = CORE_ATTRIBUTES, num_layers: Optional[int] = None,
                   num_descriptions: Optional[int] = None, rank: int = TEXTSPAN_RANK, low_bits: Optional[float] = None,
@@ -183,7 +178,7 @@ def analyze_heads(clip: CLIP, image_batches: Union[torch.Tensor, Iterable[torch.
             shape = f" of shape {tuple(batch.shape)}" if isinstance(batch, torch.Tensor) else ""
             raise DeARError(f"image_batches must be a (n, 3, R, R) tensor or yield (B, 3, R, R) tensors; got a "
                             f"{type(batch).__name__}{shape} (a DataLoader's: pass (x for x, _ in loader))")
-        parts = head_contributions(clip, batch.to(clip.visual.conv1.weight.device), num_layers)
+        parts = clip_model.head_contributions(clip, batch.to(clip.visual.conv1.weight.device), num_layers)
         per_image.append((parts.heads / parts.total().norm(dim=-1)[:, None, None, None]).cpu())  # (B, L, H, E)
         log(f"  head analysis: contributions of {sum(len(p) for p in per_image)} images")
     if not per_image:
@@ -260,9 +255,6 @@ def blind_attributes(role_masks: torch.Tensor, num_image_tokens: int, attributes
 
 
 # ---- 5. The model (paper Sec. 3.3-3.4, METHOD.md Sec. 4) -----------------------------------------
-ANALYSED_LAYERS = 4  # the paper analyses, and prompts, the vision tower's last four layers
-
-
 def analysed_layers(depth: int) -> int:
     """How many of a `depth`-layer vision tower's last layers the head analysis reads."""
     return min(ANALYSED_LAYERS, depth)
@@ -297,12 +289,10 @@ def check_thresholds(low_bits: Optional[float], high_bits: Optional[float]) -> N
 def falls_back_to_class_branch(role_map: RoleMap) -> bool:
     """A measured map (entropies present) without attribute heads: keep the class branch alone (our
     choice, METHOD.md Sec. 3); hand-made maps are taken as given."""
-    measured = any(h.entropy is not None for h in role_map.heads)
-    return measured and not any(h.role == "attribute" for h in role_map.heads)
+    return any(h.entropy is not None for h in role_map.heads) and not any(h.role == "attribute" for h in role_map.heads)
 
 
-class PreparedClasses(NamedTuple):
-    """One class list's frozen text side up to layer J (`DeAR.prepare_classes`), made once."""
+class PreparedClasses(NamedTuple):  # one class list's frozen text side up to layer J (`DeAR.prepare_classes`)
     hidden: torch.Tensor  # (C, L, W) the prompts' states entering text layer J (0-based J - 1)
     eot: torch.Tensor  # (C,) each prompt's end-of-text position (before the K tokens go in)
     frozen: torch.Tensor  # (C, E) plain CLIP's text features (for L_reg)
@@ -322,17 +312,15 @@ class DeAROutput:
 class DeAR(nn.Module):
     """Frozen CLIP (in place, no copy) + the learnable pieces; attributes default to the map's, J to
     the first analysed layer.
-      vision_tokens   (layers from J, A, C_v)  one attribute token per attribute, fresh at each
-                                               layer from J (the MMRL++ beta rule)
+      vision_tokens   (layers from J, A, C_v)  one token per attribute, fresh at each layer (MMRL++ beta rule)
       text_tokens     (layers from J, K, C_t)  K tokens inserted after the start token
       attribute_proj  (C_v, E)                 attribute tokens -> embedding, init = visual.proj
-      fusion_logits   (1 + A,)                 alpha = softmax over the class branch and every
-                                               attribute branch that reads the image
+      fusion_logits   (1 + A,)                 alpha = softmax over the class and the seeing attribute branches
     Nothing before J learns: it runs without autograd, shared with the frozen pass, and once per class
     list on the text side (test_dear_reference.py checks these shortcuts)."""
     LEARNABLE = ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits")
 
-    def __init__(self, clip: CLIP, role_map: RoleMap, attributes: Optional[Sequence[str]] = None,
+    def __init__(self, clip: clip_model.CLIP, role_map: RoleMap, attributes: Optional[Sequence[str]] = None,
                  first_layer: Optional[int] = None, beta: float = 0.5, num_text_tokens: int = 4,
                  cls_fusion_weight: float = 0.5):
         super().__init__()
@@ -362,9 +350,8 @@ class DeAR(nn.Module):
         # In the fusion: the class branch, and the attribute branches some head lets read the image (bar the fallback).
         self.blind_attributes = blind = blind_attributes(masks, self.num_image_tokens, self.attributes)
         if blind:
-            warnings.warn(f"DeAR: no head from layer J={first_layer} (1-based) lets the {', '.join(blind)} "
-                          f"token{'s' if len(blind) > 1 else ''} read the image; left out of the fusion (a "
-                          "per-class bias, not a feature)")
+            warnings.warn(f"DeAR: no head from layer J={first_layer} lets the {', '.join(blind)} token"
+                          f"{'s' if len(blind) > 1 else ''} read the image; left out of the fusion (a per-class bias)")
         self.class_branch_only = falls_back_to_class_branch(role_map)
         if self.class_branch_only:
             warnings.warn("DeAR: the head analysis names no attribute head (no head is specialised enough); "
@@ -394,6 +381,7 @@ class DeAR(nn.Module):
                     plain = block(plain)
                 frozen = visual.to_embedding(plain[:, 0])  # (B, E)
         B, N, _ = x.shape
+        tokens = None  # (B, A, C) from layer J on
         for i, block in enumerate(blocks[j:]):
             fresh = self.vision_tokens[i].to(x.dtype).expand(B, -1, -1)  # (B, A, C)
             # MMRL++ rule: tokens entering layer l = beta * p_l + (1 - beta) * out_{l-1}.
@@ -411,7 +399,7 @@ class DeAR(nn.Module):
         clip, j = self.clip, self.first_layer - 1
         eot = class_token_ids.argmax(dim=-1)  # (C,): the end-of-text id is the largest
         x = clip.embed_text(class_token_ids[:, : int(eot.max()) + 1])  # (C, L', W) with L' <= L
-        mask = causal_mask(x.shape[1], x.device, x.dtype)
+        mask = clip_model.causal_mask(x.shape[1], x.device, x.dtype)
         for block in clip.transformer.resblocks[:j]:
             x = block(x, mask)
         plain = x
@@ -425,11 +413,10 @@ class DeAR(nn.Module):
         if not isinstance(classes, PreparedClasses):  # e.g. token ids, as an older version took
             raise DeARError(f"classes must be model.prepare_classes(class_token_ids), got a {type(classes).__name__}; "
                             "prepare each class list once, then pass the result to every step")
-        x = classes.hidden
-        C, K = x.shape[0], self.num_text_tokens
-        mask = causal_mask(x.shape[1] + K, x.device, x.dtype)  # (L + K, L + K)
+        x, K = classes.hidden, self.num_text_tokens  # x: (C, L, W)
+        mask = clip_model.causal_mask(x.shape[1] + K, x.device, x.dtype)  # (L + K, L + K)
         for i, block in enumerate(self.clip.transformer.resblocks[self.first_layer - 1:]):
-            fresh = self.text_tokens[i].to(x.dtype).expand(C, -1, -1)  # (C, K, W)
+            fresh = self.text_tokens[i].to(x.dtype).expand(len(x), -1, -1)  # (C, K, W)
             tokens = fresh if i == 0 else self.beta * fresh + (1 - self.beta) * x[:, 1:1 + K]  # the MMRL++ rule
             rest = x[:, 1:] if i == 0 else x[:, 1 + K:]  # layer J inserts the tokens, later layers replace them
             x = block(torch.cat([x[:, :1], tokens, rest], dim=1), mask)
@@ -441,8 +428,7 @@ class DeAR(nn.Module):
         f_cls, f_attr, f_frozen = self.encode_image(images, with_frozen)
         t = self.encode_text(classes)
         features = torch.cat([f_cls[:, None], f_attr], dim=1)  # (B, 1 + A, E)
-        logits, branch_logits = self.fused_logits(features, t)
-        return DeAROutput(logits, branch_logits, self.fusion_weights(), features, t, f_frozen,
+        return DeAROutput(*self.fused_logits(features, t), self.fusion_weights(), features, t, f_frozen,
                           classes.frozen if with_frozen else None)
 
     def fused_logits(self, features: torch.Tensor, text_features: torch.Tensor):
@@ -455,14 +441,14 @@ class DeAR(nn.Module):
         """Only what training changes; a checkpoint needs nothing else (CLIP is frozen)."""
         return {name: getattr(self, name).detach().cpu().clone() for name in self.LEARNABLE}
 
+    @torch.no_grad()
     def load_learnable_state_dict(self, state: dict) -> None:
         for name, value in state.items():
             target = getattr(self, name)
             if tuple(value.shape) != tuple(target.shape):
                 raise DeARError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, the model expects "
                                 f"{tuple(target.shape)}; it was made with other settings")
-            with torch.no_grad():
-                target.copy_(value)
+            target.copy_(value)
 
     def parameter_summary(self) -> str:
         learnable = sum(p.numel() for p in self.learnable_parameters())
@@ -613,13 +599,11 @@ class RoleMap:
         lines = [f"Head roles ({self.source}); layers numbered as in the paper (1-based), heads 0-based; "
                  f"thresholds low={bits(self.low_bits)} high={bits(self.high_bits)} bits",
                  "layer | " + " ".join(f"{'h' + str(h):>9}" for h in range(self.num_heads))]
-        for layer in self.layers:
-            cells = []
-            for head in range(self.num_heads):
-                entry = self.role_of(layer, head)
-                tag = {"attribute": f"A:{(entry.attribute or '')[:3]}", "generalization": "G", "mixed": "M"}[entry.role]
-                cells.append(f"{tag}{'' if entry.entropy is None else f' {entry.entropy:.2f}'}".rjust(9))
-            lines.append(f"{layer + 1:>5} | " + " ".join(cells))
+        def cell(entry: HeadRole) -> str:  # e.g. "A:col 0.00"
+            tag = {"attribute": f"A:{(entry.attribute or '')[:3]}", "generalization": "G", "mixed": "M"}[entry.role]
+            return f"{tag}{'' if entry.entropy is None else f' {entry.entropy:.2f}'}".rjust(9)
+        lines += [f"{layer + 1:>5} | " + " ".join(cell(self.role_of(layer, head)) for head in range(self.num_heads))
+                  for layer in self.layers]
         counts = Counter(h.role if h.role != "attribute" else f"attribute:{h.attribute}" for h in self.heads)
         lines.append("counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
         if not any(h.role == "attribute" for h in self.heads):
@@ -778,9 +762,9 @@ _BANK_WORDS = {  # concept -> (words, templates): the five core attributes, then
 
 if __name__ == "__main__":  # a small demonstration on a random CLIP (no weights needed)
     torch.manual_seed(0)
-    demo_clip = CLIP(embed_dim=64, image_resolution=32, vision_layers=4, vision_width=128, vision_patch_size=8,
-                     vision_heads=4, context_length=16, vocab_size=100, transformer_width=64, transformer_heads=2,
-                     transformer_layers=4).eval()
+    demo_clip = clip_model.CLIP(embed_dim=64, image_resolution=32, vision_layers=4, vision_width=128,
+                                vision_patch_size=8, vision_heads=4, context_length=16, vocab_size=100,
+                                transformer_width=64, transformer_heads=2, transformer_layers=4).eval()
     heads = [HeadRole(3, 0, "attribute", "colour"), HeadRole(3, 1, "attribute", "shape"),
              HeadRole(3, 2, "generalization"), HeadRole(3, 3, "mixed")]
     demo_roles = RoleMap(4, 4, ["colour", "shape"], heads, source="hand-made demo")
