@@ -41,9 +41,9 @@ class DeARError(ValueError):
 # ---- 1. TextSpan: which descriptions explain a head (paper Sec. 3.2, METHOD.md Sec. 3) ----------
 def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
              num_descriptions: int = PAPER_PICKS, rank: int = TEXTSPAN_RANK) -> List[int]:
-    """TextSpan (Gandelsman et al., ICLR 2024, Alg. 1; its authors' picks, in order). contributions (n_images,
-    E): a head's direct contributions to the image embeddings; text_embeddings (n_texts, E) -> indices, each
-    the text varying most across images, whose direction then leaves head and bank (the next says more)."""
+    """TextSpan (Gandelsman et al., ICLR 2024, Alg. 1), picking what its authors' code picks, in order:
+    contributions (n_images, E), one head's direct contributions to the image embeddings, and the bank
+    (n_texts, E) -> indices; each the text varying most across images, then removed from head and bank."""
     num_descriptions = analysis_picks(num_descriptions, len(text_embeddings), len(contributions), rank=rank,
                                       embed_dim=contributions.shape[1])
     data = contributions.double()
@@ -65,8 +65,8 @@ def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
 
 def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *, rank: int = TEXTSPAN_RANK,
                    embed_dim: Optional[int] = None, default: int = PAPER_PICKS) -> int:
-    """TextSpan's picks per head, `requested` (--descriptions) or `default`, at most min(bank size,
-    num_images, rank, embed_dim), the span's rank: a request above, or below 1, is refused."""
+    """TextSpan's picks per head (the one check of it): `requested` (--descriptions) or `default`, at most
+    min(bank size, num_images, rank, embed_dim), the span's rank. A request above, or below 1, is refused."""
     if rank < 1:
         raise DeARError(f"rank={rank}: TextSpan keeps the top `rank` singular directions; use 1 or more")
     if num_images < 2:
@@ -119,7 +119,7 @@ def default_picks(bank: Sequence[Description], attributes: Sequence[str]) -> int
         if entry.concept in attributes:
             values.setdefault(entry.concept, set()).add(entry.value if entry.value is not None else entry.text)
     if not values:
-        raise DeARError(f"the bank has no phrase of any attribute ({', '.join(attributes)}); label phrases with these names")
+        raise DeARError(f"the bank has no phrase of any attribute ({', '.join(attributes)}); label phrases with them")
     return min(len(v) for v in values.values())
 
 
@@ -283,7 +283,7 @@ def check_thresholds(low_bits: Optional[float], high_bits: Optional[float]) -> N
         if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
             raise DeARError(f"{name}={value}: expected a finite entropy in bits, >= 0")
     if None not in (low_bits, high_bits) and low_bits > high_bits:
-        raise DeARError(f"low_bits={low_bits:g} is above high_bits={high_bits:g}; the low threshold must be lower")
+        raise DeARError(f"low_bits={low_bits:g} exceeds high_bits={high_bits:g}: the low threshold must be the smaller")
 
 
 def falls_back_to_class_branch(role_map: RoleMap) -> bool:
@@ -315,7 +315,7 @@ class DeAR(nn.Module):
       vision_tokens   (layers from J, A, C_v)  one token per attribute, fresh at each layer (MMRL++ beta rule)
       text_tokens     (layers from J, K, C_t)  K tokens inserted after the start token
       attribute_proj  (C_v, E)                 attribute tokens -> embedding, init = visual.proj
-      fusion_logits   (1 + A,)                 alpha = softmax over the class and the seeing attribute branches
+      fusion_logits   (1 + A,)                 alpha = softmax over the class branch and those reading the image
     Nothing before J learns: it runs without autograd, shared with the frozen pass, and once per class
     list on the text side (test_dear_reference.py checks these shortcuts)."""
     LEARNABLE = ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits")
