@@ -283,7 +283,7 @@ def check_thresholds(low_bits: Optional[float], high_bits: Optional[float]) -> N
         if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
             raise DeARError(f"{name}={value}: expected a finite entropy in bits, >= 0")
     if None not in (low_bits, high_bits) and low_bits > high_bits:
-        raise DeARError(f"low_bits={low_bits:g} exceeds high_bits={high_bits:g}: the low threshold must be the smaller")
+        raise DeARError(f"low_bits={low_bits:g} is above high_bits={high_bits:g}; make the low threshold the smaller")
 
 
 def falls_back_to_class_branch(role_map: RoleMap) -> bool:
