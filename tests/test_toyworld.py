@@ -168,10 +168,10 @@ def test_saved_checkpoint_reloads_with_the_same_embeddings(tmp_path):
     write_bpe(world.corpus(), path)
     tokenizer = clip_model.SimpleTokenizer(path)
     config = pretrain.replace(pretrain.CONFIGS["miniature"], max_steps=3, eval_every=3, log_every=3)
-    model = pretrain.pretrain(config, tokenizer, log=lambda line: None)
+    model, _ = pretrain.pretrain(config, tokenizer, log=lambda line: None)
     torch.save(model.state_dict(), tmp_path / "clip.pt")
     loaded, preprocess = clip_model.load(str(tmp_path / "clip.pt"), head_width=config.head_width)
-    images, _ = pretrain.draw_batch(random.Random(0), np.random.default_rng(0), 4, config.image_size)
+    images, _ = pretrain.draw_batch(0, 4, config.image_size)
     ids = tokenizer.tokenize(world.attribute_prompts("shape"), config.context_length)
     with torch.no_grad():
         assert_close(loaded.encode_image(images), model.encode_image(images), 1e-6, "image embeddings")
@@ -372,7 +372,7 @@ def test_split_scenes_are_the_scenes_the_task_images_were_drawn_from(tmp_path):
 
 def test_ablation_hook_replaces_only_that_head_and_removing_it_restores_the_model(mini_model):
     model, _ = mini_model
-    images, _ = pretrain.draw_batch(random.Random(0), np.random.default_rng(0), 8, 16)
+    images, _ = pretrain.draw_batch(0, 8, 16)
     means = causal.mean_head_outputs(model, images, [1])
     seen = {}
     out_proj = model.visual.transformer.resblocks[1].attn.out_proj
@@ -380,7 +380,7 @@ def test_ablation_hook_replaces_only_that_head_and_removing_it_restores_the_mode
     with torch.no_grad():
         plain = model.encode_image(images)
         clean_input = seen["x"]
-        with causal.ablate_head(model, layer=1, head=0, mean_output=means[1]):
+        with causal.ablate_heads(model, [(1, 0)], means):
             ablated = model.encode_image(images)
         ablated_input = seen["x"]
         restored = model.encode_image(images)
@@ -395,7 +395,7 @@ def test_ablation_hook_replaces_only_that_head_and_removing_it_restores_the_mode
 
 def test_group_ablation_replaces_every_head_of_the_group_across_layers(mini_model):
     model, _ = mini_model
-    images, _ = pretrain.draw_batch(random.Random(0), np.random.default_rng(0), 8, 16)
+    images, _ = pretrain.draw_batch(0, 8, 16)
     means = causal.mean_head_outputs(model, images, [0, 1])
     D = model.visual.transformer.resblocks[1].attn.head_dim
     seen = {}

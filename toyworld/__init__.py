@@ -2,28 +2,15 @@
 toyworld -- a small world of drawn shapes, a tiny CLIP pretrained on it from scratch on a CPU,
 and a downstream task, so that the whole DeAR pipeline runs (and can be *measured*) offline.
 
-Why it exists (docs/METHOD.md Sec. 8): real CLIP weights and benchmark images cannot be fetched
-without a network, and even with them a laptop cannot ask "does a head that concept entropy
-calls 'colour' really carry colour?". Here it can: every image is drawn from known attribute
-values, so each claim of the method has a ground truth. What the toy world shows about real
-CLIP is only what it shows about its own small world.
+Why (docs/METHOD.md Sec. 8): with real CLIP one cannot ask "does a head that concept entropy
+calls 'colour' really carry colour?". Here one can: every image is drawn from known attribute
+values, so each claim of the method has a ground truth (about this small world only).
 
-The world (world.py): one object per image on a noisy grey background,
-    colour   red orange yellow green cyan blue purple pink
-    shape    circle square triangle diamond cross star
-    texture  solid striped dotted checkered
-    position top left, top right, bottom left, bottom right
-plus two non-core attributes (size: small/large, background: dark/light), with jittered size,
-position and colour. Captions name all or some of these ("a photo of a red striped circle at
-the top left", "a photo of a red object").
-
-The package, in the order `prepare` uses it:
     world.py     the attribute table, the renderer, captions, the description bank
     bpe.py       a byte-level BPE learned from the captions, in OpenAI's merges-file format
     pretrain.py  CLIP's contrastive pretraining of a tiny clip_model.CLIP; the cache; the
                  shipped model (assets/full/, checked by SHA-256)
-    task.py      the downstream task (colour x shape classes, shifted drawing style) in
-                 CoOp's layout, read by data.py's "toyworld" registry row
+    task.py      the downstream task in CoOp's layout (data.py's "toyworld" registry row)
     causal.py    mean-ablation of each head vs its concept-entropy role
     __main__.py  python -m toyworld: prepare and show what was made
 
@@ -48,20 +35,18 @@ from typing import Callable, Optional
 
 __all__ = ["ToyAssets", "prepare", "causal_check", "SCALES"]
 
-# What each scale builds: the pretraining config (a key of pretrain.CONFIGS) and the task's
-# settings (task.TaskConfig fields). "full" is the lab (its model is shipped; building it again
-# takes ~11 minutes on 2 cores); "miniature" is for the tests (16 px, 2 layers, seconds).
+# What each scale builds: a key of pretrain.CONFIGS and task.TaskConfig's fields. "full" is the
+# lab (its model is shipped; building it again takes ~11 minutes on 2 cores); "miniature" is
+# for the tests (16 px, 2 layers, seconds).
 SCALES = {
     "full": {"pretrain": "full", "task": {"image_size": 48, "images_per_class": (32, 8, 30)}},
     "miniature": {"pretrain": "miniature", "task": {"image_size": 16, "images_per_class": (16, 4, 4)}},
 }
 
-# The submodules are imported where they are used, not here, so that `python -m toyworld.task`
-# (or .pretrain, .world, .bpe) runs its module once, without runpy's "found in sys.modules"
-# warning. `toyworld.causal_check` is looked up on first use (PEP 562).
-
 
 def __getattr__(name: str):
+    # `toyworld.causal_check`, imported on first use (PEP 562): importing the submodules here
+    # would make `python -m toyworld.pretrain` (.world, ...) run its module twice.
     if name == "causal_check":
         from toyworld.causal import causal_check
 
@@ -80,30 +65,22 @@ class ToyAssets:
     attributes: list[str]  # the core attributes, in attribute-token order
     bank: list[tuple[str, str, str]]  # (text, concept, value) triples: the toy description bank for the head analysis
     image_size: int  # pixels; the model's input resolution
-    scale: str = "full"
     report: dict = field(default_factory=dict)  # pretraining figures (parameters, seconds, zero-shot)
 
 
 def prepare(scale: str = "full", cache_dir: Optional[str] = None,
             log: Callable[[str], None] = print, rebuild: bool = False) -> ToyAssets:
-    """Find (or make) the toy CLIP and its BPE file, and make (or reuse) the downstream task;
-    return where they are.
+    """Find (or make) the toy CLIP and its BPE file, and make (or reuse) the downstream task.
 
-    The "full" model is shipped in toyworld/assets/full/ (checked by SHA-256): every user
-    gets the very model the README was measured on, in seconds. Other scales are built.
-    cache_dir: the cache root (default clip_model.default_cache_dir(), i.e. $CLIP_CACHE_DIR or
-    ~/.cache/clip-from-scratch); the task, and any model built here, go under
-    <cache_dir>/toyworld/<scale>/. A cache that is missing, incomplete, corrupt or made with
-    other settings is rebuilt, with a line saying why; a good one is reused (no retraining).
-    rebuild=True pretrains the model afresh in the cache (about 11 minutes for "full") and
-    returns that one instead of the shipped one.
-    """
+    The "full" model is the shipped one (toyworld/assets/full/, checked by SHA-256): every user
+    gets the very model the README was measured on. Other scales, and everything with
+    rebuild=True, are built in <cache_dir>/toyworld/<scale>/ (cache_dir: default
+    clip_model.default_cache_dir()), where the task is written too. A cache that is missing,
+    incomplete, corrupt or made with other settings is rebuilt, with a line saying why."""
     import runs
     from toyworld import world
-    from toyworld.pretrain import CONFIGS, pretrained_clip
+    from toyworld.pretrain import CONFIGS, cache_folder, pretrained_clip
     from toyworld.task import TaskConfig, write_task
-
-    from toyworld.pretrain import cache_folder
 
     if scale not in SCALES:
         raise ValueError(f"unknown toy world scale {scale!r}; expected one of {', '.join(SCALES)}")
@@ -123,4 +100,4 @@ def prepare(scale: str = "full", cache_dir: Optional[str] = None,
         write_task(data_root, task_config, log)
     return ToyAssets(weights=cached.weights, bpe=cached.bpe, head_width=cached.head_width,
                      data_root=data_root, attributes=list(world.ATTRIBUTES), bank=world.toy_bank(),
-                     image_size=config.image_size, scale=scale, report=cached.report)
+                     image_size=config.image_size, report=cached.report)

@@ -7,9 +7,6 @@ python -m toyworld -- prepare the toy world (or find it in the cache) and show w
     python -m toyworld --grid samples.png            # a grid of images with their captions
     python -m toyworld --rebuild                     # pretrain the full model again (~11 minutes)
                                                      # and say whether it is the shipped one
-
-Prints the paths train.py uses, the pretraining figures, the task's zero-shot accuracy on its
-base and novel classes, and (with --causal) the head analysis and the ablation table.
 """
 
 from __future__ import annotations
@@ -18,8 +15,8 @@ import os
 import random
 import sys
 import textwrap
+from typing import Optional
 
-import numpy as np
 import torch
 
 import clip_model
@@ -28,7 +25,7 @@ import data
 import dear
 import toyworld
 from toyworld import world
-from toyworld.pretrain import draw_batch
+from toyworld.pretrain import compare_with_shipped, draw_batch
 from toyworld.task import zero_shot_on_task
 
 
@@ -54,30 +51,28 @@ def save_grid(path: str, image_size: int, rows: int = 4, columns: int = 6, seed:
     sheet.save(path)
 
 
-def writable_folder(path: str, flag: str) -> None:
-    """Stop (one line) unless files can be made in `path`, or in the folder that would hold
-    it: checked before the minutes of preparing the world, not after."""
-    reason = runs.unwritable_reason(path)
-    if reason:
-        raise ValueError(f"{flag} {path}: {reason}")
-
-
-def check_paths(args) -> None:
+def path_problem(args) -> Optional[str]:
+    """What is wrong with --cache-dir or --grid, in one line, or None: checked before the
+    minutes of preparing the world, not after."""
     from PIL import Image
 
     if args.cache_dir is not None:
         if os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
-            raise ValueError(f"--cache-dir {args.cache_dir}: is a file, not a folder")
-        writable_folder(args.cache_dir, "--cache-dir")
+            return f"--cache-dir {args.cache_dir}: is a file, not a folder"
+        if reason := runs.unwritable_reason(args.cache_dir):
+            return f"--cache-dir {args.cache_dir}: {reason}"
     if args.grid is not None:
         Image.init()
+        folder = os.path.dirname(os.path.abspath(args.grid))
         if os.path.splitext(args.grid)[1].lower() not in Image.registered_extensions():
-            raise ValueError(f"--grid {args.grid}: expected an image file name (e.g. samples.png)")
+            return f"--grid {args.grid}: expected an image file name (e.g. samples.png)"
         if os.path.isdir(args.grid):
-            raise ValueError(f"--grid {args.grid}: is a folder; give a file name (e.g. samples.png)")
-        if not os.path.isdir(os.path.dirname(os.path.abspath(args.grid))):
-            raise ValueError(f"--grid {args.grid}: its folder does not exist (or is a file)")
-        writable_folder(os.path.dirname(os.path.abspath(args.grid)), "--grid")
+            return f"--grid {args.grid}: is a folder; give a file name (e.g. samples.png)"
+        if not os.path.isdir(folder):
+            return f"--grid {args.grid}: its folder does not exist (or is a file)"
+        if reason := runs.unwritable_reason(folder):
+            return f"--grid {folder}: {reason}"
+    return None
 
 
 def main(argv=None) -> int:
@@ -89,17 +84,15 @@ def main(argv=None) -> int:
     parser.add_argument("--rebuild", action="store_true", help="pretrain the model afresh in the cache (full: "
                         "~11 minutes) instead of using the shipped one, and compare the two")
     args = parser.parse_args(argv)
-    try:
-        check_paths(args)
-    except ValueError as error:
-        print(f"python -m toyworld: error: {error}", file=sys.stderr)
-        return 2
-    torch.set_num_threads(min(torch.get_num_threads(), 2))
-
-    try:
-        assets = toyworld.prepare(args.scale, args.cache_dir, rebuild=args.rebuild)
-    except (clip_model.CLIPFileError, OSError) as error:
-        print(f"python -m toyworld: error: {error}", file=sys.stderr)
+    problem = path_problem(args)
+    if problem is None:
+        torch.set_num_threads(min(torch.get_num_threads(), 2))
+        try:
+            assets = toyworld.prepare(args.scale, args.cache_dir, rebuild=args.rebuild)
+        except (clip_model.CLIPFileError, OSError) as error:
+            problem = str(error)
+    if problem is not None:
+        print(f"python -m toyworld: error: {problem}", file=sys.stderr)
         return 2
     print(f"\nweights     {assets.weights}  (clip_model.load(..., head_width={assets.head_width}))")
     print(f"bpe         {assets.bpe}")
@@ -108,25 +101,21 @@ def main(argv=None) -> int:
           f"{len({dear.Description(*d).concept for d in assets.bank})} concepts")
     print(f"pretraining {assets.report}")
     if args.rebuild:
-        from toyworld.pretrain import compare_with_shipped
-
         print(f"rebuilt     {compare_with_shipped(assets.weights, assets.bpe, toyworld.SCALES[args.scale]['pretrain'])}")
 
     model, _ = clip_model.load(assets.weights, head_width=assets.head_width)
     tokenizer = clip_model.SimpleTokenizer(assets.bpe)
-    with torch.no_grad():
-        for subsample in ("base", "novel"):
-            accuracy = zero_shot_on_task(model, tokenizer, assets.data_root, subsample)
-            print(f"task zero-shot accuracy, {subsample} classes (test): {accuracy:.1%}")
+    for subsample in ("base", "novel"):
+        accuracy = zero_shot_on_task(model, tokenizer, assets.data_root, subsample)
+        print(f"task zero-shot accuracy, {subsample} classes (test): {accuracy:.1%}")
 
     if args.grid:
         save_grid(args.grid, assets.image_size)
         print(f"wrote {args.grid}")
     if args.causal:
-        layers = len(model.visual.transformer.resblocks)
-        images, _ = draw_batch(random.Random(7), np.random.default_rng(7), 256, assets.image_size)
-        roles = dear.analyze_heads(model, [images], tokenizer, assets.bank, assets.attributes,
-                                   num_layers=min(2, layers), num_descriptions=10, log=lambda line: None)
+        images, _ = draw_batch(7, 256, assets.image_size)
+        roles = dear.analyze_heads(model, [images], tokenizer, assets.bank, assets.attributes, log=lambda line: None,
+                                   num_layers=min(2, len(model.visual.transformer.resblocks)), num_descriptions=10)
         print(roles.table())
         print(toyworld.causal_check(model, tokenizer, roles)["table"])
     return 0

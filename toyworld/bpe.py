@@ -2,24 +2,13 @@
 toyworld/bpe.py -- learn a small byte-level BPE from the toy world's captions, and write it in
 OpenAI's merges-file format so that `clip_model.SimpleTokenizer(path)` reads it unchanged.
 
-What this file holds:
-
-    1. pre-tokenisation ... the same cleaning, lower-casing, regex and bytes -> characters map
-                            as clip_model.SimpleTokenizer (imported from there, not copied)
+    1. pre-tokenisation ... clip_model.SimpleTokenizer's own cleaning, regex and byte map
     2. training ........... the classic BPE loop (Sennrich et al., 2016): count adjacent symbol
                             pairs over the corpus's words, merge the most frequent, repeat
-    3. the file ........... "#version: ..." then one "left right" merge per line, gzipped,
-                            written atomically (temp file + rename)
+    3. the file ........... "#version: ..." then one "left right" merge per line, gzipped
 
-How it fits: toyworld/__init__.py calls `write_bpe(corpus(), path)` once; from then on the
-toy CLIP's tokenizer is `clip_model.SimpleTokenizer(path)`, the real code path. Its
-vocabulary is 512 (bytes, and bytes ending a word) + merges + 2 special tokens, so the toy
-CLIP is built with exactly that `vocab_size`.
-
-Why learn one at all, when CLIP's own 49k-merge file would tokenise the captions too: the
-real file is not available offline, and 49,408 token embeddings would be most of a 1M-parameter
-model. A BPE learned from our ~60 words has a few hundred merges and spells every corpus word
-as one token.
+Why learn one: CLIP's own 49k-merge file is not available offline, and 49,408 token embeddings
+would be most of a 1M-parameter model. Ours has a few hundred merges, one token per corpus word.
 
 Try it:  python -m toyworld.bpe /tmp/toy_bpe.txt.gz
 """
@@ -34,44 +23,32 @@ from typing import Iterable
 import regex as re
 
 import clip_model
-from clip_model import basic_clean, bytes_to_unicode, whitespace_clean
 
 VERSION_LINE = "#version: toy world BPE (dear-from-scratch toyworld/bpe.py)"
-
-# ------------------------------------------------------------------------------------------
-# 1. Pre-tokenisation: exactly what SimpleTokenizer.encode does before its merges
-# ------------------------------------------------------------------------------------------
+_BYTE_ENCODER = clip_model.bytes_to_unicode()  # byte value -> printable character
 
 
-# The pre-tokenisation regex of clip_model.SimpleTokenizer (OpenAI's), its one copy; the tests
-# also round-trip every caption through SimpleTokenizer with the learned file.
-_PATTERN = clip_model.PRETOKENIZE
-_BYTE_ENCODER = bytes_to_unicode()  # byte value -> printable character (clip_model's map)
-
-
+# ---- 1. Pre-tokenisation: exactly what SimpleTokenizer.encode does before its merges -----
 def words_of(text: str) -> list[str]:
     """Text -> the words SimpleTokenizer would apply merges to, each spelled in
     bytes_to_unicode characters ("a red circle." -> ["a", "red", "circle", "."])."""
-    cleaned = whitespace_clean(basic_clean(text)).lower()
-    return ["".join(_BYTE_ENCODER[b] for b in word.encode("utf-8")) for word in re.findall(_PATTERN, cleaned)]
+    cleaned = clip_model.whitespace_clean(clip_model.basic_clean(text)).lower()
+    return ["".join(_BYTE_ENCODER[b] for b in word.encode("utf-8"))
+            for word in re.findall(clip_model.PRETOKENIZE, cleaned)]
 
 
-# ------------------------------------------------------------------------------------------
-# 2. Training
-# ------------------------------------------------------------------------------------------
-
-
+# ---- 2. Training -------------------------------------------------------------------------
 def train_bpe(texts: Iterable[str], max_merges: int = 2000) -> list[tuple[str, str]]:
     """Learn merges from `texts`, most useful first.
 
     Each distinct word starts as its characters, the last one marked as a word end
-    ("red" -> r, e, d</w>), exactly the form SimpleTokenizer.bpe starts from. Then, until no
-    word has two symbols left (or max_merges is reached): count every adjacent pair, weighted
-    by how often its word occurs; merge the most frequent pair everywhere; record it. Ties go
-    to the alphabetically smallest pair, so the same corpus always gives the same file.
+    ("red" -> r, e, d</w>), the form SimpleTokenizer.bpe starts from. Then, until no word has
+    two symbols left (or max_merges is reached): count every adjacent pair, weighted by how
+    often its word occurs; merge the most frequent pair everywhere (by SimpleTokenizer's own
+    rule, clip_model.merge_pair); record it. Ties go to the alphabetically smallest pair, so
+    the same corpus always gives the same file.
     """
     word_counts = Counter(word for text in texts for word in words_of(text))
-    # Each word as a tuple of symbols; the last carries "</w>".
     spelled = {tuple(word[:-1]) + (word[-1] + "</w>",): count for word, count in word_counts.items()}
     merges: list[tuple[str, str]] = []
     while len(merges) < max_merges:
@@ -83,25 +60,14 @@ def train_bpe(texts: Iterable[str], max_merges: int = 2000) -> list[tuple[str, s
             break  # every word is one symbol: nothing left to merge
         best = min(pair_counts, key=lambda pair: (-pair_counts[pair], pair))
         merges.append(best)
-        spelled = {_merge(symbols, best): count for symbols, count in spelled.items()}
+        spelled = {tuple(clip_model.merge_pair(symbols, best)): count for symbols, count in spelled.items()}
     return merges
 
 
-def _merge(symbols: tuple, pair: tuple[str, str]) -> tuple:
-    """One merge, by the very rule SimpleTokenizer.bpe applies (clip_model.merge_pair)."""
-    return tuple(clip_model.merge_pair(symbols, pair))
-
-
-# ------------------------------------------------------------------------------------------
-# 3. The merges file (OpenAI's bpe_simple_vocab_16e6.txt.gz format)
-# ------------------------------------------------------------------------------------------
-
-
+# ---- 3. The merges file (OpenAI's bpe_simple_vocab_16e6.txt.gz format) -------------------
 def write_bpe(texts: Iterable[str], path: str) -> int:
     """Learn merges from `texts` and write them to `path` (gzipped if it ends in .gz),
     atomically. Returns the vocabulary size SimpleTokenizer will have: 512 + merges + 2."""
-    from toyworld._files import atomic_write  # the package's one temp-file-and-rename helper
-
     merges = train_bpe(texts)
     assert len(merges) <= clip_model._MAX_MERGES, "SimpleTokenizer would ignore merges past its limit"
     text = "\n".join([VERSION_LINE] + [f"{left} {right}" for left, right in merges]) + "\n"
@@ -116,7 +82,7 @@ def write_bpe(texts: Iterable[str], path: str) -> int:
             with gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as packed:
                 packed.write(text.encode("utf-8"))
 
-    atomic_write(path, write)
+    clip_model.atomic_write(path, write)
     return 2 * 256 + len(merges) + 2
 
 

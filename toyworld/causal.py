@@ -2,23 +2,17 @@
 toyworld/causal.py -- does concept entropy name what a head *does*? A measured check by ablation.
 
 DeAR (paper Sec. 3.2) calls a head an "attribute head for colour" because the text directions
-its output varies along are mostly colour words. That is a correlational reading. In the toy
-world we can ask the causal question directly, because every image's colour, shape, texture
-and position are known:
-
-    1. Reference: run the tiny CLIP over a reference set of images and record, for every
-       analysed head, its mean output at every token position, (N, D).
-    2. Ablate one head: replace its output by that mean (mean-ablation) and measure zero-shot
-       accuracy per attribute with partial-caption prompts ("a photo of a red object" vs
-       "... blue object" ...). The drop from the unablated model is what the head carried.
-    3. Compare with the head's role from the RoleMap.
+its output varies along are mostly colour words: a correlational reading. In the toy world the
+causal question can be asked, because every image's attribute values are known: replace a head's
+output by its mean over reference images (mean-ablation), measure zero-shot accuracy per
+attribute with partial-caption prompts ("a photo of a red object" vs "... blue object" ...),
+and compare the drop from the unablated model (what the head carried) with the head's role.
 
 What is measured per head and attribute: the drop in zero-shot *accuracy* (as a fraction:
-0.05 = 5 points) and the drop in the mean *log-probability* of the true value (in nats).
-Accuracy is the number one reports, but it saturates: when colour is recognised with 100%
-accuracy by a wide margin, removing one colour head rarely flips a prediction, even though
-it visibly lowers the model's confidence. So agreement is decided on the log-probability
-drops by default (measure="log_prob"); measure="accuracy" decides on accuracy instead.
+0.05 = 5 points) and in the mean *log-probability* of the true value (in nats). Accuracy
+saturates: when colour is recognised at 100% by a wide margin, removing one colour head rarely
+flips a prediction, though it visibly lowers the model's confidence. So agreement is decided on
+the log-probability drops by default (measure="log_prob"), or on accuracy (measure="accuracy").
 
 Agreement, as defined here (our choice; the paper runs no such test):
     A head's drops *single out* an attribute when its largest drop is at least `min_drop`
@@ -29,13 +23,9 @@ Agreement, as defined here (our choice; the paper runs no such test):
       - a mixed head is reported but not scored (it is by definition in between).
     The agreement rate is agreements / scored heads (attribute + generalization heads).
 
-How the ablation works: `MultiHeadAttention` puts the heads side by side, (B, N, H*D), right
-before `attn.out_proj` mixes them (clip_model.py), so head h's output is channels
-[h*D, (h+1)*D) of out_proj's *input*. A forward pre-hook on `block.attn.out_proj` can read or
-overwrite exactly that slice; removing the hook restores the model exactly.
-
-How it fits: toyworld/__init__.py exports `causal_check`; train.py can call it with the RoleMap
-from dear.analyze_heads on the toy CLIP and print its markdown table.
+How the ablation works: clip_model's attention puts the heads side by side, (B, N, H*D), right
+before `attn.out_proj` mixes them, so head h's output is channels [h*D, (h+1)*D) of out_proj's
+*input*, which a forward pre-hook reads or overwrites; removing the hook restores the model.
 
 Try it:  python -m toyworld --scale miniature --causal
 """
@@ -43,10 +33,8 @@ Try it:  python -m toyworld --scale miniature --causal
 from __future__ import annotations
 
 import contextlib
-import random
 from typing import Callable, Iterator, Optional, Sequence
 
-import numpy as np
 import torch
 
 import clip_model
@@ -54,15 +42,8 @@ import dear
 from toyworld import world
 from toyworld.pretrain import draw_batch, prompt_features, zero_shot_scores
 
-# ------------------------------------------------------------------------------------------
-# 1. Reading and replacing one head's output
-# ------------------------------------------------------------------------------------------
 
-
-def _out_proj(model: clip_model.CLIP, layer: int) -> torch.nn.Linear:
-    return model.visual.transformer.resblocks[layer].attn.out_proj
-
-
+# ---- 1. Reading and replacing one head's output ------------------------------------------
 @torch.no_grad()
 def mean_head_outputs(model: clip_model.CLIP, images: torch.Tensor, layers: Sequence[int]) -> dict[int, torch.Tensor]:
     """For each layer, the mean over `images` of out_proj's input: (N, H*D), i.e. every
@@ -72,7 +53,7 @@ def mean_head_outputs(model: clip_model.CLIP, images: torch.Tensor, layers: Sequ
     for layer in layers:
         def record(module, inputs, layer=layer):
             means[layer] = inputs[0].mean(dim=0)  # (B, N, C) -> (N, C)
-        handles.append(_out_proj(model, layer).register_forward_pre_hook(record))
+        handles.append(model.visual.transformer.resblocks[layer].attn.out_proj.register_forward_pre_hook(record))
     try:
         model.encode_image(images)
     finally:
@@ -82,47 +63,37 @@ def mean_head_outputs(model: clip_model.CLIP, images: torch.Tensor, layers: Sequ
 
 
 @contextlib.contextmanager
-def ablate_head(model: clip_model.CLIP, layer: int, head: int, mean_output: torch.Tensor) -> Iterator[None]:
-    """Inside the block, head `head` of vision layer `layer` (0-based) outputs `mean_output`
-    (its (N, H*D) mean from mean_head_outputs; only the head's own D channels are used)
-    instead of what it computes. The hook is removed on leaving, whatever happens."""
-    attn = model.visual.transformer.resblocks[layer].attn
-    D = attn.head_dim
-    channels = slice(head * D, (head + 1) * D)
+def ablate_heads(model: clip_model.CLIP, heads: Sequence[tuple[int, int]],
+                 means: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Inside the block, each head of `heads` ((layer, head) pairs, 0-based, vision tower)
+    outputs its mean from mean_head_outputs (its own D channels of means[layer], (N, H*D))
+    instead of what it computes. Pre-hooks on one out_proj chain (each sees the previous
+    one's output), so heads of one layer combine. The hooks are removed on leaving."""
+    handles = []
+    for layer, head in heads:
+        attn = model.visual.transformer.resblocks[layer].attn
 
-    def replace(module, inputs):
-        merged = inputs[0].clone()  # (B, N, H*D): never write into the attention's own tensor
-        merged[..., channels] = mean_output[..., channels].to(merged.dtype)  # broadcast over B
-        return (merged,)
+        def replace(module, inputs, channels=slice(head * attn.head_dim, (head + 1) * attn.head_dim),
+                    mean_output=means[layer]):
+            merged = inputs[0].clone()  # (B, N, H*D): never write into the attention's own tensor
+            merged[..., channels] = mean_output[..., channels].to(merged.dtype)  # broadcast over B
+            return (merged,)
 
-    handle = attn.out_proj.register_forward_pre_hook(replace)
+        handles.append(attn.out_proj.register_forward_pre_hook(replace))
     try:
         yield
     finally:
-        handle.remove()
-
-
-@contextlib.contextmanager
-def ablate_heads(model: clip_model.CLIP, heads: Sequence[tuple[int, int]],
-                 means: dict[int, torch.Tensor]) -> Iterator[None]:
-    """Mean-ablate several heads at once ((layer, head) pairs, 0-based). Pre-hooks on one
-    out_proj chain (each sees the previous one's output), so heads of one layer combine."""
-    with contextlib.ExitStack() as stack:
-        for layer, head in heads:
-            stack.enter_context(ablate_head(model, layer, head, means[layer]))
-        yield
+        for handle in handles:
+            handle.remove()
 
 
 def head_groups(role_map: dear.RoleMap, attributes: Sequence[str]) -> list[dict]:
-    """The groups ablated together: all heads of one role, and all heads concept entropy
-    names for one attribute (the attribute heads for it). Why groups: when colour is carried
-    by three heads, removing any one of them costs little, and single-head ablation cannot
-    tell "redundant" from "absent"; removing the three together can.
-
-    Each group: {"name", "heads": [(layer, head)], "expects": the attribute its removal
-    should single out, None for "no attribute" (generalization heads), or "-" (not scored:
-    mixed heads, and all attribute heads together, which span several attributes)}. Empty
-    groups are left out."""
+    """The groups ablated together: all heads of one role, and all heads concept entropy names
+    for one attribute. Why: when three heads carry colour, removing one costs little, and
+    single-head ablation cannot tell "redundant" from "absent"; removing the three can.
+    Each non-empty group: {"name", "heads": [(layer, head)], "expects": the attribute its
+    removal should single out, None for none (generalization heads), or "-" (not scored:
+    mixed heads, and all attribute heads together, which span several attributes)}."""
     groups = []
     for role, expects in (("attribute", "-"), ("generalization", None), ("mixed", "-")):
         members = [(h.layer, h.head) for h in role_map.heads if h.role == role]
@@ -133,16 +104,12 @@ def head_groups(role_map: dear.RoleMap, attributes: Sequence[str]) -> list[dict]
     return [group for group in groups if group["heads"]]
 
 
+# ---- 2. The check ------------------------------------------------------------------------
 def _selectivity(decisive: dict[str, float], attribute: str) -> float:
     """How much more removing a unit costs `attribute` than any other attribute:
     drop(attribute) - max drop(other) (negative drops count as 0)."""
     others = [max(value, 0.0) for name, value in decisive.items() if name != attribute]
     return decisive[attribute] - max(others, default=0.0)
-
-
-# ------------------------------------------------------------------------------------------
-# 2. The check
-# ------------------------------------------------------------------------------------------
 
 
 def _singled_out(drops: dict[str, float], min_drop: float, dominance: float) -> Optional[str]:
@@ -152,145 +119,136 @@ def _singled_out(drops: dict[str, float], min_drop: float, dominance: float) -> 
     return top if top_drop >= min_drop and top_drop >= dominance * second_drop else None
 
 
+def _rate(units: list[dict]) -> tuple[Optional[float], int]:
+    """(share of the scored units that agree, or None if none is scored; how many are scored)."""
+    scored = [unit["agrees"] for unit in units if unit["agrees"] is not None]
+    return (sum(scored) / len(scored) if scored else None), len(scored)
+
+
 @torch.no_grad()
 def causal_check(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer, role_map: dear.RoleMap,
                  attributes: Sequence[str] = tuple(world.ATTRIBUTES), n_images: int = 512,
                  style: str = "pretrain", seed: int = 1, measure: str = "log_prob",
                  min_drop: Optional[float] = None, dominance: float = 2.0,
                  log: Callable[[str], None] = print) -> dict:
-    """Mean-ablate every head the RoleMap covers and compare the drops with its role.
-
-    Images are drawn fresh from the toy world (n_images to evaluate on, another n_images as the
-    reference for the means), at the model's own resolution and in `style`.
+    """Mean-ablate every head the RoleMap covers, and groups of them, and compare the drops
+    with the roles, on n_images fresh toy images in `style` (another n_images for the means).
     Returns {"baseline": {attribute: {"accuracy", "log_prob"}}, "heads": [one dict per head:
     layer (0-based), head, role, attribute, entropy, drops {attribute: accuracy lost, as a
     fraction}, log_prob_drops {attribute: nats lost}, top_attribute (largest drop by
     `measure`), singled_out (attribute or None), agrees (True/False, None for mixed)],
-    "agreement_rate": float or None, "scored": int, "measure", "min_drop", "dominance",
-    "table": markdown}.
+    "agreement_rate": float or None, "scored": int, "groups" (the same per group, with name,
+    heads, expects), "group_agreement_rate", "groups_scored", "best_per_attribute",
+    "measure", "min_drop", "dominance", "table": markdown}.
     """
     if measure not in ("log_prob", "accuracy"):
         raise ValueError(f"measure={measure!r}: expected 'log_prob' or 'accuracy'")
     min_drop = min_drop if min_drop is not None else (0.05 if measure == "log_prob" else 0.02)
+    decisive_key = "log_prob_drops" if measure == "log_prob" else "drops"
     clip = clip.eval()
     size = clip.visual.input_resolution
-    images, scenes = draw_batch(random.Random(seed), np.random.default_rng(seed), n_images, size, style)
-    reference, _ = draw_batch(random.Random(seed + 1), np.random.default_rng(seed + 1), n_images, size, style)
+    images, scenes = draw_batch(seed, n_images, size, style)
+    reference, _ = draw_batch(seed + 1, n_images, size, style)
     text = prompt_features(clip, tokenizer, attributes)  # the text side is never ablated
     baseline = zero_shot_scores(clip, images, scenes, text)
     means = mean_head_outputs(clip, reference, role_map.layers)
 
+    def ablated(heads: Sequence[tuple[int, int]]) -> dict:
+        """The drops when `heads` are mean-ablated together, and what they single out."""
+        with ablate_heads(clip, heads, means):
+            scores = zero_shot_scores(clip, images, scenes, text)
+        unit = {"drops": {name: baseline[name]["accuracy"] - scores[name]["accuracy"] for name in attributes},
+                "log_prob_drops": {name: baseline[name]["log_prob"] - scores[name]["log_prob"] for name in attributes}}
+        decisive = unit[decisive_key]
+        return {**unit, "top_attribute": max(decisive, key=decisive.get),
+                "singled_out": _singled_out(decisive, min_drop, dominance)}
+
     rows = []
     for entry in role_map.heads:
-        with ablate_head(clip, entry.layer, entry.head, means[entry.layer]):
-            ablated = zero_shot_scores(clip, images, scenes, text)
-        drops = {name: baseline[name]["accuracy"] - ablated[name]["accuracy"] for name in attributes}
-        log_prob_drops = {name: baseline[name]["log_prob"] - ablated[name]["log_prob"] for name in attributes}
-        decisive = log_prob_drops if measure == "log_prob" else drops
-        singled = _singled_out(decisive, min_drop, dominance)
-        if entry.role == "attribute":
-            agrees = singled == entry.attribute
-        elif entry.role == "generalization":
-            agrees = singled is None
-        else:
-            agrees = None  # mixed heads are not scored
-        rows.append({"layer": entry.layer, "head": entry.head, "role": entry.role, "attribute": entry.attribute,
-                     "entropy": entry.entropy, "drops": drops, "log_prob_drops": log_prob_drops,
-                     "top_attribute": max(decisive, key=decisive.get), "singled_out": singled, "agrees": agrees})
-    scored = [row for row in rows if row["agrees"] is not None]
-    rate = sum(row["agrees"] for row in scored) / len(scored) if scored else None
+        row = {"layer": entry.layer, "head": entry.head, "role": entry.role, "attribute": entry.attribute,
+               "entropy": entry.entropy, **ablated([(entry.layer, entry.head)])}
+        row["agrees"] = {"attribute": row["singled_out"] == entry.attribute,
+                         "generalization": row["singled_out"] is None}.get(entry.role)
+        rows.append(row)
 
     # The same for groups of heads removed together: the groups concept entropy defines, and,
     # per attribute, the heads whose own ablation singles it out (the group ablation itself
     # would name; not scored, it is the yardstick).
-    by_ablation = []
-    for attribute in attributes:
-        members = [(row["layer"], row["head"]) for row in rows if row["singled_out"] == attribute]
-        if members:
-            by_ablation.append({"name": f"{attribute} heads (ablation)", "heads": members, "expects": "-"})
+    by_ablation = [{"name": f"{attribute} heads (ablation)",
+                    "heads": [(row["layer"], row["head"]) for row in rows if row["singled_out"] == attribute],
+                    "expects": "-"} for attribute in attributes]
     groups = []
-    for group in head_groups(role_map, attributes) + by_ablation:
-        with ablate_heads(clip, group["heads"], means):
-            ablated = zero_shot_scores(clip, images, scenes, text)
-        drops = {name: baseline[name]["accuracy"] - ablated[name]["accuracy"] for name in attributes}
-        log_prob_drops = {name: baseline[name]["log_prob"] - ablated[name]["log_prob"] for name in attributes}
-        decisive = log_prob_drops if measure == "log_prob" else drops
-        singled = _singled_out(decisive, min_drop, dominance)
-        agrees = None if group["expects"] == "-" else singled == group["expects"]
-        groups.append({**group, "drops": drops, "log_prob_drops": log_prob_drops,
-                       "top_attribute": max(decisive, key=decisive.get), "singled_out": singled, "agrees": agrees})
-    scored_groups = [group for group in groups if group["agrees"] is not None]
-    group_rate = sum(g["agrees"] for g in scored_groups) / len(scored_groups) if scored_groups else None
+    for group in head_groups(role_map, attributes) + [group for group in by_ablation if group["heads"]]:
+        unit = ablated(group["heads"])
+        agrees = None if group["expects"] == "-" else unit["singled_out"] == group["expects"]
+        groups.append({**group, **unit, "agrees": agrees})
+    (rate, scored), (group_rate, groups_scored) = _rate(rows), _rate(groups)
 
     # Per attribute: the head or group whose removal costs it most compared with the others.
-    def units():
-        for row in rows:
-            yield f"head {row['layer'] + 1}.{row['head']} ({row['role']}{':' + row['attribute'] if row['attribute'] else ''})", row
-        for group in groups:
-            yield group["name"], group
-
+    units = [(f"head {row['layer'] + 1}.{row['head']} ({_role(row)})", row) for row in rows]
+    units += [(group["name"], group) for group in groups]
     best = {}
     for attribute in attributes:
-        name, unit = max(units(), key=lambda item: _selectivity(
-            item[1]["log_prob_drops" if measure == "log_prob" else "drops"], attribute))
-        decisive = unit["log_prob_drops" if measure == "log_prob" else "drops"]
-        best[attribute] = {"unit": name, "selectivity": _selectivity(decisive, attribute),
+        name, unit = max(units, key=lambda item: _selectivity(item[1][decisive_key], attribute))
+        best[attribute] = {"unit": name, "selectivity": _selectivity(unit[decisive_key], attribute),
                            "singled_out": unit["singled_out"] == attribute}
-    result = {"baseline": baseline, "heads": rows, "agreement_rate": rate, "scored": len(scored),
-              "groups": groups, "group_agreement_rate": group_rate, "groups_scored": len(scored_groups),
+    result = {"baseline": baseline, "heads": rows, "agreement_rate": rate, "scored": scored,
+              "groups": groups, "group_agreement_rate": group_rate, "groups_scored": groups_scored,
               "best_per_attribute": best, "measure": measure, "min_drop": min_drop, "dominance": dominance}
     result["table"] = causal_table(result, attributes)
     named = sum(row["attribute"] == row["singled_out"] for row in rows if row["singled_out"])
     log(f"causal check: ablation singles out {sum(bool(row['singled_out']) for row in rows)} heads, concept "
         f"entropy names {named} of them for that attribute")
     log(f"causal check: {len(rows)} heads and {len(groups)} groups ablated on {n_images} images; agreement "
-        f"{'n/a' if rate is None else f'{rate:.0%}'} of {len(scored)} scored heads, "
-        f"{'n/a' if group_rate is None else f'{group_rate:.0%}'} of {len(scored_groups)} scored groups (by {measure})")
+        f"{_percent(rate)} of {scored} scored heads, {_percent(group_rate)} of {groups_scored} scored groups "
+        f"(by {measure})")
     return result
 
 
+# ---- 3. The table ------------------------------------------------------------------------
+def _percent(rate: Optional[float]) -> str:
+    return "n/a" if rate is None else f"{rate:.0%}"
+
+
+def _role(row: dict, entropy: bool = False) -> str:
+    """"attribute:colour", with " (0.85 b)" when `entropy` and the row has one."""
+    named = row["role"] + (f":{row['attribute']}" if row["attribute"] else "")
+    return named + ("" if not entropy or row["entropy"] is None else f" ({row['entropy']:.2f} b)")
+
+
 def causal_table(result: dict, attributes: Sequence[str]) -> str:
-    """The check as a markdown table: one row per head, layers 1-based as in the paper; each
-    drop cell is "accuracy points / nats of log-probability"."""
-    header = ("| layer (1-based) | head | role (entropy) | " + " | ".join(f"drop {a}" for a in attributes)
-              + " | largest drop | singled out | agrees |")
-    lines = [header, "|" + "---|" * (6 + len(attributes))]
+    """The check as markdown tables: one row per head (layers 1-based, as in the paper), one
+    per group; each drop cell is "accuracy points / nats of log-probability"."""
+    def cells(unit: dict) -> str:
+        drops = " | ".join(f"{100 * unit['drops'][a]:+.1f} / {unit['log_prob_drops'][a]:+.2f}" for a in attributes)
+        agrees = {True: "yes", False: "no", None: "-"}[unit["agrees"]]
+        return f"{drops} | {unit['top_attribute']} | {unit['singled_out'] or '-'} | {agrees} |"
+
+    columns = " | ".join(f"drop {a}" for a in attributes) + " | largest drop | singled out | agrees |"
+    lines = ["| layer (1-based) | head | role (entropy) | " + columns, "|" + "---|" * (6 + len(attributes))]
     lines.append("| baseline | | | " + " | ".join(
         f"{result['baseline'][a]['accuracy']:.0%} acc, {result['baseline'][a]['log_prob']:.2f} nats"
         for a in attributes) + " | | | |")
-    for row in result["heads"]:
-        role = row["role"] + (f":{row['attribute']}" if row["attribute"] else "")
-        entropy = "" if row["entropy"] is None else f" ({row['entropy']:.2f} b)"
-        agrees = {True: "yes", False: "no", None: "-"}[row["agrees"]]
-        lines.append(f"| {row['layer'] + 1} | {row['head']} | {role}{entropy} | "
-                     + " | ".join(f"{100 * row['drops'][a]:+.1f} / {row['log_prob_drops'][a]:+.2f}" for a in attributes)
-                     + f" | {row['top_attribute']} | {row['singled_out'] or '-'} | {agrees} |")
-    lines += ["", "| group (removed together) | heads | " + " | ".join(f"drop {a}" for a in attributes)
-              + " | largest drop | singled out | agrees |", "|" + "---|" * (5 + len(attributes))]
-    for group in result["groups"]:
-        agrees = {True: "yes", False: "no", None: "-"}[group["agrees"]]
-        lines.append(f"| {group['name']} | {len(group['heads'])} | "
-                     + " | ".join(f"{100 * group['drops'][a]:+.1f} / {group['log_prob_drops'][a]:+.2f}" for a in attributes)
-                     + f" | {group['top_attribute']} | {group['singled_out'] or '-'} | {agrees} |")
+    lines += [f"| {row['layer'] + 1} | {row['head']} | {_role(row, entropy=True)} | " + cells(row)
+              for row in result["heads"]]
+    lines += ["", "| group (removed together) | heads | " + columns, "|" + "---|" * (5 + len(attributes))]
+    lines += [f"| {group['name']} | {len(group['heads'])} | " + cells(group) for group in result["groups"]]
     # The yardstick first: the heads whose own removal singles out an attribute, and what
     # concept entropy calls them.
     lines += ["", "| head ablation singles out (layer.head, 1-based) | attribute | concept entropy names it |",
               "|---|---|---|"]
-    for row in (r for r in result["heads"] if r["singled_out"]):
-        named = row["role"] + (f":{row['attribute']}" if row["attribute"] else "")
-        entropy = "" if row["entropy"] is None else f" ({row['entropy']:.2f} b)"
-        lines.append(f"| {row['layer'] + 1}.{row['head']} | {row['singled_out']} | {named}{entropy}"
-                     f"{' (named for it)' if row['attribute'] == row['singled_out'] else ''} |")
+    lines += [f"| {row['layer'] + 1}.{row['head']} | {row['singled_out']} | {_role(row, entropy=True)}"
+              f"{' (named for it)' if row['attribute'] == row['singled_out'] else ''} |"
+              for row in result["heads"] if row["singled_out"]]
     lines += ["", "| attribute | most selective head or group | drop minus largest other drop | singled out |",
               "|---|---|---:|---|"]
-    for attribute, best in result["best_per_attribute"].items():
-        lines.append(f"| {attribute} | {best['unit']} | {best['selectivity']:+.2f} | {'yes' if best['singled_out'] else 'no'} |")
-    rate, group_rate = result["agreement_rate"], result["group_agreement_rate"]
+    lines += [f"| {attribute} | {best['unit']} | {best['selectivity']:+.2f} | {'yes' if best['singled_out'] else 'no'} |"
+              for attribute, best in result["best_per_attribute"].items()]
     unit = "nats" if result["measure"] == "log_prob" else "accuracy points"
     threshold = result["min_drop"] if result["measure"] == "log_prob" else 100 * result["min_drop"]
     lines.append("")
-    lines.append(f"Agreement: {'n/a' if rate is None else f'{rate:.0%}'} of {result['scored']} scored heads, "
-                 f"{'n/a' if group_rate is None else f'{group_rate:.0%}'} of {result['groups_scored']} scored groups. "
+    lines.append(f"Agreement: {_percent(result['agreement_rate'])} of {result['scored']} scored heads, "
+                 f"{_percent(result['group_agreement_rate'])} of {result['groups_scored']} scored groups. "
                  f"Cells: accuracy points / nats of log-probability lost when the head is mean-ablated. "
                  f"Attribute heads agree when their attribute is singled out, generalization heads when none "
                  f"is; singled out = largest {result['measure']} drop >= {threshold:g} {unit} and >= "

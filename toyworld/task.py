@@ -1,27 +1,16 @@
 """
 toyworld/task.py -- the downstream task: a few-shot classification dataset written to disk in
-CoOp's layout, so data.py reads it like any of the benchmark datasets.
+CoOp's layout, so data.py reads it (registry row "toyworld") like any benchmark dataset.
 
-What this file holds:
-
-    1. the classes ...... colour x shape combinations ("red circle"), ordered so that data.py's
-                          base/novel rule (first ceil(n/2) labels are base) makes the novel
-                          classes *unseen combinations* of colours and shapes that the base
-                          classes do use -- the toy version of base-to-novel generalisation
+    1. the classes ...... colour x shape combinations ("red circle"); the novel classes are
+                          *unseen combinations* of the base classes' colours and shapes
     2. writing it ....... <data_root>/toyworld/images/<class>/<split>_<n>.png and
-                          <data_root>/toyworld/split_toyworld.json, {"train"|"val"|"test":
-                          [[path relative to images/, label, class name], ...]}, built in a
-                          temporary folder and renamed into place; reused when complete
+                          split_toyworld.json, built in a temporary folder and renamed into
+                          place; reused when complete
 
-Why it is not trivial for the toy CLIP: its images are drawn in the *shifted* style (tinted,
-blotchy, noisier backgrounds and outlined shapes; world.STYLES), which pretraining never saw,
-and every image also varies in texture, position, size and background, which the class name
-does not mention. Zero-shot accuracy is therefore well below 100% (measured figures in the
-README), leaving room for prompt learning to help.
-
-How it fits: toyworld/__init__.py's `prepare` calls `write_task`; train.py then calls
-`data.load_dataset("toyworld", data_root, num_shots=16, seed=..., subsample="base")` through
-the registry row in data.py, exactly as for oxford_pets.
+Why it is not trivial for the toy CLIP: the images are drawn in the *shifted* style that
+pretraining never saw (world.STYLES), and vary in texture, position, size and background,
+which the class name does not mention: zero-shot accuracy is well below 100% (docs/MEASURED.md).
 
 Try it:  python -m toyworld.task /tmp/toydata && python data.py --root /tmp/toydata --dataset toyworld --shots 16
 """
@@ -43,16 +32,13 @@ import torch
 from PIL import Image
 
 from toyworld import world
-from toyworld._files import atomic_write_json
 
 FOLDER, IMAGE_DIR, SPLIT_FILE = "toyworld", "images", "split_toyworld.json"  # data.py's registry row
 RECORD_FILE = "toyworld_task.json"  # what was written, with which settings: the completeness check
-
-# ------------------------------------------------------------------------------------------
-# 1. The classes
-# ------------------------------------------------------------------------------------------
+SPLITS = ("train", "val", "test")  # the order of TaskConfig.images_per_class
 
 
+# ---- 1. The classes ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class TaskConfig:
     colours: tuple[str, ...] = ("red", "yellow", "green", "blue")
@@ -75,56 +61,43 @@ def class_table(config: TaskConfig) -> list[tuple[str, str, bool]]:
     """
     cells = [(colour, shape, (ci + si) % 2 == 0)
              for ci, colour in enumerate(config.colours) for si, shape in enumerate(config.shapes)]
-    base = [cell for cell in cells if cell[2]]
-    novel = [cell for cell in cells if not cell[2]]
-    assert len(base) == math.ceil(len(cells) / 2), (
-        f"{len(base)} base cells of {len(cells)}; use an even number of shapes or colours so the "
-        "chess board splits in half")
-    return base + novel
+    n_base = sum(cell[2] for cell in cells)
+    assert n_base == math.ceil(len(cells) / 2), (
+        f"{n_base} base cells of {len(cells)}; use an even number of shapes or colours so the chess board splits in half")
+    return sorted(cells, key=lambda cell: not cell[2])  # stable: base cells first, each in grid order
 
 
 def class_name(colour: str, shape: str) -> str:
     return f"{colour} {shape}"
 
 
-# ------------------------------------------------------------------------------------------
-# 2. Writing it
-# ------------------------------------------------------------------------------------------
-
-
-def _is_split(value) -> bool:
-    """The split file's shape: {"train"|"val"|"test": [[relative_path, label, classname], ...]}."""
-    return isinstance(value, dict) and all(
-        isinstance(entries, list) and all(isinstance(e, list) and e and isinstance(e[0], str) for e in entries)
-        for entries in value.values())
-
-
+# ---- 2. Writing it -----------------------------------------------------------------------
 def task_is_complete(data_root: str, config: TaskConfig) -> bool:
     """True if <data_root>/toyworld holds this config's task in full: its record matches and
-    every image the split lists exists."""
+    every image the split lists exists. Files that are missing, not JSON, or JSON of another
+    shape (the lookups below fail) mean False: the task is rebuilt."""
     folder = os.path.join(data_root, FOLDER)
     try:
         with open(os.path.join(folder, RECORD_FILE), encoding="utf-8") as f:
             record = json.load(f)
         with open(os.path.join(folder, SPLIT_FILE), encoding="utf-8") as f:
-            split = json.load(f)
-    except (OSError, ValueError, RecursionError):
+            split = json.load(f)  # {"train"|"val"|"test": [[relative_path, label, classname], ...]}
+        return (record["config"] == json.loads(json.dumps(asdict(config)))  # tuples -> lists, as stored
+                and record["world"] == world.fingerprint()  # not drawn from another version of world.py
+                and all(os.path.isfile(os.path.join(folder, IMAGE_DIR, entry[0]))
+                        for entries in split.values() for entry in entries))
+    except (OSError, ValueError, RecursionError, TypeError, KeyError, IndexError, AttributeError):
         return False
-    if not isinstance(record, dict) or not _is_split(split):  # valid JSON of the wrong shape
-        return False
-    if record.get("config") != json.loads(json.dumps(asdict(config))):  # tuples -> lists, as stored
-        return False
-    if record.get("world") != world.fingerprint():  # drawn from another version of world.py
-        return False
-    return all(os.path.isfile(os.path.join(folder, IMAGE_DIR, entry[0]))
-               for entries in split.values() for entry in entries)
 
 
-def _scenes(config: TaskConfig, label: int, split_index: int, count: int) -> list:
-    """The scenes of one class's images in one split (0 train, 1 val, 2 test), from their own seed."""
+def _drawn(config: TaskConfig, label: int, split_index: int) -> list[tuple[str, world.Scene]]:
+    """[(image path relative to images/, its scene)] of one class in one split (0 train, 1 val,
+    2 test), from their own seed. Class folders have no spaces, as CoOp's."""
     colour, shape, _ = class_table(config)[label]
     scene_rng = random.Random(f"{config.seed}-{label}-{split_index}")
-    return [world.sample_scene(scene_rng, colour=colour, shape=shape) for _ in range(count)]
+    prefix = f"{class_name(colour, shape).replace(' ', '_')}/{SPLITS[split_index]}"
+    return [(f"{prefix}_{index:03d}.png", world.sample_scene(scene_rng, colour=colour, shape=shape))
+            for index in range(config.images_per_class[split_index])]
 
 
 def split_scenes(data_root: str, split_name: str = "test") -> dict:
@@ -135,24 +108,15 @@ def split_scenes(data_root: str, split_name: str = "test") -> dict:
     with open(os.path.join(folder, RECORD_FILE), encoding="utf-8") as f:
         recorded = json.load(f)["config"]
     config = TaskConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items()})
-    split_index = ("train", "val", "test").index(split_name)
-    count = config.images_per_class[split_index]
-    scenes = {}
-    for label, (colour, shape, _) in enumerate(class_table(config)):
-        for index, scene in enumerate(_scenes(config, label, split_index, count)):
-            scenes[f"{class_name(colour, shape).replace(' ', '_')}/{split_name}_{index:03d}.png"] = scene
-    return scenes
+    return {path: scene for label in range(len(class_table(config)))
+            for path, scene in _drawn(config, label, SPLITS.index(split_name))}
 
 
 def write_task(data_root: str, config: TaskConfig = TaskConfig(),
                log: Callable[[str], None] = print) -> str:
     """Write the task under `data_root` unless it is already there and complete; return
-    <data_root>/toyworld.
-
-    Everything is written into a temporary folder next to the target and renamed into place
-    at the end, so an interrupted run never leaves a half task that looks complete. An
-    incomplete or differently configured folder is removed and rebuilt.
-    """
+    <data_root>/toyworld. It is written into a temporary folder renamed into place at the end,
+    so an interrupted run never leaves a half task that looks complete."""
     target = os.path.join(data_root, FOLDER)
     if task_is_complete(data_root, config):
         log(f"toy task: reusing {target}")
@@ -160,31 +124,29 @@ def write_task(data_root: str, config: TaskConfig = TaskConfig(),
     os.makedirs(data_root, exist_ok=True)
     building = tempfile.mkdtemp(dir=data_root, prefix=".toyworld-building-")
     try:
-        split: dict[str, list] = {"train": [], "val": [], "test": []}
+        split: dict[str, list] = {name: [] for name in SPLITS}
         table = class_table(config)
         for label, (colour, shape, _) in enumerate(table):
             name = class_name(colour, shape)
-            folder_name = name.replace(" ", "_")  # class folders without spaces, as CoOp's
-            os.makedirs(os.path.join(building, IMAGE_DIR, folder_name))
-            for split_index, (split_name, count) in enumerate(zip(split, config.images_per_class)):
+            os.makedirs(os.path.join(building, IMAGE_DIR, name.replace(" ", "_")))
+            for split_index, split_name in enumerate(SPLITS):
+                drawn = _drawn(config, label, split_index)
                 # One generator per (class, split): any one of them can be re-drawn alone.
                 rng = np.random.default_rng([config.seed, label, split_index])
-                scenes = _scenes(config, label, split_index, count)
-                images = world.render_batch(scenes, rng, config.image_size, config.style)
-                for index, pixels in enumerate(images):
-                    relative = f"{folder_name}/{split_name}_{index:03d}.png"
+                images = world.render_batch([scene for _, scene in drawn], rng, config.image_size, config.style)
+                for (relative, _), pixels in zip(drawn, images):
                     Image.fromarray(pixels).save(os.path.join(building, IMAGE_DIR, relative))
                     split[split_name].append([relative, label, name])
+        n_base = math.ceil(len(table) / 2)
+        record = {"what": "the toy world's downstream task (toyworld/task.py); labels 0..n_base-1 are base",
+                  "config": asdict(config), "world": world.fingerprint(),
+                  "base_classes": [class_name(c, s) for c, s, _ in table[:n_base]],
+                  "novel_classes": [class_name(c, s) for c, s, _ in table[n_base:]]}
+        # Plain writes: the whole folder is renamed into place only once both are complete.
         with open(os.path.join(building, SPLIT_FILE), "w", encoding="utf-8") as f:
             json.dump(split, f)
-        n_base = math.ceil(len(table) / 2)
-        atomic_write_json(os.path.join(building, RECORD_FILE), {
-            "what": "the toy world's downstream task (toyworld/task.py); labels 0..n_base-1 are base",
-            "config": asdict(config),
-            "world": world.fingerprint(),
-            "base_classes": [class_name(c, s) for c, s, _ in table[:n_base]],
-            "novel_classes": [class_name(c, s) for c, s, _ in table[n_base:]],
-        })
+        with open(os.path.join(building, RECORD_FILE), "w", encoding="utf-8") as f:
+            f.write(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
         if os.path.exists(target):
             shutil.rmtree(target)  # an incomplete or outdated task: replaced, not trusted
         os.replace(building, target)
@@ -207,12 +169,11 @@ def zero_shot_on_task(model, tokenizer, data_root: str, subsample: str = "all") 
     text = torch.nn.functional.normalize(model.encode_text(prompts), dim=-1)  # (classes, E)
     loader = torch.utils.data.DataLoader(
         data.ImageDataset(splits.test, data.test_transform(model.visual.input_resolution)), batch_size=256)
-    correct = total = 0
+    correct = 0
     for images, labels in loader:
         image_features = torch.nn.functional.normalize(model.encode_image(images), dim=-1)
         correct += ((image_features @ text.T).argmax(dim=-1) == labels).sum().item()
-        total += len(labels)
-    return correct / total
+    return correct / len(splits.test)
 
 
 if __name__ == "__main__":

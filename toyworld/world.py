@@ -1,30 +1,18 @@
 """
 toyworld/world.py -- the toy world itself: what a scene is, how it is drawn, how it is described.
 
-What this file holds, top to bottom:
-
-    1. the attribute table ..... ATTRIBUTES (the four core attributes DeAR gets a token for:
-                                 colour, shape, texture, position) and EXTRA_ATTRIBUTES
-                                 (size, background: things captions can say but no token gets)
+    1. the attribute table ..... ATTRIBUTES (one DeAR attribute token each), EXTRA_ATTRIBUTES
     2. scenes .................. Scene (the attribute values of one image), sample_scene(rng)
-    3. the renderer ............ render(scene, seed, size, style) -> (size, size, 3) uint8, and
-                                 render_batch for many scenes at once (numpy, vectorised)
-    4. captions ................ caption(scene, named=...) -> "a photo of a small red striped
-                                 circle at the top left on a dark background", or a partial one
-                                 that names only some attributes ("a photo of a red object")
-    5. the description bank .... toy_bank() -> (text, concept, value) triples, each labelled with its
-                                 concept by construction (docs/METHOD.md Sec. 3)
+    3. the renderer ............ render / render_batch -> (size, size, 3) uint8 (numpy, vectorised)
+    4. captions ................ caption(scene, named=...) -> "a photo of a red object", ...
+    5. the description bank .... toy_bank(): (text, concept, value), labelled by construction
     6. the corpus .............. every caption word and bank phrase, for the BPE trainer
 
-How it fits: bpe.py learns its merges from `corpus()`, pretrain.py draws scenes and renders
-them fresh every batch, task.py writes a downstream dataset with the shifted style, causal.py
-asks zero-shot questions with partial captions. Every image's attribute values are known,
-because the image is drawn from them: that is what lets the toy world *measure* whether a
-head that concept entropy calls "colour" really carries colour (docs/METHOD.md Sec. 8).
-
-The grammar is deliberately tiny: the article is always "a" ("a orange circle"), words come in
-one fixed order, and the only punctuation is an optional final ".". A caption that names no
-shape says "object" instead.
+Every image's attribute values are known, because the image is drawn from them: that is what
+lets the toy world *measure* whether a head that concept entropy calls "colour" really
+carries colour (docs/METHOD.md Sec. 8). The grammar is deliberately tiny: the article is
+always "a" ("a orange circle"), words come in one fixed order, the only punctuation is an
+optional final ".", and a caption that names no shape says "object".
 
 Try it:  python -m toyworld.world     (prints a few scenes with their captions)
 """
@@ -33,15 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import random
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
 
-# ------------------------------------------------------------------------------------------
-# 1. The attribute table
-# ------------------------------------------------------------------------------------------
+# ---- 1. The attribute table --------------------------------------------------------------
 # The core attributes, in token order: DeAR gets one attribute token per entry (docs/METHOD.md
 # Sec. 4; the toy world's stand-ins for the paper's colour, shape, texture, object, location).
 # Each value is a word (or words) the captions use.
@@ -58,6 +44,7 @@ EXTRA_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "size": ("small", "large"),
     "background": ("dark", "light"),
 }
+VALUES = {**ATTRIBUTES, **EXTRA_ATTRIBUTES}  # every attribute a scene has -> its values
 
 # Base RGB of each colour word; the renderer jitters it per image.
 COLOUR_RGB = {
@@ -67,11 +54,7 @@ COLOUR_RGB = {
 assert set(COLOUR_RGB) == set(ATTRIBUTES["colour"]), "every colour word needs an RGB value"
 
 
-# ------------------------------------------------------------------------------------------
-# 2. Scenes: the attribute values of one image
-# ------------------------------------------------------------------------------------------
-
-
+# ---- 2. Scenes: the attribute values of one image ----------------------------------------
 @dataclass(frozen=True)
 class Scene:
     """One object on a background. Every field is a word from the tables above; the exact
@@ -95,35 +78,21 @@ assert SCENE_FIELDS == tuple(ATTRIBUTES) + tuple(EXTRA_ATTRIBUTES), "Scene field
 def sample_scene(rng: random.Random, **fixed: str) -> Scene:
     """A scene with every attribute drawn uniformly, except those given in `fixed`
     (e.g. sample_scene(rng, colour="red", shape="circle"))."""
-    values = {}
-    for name, choices in {**ATTRIBUTES, **EXTRA_ATTRIBUTES}.items():
-        if name in fixed:
-            assert fixed[name] in choices, f"{fixed[name]!r} is not a {name}; expected one of {choices}"
-            values[name] = fixed[name]
-        else:
-            values[name] = rng.choice(choices)
-    unknown = set(fixed) - set(values)
-    assert not unknown, f"unknown attributes {sorted(unknown)}; expected some of {SCENE_FIELDS}"
-    return Scene(**values)
+    assert all(fixed[name] in VALUES.get(name, ()) for name in fixed), f"{fixed}: not attribute values"
+    return Scene(**{name: fixed[name] if name in fixed else rng.choice(choices) for name, choices in VALUES.items()})
 
 
-# ------------------------------------------------------------------------------------------
-# 3. The renderer
-# ------------------------------------------------------------------------------------------
-# Everything is computed on a grid of pixel centres in [0, 1] x [0, 1], for a whole batch at
-# once (B images of S x S pixels). A shape is an inside/outside test in the object's own
-# coordinates (u, v) = (pixel - centre) / radius, so every shape fits in the unit disc and
-# jittering the radius or centre moves and scales it for free.
+# ---- 3. The renderer ---------------------------------------------------------------------
+# A whole batch (B images of S x S pixels) at once, on a grid of pixel centres in [0, 1]^2. A
+# shape is an inside test in the object's coordinates (u, v) = (pixel - centre) / radius, so
+# every shape fits in the unit disc and jittering the radius or centre comes for free.
 
 
 @dataclass(frozen=True)
 class Style:
-    """How the world is drawn (not *what*): background, noise, outline.
-
-    "pretrain" is the style the tiny CLIP learns from; "shifted" is the downstream task's: a
-    tinted, blotchy, noisier background and a dark outline, so that zero-shot CLIP meets
-    something it was not trained on and the task is not solved before training starts.
-    """
+    """How the world is drawn (not *what*). "pretrain" is the style the tiny CLIP learns from;
+    "shifted" is the downstream task's (tinted, blotchy, noisier, outlined), so that zero-shot
+    CLIP meets something it was not trained on and the task is not solved before training."""
 
     name: str
     noise: float  # std of the per-pixel Gaussian noise, in 0-255 units
@@ -196,9 +165,8 @@ def render_batch(scenes: Sequence[Scene], rng: np.random.Generator, size: int = 
     grey = np.array([rng.uniform(45, 95) if s.background == "dark" else rng.uniform(150, 200)
                      for s in scenes])  # (B,)
     image = np.repeat(grey[:, None, None, None], 3, axis=3) * np.ones((1, S, S, 1))  # (B, S, S, 3)
-    if look.tint:
-        tint = rng.uniform(-1, 1, size=(B, 1, 1, 3)) * look.tint * 80  # a colour cast per image
-        image = image + tint
+    if look.tint:  # a colour cast per image
+        image = image + rng.uniform(-1, 1, size=(B, 1, 1, 3)) * look.tint * 80
     if look.blotches:
         # Low-frequency blobs: a few random sinusoids, the same in all channels.
         fx, fy = rng.uniform(1, 3, size=(2, B, 1, 1))
@@ -239,14 +207,10 @@ def render(scene: Scene, seed: int, size: int = 32, style: str = "pretrain") -> 
     return render_batch([scene], np.random.default_rng(seed), size, style)[0]
 
 
-# ------------------------------------------------------------------------------------------
-# 4. Captions
-# ------------------------------------------------------------------------------------------
-# One word order for everything: "<prefix> [size] [colour] [texture] <shape|object>
-# [at the <position>] [on a <background> background]". A caption names a chosen subset of
-# the attributes; the others are left out (a missing shape becomes "object"). The partial
-# captions are what zero-shot prompts are made of: "a photo of a red object" asks about
-# colour only.
+# ---- 4. Captions -------------------------------------------------------------------------
+# One word order: "<prefix> [size] [colour] [texture] <shape|object> [at the <position>]
+# [on a <background> background]", naming a chosen subset of the attributes. The partial
+# captions are the zero-shot prompts: "a photo of a red object" asks about colour only.
 
 PREFIXES = ("a photo of a", "a picture of a", "a")
 TEMPLATE = "a photo of a {}."  # the downstream task's prompt template (data.py's registry row)
@@ -260,15 +224,8 @@ def caption(scene: Scene, named: Optional[Iterable[str]] = None, prefix: str = "
     'a photo of a red object'
     """
     named = set(SCENE_FIELDS if named is None else named)
-    unknown = named - set(SCENE_FIELDS)
-    assert not unknown, f"cannot name {sorted(unknown)}; attributes are {SCENE_FIELDS}"
-    words = [prefix]
-    if "size" in named:
-        words.append(scene.size)
-    if "colour" in named:
-        words.append(scene.colour)
-    if "texture" in named:
-        words.append(scene.texture)
+    assert named <= set(SCENE_FIELDS), f"cannot name {sorted(named - set(SCENE_FIELDS))}; attributes are {SCENE_FIELDS}"
+    words = [prefix] + [scene.value(name) for name in ("size", "colour", "texture") if name in named]
     words.append(scene.shape if "shape" in named else "object")
     if "position" in named:
         words.append(f"at the {scene.position}")
@@ -280,14 +237,9 @@ def caption(scene: Scene, named: Optional[Iterable[str]] = None, prefix: str = "
 def random_naming(rng: random.Random) -> set[str]:
     """Which attributes a training caption names: a third of the time every core attribute,
     a third exactly one, a third a random non-empty subset; size and background each a third
-    of the time on top.
-
-    Why so many partial captions: an attribute is only *learned* from captions where it is
-    what tells the images of a batch apart. In a full caption the easy attributes (colour,
-    texture) already single out the image; "a photo of a object at the top left" (one
-    attribute named) leaves position as the only thing to match on. The zero-shot prompts
-    are exactly such one-attribute captions.
-    """
+    of the time on top. Why so many partial captions: an attribute is only *learned* where it
+    tells the images of a batch apart; in a full caption colour and texture already do, while
+    "a photo of a object at the top left" leaves position as the only thing to match on."""
     core = list(ATTRIBUTES)
     kind = rng.randrange(3)
     if kind == 0:
@@ -316,20 +268,15 @@ def attribute_prompts(attribute: str, prefix: str = "a photo of a") -> list[str]
     """Zero-shot prompts for one attribute, one per value, in the table's order:
     attribute_prompts("texture") -> ["a photo of a solid object", "a photo of a striped
     object", ...]. Built with `caption` so they are exactly the training phrasing."""
-    values = {**ATTRIBUTES, **EXTRA_ATTRIBUTES}[attribute]
     template = Scene("red", "circle", "solid", "top left")
-    return [caption(Scene(**{**template.__dict__, attribute: value}), [attribute], prefix) for value in values]
+    return [caption(replace(template, **{attribute: value}), [attribute], prefix) for value in VALUES[attribute]]
 
 
-# ------------------------------------------------------------------------------------------
-# 5. The description bank (for the head analysis, docs/METHOD.md Sec. 3)
-# ------------------------------------------------------------------------------------------
-# dear.description_bank() speaks about real photos (bicycles, beaches); most of its words
-# mean nothing to the toy CLIP. This bank speaks the toy world's language: every phrase is
-# built from one concept's words and a few templates, so its concept is known by
-# construction. size and background are the non-core concepts (no attribute token); the
-# "scene" concept holds phrases that name several attributes at once, so a head that mixes
-# everything has somewhere to spread.
+# ---- 5. The description bank (for the head analysis, docs/METHOD.md Sec. 3) --------------
+# dear.description_bank() speaks about real photos, in words that mean nothing to the toy CLIP.
+# This bank is built from one concept's words and a few templates per phrase, so its concept is
+# known by construction; size and background are non-core concepts, and "scene" phrases name
+# several attributes at once, so a head that mixes everything has somewhere to spread.
 
 _BANK_TEMPLATES = {
     "colour": ("a {} object", "something {}", "a photo of a {} object", "a picture of a {} object",
@@ -347,43 +294,32 @@ _BANK_TEMPLATES = {
 def toy_bank() -> list[tuple[str, str, str]]:
     """Phrases about the toy world, each labelled with its concept and the value it names
     (text, concept, value): every value of every attribute in each of its concept's
-    templates, plus "scene" phrases that name two attributes at once. About 200 phrases, no
-    duplicates."""
-    bank, seen = [], set()
-
-    def add(text: str, concept: str, value: str) -> None:
-        if text not in seen:
-            seen.add(text)
-            bank.append((text, concept, value))
-
-    for concept, templates in _BANK_TEMPLATES.items():
-        for template in templates:
-            for value in {**ATTRIBUTES, **EXTRA_ATTRIBUTES}[concept]:
-                add(template.format(value), concept, value)
+    templates, plus "scene" phrases that name two attributes at once. 142 phrases, no
+    duplicates (the first concept to say a text keeps it)."""
+    phrases = [(template.format(value), concept, value) for concept, templates in _BANK_TEMPLATES.items()
+               for template in templates for value in VALUES[concept]]
     # Mixed phrases: colour + shape and texture + position, one of each pairing.
-    for colour, shape in zip(ATTRIBUTES["colour"], ATTRIBUTES["shape"] * 2):
-        add(f"a {colour} {shape}", "scene", f"{colour} {shape}")
-    for texture, position in zip(ATTRIBUTES["texture"], ATTRIBUTES["position"]):
-        add(f"a {texture} object at the {position}", "scene", f"{texture} {position}")
-    return bank
+    phrases += [(f"a {colour} {shape}", "scene", f"{colour} {shape}")
+                for colour, shape in zip(ATTRIBUTES["colour"], ATTRIBUTES["shape"] * 2)]
+    phrases += [(f"a {texture} object at the {position}", "scene", f"{texture} {position}")
+                for texture, position in zip(ATTRIBUTES["texture"], ATTRIBUTES["position"])]
+    bank: dict[str, tuple[str, str, str]] = {}
+    for entry in phrases:
+        bank.setdefault(entry[0], entry)
+    return list(bank.values())
 
 
-# ------------------------------------------------------------------------------------------
-# 6. The corpus the BPE is learned from
-# ------------------------------------------------------------------------------------------
-
-
+# ---- 6. The corpus the BPE is learned from -----------------------------------------------
 def corpus() -> list[str]:
-    """Every text the toy CLIP will ever be asked to read: one caption per (prefix, period,
-    value of each attribute, named alone or all together), the bank, the task's prompt
-    template. The BPE only needs the *words*, so listing each word in context is enough."""
+    """Every word the toy CLIP will ever read, in context (all the BPE needs): one caption per
+    (prefix, period, value, named alone or with all), the bank, the task's prompt template."""
     texts = []
     base = Scene("red", "circle", "solid", "top left", "small", "dark")
     for prefix in PREFIXES:
         for period in (False, True):
-            for attribute, values in {**ATTRIBUTES, **EXTRA_ATTRIBUTES}.items():
+            for attribute, values in VALUES.items():
                 for value in values:
-                    scene = Scene(**{**base.__dict__, attribute: value})
+                    scene = replace(base, **{attribute: value})
                     texts.append(caption(scene, [attribute], prefix, period))
                     texts.append(caption(scene, None, prefix, period))
     texts += [text for text, _, _ in toy_bank()]
@@ -391,13 +327,10 @@ def corpus() -> list[str]:
     return texts
 
 
-# ------------------------------------------------------------------------------------------
-# What a cache was drawn from
-# ------------------------------------------------------------------------------------------
+# ---- What a cache was drawn from ---------------------------------------------------------
 # The caches (pretrain.py's toy CLIP, task.py's images) record this fingerprint and are rebuilt
-# when it changes, so editing a colour, a radius, a style or a caption template never reuses a
-# model or a task drawn from the old world. It covers the tables above, not the drawing code:
-# a change to how render_batch or caption work must bump WORLD_VERSION by hand.
+# when it changes. It covers the tables above, not the drawing code: a change to how
+# render_batch or caption work must bump WORLD_VERSION by hand.
 WORLD_VERSION = 2  # 1: 32 px world, clock-stopped pretraining; 2: 48 px, larger objects, twins
 
 
