@@ -540,16 +540,17 @@ class RoleMap:
         """Complete, consistent, and (when the sizes are given) fits the model."""
         rerun = "re-run the head analysis for this model"
         if vision_layers is not None and self.vision_layers != vision_layers:
-            raise DeARError(f"made for a vision tower of {self.vision_layers} layers, this model has {vision_layers}; {rerun}")
+            raise DeARError(f"made for a vision tower of {self.vision_layers} layers, this model has {vision_layers}; "
+                            + rerun)
         if num_heads is not None and self.num_heads != num_heads:
             raise DeARError(f"made for {self.num_heads} heads per layer, this model has {num_heads}; {rerun}")
         if attributes is not None and list(attributes) != list(self.attributes):
-            raise DeARError(f"made for attributes {', '.join(self.attributes)}, the model uses {', '.join(attributes)}; "
-                            "leave DeAR's attributes out (it then takes the role map's) or re-run the analysis with these")
+            raise DeARError(f"made for attributes {', '.join(self.attributes)}, the model has {', '.join(attributes)}; "
+                            "leave DeAR's attributes out (it then takes the map's) or re-run the analysis with these")
         for entry in self.heads:
             where = f"layer {entry.layer + 1} (index {entry.layer}), head {entry.head}"
             if not (0 <= entry.layer < self.vision_layers and 0 <= entry.head < self.num_heads):
-                raise DeARError(f"{where} does not exist in a tower of {self.vision_layers} layers x {self.num_heads} heads")
+                raise DeARError(f"{where} is outside a tower of {self.vision_layers} layers x {self.num_heads} heads")
             if entry.role not in ROLES:
                 raise DeARError(f"{where} has role {entry.role!r}; roles are {', '.join(ROLES)}")
             if entry.role == "attribute" and entry.attribute not in self.attributes:
