@@ -1,61 +1,38 @@
 """
 clip_model.py -- OpenAI's CLIP (ViT image tower + causal text tower), written out by hand.
 
-What this file holds, bottom-up (each part only uses the parts above it):
+Bottom-up: 1. blocks (QuickGELU, per-head attention), 2. the two towers, 3. CLIP, 4. weights
+(build_model reads the sizes off the tensors; load reads OpenAI's TorchScript files or state
+dicts, downloading with a SHA-256 check), 5. preprocessing, 6. the BPE tokenizer,
+7. head_contributions: the image embedding as an exact sum of per-head terms (TextSpan).
 
-    1. building blocks ........ QuickGELU, per-head multi-head attention, the residual block
-    2. the two towers ......... VisionTransformer (image -> embedding), the text transformer
-    3. CLIP ................... encode_image / encode_text / forward (logits), as OpenAI's
-    4. weights ................ build_model(state_dict) infers the architecture from tensor
-                                shapes; load(name_or_path) reads OpenAI's TorchScript files or
-                                plain state dicts, downloading (SHA-256 checked) when it can
-    5. image preprocessing .... OpenAI's test transform
-    6. tokenizer .............. CLIP's byte-level BPE (SimpleTokenizer, tokenize)
-    7. analysis ............... head_contributions: the image embedding as an exact sum of
-                                direct contributions, one per attention head (TextSpan)
+Why by hand: DeAR (Ma et al., CVPR 2026) works per attention head: it measures what each
+head of the last vision layers contributes (Sec. 3.2) and gives every head its own mask
+(Sec. 3.3). `nn.MultiheadAttention` hides the heads, so here q, k, v are (B, H, N, D) and a
+(H, N, N) mask is added to each head's scores. Everything else, down to the parameter names,
+is OpenAI's `clip/model.py`, so checkpoints load with `load_state_dict(strict=True)`, and the
+strict load is itself the architecture check. dear.py builds on this file, which imports
+only torch, torchvision, ftfy and regex, so it can be copied out alone (docs/METHOD.md "CLIP").
 
-How it fits the project: this file imports only torch, torchvision, ftfy and regex, so it
-can be copied out alone (into any folder or package). `dear.py` builds the DeAR method on top
-of it (it reuses the blocks, the per-head mask argument of the attention and
-`head_contributions`). The project's method notes are docs/METHOD.md in the repository
-(dear-from-scratch); this file is their section "CLIP".
-
-Why write CLIP out instead of importing it: DeAR (Ma et al., CVPR 2026) works *per attention
-head*. It measures what each head of the last vision layers contributes (Sec. 3.2) and then
-gives every head its own attention mask (Sec. 3.3). `nn.MultiheadAttention` hides the heads
-and accepts one mask per sample, so here the heads are explicit: q, k and v are reshaped to
-(batch, heads, tokens, head_dim) and a mask of shape (heads, tokens, tokens) is simply added
-to each head's scores. Everything else follows OpenAI's `clip/model.py` exactly, down to the
-parameter names, so OpenAI's checkpoints load with `load_state_dict(strict=True)` and the
-strict load is itself a check that the architecture is right.
-
-Conventions: float32, batch-first. Shapes are written as
-    B = batch, N = tokens, C = width (channels), H = heads, D = head_dim = C // H, E = embed dim.
-Mixed precision, where wanted, is an autocast context in the caller, never a conversion
-baked into the model.
-
-Files and environment: downloads are cached in $CLIP_CACHE_DIR (default
-~/.cache/clip-from-scratch); $CLIP_BPE_PATH names a BPE merges file. The older names
-$DEAR_CACHE_DIR / $DEAR_BPE_PATH and ~/.cache/dear-from-scratch still work.
-
-Try it (needs a checkpoint; with no network pass a local file):
+Shapes: B batch, N tokens, C width, H heads, D = C // H, E embedding; float32, batch-first
+(mixed precision is the caller's autocast). Downloads go to $CLIP_CACHE_DIR (default
+~/.cache/clip-from-scratch; the older $DEAR_CACHE_DIR too); $CLIP_BPE_PATH names a BPE file.
 
     python clip_model.py --weights ViT-B/16 --image cat.jpg --texts "a cat" "a dog"
 """
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import hashlib
 import html
 import os
 import secrets
 import sys
-import time
 import urllib.error
 import urllib.request
 import warnings
-import zipfile
 from collections import OrderedDict
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -67,154 +44,94 @@ import torch.nn.functional as F
 
 
 class CLIPError(ValueError):
-    """Bad input to this module: an argument (named in the message) out of range or of the
-    wrong shape. The message is one line that says what to do, so a command-line program can
-    print it as it is and exit. (Raised instead of `assert`, which `python -O` removes.)"""
+    """Bad input (an argument out of range or of the wrong shape). The message is one line
+    that names it and says what to do; raised instead of `assert`, which `python -O` strips."""
 
 
 class CLIPFileError(CLIPError, RuntimeError):
-    """A checkpoint or BPE file that cannot be found, fetched or read.
-
-    The message is always one line that names the file (or model name) and says what to do,
-    so a command-line program can print it as it is and exit.
-    """
+    """A checkpoint or BPE file that cannot be found, fetched or read; one line naming it."""
 
 
 def _one_line(text: object, limit: int = 200) -> str:
-    """Squash an exception text into a short single line (for CLIPFileError messages)."""
+    """An exception's text squashed into one short line, for the messages above."""
     flat = " ".join(str(text).split())
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
-# ------------------------------------------------------------------------------------------
-# 1. Building blocks
-# ------------------------------------------------------------------------------------------
-# LayerNorm is torch's own nn.LayerNorm. (OpenAI subclasses it only to run it in float32
-# inside an fp16 model; we keep the model in float32, and autocast keeps LayerNorm in float32
-# anyway.)
+# ---- 1. Building blocks -----------------------------------------------------------------
+# LayerNorm is torch's own: OpenAI subclasses it only to run it in fp32 inside an fp16 model.
 
 
 class QuickGELU(nn.Module):
-    """x * sigmoid(1.702 x): the GELU approximation OpenAI trained CLIP with.
-
-    Using the exact GELU instead changes every activation slightly, so the pretrained
-    weights would no longer give the published numbers.
-    """
+    """x * sigmoid(1.702 x), the GELU approximation OpenAI trained CLIP with (the exact GELU
+    would shift every activation and the published numbers with them)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.sigmoid(1.702 * x)
 
 
-# open_clip's models without "-quickgelu" in their name (and LAION's weights for them) use the
-# exact GELU; a checkpoint cannot tell which one it was trained with (neither has parameters).
+# open_clip's models without "-quickgelu" use the exact GELU; no checkpoint tells which.
 ACTIVATIONS = {"quick_gelu": QuickGELU, "gelu": nn.GELU}
 
 
 class AttentionDetails(NamedTuple):
-    """What an attention layer can hand back for teaching and analysis.
-
-    weights:      (B, H, N, N) softmax attention of every head (row = query, column = key)
-    head_outputs: (B, H, N, D) each head's output, *before* the output projection mixes the
-                  heads; head h's share of the layer output is head_outputs[:, h] @ W_o[:, h].T
-    """
+    """weights: (B, H, N, N) softmax attention per head (row = query, column = key).
+    head_outputs: (B, H, N, D) each head's output before W_o mixes the heads; head h's share
+    of the layer output is head_outputs[:, h] @ W_o[:, hD:(h+1)D].T."""
 
     weights: torch.Tensor
     head_outputs: torch.Tensor
 
 
 class MultiHeadAttention(nn.Module):
-    """Multi-head self-attention with every head in plain sight.
-
-    Why not `nn.MultiheadAttention`: it does the per-head split internally and takes one
-    mask per sample, while DeAR needs a different mask for every head (the role-based
-    mask) and per-head outputs for the head analysis. The parameter names
-    are `nn.MultiheadAttention`'s (`in_proj_weight`, `in_proj_bias`, `out_proj`), because
-    those are the keys in OpenAI's checkpoints.
-
-    attn_mask is *additive* (0 = may attend, -inf = may not), float, and one of
-        (N, N)        one mask for every head and every sample (e.g. the causal text mask)
-        (H, N, N)     one mask per head (DeAR's role-based mask)
-        (B, H, N, N)  one mask per sample and head
-    A row that is all -inf would make the softmax NaN; the mask builders never produce one.
-    """
+    """Self-attention with every head in plain sight. Not `nn.MultiheadAttention`, which splits
+    the heads internally and takes one mask per sample: DeAR needs a mask per head (Sec. 3.3)
+    and per-head outputs (Sec. 3.2). Its parameter names are kept: they are OpenAI's keys.
+    attn_mask is additive (0 = may attend, -inf = may not), float, of shape (N, N) (all heads,
+    e.g. the causal text mask), (H, N, N) (per head: DeAR's) or (B, H, N, N). A row all -inf
+    would make the softmax NaN; the mask builders never produce one."""
 
     def __init__(self, width: int, heads: int):
         super().__init__()
         if heads < 1 or width % heads:
             raise CLIPError(f"width {width} does not split into heads={heads} equal heads; pass a divisor of it")
         self.width, self.heads, self.head_dim = width, heads, width // heads
-        # q, k and v projections stacked into one matrix, as OpenAI (and nn.MultiheadAttention)
-        # store them: rows [0:C] make q, [C:2C] make k, [2C:3C] make v.
+        # q, k, v projections stacked as OpenAI stores them: rows [0:C] q, [C:2C] k, [2C:3C] v.
         self.in_proj_weight = nn.Parameter(torch.empty(3 * width, width))
         self.in_proj_bias = nn.Parameter(torch.zeros(3 * width))
         self.out_proj = nn.Linear(width, width)
         nn.init.xavier_uniform_(self.in_proj_weight)
 
-    def _check_mask(self, attn_mask: torch.Tensor, B: int, N: int) -> torch.Tensor:
-        """Validate an additive mask and bring it to a shape that broadcasts to (B, H, N, N)."""
-        if not attn_mask.is_floating_point():
-            raise CLIPError(f"attn_mask must be an additive float mask (0 / -inf), got dtype {attn_mask.dtype}")
-        H = self.heads
-        if attn_mask.dim() == 2:
-            expected = (N, N)
-        elif attn_mask.dim() == 3:
-            expected = (H, N, N)
-        elif attn_mask.dim() == 4:
-            expected = (B, H, N, N)
-        else:
-            expected = None
-        if expected is None or tuple(attn_mask.shape) != expected:
-            raise CLIPError(f"attn_mask has shape {tuple(attn_mask.shape)}; expected (N, N), (H, N, N) or "
-                            f"(B, H, N, N) with B={B}, H={H}, N={N}")
-        return attn_mask if attn_mask.dim() != 3 else attn_mask.unsqueeze(0)  # (1, H, N, N)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        attn_mask: Optional[torch.Tensor] = None,
-        return_details: bool = False,
-    ):
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, return_details: bool = False):
         B, N, C = x.shape  # batch, tokens, width
         H, D = self.heads, self.head_dim
-
-        # One matrix product makes q, k and v for all heads at once ...
-        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)  # (B, N, 3C)
-        q, k, v = qkv.split(C, dim=-1)  # each (B, N, C)
-        # ... and a reshape splits the width into H heads of D channels each.
-        q = q.view(B, N, H, D).transpose(1, 2)  # (B, H, N, D)
-        k = k.view(B, N, H, D).transpose(1, 2)  # (B, H, N, D)
-        v = v.view(B, N, H, D).transpose(1, 2)  # (B, H, N, D)
-
+        q, k, v = F.linear(x, self.in_proj_weight, self.in_proj_bias).split(C, dim=-1)  # each (B, N, C)
+        q, k, v = (t.view(B, N, H, D).transpose(1, 2) for t in (q, k, v))  # each (B, H, N, D)
         mask = None
         if attn_mask is not None:
-            # Under autocast q is fp16/bf16 and the fused kernel wants the mask in q's dtype.
-            mask = self._check_mask(attn_mask, B, N).to(q.dtype)
-
-        if return_details:
-            # The same computation spelled out, so the weights can be returned.
+            shapes = {2: (N, N), 3: (H, N, N), 4: (B, H, N, N)}
+            if not attn_mask.is_floating_point():
+                raise CLIPError(f"attn_mask must be an additive float mask (0 / -inf), got dtype {attn_mask.dtype}")
+            if shapes.get(attn_mask.dim()) != tuple(attn_mask.shape):
+                raise CLIPError(f"attn_mask has shape {tuple(attn_mask.shape)}; expected (N, N), (H, N, N) or "
+                                f"(B, H, N, N) with B={B}, H={H}, N={N}")
+            # (H, N, N) -> (1, H, N, N); in q's dtype, which the fused kernel wants under autocast
+            mask = (attn_mask.unsqueeze(0) if attn_mask.dim() == 3 else attn_mask).to(q.dtype)
+        if return_details:  # the same maths spelled out, so that the weights can be returned
             scores = (q @ k.transpose(-2, -1)) * D**-0.5  # (B, H, N, N)
-            if mask is not None:
-                scores = scores + mask  # each head gets its own mask
-            weights = scores.softmax(dim=-1)  # (B, H, N, N)
+            weights = (scores if mask is None else scores + mask).softmax(dim=-1)  # (B, H, N, N): each head its mask
             head_outputs = weights @ v  # (B, H, N, D)
-        else:
-            # softmax(q k^T / sqrt(D) + mask) v in one fused kernel: identical maths, less
-            # memory (the (B, H, N, N) matrix is never stored on the fast paths).
+        else:  # one fused kernel: the (B, H, N, N) matrix is never stored
             head_outputs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, N, D)
-
-        merged = head_outputs.transpose(1, 2).reshape(B, N, C)  # (B, N, C): heads side by side
-        out = self.out_proj(merged)  # (B, N, C): W_o mixes the heads
+        out = self.out_proj(head_outputs.transpose(1, 2).reshape(B, N, C))  # heads side by side; W_o mixes them
         if return_details:
             return out, AttentionDetails(weights=weights, head_outputs=head_outputs)
         return out
 
 
 class ResidualAttentionBlock(nn.Module):
-    """A pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)).
-
-    The MLP is c_fc (C -> 4C), QuickGELU (OpenAI) or GELU (`activation="gelu"`, open_clip's
-    plain models), c_proj (4C -> C); the names are OpenAI's.
-    """
+    """Pre-LayerNorm block: x + attn(ln_1(x)), then x + mlp(ln_2(x)); the MLP is c_fc (C -> 4C),
+    QuickGELU (or GELU), c_proj (4C -> C), with OpenAI's names."""
 
     def __init__(self, width: int, heads: int, activation: str = "quick_gelu"):
         super().__init__()
@@ -222,27 +139,19 @@ class ResidualAttentionBlock(nn.Module):
             raise CLIPError(f"activation={activation!r}; use one of {', '.join(map(repr, ACTIVATIONS))}")
         self.attn = MultiHeadAttention(width, heads)
         self.ln_1 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(
-            OrderedDict(
-                [
-                    ("c_fc", nn.Linear(width, width * 4)),
-                    ("gelu", ACTIVATIONS[activation]()),
-                    ("c_proj", nn.Linear(width * 4, width)),
-                ]
-            )
-        )
+        self.mlp = nn.Sequential(OrderedDict([("c_fc", nn.Linear(width, width * 4)),
+                                              ("gelu", ACTIVATIONS[activation]()),
+                                              ("c_proj", nn.Linear(width * 4, width))]))
         self.ln_2 = nn.LayerNorm(width)
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), attn_mask)  # (B, N, C)
-        x = x + self.mlp(self.ln_2(x))  # (B, N, C)
-        return x
+        return x + self.mlp(self.ln_2(x))  # (B, N, C)
 
 
 class Transformer(nn.Module):
-    """A stack of residual blocks. `resblocks` is a ModuleList (OpenAI uses nn.Sequential;
-    the state-dict keys `resblocks.<i>.` are the same) so callers can run any slice of
-    layers with a mask of their own, as dear.py does from layer J on."""
+    """A stack of residual blocks. A ModuleList, not OpenAI's nn.Sequential (same keys
+    `resblocks.<i>.`), so that dear.py can run any slice of layers with its own mask."""
 
     def __init__(self, width: int, layers: int, heads: int, activation: str = "quick_gelu"):
         super().__init__()
@@ -255,19 +164,13 @@ class Transformer(nn.Module):
         return x
 
 
-# ------------------------------------------------------------------------------------------
-# 2. The two towers
-# ------------------------------------------------------------------------------------------
+# ---- 2. The two towers ------------------------------------------------------------------
 
 
 class VisionTransformer(nn.Module):
-    """Image (B, 3, R, R) -> embedding (B, E).
-
-    The image is cut into (R/P)^2 patches of P x P pixels, each linearly embedded (a conv
-    with stride P and no bias); a learnable class token is put in front, positions are
-    added, and after the transformer the class token's final state, through ln_post and
-    the projection `proj` (C -> E), is the image embedding (`to_embedding`).
-    """
+    """Image (B, 3, R, R) -> embedding (B, E). (R/P)^2 patches of P x P pixels, each embedded by
+    a stride-P conv; a class token in front, positions added; after the transformer the class
+    token's final state, through ln_post and `proj` (C -> E), is the embedding."""
 
     def __init__(self, *, input_resolution: int, patch_size: int, width: int, layers: int,
                  heads: int, output_dim: int, activation: str = "quick_gelu"):
@@ -275,7 +178,7 @@ class VisionTransformer(nn.Module):
         if input_resolution % patch_size:
             raise CLIPError(f"image_resolution {input_resolution} is not a multiple of the patch size {patch_size}")
         self.input_resolution, self.patch_size = input_resolution, patch_size
-        self.grid_size = input_resolution // patch_size
+        self.grid_size = input_resolution // patch_size  # G: patches per side
         scale = width**-0.5
         self.conv1 = nn.Conv2d(3, width, kernel_size=patch_size, stride=patch_size, bias=False)
         self.class_embedding = nn.Parameter(scale * torch.randn(width))
@@ -286,84 +189,69 @@ class VisionTransformer(nn.Module):
         self.proj = nn.Parameter(scale * torch.randn(width, output_dim))
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
-        """Images (B, 3, R, R) -> the token sequence that enters layer 0, (B, 1 + G*G, C)."""
+        """Images (B, 3, R, R) -> the tokens entering layer 0, (B, 1 + G*G, C)."""
         if images.dim() != 4 or images.shape[1] != 3:
             raise CLIPError(f"images have shape {tuple(images.shape)}; expected (B, 3, R, R)")
         B, _, height, width = images.shape
         if not height == width == self.input_resolution:
             raise CLIPError(f"images are {height}x{width}; this model expects "
                             f"{self.input_resolution}x{self.input_resolution} (use the model's preprocess)")
-        x = self.conv1(images)  # (B, C, G, G): one C-vector per patch
-        x = x.flatten(2).transpose(1, 2)  # (B, G*G, C): patches in row-major order
+        x = self.conv1(images).flatten(2).transpose(1, 2)  # (B, G*G, C): patches in row-major order
         cls = self.class_embedding.to(x.dtype).expand(B, 1, -1)  # (B, 1, C)
-        x = torch.cat([cls, x], dim=1)  # (B, 1 + G*G, C): class token first
-        x = x + self.positional_embedding.to(x.dtype)  # (B, N, C)
-        return self.ln_pre(x)  # (B, N, C)
+        x = torch.cat([cls, x], dim=1) + self.positional_embedding.to(x.dtype)  # (B, N, C): class token first
+        return self.ln_pre(x)
 
     def to_embedding(self, cls_token: torch.Tensor) -> torch.Tensor:
-        """Final class-token state (B, C) -> image embedding (B, E): ln_post, then proj.
-        (OpenAI writes these two lines inline; a name of their own lets dear.py reuse them.)"""
+        """Final class-token state (B, C) -> embedding (B, E); a name of its own for dear.py."""
         return self.ln_post(cls_token) @ self.proj
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = self.embed(images)  # (B, N, C)
-        x = self.transformer(x)  # (B, N, C)
-        return self.to_embedding(x[:, 0])  # (B, E)
+        return self.to_embedding(self.transformer(self.embed(images))[:, 0])  # (B, E)
 
 
 def causal_mask(num_tokens: int, device=None, dtype=torch.float32) -> torch.Tensor:
-    """(N, N) additive mask: token i may attend to tokens 0..i only (-inf above the diagonal).
-
-    Because of it, token i's state never depends on tokens after i; that is why a text
-    sequence can be cut right after its last real token without changing its features.
-    """
+    """(N, N) additive mask: token i sees tokens 0..i only. So token i never depends on later
+    tokens, and a text may be cut right after its last real token without changing it."""
     return torch.full((num_tokens, num_tokens), float("-inf"), device=device, dtype=dtype).triu_(1)
 
 
-# ------------------------------------------------------------------------------------------
-# 3. CLIP
-# ------------------------------------------------------------------------------------------
+# ---- 3. CLIP ----------------------------------------------------------------------------
 
 
 class CLIP(nn.Module):
-    """The two towers and the temperature. The text tower's parts sit at the top level
-    (`token_embedding`, `positional_embedding`, `transformer`, `ln_final`,
-    `text_projection`) because that is where OpenAI's state dict has them.
+    """The two towers and the temperature. The text tower's parts (`token_embedding`,
+    `positional_embedding`, `transformer`, `ln_final`, `text_projection`) sit at the top level,
+    where OpenAI's state dict has them. activation: "quick_gelu" (OpenAI) or "gelu"."""
 
-    activation: "quick_gelu" (OpenAI's models) or "gelu" (open_clip's models without
-    "-quickgelu" in their name), in the MLPs of both towers."""
-
-    def __init__(self, *, embed_dim: int, image_resolution: int, vision_layers: int,
-                 vision_width: int, vision_patch_size: int, vision_heads: int,
-                 context_length: int, vocab_size: int, transformer_width: int,
-                 transformer_heads: int, transformer_layers: int, activation: str = "quick_gelu"):
+    def __init__(self, *, embed_dim: int, image_resolution: int, vision_layers: int, vision_width: int,
+                 vision_patch_size: int, vision_heads: int, context_length: int, vocab_size: int,
+                 transformer_width: int, transformer_heads: int, transformer_layers: int,
+                 activation: str = "quick_gelu"):
         super().__init__()
         self.context_length, self.activation = context_length, activation
-        self.visual = VisionTransformer(
-            input_resolution=image_resolution, patch_size=vision_patch_size, width=vision_width,
-            layers=vision_layers, heads=vision_heads, output_dim=embed_dim, activation=activation,
-        )
+        self.visual = VisionTransformer(input_resolution=image_resolution, patch_size=vision_patch_size,
+                                        width=vision_width, layers=vision_layers, heads=vision_heads,
+                                        output_dim=embed_dim, activation=activation)
         self.transformer = Transformer(transformer_width, transformer_layers, transformer_heads, activation)
         self.token_embedding = nn.Embedding(vocab_size, transformer_width)
         self.positional_embedding = nn.Parameter(torch.empty(context_length, transformer_width))
         self.ln_final = nn.LayerNorm(transformer_width)
         self.text_projection = nn.Parameter(torch.empty(transformer_width, embed_dim))
-        # CLIP learns the softmax temperature as a log, so it stays positive: s = exp(logit_scale).
+        # The temperature is learned as a log so that it stays positive: s = exp(logit_scale).
         self.logit_scale = nn.Parameter(torch.ones([]) * torch.log(torch.tensor(1 / 0.07)))
         self.initialize_parameters()
 
     def initialize_parameters(self) -> None:
-        """OpenAI's initialisation (used when training a CLIP from scratch)."""
+        """OpenAI's initialisation (for training a CLIP from scratch, as the toy world does)."""
         nn.init.normal_(self.token_embedding.weight, std=0.02)
         nn.init.normal_(self.positional_embedding, std=0.01)
         for tower in (self.transformer, self.visual.transformer):
-            width, layers = tower.width, tower.layers
-            proj_std = width**-0.5 * (2 * layers) ** -0.5  # scaled down: outputs add up over layers
-            attn_std, fc_std = width**-0.5, (2 * width) ** -0.5
+            width = tower.width
+            proj_std = width**-0.5 * (2 * tower.layers) ** -0.5  # smaller: the outputs add up over layers
             for block in tower.resblocks:
-                nn.init.normal_(block.attn.in_proj_weight, std=attn_std)
+                nn.init.normal_(block.attn.in_proj_weight, std=width**-0.5)
                 nn.init.normal_(block.attn.out_proj.weight, std=proj_std)
-                nn.init.normal_(block.mlp.c_fc.weight, std=fc_std)
+                nn.init.normal_(block.mlp.c_fc.weight, std=(2 * width) ** -0.5)
                 nn.init.normal_(block.mlp.c_proj.weight, std=proj_std)
         nn.init.normal_(self.text_projection, std=self.transformer.width**-0.5)
 
@@ -376,8 +264,8 @@ class CLIP(nn.Module):
         return self.visual(images.to(self.dtype))
 
     def embed_text(self, text: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, L) -> the sequence entering text layer 0, (B, L, C). L may be shorter
-        than the context length (see `causal_mask`)."""
+        """Token ids (B, L) -> the tokens entering text layer 0, (B, L, C); L may be shorter
+        than the context (see `causal_mask`)."""
         L = text.shape[1]
         if L > self.context_length:
             raise CLIPError(f"text has {L} tokens; this model's context length is {self.context_length} "
@@ -390,84 +278,51 @@ class CLIP(nn.Module):
         return x[torch.arange(x.shape[0], device=x.device), eot_positions] @ self.text_projection
 
     def encode_text(self, text: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, L) -> (B, E), not normalised.
-
-        The feature is read at the end-of-text token. Its id (49407) is the largest in the
-        vocabulary, so `text.argmax(-1)` finds it (OpenAI's trick; it holds for any BPE
-        file built like CLIP's, where the two special tokens come last).
-        """
+        """Token ids (B, L) -> (B, E), not normalised, read at the end-of-text token: its id is
+        the vocabulary's largest (the special tokens come last), so argmax finds it (OpenAI's trick)."""
         x = self.embed_text(text)  # (B, L, C)
         x = self.transformer(x, causal_mask(x.shape[1], x.device, x.dtype))  # (B, L, C)
         return self.text_to_embedding(x, text.argmax(dim=-1))  # (B, E)
 
     def forward(self, images: torch.Tensor, text: torch.Tensor):
-        """Cosine similarities times the learned temperature, as OpenAI's forward:
-        (logits_per_image (B_img, B_txt), logits_per_text (B_txt, B_img))."""
+        """OpenAI's logits: (per image (B_img, B_txt), per text (B_txt, B_img)), cosines times exp(logit_scale)."""
         image_features = F.normalize(self.encode_image(images), dim=-1)
         text_features = F.normalize(self.encode_text(text), dim=-1)
         logits_per_image = self.logit_scale.exp() * image_features @ text_features.t()
         return logits_per_image, logits_per_image.t()
 
 
-# ------------------------------------------------------------------------------------------
-# 4. Weights: build_model infers the architecture, load finds and reads the file
-# ------------------------------------------------------------------------------------------
+# ---- 4. Weights: build_model reads the architecture off the tensors, load finds the file ----
 
-# OpenAI's published ViT checkpoints. The long hex string in each address is the file's
-# SHA-256, which is how a download is checked.
+# OpenAI's published ViT checkpoints; the hex folder in each address is the file's SHA-256.
+_OPENAI_URL = "https://openaipublic.azureedge.net/clip/models/"
 _MODELS = {
-    "ViT-B/32": "https://openaipublic.azureedge.net/clip/models/"
-    "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af/ViT-B-32.pt",
-    "ViT-B/16": "https://openaipublic.azureedge.net/clip/models/"
-    "5806e77cd80f8b59890b7e101eabd078d9fb84e6937f9e85e4ecb61988df416f/ViT-B-16.pt",
-    "ViT-L/14": "https://openaipublic.azureedge.net/clip/models/"
-    "b8cca3fd41ae0c99ba7e8951adf17d267cdb84cd88be6f7c2e0eca1737a03836/ViT-L-14.pt",
+    "ViT-B/32": _OPENAI_URL + "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af/ViT-B-32.pt",
+    "ViT-B/16": _OPENAI_URL + "5806e77cd80f8b59890b7e101eabd078d9fb84e6937f9e85e4ecb61988df416f/ViT-B-16.pt",
+    "ViT-L/14": _OPENAI_URL + "b8cca3fd41ae0c99ba7e8951adf17d267cdb84cd88be6f7c2e0eca1737a03836/ViT-L-14.pt",
 }
 
-# Entries that are not parameters. OpenAI's TorchScript state dicts carry the first three
-# next to the tensors. The last three are what no tensor shape can tell -- how each tower's
-# width splits into heads, and which activation the MLPs use -- and `save` writes them, so
-# that a file written by `save` loads right with no extra argument.
-_METADATA_KEYS = ("input_resolution", "context_length", "vocab_size",
-                  "vision_heads", "text_heads", "activation")
-
-
-def available_models() -> list:
-    """The model names `load` can fetch by name."""
-    return list(_MODELS)
+# Not parameters: OpenAI's TorchScript files carry the first three, `save` writes the last three.
+_METADATA_KEYS = ("input_resolution", "context_length", "vocab_size", "vision_heads", "text_heads", "activation")
 
 
 def default_cache_dir() -> str:
-    """Where downloaded files are kept: $CLIP_CACHE_DIR, else ~/.cache/clip-from-scratch.
-
-    The older names still work: $DEAR_CACHE_DIR, and ~/.cache/dear-from-scratch when it
-    exists and the new folder does not (so an existing cache is not downloaded again)."""
-    for variable in ("CLIP_CACHE_DIR", "DEAR_CACHE_DIR"):
-        if os.environ.get(variable):
-            return os.environ[variable]
+    """$CLIP_CACHE_DIR, else ~/.cache/clip-from-scratch. The older names still work:
+    $DEAR_CACHE_DIR, and ~/.cache/dear-from-scratch if it exists and the new one does not."""
     home_cache = os.path.join(os.path.expanduser("~"), ".cache")
     new, old = os.path.join(home_cache, "clip-from-scratch"), os.path.join(home_cache, "dear-from-scratch")
-    return old if os.path.isdir(old) and not os.path.isdir(new) else new
+    fallback = old if os.path.isdir(old) and not os.path.isdir(new) else new
+    return os.environ.get("CLIP_CACHE_DIR") or os.environ.get("DEAR_CACHE_DIR") or fallback
 
 
 def atomic_write(path: str, write: Callable[[str], None]) -> None:
-    """Call write(temporary_path), then rename onto `path`: readers never see half a file, and
-    a write that fails (an exception in `write`) leaves no temporary behind.
-
-    The one copy in the project's library files: dear.py uses this one (clip_model.py must
-    stay copyable alone, and dear.py already imports it); data.py, which must stand alone
-    too and imports nothing from the project, keeps its own small copy and says so."""
+    """Call write(temporary_path), then rename it onto `path`: readers never see half a file,
+    and a failed write leaves no temporary behind. The project's one copy (dear.py and the
+    toy world reuse it; data.py, which stands alone, keeps its own small one)."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    # A fresh name created with mode 0666, which the kernel trims by the process's umask, as
-    # for any new file (mkstemp would make it 0600, and reading the umask means setting it).
-    while True:
-        temporary = os.path.join(folder, f".tmp-{secrets.token_hex(6)}-{os.path.basename(path)}")
-        try:
-            os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-            break
-        except FileExistsError:
-            continue
+    # A fresh name (48 random bits); `write` creates it, mode 0666 less the umask (mkstemp: 0600).
+    temporary = os.path.join(folder, f".tmp-{secrets.token_hex(6)}-{os.path.basename(path)}")
     try:
         write(temporary)
         os.replace(temporary, path)
@@ -477,19 +332,11 @@ def atomic_write(path: str, write: Callable[[str], None]) -> None:
 
 
 def save(model: CLIP, path: str) -> None:
-    """Write `model` as a plain state dict in OpenAI's key format, plus three entries that no
-    tensor shape can tell: {"vision_heads": int, "text_heads": int, "activation": str}.
-
-    `load(path)` then rebuilds exactly this model with no extra argument; other readers of
-    OpenAI-format state dicts see three extra keys (OpenAI's own files carry extras too:
-    input_resolution, context_length, vocab_size). Written through `atomic_write`, so a
-    reader never sees half a file. The same tensors give the same bytes (torch names the zip's
-    inner folder after the file it writes to; a file handle gets the fixed name "archive"), so
-    a SHA-256 of the file identifies the model.
-    """
-    state = dict(model.state_dict())
-    state.update(vision_heads=model.visual.transformer.heads, text_heads=model.transformer.heads,
-                 activation=model.activation)
+    """OpenAI's keys plus "vision_heads", "text_heads", "activation", so that `load(path)` needs
+    no argument. Atomic; the same tensors give the same bytes (through a file handle torch
+    names the zip's inner folder "archive"), so the file's SHA-256 identifies the model."""
+    state = dict(model.state_dict(), vision_heads=model.visual.transformer.heads,
+                 text_heads=model.transformer.heads, activation=model.activation)
 
     def write(temporary: str) -> None:
         with open(temporary, "wb") as handle:
@@ -498,110 +345,64 @@ def save(model: CLIP, path: str) -> None:
     atomic_write(path, write)
 
 
-def _heads(what: str, width: int, from_file, heads, head_width) -> int:
-    """How many heads one tower has: `heads`, else width // `head_width`, else what the file
-    says, else OpenAI's 64-channel heads. An argument that contradicts the file is an error:
-    it would build a different model from the one that was trained."""
+def _heads(what: str, width: int, stored, heads, head_width) -> int:
+    """One tower's head count: the argument (`heads`, else width / `head_width`), else the
+    file's entry, else OpenAI's heads of 64 channels. An argument that contradicts the file is
+    refused: it would build another model than the one trained."""
     if heads is None and head_width is not None:
         if head_width < 1 or width % head_width:
             raise CLIPFileError(f"the {what} width {width} is not a multiple of head_width={head_width}; "
                                 "pass the head_width the model was trained with")
         heads = width // head_width
-    if heads is not None:
-        if from_file is not None and int(from_file) != heads:
-            raise CLIPFileError(f"the file says {what}_heads={int(from_file)}, the arguments ask for "
-                                f"{heads}; leave vision_heads/text_heads/head_width out to use the file's")
-        if heads < 1 or width % heads:
-            raise CLIPFileError(f"the {what} width {width} does not split into {what}_heads={heads} heads")
-        return heads
-    if from_file is not None:
-        return int(from_file)
-    if width % 64:
+    if heads is not None and stored is not None and heads != int(stored):
+        raise CLIPFileError(f"the file says {what}_heads={int(stored)}, the arguments ask for {heads}; "
+                            "leave vision_heads/text_heads/head_width out to use the file's")
+    if heads is None and stored is None and width % 64:
         raise CLIPFileError(f"the {what} width {width} is not a multiple of 64 (OpenAI's head width); "
                             "pass the head_width (or vision_heads/text_heads) the model was trained with")
-    return width // 64
+    return heads if heads is not None else int(stored) if stored is not None else width // 64
 
 
 def build_model(state_dict: dict, head_width: Optional[int] = None, vision_heads: Optional[int] = None,
                 text_heads: Optional[int] = None, activation: Optional[str] = None) -> CLIP:
-    """Build a CLIP whose shape matches `state_dict`, load the weights strictly, return it in
-    eval mode and float32.
-
-    Every dimension is read off a tensor (OpenAI's rule), so ViT-B/32, B/16, L/14 and any
-    small model saved with the same keys load through this one path. Two things no tensor
-    can tell, and that change every output when wrong:
-      * how each width splits into heads: the entries "vision_heads"/"text_heads" that
-        `save` writes, else the arguments (`vision_heads`, `text_heads`, or `head_width` for
-        both towers), else OpenAI's heads of 64 channels;
-      * the MLP activation: the entry "activation", else the argument, else "quick_gelu"
-        (OpenAI's). open_clip's models without "-quickgelu" in their name use "gelu".
-    Arguments that contradict the file's entries are refused.
-    """
-    metadata = {k: state_dict[k] for k in _METADATA_KEYS if k in state_dict}
-    state_dict = {k: v for k, v in state_dict.items() if k not in _METADATA_KEYS}
-
-    if any(k.startswith("visual.layer1.") or k.startswith("visual.attnpool.") for k in state_dict):
-        raise CLIPFileError(
-            "this is a ResNet CLIP checkpoint (visual.layer1 / visual.attnpool keys); only the "
-            "ViT models are supported: use ViT-B/32, ViT-B/16 or ViT-L/14"
-        )
-    required = ["visual.conv1.weight", "visual.positional_embedding", "visual.proj",
-                "token_embedding.weight", "positional_embedding", "ln_final.weight",
-                "text_projection"]
-    missing = [k for k in required if k not in state_dict]
-    if missing:
-        raise CLIPFileError(
-            f"not an OpenAI CLIP ViT state dict: missing {', '.join(missing[:4])}"
-            + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-        )
-
-    # Vision tower: width from the patch conv, patch size from its kernel, grid from the
-    # number of positions, depth from the number of attention blocks.
-    vision_width = state_dict["visual.conv1.weight"].shape[0]
-    vision_patch_size = state_dict["visual.conv1.weight"].shape[-1]
-    vision_layers = len({k.split(".")[3] for k in state_dict
-                         if k.startswith("visual.transformer.resblocks.")})
-    grid_size = round((state_dict["visual.positional_embedding"].shape[0] - 1) ** 0.5)
-    image_resolution = vision_patch_size * grid_size
-    # Text tower.
-    embed_dim = state_dict["text_projection"].shape[1]
-    context_length = state_dict["positional_embedding"].shape[0]
-    vocab_size = state_dict["token_embedding.weight"].shape[0]
-    transformer_width = state_dict["ln_final.weight"].shape[0]
-    transformer_layers = len({k.split(".")[2] for k in state_dict
-                              if k.startswith("transformer.resblocks.")})
-    # What the shapes cannot tell: the head split and the activation.
-    vision_heads = _heads("vision", vision_width, metadata.get("vision_heads"), vision_heads, head_width)
-    text_heads = _heads("text", transformer_width, metadata.get("text_heads"), text_heads, head_width)
-    stored = metadata.get("activation")
-    if activation is not None and stored is not None and activation != stored:
-        raise CLIPFileError(f"the file says activation={stored!r}, the arguments ask for {activation!r}; "
-                            "leave activation out to use the file's")
-    activation = activation or stored or "quick_gelu"
-    if activation not in ACTIVATIONS:
-        raise CLIPFileError(f"activation={activation!r}; use one of {', '.join(map(repr, ACTIVATIONS))}")
-
+    """A CLIP shaped like `state_dict`, its weights loaded strictly, in eval mode, float32.
+    Every size is read off a tensor, as OpenAI's build_model does (ViT-B/32, B/16, L/14 and any
+    model saved with the same keys). What no tensor tells, and what changes every output when
+    wrong: the heads per tower (the file's entries, else `vision_heads` / `text_heads` /
+    `head_width`, else 64-channel heads) and the MLP activation (the file's, else the argument,
+    else "quick_gelu"; open_clip's models without "-quickgelu" use "gelu")."""
+    state_dict = dict(state_dict)
+    stored = {k: state_dict.pop(k) for k in _METADATA_KEYS if k in state_dict}
+    if any(k.startswith(("visual.layer1.", "visual.attnpool.")) for k in state_dict):
+        raise CLIPFileError("this is a ResNet CLIP checkpoint (visual.layer1 / visual.attnpool keys); only "
+                            "the ViT models are supported: use ViT-B/32, ViT-B/16 or ViT-L/14")
+    try:
+        vision_width = state_dict["visual.conv1.weight"].shape[0]
+        vision_patch_size = state_dict["visual.conv1.weight"].shape[-1]
+        grid_size = round((state_dict["visual.positional_embedding"].shape[0] - 1) ** 0.5)
+        embed_dim = state_dict["text_projection"].shape[1]
+        context_length, transformer_width = state_dict["positional_embedding"].shape
+        vocab_size = state_dict["token_embedding.weight"].shape[0]
+    except KeyError as error:
+        raise CLIPFileError(f"not an OpenAI CLIP ViT state dict: it has no {error}") from None
+    vision_layers = len([k for k in state_dict if k.startswith("visual.") and k.endswith(".attn.in_proj_weight")])
+    transformer_layers = len({k.split(".")[2] for k in state_dict if k.startswith("transformer.resblocks.")})
+    if activation is not None and stored.get("activation", activation) != activation:
+        raise CLIPFileError(f"the file says activation={stored['activation']!r}, the arguments ask for "
+                            f"{activation!r}; leave activation out to use the file's")
     model = CLIP(
-        embed_dim=embed_dim, image_resolution=image_resolution, vision_layers=vision_layers,
+        embed_dim=embed_dim, image_resolution=vision_patch_size * grid_size, vision_layers=vision_layers,
         vision_width=vision_width, vision_patch_size=vision_patch_size,
-        vision_heads=vision_heads, context_length=context_length,
-        vocab_size=vocab_size, transformer_width=transformer_width,
-        transformer_heads=text_heads, transformer_layers=transformer_layers, activation=activation,
+        vision_heads=_heads("vision", vision_width, stored.get("vision_heads"), vision_heads, head_width),
+        context_length=context_length, vocab_size=vocab_size, transformer_width=transformer_width,
+        transformer_heads=_heads("text", transformer_width, stored.get("text_heads"), text_heads, head_width),
+        transformer_layers=transformer_layers, activation=activation or stored.get("activation", "quick_gelu"),
     )
-
-    # Compare the key sets first: load_state_dict's own message is many lines long.
-    expected = model.state_dict()
-    missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in expected]
-    wrong_shape = [k for k in expected if k in state_dict
-                   and tuple(state_dict[k].shape) != tuple(expected[k].shape)]
-    for problem, keys in (("missing keys", missing), ("unexpected keys", unexpected),
-                          ("keys with the wrong shape", wrong_shape)):
-        if keys:
-            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
-            raise CLIPFileError(f"state dict does not fit a CLIP ViT: {problem} {', '.join(keys[:3])}{more}")
-
-    model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
+    try:  # the strict load checks every key and shape; torch's message, on one line
+        model.load_state_dict({k: v.float() for k, v in state_dict.items()})
+    except RuntimeError as error:
+        problem = _one_line(str(error).partition(":")[2], 300)  # drop "Error(s) in loading state_dict for CLIP"
+        raise CLIPFileError(f"state dict does not fit a CLIP ViT: {problem}") from None
     return model.eval()
 
 
@@ -614,15 +415,10 @@ def _sha256(path: str) -> str:
 
 
 def download(url: str, sha256: str, root: Optional[str] = None, what: str = "file") -> str:
-    """Fetch `url` into `root` (the cache), check its SHA-256, return the local path.
-
-    A file already in the cache with the right checksum is reused. The download goes to a
-    temporary file that is renamed only once complete and verified, so an interrupted
-    download never leaves a half-written file under the real name. Progress goes to stderr.
-    """
-    root = root or default_cache_dir()
-    os.makedirs(root, exist_ok=True)
-    target = os.path.join(root, os.path.basename(url))
+    """Fetch `url` into `root` (default: the cache) unless a file with the right SHA-256 is
+    there already; return its path. The name appears only for a complete, checked file
+    (atomic_write). Progress lines go to stderr."""
+    target = os.path.join(root or default_cache_dir(), os.path.basename(url))
     if os.path.isfile(target):
         if _sha256(target) == sha256:
             return target
@@ -631,63 +427,41 @@ def download(url: str, sha256: str, root: Optional[str] = None, what: str = "fil
     def fetch(partial: str) -> None:
         try:
             with urllib.request.urlopen(url, timeout=30) as source, open(partial, "wb") as sink:
-                total = int(source.headers.get("Content-Length") or 0)
-                done, last_report = 0, 0.0
-                while chunk := source.read(1 << 20):
+                total, done = int(source.headers.get("Content-Length") or 0), 0
+                for number, chunk in enumerate(iter(lambda: source.read(1 << 20), b""), start=1):
                     sink.write(chunk)
                     done += len(chunk)
-                    if time.time() - last_report > 2 or done == total:  # a line every 2 s
-                        last_report = time.time()
+                    if number % 32 == 0 or done == total:  # a line every 32 MiB, and at the end
                         share = f" ({100 * done / total:.0f}%)" if total else ""
                         print(f"downloading {what}: {done / 2**20:.1f} MiB{share}", file=sys.stderr)
         except (urllib.error.URLError, OSError, ValueError) as error:
-            raise CLIPFileError(
-                f"{what}: cannot download {url} ({_one_line(getattr(error, 'reason', error), 120)}); "
-                f"without network, get the file elsewhere and pass its local path"
-            ) from None
+            raise CLIPFileError(f"{what}: cannot download {url} ({_one_line(getattr(error, 'reason', error), 120)}); "
+                                "without network, get the file elsewhere and pass its local path") from None
         if _sha256(partial) != sha256:
             raise CLIPFileError(f"{what}: the file downloaded from {url} fails its SHA-256 check; try again")
 
-    atomic_write(target, fetch)  # the name appears only for a complete, checked file
+    atomic_write(target, fetch)
     return target
 
 
-def _is_torchscript_archive(path: str) -> bool:
-    """TorchScript archives (what OpenAI publishes) are zip files with a code/ folder and a
-    constants.pkl; `torch.save` zip files have neither."""
-    with zipfile.ZipFile(path) as archive:
-        names = archive.namelist()
-    return any(n.endswith("/constants.pkl") or "/code/" in n for n in names)
-
-
 def read_state_dict(path: str) -> dict:
-    """Read a checkpoint file into a {name: tensor} dict on the CPU.
-
-    OpenAI's files are TorchScript archives: `torch.jit.load(...).state_dict()` reads their
-    weights without running any of their code paths. Anything else must be a plain state
-    dict, read with `weights_only=True` so that a checkpoint cannot execute code on load.
-    """
+    """A checkpoint file -> {name: tensor} on the CPU. As OpenAI's clip.load: a TorchScript
+    archive (OpenAI's files) gives its state_dict() and runs none of its code; anything else
+    is read as a plain state dict, with weights_only=True so that loading runs no code."""
     if not os.path.isfile(path):
         raise CLIPFileError(f"{path}: no such file; pass the path to a CLIP checkpoint")
     try:
-        if zipfile.is_zipfile(path) and _is_torchscript_archive(path):
-            # Recent torch marks TorchScript deprecated; OpenAI's files exist only in it.
-            with warnings.catch_warnings():
+        try:
+            with warnings.catch_warnings():  # recent torch marks TorchScript deprecated
                 warnings.simplefilter("ignore", FutureWarning)
                 state_dict = torch.jit.load(path, map_location="cpu").state_dict()
-        else:
+        except RuntimeError:  # not a TorchScript archive
             state_dict = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # torch raises many kinds here; they all mean "unreadable"
-        raise CLIPFileError(
-            f"{path}: cannot be read as a checkpoint (truncated, corrupt or not a PyTorch "
-            f"file: {_one_line(error, 100)}); download it again or pass another file"
-        ) from None
-    if isinstance(state_dict, dict) and isinstance(state_dict.get("state_dict"), dict):
-        state_dict = state_dict["state_dict"]  # a common wrapper around the weights
+    except Exception as error:  # torch raises many kinds here; all mean "unreadable"
+        raise CLIPFileError(f"{path}: cannot be read as a checkpoint (truncated, corrupt or not a PyTorch "
+                            f"file: {_one_line(error, 100)}); download it again or pass another file") from None
     if not isinstance(state_dict, dict) or not all(
-        isinstance(k, str) and (isinstance(v, torch.Tensor) or k in _METADATA_KEYS)
-        for k, v in state_dict.items()
-    ):
+            isinstance(k, str) and (torch.is_tensor(v) or k in _METADATA_KEYS) for k, v in state_dict.items()):
         raise CLIPFileError(f"{path}: holds a {type(state_dict).__name__}, not a state dict of tensors")
     return dict(state_dict)
 
@@ -696,20 +470,13 @@ def load(name_or_path: str, device: Union[str, torch.device] = "cpu", jit: bool 
          download_root: Optional[str] = None, head_width: Optional[int] = None,
          vision_heads: Optional[int] = None, text_heads: Optional[int] = None,
          activation: Optional[str] = None):
-    """Load a CLIP ViT -> (model in eval mode, float32, on `device`; its test transform).
+    """A CLIP ViT -> (model in eval mode, float32, on `device`; its test transform).
 
-    name_or_path: one of `available_models()` ("ViT-B/16", ...) -- taken from the cache or
-    downloaded with a SHA-256 check -- or the path of a checkpoint file: an OpenAI
-    TorchScript archive or a plain state dict in OpenAI's key format.
-    jit: accepted for OpenAI's `clip.load(..., jit=False)`; this module always builds the
-    eager model (jit=True is refused).
-
-    When the extra arguments are needed: never for OpenAI's models (heads of 64 channels,
-    QuickGELU) or for files written by `save` (they carry their heads and activation). For any
-    other state dict, give what no tensor shape can tell, or the model loads *wrong without
-    an error*: heads that are not 64 channels wide (`head_width=32`, or `vision_heads=` /
-    `text_heads=` when the towers differ), and `activation="gelu"` for open_clip's models
-    without "-quickgelu" in their name (e.g. "ViT-B-16" with LAION's weights).
+    name_or_path: a name in `_MODELS` (cached, else downloaded and SHA-256 checked) or a file
+    (OpenAI's TorchScript, or a state dict with OpenAI's keys). jit=False is OpenAI's argument.
+    Foreign state dicts (not OpenAI's, not written by `save`) need what no tensor tells, or
+    they load *wrong without an error*: heads not 64 wide (`head_width=32`, or `vision_heads=`
+    / `text_heads=`), `activation="gelu"` for open_clip's models without "-quickgelu".
     """
     if jit:
         raise CLIPError("jit=True is not supported: this module builds the eager model, which is "
@@ -720,66 +487,50 @@ def load(name_or_path: str, device: Union[str, torch.device] = "cpu", jit: bool 
     elif os.path.isfile(name_or_path):
         path = name_or_path
     else:
-        raise CLIPFileError(
-            f"{name_or_path}: neither a model name ({', '.join(_MODELS)}) nor an existing "
-            "file; pass one of those names or the path to a checkpoint"
-        )
+        raise CLIPFileError(f"{name_or_path}: neither a model name ({', '.join(_MODELS)}) nor an existing "
+                            "file; pass one of those names or the path to a checkpoint")
     state_dict = read_state_dict(path)
     try:
         model = build_model(state_dict, head_width=head_width, vision_heads=vision_heads,
                             text_heads=text_heads, activation=activation)
-    except CLIPFileError as error:
+    except CLIPError as error:  # also the model's own checks (head split, activation name)
         raise CLIPFileError(f"{path}: {error}") from None
     return model.to(device), image_transform(model.visual.input_resolution)
 
 
-# ------------------------------------------------------------------------------------------
-# 5. Image preprocessing (OpenAI's test transform)
-# ------------------------------------------------------------------------------------------
+# ---- 5. Image preprocessing (OpenAI's test transform) -----------------------------------
 
-# The RGB statistics of CLIP's training set. data.py (which must stand alone, importing nothing
-# from the project) keeps a copy of these and of the test transform below: change both together.
+# The RGB statistics of CLIP's training set. data.py, which stands alone, keeps a copy of them
+# and of this transform: change both together.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
-def _to_rgb(image):
-    """PIL image -> RGB (greyscale, palette and RGBA images all exist in the benchmarks).
-    A named function, not a lambda, so the transform can be pickled into DataLoader workers."""
-    return image.convert("RGB")
+def _to_rgb(image):  # a function, not a lambda, so that DataLoader workers can pickle the transform
+    return image.convert("RGB")  # greyscale, palette and RGBA images exist in the benchmarks
 
 
 def image_transform(resolution: int = 224):
-    """Resize the short side to `resolution` (bicubic), centre-crop a square, RGB, to tensor,
-    normalise with CLIP's mean and std: exactly what OpenAI's `preprocess` does."""
+    """OpenAI's `preprocess`: short side to `resolution` (bicubic), centre crop, RGB, tensor, CLIP's mean/std."""
     from torchvision import transforms as T  # torchvision is needed only here
 
-    return T.Compose([
-        T.Resize(resolution, interpolation=T.InterpolationMode.BICUBIC),
-        T.CenterCrop(resolution),
-        _to_rgb,
-        T.ToTensor(),
-        T.Normalize(CLIP_MEAN, CLIP_STD),
-    ])
+    return T.Compose([T.Resize(resolution, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(resolution),
+                      _to_rgb, T.ToTensor(), T.Normalize(CLIP_MEAN, CLIP_STD)])
 
 
-# ------------------------------------------------------------------------------------------
-# 6. Tokenizer: CLIP's byte-level BPE
-# ------------------------------------------------------------------------------------------
-# Text -> clean (ftfy, HTML entities, whitespace, lower case) -> split into words and
-# punctuation runs with a regex -> each word's UTF-8 bytes, as printable characters ->
-# byte-pair merges, applied in the order the merges file lists them -> ids.
+# ---- 6. Tokenizer: CLIP's byte-level BPE ------------------------------------------------
+# Text -> clean (ftfy, HTML entities, whitespace, lower case) -> words and punctuation runs
+# (a regex) -> each word's UTF-8 bytes as printable characters -> the merges, in the order
+# the merges file lists them -> ids.
 
 BPE_FILENAME = "bpe_simple_vocab_16e6.txt.gz"
 BPE_URL = "https://github.com/openai/CLIP/raw/main/clip/bpe_simple_vocab_16e6.txt.gz"
 BPE_SHA256 = "924691ac288e54409236115652ad4aa250f48203de50a9e4722a6ecd48d6804a"
-_MAX_MERGES = 49152 - 256 - 2  # CLIP's vocabulary is 49408 = 2*256 bytes + 48894 merges + 2 specials
+_MAX_MERGES = 49152 - 256 - 2  # CLIP's vocabulary: 49408 = 2*256 bytes + 48894 merges + 2 specials
 
-
-# The pre-tokenisation regex (OpenAI's): the special tokens, English contractions split off
-# ("don't" -> "don", "'t"), words, single digits, and runs of other non-space characters.
-# Merges apply within each piece. A module constant so that a BPE learner (toyworld/bpe.py)
-# splits text exactly as the tokenizer does, from this one copy.
+# OpenAI's pre-tokenisation: the special tokens, contractions ("don't" -> "don", "'t"), words,
+# single digits, runs of other non-space characters. A constant so that the toy world's BPE
+# learner (toyworld/bpe.py) splits text exactly as the tokenizer does.
 PRETOKENIZE = re.compile(
     r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+""",
     re.IGNORECASE,
@@ -787,18 +538,12 @@ PRETOKENIZE = re.compile(
 
 
 def bytes_to_unicode() -> dict:
-    """A map from each of the 256 byte values to a printable unicode character.
-
-    BPE works on strings, and we want it to work on *bytes* (so any text, emoji included,
-    has a spelling) without whitespace or control characters inside tokens. Bytes that are
-    already printable map to themselves; the other 68 are moved to characters from 256 on.
-    Worked example: b"a" (97) -> "a", b" " (32) -> "Ġ" (chr(256 + 32)), so "é" (UTF-8 bytes
-    195, 169) is spelled "Ã©".
-    """
+    """Each byte value -> a printable character, so that BPE works on bytes (any text has a
+    spelling) with no whitespace or control characters in tokens. Printable bytes map to
+    themselves, the other 68 to chr(256 + i): b" " -> "Ġ", "é" (bytes 195, 169) -> "Ã©"."""
     printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
                  + list(range(ord("®"), ord("ÿ") + 1)))
-    characters = printable[:]
-    moved = 0
+    characters, moved = printable[:], 0
     for byte in range(256):
         if byte not in printable:
             printable.append(byte)
@@ -809,8 +554,7 @@ def bytes_to_unicode() -> dict:
 
 def basic_clean(text: str) -> str:
     """Fix mojibake (ftfy) and HTML entities (twice: some web text is double-escaped)."""
-    text = ftfy.fix_text(text)
-    return html.unescape(html.unescape(text)).strip()
+    return html.unescape(html.unescape(ftfy.fix_text(text))).strip()
 
 
 def whitespace_clean(text: str) -> str:
@@ -819,9 +563,8 @@ def whitespace_clean(text: str) -> str:
 
 
 def find_bpe_file(bpe_path: Optional[str] = None) -> str:
-    """Find CLIP's merges file: the explicit path, then $CLIP_BPE_PATH (or the older
-    $DEAR_BPE_PATH), then the cache, then a download (SHA-256 checked). Without any of them:
-    a one-line error saying what to pass."""
+    """CLIP's merges file: the argument, else $CLIP_BPE_PATH (or the older $DEAR_BPE_PATH), else
+    the cache, else a download (SHA-256 checked); else a one-line error saying what to pass."""
     for source, path in (("bpe_path", bpe_path), ("$CLIP_BPE_PATH", os.environ.get("CLIP_BPE_PATH")),
                          ("$DEAR_BPE_PATH", os.environ.get("DEAR_BPE_PATH"))):
         if path:
@@ -834,15 +577,12 @@ def find_bpe_file(bpe_path: Optional[str] = None) -> str:
     try:
         return download(BPE_URL, BPE_SHA256, what="CLIP's BPE merges file")
     except CLIPFileError as error:
-        raise CLIPFileError(
-            f"{error} -- or pass bpe_path= / set CLIP_BPE_PATH to a {BPE_FILENAME} "
-            f"(open_clip and openai/CLIP ship one), or copy it to {cached}"
-        ) from None
+        raise CLIPFileError(f"{error} -- or pass bpe_path= / set CLIP_BPE_PATH to a {BPE_FILENAME} "
+                            f"(open_clip and openai/CLIP ship one), or copy it to {cached}") from None
 
 
 def merge_pair(symbols: Sequence[str], pair: Tuple[str, str]) -> List[str]:
-    """One BPE merge: every adjacent occurrence of `pair` in `symbols`, left to right, becomes
-    one symbol. ["c", "i", "r", "c"] with ("c", "i") -> ["ci", "r", "c"]."""
+    """One BPE merge, left to right: ["c", "i", "r", "c"] with ("c", "i") -> ["ci", "r", "c"]."""
     merged, i = [], 0
     while i < len(symbols):
         if i < len(symbols) - 1 and (symbols[i], symbols[i + 1]) == pair:
@@ -855,19 +595,15 @@ def merge_pair(symbols: Sequence[str], pair: Tuple[str, str]) -> List[str]:
 
 
 class SimpleTokenizer:
-    """CLIP's tokenizer: `encode(text) -> ids`, `decode(ids) -> text`.
-
-    bpe_path: a merges file in OpenAI's format (a header line, then one "left right" merge
-    per line, in priority order; gzipped or plain). The real file has far more lines than
-    CLIP uses, so only the first 48,894 merges are read, as OpenAI does; a smaller file
-    (e.g. one learned on your own captions) gives a smaller vocabulary of 512 + merges + 2 ids.
-    """
+    """CLIP's tokenizer: `encode(text) -> ids`, `decode(ids) -> text`, `tokenize(texts)`.
+    bpe_path: a merges file in OpenAI's format (a header line, then "left right" per line in
+    priority order; gzip or plain). The first 48,894 merges are read, as OpenAI does; a smaller
+    file (one learned on your own captions) gives 512 + merges + 2 ids."""
 
     def __init__(self, bpe_path: Optional[str] = None):
         self.bpe_path = find_bpe_file(bpe_path)
         self.byte_encoder = bytes_to_unicode()
         self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
-
         try:
             opener = gzip.open if self.bpe_path.endswith(".gz") else open
             with opener(self.bpe_path, "rt", encoding="utf-8") as f:
@@ -878,83 +614,61 @@ class SimpleTokenizer:
         for number, line in enumerate(lines[1:], start=2):  # line 1 is the "#version" header
             if len(merges) == _MAX_MERGES:
                 break
-            if not line.strip():
-                continue
-            pair = tuple(line.split())
-            if len(pair) != 2:
-                raise CLIPFileError(f"{self.bpe_path}: line {number} is not a 'left right' merge: {line[:40]!r}")
-            merges.append(pair)
-
-        # The vocabulary: 256 bytes, the same 256 as word endings, one entry per merge, and the
-        # two special tokens last (so the end-of-text id is the largest; see encode_text).
+            if line.strip():
+                if len(line.split()) != 2:
+                    raise CLIPFileError(f"{self.bpe_path}: line {number} is not a 'left right' merge: {line[:40]!r}")
+                merges.append(tuple(line.split()))
+        # 256 bytes, the same as word endings, one entry per merge, the two specials last (so
+        # that end-of-text has the largest id; see CLIP.encode_text).
         vocab = list(self.byte_encoder.values())
-        vocab += [v + "</w>" for v in vocab]
-        vocab += ["".join(pair) for pair in merges]
-        vocab += ["<|startoftext|>", "<|endoftext|>"]
+        vocab += [v + "</w>" for v in vocab] + ["".join(pair) for pair in merges] + ["<|startoftext|>", "<|endoftext|>"]
         self.encoder = {token: index for index, token in enumerate(vocab)}
         self.decoder = {index: token for token, index in self.encoder.items()}
         self.bpe_ranks = {pair: rank for rank, pair in enumerate(merges)}  # lower = merged first
         self.sot_token, self.eot_token = self.encoder["<|startoftext|>"], self.encoder["<|endoftext|>"]
         self.cache = {"<|startoftext|>": "<|startoftext|>", "<|endoftext|>": "<|endoftext|>"}
-        self.pattern = PRETOKENIZE  # words, digits, punctuation runs: what the merges apply to
 
     @property
     def vocab_size(self) -> int:
         return len(self.encoder)
 
     def bpe(self, token: str) -> str:
-        """Apply the merges to one word; returns its pieces separated by spaces.
-
-        Start from single characters, the last one marked as a word end ("</w>"); then
-        repeatedly merge the adjacent pair that ranks best in the merges file, everywhere
-        it occurs, until no adjacent pair is in the file.
-        """
-        if token in self.cache:
-            return self.cache[token]
-        word = list(token[:-1]) + [token[-1] + "</w>"]
-        while len(word) > 1:
-            pairs = set(zip(word, word[1:]))
-            best = min(pairs, key=lambda pair: self.bpe_ranks.get(pair, float("inf")))
-            if best not in self.bpe_ranks:
-                break
-            word = merge_pair(word, best)
-        result = " ".join(word)
-        self.cache[token] = result
-        return result
+        """One word -> its pieces, space-separated: start from characters (the last marked as a
+        word end, "</w>"), merge the best-ranked adjacent pair everywhere, until none is ranked."""
+        if token not in self.cache:
+            word = list(token[:-1]) + [token[-1] + "</w>"]
+            while len(word) > 1:
+                best = min(set(zip(word, word[1:])), key=lambda pair: self.bpe_ranks.get(pair, float("inf")))
+                if best not in self.bpe_ranks:
+                    break
+                word = merge_pair(word, best)
+            self.cache[token] = " ".join(word)
+        return self.cache[token]
 
     def encode(self, text: str) -> list:
-        text = whitespace_clean(basic_clean(text)).lower()
         ids = []
-        for word in re.findall(self.pattern, text):
+        for word in re.findall(PRETOKENIZE, whitespace_clean(basic_clean(text)).lower()):
             spelled = "".join(self.byte_encoder[b] for b in word.encode("utf-8"))
             ids.extend(self.encoder[piece] for piece in self.bpe(spelled).split(" "))
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         text = "".join(self.decoder[int(i)] for i in ids)
-        raw = bytearray(self.byte_decoder[c] for c in text)
-        return raw.decode("utf-8", errors="replace").replace("</w>", " ")
+        return bytearray(self.byte_decoder[c] for c in text).decode("utf-8", errors="replace").replace("</w>", " ")
 
-    def tokenize(self, texts: Union[str, Sequence[str]], context_length: int = 77,
-                 truncate: bool = False) -> torch.Tensor:
+    def tokenize(self, texts: Union[str, Sequence[str]], context_length=77, truncate=False) -> torch.Tensor:
         """Texts -> (len(texts), context_length) ids: start token, the text, end token, zeros.
-
-        A text longer than the context is an error unless truncate=True, which keeps the
-        first context_length - 1 ids and ends with the end-of-text token (OpenAI's rule).
-        """
-        if isinstance(texts, str):
-            texts = [texts]
+        Too long a text is an error, unless truncate=True keeps the first context_length - 1
+        ids and ends with the end-of-text token (OpenAI's rule)."""
+        texts = [texts] if isinstance(texts, str) else texts
         result = torch.zeros(len(texts), context_length, dtype=torch.long)
         for row, text in enumerate(texts):
             ids = [self.sot_token] + self.encode(text) + [self.eot_token]
             if len(ids) > context_length:
                 if not truncate:
-                    raise CLIPError(
-                        f"text {text[:40]!r}... is {len(ids)} tokens, longer than the context "
-                        f"length {context_length}; shorten it or pass truncate=True"
-                    )
-                ids = ids[:context_length]
-                ids[-1] = self.eot_token
+                    raise CLIPError(f"text {text[:40]!r}... is {len(ids)} tokens, longer than the context "
+                                    f"length {context_length}; shorten it or pass truncate=True")
+                ids = ids[: context_length - 1] + [self.eot_token]
             result[row, : len(ids)] = torch.tensor(ids)
         return result
 
@@ -964,43 +678,28 @@ _tokenizers: dict = {}  # bpe_path (None = found by find_bpe_file) -> SimpleToke
 
 def tokenize(texts: Union[str, Sequence[str]], context_length: int = 77, truncate: bool = False,
              tokenizer: Optional[SimpleTokenizer] = None, bpe_path: Optional[str] = None) -> torch.Tensor:
-    """OpenAI's `clip.tokenize`: (len(texts), context_length) token ids.
-
-    Uses `tokenizer` if given, else a SimpleTokenizer for `bpe_path` built on first use and
-    kept. Without bpe_path the merges file is looked for ($CLIP_BPE_PATH, the cache) and
-    downloaded if missing: offline, pass bpe_path= (open_clip's wheel and the openai/CLIP
-    repository both carry bpe_simple_vocab_16e6.txt.gz).
-    """
+    """OpenAI's `clip.tokenize`, with `tokenizer`, else one built for `bpe_path` on first use
+    (without bpe_path the merges file is found or downloaded: see find_bpe_file)."""
     if tokenizer is None:
-        if bpe_path not in _tokenizers:
-            _tokenizers[bpe_path] = SimpleTokenizer(bpe_path)
-        tokenizer = _tokenizers[bpe_path]
+        tokenizer = _tokenizers.get(bpe_path) or _tokenizers.setdefault(bpe_path, SimpleTokenizer(bpe_path))
     return tokenizer.tokenize(texts, context_length, truncate)
 
 
-# ------------------------------------------------------------------------------------------
-# 7. Analysis: the image embedding as a sum of per-head contributions (TextSpan)
-# ------------------------------------------------------------------------------------------
-# The class token's final state is a sum of everything ever added to the residual stream:
-#     r = (embeddings after ln_pre) + sum_layers [ attn_l + mlp_l ]
-# and each attention output splits further over heads, because the output projection is
-# linear:  attn_l = sum_h W_o[:, h] @ o_h + b_o.  Only ln_post is not linear; but with the
-# mean and standard deviation of the *full* r held fixed it is (Gandelsman et al., "TextSpan",
-# ICLR 2024, Sec. 3), and every term can be pushed through ln_post and `proj` on its own:
-#     embedding = sum_terms  gamma * (t - mean(t)) / std(r) @ proj   +   beta @ proj.
+# ---- 7. Analysis: the image embedding as a sum of per-head contributions (TextSpan) -----
+# The class token's final state r is the sum of all that was added to the residual stream,
+#     r = (embeddings after ln_pre) + sum_layers [attn_l + mlp_l],
+# and each attention output splits over heads, the output projection being linear:
+# attn_l = sum_h W_o[:, h] @ o_h + b_o. ln_post is linear too once the mean and std of the
+# full r are held fixed (Gandelsman et al., "TextSpan", ICLR 2024, Sec. 3), so each term goes
+# through ln_post and `proj` on its own:  embedding = sum_t gamma (t - mean t) / std(r) @ proj + beta @ proj.
 
 
 class HeadContributions(NamedTuple):
-    """The direct contributions to each image embedding (all in embedding space, E).
-
-    heads: (B, L, H, E)  every head of the last L layers (a share b_o / H of its layer's
-                         output-projection bias is counted with each head)
-    mlps:  (B, L, E)     the MLPs of the same L layers
-    rest:  (B, E)        the embeddings and every layer before those L
-    bias:  (E,)          ln_post's bias pushed through proj
-    layers: the 0-based indices of the L layers (the paper counts from 1: layer 8 is "layer 9")
-    Invariant: heads.sum((1, 2)) + mlps.sum(1) + rest + bias == model.encode_image(images).
-    """
+    """Direct contributions to each image embedding (all in embedding space, E):
+    heads (B, L, H, E) every head of the last L layers (with a share b_o / H of the bias),
+    mlps (B, L, E) the MLPs of those layers, rest (B, E) the embeddings and all earlier layers,
+    bias (E,) ln_post's bias through proj; layers: the L 0-based indices (the paper counts
+    from 1). Invariant: total() == model.encode_image(images)."""
 
     heads: torch.Tensor
     mlps: torch.Tensor
@@ -1008,54 +707,45 @@ class HeadContributions(NamedTuple):
     bias: torch.Tensor
     layers: tuple
 
-    def total(self) -> torch.Tensor:
-        """The sum of all terms: the image embedding (B, E)."""
+    def total(self) -> torch.Tensor:  # the sum of all terms: the image embedding (B, E)
         return self.heads.sum((1, 2)) + self.mlps.sum(1) + self.rest + self.bias
 
 
 @torch.no_grad()
 def head_contributions(model: CLIP, images: torch.Tensor, num_layers: int = 4) -> HeadContributions:
-    """Decompose `model.encode_image(images)` into per-head direct contributions.
-
-    images: (B, 3, R, R) preprocessed. Returns a HeadContributions; its `heads` tensor,
-    (B, num_layers, H, E), is what DeAR's head analysis (dear.py) reads. Runs under
-    torch.no_grad(): the terms are for analysis, no gradient flows through them.
-    """
+    """Decompose `model.encode_image(images)` ((B, 3, R, R) preprocessed) into per-head direct
+    contributions; `heads`, (B, num_layers, H, E), is what DeAR's head analysis reads. No
+    gradient: the terms are for analysis."""
     visual = model.visual
     blocks = visual.transformer.resblocks
     if not 1 <= num_layers <= len(blocks):
         raise CLIPError(f"num_layers={num_layers} is out of range: this model has {len(blocks)} vision layers")
     first = len(blocks) - num_layers
-
     x = visual.embed(images.to(model.dtype))  # (B, N, C)
     for block in blocks[:first]:
         x = block(x)
-    rest = x[:, 0]  # (B, C): embeddings + all earlier layers, as seen by the class token
+    rest = x[:, 0]  # (B, C): embeddings + all earlier layers, at the class token
 
     head_terms, mlp_terms = [], []
     for block in blocks[first:]:
         attn = block.attn
         attn_out, details = attn(block.ln_1(x), return_details=True)
-        # Head h's part of the class token's update: W_o[:, hD:(h+1)D] @ o_h (+ its bias share).
         C, H, D = attn.width, attn.heads, attn.head_dim
-        w_out = attn.out_proj.weight.view(C, H, D)  # (C, H, D): columns of W_o, grouped by head
+        w_out = attn.out_proj.weight.view(C, H, D)  # (C, H, D): the columns of W_o, by head
         cls_heads = details.head_outputs[:, :, 0]  # (B, H, D): each head's output at the class token
-        per_head = torch.einsum("bhd,chd->bhc", cls_heads, w_out) + attn.out_proj.bias / H  # (B, H, C)
-        head_terms.append(per_head)
+        head_terms.append(torch.einsum("bhd,chd->bhc", cls_heads, w_out) + attn.out_proj.bias / H)  # (B, H, C)
         x = x + attn_out
         mlp_out = block.mlp(block.ln_2(x))  # (B, N, C)
         mlp_terms.append(mlp_out[:, 0])
         x = x + mlp_out
 
-    # Linearise ln_post with the statistics of the full residual at the class token.
-    final = x[:, 0]  # (B, C)
-    ln = visual.ln_post
-    std = (final.var(dim=-1, unbiased=False, keepdim=True) + ln.eps).sqrt()  # (B, 1)
+    ln = visual.ln_post  # linearised with the statistics of the full residual at the class token
+    std = (x[:, 0].var(dim=-1, unbiased=False, keepdim=True) + ln.eps).sqrt()  # (B, 1)
 
     def through_ln_post_and_proj(term: torch.Tensor) -> torch.Tensor:
-        """(B, ..., C) -> (B, ..., E): the term's share of ln_post(final) @ proj."""
+        """(B, ..., C) -> (B, ..., E): the term's share of ln_post(r) @ proj."""
         scale = std.view(std.shape[0], *([1] * (term.dim() - 1)))  # broadcast over the middle dims
-        centred = term - term.mean(dim=-1, keepdim=True)  # centring is linear: shares add up
+        centred = term - term.mean(dim=-1, keepdim=True)  # centring is linear: the shares add up
         return (centred / scale * ln.weight) @ visual.proj
 
     return HeadContributions(
@@ -1067,35 +757,25 @@ def head_contributions(model: CLIP, images: torch.Tensor, num_layers: int = 4) -
     )
 
 
-# ------------------------------------------------------------------------------------------
-# Command line: zero-shot scores of one image against a few texts
-# ------------------------------------------------------------------------------------------
+# ---- Command line: zero-shot scores of one image against a few texts --------------------
 
 def _main(argv=None) -> int:
-    import argparse
-
     parser = argparse.ArgumentParser(description="Score an image against texts with CLIP.")
     parser.add_argument("--weights", default="ViT-B/16", help="model name or checkpoint path")
-    parser.add_argument("--bpe", default=None, help="path to CLIP's BPE merges file (default: "
-                        "$CLIP_BPE_PATH, the cache, or a download)")
+    parser.add_argument("--bpe", help="CLIP's BPE merges file (default: $CLIP_BPE_PATH, the cache, a download)")
     parser.add_argument("--image", required=True, help="an image file")
     parser.add_argument("--texts", nargs="+", required=True, help="candidate captions")
-    parser.add_argument("--head-width", type=int, default=None, help="channels per attention head, "
-                        "for a foreign checkpoint whose heads are not 64 wide (files written by "
-                        "clip_model.save carry their heads)")
-    parser.add_argument("--activation", choices=sorted(ACTIVATIONS), default=None,
-                        help="MLP activation, for a foreign checkpoint: gelu for open_clip's models "
-                        "without -quickgelu in the name (default: the file's, else quick_gelu)")
+    parser.add_argument("--head-width", type=int, help="channels per head, for a foreign checkpoint whose "
+                        "heads are not 64 wide (files written by save carry theirs)")
+    parser.add_argument("--activation", choices=sorted(ACTIVATIONS), help="MLP activation of a foreign "
+                        "checkpoint: gelu for open_clip's without -quickgelu (default: the file's, else quick_gelu)")
     args = parser.parse_args(argv)
     try:
         from PIL import Image, UnidentifiedImageError
-
-        if not os.path.isfile(args.image):
-            raise CLIPFileError(f"{args.image}: no such image file")
-        try:
+        try:  # load(): a header that opens may still hide pixels that do not
             with Image.open(args.image) as picture:
                 picture.load()
-        except (UnidentifiedImageError, OSError) as error:
+        except (UnidentifiedImageError, OSError) as error:  # also absent files and folders
             raise CLIPFileError(f"{args.image}: cannot be read as an image ({_one_line(error, 80)})") from None
         model, preprocess = load(args.weights, head_width=args.head_width, activation=args.activation)
         tokenizer = SimpleTokenizer(args.bpe)

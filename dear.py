@@ -1,39 +1,12 @@
-"""
-dear.py -- DeAR, the method: head roles by concept entropy, attribute tokens, the role-based
-attention mask, the losses and the learned fusion of the branches.
+"""dear.py -- DeAR ("DeAR: Fine-Grained VLM Adaptation by Decomposing Attention Head Roles", Ma et
+al., CVPR 2026) in the order it runs: 1. TextSpan, 2. concept entropy, 3. head roles (paper Sec.
+3.2; analyze_heads runs 1-3), 4. the role-based mask (Sec. 3.3), 5. the model and retrieval, 6. the
+losses (Sec. 3.4), 7. bookkeeping: RoleMap (its JSON file, its table), the description bank.
 
-Paper: "DeAR: Fine-Grained VLM Adaptation by Decomposing Attention Head Roles"
-(Ma, Yang, Wang, Chen, Xian, Teng; CVPR 2026). The project's method notes, with the choices
-made where the paper is silent, are docs/METHOD.md in the repository (dear-from-scratch);
-"METHOD.md Sec. N" below points there: Sec. 3 head roles, 4 tokens and mask, 5 losses.
-
-What this file holds, in the order the method runs (bookkeeping last):
-
-    1. TextSpan .................. the greedy description search that explains one head
-    2. concept entropy ........... how many concepts a head's descriptions spread over
-    3. roles ..................... entropy -> attribute / generalization / mixed; the RoleMap;
-                                   analyze_heads runs 1-3 on every head of the last layers
-    4. the role-based mask ....... one additive (heads, tokens, tokens) mask per layer from J on
-    5. the model ................. DeAR: frozen CLIP + attribute tokens (vision), inserted
-                                   tokens (text), attribute projection, fusion weights;
-                                   prepare_classes encodes a class list's frozen part once;
-                                   retrieval: rank a gallery by one attribute token's feature
-    6. the losses ................ cross-entropy on fused logits, self-regularisation, fusion
-                                   regularisation
-    7. bookkeeping ............... RoleMap JSON and validation, tables, PNG pictures, and the
-                                   description bank's word lists (>500 labelled phrases)
-
-How it fits: it imports only clip_model.py (the hand-written CLIP whose attention takes a
-per-head mask, `head_contributions`, and the file writer), so the two files can be copied
-together into any project, at its top level or side by side inside a package. A caller builds
-a DeAR from a loaded CLIP and a RoleMap, encodes its class prompts once with
-`prepare_classes`, and trains `learnable_parameters()`.
-
-Layer numbers: the paper counts layers from 1 ("layers 9-12", "J = 9"); Python indexes them
-from 0 (8-11). Arguments named `first_layer` take the paper's 1-based J; everything stored
-(`RoleMap.layers`, `HeadRole.layer`) is 0-based; every printed line says which.
-
-Try it on a random small CLIP:  python dear.py
+The method in one page: tests/test_dear_reference.py, DeAR's forward pass one head at a time; this
+file batches it. docs/METHOD.md ("METHOD.md Sec. N") has the choices where the paper is silent. It
+imports only clip_model.py: copy the two together. `first_layer` is the paper's 1-based J; what is
+stored (`HeadRole.layer`) is 0-based.  Try it on a random small CLIP:  python dear.py
 """
 
 from __future__ import annotations
@@ -49,153 +22,84 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# clip_model.py sits next to this file. Copied into a package (myproj/vendor/dear.py), it is
-# found only by a relative import; copied to the top level of a project (or run as a script,
-# `python dear.py`), there is no package and only the absolute import works. Try both.
-try:
+try:  # inside a package (myproj/vendor/) only the relative import works, at the top level only the other
     from . import clip_model
 except ImportError:
     import clip_model
-CLIP, causal_mask, head_contributions = clip_model.CLIP, clip_model.causal_mask, clip_model.head_contributions
-# Temporary file + rename, so no reader sees half a file: clip_model's, the one copy this
-# pair of files shares (the role JSON and the pictures below; train.py's files too).
-atomic_write = clip_model.atomic_write
+atomic_write = clip_model.atomic_write  # temporary file + rename: no reader sees half a file
 
-# The paper's five core attributes, in order: one attribute token each (Sec. 3.3).
-CORE_ATTRIBUTES = ("colour", "shape", "texture", "object", "location")
+CORE_ATTRIBUTES = ("colour", "shape", "texture", "object", "location")  # the paper's five, one token each
 ROLES = ("attribute", "generalization", "mixed")
+TEXTSPAN_RANK, PAPER_PICKS = 80, 20  # clip_text_span's --w_ov_rank (compute_complete_text_set.py); the paper's N
+ANALYSED_LAYERS = 4  # the paper analyses, and prompts, the vision tower's last four layers
 
 
 class DeARError(ValueError):
-    """Bad input to the method (a role file, an attribute name, J, beta): the message is one
-    line that names the file or argument and says what to do. (Raised, never asserted:
-    `python -O` removes asserts.)"""
+    """Bad input (a role file, an attribute name, J, beta): one line naming it and what to do."""
 
 
-# ------------------------------------------------------------------------------------------
-# 1. TextSpan: which descriptions explain a head (METHOD.md Sec. 3, paper Sec. 3.2)
-# ------------------------------------------------------------------------------------------
-
-
-# TextSpan's defaults, the authors' (yossigandelsman/clip_text_span, compute_complete_text_set.py:
-# --w_ov_rank 80) and the paper's number of descriptions per head.
-TEXTSPAN_RANK = 80
-PAPER_PICKS = 20
-
-
+# ---- 1. TextSpan: which descriptions explain a head (paper Sec. 3.2, METHOD.md Sec. 3) ----------
 def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
              num_descriptions: int = PAPER_PICKS, rank: int = TEXTSPAN_RANK) -> List[int]:
-    """TextSpan's greedy search (Gandelsman et al., ICLR 2024, Alg. 1) for one head, as its
-    authors' code runs it: yossigandelsman/clip_text_span, compute_complete_text_set.py,
-    `replace_with_iterative_removal` (same picks, same order).
-
-    contributions:   (n_images, E) the head's direct contributions to the image embeddings
-    text_embeddings: (n_texts, E)  the description bank, encoded and normalised
-    returns: the indices of `num_descriptions` descriptions, most explanatory first.
-
-    1. Keep the top r = min(rank, n_images, E) right singular vectors of the *raw* (not
-       centred) contributions: the subspace the head writes into, its mean included.
-    2. Project every text embedding onto that span.
-    3. Centre the contributions, as the authors do. (It changes no pick: a standard deviation
-       ignores what all images share, and removing a direction commutes with centring.)
-    4. Repeat: pick the description whose projection varies most across images (largest
-       standard deviation of contributions @ text), then remove its (unit) direction from both
-       the contributions and the remaining texts, so the next pick explains something new.
-    At most r picks (`analysis_picks`): after r removals every text is zero inside the span.
-    """
-    n_images, width = contributions.shape
-    num_descriptions = analysis_picks(num_descriptions, text_embeddings.shape[0], n_images, rank=rank,
-                                      embed_dim=width)
+    """TextSpan (Gandelsman et al., ICLR 2024, Alg. 1), picking what its authors' code picks, in order:
+    contributions (n_images, E), one head's direct contributions to the image embeddings, and the bank
+    (n_texts, E) -> indices; each the text varying most across images, then removed from head and bank."""
+    num_descriptions = analysis_picks(num_descriptions, len(text_embeddings), len(contributions), rank=rank,
+                                      embed_dim=contributions.shape[1])
     data = contributions.double()
     _, _, right = torch.linalg.svd(data, full_matrices=False)  # right: (min(n, E), E), raw data
-    span = right[:rank]  # (r, E), orthonormal rows (the authors' vh[:rank])
+    span = right[:rank]  # (r, E), r = min(rank, n, E): the authors' vh[:rank], mean included
     texts = text_embeddings.double() @ span.T @ span  # (T, E): each text inside the head's span
-    data = data - data.mean(dim=0, keepdim=True)  # (n, E), centred once the span is fixed
-
+    data = data - data.mean(dim=0, keepdim=True)  # (n, E), centred as the authors do: no pick changes
     chosen: List[int] = []
     for _ in range(num_descriptions):
         spread = (data @ texts.T).std(dim=0)  # (T,): how much each text direction varies
-        # A chosen text is exactly zero once removed (spread 0); -1 also keeps it out of a tie
-        # at 0, where the authors' argmax would pick it again.
-        spread[chosen] = -1.0
+        spread[chosen] = -1.0  # removed texts spread 0; -1 keeps them out of a tie at 0 too
         best = int(spread.argmax())
         chosen.append(best)
-        # The authors divide by the text's squared norm; a unit direction is the same projection.
-        direction = texts[best] / texts[best].norm().clamp_min(1e-12)  # (E,)
+        direction = texts[best] / texts[best].norm().clamp_min(1e-12)  # (E,); the same projection as the authors'
         data = data - (data @ direction)[:, None] * direction[None]  # remove it from the head ...
         texts = texts - (texts @ direction)[:, None] * direction[None]  # ... and from the bank
     return chosen
 
 
-def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *,
-                   rank: int = TEXTSPAN_RANK, embed_dim: Optional[int] = None,
-                   default: int = PAPER_PICKS) -> int:
-    """How many descriptions TextSpan picks per head: `requested` (--descriptions) or, when it
-    is None, `default` (analyze_heads passes its bank's `default_picks`). The one check of
-    that number: a caller (train.py) calls it before any work, and analyze_heads and
-    textspan call it again.
-
-    TextSpan's span is the top right singular vectors of the head's raw contributions, so its
-    rank is at most min(rank, num_images, embed_dim); after that many picks every remaining
-    text is zero inside it and further picks would be noise. A request above that, above the
-    bank's size, or below 1 is refused; the default is capped, with a one-line warning.
-    """
+def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *, rank: int = TEXTSPAN_RANK,
+                   embed_dim: Optional[int] = None, default: int = PAPER_PICKS) -> int:
+    """TextSpan's picks per head (the one check of it): `requested` (--descriptions) or `default`, at most
+    min(bank size, num_images, rank, embed_dim), the span's rank. A request above, or below 1, is refused."""
     if rank < 1:
         raise DeARError(f"rank={rank}: TextSpan keeps the top `rank` singular directions; use 1 or more")
     if num_images < 2:
-        raise DeARError(f"the head analysis has {num_images} image(s); TextSpan measures how a head varies "
-                        "across images and needs at least 2")
+        raise DeARError(f"the head analysis has {num_images} image(s); TextSpan needs at least 2 to see a head vary")
     limits = [(bank_size, f"the bank has {bank_size} descriptions"),
               (num_images, f"the span of {num_images} images' contributions has rank <= {num_images}"),
               (rank, f"TextSpan keeps {rank} singular directions")]
-    if embed_dim is not None:
-        limits.append((embed_dim, f"the embedding has {embed_dim} dimensions"))
+    limits += [(embed_dim, f"the embedding has {embed_dim} dimensions")] if embed_dim is not None else []
     limit, why = min(limits, key=lambda entry: entry[0])
     if requested is None:
-        picks = default
-        if picks > limit:
-            warnings.warn(f"TextSpan makes {limit} picks per head, not the default {picks}: {why}")
-        return min(picks, limit)
+        if default > limit:
+            warnings.warn(f"TextSpan makes {limit} picks per head, not the default {default}: {why}")
+        return min(default, limit)
     if not 1 <= requested <= limit:
-        more = " or give the analysis more images" if limit == num_images else ""
         raise DeARError(f"--descriptions {requested}: TextSpan can make 1..{limit} picks per head here ({why}); "
-                        f"ask for at most {limit}{more}")
+                        f"ask for at most {limit}{' or give the analysis more images' if limit == num_images else ''}")
     return requested
 
 
-# ------------------------------------------------------------------------------------------
-# 2. Concept entropy (paper Eq. 2)
-# ------------------------------------------------------------------------------------------
-# Every description of the bank is labelled with its concept *by construction* (a word list
-# of that concept in a template; see `description_bank`), so TextSpan's picks for a head
-# become a list of concepts, and their entropy says how specialised the head is.
-
-
+# ---- 2. Concept entropy (paper Eq. 2) of the concepts of a head's picks (each phrase's, by construction)
 def concept_entropy(concepts: Sequence[str]) -> float:
-    """DeAR's concept entropy (paper Eq. 2): H = -sum_c P(c) log2 P(c), where P(c) is the share
-    of the head's descriptions that belong to concept c.
-
-    0 bits: every description is about one concept (an attribute specialist);
-    log2(k) bits: spread evenly over k concepts.
-    """
-    counts = Counter(concepts)
-    total = len(concepts)
+    """H = -sum_c P(c) log2 P(c), P(c) the share of picks about concept c: 0 bits for a specialist."""
+    counts, total = Counter(concepts), len(concepts)
     return float(-sum((c / total) * math.log2(c / total) for c in counts.values()))
 
 
 def dominant_concept(concepts: Sequence[str]) -> str:
-    """The most frequent concept; a tie goes to the one TextSpan found first (its first
-    description ranks higher, i.e. explains more of the head's variance)."""
+    """The most frequent concept; a tie goes to the one TextSpan found first (it explains more)."""
     counts = Counter(concepts)
-    best = max(counts.values())
-    return next(c for c in concepts if counts[c] == best)
+    return next(c for c in concepts if counts[c] == max(counts.values()))
 
 
-# ------------------------------------------------------------------------------------------
-# 3. Roles: entropy -> attribute / generalization / mixed (METHOD.md Sec. 3)
-# ------------------------------------------------------------------------------------------
-
-
+# ---- 3. Roles: entropy -> attribute / generalization / mixed (paper Sec. 3.2, METHOD.md Sec. 3) --
 @dataclass
 class HeadRole:
     layer: int  # 0-based layer index (the paper's layer number is layer + 1)
@@ -208,52 +112,30 @@ class HeadRole:
 
 
 def default_picks(bank: Sequence[Description], attributes: Sequence[str]) -> int:
-    """TextSpan picks per head that the bank can support (our rule; METHOD.md Sec. 3):
-    N = the fewest values of any core attribute in the bank.
-
-    Why: a head that carries only attribute a, with k_a values, varies across images along
-    the k_a value phrases' directions (k_a - 1 of them once centred, inside the span of the
-    k_a phrases), and TextSpan removes each picked direction. After k_a picks of a's phrases
-    that head has nothing left to explain along a, so further picks land on other concepts:
-    even a perfect specialist looks spread. N above the smallest k_a thus makes some
-    attributes' heads unreadable. A phrase's value is `Description.value` (its word); a bank
-    without values counts each phrase as its own value. Toy bank: colour 8, shape 6,
-    texture 4, position 4 -> N = 4; the project's bank: shape's 16 words are fewest -> N = 16."""
+    """Picks per head the bank supports (our rule; METHOD.md Sec. 3): the fewest values of a core
+    attribute, as a pure specialist has nothing left to explain once its values are picked (ours: 16)."""
     values = {}
-    for entry in bank:
-        entry = Description(*entry)
+    for entry in (Description(*entry) for entry in bank):
         if entry.concept in attributes:
             values.setdefault(entry.concept, set()).add(entry.value if entry.value is not None else entry.text)
     if not values:
-        raise DeARError(f"the bank has no phrase of any attribute ({', '.join(attributes)}); "
-                        "label some phrases with an attribute's name")
+        raise DeARError(f"the bank has no phrase of any attribute ({', '.join(attributes)}); label phrases with them")
     return min(len(v) for v in values.values())
 
 
 def default_thresholds(num_picks: int, num_concepts: int):
-    """(low_bits, high_bits) = thirds of the entropy range that N picks over K concepts can
-    take, [0, log2(min(N, K))] (our choice; METHOD.md Sec. 3). Absolute, unlike thirds of the
-    observed entropies, which always make a third of the heads attribute heads: a head is an
-    attribute head only if it is specialised on the scale its own picks allow."""
+    """(low_bits, high_bits): thirds of [0, log2(min(N, K))], the entropies N picks over K concepts can
+    take (our choice, METHOD.md Sec. 3: absolute, as thirds of the observed ones always find specialists)."""
     top = math.log2(max(1, min(num_picks, num_concepts)))
     return top / 3, 2 * top / 3
 
 
-def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequence[str]],
-                 attributes: Sequence[str], low_bits: Optional[float] = None,
-                 high_bits: Optional[float] = None, num_concepts: Optional[int] = None):
-    """Heads -> roles (METHOD.md Sec. 3). Returns (roles, low_bits, high_bits), roles a
-    list of (role, attribute or None) in the order of the inputs.
-
-    low_bits / high_bits default to `default_thresholds(N, K)`: N picks per head, K concepts
-    in the bank (`num_concepts`; default: those the heads' picks name).
-      H <= low:  a specialist. Its dominant concept is a core attribute -> attribute head for
-                 it; otherwise (e.g. a "style" head) -> generalization head, because no
-                 attribute token exists for it and it should keep CLIP's general knowledge.
-      H >= high: spread over many concepts -> generalization head.
-      between:   mixed head.
-    No head at or below `low` means no head is specialised enough: then there is no
-    attribute head, and the map says so (`RoleMap.table`)."""
+def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequence[str]], attributes: Sequence[str],
+                 low_bits: Optional[float] = None, high_bits: Optional[float] = None,
+                 num_concepts: Optional[int] = None):
+    """Heads -> ([(role, attribute or None)], low_bits, high_bits), thresholds `default_thresholds(N, K)`
+    unless given. H <= low: an attribute head for its dominant concept if that is a core attribute, else
+    (e.g. "style": no token) generalization; H >= high: generalization; between: mixed."""
     if num_concepts is None:
         num_concepts = len({c for concepts in concepts_per_head for c in concepts})
     low, high = default_thresholds(max(len(c) for c in concepts_per_head), num_concepts)
@@ -264,105 +146,52 @@ def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequenc
         if entropy <= low_bits:
             concept = dominant_concept(concepts)
             roles.append(("attribute", concept) if concept in attributes else ("generalization", None))
-        elif entropy >= high_bits:
-            roles.append(("generalization", None))
         else:
-            roles.append(("mixed", None))
+            roles.append(("generalization" if entropy >= high_bits else "mixed", None))
     return roles, low_bits, high_bits
 
 
-@dataclass
-class RoleMap:
-    """The role of every head of the analysed vision layers: what the mask is built from.
-    Saved as readable JSON (`save`/`load`), checked by `validate`, printed by `table()`,
-    drawn by `draw_heatmap`; those bodies are bookkeeping, at the end of the file."""
-
-    vision_layers: int  # depth of the vision tower it was made for
-    num_heads: int  # heads per layer of that tower
-    attributes: List[str]  # the attribute tokens' names, in token order
-    heads: List[HeadRole]  # one per (layer, head), layer-major
-    low_bits: Optional[float] = None
-    high_bits: Optional[float] = None
-    source: str = "analysis"  # "analysis" or the name of a fixed choice ("all-mixed", ...)
-
-    @property
-    def layers(self) -> List[int]:
-        """0-based indices of the layers this map covers, ascending."""
-        return sorted({h.layer for h in self.heads})
-
-    def role_of(self, layer: int, head: int) -> Optional[HeadRole]:
-        return next((h for h in self.heads if h.layer == layer and h.head == head), None)
-
-    @classmethod
-    def uniform(cls, role: str, vision_layers: int, num_heads: int, layers: Sequence[int],
-                attributes: Sequence[str] = CORE_ATTRIBUTES) -> "RoleMap":
-        """Every head "mixed" (plain deep prompting, no mask) or "generalization" (every
-        attribute branch blind, left out of the fusion): the ablations' fixed choices."""
-        return _uniform_role_map(cls, role, vision_layers, num_heads, layers, attributes)
-
-    def validate(self, vision_layers: Optional[int] = None, num_heads: Optional[int] = None,
-                 attributes: Optional[Sequence[str]] = None) -> None:
-        """Check the map is complete and fits a model (when its sizes are given)."""
-        _validate_role_map(self, vision_layers, num_heads, attributes)
-
-    def to_json(self) -> dict:
-        return _role_map_to_json(self)
-
-    def save(self, path: str) -> None:
-        _save_role_map(self, path)
-
-    @classmethod
-    def load(cls, path: str) -> "RoleMap":
-        return _load_role_map(cls, path)
-
-    def table(self) -> str:
-        """One row per layer (1-based, as in the paper), one cell per head:
-        A:col = attribute head for colour, G = generalization, M = mixed; entropy in bits."""
-        return _role_table(self)
+@torch.no_grad()
+def encode_descriptions(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer, texts: Sequence[str],
+                        batch_size: int = 256) -> torch.Tensor:
+    """Texts -> (n_texts, E) normalised CLIP text embeddings."""
+    batches = (tokenizer.tokenize(texts[s:s + batch_size], clip.context_length, truncate=True)
+               for s in range(0, len(texts), batch_size))
+    return torch.cat([F.normalize(clip.encode_text(b.to(clip.positional_embedding.device)), dim=-1) for b in batches])
 
 
 @torch.no_grad()
-def analyze_heads(clip: CLIP, image_batches: Union[torch.Tensor, Iterable[torch.Tensor]],
+def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iterable[torch.Tensor]],
                   tokenizer: clip_model.SimpleTokenizer, bank: Optional[Sequence[Description]] = None,
                   attributes: Sequence[str] = CORE_ATTRIBUTES, num_layers: Optional[int] = None,
                   num_descriptions: Optional[int] = None, rank: int = TEXTSPAN_RANK, low_bits: Optional[float] = None,
                   high_bits: Optional[float] = None, log: Callable[[str], None] = print) -> RoleMap:
-    """DeAR's head analysis (paper Sec. 3.2, METHOD.md Sec. 3) -> RoleMap.
-
-    image_batches: preprocessed images (e.g. the task's training images): one (n, 3, R, R)
-    tensor, or an iterable of (B, 3, R, R) batches (a DataLoader's images).
-    bank: labelled phrases (default: the project's 591); attributes: the core attributes,
-    i.e. the concepts that can have attribute heads (default: the paper's five).
-    For every head of the last `num_layers` layers (default: the last four, as in the paper):
-    its direct contributions to the image embeddings (divided by each embedding's norm, as
-    TextSpan does), TextSpan's top `num_descriptions` descriptions from the bank (default:
-    `default_picks`, what the bank's attributes can support; limits: `analysis_picks`), their
-    concept entropy, and its role (thresholds: `default_thresholds` unless given).
-    """
+    """The head analysis (paper Sec. 3.2) -> RoleMap. image_batches: (n, 3, R, R) or an iterable of
+    (B, 3, R, R); bank: default the project's. For each head of the last `num_layers` layers: its
+    direct contributions (over each embedding's norm, as TextSpan does), picks, entropy, role."""
     bank = [Description(*entry) for entry in bank] if bank is not None else description_bank()
     depth = len(clip.visual.transformer.resblocks)
-    num_layers = analysed_layers(depth) if num_layers is None else num_layers
-    if not 1 <= num_layers <= depth:
-        raise DeARError(f"num_layers={num_layers} is out of range: the vision tower has {depth} layers")
-    device = clip.visual.conv1.weight.device
+    num_layers = analysed_layers(depth) if num_layers is None else num_layers  # head_contributions checks it
     per_image = []
-    for batch in _checked_batches(image_batches):  # (B, 3, R, R) each
-        parts = head_contributions(clip, batch.to(device), num_layers)
-        norm = parts.total().norm(dim=-1)  # (B,)
-        per_image.append((parts.heads / norm[:, None, None, None]).cpu())  # (B, L, H, E)
+    for batch in image_batches.split(64) if isinstance(image_batches, torch.Tensor) else image_batches:
+        if not isinstance(batch, torch.Tensor) or batch.dim() != 4:
+            shape = f" of shape {tuple(batch.shape)}" if isinstance(batch, torch.Tensor) else ""
+            raise DeARError(f"image_batches must be a (n, 3, R, R) tensor or yield (B, 3, R, R) tensors; got a "
+                            f"{type(batch).__name__}{shape} (a DataLoader's: pass (x for x, _ in loader))")
+        parts = clip_model.head_contributions(clip, batch.to(clip.visual.conv1.weight.device), num_layers)
+        per_image.append((parts.heads / parts.total().norm(dim=-1)[:, None, None, None]).cpu())  # (B, L, H, E)
         log(f"  head analysis: contributions of {sum(len(p) for p in per_image)} images")
     if not per_image:
         raise DeARError("image_batches holds no images; the analysis needs at least 2")
     contributions = torch.cat(per_image)  # (n_images, L, H, E)
     n_images, L, H, E = contributions.shape
-    default = default_picks(bank, attributes) if num_descriptions is None else PAPER_PICKS  # the bank's rule
+    default = default_picks(bank, attributes) if num_descriptions is None else PAPER_PICKS
     num_descriptions = analysis_picks(num_descriptions, len(bank), n_images, rank=rank, embed_dim=E, default=default)
-    first = len(clip.visual.transformer.resblocks) - num_layers
     text = encode_descriptions(clip, tokenizer, [d.text for d in bank]).cpu()  # (T, E)
-    log(f"  head analysis: {len(bank)} descriptions over {len(set(d.concept for d in bank))} concepts; "
+    num_concepts = len({d.concept for d in bank})
+    log(f"  head analysis: {len(bank)} descriptions over {num_concepts} concepts; "
         f"TextSpan with rank {min(rank, n_images, E)} and {num_descriptions} picks per head")
-
-    analysed = []
+    analysed, first = [], depth - num_layers
     for li in range(L):
         for head in range(H):
             picks = textspan(contributions[:, li, head], text, num_descriptions, rank)
@@ -371,34 +200,26 @@ def analyze_heads(clip: CLIP, image_batches: Union[torch.Tensor, Iterable[torch.
                                      [bank[i].text for i in picks], concepts))
         log(f"  head analysis: layer {first + li + 1} (index {first + li}) done")
     roles, low, high = assign_roles([h.entropy for h in analysed], [h.concepts for h in analysed],
-                                    attributes, low_bits, high_bits, len({d.concept for d in bank}))
+                                    attributes, low_bits, high_bits, num_concepts)
     for entry, (role, attribute) in zip(analysed, roles):
         entry.role, entry.attribute = role, attribute
-    return RoleMap(len(clip.visual.transformer.resblocks), H, list(attributes), analysed, low, high)
+    return RoleMap(depth, H, list(attributes), analysed, low, high)
 
 
-# ------------------------------------------------------------------------------------------
-# 4. The role-based attention mask (paper Sec. 3.3, METHOD.md Sec. 4)
-# ------------------------------------------------------------------------------------------
-# Tokens from layer J on: [CLS, patches (the image's own tokens), attribute tokens]. Each
-# head gets its own additive mask (0 = may attend, -inf = may not):
-#   generalization head: image tokens and attribute tokens never see each other, in either
-#                        direction; each attribute token sees only itself. So, within this
-#                        layer, the head's output at the image tokens does not depend on the
-#                        attribute tokens. Across layers it does: the image tokens it reads
-#                        were already written into by the attribute and mixed heads of earlier
-#                        layers. The mask isolates per layer, not end to end.
+# ---- 4. The role-based attention mask (paper Sec. 3.3, METHOD.md Sec. 4) -------------------------
+# Tokens from layer J on: [CLS, patches (the image's own tokens), attribute tokens]. Each head has
+# its own additive mask (0 = may attend, -inf = may not):
+#   generalization head: image and attribute tokens never see each other; each attribute token sees
+#                        only itself. Within the layer, its output at the image tokens ignores the
+#                        attribute tokens (not across layers: earlier heads wrote into what it reads).
 #   attribute head (a):  attribute token a and the image tokens see each other; the other
 #                        attribute tokens see only themselves.
 #   mixed head:          no restriction.
-# Every row keeps at least one 0 (a token always sees itself), so no softmax is over nothing.
-
-
+# Every row keeps a 0 (a token always sees itself), so no softmax is over nothing.
 def head_mask(role: str, attribute_index: Optional[int], num_image_tokens: int,
               num_attribute_tokens: int) -> torch.Tensor:
     """One head's mask, (T, T) with T = image tokens + attribute tokens; row = query."""
-    N, A = num_image_tokens, num_attribute_tokens
-    T = N + A
+    N, T = num_image_tokens, num_image_tokens + num_attribute_tokens
     allowed = torch.zeros(T, T, dtype=torch.bool)
     allowed[:N, :N] = True  # the image's own tokens always see each other, as in CLIP
     allowed[torch.arange(N, T), torch.arange(N, T)] = True  # each attribute token sees itself
@@ -413,67 +234,42 @@ def head_mask(role: str, attribute_index: Optional[int], num_image_tokens: int,
     return torch.zeros(T, T).masked_fill(~allowed, float("-inf"))
 
 
-def build_role_masks(role_map: RoleMap, first_layer: int, num_layers: int,
-                     num_image_tokens: int) -> torch.Tensor:
-    """Masks for every vision layer from J on: (num_layers - J + 1, H, T, T).
-
-    first_layer is the paper's 1-based J. A layer from J on that the map does not cover
-    (possible when J is earlier than the analysed layers) gets mixed heads, i.e. no mask.
-    """
-    A, H = len(role_map.attributes), role_map.num_heads
-    masks = []
-    for layer in range(first_layer - 1, num_layers):
-        per_head = []
-        for head in range(H):
-            entry = role_map.role_of(layer, head)
-            role = entry.role if entry else "mixed"
-            index = role_map.attributes.index(entry.attribute) if role == "attribute" else None
-            per_head.append(head_mask(role, index, num_image_tokens, A))
-        masks.append(torch.stack(per_head))  # (H, T, T)
-    return torch.stack(masks)  # (layers from J, H, T, T)
+def build_role_masks(role_map: RoleMap, first_layer: int, num_layers: int, num_image_tokens: int) -> torch.Tensor:
+    """(num_layers - J + 1, H, T, T), J 1-based; a layer the map does not cover has mixed heads (no mask)."""
+    A, T = len(role_map.attributes), num_image_tokens + len(role_map.attributes)
+    masks = torch.zeros(num_layers - first_layer + 1, role_map.num_heads, T, T)  # (layers from J, H, T, T)
+    for i, layer in enumerate(range(first_layer - 1, num_layers)):
+        for head in range(role_map.num_heads):
+            entry = role_map.role_of(layer, head) or HeadRole(layer, head, "mixed")
+            index = role_map.attributes.index(entry.attribute) if entry.role == "attribute" else None
+            masks[i, head] = head_mask(entry.role, index, num_image_tokens, A)
+    return masks
 
 
 def blind_attributes(role_masks: torch.Tensor, num_image_tokens: int, attributes: Sequence[str]) -> List[str]:
-    """The attributes whose token no head from layer J on lets read the image, read off the
-    masks themselves (role_masks: (layers from J, H, T, T), rows and columns ordered [image
-    tokens, attribute tokens]): token a is blind when its row allows no image column in any
-    head of any layer -- no attribute head for it and no mixed head (an uncovered layer is
-    mixed). Such a branch's logits do not depend on the image -- a per-class bias -- so DeAR
-    leaves it out of the fusion. In the all-generalization ablation every attribute is blind,
-    and the class branch stands alone."""
+    """The attributes whose token no head from J on (no attribute head for it, no mixed head) lets
+    read the image: a per-class bias, so DeAR leaves its branch out of the fusion."""
     N = num_image_tokens
     reads_image = torch.isfinite(role_masks[:, :, N:, :N]).any(dim=-1)  # (layers, H, A): 0 = allowed
     return [a for a, readable in zip(attributes, reads_image.any(dim=0).any(dim=0)) if not readable]
 
 
-# ------------------------------------------------------------------------------------------
-# 5. The model (paper Sec. 3.3-3.4, METHOD.md Sec. 4)
-# ------------------------------------------------------------------------------------------
-
-
-ANALYSED_LAYERS = 4  # the paper analyses, and prompts, the vision tower's last four layers
-
-
+# ---- 5. The model (paper Sec. 3.3-3.4, METHOD.md Sec. 4) -----------------------------------------
 def analysed_layers(depth: int) -> int:
     """How many of a `depth`-layer vision tower's last layers the head analysis reads."""
     return min(ANALYSED_LAYERS, depth)
 
 
 def default_first_layer(depth: int) -> int:
-    """The paper's J (1-based) for any depth: the first analysed layer (J = 9 of 12 for
-    ViT-B/16; 1 for a model of 4 layers or less)."""
+    """The paper's J (1-based): the first analysed layer (9 of 12 for ViT-B/16)."""
     return depth - analysed_layers(depth) + 1
 
 
-# The checks of the method's arguments, written once: DeAR's constructor and assign_roles
-# call them, and train.py calls them before any work and turns a DeARError into its one line.
-
-
+# The method's argument checks, once: DeAR and assign_roles call them, and train.py before any work.
 def check_first_layer(first_layer: int, depth: int) -> None:
     """J counts in both towers: 1..depth, depth = the shallower tower's layers."""
     if isinstance(first_layer, bool) or not isinstance(first_layer, int) or not 1 <= first_layer <= depth:
-        raise DeARError(f"first_layer J={first_layer} is out of range: use 1..{depth} "
-                        "(1-based, the paper's J = 9 for ViT-B/16)")
+        raise DeARError(f"first_layer J={first_layer} is out of range: use 1..{depth} (1-based, as the paper's J = 9)")
 
 
 def check_beta(beta: float) -> None:
@@ -487,25 +283,16 @@ def check_thresholds(low_bits: Optional[float], high_bits: Optional[float]) -> N
         if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
             raise DeARError(f"{name}={value}: expected a finite entropy in bits, >= 0")
     if None not in (low_bits, high_bits) and low_bits > high_bits:
-        raise DeARError(f"low_bits={low_bits:g} is above high_bits={high_bits:g}; the low threshold must be the "
-                        "smaller (attribute heads lie at or below it, generalization heads at or above high_bits)")
+        raise DeARError(f"low_bits={low_bits:g} is above high_bits={high_bits:g}; make the low threshold the smaller")
 
 
-def falls_back_to_class_branch(role_map: "RoleMap") -> bool:
-    """True when a measured map (its heads carry concept entropies) names no attribute head:
-    no head is specialised enough, so DeAR keeps the class branch alone in the fusion instead
-    of forcing roles (our choice, METHOD.md Sec. 3). Maps given by hand, the ablations' fixed
-    ones (`RoleMap.uniform`) included, are taken as given: the all-mixed map is plain deep
-    prompting with every branch fused, by definition."""
-    measured = any(h.entropy is not None for h in role_map.heads)
-    return measured and not any(h.role == "attribute" for h in role_map.heads)
+def falls_back_to_class_branch(role_map: RoleMap) -> bool:
+    """A measured map (entropies present) without attribute heads: keep the class branch alone (our
+    choice, METHOD.md Sec. 3); hand-made maps are taken as given."""
+    return any(h.entropy is not None for h in role_map.heads) and not any(h.role == "attribute" for h in role_map.heads)
 
 
-class PreparedClasses(NamedTuple):
-    """One class list's text side up to layer J, from `DeAR.prepare_classes`. Nothing in it is
-    learnable, so it is computed once per class list (once per training run, once per test
-    set) and reused by every step; the learnable text tokens enter after it."""
-
+class PreparedClasses(NamedTuple):  # one class list's frozen text side up to layer J (`DeAR.prepare_classes`)
     hidden: torch.Tensor  # (C, L, W) the prompts' states entering text layer J (0-based J - 1)
     eot: torch.Tensor  # (C,) each prompt's end-of-text position (before the K tokens go in)
     frozen: torch.Tensor  # (C, E) plain CLIP's text features (for L_reg)
@@ -523,39 +310,21 @@ class DeAROutput:
 
 
 class DeAR(nn.Module):
-    """Frozen CLIP + DeAR's learnable pieces.
-
-    It freezes the CLIP it is given *in place*: `clip.eval().requires_grad_(False)` on the
-    caller's own module (no copy is made, CLIP's weights are shared, never changed). To go on
-    training that CLIP elsewhere, switch its requires_grad back on yourself.
-
-    attributes: the attribute tokens' names, in order; default: the role map's.
-    first_layer: the paper's 1-based J; default: the first of the vision tower's last four
-    layers (9 for a 12-layer ViT-B/16, as in the paper).
-
-    Learnable (everything else is CLIP, frozen):
-      vision_tokens   (layers from J, A, C_v)  one attribute token per attribute, fresh at each
-                                               layer from J (the MMRL++ beta rule)
+    """Frozen CLIP (in place, no copy) + the learnable pieces; attributes default to the map's, J to
+    the first analysed layer.
+      vision_tokens   (layers from J, A, C_v)  one token per attribute, fresh at each layer (MMRL++ beta rule)
       text_tokens     (layers from J, K, C_t)  K tokens inserted after the start token
       attribute_proj  (C_v, E)                 attribute tokens -> embedding, init = visual.proj
-      fusion_logits   (1 + A,)                 alpha = softmax(fusion_logits) over the class
-                                               branch and every attribute branch that can read
-                                               the image (`blind_attributes`: the others get
-                                               alpha = 0, with a warning naming them)
+      fusion_logits   (1 + A,)                 alpha = softmax over the class branch and those reading the image
+    Nothing before J learns: it runs without autograd, shared with the frozen pass, and once per class
+    list on the text side (test_dear_reference.py checks these shortcuts)."""
+    LEARNABLE = ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits")
 
-    What runs, and what it costs: layers before J hold nothing learnable, so they run without
-    autograd; the frozen image pass (for L_reg) reuses them; the text side before J runs once
-    per class list (`prepare_classes`), cut after the longest prompt. Each of these is exact:
-    the tests compare DeAR with a plain reference that does none of them
-    (tests/test_dear_reference.py), gradients included.
-    """
-
-    def __init__(self, clip: CLIP, role_map: RoleMap, attributes: Optional[Sequence[str]] = None,
+    def __init__(self, clip: clip_model.CLIP, role_map: RoleMap, attributes: Optional[Sequence[str]] = None,
                  first_layer: Optional[int] = None, beta: float = 0.5, num_text_tokens: int = 4,
                  cls_fusion_weight: float = 0.5):
         super().__init__()
-        vision_layers = len(clip.visual.transformer.resblocks)
-        text_layers = len(clip.transformer.resblocks)
+        vision_layers, text_layers = len(clip.visual.transformer.resblocks), len(clip.transformer.resblocks)
         attributes = list(role_map.attributes) if attributes is None else attributes
         first_layer = default_first_layer(vision_layers) if first_layer is None else first_layer
         check_first_layer(first_layer, min(vision_layers, text_layers))
@@ -564,70 +333,43 @@ class DeAR(nn.Module):
             raise DeARError(f"num_text_tokens={num_text_tokens} must be 0 or more")
         if not 0.0 < cls_fusion_weight < 1.0:
             raise DeARError(f"cls_fusion_weight={cls_fusion_weight} must be in (0, 1)")
-        for name in attributes:
-            if not isinstance(name, str) or not name:
-                raise DeARError(f"attribute names must be non-empty strings, got {name!r}")
         role_map.validate(vision_layers, clip.visual.transformer.heads, attributes)
-
         self.clip = clip.eval().requires_grad_(False)  # frozen: only the pieces below learn
-        self.role_map = role_map
-        self.attributes = list(attributes)
+        self.role_map, self.attributes = role_map, list(attributes)
         self.first_layer, self.beta, self.num_text_tokens = first_layer, beta, num_text_tokens
-
         A, K = len(self.attributes), num_text_tokens
         width_v, width_t = clip.visual.transformer.width, clip.transformer.width
         self.vision_tokens = nn.Parameter(torch.randn(vision_layers - first_layer + 1, A, width_v) * 0.02)
         self.text_tokens = nn.Parameter(torch.randn(text_layers - first_layer + 1, K, width_t) * 0.02)
         self.attribute_proj = nn.Parameter(clip.visual.proj.detach().clone())
-        # alpha_cls = cls_fusion_weight at the start, the rest shared evenly by the attributes.
-        rest = (1 - cls_fusion_weight) / max(A, 1)
+        rest = (1 - cls_fusion_weight) / max(A, 1)  # alpha_cls = cls_fusion_weight, the rest shared evenly
         self.fusion_logits = nn.Parameter(torch.tensor([math.log(cls_fusion_weight)] + [math.log(rest)] * A))
-
-        num_image_tokens = 1 + clip.visual.grid_size**2
-        self.num_image_tokens = num_image_tokens
-        masks = build_role_masks(role_map, first_layer, vision_layers, num_image_tokens)
+        self.num_image_tokens = 1 + clip.visual.grid_size**2
+        masks = build_role_masks(role_map, first_layer, vision_layers, self.num_image_tokens)
         self.register_buffer("role_masks", masks, persistent=False)  # (layers from J, H, T, T)
-        # Branches in the fusion: the class branch, and each attribute branch whose token some
-        # head from J on lets read the image; a blind branch is a per-class bias.
-        self.blind_attributes = blind_attributes(masks, num_image_tokens, self.attributes)
-        if self.blind_attributes:
-            warnings.warn(f"DeAR: no head from layer J={first_layer} (1-based) lets the "
-                          f"{', '.join(self.blind_attributes)} token{'s' if len(self.blind_attributes) > 1 else ''} "
-                          "read the image; left out of the fusion (a per-class bias, not a feature)")
-        # No attribute head measured: the class branch alone (alpha_cls = 1), said once.
+        # In the fusion: the class branch, and the attribute branches some head lets read the image (bar the fallback).
+        self.blind_attributes = blind = blind_attributes(masks, self.num_image_tokens, self.attributes)
+        if blind:
+            warnings.warn(f"DeAR: no head from layer J={first_layer} lets the {', '.join(blind)} token"
+                          f"{'s' if len(blind) > 1 else ''} read the image; left out of the fusion (a per-class bias)")
         self.class_branch_only = falls_back_to_class_branch(role_map)
         if self.class_branch_only:
             warnings.warn("DeAR: the head analysis names no attribute head (no head is specialised enough); "
                           "falling back to the class branch alone (the attribute branches leave the fusion)")
-        in_fusion = torch.tensor([True] + [not self.class_branch_only and a not in self.blind_attributes
-                                           for a in self.attributes])
-        self.register_buffer("in_fusion", in_fusion, persistent=False)  # (1 + A,) bool
+        in_fusion = [True] + [not self.class_branch_only and a not in blind for a in self.attributes]
+        self.register_buffer("in_fusion", torch.tensor(in_fusion), persistent=False)  # (1 + A,) bool
 
     def learnable_parameters(self) -> List[nn.Parameter]:
-        return [self.vision_tokens, self.text_tokens, self.attribute_proj, self.fusion_logits]
-
-    def train(self, mode: bool = True):
-        super().train(mode)
-        self.clip.eval()  # CLIP stays in eval mode (it has no dropout, but keep it explicit)
-        return self
+        return [getattr(self, name) for name in self.LEARNABLE]
 
     def fusion_weights(self) -> torch.Tensor:
-        """alpha = softmax(w) over the branches in the fusion: (1 + A,), alpha[0] for the class
-        branch; a blind attribute branch (see `blind_attributes`) gets exactly 0."""
+        """alpha = softmax(w) over the branches in the fusion, (1 + A,), alpha[0] the class branch's."""
         return self.fusion_logits.masked_fill(~self.in_fusion, float("-inf")).softmax(dim=0)
 
-    # -- vision ------------------------------------------------------------------------------
-
     def encode_image(self, images: torch.Tensor, with_frozen: bool = False):
-        """images (B, 3, R, R) -> (f_cls (B, E), f_attr (B, A, E), f_frozen (B, E) or None).
-
-        Layers before J: plain CLIP (no learnable token). From J on: the attribute tokens are
-        appended after the image tokens and every head uses its role mask.
-        """
-        visual = self.clip.visual
-        blocks = visual.transformer.resblocks
-        j = self.first_layer - 1  # 0-based index of layer J
-
+        """images (B, 3, R, R) -> (f_cls (B, E), f_attr (B, A, E), f_frozen (B, E) or None). Before J
+        plain CLIP; from J on the attribute tokens follow the image tokens, each head its role mask."""
+        visual, blocks, j = self.clip.visual, self.clip.visual.transformer.resblocks, self.first_layer - 1
         with torch.no_grad():  # nothing before J is learnable: keep no activations for backward
             x = visual.embed(images.to(self.clip.dtype))  # (B, N, C)
             for block in blocks[:j]:
@@ -638,35 +380,26 @@ class DeAR(nn.Module):
                 for block in blocks[j:]:
                     plain = block(plain)
                 frozen = visual.to_embedding(plain[:, 0])  # (B, E)
-
         B, N, _ = x.shape
-        tokens = None
+        tokens = None  # (B, A, C) from layer J on
         for i, block in enumerate(blocks[j:]):
             fresh = self.vision_tokens[i].to(x.dtype).expand(B, -1, -1)  # (B, A, C)
             # MMRL++ rule: tokens entering layer l = beta * p_l + (1 - beta) * out_{l-1}.
             tokens = fresh if i == 0 else self.beta * fresh + (1 - self.beta) * tokens
-            sequence = torch.cat([x, tokens], dim=1)  # (B, N + A, C)
-            sequence = block(sequence, self.role_masks[i])  # every head its own (T, T) mask
+            sequence = block(torch.cat([x, tokens], dim=1), self.role_masks[i])  # (B, N + A, C), masked per head
             x, tokens = sequence[:, :N], sequence[:, N:]
-
         f_cls = visual.to_embedding(x[:, 0])  # (B, E): CLS through ln_post and the frozen proj
         f_attr = visual.ln_post(tokens) @ self.attribute_proj  # (B, A, E)
         return f_cls, f_attr, frozen
 
-    # -- text ----------------------------------------------------------------------------
-
     @torch.no_grad()
     def prepare_classes(self, class_token_ids: torch.Tensor) -> PreparedClasses:
-        """Class prompts (C, L) token ids -> PreparedClasses: the frozen text layers before J,
-        run once for this class list, and plain CLIP's text features.
-
-        The sequences are cut after the longest prompt's end-of-text token: exact, because
-        the causal mask never lets a token read the padding after it."""
+        """Class prompts (C, L) token ids -> the frozen text layers before J, plain CLIP's features;
+        cut after the longest prompt (exact: the causal mask keeps the padding unread)."""
         clip, j = self.clip, self.first_layer - 1
         eot = class_token_ids.argmax(dim=-1)  # (C,): the end-of-text id is the largest
-        token_ids = class_token_ids[:, : int(eot.max()) + 1]  # (C, L') with L' <= L
-        x = clip.embed_text(token_ids)  # (C, L', W)
-        mask = causal_mask(x.shape[1], x.device, x.dtype)
+        x = clip.embed_text(class_token_ids[:, : int(eot.max()) + 1])  # (C, L', W) with L' <= L
+        mask = clip_model.causal_mask(x.shape[1], x.device, x.dtype)
         for block in clip.transformer.resblocks[:j]:
             x = block(x, mask)
         plain = x
@@ -675,104 +408,68 @@ class DeAR(nn.Module):
         return PreparedClasses(hidden=x, eot=eot, frozen=clip.text_to_embedding(plain, eot))
 
     def encode_text(self, classes: PreparedClasses) -> torch.Tensor:
-        """PreparedClasses -> t_c (C, E), the text feature of every class.
-
-        From layer J on, K learnable tokens sit right after the start token (positions 1..K);
-        the causal mask lets every later token, the end-of-text one included, read them.
-        """
+        """PreparedClasses -> t_c (C, E). From J on, K learnable tokens sit right after the start
+        token (positions 1..K); the causal mask lets every later token, end-of-text included, read them."""
         if not isinstance(classes, PreparedClasses):  # e.g. token ids, as an older version took
             raise DeARError(f"classes must be model.prepare_classes(class_token_ids), got a {type(classes).__name__}; "
                             "prepare each class list once, then pass the result to every step")
-        x = classes.hidden
-        C, K = x.shape[0], self.num_text_tokens
-        mask = causal_mask(x.shape[1] + K, x.device, x.dtype)  # (L + K, L + K)
+        x, K = classes.hidden, self.num_text_tokens  # x: (C, L, W)
+        mask = clip_model.causal_mask(x.shape[1] + K, x.device, x.dtype)  # (L + K, L + K)
         for i, block in enumerate(self.clip.transformer.resblocks[self.first_layer - 1:]):
-            fresh = self.text_tokens[i].to(x.dtype).expand(C, -1, -1)  # (C, K, W)
-            if i == 0:
-                x = torch.cat([x[:, :1], fresh, x[:, 1:]], dim=1)  # insert after the start token
-            else:
-                tokens = self.beta * fresh + (1 - self.beta) * x[:, 1:1 + K]
-                x = torch.cat([x[:, :1], tokens, x[:, 1 + K:]], dim=1)
-            x = block(x, mask)
+            fresh = self.text_tokens[i].to(x.dtype).expand(len(x), -1, -1)  # (C, K, W)
+            tokens = fresh if i == 0 else self.beta * fresh + (1 - self.beta) * x[:, 1:1 + K]  # the MMRL++ rule
+            rest = x[:, 1:] if i == 0 else x[:, 1 + K:]  # layer J inserts the tokens, later layers replace them
+            x = block(torch.cat([x[:, :1], tokens, rest], dim=1), mask)
         return self.clip.text_to_embedding(x, classes.eot + K)  # end-of-text moved K places right
 
-    # -- both ------------------------------------------------------------------------------
-
-    def forward(self, images: torch.Tensor, classes: PreparedClasses,
-                with_frozen: bool = False) -> DeAROutput:
-        """Logits of every image for every class of `classes` (from `prepare_classes`; paper
-        Eq. 6-7).
-
-        branch k in {cls, attr_1..attr_A}: logits_k = s * cos(f_k, t_c), s CLIP's frozen scale;
-        fused logits = sum_k alpha_k * logits_k, used in training. At test time train.py
-        scores every test set both ways (fused everywhere; the class branch alone on classes
-        that were not trained, as MMRL evaluates): both are in the output."""
+    def forward(self, images: torch.Tensor, classes: PreparedClasses, with_frozen: bool = False) -> DeAROutput:
+        """Paper Eq. 6-7: branch k in {cls, attr_1..attr_A} has logits_k = s * cos(f_k, t_c), s CLIP's
+        frozen scale; fused = sum_k alpha_k * logits_k (train.py also scores the class branch alone)."""
         f_cls, f_attr, f_frozen = self.encode_image(images, with_frozen)
         t = self.encode_text(classes)
         features = torch.cat([f_cls[:, None], f_attr], dim=1)  # (B, 1 + A, E)
-        logits, branch_logits = self.fused_logits(features, t)
-        return DeAROutput(logits, branch_logits, self.fusion_weights(), features, t, f_frozen,
+        return DeAROutput(*self.fused_logits(features, t), self.fusion_weights(), features, t, f_frozen,
                           classes.frozen if with_frozen else None)
 
     def fused_logits(self, features: torch.Tensor, text_features: torch.Tensor):
-        """features (B, 1 + A, E) [f_cls, f_attr...], text_features (C, E) ->
-        (fused logits (B, C), branch logits (B, 1 + A, C)).
-
-        Split out of forward so that evaluation can encode the class prompts once and reuse
-        them for every test batch (the text side does not depend on the image)."""
+        """(B, 1 + A, E), (C, E) -> (fused (B, C), branches (B, 1 + A, C)); evaluation's, text encoded once."""
         scale = self.clip.logit_scale.exp()
         branch_logits = scale * F.normalize(features, dim=-1) @ F.normalize(text_features, dim=-1).T
-        alpha = self.fusion_weights()
-        return torch.einsum("bkc,k->bc", branch_logits, alpha.to(branch_logits.dtype)), branch_logits
-
-    # -- checkpoints and printing ----------------------------------------------------------
+        return torch.einsum("bkc,k->bc", branch_logits, self.fusion_weights().to(branch_logits.dtype)), branch_logits
 
     def learnable_state_dict(self) -> dict:
         """Only what training changes; a checkpoint needs nothing else (CLIP is frozen)."""
-        return {name: getattr(self, name).detach().cpu().clone()
-                for name in ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits")}
+        return {name: getattr(self, name).detach().cpu().clone() for name in self.LEARNABLE}
 
+    @torch.no_grad()
     def load_learnable_state_dict(self, state: dict) -> None:
         for name, value in state.items():
             target = getattr(self, name)
             if tuple(value.shape) != tuple(target.shape):
-                raise DeARError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, the model "
-                                f"expects {tuple(target.shape)}; it was made with other settings")
-            with torch.no_grad():
-                target.copy_(value)
+                raise DeARError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, the model expects "
+                                f"{tuple(target.shape)}; it was made with other settings")
+            target.copy_(value)
 
     def parameter_summary(self) -> str:
         learnable = sum(p.numel() for p in self.learnable_parameters())
         frozen = sum(p.numel() for p in self.clip.parameters())
-        parts = ", ".join(f"{name} {tuple(getattr(self, name).shape)}" for name in
-                          ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits"))
+        parts = ", ".join(f"{name} {tuple(getattr(self, name).shape)}" for name in self.LEARNABLE)
         return (f"learnable {learnable:,} parameters ({parts}); frozen CLIP {frozen:,} "
                 f"({100 * learnable / (learnable + frozen):.2f}% learnable)")
 
 
-# Attribute-conditioned retrieval (the paper's check that an attribute token carries its
-# attribute): rank a gallery by one feature of DeAR's -- an attribute token's, the class
-# token's -- or by frozen CLIP's, and see which images come back.
-
-
+# Attribute-conditioned retrieval (the paper's check that a token carries its attribute).
 @torch.no_grad()
 def retrieval_features(model: DeAR, images: torch.Tensor) -> dict:
-    """images (B, 3, R, R) -> {"class": (B, E), each attribute: (B, E), "frozen CLIP": (B, E)},
-    every feature normalised. A blind attribute token (`DeAR.blind_attributes`) is left
-    out: its feature does not depend on the image, so it cannot rank anything."""
+    """images (B, 3, R, R) -> {"class", each attribute but the blind, "frozen CLIP": (B, E)}, normalised."""
     f_cls, f_attr, f_frozen = model.encode_image(images, with_frozen=True)
-    features = {"class": f_cls}
-    features.update({name: f_attr[:, i] for i, name in enumerate(model.attributes)
-                     if name not in model.blind_attributes})
-    features["frozen CLIP"] = f_frozen
-    return {name: F.normalize(value.float(), dim=-1) for name, value in features.items()}
+    features = {"class": f_cls, **dict(zip(model.attributes, f_attr.unbind(dim=1))), "frozen CLIP": f_frozen}
+    return {name: F.normalize(value.float(), dim=-1) for name, value in features.items()
+            if name not in model.blind_attributes}
 
 
-def rank_gallery(queries: torch.Tensor, gallery: torch.Tensor, k: int,
-                 same_images: bool = False) -> torch.Tensor:
-    """queries (Q, E), gallery (G, E), both normalised -> (Q, k) gallery indices, most
-    similar (cosine) first. same_images: the queries are the gallery (Q = G), so each query
-    is kept out of its own list."""
+def rank_gallery(queries: torch.Tensor, gallery: torch.Tensor, k: int, same_images: bool = False) -> torch.Tensor:
+    """(Q, E), (G, E), normalised -> (Q, k) indices, most similar first; same_images: Q is G, self left out."""
     similarity = queries @ gallery.T  # (Q, G)
     if same_images:
         similarity.fill_diagonal_(float("-inf"))
@@ -780,27 +477,18 @@ def rank_gallery(queries: torch.Tensor, gallery: torch.Tensor, k: int,
 
 
 def precision_at_k(ranking: torch.Tensor, query_values: Sequence, gallery_values: Sequence) -> float:
-    """ranking (Q, k) from rank_gallery -> the share of the retrieved images whose value
-    (e.g. colour) equals their query's, averaged over the queries."""
-    hits = [sum(gallery_values[j] == query_values[q] for j in row) / len(row)
-            for q, row in enumerate(ranking.tolist())]
+    """ranking (Q, k) -> the share of retrieved images whose value (e.g. colour) is their query's."""
+    hits = [sum(gallery_values[j] == query_values[q] for j in row) / len(row) for q, row in enumerate(ranking.tolist())]
     return sum(hits) / len(hits)
 
 
-# ------------------------------------------------------------------------------------------
-# 6. The losses (paper Sec. 3.4, METHOD.md Sec. 5)
-# ------------------------------------------------------------------------------------------
-
-
-def self_regularization_loss(f_cls: torch.Tensor, f_cls_frozen: torch.Tensor,
-                             t: torch.Tensor, t_frozen: torch.Tensor) -> torch.Tensor:
-    """L_reg = mean_i (1 - cos(f_cls_i, f_cls_frozen_i)) + mean_c (1 - cos(t_c, t_c_frozen)).
-
-    Keeps the class feature and the text features close to plain CLIP's, which is where the
-    zero-shot knowledge of novel classes lives."""
+# ---- 6. The losses (paper Sec. 3.4, METHOD.md Sec. 5) --------------------------------------------
+def self_regularization_loss(f_cls: torch.Tensor, f_cls_frozen: torch.Tensor, t: torch.Tensor,
+                             t_frozen: torch.Tensor) -> torch.Tensor:
+    """L_reg = mean_i (1 - cos(f_cls_i, f_cls_frozen_i)) + mean_c (1 - cos(t_c, t_c_frozen)): near
+    plain CLIP's features, where the novel classes' knowledge lives."""
     image_term = 1 - F.cosine_similarity(f_cls, f_cls_frozen, dim=-1).mean()
-    text_term = 1 - F.cosine_similarity(t, t_frozen, dim=-1).mean()
-    return image_term + text_term
+    return image_term + (1 - F.cosine_similarity(t, t_frozen, dim=-1).mean())
 
 
 def fusion_regularization_loss(alpha: torch.Tensor) -> torch.Tensor:
@@ -808,12 +496,10 @@ def fusion_regularization_loss(alpha: torch.Tensor) -> torch.Tensor:
     return -torch.log(alpha[0])
 
 
-def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0,
-              lambda_fusion: float = 0.1) -> dict:
-    """Total = CE(fused logits) + lambda_reg * L_reg + lambda_fusion * L_fusion.
-    Returns every term (for logging) and 'total' (to backpropagate)."""
+def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0, lambda_fusion: float = 0.1) -> dict:
+    """CE(fused logits) + lambda_reg * L_reg + lambda_fusion * L_fusion: each term, and 'total'."""
     if output.frozen_image_features is None or output.frozen_text_features is None:
-        raise DeARError("output has no frozen features (needed for L_reg): call the model with with_frozen=True to train")
+        raise DeARError("output has no frozen features (L_reg needs them): call the model with with_frozen=True")
     ce = F.cross_entropy(output.logits.float(), labels)
     reg = self_regularization_loss(output.image_features[:, 0].float(), output.frozen_image_features.float(),
                                    output.text_features.float(), output.frozen_text_features.float())
@@ -821,254 +507,183 @@ def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0,
     return {"total": ce + lambda_reg * reg + lambda_fusion * fusion, "ce": ce, "reg": reg, "fusion": fusion}
 
 
-# ==========================================================================================
-# 7. Bookkeeping: nothing below is the method. Role files (JSON) and their validation, the
-#    printed tables, the PNG pictures, and the description bank's word lists.
-# ==========================================================================================
+# ---- 7. Bookkeeping, not the method: RoleMap and its JSON file, the tables, the bank --------------
+@dataclass
+class RoleMap:
+    """The role of every head of the analysed vision layers, which the mask is built from."""
+    vision_layers: int  # depth of the vision tower it was made for
+    num_heads: int  # heads per layer of that tower
+    attributes: List[str]  # the attribute tokens' names, in token order
+    heads: List[HeadRole]  # one per (layer, head), layer-major
+    low_bits: Optional[float] = None  # the entropy thresholds that made it (None: not measured)
+    high_bits: Optional[float] = None
+    source: str = "analysis"  # "analysis" or the name of a fixed choice ("all-mixed", ...)
 
+    @property
+    def layers(self) -> List[int]:
+        return sorted({h.layer for h in self.heads})  # 0-based, ascending
 
-@torch.no_grad()
-def encode_descriptions(clip: CLIP, tokenizer: clip_model.SimpleTokenizer,
-                        texts: Sequence[str], batch_size: int = 256) -> torch.Tensor:
-    """Texts -> (n_texts, E) normalised CLIP text embeddings."""
-    device = clip.positional_embedding.device
-    chunks = []
-    for start in range(0, len(texts), batch_size):
-        ids = tokenizer.tokenize(texts[start:start + batch_size], clip.context_length, truncate=True)
-        chunks.append(F.normalize(clip.encode_text(ids.to(device)), dim=-1))
-    return torch.cat(chunks)
+    def role_of(self, layer: int, head: int) -> Optional[HeadRole]:
+        return next((h for h in self.heads if h.layer == layer and h.head == head), None)
 
+    @classmethod
+    def uniform(cls, role: str, vision_layers: int, num_heads: int, layers: Sequence[int],
+                attributes: Sequence[str] = CORE_ATTRIBUTES) -> RoleMap:
+        """The ablations': every head "mixed" (deep prompting, no mask) or "generalization" (all blind)."""
+        if role not in ("mixed", "generalization"):
+            raise DeARError(f"uniform role must be 'mixed' or 'generalization', not {role!r}")
+        heads = [HeadRole(layer, head, role) for layer in layers for head in range(num_heads)]
+        return cls(vision_layers, num_heads, list(attributes), heads, source=f"all-{role}")
 
-def _checked_batches(image_batches):
-    """analyze_heads' images: one (n, 3, R, R) tensor (cut into batches of 64), or an iterable
-    of (B, 3, R, R) tensors; anything else is a one-line DeARError."""
-    if isinstance(image_batches, torch.Tensor):
-        image_batches = image_batches.split(64)
-    for batch in image_batches:
-        if not isinstance(batch, torch.Tensor) or batch.dim() != 4:
-            raise DeARError(f"image_batches must be a (n, 3, R, R) tensor or yield (B, 3, R, R) tensors; got a "
-                            f"{type(batch).__name__}{f' of shape {tuple(batch.shape)}' if isinstance(batch, torch.Tensor) else ''}"
-                            " (a DataLoader of (images, labels): pass (images for images, _ in loader))")
-        yield batch
+    def validate(self, vision_layers: Optional[int] = None, num_heads: Optional[int] = None,
+                 attributes: Optional[Sequence[str]] = None) -> None:
+        """Complete, consistent, and (when the sizes are given) fits the model."""
+        rerun = "re-run the head analysis for this model"
+        if vision_layers is not None and self.vision_layers != vision_layers:
+            raise DeARError(f"made for a vision tower of {self.vision_layers} layers, this model has {vision_layers}; "
+                            + rerun)
+        if num_heads is not None and self.num_heads != num_heads:
+            raise DeARError(f"made for {self.num_heads} heads per layer, this model has {num_heads}; {rerun}")
+        if attributes is not None and list(attributes) != list(self.attributes):
+            raise DeARError(f"made for attributes {', '.join(self.attributes)}, the model has {', '.join(attributes)}; "
+                            "leave DeAR's attributes out (it then takes the map's) or re-run the analysis with these")
+        for entry in self.heads:
+            where = f"layer {entry.layer + 1} (index {entry.layer}), head {entry.head}"
+            if not (0 <= entry.layer < self.vision_layers and 0 <= entry.head < self.num_heads):
+                raise DeARError(f"{where} is outside a tower of {self.vision_layers} layers x {self.num_heads} heads")
+            if entry.role not in ROLES:
+                raise DeARError(f"{where} has role {entry.role!r}; roles are {', '.join(ROLES)}")
+            if entry.role == "attribute" and entry.attribute not in self.attributes:
+                raise DeARError(f"{where} is an attribute head for {entry.attribute!r}, which is not one of the "
+                                f"attributes ({', '.join(self.attributes)})")
+        for layer in self.layers:
+            present = sorted(h.head for h in self.heads if h.layer == layer)
+            if present != list(range(self.num_heads)):
+                raise DeARError(f"layer {layer + 1} (index {layer}) lists heads {present}, expected each of "
+                                f"0..{self.num_heads - 1} once")
 
+    def to_json(self) -> dict:
+        return {"what": "DeAR head roles (layer and head are 0-based; the paper's layer = layer + 1)",
+                "source": self.source, "vision_layers": self.vision_layers, "num_heads": self.num_heads,
+                "attributes": list(self.attributes), "thresholds_bits": {"low": self.low_bits, "high": self.high_bits},
+                "heads": [asdict(h) for h in self.heads]}
 
-def _uniform_role_map(cls, role, vision_layers, num_heads, layers, attributes) -> RoleMap:
-    """RoleMap.uniform: every head of `layers` the same role, "mixed" (= plain deep prompting,
-    no mask) or "generalization" (no head lets an attribute token read the image, so every
-    attribute branch is a per-class bias and is left out of the fusion)."""
-    if role not in ("mixed", "generalization"):
-        raise DeARError(f"uniform role must be 'mixed' or 'generalization', not {role!r}")
-    heads = [HeadRole(layer, head, role) for layer in layers for head in range(num_heads)]
-    return cls(vision_layers, num_heads, list(attributes), heads, source=f"all-{role}")
+    def save(self, path: str) -> None:
+        text = json.dumps(self.to_json(), indent=2, ensure_ascii=False)
+        atomic_write(path, lambda tmp: open(tmp, "w", encoding="utf-8").write(text + "\n"))
 
+    @classmethod
+    def load(cls, path: str) -> RoleMap:
+        """Read a role file; every problem is one DeARError line that names the file."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            thresholds = data.get("thresholds_bits") or {}
+            role_map = cls(int(data["vision_layers"]), int(data["num_heads"]), list(data["attributes"]),
+                           [HeadRole(**entry) for entry in data["heads"]], thresholds.get("low"),
+                           thresholds.get("high"), data.get("source", "analysis"))
+        except FileNotFoundError:
+            raise DeARError(f"{path}: no such role file; run the head analysis first (analyze_heads, then "
+                            "RoleMap.save) or use RoleMap.uniform('mixed', ...) (no mask)") from None
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise DeARError(f"{path}: not a DeAR role file ({type(error).__name__}: "
+                            f"{' '.join(str(error).split())[:80]}); re-run the head analysis") from None
+        try:
+            role_map.validate()
+        except DeARError as error:
+            raise DeARError(f"{path}: {error}") from None
+        return role_map
 
-def _role_map_to_json(role_map: RoleMap) -> dict:
-    return {
-        "what": "DeAR head roles (layer and head are 0-based; the paper's layer = layer + 1)",
-        "source": role_map.source,
-        "vision_layers": role_map.vision_layers,
-        "num_heads": role_map.num_heads,
-        "attributes": list(role_map.attributes),
-        "thresholds_bits": {"low": role_map.low_bits, "high": role_map.high_bits},
-        "heads": [asdict(h) for h in role_map.heads],
-    }
-
-
-def _save_role_map(role_map: RoleMap, path: str) -> None:
-    text = json.dumps(role_map.to_json(), indent=2, ensure_ascii=False)
-    atomic_write(path, lambda tmp: open(tmp, "w", encoding="utf-8").write(text + "\n"))
-
-
-def _load_role_map(cls, path: str) -> RoleMap:
-    """Read a role file; every problem is one DeARError line that names the file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        thresholds = data.get("thresholds_bits") or {}
-        role_map = cls(
-            vision_layers=int(data["vision_layers"]), num_heads=int(data["num_heads"]),
-            attributes=list(data["attributes"]),
-            heads=[HeadRole(**entry) for entry in data["heads"]],
-            low_bits=thresholds.get("low"), high_bits=thresholds.get("high"),
-            source=data.get("source", "analysis"),
-        )
-    except FileNotFoundError:
-        raise DeARError(f"{path}: no such role file; run the head analysis first (analyze_heads, "
-                        "then RoleMap.save) or use RoleMap.uniform('mixed', ...) (no mask)") from None
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise DeARError(f"{path}: not a DeAR role file ({type(error).__name__}: "
-                        f"{' '.join(str(error).split())[:80]}); re-run the head analysis") from None
-    try:
-        role_map.validate()
-    except DeARError as error:
-        raise DeARError(f"{path}: {error}") from None
-    return role_map
-
-
-def _validate_role_map(role_map: RoleMap, vision_layers: Optional[int], num_heads: Optional[int],
-                       attributes: Optional[Sequence[str]]) -> None:
-    """RoleMap.validate: complete, consistent, and (when the sizes are given) fits the model."""
-    if vision_layers is not None and role_map.vision_layers != vision_layers:
-        raise DeARError(f"made for a vision tower of {role_map.vision_layers} layers, this model has "
-                        f"{vision_layers}; re-run the head analysis for this model")
-    if num_heads is not None and role_map.num_heads != num_heads:
-        raise DeARError(f"made for {role_map.num_heads} heads per layer, this model has {num_heads}; "
-                        "re-run the head analysis for this model")
-    if attributes is not None and list(attributes) != list(role_map.attributes):
-        raise DeARError(f"made for attributes {', '.join(role_map.attributes)}, the model uses "
-                        f"{', '.join(attributes)}; leave DeAR's attributes out (it then takes the "
-                        "role map's) or re-run the head analysis with these attributes")
-    for entry in role_map.heads:
-        where = f"layer {entry.layer + 1} (index {entry.layer}), head {entry.head}"
-        if not (0 <= entry.layer < role_map.vision_layers and 0 <= entry.head < role_map.num_heads):
-            raise DeARError(f"{where} does not exist in a tower of {role_map.vision_layers} layers x {role_map.num_heads} heads")
-        if entry.role not in ROLES:
-            raise DeARError(f"{where} has role {entry.role!r}; roles are {', '.join(ROLES)}")
-        if entry.role == "attribute" and entry.attribute not in role_map.attributes:
-            raise DeARError(f"{where} is an attribute head for {entry.attribute!r}, which is not "
-                            f"one of the attributes ({', '.join(role_map.attributes)})")
-    for layer in role_map.layers:
-        present = sorted(h.head for h in role_map.heads if h.layer == layer)
-        if present != list(range(role_map.num_heads)):
-            raise DeARError(f"layer {layer + 1} (index {layer}) lists heads {present}, expected each of 0..{role_map.num_heads - 1} once")
-
-
-def _role_table(role_map: RoleMap) -> str:
-    """RoleMap.table: one row per layer (1-based), one cell per head, entropy in bits."""
-    def bits(value: Optional[float]) -> str:
-        return "-" if value is None else f"{value:.2f}"
-
-    lines = [f"Head roles ({role_map.source}); layers numbered as in the paper (1-based), heads 0-based; "
-             f"thresholds low={bits(role_map.low_bits)} high={bits(role_map.high_bits)} bits"]
-    lines.append("layer | " + " ".join(f"{'h' + str(h):>9}" for h in range(role_map.num_heads)))
-    for layer in role_map.layers:
-        cells = []
-        for head in range(role_map.num_heads):
-            entry = role_map.role_of(layer, head)
-            tag = {"attribute": f"A:{(entry.attribute or '')[:3]}", "generalization": "G",
-                   "mixed": "M"}[entry.role]
-            cells.append(f"{tag}{'' if entry.entropy is None else f' {entry.entropy:.2f}'}".rjust(9))
-        lines.append(f"{layer + 1:>5} | " + " ".join(cells))
-    counts = Counter(h.role if h.role != "attribute" else f"attribute:{h.attribute}" for h in role_map.heads)
-    lines.append("counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-    if not any(h.role == "attribute" for h in role_map.heads):
-        lines.append("no attribute head: no head is specialised enough (entropy <= low); DeAR falls back "
-                     "to the class branch alone (falls_back_to_class_branch)")
-    return "\n".join(lines)
+    def table(self) -> str:
+        """A row per layer (1-based), a cell per head: A:col (attribute head for colour), G, M; bits."""
+        def bits(value: Optional[float]) -> str: return "-" if value is None else f"{value:.2f}"  # noqa: E704
+        lines = [f"Head roles ({self.source}); layers numbered as in the paper (1-based), heads 0-based; "
+                 f"thresholds low={bits(self.low_bits)} high={bits(self.high_bits)} bits",
+                 "layer | " + " ".join(f"{'h' + str(h):>9}" for h in range(self.num_heads))]
+        def cell(entry: HeadRole) -> str:  # e.g. "A:col 0.00"
+            tag = {"attribute": f"A:{(entry.attribute or '')[:3]}", "generalization": "G", "mixed": "M"}[entry.role]
+            return f"{tag}{'' if entry.entropy is None else f' {entry.entropy:.2f}'}".rjust(9)
+        lines += [f"{layer + 1:>5} | " + " ".join(cell(self.role_of(layer, head)) for head in range(self.num_heads))
+                  for layer in self.layers]
+        counts = Counter(h.role if h.role != "attribute" else f"attribute:{h.attribute}" for h in self.heads)
+        lines.append("counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+        if not any(h.role == "attribute" for h in self.heads):
+            lines.append("no attribute head: no head is specialised enough (entropy <= low); DeAR falls back "
+                         "to the class branch alone (falls_back_to_class_branch)")
+        return "\n".join(lines)
 
 
 def format_head_mask(mask: torch.Tensor, num_image_tokens: int, attributes: Sequence[str]) -> str:
-    """A (T, T) mask as a small text grid, the image tokens folded into one row/column
-    ('image'; they are treated alike by construction). '#' = may attend, '.' = may not."""
-    N = num_image_tokens
-    image_block = mask[:N, :N]
-    if not ((mask[:N, N:] == mask[:1, N:]).all() and (mask[N:, :N] == mask[N:, :1]).all()
-            and (image_block == 0).all()):
-        raise DeARError("mask is not uniform over the image tokens; only role masks can be folded")
-    names = ["image"] + [a[:8] for a in attributes]
-    folded = torch.cat([mask[:1, :1], mask[:1, N:]], 1)  # image row
-    folded = torch.cat([folded, torch.cat([mask[N:, :1], mask[N:, N:]], 1)], 0)  # (1 + A, 1 + A)
-    lines = ["query \\ key " + " ".join(f"{n:>8}" for n in names)]
-    for name, row in zip(names, folded):
-        lines.append(f"{name:>11} " + " ".join(f"{'#' if v == 0 else '.':>8}" for v in row))
-    return "\n".join(lines)
+    """A (T, T) role mask as text, the image tokens (alike by construction) folded into one: '#' = may attend."""
+    N, names = num_image_tokens, ["image"] + [a[:8] for a in attributes]
+    folded = torch.cat([torch.cat([mask[:1, :1], mask[:1, N:]], 1), torch.cat([mask[N:, :1], mask[N:, N:]], 1)])
+    rows = [f"{name:>11} " + " ".join(f"{'#' if v == 0 else '.':>8}" for v in row) for name, row in zip(names, folded)]
+    return "\n".join(["query \\ key " + " ".join(f"{n:>8}" for n in names)] + rows)  # folded: (1 + A, 1 + A)
 
 
 # The description bank (METHOD.md Sec. 3): labelled phrases for TextSpan to choose from.
 
 
 class Description(NamedTuple):
-    """One labelled phrase. A NamedTuple, so a caller's own bank can be plain
-    (text, concept) pairs or (text, concept, value) triples: analyze_heads reads either.
-    value: the word of the concept the phrase names ("red"), which `default_picks` counts."""
+    """One labelled phrase (a bank may hold plain (text, concept) pairs); value: its word ("red")."""
     text: str
     concept: str
     value: Optional[str] = None
 
 
 def description_bank() -> List[Description]:
-    """The project's own bank: every word of a concept in every template of that concept
-    (`_BANK_WORDS`, below).
-
-    591 phrases over 12 concepts (the 5 core attributes first). No phrase appears twice. The
-    non-core concepts are there so that a head that is about none of the five attributes can
-    spread its descriptions over many concepts and get a high entropy.
-    """
-    bank, seen = [], set()
-    for concept, (words, templates) in _BANK_WORDS.items():
-        for template in templates:
-            for word in words:
-                text = template.format(word)
-                if text not in seen:
-                    seen.add(text)
-                    bank.append(Description(text, concept, word))
-    return bank
+    """Each word of a concept in each of its templates (its concept known by construction): 591 phrases,
+    the 5 core attributes, then 7 concepts over which a head about none of them spreads (high entropy)."""
+    return [Description(template.format(word), concept, word)  # no phrase twice (tests/test_dear.py checks)
+            for concept, (words, templates) in _BANK_WORDS.items() for template in templates for word in words]
 
 
-# The description bank's word lists (METHOD.md Sec. 3): concept -> (words, templates). Every
-# phrase is a word in a template, so its concept is known by construction. The five core
-# attributes come first; the seven others let a head that is about none of them spread its
-# descriptions over many concepts.
-_BANK_WORDS = {
-    # core attributes
-    "colour": (["red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black",
-                "white", "grey", "gold", "silver", "beige", "turquoise", "maroon", "navy blue",
-                "teal", "violet", "crimson"],
-               ["a bright {} colour", "an image dominated by the colour {}", "something coloured {}",
-                "a {} tint"]),
-    "shape": (["round", "square", "triangular", "rectangular", "oval", "cylindrical", "spherical",
-               "star-shaped", "heart-shaped", "hexagonal", "curved", "pointed", "elongated", "flat",
-               "cone-shaped", "spiral"],
+_BANK_WORDS = {  # concept -> (words, templates): the five core attributes, then seven others (from "style")
+    "colour": (["red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white", "grey",
+                "gold", "silver", "beige", "turquoise", "maroon", "navy blue", "teal", "violet", "crimson"],
+               ["a bright {} colour", "an image dominated by the colour {}", "something coloured {}", "a {} tint"]),
+    "shape": (["round", "square", "triangular", "rectangular", "oval", "cylindrical", "spherical", "star-shaped",
+               "heart-shaped", "hexagonal", "curved", "pointed", "elongated", "flat", "cone-shaped", "spiral"],
               ["a {} shape", "an object with a {} form", "a {} outline", "something {} in shape"]),
-    "texture": (["striped", "dotted", "checkered", "furry", "smooth", "rough", "fluffy", "woven",
-                 "scaly", "wrinkled", "glossy", "matte", "grainy", "bumpy", "metallic", "wooden",
-                 "knitted", "cracked", "porous", "velvety"],
+    "texture": (["striped", "dotted", "checkered", "furry", "smooth", "rough", "fluffy", "woven", "scaly", "wrinkled",
+                 "glossy", "matte", "grainy", "bumpy", "metallic", "wooden", "knitted", "cracked", "porous", "velvety"],
                 ["a {} texture", "a {} surface", "a close-up of a {} pattern"]),
-    "object": (["bicycle", "car", "dog", "cat", "bird", "flower", "tree", "chair", "airplane", "boat",
-                "house", "cup", "guitar", "clock", "horse", "fish", "shoe", "book", "phone", "lamp",
-                "bottle", "apple", "pizza", "bridge", "train", "butterfly", "mushroom", "umbrella",
-                "laptop", "piano"],
+    "object": (["bicycle", "car", "dog", "cat", "bird", "flower", "tree", "chair", "airplane", "boat", "house", "cup",
+                "guitar", "clock", "horse", "fish", "shoe", "book", "phone", "lamp", "bottle", "apple", "pizza",
+                "bridge", "train", "butterfly", "mushroom", "umbrella", "laptop", "piano"],
                ["a photo of a {}", "a picture of a {}", "a close-up of a {}"]),
-    "location": (["beach", "forest", "city street", "kitchen", "desert", "mountain top", "lake shore",
-                  "snowy field", "office", "garden", "classroom", "stadium", "farm", "coral reef",
-                  "highway", "river bank", "park", "living room", "harbour", "airport"],
+    "location": (["beach", "forest", "city street", "kitchen", "desert", "mountain top", "lake shore", "snowy field",
+                  "office", "garden", "classroom", "stadium", "farm", "coral reef", "highway", "river bank", "park",
+                  "living room", "harbour", "airport"],
                  ["a photo taken at a {}", "a scene in a {}", "the background is a {}"]),
-    # non-core concepts
-    "style": (["watercolour painting", "pencil sketch", "oil painting", "cartoon", "3D render",
-               "pixel art", "comic drawing", "mosaic", "embroidery", "origami model", "marble sculpture",
-               "graffiti", "tattoo", "low-poly model", "woodcut print"],
+    "style": (["watercolour painting", "pencil sketch", "oil painting", "cartoon", "3D render", "pixel art",
+               "comic drawing", "mosaic", "embroidery", "origami model", "marble sculpture", "graffiti", "tattoo",
+               "low-poly model", "woodcut print"],
               ["an image in the style of a {}", "a {} of something", "art made as a {}"]),
     "count": (["one", "two", "three", "four", "five", "six", "seven", "a dozen", "many", "hundreds of"],
               ["{} objects in the picture", "an image with {} things in it", "a group of {} items"]),
-    "lighting": (["bright sunlight", "dim light", "backlight", "neon light", "candlelight",
-                  "harsh shadows", "soft light", "golden hour light", "flash", "overcast light",
-                  "studio lighting", "moonlight"],
+    "lighting": (["bright sunlight", "dim light", "backlight", "neon light", "candlelight", "harsh shadows",
+                  "soft light", "golden hour light", "flash", "overcast light", "studio lighting", "moonlight"],
                  ["a photo taken with {}", "a scene lit by {}", "an image full of {}"]),
-    "mood": (["happy", "sad", "peaceful", "scary", "romantic", "energetic", "lonely", "nostalgic",
-              "dramatic", "playful", "calm", "mysterious"],
+    "mood": (["happy", "sad", "peaceful", "scary", "romantic", "energetic", "lonely", "nostalgic", "dramatic",
+              "playful", "calm", "mysterious"],
              ["a {} mood", "a {} atmosphere", "a picture that feels {}"]),
     "text": (["a sign with words", "a logo", "handwritten letters", "a newspaper page", "a street sign",
               "a label with numbers", "a caption", "a book title", "a licence plate", "a price tag"],
              ["an image containing {}", "a photo with {} in it", "a close-up of {}"]),
-    "viewpoint": (["an aerial view", "a close-up view", "a wide-angle view", "a side view",
-                   "a top-down view", "a low-angle view", "a fisheye view", "a macro view",
-                   "a panoramic view", "a rear view"],
+    "viewpoint": (["an aerial view", "a close-up view", "a wide-angle view", "a side view", "a top-down view",
+                   "a low-angle view", "a fisheye view", "a macro view", "a panoramic view", "a rear view"],
                   ["a photo taken from {}", "{} of a scene", "a picture shot as {}"]),
-    "time": (["morning", "noon", "evening", "night", "winter", "summer", "autumn", "spring",
-              "sunset", "dawn"],
+    "time": (["morning", "noon", "evening", "night", "winter", "summer", "autumn", "spring", "sunset", "dawn"],
              ["a photo taken in the {}", "a scene at {}", "an image from the {}"]),
 }
 
 
-# ------------------------------------------------------------------------------------------
-# A small demonstration on a random CLIP (no weights needed)
-# ------------------------------------------------------------------------------------------
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # a small demonstration on a random CLIP (no weights needed)
     torch.manual_seed(0)
-    demo_clip = CLIP(embed_dim=64, image_resolution=32, vision_layers=4, vision_width=128,
-                     vision_patch_size=8, vision_heads=4, context_length=16, vocab_size=100,
-                     transformer_width=64, transformer_heads=2, transformer_layers=4).eval()
+    demo_clip = clip_model.CLIP(embed_dim=64, image_resolution=32, vision_layers=4, vision_width=128,
+                                vision_patch_size=8, vision_heads=4, context_length=16, vocab_size=100,
+                                transformer_width=64, transformer_heads=2, transformer_layers=4).eval()
     heads = [HeadRole(3, 0, "attribute", "colour"), HeadRole(3, 1, "attribute", "shape"),
              HeadRole(3, 2, "generalization"), HeadRole(3, 3, "mixed")]
     demo_roles = RoleMap(4, 4, ["colour", "shape"], heads, source="hand-made demo")
@@ -1078,9 +693,7 @@ if __name__ == "__main__":
     for head, entry in enumerate(heads):
         print(f"\nlayer 4 (index 3), head {head}: {entry.role} {entry.attribute or ''}")
         print(format_head_mask(demo.role_masks[0, head], demo.num_image_tokens, demo.attributes))
-    ids = torch.zeros(3, 16, dtype=torch.long)
-    ids[:, 0], ids[:, 1:4], ids[:, 4] = 98, torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]]), 99
-    classes = demo.prepare_classes(ids)  # the class list's frozen text side, once
-    out = demo(torch.randn(2, 3, 32, 32), classes, with_frozen=True)
+    ids = torch.tensor([[98, 3 * c + 5, 3 * c + 6, 3 * c + 7, 99] + [0] * 11 for c in range(3)])  # 3 class prompts
+    out = demo(torch.randn(2, 3, 32, 32), demo.prepare_classes(ids), with_frozen=True)
     losses = dear_loss(out, torch.tensor([0, 2]))
     print("\nfused logits", tuple(out.logits.shape), "losses", {k: round(v.item(), 4) for k, v in losses.items()})

@@ -93,3 +93,36 @@ def test_the_two_files_also_work_at_the_top_level_of_a_project(tmp_path):
                        "assert dear.clip_model is clip_model; print(os.path.dirname(clip_model.__file__))")
     assert result.returncode == 0, result.stderr[-2000:]
     assert os.path.samefile(result.stdout.strip(), tmp_path)  # the copy, not the repository's file
+
+
+ROLE_FILE_AND_RETRIEVAL = """
+import torch
+from vendor import clip_model, dear
+
+clip, _ = clip_model.load("tiny_clip.pt")
+L, H = len(clip.visual.transformer.resblocks), clip.visual.transformer.heads
+heads = [dear.HeadRole(l, h, "attribute", "colour") if h == 0 else dear.HeadRole(l, h, "generalization")
+         for l in range(L) for h in range(H)]  # every layer: no mixed head
+roles = dear.RoleMap(L, H, ["colour", "shape"], heads, low_bits=0.25, high_bits=0.75, source="by hand")
+roles.save("roles.json")
+again = dear.RoleMap.load("roles.json")
+assert again == roles, (again, roles)
+model = dear.DeAR(clip, again, beta=0.3)  # no head lets the shape token read the image: it is blind
+R = clip.visual.input_resolution
+features = dear.retrieval_features(model, torch.randn(6, 3, R, R, generator=torch.Generator().manual_seed(0)))
+assert list(features) == ["class", "colour", "frozen CLIP"], list(features)
+ranking = dear.rank_gallery(features["colour"], features["colour"], k=3, same_images=True)
+assert ranking.shape == (6, 3) and not (ranking == torch.arange(6)[:, None]).any(), ranking
+print(again.table())
+print("precision", dear.precision_at_k(ranking, [0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 1]))
+"""
+
+
+def test_the_two_files_alone_write_and_read_a_role_file_rank_a_gallery_and_run_their_demo(project):
+    (project / "roles_and_retrieval.py").write_text(ROLE_FILE_AND_RETRIEVAL)
+    result = run_alone(project, "roles_and_retrieval.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Head roles (by hand)" in result.stdout and "precision" in result.stdout
+    for how in (["-m", "vendor.dear"], [os.path.join("vendor", "dear.py")]):  # in the package, and as a script
+        demo = run_alone(project, *how)
+        assert demo.returncode == 0 and "Head roles (hand-made demo)" in demo.stdout, demo.stderr[-3000:]

@@ -425,7 +425,7 @@ def test_few_shot_cache_of_the_older_rule_is_redrawn_not_reused(pets_root):
     stored["train"] = stored["train"][2:] + stored["train"][:2]  # a different (older) draw
     stored["content"] = data._fingerprint({"train": stored["train"], "val": stored["val"]})
     cache.write_text(json.dumps(stored))
-    with pytest.warns(DatasetWarning, match=r"drawn by an older rule.*version 2.*rebuilding"):
+    with pytest.warns(DatasetWarning, match=r"of another format .*version 2.*rebuilding"):
         rebuilt = load_dataset("oxford_pets", pets_root, num_shots=2)
     assert rebuilt.train == fresh.train
     assert json.loads(cache.read_text())["format"] == data.FEWSHOT_CACHE_FORMAT
@@ -460,31 +460,28 @@ def edited_cache_is_rebuilt(pets_root, edit, warning: str) -> None:
     assert rebuilt.train == fresh.train
 
 
-def test_few_shot_cache_naming_images_outside_the_split_is_rebuilt(pets_root):
-    def edit(stored):
-        stored["train"][0][0] = "images/not_in_the_split.jpg"
-
-    edited_cache_is_rebuilt(pets_root, edit, "which the split does not have")
+def _outside_the_split(stored, pets_root):
+    stored["train"][0][0] = "images/not_in_the_split.jpg"
 
 
-def test_few_shot_cache_with_wrong_counts_per_class_is_rebuilt(pets_root):
-    def edit(stored):
-        stored["train"][1] = stored["train"][0]  # class 0: one image twice instead of two images
-
-    edited_cache_is_rebuilt(pets_root, edit, r"does not hold 2 images per class \(distinct")
+def _wrong_counts(stored, pets_root):
+    stored["train"][1] = stored["train"][0]  # class 0: one image twice instead of two images
 
 
-def test_edited_few_shot_cache_is_rebuilt_even_when_every_entry_is_plausible(pets_root):
+def _plausible_swap(stored, pets_root):
     # One cached image swapped for another of the same class: in the split, right count per
     # class, no repeats -- only the content fingerprint can tell.
-    def edit(stored):
-        chosen = {entry[0] for entry in stored["train"]}
-        other = next(entry for entry in json.loads((pets_root / "oxford_pets" / "split_zhou_OxfordPets.json")
-                                                   .read_text())["train"]
-                     if entry[1] == stored["train"][0][1] and "images/" + entry[0] not in chosen)
-        stored["train"][0] = ["images/" + other[0], other[1], other[2]]
+    chosen = {entry[0] for entry in stored["train"]}
+    other = next(entry for entry in json.loads((pets_root / "oxford_pets" / "split_zhou_OxfordPets.json")
+                                               .read_text())["train"]
+                 if entry[1] == stored["train"][0][1] and "images/" + entry[0] not in chosen)
+    stored["train"][0] = ["images/" + other[0], other[1], other[2]]
 
-    edited_cache_is_rebuilt(pets_root, edit, "was edited after it was written")
+
+@pytest.mark.parametrize("edit", [_outside_the_split, _wrong_counts, _plausible_swap])
+def test_edited_few_shot_cache_is_rebuilt(pets_root, edit):
+    edited_cache_is_rebuilt(pets_root, lambda stored: edit(stored, pets_root),
+                            "was edited after it was written")
 
 
 def test_few_shot_cache_of_a_changed_split_is_rebuilt(pets_root):

@@ -252,7 +252,7 @@ def test_a_head_writing_along_colour_descriptions_is_named_a_colour_head(tiny_de
         return HeadContributions(heads, torch.zeros(B, L, E), torch.randn(B, E, generator=g) + 3.0,
                                  torch.zeros(E), tuple(range(LAYERS - L, LAYERS)))
 
-    monkeypatch.setattr(dear, "head_contributions", fake_contributions)
+    monkeypatch.setattr(dear.clip_model, "head_contributions", fake_contributions)
     monkeypatch.setattr(dear, "encode_descriptions", lambda clip, tokenizer, texts: text)
     seen, textspan = [], dear.textspan
     monkeypatch.setattr(dear, "textspan", lambda data, *rest: seen.append(data) or textspan(data, *rest))

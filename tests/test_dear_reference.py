@@ -1,4 +1,5 @@
-"""DeAR's forward pass against an independent reference written from the spec.
+"""DeAR's forward pass against an independent reference written from the spec: `reference` below is
+also the method in one page (dear.py's docstring points here), one head at a time.
 
     python -m pytest -q tests/test_dear_reference.py
 
