@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
+import inspect
 import json
 import math
 import os
@@ -294,17 +296,14 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
     return dict(  # the order of the keys is the order of settings.json
         dataset=names, dataset_paths=dict(own), template=args.template, protocol=protocol, source=source,
         method=list(dict.fromkeys(flag("method"))), roles=roles, fusion=list(dict.fromkeys(flag("fusion"))),
-        seeds=list(dict.fromkeys(flag("seeds"))), shots=shots,
-        root=args.root, weights=None if toy else flag("weights"),  # toy: its own, found by train.open_inputs
-        head_width=args.head_width,  # None: from the file (clip_model.save records it)
-        bpe=args.bpe, output=output,
+        seeds=list(dict.fromkeys(flag("seeds"))), shots=shots, root=args.root,
+        weights=None if toy else flag("weights"),  # toy: its own, found by train.open_inputs
+        head_width=args.head_width, bpe=args.bpe, output=output,  # head_width None: the file's (clip_model.save)
         first_layer=flag("first_layer"), beta=flag("beta"), text_tokens=flag("text_tokens"),
-        lambda_reg=flag("lambda_reg"), lambda_fusion=flag("lambda_fusion"),
-        analysis_pool=flag("analysis_pool"), analysis_images=flag("analysis_images"),
-        descriptions=args.descriptions,  # None: dear.analysis_picks's default
-        low_bits=args.low_bits, high_bits=args.high_bits,
-        epochs=flag("epochs"), batch_size=flag("batch_size"), lr=flag("lr"),
-        warmup_epochs=flag("warmup_epochs"), warmup_lr=book.warmup_lr, weight_decay=book.weight_decay,
+        lambda_reg=flag("lambda_reg"), lambda_fusion=flag("lambda_fusion"), analysis_pool=flag("analysis_pool"),
+        analysis_images=flag("analysis_images"), descriptions=args.descriptions,  # None: dear.analysis_picks's
+        low_bits=args.low_bits, high_bits=args.high_bits, epochs=flag("epochs"), batch_size=flag("batch_size"),
+        lr=flag("lr"), warmup_epochs=flag("warmup_epochs"), warmup_lr=book.warmup_lr, weight_decay=book.weight_decay,
         augment=recipe.augment if args.augment is None else args.augment == "on",
         device=flag("device"), amp=flag("amp"), workers=args.workers,
         eval_batch_size=flag("eval_batch_size"), log_every=flag("log_every"),
@@ -694,9 +693,6 @@ def analysis_fingerprint(settings, clip, items: list, bank: list, attributes: li
     as its images (path under --root) and their sizes (not their bytes: that would read every
     image), the bank, the analysis settings, and the source of dear.py and clip_model.py (a
     changed TextSpan or head decomposition must not reuse an old map)."""
-    import hashlib
-    import inspect
-
     depth = len(clip.visual.transformer.resblocks)  # vision layers
     key = dict(
         weights=settings["fingerprints"]["weights"], bpe=settings["fingerprints"]["bpe"],
@@ -993,8 +989,8 @@ class Progress:
 # mean novel accuracies, and the "Average" block's HM from the average base and novel over
 # datasets -- as CoCoOp, MaPLe and the DeAR paper compute it.
 
-DG_NAMES = {"imagenet": "ImageNet", "imagenet_v2": "-V2", "imagenet_sketch": "-Sketch",
-            "imagenet_a": "-A", "imagenet_r": "-R"}
+DG_NAMES = {"imagenet": "ImageNet", "imagenet_v2": "-V2", "imagenet_sketch": "-Sketch", "imagenet_a": "-A",
+            "imagenet_r": "-R"}  # the DG table's columns, as the paper names them
 
 
 def harmonic_mean(base: float, novel: float) -> float:
@@ -1084,12 +1080,11 @@ def summarise(settings, results: List[dict]) -> dict:
 
 
 def markdown(summary: dict, settings) -> str:
-    titles = dict(base2novel="Base-to-novel generalization", fewshot="Few-shot classification",
-                  cross="Cross-dataset evaluation and domain generalization",
-                  dg="Cross-dataset evaluation and domain generalization")
+    titles = dict(base2novel="Base-to-novel generalization", fewshot="Few-shot classification")  # cross, dg:
+    title = titles.get(settings["protocol"], "Cross-dataset evaluation and domain generalization")
     shots = settings["shots"]
     shots = "shots " + ", ".join(map(str, shots)) if settings["protocol"] == "fewshot" else f"{shots[0]} shots"
-    lines = [f"# {titles[settings['protocol']]}", "",
+    lines = [f"# {title}", "",
              f"Accuracy (%), mean over seeds {', '.join(map(str, settings['seeds']))}; {settings['weights']}; {shots}. "
              "Zero-shot CLIP does not train: one run serves every seed. ± = standard deviation over seeds; "
              "- = no number (the linear probe has no classifier for unseen classes).", ""]
