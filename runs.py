@@ -1,23 +1,18 @@
 """
 runs.py -- the run-folder harness: the boilerplate a student of the method need not read.
 
-train.py is the teaching path (recipes, data, model, head analysis, the loop, evaluation); what
-makes a run folder safe and repeatable lives here: the flags and the settings they resolve to,
-their checks, the refusal to resume over other settings, the input files' fingerprints, the
-folder lock and the cache locks, checkpoint files and their checks, temporary-file cleanup,
-the devices and processes, the summary tables and their markdown, the PNG pictures (roles,
-masks, retrieval), and the one-line errors.
-
-How it fits: it imports clip_model.py, dear.py and data.py; train.py imports it; nothing in
-the library does (those three stay copyable without it), and it never imports train.py:
-what it needs from there (the recipes and defaults, a RecipeBook) train.py passes in.
+train.py is the teaching path (recipes, data, model, head analysis, loop, evaluation); here is
+what makes a run folder safe and repeatable: flags -> checked settings, the refusal to resume
+over other settings, input fingerprints, locks, checkpoints, temporary-file cleanup, devices
+and processes, summary tables, PNG pictures (roles, masks, retrieval) and one-line errors.
+It imports clip_model.py, dear.py and data.py (which never import it) and never train.py:
+train.py passes in what it needs (a RecipeBook).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import hashlib
 import inspect
 import json
@@ -28,7 +23,7 @@ import secrets
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
@@ -51,6 +46,12 @@ FUSION_MODES = ("fused-everywhere", "class-on-unseen")
 OLD_FUSION_NAMES = {"everywhere": "fused-everywhere", "adaptive": "class-on-unseen"}
 ROLE_ABLATIONS = ("all-mixed", "all-generalization")  # besides "analyse" and a roles file
 MAX_SEED = 2**32 - 1  # numpy's range; the per-epoch seeds are derived from it (seed * 100003 + epoch)
+# Every setting of a run, in settings.json's order.
+SETTING_KEYS = ("dataset dataset_paths template protocol source method roles fusion seeds shots root weights "
+                "head_width bpe output first_layer beta text_tokens lambda_reg lambda_fusion analysis_pool "
+                "analysis_images descriptions low_bits high_bits epochs batch_size lr warmup_epochs warmup_lr "
+                "weight_decay augment device amp workers eval_batch_size log_every max_epochs_per_call toy_scale "
+                "fingerprints role_maps").split()
 # Flags that say how to run, not what to compute: they may change on --resume / --eval-only.
 RUN_CONTROL = {"output", "resume", "eval_only", "device", "workers", "log_every", "eval_batch_size",
                "max_epochs_per_call", "amp", "root", "weights", "bpe"}  # (and the files' places)
@@ -99,56 +100,47 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
     p = OneLineParser(prog="train.py", description="DeAR on CLIP: train and evaluate on the paper's protocols. "
                       "Unset DeAR and optimisation flags come from the trained dataset's recipe (RECIPES in train.py).")
     g = p.add_argument_group("what to run").add_argument
-    g("--dataset", nargs="+", help="dataset name(s) from data.py, 'all' for the protocol's datasets, 'toyworld' "
-      "(the project's own world: no downloads), or the PATH of your own data: a folder of class folders "
-      "(PATH/<class>/<image>; the split is drawn once, 50/20/30 per class, and written to PATH/split_<name>.json) "
-      "or a split file in CoOp's format (image paths relative to its folder); its name in tables and run folders "
-      "is its folder's name")
+    g("--dataset", nargs="+", help="data.py name(s); 'all' (the protocol's datasets); 'toyworld' (no downloads); or "
+      "the PATH of your own data, named by its folder: class folders PATH/<class>/<image> (split once 50/20/30 per "
+      "class into PATH/split_<name>.json) or a CoOp split file (paths relative to its folder)")
     g("--protocol", choices=PROTOCOLS, help="base2novel | fewshot | cross | dg")
-    g("--method", nargs="+", choices=METHODS, help="rows of the table: zeroshot = CLIP with the dataset's "
-      "template, no training; linear-probe = logistic regression on the frozen image features (training classes "
-      "only); dear = DeAR")
-    g("--roles", nargs="+", help="head roles for DeAR: 'analyse' (concept entropy on --analysis-pool, once per "
-      "model and pool, cached and copied into the run folder), a roles JSON file, 'all-mixed' (no mask: plain deep "
-      "prompting) or 'all-generalization'; several give one table row each")
-    g("--fusion", nargs="+", type=fusion_name, metavar="{" + ",".join(FUSION_MODES) + "}", help="how DeAR is "
-      "scored: fused-everywhere = the fused logits (weights learned on the training classes) on every test set; "
-      "class-on-unseen = fused on the trained classes, the class branch alone on classes not trained (MMRL's "
-      "rule). Each gives the DeAR row once, from the same trained model (the role ablations use the first)")
+    g("--method", nargs="+", choices=METHODS, help="table rows: zeroshot = CLIP with the dataset's template; "
+      "linear-probe = logistic regression on frozen image features (training classes only); dear = DeAR")
+    g("--roles", nargs="+", help="head roles: 'analyse' (concept entropy on --analysis-pool, cached per model and "
+      "pool), a roles JSON file, 'all-mixed' (no mask) or 'all-generalization'; one table row each")
+    g("--fusion", nargs="+", type=fusion_name, metavar="{" + ",".join(FUSION_MODES) + "}", help="DeAR's scoring, "
+      "one row each from the same model: fused-everywhere = fused logits on every test set; class-on-unseen = the "
+      "class branch alone on classes not trained (MMRL's rule); the role ablations use the first")
     g("--seeds", nargs="+", type=int, help="seeds; tables report the mean")
     g("--shots", nargs="+", type=int, help="shots per class")
     g("--source", help="training dataset of cross and dg")
-    g("--template", help="class prompt template, '{}' standing for the class name, for every dataset of the call "
-      f"(unset: each benchmark's CoOp template; your own data: {data.OWN_TEMPLATE!r})")
+    g("--template", help="class prompt, '{}' for the class name, for every dataset (unset: each benchmark's CoOp "
+      f"template; your own data: {data.OWN_TEMPLATE!r})")
     g = p.add_argument_group("where things are").add_argument
     g("--root", help="the $DATA folder in CoOp's layout (toyworld: made in the cache)")
     g("--weights", help="CLIP: ViT-B/32, ViT-B/16, ViT-L/14 or a checkpoint path")
-    g("--head-width", type=int, help="channels per attention head when loading --weights (unset: what the file "
-      "says -- files written by clip_model.save carry it -- else 64, as in every OpenAI model)")
+    g("--head-width", type=int, help="channels per head of --weights (unset: the file's, else 64 as in OpenAI's)")
     g("--bpe", help="CLIP's BPE merges file (unset: $CLIP_BPE_PATH, the cache, or a download)")
     g("--output", help="run folder (unset: runs/<protocol>-<datasets>)")
     g = p.add_argument_group("DeAR").add_argument
-    g("--first-layer", type=int, help="J, the first vision and text layer with learnable tokens, 1-based as in "
-      "the paper; auto = the first of the last four layers")
-    g("--beta", type=float, help="weight of each layer's fresh tokens against the previous layer's output "
-      "tokens, in [0, 1]")
+    g("--first-layer", type=int, help="J, the first layer with learnable tokens, 1-based; auto = the first of the "
+      "last four layers")
+    g("--beta", type=float, help="weight of each layer's fresh tokens against the previous layer's, in [0, 1]")
     g("--text-tokens", type=int, help="K, learnable tokens inserted in the text tower")
     g("--lambda-reg", type=float, help="weight of the self-regularisation loss")
     g("--lambda-fusion", type=float, help="weight of the fusion-weight regularisation loss")
-    g("--analysis-pool", help="images of the head analysis: 'train' = the trained dataset's whole training split "
-      "(base2novel: its base classes only; never the few-shot draw), or DATASET:SPLIT of the registry, e.g. "
-      "imagenet:test (ImageNet's validation images, TextSpan's pool)")
-    g("--analysis-images", type=int, help="at most this many images of the pool, spread evenly over its classes "
-      "with a fixed seed")
-    g("--descriptions", type=int, help="TextSpan descriptions per head (unset: what the bank supports, the fewest "
-      "values of an attribute: 16 for the project's bank, 4 for the toy world's; capped with a warning where the "
-      "images or TextSpan's rank cannot support it; a typed value above that is refused)")
+    g("--analysis-pool", help="head-analysis images: 'train' = the trained dataset's training split (base2novel: "
+      "base classes; never the few-shot draw), or DATASET:SPLIT, e.g. imagenet:test (TextSpan's pool)")
+    g("--analysis-images", type=int, help="at most this many pool images, spread evenly over its classes (fixed "
+      "seed)")
+    g("--descriptions", type=int, help="TextSpan descriptions per head (unset: the bank's fewest values of an "
+      "attribute, capped with a warning where the images or TextSpan's rank cannot support it; typed: refused above "
+      "that)")
     g("--analyse-only", action="store_true", help="run the head analysis alone (roles.json, roles.png, masks.png "
       "in --output and the cache), then stop")
     g("--low-bits", type=float, help="attribute heads have concept entropy at most this (unset: a third of "
-      "log2(min(descriptions, concepts)), the most the picks can spread)")
-    g("--high-bits", type=float, help="generalization heads have concept entropy at least this (unset: two thirds "
-      "of it)")
+      "log2(min(descriptions, concepts)))")
+    g("--high-bits", type=float, help="generalization heads have concept entropy at least this (unset: two thirds)")
     g = p.add_argument_group("optimisation").add_argument
     g("--epochs", type=int, help="training epochs, the warm-up epochs included")
     g("--batch-size", type=int, help="images per step (per process under torchrun)")
@@ -163,10 +155,8 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
     g("--log-every", type=int, help="a progress line every N steps")
     g("--resume", action="store_true", help="continue the runs in --output from their last checkpoint")
     g("--eval-only", action="store_true", help="evaluate the finished runs in --output again")
-    g("--max-epochs-per-call", type=int, help="stop after this many epochs in this call (for time-limited jobs); "
-      "--resume continues")
-    p.add_argument_group("toy world").add_argument("--toy-scale", choices=("full", "miniature"), help="size of the "
-                                                  "toy world (miniature is the seconds-long version the tests run)")
+    g("--max-epochs-per-call", type=int, help="stop after this many epochs (time-limited jobs); --resume continues")
+    g("--toy-scale", choices=("full", "miniature"), help="toy world size (miniature: the tests' seconds-long one)")
     for action in p._actions:  # noqa: SLF001 -- argparse keeps no public list of its flags
         if action.help and action.dest != "help":
             action.help += default_help(action.dest, book)
@@ -183,12 +173,12 @@ def default_help(key: str, book: RecipeBook) -> str:
     parts = [shown(book.defaults[key])] if key in book.defaults else []
     if key in book.toy_defaults:
         parts.append(f"toyworld: {shown(book.toy_defaults[key])}")
-    if key in {f.name for f in dataclasses.fields(book.protocol_recipes["base2novel"])}:  # per protocol
+    if key in {f.name for f in fields(book.protocol_recipes["base2novel"])}:  # per protocol, then its exceptions
         per_protocol = []
         for protocols in (("base2novel",), ("fewshot",), ("cross", "dg")):
             usual = getattr(book.protocol_recipes[protocols[0]], key)
             others = [f"{name}: {shown(getattr(r, key))}" for name, r in book.recipes[protocols[0]].items()
-                      if getattr(r, key) != usual]  # then the datasets that differ
+                      if getattr(r, key) != usual]
             exceptions = f" ({', '.join(others)})" if others else ""
             per_protocol.append(f"{', '.join(protocols)} {shown(usual)}{exceptions}")
         parts.append("; ".join(per_protocol) + ", from RECIPES")
@@ -225,6 +215,11 @@ def _default(value, default):
     return default if value is None else value
 
 
+def _unique(values: list) -> list:
+    """Each value once, in order; --roles analyze is the same choice as analyse."""
+    return list(dict.fromkeys("analyse" if v == "analyze" else v for v in values))
+
+
 def dataset_names(typed: List[str], protocol: str, source: Optional[str], book: RecipeBook) -> List[str]:
     names = [data.own_dataset_name(n) if data.is_own_data(n) else data.dataset_key(n) for n in typed]
     if names == ["all"]:  # cross and dg: one training on the source, tested on all fourteen targets
@@ -232,10 +227,6 @@ def dataset_names(typed: List[str], protocol: str, source: Optional[str], book: 
         names = book.paper_datasets if protocol in ("base2novel", "fewshot") else \
             [n for n in book.paper_datasets if n != source] + book.dg_targets
     return list(names)
-
-
-def _role_choices(typed: List[str]) -> List[str]:
-    return list(dict.fromkeys("analyse" if r == "analyze" else r for r in typed))
 
 
 def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str, object]:
@@ -278,11 +269,12 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
                          "in train.py")
     recipe = book.recipes[protocol].get(trained, book.protocol_recipes[protocol])  # own data: the protocol's
     defaults = dict(book.defaults, **book.toy_defaults) if toy else book.defaults
-
-    def flag(key: str):  # typed, else the recipe's, else the default
-        return _default(getattr(args, key), getattr(recipe, key) if hasattr(recipe, key) else defaults.get(key))
-
-    roles = _role_choices(flag("roles"))
+    # Each setting: typed, else the recipe's, else the default (else None: the later code's own rule,
+    # e.g. descriptions -> dear.analysis_picks, head_width -> the file's); fingerprints (SHA-256 of the
+    # weights, BPE and roles files) and role_maps are added by train.open_inputs and train.run.
+    settings = {key: _default(getattr(args, key, None), getattr(recipe, key, defaults.get(key)))
+                for key in SETTING_KEYS}
+    roles = _unique(settings["roles"])
     for choice in roles:
         if choice not in ("analyse", *ROLE_ABLATIONS) and not os.path.isfile(choice):
             raise TrainError(f"--roles {choice}: no such file; give a roles JSON written by the head analysis, "
@@ -290,27 +282,15 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
     if sum(choice not in ROLE_ABLATIONS for choice in roles) > 1:
         raise TrainError(f"--roles {' '.join(roles)}: give at most one of 'analyse' or a roles file (both make the "
                          "DeAR row); add the ablations all-mixed / all-generalization beside it")
-    shots = list(dict.fromkeys(_default(args.shots, book.fewshot_shots if protocol == "fewshot" else [recipe.shots])))
+    shots = _unique(_default(args.shots, book.fewshot_shots if protocol == "fewshot" else [recipe.shots]))
     if protocol != "fewshot" and len(shots) > 1:
         raise TrainError("--shots takes several values only with --protocol fewshot")
-    return dict(  # the order of the keys is the order of settings.json
-        dataset=names, dataset_paths=dict(own), template=args.template, protocol=protocol, source=source,
-        method=list(dict.fromkeys(flag("method"))), roles=roles, fusion=list(dict.fromkeys(flag("fusion"))),
-        seeds=list(dict.fromkeys(flag("seeds"))), shots=shots, root=args.root,
-        weights=None if toy else flag("weights"),  # toy: its own, found by train.open_inputs
-        head_width=args.head_width, bpe=args.bpe, output=output,  # head_width None: the file's (clip_model.save)
-        first_layer=flag("first_layer"), beta=flag("beta"), text_tokens=flag("text_tokens"),
-        lambda_reg=flag("lambda_reg"), lambda_fusion=flag("lambda_fusion"), analysis_pool=flag("analysis_pool"),
-        analysis_images=flag("analysis_images"), descriptions=args.descriptions,  # None: dear.analysis_picks's
-        low_bits=args.low_bits, high_bits=args.high_bits, epochs=flag("epochs"), batch_size=flag("batch_size"),
-        lr=flag("lr"), warmup_epochs=flag("warmup_epochs"), warmup_lr=book.warmup_lr, weight_decay=book.weight_decay,
-        augment=recipe.augment if args.augment is None else args.augment == "on",
-        device=flag("device"), amp=flag("amp"), workers=args.workers,
-        eval_batch_size=flag("eval_batch_size"), log_every=flag("log_every"),
-        max_epochs_per_call=args.max_epochs_per_call, toy_scale=flag("toy_scale"),
-        fingerprints=None,  # SHA-256 of the weights, BPE and roles files: added by train.open_inputs
-        role_maps=None,  # {trained dataset: the analysed map's fingerprint, pool, SHA-256}: added by train.run
-    )
+    settings.update(dataset=names, dataset_paths=dict(own), protocol=protocol, source=source, roles=roles,
+                    shots=shots, output=output, method=_unique(settings["method"]), fusion=_unique(settings["fusion"]),
+                    seeds=_unique(settings["seeds"]), weights=None if toy else settings["weights"],  # toy: its own
+                    warmup_lr=book.warmup_lr, weight_decay=book.weight_decay,
+                    augment=recipe.augment if args.augment is None else args.augment == "on")
+    return settings
 
 
 def register_own_data(dataset_paths: Dict[str, str], output: str) -> None:
@@ -331,12 +311,6 @@ def validate_settings(settings: dict) -> None:
     def is_int(value) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
 
-    def dear_check(key: str, check: Callable, *values):  # dear.py's message, under the flag's name
-        try:
-            check(*values)
-        except dear.DeARError as error:
-            refuse(key, str(error))
-
     # (key, least value, None or "auto" allowed): dear.check_first_layer checks J's top once the model is read
     for key, least, optional in (("epochs", 1, 0), ("batch_size", 1, 0), ("eval_batch_size", 1, 0),
                                  ("log_every", 1, 0), ("analysis_images", 1, 0), ("warmup_epochs", 0, 0),
@@ -348,15 +322,21 @@ def validate_settings(settings: dict) -> None:
         refuse("seeds", f"expected integers from 0 to {MAX_SEED}")
     if not settings["shots"] or not all(is_int(k) and k >= 1 for k in settings["shots"]):
         refuse("shots", "expected positive integers")
-    if not (isinstance(settings["lr"], (int, float)) and math.isfinite(settings["lr"]) and settings["lr"] > 0):
-        refuse("lr", "expected a positive, finite learning rate")  # an inf lr trains on NaN
-    for key in ("lambda_reg", "lambda_fusion"):
-        if not (isinstance(settings[key], (int, float)) and math.isfinite(settings[key]) and settings[key] >= 0):
-            refuse(key, "expected a finite weight >= 0")  # a NaN is not even valid JSON
-    dear_check("beta", dear.check_beta, settings["beta"])
-    dear_check("low_bits", dear.check_thresholds, settings["low_bits"], None)
-    dear_check("high_bits", dear.check_thresholds, None, settings["high_bits"])
-    dear_check("low_bits", dear.check_thresholds, settings["low_bits"], settings["high_bits"])
+    # An inf lr trains on NaN; a NaN weight is not even valid JSON.
+    for key, expected in (("lr", "expected a positive, finite learning rate"), ("lambda_reg", "expected a finite "
+                          "weight >= 0"), ("lambda_fusion", "expected a finite weight >= 0")):
+        value = settings[key]
+        finite = isinstance(value, (int, float)) and math.isfinite(value)
+        if not (finite and (value > 0 if key == "lr" else value >= 0)):
+            refuse(key, expected)
+    for key, check, values in (("beta", dear.check_beta, [settings["beta"]]),  # dear.py's message, under the flag
+                               ("low_bits", dear.check_thresholds, [settings["low_bits"], None]),
+                               ("high_bits", dear.check_thresholds, [None, settings["high_bits"]]),
+                               ("low_bits", dear.check_thresholds, [settings["low_bits"], settings["high_bits"]])):
+        try:
+            check(*values)
+        except dear.DeARError as error:
+            refuse(key, str(error))
     analysis_pool_of(settings["analysis_pool"])  # a malformed pool stops here
     template = settings["template"]
     try:
@@ -392,17 +372,15 @@ def settings_from_run_folder(args: argparse.Namespace, book: RecipeBook) -> Dict
         raise TrainError(f"{path}: a run folder of an earlier train.py ({saved_file.get('format') or 'format 1'}; "
                          f"this one reads {RUN_FORMAT}: one cached head analysis per model, Dassl's warm-up "
                          "recount, renamed fusion rows); finish it with that version, or start a new run")
-    expected_keys = set(settings_from_flags(build_parser(book).parse_args(["--dataset", "dtd"]), book))
-    if not isinstance(saved, dict) or set(saved) != expected_keys or not isinstance(saved["fingerprints"], dict) \
+    if not isinstance(saved, dict) or set(saved) != set(SETTING_KEYS) or not isinstance(saved["fingerprints"], dict) \
             or not isinstance(saved["dataset_paths"], dict):
         raise TrainError(f"{path}: not the settings of this train.py (damaged, or made by another version); "
                          "start a new run with another --output")
     register_own_data(saved["dataset_paths"], args.output)  # your own data, found and checked again
     # The typed flags in the form settings.json stores them (--augment off -> False, ...).
-    unique = lambda v: list(dict.fromkeys(v))  # noqa: E731
     stored_as = {"dataset": lambda v: dataset_names(v, saved["protocol"], saved["source"], book),
-                 "source": data.dataset_key, "augment": lambda v: v == "on", "roles": _role_choices,
-                 "method": unique, "seeds": unique, "shots": unique, "fusion": unique}
+                 "source": data.dataset_key, "augment": lambda v: v == "on", "roles": _unique,
+                 "method": _unique, "seeds": _unique, "shots": _unique, "fusion": _unique}
     for key, value in vars(args).items():
         if value is None or value is False or key in ("resume", "eval_only", "analyse_only"):
             continue  # not typed (a typed 0 or "" is a value)
@@ -684,8 +662,7 @@ def input_fingerprints(settings, weights: str, tokenizer) -> dict:
     return fingerprints
 
 
-def sha256(path: str) -> str:
-    return clip_model._sha256(path)  # noqa: SLF001 -- one file hasher for the project (clip_model's)
+sha256 = clip_model._sha256  # noqa: SLF001 -- one file hasher for the project (clip_model's)
 
 
 def analysis_fingerprint(settings, clip, items: list, bank: list, attributes: list, picks: int, rank: int) -> str:
@@ -730,15 +707,11 @@ def analysis_cache(fingerprint: str, pool: str, analyse: Callable[[str], None], 
     return entry  # its roles.json exists: complete
 
 
-def role_copy(settings, dataset: str) -> str:
-    """The run folder's copy of a trained dataset's analysed role map."""
-    return os.path.join(settings["output"], dataset, "roles", "roles.json")
-
-
-def checked_role_copy(settings, dataset: str) -> str:
-    """--resume / --eval-only read the run folder's copy, never the cache: checked by SHA-256."""
-    record, path = (settings["role_maps"] or {}).get(dataset), role_copy(settings, dataset)
-    if record is None or not os.path.isfile(path) or sha256(path) != record["sha256"]:
+def role_copy(settings, dataset: str, checked: bool = False) -> str:
+    """The run folder's copy of a trained dataset's analysed role map; `checked`: the one
+    --resume / --eval-only read (never the cache's), refused unless its SHA-256 is the run's."""
+    path, records = os.path.join(settings["output"], dataset, "roles", "roles.json"), settings["role_maps"] or {}
+    if checked and (dataset not in records or not os.path.isfile(path) or sha256(path) != records[dataset]["sha256"]):
         raise TrainError(f"{path}: missing or not the role map this run was made with; the run folder is "
                          "damaged, start a new run with another --output")
     return path
@@ -870,9 +843,10 @@ def check_run_folder(settings, jobs: List[Job], stack: contextlib.ExitStack) -> 
             try:
                 with open(path, encoding="utf-8") as f:
                     result = json.load(f)
-                well_shaped(isinstance(result, dict) and isinstance(result.get("metrics"), dict)
-                            and all(isinstance(v, float) for v in result["metrics"].values())
-                            and isinstance(result.get("job"), dict) and isinstance(result.get("settings"), dict))
+                if not (isinstance(result, dict) and isinstance(result.get("metrics"), dict)
+                        and all(isinstance(v, float) for v in result["metrics"].values())
+                        and isinstance(result.get("job"), dict) and isinstance(result.get("settings"), dict)):
+                    raise ValueError("wrong shape")  # parses, but not what train.py writes
             except (OSError, ValueError, RecursionError) as error:
                 raise TrainError(f"{path}: unreadable results ({type(error).__name__}); delete it and "
                                  "--resume evaluates that run again") from None
@@ -900,13 +874,6 @@ def start_run_folder(settings, clip, world: int, stack: contextlib.ExitStack) ->
         command="python train.py " + " ".join(sys.argv[1:]), world_size=world))
 
 
-def well_shaped(condition: bool) -> None:
-    """A run file that parses but does not hold what train.py writes is refused: an explicit
-    check, where `assert` would vanish under `python -O` and let it through to a traceback."""
-    if not condition:
-        raise ValueError("wrong shape")
-
-
 def load_checkpoint(path: str, expected: dict) -> Optional[dict]:
     """The checkpoint at `path` (None if there is none), refused unless it is ours and was made
     with the `expected` settings."""
@@ -914,9 +881,10 @@ def load_checkpoint(path: str, expected: dict) -> Optional[dict]:
         return None
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data, no code
-        well_shaped(isinstance(checkpoint, dict) and checkpoint.get("format") == CHECKPOINT_FORMAT
-                    and isinstance(checkpoint.get("epoch"), int) and isinstance(checkpoint.get("settings"), dict)
-                    and all(isinstance(checkpoint.get(key), dict) for key in ("learnable", "optimizer", "scaler")))
+        if not (isinstance(checkpoint, dict) and checkpoint.get("format") == CHECKPOINT_FORMAT
+                and isinstance(checkpoint.get("epoch"), int) and isinstance(checkpoint.get("settings"), dict)
+                and all(isinstance(checkpoint.get(key), dict) for key in ("learnable", "optimizer", "scaler"))):
+            raise ValueError("wrong shape")  # not `assert`, which vanishes under python -O
     except Exception as error:  # noqa: BLE001 -- any unreadable file gets the same advice
         raise TrainError(f"{path}: unreadable checkpoint ({type(error).__name__}); delete it to restart "
                          "that run from scratch") from None
@@ -1010,9 +978,14 @@ def spread(values: List[float]) -> float:
     return math.sqrt(sum((v - mean(values)) ** 2 for v in values) / (len(values) - 1))
 
 
+def md_table(corner: str, columns: List[str], rows: Dict[str, List[str]]) -> List[str]:
+    """A markdown table's lines: the header, then one line per row (numbers right-aligned)."""
+    return ["| " + " | ".join([corner, *columns]) + " |", "|---|" + "---:|" * len(columns)] + \
+        ["| " + " | ".join([name, *cells]) + " |" for name, cells in rows.items()]
+
+
 def job_table(label: str, metrics: dict) -> str:
-    return "\n".join(["| " + " | ".join(["run"] + list(metrics)) + " |", "|" + "---|" * (len(metrics) + 1),
-                      "| " + " | ".join([label] + [f"{v:.2f}" for v in metrics.values()]) + " |"]) + "\n"
+    return "\n".join(md_table("run", list(metrics), {label: [f"{v:.2f}" for v in metrics.values()]})) + "\n"
 
 
 def summarise(settings, results: List[dict]) -> dict:
@@ -1036,31 +1009,20 @@ def summarise(settings, results: List[dict]) -> dict:
         res = next(res for res in results if res["job"]["row"] == spec[row][0])
         logits[row] = res.get("logits_by_fusion", {}).get(spec[row][1], res.get("logits", {}))
     tables: Dict[str, dict] = {}
-    average = f"Average over {len(datasets)} datasets"
-    if protocol == "base2novel":
-        per = {d: {row: [cell(d, row, "base"), cell(d, row, "novel")] for row in rows} for d in datasets}
-        for d in datasets:
-            for row in rows:
-                per[d][row].append(harmonic_mean(*per[d][row]))
-        if len(datasets) > 1:
-            means = {row: [mean([per[d][row][i] for d in datasets]) for i in (0, 1)] for row in rows}
-            tables[average] = dict(columns=["Base", "Novel", "HM"],
-                                   rows={row: [*m, harmonic_mean(*m)] for row, m in means.items()})
-        for d in datasets:  # the spread over seeds of base, novel and each seed's own HM
-            spreads = {row: [spread(seed_values(d, row, "base")), spread(seed_values(d, row, "novel")),
-                             spread([harmonic_mean(b, n) for b, n in zip(seed_values(d, row, "base"),
-                                                                           seed_values(d, row, "novel"))])]
-                       for row in rows}
-            tables[d] = dict(columns=["Base", "Novel", "HM"], rows=per[d], spread=spreads)
-    elif protocol == "fewshot":
-        shots = settings["shots"]
-        per = {d: {row: [cell(d, row, "all", k) for k in shots] for row in rows} for d in datasets}
-        columns = [f"{k} shot{'s' if k > 1 else ''}" for k in shots]
-        if len(datasets) > 1:
-            tables[average] = dict(columns=columns, rows={row: [mean([per[d][row][i] for d in datasets])
-                                                                for i in range(len(shots))] for row in rows})
-        for d in datasets:
-            tables[d] = dict(columns=columns, rows=per[d])
+    if protocol in ("base2novel", "fewshot"):  # a table per dataset, after their average's
+        b2n = protocol == "base2novel"
+        metrics = [("base", None), ("novel", None)] if b2n else [("all", k) for k in settings["shots"]]
+        columns = ["Base", "Novel", "HM"] if b2n else [f"{k} shot{'s' if k > 1 else ''}" for _, k in metrics]
+        per = {d: {row: [cell(d, row, m, k) for m, k in metrics] for row in rows} for d in datasets}
+        if len(datasets) > 1:  # base2novel: its HM below is of the average base and novel
+            per = {f"Average over {len(datasets)} datasets": {
+                row: [mean([per[d][row][i] for d in datasets]) for i in range(len(metrics))] for row in rows}, **per}
+        for name, values in per.items():
+            tables[name] = dict(columns=columns, rows={row: v + [harmonic_mean(*v)] if b2n else v
+                                                       for row, v in values.items()})
+            if b2n and name in datasets:  # the spread over seeds of base, novel and each seed's own HM
+                tables[name]["spread"] = {row: seed_spreads(seed_values(name, row, "base"),
+                                                            seed_values(name, row, "novel")) for row in rows}
     else:  # cross and dg: one training on the source; other datasets and ImageNet's variants get a table each
         source = settings["source"]
         for title, dg in (("Cross-dataset evaluation", False), ("Domain generalization", True)):
@@ -1079,6 +1041,10 @@ def summarise(settings, results: List[dict]) -> dict:
     return dict(protocol=protocol, seeds=settings["seeds"], rows=rows, tables=tables, logits=logits)
 
 
+def seed_spreads(base: List[float], novel: List[float]) -> List[float]:
+    return [spread(base), spread(novel), spread([harmonic_mean(b, n) for b, n in zip(base, novel)])]
+
+
 def markdown(summary: dict, settings) -> str:
     titles = dict(base2novel="Base-to-novel generalization", fewshot="Few-shot classification")  # cross, dg:
     title = titles.get(settings["protocol"], "Cross-dataset evaluation and domain generalization")
@@ -1089,13 +1055,11 @@ def markdown(summary: dict, settings) -> str:
              "Zero-shot CLIP does not train: one run serves every seed. ± = standard deviation over seeds; "
              "- = no number (the linear probe has no classifier for unseen classes).", ""]
     for name, table in summary["tables"].items():
-        lines += [f"## {name}", "", "| Method | " + " | ".join(table["columns"]) + " |",
-                  "|---|" + "---:|" * len(table["columns"])]
-        for row, values in table["rows"].items():
-            spreads = table.get("spread", {}).get(row, [None] * len(values))
-            lines.append(f"| {row_label(row)} | " + " | ".join("-" if v is None else f"{v:.2f}" + (
-                f" ± {d:.2f}" if d else "") for v, d in zip(values, spreads)) + " |")  # ± only where seeds differ
-        lines.append("")
+        spreads = table.get("spread", {})  # ± only where seeds differ
+        cells = {row_label(row): ["-" if v is None else f"{v:.2f}" + (f" ± {d:.2f}" if d else "")
+                                  for v, d in zip(values, spreads.get(row, [None] * len(values)))]
+                 for row, values in table["rows"].items()}
+        lines += [f"## {name}", "", *md_table("Method", table["columns"], cells), ""]
     names = {"fused": "fused", "class": "class branch alone", "clip": "CLIP"}
     lines.append("Logits per test set (fused = DeAR's fusion with the weights learned on the training classes; "
                  "class branch alone = MMRL's rule for classes not trained):")
@@ -1119,15 +1083,11 @@ def retrieval_summary(results: List[dict], attributes: List[str], k: int):
         summary[row] = {name: {a: "blind" if "blind" in seeds(name, a) else
                                [100 * mean(seeds(name, a)), 100 * spread(seeds(name, a))]
                                for a in attributes} for name in tables[0]}
-        lines += [f"## {row_label(row)}: precision@{k} (%) of same-value retrieval, "
-                  f"mean ± sd over {len(tables)} seeds", "",
-                  "| ranked by | " + " | ".join(f"same {a}" for a in attributes) + " |",
-                  "|---|" + "---:|" * len(attributes)]
-        for name, cells in summary[row].items():
-            label = {"class": "class feature", "frozen CLIP": "frozen CLIP"}.get(name, f"{name} token")
-            lines.append(f"| {label} | " + " | ".join(
-                "blind" if v == "blind" else f"{v[0]:.1f} ± {v[1]:.1f}" for v in cells.values()) + " |")
-        lines.append("")
+        cells = {{"class": "class feature", "frozen CLIP": "frozen CLIP"}.get(name, f"{name} token"):
+                 ["blind" if v == "blind" else f"{v[0]:.1f} ± {v[1]:.1f}" for v in values.values()]
+                 for name, values in summary[row].items()}
+        lines += [f"## {row_label(row)}: precision@{k} (%) of same-value retrieval, mean ± sd over {len(tables)} "
+                  "seeds", "", *md_table("ranked by", [f"same {a}" for a in attributes], cells), ""]
     text = ("# Attribute-conditioned retrieval\n\nGallery: the test split; each test image queries the others "
             "by one feature (cosine); a hit is a neighbour with the query's value. Chance = the value's share "
             "of the test images. A blind token cannot read the image and ranks nothing.\n\n" + "\n".join(lines))
@@ -1160,20 +1120,14 @@ ATTRIBUTE_COLOURS = [(214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 1
 GENERALIZATION_COLOUR, MIXED_COLOUR = (52, 78, 120), (200, 200, 200)
 
 
-def _role_colour(entry: dear.HeadRole, attributes: List[str]):
-    if entry.role == "attribute":
-        return ATTRIBUTE_COLOURS[list(attributes).index(entry.attribute) % len(ATTRIBUTE_COLOURS)]
-    return GENERALIZATION_COLOUR if entry.role == "generalization" else MIXED_COLOUR
-
-
 def draw_heatmap(role_map: dear.RoleMap, path: str) -> None:
     """layers (rows, 1-based) x heads (columns); each cell coloured by role, with the head's
     concept entropy written in it, and a legend."""
     from PIL import Image, ImageDraw
 
     cell_w, cell_h, left, top, layers, H = 58, 34, 96, 40, role_map.layers, role_map.num_heads  # pixels
-    legend = [(f"attribute: {a}", ATTRIBUTE_COLOURS[i % len(ATTRIBUTE_COLOURS)]) for i, a in
-              enumerate(role_map.attributes)] + [("generalization", GENERALIZATION_COLOUR), ("mixed", MIXED_COLOUR)]
+    legend = {f"attribute: {a}": ATTRIBUTE_COLOURS[i % len(ATTRIBUTE_COLOURS)] for i, a in
+              enumerate(role_map.attributes)} | {"generalization": GENERALIZATION_COLOUR, "mixed": MIXED_COLOUR}
     height = top + len(layers) * cell_h + 30 + 18 * ((len(legend) + 2) // 3)  # the legend: three per line
     image = Image.new("RGB", (max(left + H * cell_w + 10, 560), height), "white")  # 560: the title's width
     draw = ImageDraw.Draw(image)
@@ -1185,12 +1139,13 @@ def draw_heatmap(role_map: dear.RoleMap, path: str) -> None:
         draw.text((8, y + cell_h // 2 - 6), f"layer {layer + 1}", fill="black")
         for head in range(H):
             entry = role_map.role_of(layer, head)
-            colour, x = _role_colour(entry, role_map.attributes), left + head * cell_w
+            colour = legend[f"attribute: {entry.attribute}" if entry.role == "attribute" else entry.role]
+            x = left + head * cell_w
             draw.rectangle([x, y, x + cell_w - 2, y + cell_h - 2], fill=colour)
             draw.text((x + 6, y + cell_h // 2 - 6), "" if entry.entropy is None else f"{entry.entropy:.2f}",
                       fill="black" if sum(colour) > 450 else "white")
     y = top + len(layers) * cell_h + 12
-    for i, (name, colour) in enumerate(legend):
+    for i, (name, colour) in enumerate(legend.items()):
         x, yy = 8 + (i % 3) * 180, y + (i // 3) * 18
         draw.rectangle([x, yy, x + 12, yy + 12], fill=colour)
         draw.text((x + 18, yy), name, fill="black")

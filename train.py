@@ -344,7 +344,7 @@ def analysed_role_maps(settings, inputs: Inputs, runtime: runs.Runtime):
     maps, records = {}, {}
     for dataset in runs.trained_datasets(settings) if analysing(settings) else []:
         if settings["resume"] or settings["eval_only"]:
-            path = runs.checked_role_copy(settings, dataset)
+            path = runs.role_copy(settings, dataset, checked=True)
             record = settings["role_maps"][dataset]
         else:
             items, pool = analysis_pool(settings, dataset)
