@@ -830,32 +830,16 @@ def lock_run_folder(output: str, stack: contextlib.ExitStack) -> None:
 
 def check_run_folder(settings, jobs: List[Job], stack: contextlib.ExitStack) -> None:
     """Before any work: a fresh run's --output is usable; a resumed one is locked, cleaned, and
-    every results.json and checkpoint in it was made with this run's settings (a folder mixing
-    two runs, from files copied in or two writers, is refused rather than summarised)."""
+    every results.json and checkpoint in it was made with this run's settings."""
     if not (settings["resume"] or settings["eval_only"]):
         return check_output_folder(settings["output"])  # a fresh run: its folder is made later, whole
     if int(os.environ.get("RANK", "0")) != 0:
         return
     lock_run_folder(settings["output"], stack)
     for job in jobs:
-        path = os.path.join(job.folder, "results.json")
-        if os.path.isfile(path):
-            try:
-                with open(path, encoding="utf-8") as f:
-                    result = json.load(f)
-                if not (isinstance(result, dict) and isinstance(result.get("metrics"), dict)
-                        and all(isinstance(v, float) for v in result["metrics"].values())
-                        and isinstance(result.get("job"), dict) and isinstance(result.get("settings"), dict)):
-                    raise ValueError("wrong shape")  # parses, but not what train.py writes
-            except (OSError, ValueError, RecursionError) as error:
-                raise TrainError(f"{path}: unreadable results ({type(error).__name__}); delete it and "
-                                 "--resume evaluates that run again") from None
-            if result["settings"] != job_settings(settings, job):
-                raise TrainError(f"{path}: made with other settings than this run's "
-                                 f"({differences(result['settings'], job_settings(settings, job))}): the folder "
-                                 "mixes two runs; start again with another --output")
-        elif job.row != "zeroshot":
-            load_checkpoint(os.path.join(job.folder, "checkpoint.pt"), job_settings(settings, job))
+        if load_run_file(os.path.join(job.folder, "results.json"), job_settings(settings, job)) is None \
+                and job.row != "zeroshot":
+            load_run_file(os.path.join(job.folder, "checkpoint.pt"), job_settings(settings, job))
 
 
 def start_run_folder(settings, clip, world: int, stack: contextlib.ExitStack) -> None:
@@ -874,24 +858,35 @@ def start_run_folder(settings, clip, world: int, stack: contextlib.ExitStack) ->
         command="python train.py " + " ".join(sys.argv[1:]), world_size=world))
 
 
-def load_checkpoint(path: str, expected: dict) -> Optional[dict]:
-    """The checkpoint at `path` (None if there is none), refused unless it is ours and was made
-    with the `expected` settings."""
+def load_run_file(path: str, expected: dict) -> Optional[dict]:
+    """A run's results.json or checkpoint.pt (None if there is none), refused unless it holds what
+    train.py writes and was made with the `expected` settings: a folder mixing two runs (files
+    copied in, two writers) is refused rather than summarised or continued."""
     if not os.path.isfile(path):
         return None
+    results = path.endswith(".json")
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data, no code
-        if not (isinstance(checkpoint, dict) and checkpoint.get("format") == CHECKPOINT_FORMAT
-                and isinstance(checkpoint.get("epoch"), int) and isinstance(checkpoint.get("settings"), dict)
-                and all(isinstance(checkpoint.get(key), dict) for key in ("learnable", "optimizer", "scaler"))):
+        if results:
+            with open(path, encoding="utf-8") as f:
+                found = json.load(f)
+            shaped = isinstance(found, dict) and isinstance(found.get("metrics"), dict) \
+                and all(isinstance(v, float) for v in found["metrics"].values()) and isinstance(found.get("job"), dict)
+        else:
+            found = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data, no code
+            shaped = isinstance(found, dict) and found.get("format") == CHECKPOINT_FORMAT \
+                and isinstance(found.get("epoch"), int) \
+                and all(isinstance(found.get(key), dict) for key in ("learnable", "optimizer", "scaler"))
+        if not (shaped and isinstance(found.get("settings"), dict)):
             raise ValueError("wrong shape")  # not `assert`, which vanishes under python -O
     except Exception as error:  # noqa: BLE001 -- any unreadable file gets the same advice
-        raise TrainError(f"{path}: unreadable checkpoint ({type(error).__name__}); delete it to restart "
-                         "that run from scratch") from None
-    if checkpoint["settings"] != expected:
-        raise TrainError(f"{path}: made with other settings than this run's "
-                         f"({differences(checkpoint['settings'], expected)}); use another --output")
-    return checkpoint
+        advice = "delete it and --resume evaluates that run again" if results else \
+            "delete it to restart that run from scratch"
+        raise TrainError(f"{path}: unreadable {'results' if results else 'checkpoint'} ({type(error).__name__}); "
+                         f"{advice}") from None
+    if found["settings"] != expected:
+        raise TrainError(f"{path}: made with other settings than this run's ({differences(found['settings'], expected)}"
+                         "): the folder mixes two runs; start again with another --output")
+    return found
 
 
 def save_checkpoint(path: str, settings: dict, epoch: int, model, optimizer, scaler) -> None:

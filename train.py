@@ -400,7 +400,7 @@ def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap, s
     optimizer = torch.optim.AdamW(model.learnable_parameters(), lr=settings["lr"],
                                   weight_decay=settings["weight_decay"])  # the tokens and fusion weights alone
     scaler = runs.grad_scaler(enabled=runtime.amp_dtype == torch.float16)  # fp16 only; bf16 needs no scaling
-    checkpoint = runs.load_checkpoint(checkpoint_path, expected) if settings["resume"] else None
+    checkpoint = runs.load_run_file(checkpoint_path, expected) if settings["resume"] else None
     start_epoch = 0 if checkpoint is None else checkpoint["epoch"]
     if checkpoint is not None:  # continue after the last finished epoch, with the optimizer's moments
         model.load_learnable_state_dict(checkpoint["learnable"])
@@ -594,7 +594,7 @@ def run_job(job: runs.Job, settings, inputs: Inputs, role_maps: dict, lists: Run
         result = dict(job=dataclasses.asdict(job), metrics=metrics, settings=expected)
     else:
         if job.row != "zeroshot" and settings["eval_only"]:
-            checkpoint = runs.load_checkpoint(os.path.join(job.folder, "checkpoint.pt"), expected)
+            checkpoint = runs.load_run_file(os.path.join(job.folder, "checkpoint.pt"), expected)
             if checkpoint is None or checkpoint["epoch"] < settings["epochs"]:
                 raise TrainError(f"{job.folder}: no finished checkpoint to evaluate; finish it with --resume")
             model = build_dear(settings, inputs, role_maps[job.dataset, job.roles]).to(runtime.device)
