@@ -637,11 +637,9 @@ def check_model_fit(settings, clip, attributes: List[str]) -> None:
 
 
 def input_fingerprints(settings, weights: str, tokenizer) -> dict:
-    """SHA-256 of every input that decides the result but is named as a place (--weights, --bpe,
-    a --roles file): another file at the same place, or the same file elsewhere, is told apart
-    by its content. A named model is its published file, whose SHA-256 clip_model checks on
-    every load (the last part of its URL's path). --resume / --eval-only: checked against the
-    saved ones (the files may have moved, not changed)."""
+    """SHA-256 of each input that decides the result but is named by a place (--weights, --bpe, a
+    --roles file); a named model's is its published one (in its URL; clip_model checks it on load).
+    --resume / --eval-only: each must be the saved one (the files may have moved, not changed)."""
     role_file = role_file_of(settings)
     if role_file is not None and not os.path.isfile(role_file):  # resumed after the file was moved
         raise TrainError(f"--roles {role_file}: no such file; put it back (the run folder keeps a copy, "
@@ -649,16 +647,14 @@ def input_fingerprints(settings, weights: str, tokenizer) -> dict:
     named = clip_model._MODELS.get(weights)  # noqa: SLF001 -- the published checksums
     fingerprints = dict(weights=named.split("/")[-2] if named else sha256(weights), bpe=sha256(tokenizer.bpe_path),
                         roles_file=sha256(role_file) if role_file else None)
-    if settings["resume"] or settings["eval_only"]:
-        for key, flag in (("weights", f"--weights {weights}"), ("bpe", f"--bpe {tokenizer.bpe_path}"),
-                          ("roles_file", f"--roles {role_file}")):
-            now, then = fingerprints[key], settings["fingerprints"].get(key)
-            if now != then:
-                copy = os.path.join(settings["output"], "roles_file.json")
-                kept = f" (a copy is {copy})" if key == "roles_file" else ""
-                raise TrainError(f"{flag}: not the file this run was made with (SHA-256 {str(now)[:12]}... now, "
-                                 f"{str(then)[:12]}... then); resume with the original file{kept}, or start a "
-                                 "new run with another --output")
+    for key, flag in (("weights", f"--weights {weights}"), ("bpe", f"--bpe {tokenizer.bpe_path}"),
+                      ("roles_file", f"--roles {role_file}")):
+        now, then = fingerprints[key], (settings["fingerprints"] or {}).get(key)
+        if (settings["resume"] or settings["eval_only"]) and now != then:
+            kept = f" (a copy is {os.path.join(settings['output'], 'roles_file.json')})" if key == "roles_file" else ""
+            raise TrainError(f"{flag}: not the file this run was made with (SHA-256 {str(now)[:12]}... now, "
+                             f"{str(then)[:12]}... then); resume with the original file{kept}, or start a "
+                             "new run with another --output")
     return fingerprints
 
 
@@ -666,10 +662,9 @@ sha256 = clip_model._sha256  # noqa: SLF001 -- one file hasher for the project (
 
 
 def analysis_fingerprint(settings, clip, items: list, bank: list, attributes: list, picks: int, rank: int) -> str:
-    """SHA-256 of everything a role map depends on: the weights' and BPE file's SHA-256, the pool
-    as its images (path under --root) and their sizes (not their bytes: that would read every
-    image), the bank, the analysis settings, and the source of dear.py and clip_model.py (a
-    changed TextSpan or head decomposition must not reuse an old map)."""
+    """SHA-256 of all a role map depends on: the weights' and BPE's SHA-256, the pool's images (path
+    under --root and size: their bytes would mean reading every image), the bank, the analysis
+    settings, and the source of dear.py and clip_model.py (changed code must not reuse a map)."""
     depth = len(clip.visual.transformer.resblocks)  # vision layers
     key = dict(
         weights=settings["fingerprints"]["weights"], bpe=settings["fingerprints"]["bpe"],
@@ -682,9 +677,8 @@ def analysis_fingerprint(settings, clip, items: list, bank: list, attributes: li
 
 
 def analysis_cache(fingerprint: str, pool: str, analyse: Callable[[str], None], runtime: Runtime) -> str:
-    """The cache folder of one head analysis (<cache>/head-analysis/<fingerprint>/): made by
-    analyse(folder) if missing, into a temporary folder renamed whole, under a lock that makes
-    a second process wait and then reuse it. -> the folder."""
+    """-> <cache>/head-analysis/<fingerprint>/, made if missing by analyse(folder) into a temporary
+    folder renamed whole, under a lock: a second process waits, then reuses it."""
     root = os.path.join(clip_model.default_cache_dir(), "head-analysis")
     entry = os.path.join(root, fingerprint[:16])  # 64 bits of the SHA-256 name the folder
     if runtime.main:
@@ -748,10 +742,9 @@ def write_json(path: str, value) -> None:
 
 
 def unwritable_reason(path: str) -> Optional[str]:
-    """None if files can be made in `path`, or in the nearest existing folder above it (the one
-    a later makedirs would write into); else the reason, as a short phrase. Tried by writing a
-    probe file: os.access is not enough (root, read-only mounts). Used by --output's check, the
-    head-analysis cache and `python -m toyworld`'s path checks."""
+    """None if files can be made in `path` (or the nearest existing folder above it, where a later
+    makedirs writes), else the reason in a short phrase. Tried by writing a probe file: os.access
+    is not enough (root, read-only mounts)."""
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)  # up to the folder a makedirs would start from
@@ -768,10 +761,9 @@ def unwritable_reason(path: str) -> Optional[str]:
 
 @contextlib.contextmanager
 def waiting_lock(path: str, waiting_message: str, log: Callable[[str], None] = print):
-    """An exclusive lock on the file `path` for a `with` block, around a cache entry that is
-    checked and then written: a second process logs `waiting_message` once and blocks until the
-    first leaves, then finds the entry made. The OS drops the lock however its holder ends. No
-    lock where fcntl is missing (Windows). The head-analysis cache and the toy world's use it."""
+    """An exclusive lock on the file `path` around a cache entry checked, then written: a second
+    process logs `waiting_message` once and blocks until the first leaves, then finds the entry
+    made. The OS drops it however its holder ends; no lock where fcntl is missing (Windows)."""
     try:
         import fcntl
     except ImportError:
@@ -1092,17 +1084,14 @@ def retrieval_summary(results: List[dict], attributes: List[str], k: int):
 def write_summaries(settings, results: List[dict], attributes: List[str], k: int, runtime: Runtime) -> None:
     """summary.json / .md (and, where a run measured retrieval, retrieval.json / .md), printed too."""
     summary = summarise(settings, results)
-    text = markdown(summary, settings)
-    if runtime.main:
-        write_json(os.path.join(settings["output"], "summary.json"), summary)
-        write_text(os.path.join(settings["output"], "summary.md"), text)
-    runtime.log("\n" + text)
+    files = dict(summary=(summary, markdown(summary, settings)))
     if any(res.get("retrieval") for res in results):  # the toy world: attribute-conditioned retrieval
-        retrieval, text = retrieval_summary(results, attributes, k)
+        files["retrieval"] = retrieval_summary(results, attributes, k)
+    for name, (value, text) in files.items():
         if runtime.main:
-            write_json(os.path.join(settings["output"], "retrieval.json"), retrieval)
-            write_text(os.path.join(settings["output"], "retrieval.md"), text)
-        runtime.log(text)
+            write_json(os.path.join(settings["output"], f"{name}.json"), value)
+            write_text(os.path.join(settings["output"], f"{name}.md"), text)
+        runtime.log("\n" + text)
 
 
 # ------------------------------------------------------------------------------------------
@@ -1153,7 +1142,8 @@ def draw_role_masks(masks: torch.Tensor, num_image_tokens: int, attributes: List
     per layer (1-based). White = may attend, black = may not."""
     from PIL import Image, ImageDraw
 
-    layers, H, A, N = masks.shape[0], masks.shape[1], len(attributes), num_image_tokens
+    layers, H, A = masks.shape[0], masks.shape[1], len(attributes)
+    kept = [0, *range(num_image_tokens, masks.shape[-1])]  # the image tokens folded into the CLS row and column
     cell, left, top, gap, grid = 9, 80, 62, 10, (1 + A) * 9  # pixels; a head's grid: CLS + A tokens square
     width = max(left + H * (grid + gap), 470)  # wide enough for the two title lines
     image = Image.new("RGB", (width, top + layers * (grid + gap) + 20), "white")
@@ -1167,8 +1157,7 @@ def draw_role_masks(masks: torch.Tensor, num_image_tokens: int, attributes: List
         y0 = top + li * (grid + gap)
         draw.text((6, y0 + grid // 2 - 6), f"layer {first_layer + li}", fill="black")
         for head in range(H):
-            m = masks[li, head]  # the image tokens folded into the CLS row and column
-            folded = torch.cat([torch.cat([m[:1, :1], m[:1, N:]], 1), torch.cat([m[N:, :1], m[N:, N:]], 1)], 0)
+            folded = masks[li, head][kept][:, kept]  # (1 + A, 1 + A)
             x0 = left + head * (grid + gap)
             for r in range(1 + A):
                 for c in range(1 + A):
