@@ -123,23 +123,20 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
     g("--bpe", help="CLIP's BPE merges file (unset: $CLIP_BPE_PATH, the cache, or a download)")
     g("--output", help="run folder (unset: runs/<protocol>-<datasets>)")
     g = p.add_argument_group("DeAR").add_argument
-    g("--first-layer", type=int, help="J, the first layer with learnable tokens, 1-based; auto = the first of the "
-      "last four layers")
+    g("--first-layer", type=int, help="J, the first layer with learnable tokens (1-based; auto: first of last four)")
     g("--beta", type=float, help="weight of each layer's fresh tokens against the previous layer's, in [0, 1]")
     g("--text-tokens", type=int, help="K, learnable tokens inserted in the text tower")
     g("--lambda-reg", type=float, help="weight of the self-regularisation loss")
     g("--lambda-fusion", type=float, help="weight of the fusion-weight regularisation loss")
     g("--analysis-pool", help="head-analysis images: 'train' = the trained dataset's training split (base2novel: "
       "base classes; never the few-shot draw), or DATASET:SPLIT, e.g. imagenet:test (TextSpan's pool)")
-    g("--analysis-images", type=int, help="at most this many pool images, spread evenly over its classes (fixed "
-      "seed)")
+    g("--analysis-images", type=int, help="at most this many pool images, spread evenly over its classes (fixed seed)")
     g("--descriptions", type=int, help="TextSpan descriptions per head (unset: the bank's fewest values of an "
-      "attribute, capped with a warning where the images or TextSpan's rank cannot support it; typed: refused above "
-      "that)")
+      "attribute, capped with a warning where the images or TextSpan's rank fall short; typed: refused above that)")
     g("--analyse-only", action="store_true", help="run the head analysis alone (roles.json, roles.png, masks.png "
       "in --output and the cache), then stop")
     g("--low-bits", type=float, help="attribute heads have concept entropy at most this (unset: a third of "
-      "log2(min(descriptions, concepts)))")
+      "log2(min(descriptions, concepts)), the most the picks can spread)")
     g("--high-bits", type=float, help="generalization heads have concept entropy at least this (unset: two thirds)")
     g = p.add_argument_group("optimisation").add_argument
     g("--epochs", type=int, help="training epochs, the warm-up epochs included")
@@ -436,7 +433,7 @@ class Runtime:
 
 
 def pick_device(name: str) -> torch.device:
-    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()  # old torch: none
+    mps = torch.backends.mps.is_available()
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
     try:
@@ -841,8 +838,8 @@ def start_run_folder(settings, clip, world: int, stack: contextlib.ExitStack) ->
     lock_run_folder(settings["output"], stack)
     check_output_folder(settings["output"])
     if role_file_of(settings) is not None:  # the run keeps the roles it used
-        with open(role_file_of(settings), encoding="utf-8") as f:
-            write_text(os.path.join(settings["output"], "roles_file.json"), f.read())
+        clip_model.atomic_write(os.path.join(settings["output"], "roles_file.json"),
+                                lambda tmp: shutil.copyfile(role_file_of(settings), tmp))
     copy_role_maps(settings, clip, settings["role_maps"] or {})  # --resume / --eval-only read these
     saved = {k: v for k, v in settings.items() if k not in ("resume", "eval_only", "analyse_only")}
     write_json(os.path.join(settings["output"], "settings.json"), dict(
@@ -1008,8 +1005,9 @@ def summarise(settings, results: List[dict]) -> dict:
             tables[name] = dict(columns=columns, rows={row: v + [harmonic_mean(*v)] if b2n else v
                                                        for row, v in values.items()})
             if b2n and name in datasets:  # the spread over seeds of base, novel and each seed's own HM
-                tables[name]["spread"] = {row: seed_spreads(seed_values(name, row, "base"),
-                                                            seed_values(name, row, "novel")) for row in rows}
+                seeds = {row: (seed_values(name, row, "base"), seed_values(name, row, "novel")) for row in rows}
+                tables[name]["spread"] = {row: [spread(b), spread(n), spread(list(map(harmonic_mean, b, n)))]
+                                          for row, (b, n) in seeds.items()}
     else:  # cross and dg: one training on the source; other datasets and ImageNet's variants get a table each
         source = settings["source"]
         for title, dg in (("Cross-dataset evaluation", False), ("Domain generalization", True)):
@@ -1026,10 +1024,6 @@ def summarise(settings, results: List[dict]) -> dict:
             table[key] = {row: [None if math.isnan(v) else round(v, 2) for v in vals]
                           for row, vals in table[key].items()}
     return dict(protocol=protocol, seeds=settings["seeds"], rows=rows, tables=tables, logits=logits)
-
-
-def seed_spreads(base: List[float], novel: List[float]) -> List[float]:
-    return [spread(base), spread(novel), spread([harmonic_mean(b, n) for b, n in zip(base, novel)])]
 
 
 def markdown(summary: dict, settings) -> str:
@@ -1197,13 +1191,12 @@ def one_line_errors(call: Callable[[], int]) -> int:
     try:
         return call()
     except (TrainError, data.DatasetError, dear.DeARError, clip_model.CLIPError) as error:
-        print(f"train.py: error: {error}", file=sys.stderr)
-        return 2
+        message = str(error)
     except OSError as error:  # a full disk, a folder made read-only mid-run: one line too
         where = f"{error.filename}: " if error.filename else ""
-        print(f"train.py: error: {where}{error.strerror or error}; fix it, then continue with --resume",
-              file=sys.stderr)
-        return 2
+        message = f"{where}{error.strerror or error}; fix it, then continue with --resume"
     except KeyboardInterrupt:
         print("train.py: interrupted; the last finished epoch is saved: continue with --resume", file=sys.stderr)
         return 130
+    print(f"train.py: error: {message}", file=sys.stderr)
+    return 2
