@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import hashlib
 import inspect
 import json
@@ -217,6 +218,16 @@ def _unique(values: list) -> list:
     return list(dict.fromkeys("analyse" if v == "analyze" else v for v in values))
 
 
+def typed_flags(args: argparse.Namespace, protocol: str, source: Optional[str], book: RecipeBook) -> dict:
+    """The flags typed (a typed 0 or "" too), in the form settings.json stores them (--augment off
+    -> False, --dataset all -> the names, each list without repeats): new and resumed runs alike."""
+    stored_as = dict.fromkeys(("roles", "method", "seeds", "shots", "fusion"), _unique)
+    stored_as.update(dataset=lambda v: dataset_names(v, protocol, source, book), source=data.dataset_key,
+                     augment=lambda v: v == "on")
+    return {key: stored_as.get(key, lambda v: v)(value) for key, value in vars(args).items()
+            if value is not None and value is not False and key not in ("resume", "eval_only", "analyse_only")}
+
+
 def dataset_names(typed: List[str], protocol: str, source: Optional[str], book: RecipeBook) -> List[str]:
     names = [data.own_dataset_name(n) if data.is_own_data(n) else data.dataset_key(n) for n in typed]
     if names == ["all"]:  # cross and dg: one training on the source, tested on all fourteen targets
@@ -232,9 +243,10 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
         raise TrainError("--dataset is required (e.g. --dataset toyworld, --dataset oxford_pets --root $DATA, "
                          "--dataset all)")
     protocol = _default(args.protocol, book.defaults["protocol"])
-    names = dataset_names(args.dataset, protocol, args.source, book)
-    typed = [data.own_dataset_name(n) if data.is_own_data(n) else n for n in args.dataset]  # no paths in a folder name
-    output = _default(args.output, os.path.join("runs", f"{protocol}-{'-'.join(typed)}"))
+    typed = typed_flags(args, protocol, args.source, book)
+    names = typed["dataset"]
+    folder = [data.own_dataset_name(n) if data.is_own_data(n) else n for n in args.dataset]  # no paths in a folder name
+    output = _default(args.output, os.path.join("runs", f"{protocol}-{'-'.join(folder)}"))
     own = [(data.own_dataset_name(n), os.path.abspath(n)) for n in args.dataset if data.is_own_data(n)]
     if len({name for name, _ in own}) < len(own):
         raise TrainError(f"--dataset {' '.join(path for _, path in own)}: two have the same folder name; rename "
@@ -269,9 +281,9 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
     # Each setting: typed, else the recipe's, else the default (else None: the later code's own rule,
     # e.g. descriptions -> dear.analysis_picks, head_width -> the file's); fingerprints (SHA-256 of the
     # weights, BPE and roles files) and role_maps are added by train.open_inputs and train.run.
-    settings = {key: _default(getattr(args, key, None), getattr(recipe, key, defaults.get(key)))
-                for key in SETTING_KEYS}
-    roles = _unique(settings["roles"])
+    settings = {key: copy.copy(typed[key] if key in typed else getattr(recipe, key, defaults.get(key)))
+                for key in SETTING_KEYS}  # (copied: no list shared with the book)
+    roles = settings["roles"]
     for choice in roles:
         if choice not in ("analyse", *ROLE_ABLATIONS) and not os.path.isfile(choice):
             raise TrainError(f"--roles {choice}: no such file; give a roles JSON written by the head analysis, "
@@ -279,14 +291,11 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
     if sum(choice not in ROLE_ABLATIONS for choice in roles) > 1:
         raise TrainError(f"--roles {' '.join(roles)}: give at most one of 'analyse' or a roles file (both make the "
                          "DeAR row); add the ablations all-mixed / all-generalization beside it")
-    shots = _unique(_default(args.shots, book.fewshot_shots if protocol == "fewshot" else [recipe.shots]))
+    shots = list(typed.get("shots", book.fewshot_shots if protocol == "fewshot" else [recipe.shots]))
     if protocol != "fewshot" and len(shots) > 1:
         raise TrainError("--shots takes several values only with --protocol fewshot")
-    settings.update(dataset=names, dataset_paths=dict(own), protocol=protocol, source=source, roles=roles,
-                    shots=shots, output=output, method=_unique(settings["method"]), fusion=_unique(settings["fusion"]),
-                    seeds=_unique(settings["seeds"]), weights=None if toy else settings["weights"],  # toy: its own
-                    warmup_lr=book.warmup_lr, weight_decay=book.weight_decay,
-                    augment=recipe.augment if args.augment is None else args.augment == "on")
+    settings.update(dataset_paths=dict(own), source=source, shots=shots, output=output, warmup_lr=book.warmup_lr,
+                    weight_decay=book.weight_decay, weights=None if toy else settings["weights"])  # toy: its own
     return settings
 
 
@@ -374,14 +383,7 @@ def settings_from_run_folder(args: argparse.Namespace, book: RecipeBook) -> Dict
         raise TrainError(f"{path}: not the settings of this train.py (damaged, or made by another version); "
                          "start a new run with another --output")
     register_own_data(saved["dataset_paths"], args.output)  # your own data, found and checked again
-    # The typed flags in the form settings.json stores them (--augment off -> False, ...).
-    stored_as = {"dataset": lambda v: dataset_names(v, saved["protocol"], saved["source"], book),
-                 "source": data.dataset_key, "augment": lambda v: v == "on", "roles": _unique,
-                 "method": _unique, "seeds": _unique, "shots": _unique, "fusion": _unique}
-    for key, value in vars(args).items():
-        if value is None or value is False or key in ("resume", "eval_only", "analyse_only"):
-            continue  # not typed (a typed 0 or "" is a value)
-        value = stored_as.get(key, lambda v: v)(value)
+    for key, value in typed_flags(args, saved["protocol"], saved["source"], book).items():
         if key in RUN_CONTROL:
             saved[key] = value
         elif saved.get(key) != value:
@@ -443,11 +445,10 @@ def pick_device(name: str) -> torch.device:
     # torch knows more device types (meta, xla, hpu, ...) than this script drives.
     if device is None or device.type not in ("cpu", "cuda", "mps") or (device.type != "cuda" and device.index):
         raise TrainError(f"--device {name}: not a device; use auto, cpu, cuda, cuda:N or mps")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise TrainError(f"--device {name}: this machine has no CUDA device; use --device auto or cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise TrainError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA devices "
-                         f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= count:
+        raise TrainError(f"--device {name}: this machine has " + (f"{count} CUDA devices (cuda:0 to cuda:{count - 1})"
+                         if count else "no CUDA device; use --device auto or cpu"))
     if device.type == "mps" and not mps:
         raise TrainError(f"--device {name}: MPS is not available here; use --device auto or cpu")
     return device
@@ -926,11 +927,11 @@ class Progress:
         if step % self.settings["log_every"] == 0 or step == steps_per_epoch:
             left = (time.time() - self.started) / self.done * (self.steps - self.done)
             rate = sums["images"] * self.runtime.world / max(time.time() - self.epoch_started, 1e-9)
-            n = sums["images"]  # the averages are over the epoch's images so far
+            mean_of = {key: value / sums["images"] for key, value in sums.items()}  # over the epoch's images so far
             self.runtime.log(
                 f"[{self.label}] epoch {epoch + 1}/{self.settings['epochs']} step {step}/{steps_per_epoch} "
-                f"loss {sums['total'] / n:.4f} (ce {sums['ce'] / n:.4f} reg {sums['reg'] / n:.4f} "
-                f"fusion {sums['fusion'] / n:.4f}) acc {100 * sums['correct'] / n:.1f}% lr {lr:.2e} "
+                f"loss {mean_of['total']:.4f} (ce {mean_of['ce']:.4f} reg {mean_of['reg']:.4f} "
+                f"fusion {mean_of['fusion']:.4f}) acc {100 * mean_of['correct']:.1f}% lr {lr:.2e} "
                 f"{rate:.1f} img/s, {format_time(left)} left")
 
 
