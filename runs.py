@@ -328,9 +328,9 @@ def validate_settings(settings: dict) -> None:
         refuse("seeds", f"expected integers from 0 to {MAX_SEED}")
     if not settings["shots"] or not all(is_int(k) and k >= 1 for k in settings["shots"]):
         refuse("shots", "expected positive integers")
-    # An inf lr trains on NaN; a NaN weight is not even valid JSON.
-    for key, expected in (("lr", "expected a positive, finite learning rate"), ("lambda_reg", "expected a finite "
-                          "weight >= 0"), ("lambda_fusion", "expected a finite weight >= 0")):
+    weight = "expected a finite weight >= 0"  # an inf lr trains on NaN; a NaN weight is not even valid JSON
+    for key, expected in (("lr", "expected a positive, finite learning rate"), ("lambda_reg", weight),
+                          ("lambda_fusion", weight)):
         value = settings[key]
         finite = isinstance(value, (int, float)) and math.isfinite(value)
         if not (finite and (value > 0 if key == "lr" else value >= 0)):
