@@ -632,6 +632,12 @@ class SimpleTokenizer:
     def vocab_size(self) -> int:
         return len(self.encoder)
 
+    def check_fits(self, model: CLIP, weights: str) -> None:
+        """One line unless this is the model's vocabulary (else: ids past its table, or other words)."""
+        if self.vocab_size != model.token_embedding.num_embeddings:
+            raise CLIPFileError(f"{self.bpe_path}: gives a vocabulary of {self.vocab_size} tokens, the model {weights} "
+                                f"has {model.token_embedding.num_embeddings}; pass the BPE file it was trained with")
+
     def bpe(self, token: str) -> str:
         """One word -> its pieces, space-separated: start from characters (the last marked as a
         word end, "</w>"), merge the best-ranked adjacent pair everywhere, until none is ranked."""
@@ -751,10 +757,8 @@ def head_contributions(model: CLIP, images: torch.Tensor, num_layers: int = 4) -
     return HeadContributions(
         heads=through_ln_post_and_proj(torch.stack(head_terms, dim=1)),  # (B, L, H, E)
         mlps=through_ln_post_and_proj(torch.stack(mlp_terms, dim=1)),  # (B, L, E)
-        rest=through_ln_post_and_proj(rest),  # (B, E)
-        bias=ln.bias @ visual.proj,  # (E,)
-        layers=tuple(range(first, len(blocks))),
-    )
+        rest=through_ln_post_and_proj(rest), bias=ln.bias @ visual.proj,  # (B, E), (E,)
+        layers=tuple(range(first, len(blocks))))
 
 
 # ---- Command line: zero-shot scores of one image against a few texts --------------------
@@ -779,10 +783,7 @@ def _main(argv=None) -> int:
             raise CLIPFileError(f"{args.image}: cannot be read as an image ({_one_line(error, 80)})") from None
         model, preprocess = load(args.weights, head_width=args.head_width, activation=args.activation)
         tokenizer = SimpleTokenizer(args.bpe)
-        if tokenizer.vocab_size > model.token_embedding.num_embeddings:  # ids past the embedding table
-            raise CLIPFileError(f"{tokenizer.bpe_path}: gives {tokenizer.vocab_size} token ids, the model "
-                                f"{args.weights} has {model.token_embedding.num_embeddings}; pass the BPE "
-                                "file the model was trained with (--bpe)")
+        tokenizer.check_fits(model, args.weights)
         image = preprocess(picture).unsqueeze(0)
         text = tokenize(args.texts, model.context_length, truncate=True, tokenizer=tokenizer)
     except CLIPError as error:

@@ -1,12 +1,14 @@
-"""dear.py -- DeAR ("DeAR: Fine-Grained VLM Adaptation by Decomposing Attention Head Roles", Ma et
-al., CVPR 2026) in the order it runs: 1. TextSpan, 2. concept entropy, 3. head roles (paper Sec.
-3.2; analyze_heads runs 1-3), 4. the role-based mask (Sec. 3.3), 5. the model and retrieval, 6. the
+"""dear.py -- DeAR (Ma et al., "Fine-Grained VLM Adaptation by Decomposing Attention Head Roles",
+CVPR 2026) in the order it runs: 1. TextSpan, 2. concept entropy, 3. head roles (paper Sec. 3.2;
+analyze_heads runs 1-3), 4. the role-based mask (Sec. 3.3), 5. the model and retrieval, 6. the
 losses (Sec. 3.4), 7. bookkeeping: RoleMap (its JSON file, its table), the description bank.
 
 The method in one page: tests/test_dear_reference.py, DeAR's forward pass one head at a time; this
 file batches it. docs/METHOD.md ("METHOD.md Sec. N") has the choices where the paper is silent. It
 imports only clip_model.py: copy the two together. `first_layer` is the paper's 1-based J; what is
-stored (`HeadRole.layer`) is 0-based.  Try it on a random small CLIP:  python dear.py
+stored (`HeadRole.layer`) is 0-based.
+
+Try it on a random small CLIP:  python dear.py
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ try:  # inside a package (myproj/vendor/) only the relative import works, at the
     from . import clip_model
 except ImportError:
     import clip_model
-atomic_write = clip_model.atomic_write  # temporary file + rename: no reader sees half a file
 
 CORE_ATTRIBUTES = ("colour", "shape", "texture", "object", "location")  # the paper's five, one token each
 ROLES = ("attribute", "generalization", "mixed")
@@ -570,7 +571,7 @@ class RoleMap:
 
     def save(self, path: str) -> None:
         text = json.dumps(self.to_json(), indent=2, ensure_ascii=False)
-        atomic_write(path, lambda tmp: open(tmp, "w", encoding="utf-8").write(text + "\n"))
+        clip_model.atomic_write(path, lambda tmp: open(tmp, "w", encoding="utf-8").write(text + "\n"))
 
     @classmethod
     def load(cls, path: str) -> RoleMap:

@@ -84,6 +84,9 @@ def test_the_readme_script_trains_past_zero_shot_from_a_package_holding_only_the
     zero_shot, adapted = accuracies(result.stdout)
     assert adapted >= zero_shot + 25, f"DeAR {adapted}% does not beat zero-shot {zero_shot}% clearly"
     assert "Head roles" in result.stdout and "learnable" in result.stdout
+    retrieved = dict(re.findall(r"retrieval by (.+): (\d+)% same colour", result.stdout))
+    assert {"class", "colour", "frozen CLIP"} <= set(retrieved), result.stdout  # the role file read back
+    assert (project / "roles.json").is_file()
 
 
 def test_the_two_files_also_work_at_the_top_level_of_a_project(tmp_path):

@@ -444,7 +444,7 @@ def test_uniform_role_maps_for_the_ablations(tiny_clip):
 
 def test_atomic_write_leaves_a_normally_readable_file_and_no_temporary(tmp_path):
     path = tmp_path / "roles.json"
-    dear.atomic_write(str(path), lambda tmp: open(tmp, "w").write("{}"))
+    dear.clip_model.atomic_write(str(path), lambda tmp: open(tmp, "w").write("{}"))
     umask = os.umask(0)
     os.umask(umask)
     assert (path.stat().st_mode & 0o777) == 0o666 & ~umask  # not mkstemp's private 0600
@@ -500,7 +500,7 @@ def test_importing_dear_leaves_the_umask_alone_and_files_follow_it(tmp_path):
     code = ("import os, sys; os.umask(0o027); "
             "os.umask = lambda *a: sys.exit('dear.py called os.umask'); "
             f"sys.path.insert(0, {root!r}); import dear; "
-            f"dear.atomic_write({str(tmp_path / 'roles.json')!r}, lambda t: open(t, 'w').write('{{}}'))")
+            f"dear.clip_model.atomic_write({str(tmp_path / 'roles.json')!r}, lambda t: open(t, 'w').write('{{}}'))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert ((tmp_path / "roles.json").stat().st_mode & 0o777) == 0o640

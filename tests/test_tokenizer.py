@@ -170,3 +170,23 @@ def test_a_malformed_merges_file_names_the_line(tmp_path):
     path.write_text("#version: 0.2\nr e\nthis line has three\n")
     with pytest.raises(clip_model.CLIPFileError, match=r"broken.txt: line 3 is not a 'left right' merge"):
         SimpleTokenizer(str(path))
+
+
+def test_a_bpe_file_of_another_vocabulary_than_the_models_is_one_line_naming_the_file(openclip_bpe_path):
+    """SimpleTokenizer.check_fits, the one check (train.py's --bpe and clip_model.py's command
+    line): a vocabulary larger than the token table would index past it, a smaller one means
+    other words under the same ids; the model's own is accepted."""
+    tokenizer = SimpleTokenizer(openclip_bpe_path)  # CLIP's real 49,408 tokens
+
+    def model_with(vocab_size):
+        return clip_model.CLIP(embed_dim=8, image_resolution=16, vision_layers=1, vision_width=16,
+                               vision_patch_size=8, vision_heads=2, context_length=8, vocab_size=vocab_size,
+                               transformer_width=16, transformer_heads=2, transformer_layers=1)
+
+    tokenizer.check_fits(model_with(49408), "mine.pt")
+    for other in (49407, 49409):
+        with pytest.raises(clip_model.CLIPFileError) as error:
+            tokenizer.check_fits(model_with(other), "mine.pt")
+        message = str(error.value)
+        assert "\n" not in message and message.startswith(f"{openclip_bpe_path}: gives a vocabulary of 49408 tokens")
+        assert f"the model mine.pt has {other}" in message
