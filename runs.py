@@ -807,8 +807,7 @@ def lock_run_folder(output: str, stack: contextlib.ExitStack) -> None:
         handle.close()
         raise TrainError(f"{output}: in use by another train.py process{f' (pid {holder})' if holder else ''}; "
                          "wait for it to end, or choose another --output") from None
-    handle.seek(0)
-    handle.truncate()  # ours now: our pid, for the next caller's message
+    handle.truncate(0)  # ours now: our pid, for the next caller's message ("a+": writes go to the end)
     handle.write(f"{os.getpid()}\n")
     handle.flush()
     stack.callback(handle.close)  # closing the file releases the lock
@@ -1014,12 +1013,11 @@ def summarise(settings, results: List[dict]) -> dict:
         for title, dg in (("Cross-dataset evaluation", False), ("Domain generalization", True)):
             targets = [t for t in datasets if data.get_spec(t).evaluation_only == dg]
             if targets:
-                values = {row: [cell(source, row, source)] + [cell(source, row, t) for t in targets] for row in rows}
-                for row in rows:
-                    values[row].append(mean(values[row][1:]))
+                values = {row: [cell(source, row, t) for t in [source] + targets] for row in rows}
                 names = [DG_NAMES.get(n, n) if dg else n for n in [source] + targets]
                 tables[f"{title}: trained on {source}, tested on {len(targets)} targets"] = dict(
-                    columns=[f"{names[0]} (source)"] + names[1:] + ["Average"], rows=values)
+                    columns=[f"{names[0]} (source)"] + names[1:] + ["Average"],
+                    rows={row: v + [mean(v[1:])] for row, v in values.items()})  # the targets' average
     for table in tables.values():  # an empty cell (nan) is stored as null
         for key in set(table) & {"rows", "spread"}:
             table[key] = {row: [None if math.isnan(v) else round(v, 2) for v in vals]
