@@ -680,8 +680,7 @@ def analysis_cache(fingerprint: str, pool: str, analyse: Callable[[str], None], 
     root = os.path.join(clip_model.default_cache_dir(), "head-analysis")
     entry = os.path.join(root, fingerprint[:16])  # 64 bits of the SHA-256 name the folder
     if runtime.main:
-        reason = unwritable_reason(root)
-        if reason:
+        if reason := unwritable_reason(root):
             raise TrainError(f"{root}: the head-analysis cache {reason}; set $CLIP_CACHE_DIR to a writable folder")
         os.makedirs(root, exist_ok=True)  # the lock file lives beside the entries
         with waiting_lock(entry + ".lock", "head analysis: another process is analysing the same "
@@ -782,8 +781,7 @@ def check_output_folder(output: str) -> None:
         raise TrainError("--output '': expected a folder for the run")
     if os.path.exists(output) and not os.path.isdir(output):
         raise TrainError(f"--output {output}: is a file, not a folder; choose another --output")
-    reason = unwritable_reason(output)  # tried by writing, before any data is read
-    if reason:
+    if reason := unwritable_reason(output):  # tried by writing, before any data is read
         raise TrainError(f"--output {output}: {reason}; choose another --output")
     if os.path.exists(os.path.join(output, "settings.json")):
         raise TrainError(f"{output}: already holds a run; continue it with --resume, evaluate it with "
