@@ -578,10 +578,10 @@ def load_clip(weights: str, head_width: Optional[int], bpe: Optional[str], devic
     """-> (frozen CLIP on the device, tokenizer), the tokenizer checked against the model."""
     clip, _ = clip_model.load(weights, device=device, head_width=head_width)  # errors: clip_model's one line
     tokenizer = clip_model.SimpleTokenizer(bpe)  # None: $CLIP_BPE_PATH, the cache, or a download
-    if tokenizer.vocab_size != clip.token_embedding.num_embeddings:  # ids past the table, or other words
-        raise TrainError(f"--bpe {tokenizer.bpe_path}: gives a vocabulary of {tokenizer.vocab_size} tokens, the "
-                         f"model {weights} has {clip.token_embedding.num_embeddings}; pass the BPE "
-                         "file the model was trained with")
+    try:
+        tokenizer.check_fits(clip, weights)  # clip_model's one check: ids past the table, or other words
+    except clip_model.CLIPError as error:
+        raise TrainError(f"--bpe {error}") from None  # named by the flag it came from
     return clip.eval().requires_grad_(False), tokenizer  # CLIP stays frozen: DeAR learns tokens only
 
 
