@@ -597,7 +597,7 @@ class ImageDataset(Dataset):
 
 # ---- Command line: a summary of one dataset, or the registry --------------------------------
 
-class OneLineParser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):  # also train.py's and the toy world's parser
     """An error as one line, not the whole usage (--help has it); exit status 2, as argparse's."""
 
     def error(self, message: str):

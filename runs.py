@@ -88,17 +88,11 @@ class RecipeBook(NamedTuple):
 # resumed call reads it back instead of resolving again, and nothing rewrites it afterwards.
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse prints the whole usage before an error; a user wants the one line (exit 2)."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
     # Every default is None, so an unset flag is told apart from a typed one (--resume refuses
-    # a typed change); "(default ...)" is added to each help line from the book.
-    p = OneLineParser(prog="train.py", description="DeAR on CLIP: train and evaluate on the paper's protocols. "
+    # a typed change); "(default ...)" is added to each help line from the book. The parser is
+    # data.py's (errors as one line, exit 2): the project's one copy.
+    p = data.OneLineParser(prog="train.py", description="DeAR on CLIP: train and evaluate on the paper's protocols. "
                       "Unset DeAR and optimisation flags come from the trained dataset's recipe (RECIPES in train.py).")
     g = p.add_argument_group("what to run").add_argument
     g("--dataset", nargs="+", help="data.py name(s); 'all' (the protocol's datasets); 'toyworld' (no downloads); or "
