@@ -368,11 +368,19 @@ def test_a_head_contribution_is_that_heads_own_output(tiny_clip):
 # ------------------------------------------------------------------------------------------
 
 
+def model_sized_bpe(path, vocab_size: int = 600) -> None:
+    """A merges file whose vocabulary is exactly the tiny models' (600): "red" as one token,
+    then filler merges of two letters (512 byte tokens + merges + 2 specials)."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    fillers = [f"{a} {b}" for a in letters for b in letters if f"{a}{b}" != "re"]
+    path.write_text("#version: 0.2\nr e\nre d</w>\n" + "".join(f"{m}\n" for m in fillers[:vocab_size - 516]))
+
+
 def test_command_line_scores_an_image_and_reports_bad_weights_in_one_line(tmp_path, tiny_checkpoint, capsys):
     from PIL import Image
 
     bpe = tmp_path / "bpe.txt"
-    bpe.write_text("#version: 0.2\nr e\nre d</w>\n")
+    model_sized_bpe(bpe)  # the model's vocabulary: another size is refused (SimpleTokenizer.check_fits)
     image = tmp_path / "red.png"
     Image.new("RGB", (40, 50), (200, 10, 10)).save(image)
     status = clip_model._main(["--weights", tiny_checkpoint, "--bpe", str(bpe), "--image", str(image),
@@ -520,7 +528,7 @@ def test_command_line_takes_head_width_and_activation_and_names_a_bad_image(tmp_
     from PIL import Image
 
     bpe = tmp_path / "bpe.txt"
-    bpe.write_text("#version: 0.2\nr e\nre d</w>\n")
+    model_sized_bpe(bpe)  # the model's vocabulary: another size is refused (SimpleTokenizer.check_fits)
     image = tmp_path / "red.png"
     Image.new("RGB", (40, 50), (200, 10, 10)).save(image)
     foreign = tmp_path / "foreign.pt"  # two towers of heads 32 wide, GELU, nothing in the file
