@@ -25,6 +25,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
@@ -341,7 +342,7 @@ def validate_settings(settings: dict) -> None:
     template = settings["template"]
     try:
         well_formed = template is None or template.format("x") != template.format("y")
-    except (IndexError, KeyError, ValueError):
+    except (IndexError, KeyError, ValueError, AttributeError, TypeError):  # '{0}{1}', '{x}', '{', '{.x}', '{[a]}'
         well_formed = False
     if not well_formed:
         raise TrainError(f"--template {template!r}: expected a prompt with one '{{}}' for the class name, "
@@ -724,8 +725,8 @@ def copy_role_maps(settings, clip, records: dict) -> None:
 # this run, and one process at a time writes a folder.
 
 
-def write_text(path: str, text: str) -> None:
-    clip_model.atomic_write(path, lambda tmp: open(tmp, "w", encoding="utf-8").write(text))  # whole or not at all
+def write_text(path: str, text: str) -> None:  # whole or not at all, the file closed before the rename
+    clip_model.atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def write_json(path: str, value) -> None:

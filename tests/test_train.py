@@ -1079,6 +1079,7 @@ def test_own_split_file_runs_fewshot_and_cross_with_its_template(world, own_data
     ("benchmark's name", "its name 'dtd' is that of a benchmark; rename the folder"),
     ("two with one name", "two have the same folder name"),
     ("template without {}", "--template 'a photo': expected a prompt with one '{}'"),
+    ("template with an attribute", "--template '{.x}': expected a prompt with one '{}'"),
 ])
 def test_bad_own_data_ends_in_one_line_and_exit_2_before_any_work(world, tmp_path, capsys, case, message):
     folder = tmp_path / "data" / "mine"
@@ -1105,7 +1106,7 @@ def test_bad_own_data_ends_in_one_line_and_exit_2_before_any_work(world, tmp_pat
         target = [str(folder.rename(tmp_path / "data" / "dtd"))]
     if case == "two with one name":
         target = [str(folder), str(write_own_folder(tmp_path / "elsewhere" / "mine", 4))]
-    flags = ["--template", "a photo"] if case.startswith("template") else []
+    flags = ["--template", "{.x}" if "attribute" in case else "a photo"] if case.startswith("template") else []
     before = sorted(tmp_path.rglob("*"))
     out = tmp_path / "run"
     refused(common(world, out, "--dataset", *target, "--seeds", "1", *flags), capsys, message, out)
