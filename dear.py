@@ -18,6 +18,7 @@ import math
 import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -250,8 +251,7 @@ def build_role_masks(role_map: RoleMap, first_layer: int, num_layers: int, num_i
 def blind_attributes(role_masks: torch.Tensor, num_image_tokens: int, attributes: Sequence[str]) -> List[str]:
     """The attributes whose token no head from J on (no attribute head for it, no mixed head) lets
     read the image: a per-class bias, so DeAR leaves its branch out of the fusion."""
-    N = num_image_tokens
-    reads_image = torch.isfinite(role_masks[:, :, N:, :N]).any(dim=-1)  # (layers, H, A): 0 = allowed
+    reads_image = torch.isfinite(role_masks[:, :, num_image_tokens:, :num_image_tokens]).any(dim=-1)  # (layers, H, A)
     return [a for a, readable in zip(attributes, reads_image.any(dim=0).any(dim=0)) if not readable]
 
 
@@ -266,7 +266,7 @@ def default_first_layer(depth: int) -> int:
     return depth - analysed_layers(depth) + 1
 
 
-# The method's argument checks, once: DeAR and assign_roles call them, and train.py before any work.
+# The method's argument checks, once: DeAR and assign_roles call them, runs.py (for train.py) before any work.
 def check_first_layer(first_layer: int, depth: int) -> None:
     """J counts in both towers: 1..depth, depth = the shallower tower's layers."""
     if isinstance(first_layer, bool) or not isinstance(first_layer, int) or not 1 <= first_layer <= depth:
@@ -348,16 +348,17 @@ class DeAR(nn.Module):
         self.num_image_tokens = 1 + clip.visual.grid_size**2
         masks = build_role_masks(role_map, first_layer, vision_layers, self.num_image_tokens)
         self.register_buffer("role_masks", masks, persistent=False)  # (layers from J, H, T, T)
-        # In the fusion: the class branch, and the attribute branches some head lets read the image (bar the fallback).
+        # In the fusion: the class branch, and the attribute branches that can read the image (none on the fallback).
         self.blind_attributes = blind = blind_attributes(masks, self.num_image_tokens, self.attributes)
-        if blind:
-            warnings.warn(f"DeAR: no head from layer J={first_layer} lets the {', '.join(blind)} token"
-                          f"{'s' if len(blind) > 1 else ''} read the image; left out of the fusion (a per-class bias)")
         self.class_branch_only = falls_back_to_class_branch(role_map)
+        left_out = self.attributes if self.class_branch_only else blind
         if self.class_branch_only:
             warnings.warn("DeAR: the head analysis names no attribute head (no head is specialised enough); "
                           "falling back to the class branch alone (the attribute branches leave the fusion)")
-        in_fusion = [True] + [not self.class_branch_only and a not in blind for a in self.attributes]
+        elif blind:
+            warnings.warn(f"DeAR: no head from layer J={first_layer} lets the {', '.join(blind)} token"
+                          f"{'s' if len(blind) > 1 else ''} read the image; left out of the fusion (a per-class bias)")
+        in_fusion = [True] + [a not in left_out for a in self.attributes]
         self.register_buffer("in_fusion", torch.tensor(in_fusion), persistent=False)  # (1 + A,) bool
 
     def learnable_parameters(self) -> List[nn.Parameter]:
@@ -571,7 +572,7 @@ class RoleMap:
 
     def save(self, path: str) -> None:
         text = json.dumps(self.to_json(), indent=2, ensure_ascii=False)
-        clip_model.atomic_write(path, lambda tmp: open(tmp, "w", encoding="utf-8").write(text + "\n"))
+        clip_model.atomic_write(path, lambda tmp: Path(tmp).write_text(text + "\n", encoding="utf-8"))  # closes it
 
     @classmethod
     def load(cls, path: str) -> RoleMap:
@@ -608,7 +609,7 @@ class RoleMap:
                   for layer in self.layers]
         counts = Counter(h.role if h.role != "attribute" else f"attribute:{h.attribute}" for h in self.heads)
         lines.append("counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-        if not any(h.role == "attribute" for h in self.heads):
+        if falls_back_to_class_branch(self):
             lines.append("no attribute head: no head is specialised enough (entropy <= low); DeAR falls back "
                          "to the class branch alone (falls_back_to_class_branch)")
         return "\n".join(lines)
@@ -667,8 +668,7 @@ _BANK_WORDS = {  # concept -> (words, templates): the five core attributes, then
                   "soft light", "golden hour light", "flash", "overcast light", "studio lighting", "moonlight"],
                  ["a photo taken with {}", "a scene lit by {}", "an image full of {}"]),
     "mood": (["happy", "sad", "peaceful", "scary", "romantic", "energetic", "lonely", "nostalgic", "dramatic",
-              "playful", "calm", "mysterious"],
-             ["a {} mood", "a {} atmosphere", "a picture that feels {}"]),
+              "playful", "calm", "mysterious"], ["a {} mood", "a {} atmosphere", "a picture that feels {}"]),
     "text": (["a sign with words", "a logo", "handwritten letters", "a newspaper page", "a street sign",
               "a label with numbers", "a caption", "a book title", "a licence plate", "a price tag"],
              ["an image containing {}", "a photo with {} in it", "a close-up of {}"]),
