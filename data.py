@@ -139,8 +139,8 @@ def _image_path(image_root: str, relative_path: str, where: str) -> str:
                            f"expected a path relative to it, without '..'")
     return path
 
-def _check_split(splits: dict[str, list[Item]], listed_in: str) -> None:
-    """Each image once, and every image on disk (one isfile each is fast, a crash mid-epoch is not)."""
+def _check_split(splits: dict[str, list[Item]], listed_in: str, on_disk: bool = True) -> None:
+    """Each image once, and (on_disk) every image on disk (one isfile each is fast, a crash mid-epoch is not)."""
     seen: dict[str, str] = {}  # normalised path -> its split: a repeat is drawn twice, or leaks the test set
     for split_name, item in ((name, item) for name, items in splits.items() for item in items):
         key = os.path.normpath(item.path)
@@ -148,7 +148,7 @@ def _check_split(splits: dict[str, list[Item]], listed_in: str) -> None:
             raise DatasetError(f"{listed_in}: {item.path} is listed twice (in '{seen[key]}' and "
                                f"'{split_name}'); expected each image once; remove the repeated entry")
         seen[key] = split_name
-    missing = [path for path in seen if not os.path.isfile(path)]  # all of them: the count says how bad
+    missing = [path for path in seen if on_disk and not os.path.isfile(path)]  # all: the count says how bad
     if missing:
         raise DatasetError(f"{missing[0]}: image listed in {listed_in} not found ({len(missing)} of {len(seen)} "
                            f"listed images are missing); expected the images where CoOp's DATASETS.md puts them")
@@ -294,7 +294,7 @@ def read_fgvc_aircraft(spec: DatasetSpec, dataset_dir: str) -> tuple:
                     path = _image_path(image_root, image_id + ".jpg", f"{list_path}: line {line_number}")
                     items.append(Item(path, label_of[variant], clean_classname(variant)))
         _check_split({split_name: items}, list_path)  # the missing image named with its list
-    _check_split(splits, f"the image lists in {dataset_dir}")  # and no image in two lists
+    _check_split(splits, f"the image lists in {dataset_dir}", on_disk=False)  # and no image in two lists
     return splits["train"], splits["val"], splits["test"], [clean_classname(v) for v in label_of]
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -48,8 +49,7 @@ from runs import TrainError
 # ------------------------------------------------------------------------------------------
 # 1. The recipes: every default, written once, with its source (docs/METHOD.md Sec. 7)
 # ------------------------------------------------------------------------------------------
-# Where the paper is silent we follow MMRL++ (yunncheng/MMRL), DeAR's closest public relative,
-# whose token rule DeAR uses. runs.py turns these tables into the flags' defaults and help.
+# Where the paper is silent: MMRL++ (yunncheng/MMRL), DeAR's nearest relative; runs.py makes flags of these.
 
 
 @dataclass(frozen=True)
@@ -74,8 +74,7 @@ PAPER_DATASETS = ["imagenet", "caltech101", "oxford_pets", "stanford_cars", "oxf
                   "fgvc_aircraft", "sun397", "dtd", "eurosat", "ucf101"]
 DG_TARGETS = ["imagenet_v2", "imagenet_sketch", "imagenet_a", "imagenet_r"]
 # Each protocol's recipe, from MMRL++'s configs/trainers/MMRLpp/: vit_b16.yaml, vit_b16_few_shot.yaml,
-# vit_b16_cross_datasets.yaml (cross and dg share one ImageNet training); vit_b16_imagenet.yaml for
-# ImageNet in base2novel and fewshot.
+# vit_b16_cross_datasets.yaml (cross and dg share one ImageNet training); ImageNet: vit_b16_imagenet.yaml.
 PROTOCOL_RECIPES = {"base2novel": Recipe(), "fewshot": Recipe(epochs=100, batch_size=32, lr=2e-3),
                     "cross": Recipe(epochs=1, batch_size=32, warmup_epochs=0)}
 PROTOCOL_RECIPES["dg"] = PROTOCOL_RECIPES["cross"]
@@ -128,8 +127,8 @@ DEFAULTS = dict(
     log_every=20,  # steps between progress lines
     toy_scale="full",  # the toy world the README's table comes from
 )
-# The toy world shows more rows: the linear probe (how far the frozen features separate the
-# classes) and the two role ablations beside DeAR. It brings its own model (--weights refused).
+# The toy world shows more rows: the linear probe (how far the frozen features separate the classes)
+# and the two role ablations beside DeAR. It brings its own model (--weights refused).
 TOY_DEFAULTS = dict(method=list(runs.METHODS), roles=["all-mixed", "all-generalization", "analyse"])
 BOOK = runs.RecipeBook(RECIPES, PROTOCOL_RECIPES, DEFAULTS, TOY_DEFAULTS, PAPER_DATASETS, DG_TARGETS,
                        FEWSHOT_SHOTS, WARMUP_LR, WEIGHT_DECAY)
@@ -163,10 +162,15 @@ def training_split(settings, dataset: str, seed: int, shots: int) -> data.Datase
     return split
 
 
+@functools.lru_cache(maxsize=None)  # once per call (run() empties it): a load checks every listed image
+def whole_dataset(name: str, root: Optional[str], subsample: str = "all") -> data.DatasetSplits:
+    return data.load_dataset(name, root, num_shots=None, subsample=subsample)
+
+
 def evaluation_sets(settings, dataset: str) -> List[EvalSet]:
     """The test sets of a protocol, each with its own class list."""
     def full(name: str, column: str, trained: bool, subsample: str = "all") -> EvalSet:
-        d = data.load_dataset(name, settings["root"], num_shots=None, subsample=subsample)
+        d = whole_dataset(name, settings["root"], subsample)
         if not d.test:  # an accuracy over no images would print as 0.00
             which = {"base": " of the base classes", "new": " of the novel classes"}.get(subsample, "")
             raise TrainError(f"{d.dataset_dir}: no test images{which} ({len(d.classnames)} classes); the "
@@ -204,10 +208,9 @@ def loader_of(items: list, settings, size: int) -> DataLoader:
 
 
 def analysis_images(items: List[data.Item], cap: int, seed: int) -> List[data.Item]:
-    """At most `cap` images spread evenly over the classes: each class's images in a seeded order,
-    then one per class in turn (the classes too in a seeded order, so that a cap below the class
-    count samples classes at random). Never the first images of a list sorted by label, which
-    would cover only the first classes of a large dataset."""
+    """At most `cap` images, evenly over the classes: each class's images in a seeded order, then one
+    per class in turn (the classes in a seeded order too: a cap below the class count samples classes
+    at random), never the head of a label-sorted list, which covers only a large dataset's first classes."""
     generator, by_class = torch.Generator().manual_seed(seed), {}
     for item in items:
         by_class.setdefault(item.label, []).append(item)
@@ -229,7 +232,7 @@ class Inputs:
     clip: clip_model.CLIP
     tokenizer: clip_model.SimpleTokenizer
     attributes: List[str]  # one attribute token each
-    bank: List[tuple]  # (text, concept) pairs of the head analysis: dear.py's, or the toy world's
+    bank: List[tuple]  # (text, concept, value) triples of the head analysis: dear.py's, or the toy world's
     toy: bool  # the toy world: a causal check follows the head analysis (the ground truth is known)
     files: dict  # root, weights, head_width, bpe, fingerprints: merged into the settings once
 
@@ -238,7 +241,7 @@ def description_bank(toy: bool) -> List[tuple]:
     if toy:
         from toyworld import world  # only the word lists: cheap, builds nothing
 
-        return [tuple(entry) for entry in world.toy_bank()]
+        return world.toy_bank()
     return [tuple(entry) for entry in dear.description_bank()]
 
 
@@ -258,7 +261,7 @@ def open_inputs(settings, runtime: runs.Runtime) -> Inputs:
         # A new run takes the cache's files; a resumed one keeps its own (their content is checked).
         found = dict(root=assets.data_root, weights=assets.weights, head_width=assets.head_width, bpe=assets.bpe)
         files = {key: found[key] if value is None else value for key, value in files.items()}
-        attributes, bank = list(assets.attributes), [tuple(entry) for entry in assets.bank]
+        attributes = list(assets.attributes)  # the bank: description_bank(toy), the toy world's own
     clip, tokenizer = runs.load_clip(files["weights"], files["head_width"], files["bpe"], runtime.device)
     files.update(bpe=tokenizer.bpe_path, fingerprints=runs.input_fingerprints(settings, files["weights"], tokenizer))
     runs.check_model_fit(settings, clip, attributes)  # J, K and a roles file against this model
@@ -275,10 +278,9 @@ def build_dear(settings, inputs: Inputs, role_map: dear.RoleMap) -> dear.DeAR:
 # ------------------------------------------------------------------------------------------
 # 4. The head analysis (paper Sec. 3.2): once per model and image pool, cached
 # ------------------------------------------------------------------------------------------
-# A role map belongs to the CLIP model and the images it was measured on, not to a run: it is
-# computed once per (weights, pool, bank, analysis settings), cached (runs.analysis_cache) and
-# reused by every seed, shot count, protocol and dataset that asks for the same. Each run folder
-# keeps a copy (<dataset>/roles/), so --resume and --eval-only never need the cache.
+# A role map belongs to the model and the images it was measured on, not to a run: computed once per
+# (weights, pool, bank, analysis settings), cached (runs.analysis_cache), reused by every run asking the
+# same. Each run folder keeps a copy (<dataset>/roles/): --resume and --eval-only never need the cache.
 
 
 def analysing(settings) -> bool:
@@ -286,17 +288,16 @@ def analysing(settings) -> bool:
 
 
 def analysis_pool(settings, dataset: str):
-    """The images trained dataset `dataset`'s analysis reads (--analysis-pool, capped by
-    --analysis-images, evenly over the classes) and a line saying which. 'train' is the whole
-    training split, never a few-shot draw, and in base2novel its base classes only, so that no
-    image of a novel class is seen before the test."""
+    """The images `dataset`'s analysis reads (--analysis-pool, at most --analysis-images, evenly over
+    the classes) and a line naming them. 'train': the whole training split (shared with the test sets'
+    read), never a few-shot draw; in base2novel its base classes only, no novel image before the test."""
     name, split = runs.analysis_pool_of(settings["analysis_pool"])
     if name is None:
         subsample = "base" if settings["protocol"] == "base2novel" else "all"
-        items = data.load_dataset(dataset, settings["root"], num_shots=None, subsample=subsample).train
+        items = whole_dataset(dataset, settings["root"], subsample).train
         what = f"{dataset} train" + (" (base classes)" if subsample == "base" else "")
     else:
-        items, what = getattr(data.load_dataset(name, settings["root"], num_shots=None), split), f"{name} {split}"
+        items, what = getattr(whole_dataset(name, settings["root"]), split), f"{name} {split}"
     chosen = analysis_images(items, settings["analysis_images"], ANALYSIS_SEED)
     if len(chosen) < 2:  # TextSpan measures variation across images
         raise TrainError(f"--analysis-pool {settings['analysis_pool']}: {what} has {len(chosen)} images; the "
@@ -321,7 +322,7 @@ def run_head_analysis(settings, inputs: Inputs, items: list, pool: str, picks: i
     runtime.log(table)
     runs.draw_heatmap(role_map, os.path.join(folder, "roles.png"))
     runs.write_text(os.path.join(folder, "roles.txt"), table + "\n")
-    if inputs.toy and not os.path.isfile(os.path.join(folder, "causal_check.json")):
+    if inputs.toy:
         # Toy world only: is concept entropy right? Mean-ablate each analysed head and see which
         # attribute's zero-shot accuracy falls (the ground truth is known here). On a CPU copy of
         # the toy CLIP (1.6M parameters): the check draws on the CPU, the same table on every device.
@@ -331,7 +332,7 @@ def run_head_analysis(settings, inputs: Inputs, items: list, pool: str, picks: i
         cpu_clip = clip if clip.visual.conv1.weight.is_cpu else copy.deepcopy(clip).cpu()
         result = toyworld.causal_check(cpu_clip, inputs.tokenizer, role_map, role_map.attributes, log=runtime.log)
         runs.write_text(os.path.join(folder, "causal_check.md"), result["table"] + "\n")
-        runs.write_json(os.path.join(folder, "causal_check.json"), result)  # last: marks the check done
+        runs.write_json(os.path.join(folder, "causal_check.json"), result)
         runtime.log(result["table"])
     role_map.save(os.path.join(folder, "roles.json"))
     runtime.log(f"head analysis: done in {runs.format_time(time.time() - started)}")
@@ -645,6 +646,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def run(args) -> int:
+    whole_dataset.cache_clear()
     settings = runs.resolve_settings(args, BOOK)  # flags (or the saved run) -> settings, checked
     jobs, fresh = runs.plan_jobs(settings), not (settings["resume"] or settings["eval_only"])
     with contextlib.ExitStack() as stack:  # holds the run folder's lock until the call ends
@@ -676,9 +678,8 @@ def run(args) -> int:
                     f"({', '.join(dict.fromkeys(job.row for job in jobs))}); device {runtime.device}"
                     f"{f' x {runtime.world} processes' if runtime.world > 1 else ''}"
                     f"{f', autocast {runtime.amp_dtype}' if runtime.amp_dtype else ''}; output {settings['output']}")
-        role_maps = {(job.dataset, job.roles): runs.role_map_for(job.roles, inputs.clip, inputs.attributes,
-                                                                 analysed.get(job.dataset))
-                     for job in jobs if job.roles is not None}  # one per trained dataset and --roles choice
+        role_maps = {(dataset, roles): runs.role_map_for(roles, inputs.clip, inputs.attributes, analysed.get(dataset))
+                     for dataset, roles in dict.fromkeys((j.dataset, j.roles) for j in jobs if j.roles is not None)}
         started, results = time.time(), []
         for index, job in enumerate(jobs, 1):  # a run is done once its results.json is written
             elapsed = runs.format_time(time.time() - started)
