@@ -52,6 +52,14 @@ def perturb_(model: torch.nn.Module, scale: float = 0.05, seed: int = 0) -> torc
     return model
 
 
+@pytest.fixture(autouse=True)
+def no_bpe_file_from_the_environment(monkeypatch):
+    """$CLIP_BPE_PATH / $DEAR_BPE_PATH, which a user may well have set, would decide which merges
+    file a test's tokenizer finds; each test starts from none, as on CI, and sets its own."""
+    for name in ("CLIP_BPE_PATH", "DEAR_BPE_PATH"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture
 def tiny_clip() -> clip_model.CLIP:
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 its cache, the CoOp-layout task, and the head-ablation check.
 
 Everything runs at the "miniature" scale (16 px images, a 2-layer CLIP, a few dozen steps) in
-a temporary cache ($DEAR_CACHE_DIR), so nothing touches ~/.cache. About 20 s on 2 cores.
+a temporary cache folder (cache_dir=tmp_path), so nothing touches ~/.cache. About 20 s on 2 cores.
 
 Run:  python -m pytest -q tests/test_toyworld.py
 """
