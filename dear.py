@@ -32,7 +32,7 @@ except ImportError:
 
 CORE_ATTRIBUTES = ("colour", "shape", "texture", "object", "location")  # the paper's five, one token each
 ROLES = ("attribute", "generalization", "mixed")
-TEXTSPAN_RANK, PAPER_PICKS = 80, 20  # clip_text_span's --w_ov_rank (compute_complete_text_set.py); the paper's N
+TEXTSPAN_RANK, PAPER_PICKS = 80, 20  # clip_text_span's --w_ov_rank ("the rank of the OV matrix": ViT-H's); paper's N
 ANALYSED_LAYERS = 4  # the paper analyses, and prompts, the vision tower's last four layers
 
 
@@ -126,10 +126,10 @@ def default_picks(bank: Sequence[Description], attributes: Sequence[str]) -> int
 
 
 def default_thresholds(num_picks: int, num_concepts: int):
-    """(low_bits, high_bits): thirds of [0, log2(min(N, K))], the entropies N picks over K concepts can
-    take (our choice, METHOD.md Sec. 3: absolute, as thirds of the observed ones always find specialists)."""
-    top = math.log2(max(1, min(num_picks, num_concepts)))
-    return top / 3, 2 * top / 3
+    """(low_bits, high_bits): thirds of [0, log2(min(N, K))], the entropies N picks over K concepts can take, low at
+    least 0.81 bits (3 of 4 picks on one concept) while under high (our choice, METHOD.md Sec. 3: absolute)."""
+    top, three_quarters = math.log2(max(1, min(num_picks, num_concepts))), concept_entropy("aaab")
+    return (max(top / 3, three_quarters) if three_quarters < 2 * top / 3 else top / 3), 2 * top / 3
 
 
 def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequence[str]], attributes: Sequence[str],
@@ -138,8 +138,7 @@ def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequenc
     """Heads -> ([(role, attribute or None)], low_bits, high_bits), thresholds `default_thresholds(N, K)`
     unless given. H <= low: an attribute head for its dominant concept if that is a core attribute, else
     (e.g. "style": no token) generalization; H >= high: generalization; between: mixed."""
-    if num_concepts is None:
-        num_concepts = len({c for concepts in concepts_per_head for c in concepts})
+    num_concepts = num_concepts or len({c for concepts in concepts_per_head for c in concepts})
     low, high = default_thresholds(max(len(c) for c in concepts_per_head), num_concepts)
     low_bits, high_bits = (low if low_bits is None else low_bits), (high if high_bits is None else high_bits)
     check_thresholds(low_bits, high_bits)
@@ -166,13 +165,13 @@ def encode_descriptions(clip: clip_model.CLIP, tokenizer: clip_model.SimpleToken
 def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iterable[torch.Tensor]],
                   tokenizer: clip_model.SimpleTokenizer, bank: Optional[Sequence[Description]] = None,
                   attributes: Sequence[str] = CORE_ATTRIBUTES, num_layers: Optional[int] = None,
-                  num_descriptions: Optional[int] = None, rank: int = TEXTSPAN_RANK, low_bits: Optional[float] = None,
+                  num_descriptions: Optional[int] = None, rank: Optional[int] = None, low_bits: Optional[float] = None,
                   high_bits: Optional[float] = None, log: Callable[[str], None] = print) -> RoleMap:
-    """The head analysis (paper Sec. 3.2) -> RoleMap. image_batches: (n, 3, R, R) or an iterable of
-    (B, 3, R, R); bank: default the project's. For each head of the last `num_layers` layers: its
-    direct contributions (over each embedding's norm, as TextSpan does), picks, entropy, role."""
+    """The head analysis (paper Sec. 3.2) -> RoleMap. image_batches: (n, 3, R, R) or an iterable of (B, 3, R, R);
+    bank: default the project's; rank: default textspan_rank(clip). For each head of the last `num_layers` layers:
+    its direct contributions (over each embedding's norm, as TextSpan does), picks, entropy, role."""
     bank = [Description(*entry) for entry in bank] if bank is not None else description_bank()
-    depth = len(clip.visual.transformer.resblocks)
+    depth, rank = len(clip.visual.transformer.resblocks), textspan_rank(clip) if rank is None else rank
     num_layers = analysed_layers(depth) if num_layers is None else num_layers  # head_contributions checks it
     per_image = []
     for batch in image_batches.split(64) if isinstance(image_batches, torch.Tensor) else image_batches:
@@ -261,6 +260,10 @@ def analysed_layers(depth: int) -> int:
     return min(ANALYSED_LAYERS, depth)
 
 
+def textspan_rank(clip: clip_model.CLIP) -> int:  # TextSpan's r, a head's OV rank: its width (80 on ViT-H, 64 on B/16)
+    return clip.visual.transformer.resblocks[0].attn.head_dim
+
+
 def default_first_layer(depth: int) -> int:
     """The paper's J (1-based): the first analysed layer (9 of 12 for ViT-B/16)."""
     return depth - analysed_layers(depth) + 1
@@ -288,8 +291,7 @@ def check_thresholds(low_bits: Optional[float], high_bits: Optional[float]) -> N
 
 
 def falls_back_to_class_branch(role_map: RoleMap) -> bool:
-    """A measured map (entropies present) without attribute heads: keep the class branch alone (our
-    choice, METHOD.md Sec. 3); hand-made maps are taken as given."""
+    """A measured map (a hand-made one is taken as given) without attribute heads (our choice, METHOD.md Sec. 3)."""
     return any(h.entropy is not None for h in role_map.heads) and not any(h.role == "attribute" for h in role_map.heads)
 
 
@@ -623,11 +625,9 @@ def format_head_mask(mask: torch.Tensor, num_image_tokens: int, attributes: Sequ
     return "\n".join(["query \\ key " + " ".join(f"{n:>8}" for n in names)] + rows)  # folded: (1 + A, 1 + A)
 
 
-# The description bank (METHOD.md Sec. 3): labelled phrases for TextSpan to choose from.
-
-
 class Description(NamedTuple):
-    """One labelled phrase (a bank may hold plain (text, concept) pairs); value: its word ("red")."""
+    """One labelled phrase of a description bank (METHOD.md Sec. 3), for TextSpan to choose from (a bank may
+    hold plain (text, concept) pairs); value: its word ("red")."""
     text: str
     concept: str
     value: Optional[str] = None

@@ -133,7 +133,6 @@ TOY_DEFAULTS = dict(method=list(runs.METHODS), roles=["all-mixed", "all-generali
 BOOK = runs.RecipeBook(RECIPES, PROTOCOL_RECIPES, DEFAULTS, TOY_DEFAULTS, PAPER_DATASETS, DG_TARGETS,
                        FEWSHOT_SHOTS, WARMUP_LR, WEIGHT_DECAY)
 ANALYSIS_SEED = 0  # the analysis pool's draw: fixed, so every run of a model draws the same images
-ANALYSIS_RANK = dear.TEXTSPAN_RANK  # TextSpan's rank r (the authors' default, 80)
 RETRIEVAL_GALLERY = 2000  # test images at most in the retrieval check (our choice: cost)
 RETRIEVAL_QUERIES, RETRIEVAL_SHOWN, RETRIEVAL_K = 4, 8, 10  # picture rows, neighbours shown, precision@K
 
@@ -315,7 +314,7 @@ def run_head_analysis(settings, inputs: Inputs, items: list, pool: str, picks: i
                 f"{pool}; {picks} TextSpan picks per head (done once per model and pool, then cached)")
     role_map = dear.analyze_heads(
         clip, (images for images, _ in loader_of(items, settings, clip.visual.input_resolution)), inputs.tokenizer,
-        inputs.bank, inputs.attributes, num_layers=layers, num_descriptions=picks, rank=ANALYSIS_RANK,
+        inputs.bank, inputs.attributes, num_layers=layers, num_descriptions=picks, rank=dear.textspan_rank(clip),
         low_bits=settings["low_bits"], high_bits=settings["high_bits"], log=runtime.log)
     role_map.source = f"concept entropy on {pool}"
     table = role_map.table()
@@ -349,11 +348,12 @@ def analysed_role_maps(settings, inputs: Inputs, runtime: runs.Runtime):
             record = settings["role_maps"][dataset]
         else:
             items, pool = analysis_pool(settings, dataset)
-            picks = dear.analysis_picks(settings["descriptions"], len(inputs.bank), len(items), rank=ANALYSIS_RANK,
+            rank = dear.textspan_rank(inputs.clip)  # a head's width: 64 on ViT-B/16, 16 on the toy CLIP
+            picks = dear.analysis_picks(settings["descriptions"], len(inputs.bank), len(items), rank=rank,
                                         embed_dim=inputs.clip.visual.proj.shape[1],
                                         default=dear.default_picks(inputs.bank, inputs.attributes))
             fingerprint = runs.analysis_fingerprint(settings, inputs.clip, items, inputs.bank, inputs.attributes,
-                                                    picks, ANALYSIS_RANK)
+                                                    picks, rank)
             record = dict(fingerprint=fingerprint, pool=pool, images=len(items), picks=picks)
 
             def analyse(folder: str) -> None:
@@ -653,7 +653,7 @@ def run(args) -> int:
         runs.check_run_folder(settings, jobs, stack)  # fresh: usable; resumed: locked, every file checked
         if analysing(settings) and fresh and settings["descriptions"] is not None:  # a typed --descriptions
             dear.analysis_picks(settings["descriptions"], len(description_bank(settings["dataset"] == ["toyworld"])),
-                                settings["analysis_images"], rank=ANALYSIS_RANK)  # (a default is capped later)
+                                settings["analysis_images"], rank=settings["head_width"] or 64)  # OpenAI's heads
         runtime = runs.setup_runtime(settings)  # the device (and processes, under torchrun)
         inputs = open_inputs(settings, runtime)  # CLIP, tokenizer, the toy world, checked
         settings = dict(settings, **inputs.files)  # the files' places and SHA-256 complete the settings

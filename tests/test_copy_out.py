@@ -85,7 +85,8 @@ def test_the_readme_script_trains_past_zero_shot_from_a_package_holding_only_the
     assert adapted >= zero_shot + 25, f"DeAR {adapted}% does not beat zero-shot {zero_shot}% clearly"
     assert "Head roles" in result.stdout and "learnable" in result.stdout
     retrieved = dict(re.findall(r"retrieval by (.+): (\d+)% same colour", result.stdout))
-    assert {"class", "colour", "frozen CLIP"} <= set(retrieved), result.stdout  # the role file read back
+    # The role file read back; a random CLIP has no specialised head, so the analysis' tokens may all be blind.
+    assert {"class", "frozen CLIP"} | ({"colour"} if roles == "by-hand" else set()) <= set(retrieved), result.stdout
     assert (project / "roles.json").is_file()
 
 

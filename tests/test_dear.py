@@ -216,9 +216,19 @@ def test_roles_by_hand():
         dear.assign_roles(entropies, concepts, ATTRIBUTES, low_bits=2.0, high_bits=1.0)
 
 
-def test_thresholds_are_thirds_of_what_the_picks_can_spread_not_of_the_heads_seen():
-    assert dear.default_thresholds(3, 7) == pytest.approx((math.log2(3) / 3, 2 * math.log2(3) / 3))
+def test_thresholds_are_thirds_of_what_the_picks_can_spread_with_three_picks_in_four_a_specialist():
+    three_in_four = dear.concept_entropy(["position", "background", "position", "position"])  # 0.81 bits
     assert dear.default_thresholds(20, 12) == pytest.approx((math.log2(12) / 3, 2 * math.log2(12) / 3))
+    assert dear.default_thresholds(4, 7) == pytest.approx((three_in_four, 4 / 3))  # a third (0.67) asks 4 of 4
+    assert dear.default_thresholds(3, 7) == pytest.approx((three_in_four, 2 * math.log2(3) / 3))
+    assert dear.default_thresholds(2, 7) == pytest.approx((1 / 3, 2 / 3))  # 0.81 is not under high: a third
+    # Four picks: 3 of 4 on a core attribute is a specialist (a position head that also sees the
+    # background); 2 and 2 is mixed; 2, 1 and 1 a generalist.
+    picks = [["position", "background", "position", "position"], ["shape", "colour", "shape", "colour"],
+             ["shape", "colour", "texture", "shape"]]
+    roles, _, _ = dear.assign_roles([dear.concept_entropy(c) for c in picks], picks, ATTRIBUTES + ["position"],
+                                    num_concepts=7)
+    assert roles == [("attribute", "position"), ("mixed", None), ("generalization", None)]
     # Ten heads, none specialised (two concepts of three picks each): no attribute head is made.
     spread = [["colour", "colour", "shape"], ["shape", "texture", "shape"]] * 5
     entropies = [dear.concept_entropy(c) for c in spread]

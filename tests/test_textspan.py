@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import clip_model
 import dear
 from conftest import TINY
 from dear import DeARError
@@ -162,3 +163,34 @@ def test_analyze_heads_checks_the_picks_before_it_encodes_a_text(tiny_clip, monk
     assert all(len(h.descriptions) == 8 for h in roles.heads)
     roles = dear.analyze_heads(tiny_clip, images, tokenizer=None, num_descriptions=8, **quiet)
     assert all(len(h.descriptions) == 8 for h in roles.heads)
+
+
+def test_a_rank_above_the_heads_width_removes_a_pick_only_in_part_and_picks_its_twin_again():
+    # A head writing into 4 of 64 dimensions: strongly along u1, less along u2. Two phrases say
+    # u1 (each with its own part outside the head's span), one says u2. With the span's true rank
+    # the first pick takes u1 out entirely and the second is u2; with the whole space (rank 80,
+    # as for a 64-wide ViT-B/16 head) the removed direction leans outside the span, half of u1
+    # stays, and its twin phrase is picked again.
+    e, generator = torch.eye(64), torch.Generator().manual_seed(0)
+    data = torch.randn(300, 4, generator=generator) @ (torch.tensor([5.0, 2.0, 0.1, 0.1])[:, None] * e[:4])
+    bank = F.normalize(torch.stack([e[0] + e[10], e[0] + e[20], e[1] + e[30], e[40], e[2] + e[50]]), dim=-1)
+    assert dear.textspan(data, bank, num_descriptions=2, rank=4) == [0, 2]
+    assert dear.textspan(data, bank, num_descriptions=2, rank=80) == [0, 1]
+
+
+def test_analyze_heads_takes_textspans_rank_from_the_heads_width(monkeypatch):
+    # 8 heads of 8 channels writing into a 32-dimensional embedding: rank 8, not 80 (nor 32).
+    torch.manual_seed(0)
+    clip = clip_model.CLIP(**dict(TINY, vision_width=64, vision_heads=8)).eval()
+    assert dear.textspan_rank(clip) == 8
+    R, bank = TINY["image_resolution"], dear.description_bank()
+    images = torch.randn(40, 3, R, R, generator=torch.Generator().manual_seed(0))
+    texts = F.normalize(torch.randn(len(bank), TINY["embed_dim"], generator=torch.Generator().manual_seed(1)), dim=-1)
+    monkeypatch.setattr(dear, "encode_descriptions", lambda clip, tokenizer, phrases: texts)
+    roles = dear.analyze_heads(clip, images, tokenizer=None, num_layers=2, num_descriptions=6, log=lambda line: None)
+    parts = clip_model.head_contributions(clip, images, 2)
+    contributions = parts.heads / parts.total().norm(dim=-1)[:, None, None, None]  # (n, L, H, E)
+    by_rank = {rank: [[bank[i].text for i in dear.textspan(contributions[:, h.layer - 1, h.head], texts, 6, rank)]
+                      for h in roles.heads] for rank in (8, 80)}
+    assert [h.descriptions for h in roles.heads] == by_rank[8]
+    assert by_rank[8] != by_rank[80], "the two ranks pick alike here: the test could not tell them apart"

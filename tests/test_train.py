@@ -477,7 +477,7 @@ def test_analyse_only_writes_the_roles_and_pictures_then_stops_and_training_reus
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--descriptions", "100000"], "--descriptions 100000: TextSpan can make 1..80 picks per head here"),
+    (["--descriptions", "100000"], "--descriptions 100000: TextSpan can make 1..32 picks per head here"),
     (["--descriptions", "7", "--analysis-pool", "imagenet:test"],
      "--descriptions 7: TextSpan can make 1..6 picks per head here (the span of 6 images' contributions"),
     (["--descriptions", "7", "--analysis-images", "5"], "--descriptions 7: TextSpan can make 1..5 picks"),
@@ -499,7 +499,7 @@ def test_descriptions_past_the_bank_or_the_image_cap_stop_before_the_model_is_re
                                                                                   monkeypatch):
     monkeypatch.setattr(train, "open_inputs", lambda *args: pytest.fail("work began before the check"))
     out = tmp_path / "run"
-    for flags, message in ((["--descriptions", "100000"], "TextSpan keeps 80 singular directions"),
+    for flags, message in ((["--descriptions", "100000"], "TextSpan keeps 32 singular directions"),
                            (["--descriptions", "30", "--analysis-images", "29"], "the span of 29 images'")):
         refused(common(world, out, "--dataset", "dtd", *flags), capsys, message, out)
 
@@ -559,7 +559,7 @@ def wrong_roles_file(tmp_path):
     ("two role sources", "give at most one of 'analyse' or a roles file"),
     ("inverted thresholds", "low_bits=3 is above high_bits=1"),
     ("old fusion name", "argument --fusion: 'adaptive' is an old name: use class-on-unseen"),
-    ("descriptions past the span", "--descriptions 100000: TextSpan can make 1..80 picks per head here"),
+    ("descriptions past the span", "--descriptions 100000: TextSpan can make 1..32 picks per head here"),
 ])
 def test_bad_input_ends_in_one_line_and_exit_status_2_without_a_run_folder(world, tmp_path, case, message):
     if case == "no cuda" and torch.cuda.is_available():
