@@ -436,7 +436,8 @@ def test_causal_check_returns_a_well_formed_table(mini_model):
     assert result["scored"] == 2
     assert result["agreement_rate"] == sum(row["agrees"] for row in result["heads"]) / 2
     table_rows = [line for line in result["table"].splitlines() if line.startswith("| 2 |")]
-    assert len(table_rows) == 2 and all(line.count("|") == 11 for line in table_rows)
+    assert len(table_rows) == 2 and all(line.count("|") == 12 for line in table_rows)
+    assert result["direct_agreement_rate"] == sum(row["direct"]["agrees"] for row in result["heads"]) / 2
 
     # Groups: one per role present and one per attribute concept entropy names; a group of one
     # head is that head's ablation, so its drops are the head's.
@@ -450,12 +451,32 @@ def test_causal_check_returns_a_well_formed_table(mini_model):
     assert groups["all generalization heads"]["agrees"] == (groups["all generalization heads"]["singled_out"] is None)
     assert groups["colour heads (entropy)"]["agrees"] == (groups["colour heads (entropy)"]["singled_out"] == "colour")
     assert groups["all attribute heads"]["agrees"] is None and result["groups_scored"] == 2
-    for attribute, best in result["best_per_attribute"].items():  # the most selective unit, by its margin
-        margins = [causal._selectivity(unit["log_prob_drops"], attribute) for unit in result["heads"] + result["groups"]]
-        assert best["selectivity"] == max(margins)
     assert "| colour heads (entropy) | 1 |" in result["table"]
     listed = [line.split(" | ")[:2] for line in result["table"].splitlines() if line.startswith("| 2.")]
     assert listed == [[f"| 2.{row['head']}", row["singled_out"]] for row in result["heads"] if row["singled_out"]]
+
+
+def test_a_heads_direct_path_alone_is_its_term_of_the_decomposed_embedding_set_to_its_mean(mini_model):
+    # Recomputed here from clip_model.head_contributions on causal_check's own draws (seed 1, its means
+    # from seed 2): a wrong sign, a missing mean, or another head's or layer's term gives other drops.
+    model, tokenizer = mini_model
+    heads = [dear.HeadRole(layer, head, "generalization", None, 2.0) for layer in (0, 1) for head in (0, 1)]
+    result = toyworld.causal_check(model, tokenizer, dear.RoleMap(2, 2, list(world.ATTRIBUTES), heads), n_images=32,
+                                   log=lambda line: None)
+    size = model.visual.input_resolution
+    (images, scenes), (reference, _) = pretrain.draw_batch(1, 32, size), pretrain.draw_batch(2, 32, size)
+    text = pretrain.prompt_features(model, tokenizer, world.ATTRIBUTES)
+    with torch.no_grad():
+        baseline, embeddings = pretrain.zero_shot_scores(model, images, scenes, text), model.encode_image(images)
+        terms = clip_model.head_contributions(model, images, 2).heads  # (B, 2, 2, E)
+        means = clip_model.head_contributions(model, reference, 2).heads.mean(dim=0)  # (2, 2, E)
+    for row in result["heads"]:
+        edited = embeddings - terms[:, row["layer"], row["head"]] + means[row["layer"], row["head"]]
+        scores = pretrain.zero_shot_scores(model, images, scenes, text, edited)
+        expected = {a: baseline[a]["log_prob"] - scores[a]["log_prob"] for a in world.ATTRIBUTES}
+        assert row["direct"]["log_prob_drops"] == pytest.approx(expected, abs=1e-4)
+    first_layer = [row for row in result["heads"] if row["layer"] == 0]  # they also act through layer 2
+    assert any(row["direct"]["log_prob_drops"] != pytest.approx(row["log_prob_drops"], abs=1e-3) for row in first_layer)
 
 
 # ------------------------------------------------------------------------------------------

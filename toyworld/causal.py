@@ -27,6 +27,12 @@ How the ablation works: clip_model's attention puts the heads side by side, (B, 
 before `attn.out_proj` mixes them, so head h's output is channels [h*D, (h+1)*D) of out_proj's
 *input*, which a forward pre-hook reads or overwrites; removing the hook restores the model.
 
+The whole head and its direct path: removing a head's output also changes what later layers read.
+Concept entropy reads only its *direct* contribution to the image embedding (TextSpan's decomposition,
+clip_model.head_contributions), so each head is also ablated there alone (its term of the decomposed
+embedding set to its mean), by the same rule. A head whose whole removal singles out an attribute and
+whose direct path does not acts through later layers, where no reading of its direct term can see it.
+
 Try it:  python -m toyworld --scale miniature --causal
 """
 
@@ -88,12 +94,10 @@ def ablate_heads(model: clip_model.CLIP, heads: Sequence[tuple[int, int]],
 
 
 def head_groups(role_map: dear.RoleMap, attributes: Sequence[str]) -> list[dict]:
-    """The groups ablated together: all heads of one role, and all heads concept entropy names
-    for one attribute. Why: when three heads carry colour, removing one costs little, and
-    single-head ablation cannot tell "redundant" from "absent"; removing the three can.
-    Each non-empty group: {"name", "heads": [(layer, head)], "expects": the attribute its
-    removal should single out, None for none (generalization heads), or "-" (not scored:
-    mixed heads, and all attribute heads together, which span several attributes)}."""
+    """The groups ablated together: all heads of one role, and all heads concept entropy names for one
+    attribute (when three heads carry colour, removing one costs little; removing the three does not).
+    Each non-empty group: {"name", "heads": [(layer, head)], "expects": the attribute its removal should
+    single out, None for none (generalization heads), or "-" (not scored: mixed, all attribute heads)}."""
     groups = []
     for role, expects in (("attribute", "-"), ("generalization", None), ("mixed", "-")):
         members = [(h.layer, h.head) for h in role_map.heads if h.role == role]
@@ -105,13 +109,6 @@ def head_groups(role_map: dear.RoleMap, attributes: Sequence[str]) -> list[dict]
 
 
 # ---- 2. The check ------------------------------------------------------------------------
-def _selectivity(decisive: dict[str, float], attribute: str) -> float:
-    """How much more removing a unit costs `attribute` than any other attribute:
-    drop(attribute) - max drop(other) (negative drops count as 0)."""
-    others = [max(value, 0.0) for name, value in decisive.items() if name != attribute]
-    return decisive[attribute] - max(others, default=0.0)
-
-
 def _singled_out(drops: dict[str, float], min_drop: float, dominance: float) -> Optional[str]:
     """The attribute the drops single out (see the module docstring), or None."""
     ranked = sorted(drops.items(), key=lambda item: -item[1])
@@ -136,10 +133,10 @@ def causal_check(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer, r
     Returns {"baseline": {attribute: {"accuracy", "log_prob"}}, "heads": [one dict per head:
     layer (0-based), head, role, attribute, entropy, drops {attribute: accuracy lost, as a
     fraction}, log_prob_drops {attribute: nats lost}, top_attribute (largest drop by
-    `measure`), singled_out (attribute or None), agrees (True/False, None for mixed)],
-    "agreement_rate": float or None, "scored": int, "groups" (the same per group, with name,
-    heads, expects), "group_agreement_rate", "groups_scored", "best_per_attribute",
-    "measure", "min_drop", "dominance", "table": markdown}.
+    `measure`), singled_out (attribute or None), agrees (True/False, None for mixed), direct (the
+    same for its direct path alone)], "agreement_rate": float or None, "scored": int,
+    "direct_agreement_rate", "groups" (the same per group, with name, heads, expects),
+    "group_agreement_rate", "groups_scored", "measure", "min_drop", "dominance", "table": markdown}.
     """
     if measure not in ("log_prob", "accuracy"):
         raise ValueError(f"measure={measure!r}: expected 'log_prob' or 'accuracy'")
@@ -152,28 +149,39 @@ def causal_check(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer, r
     text = prompt_features(clip, tokenizer, attributes)  # the text side is never ablated
     baseline = zero_shot_scores(clip, images, scenes, text)
     means = mean_head_outputs(clip, reference, role_map.layers)
+    # The direct paths: every head's term of the decomposed embedding, (B, L, H, E), and its mean.
+    parts = clip_model.head_contributions(clip, images, len(clip.visual.transformer.resblocks) - min(role_map.layers))
+    mean_terms = clip_model.head_contributions(clip, reference, len(parts.layers)).heads.mean(dim=0)  # (L, H, E)
+    embeddings = parts.total()  # (B, E): encode_image's, to float tolerance
+
+    def drops_to(scores: dict) -> dict:
+        """The drops from the baseline to `scores`, and the attribute they single out."""
+        drops = {"drops": {name: baseline[name]["accuracy"] - scores[name]["accuracy"] for name in attributes},
+                 "log_prob_drops": {name: baseline[name]["log_prob"] - scores[name]["log_prob"] for name in attributes}}
+        decisive = drops[decisive_key]
+        return {**drops, "top_attribute": max(decisive, key=decisive.get),
+                "singled_out": _singled_out(decisive, min_drop, dominance)}
 
     def ablated(heads: Sequence[tuple[int, int]]) -> dict:
-        """The drops when `heads` are mean-ablated together, and what they single out."""
         with ablate_heads(clip, heads, means):
-            scores = zero_shot_scores(clip, images, scenes, text)
-        unit = {"drops": {name: baseline[name]["accuracy"] - scores[name]["accuracy"] for name in attributes},
-                "log_prob_drops": {name: baseline[name]["log_prob"] - scores[name]["log_prob"] for name in attributes}}
-        decisive = unit[decisive_key]
-        return {**unit, "top_attribute": max(decisive, key=decisive.get),
-                "singled_out": _singled_out(decisive, min_drop, dominance)}
+            return drops_to(zero_shot_scores(clip, images, scenes, text))
+
+    def agreement(role: str, attribute: Optional[str], singled_out: Optional[str]) -> Optional[bool]:
+        return {"attribute": singled_out == attribute, "generalization": singled_out is None}.get(role)
 
     rows = []
     for entry in role_map.heads:
         row = {"layer": entry.layer, "head": entry.head, "role": entry.role, "attribute": entry.attribute,
                "entropy": entry.entropy, **ablated([(entry.layer, entry.head)])}
-        row["agrees"] = {"attribute": row["singled_out"] == entry.attribute,
-                         "generalization": row["singled_out"] is None}.get(entry.role)
+        li = parts.layers.index(entry.layer)  # its direct path alone: its term of the embedding set to its mean
+        edited = embeddings - parts.heads[:, li, entry.head] + mean_terms[li, entry.head]
+        direct = drops_to(zero_shot_scores(clip, images, scenes, text, edited))
+        row["agrees"] = agreement(entry.role, entry.attribute, row["singled_out"])
+        row["direct"] = {**direct, "agrees": agreement(entry.role, entry.attribute, direct["singled_out"])}
         rows.append(row)
 
-    # The same for groups of heads removed together: the groups concept entropy defines, and,
-    # per attribute, the heads whose own ablation singles it out (the group ablation itself
-    # would name; not scored, it is the yardstick).
+    # The same for groups removed together: those concept entropy defines, and per attribute the heads
+    # whose own ablation singles it out (not scored: the yardstick).
     by_ablation = [{"name": f"{attribute} heads (ablation)",
                     "heads": [(row["layer"], row["head"]) for row in rows if row["singled_out"] == attribute],
                     "expects": "-"} for attribute in attributes]
@@ -184,24 +192,17 @@ def causal_check(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer, r
         groups.append({**group, **unit, "agrees": agrees})
     (rate, scored), (group_rate, groups_scored) = _rate(rows), _rate(groups)
 
-    # Per attribute: the head or group whose removal costs it most compared with the others.
-    units = [(f"head {row['layer'] + 1}.{row['head']} ({_role(row)})", row) for row in rows]
-    units += [(group["name"], group) for group in groups]
-    best = {}
-    for attribute in attributes:
-        name, unit = max(units, key=lambda item: _selectivity(item[1][decisive_key], attribute))
-        best[attribute] = {"unit": name, "selectivity": _selectivity(unit[decisive_key], attribute),
-                           "singled_out": unit["singled_out"] == attribute}
     result = {"baseline": baseline, "heads": rows, "agreement_rate": rate, "scored": scored,
-              "groups": groups, "group_agreement_rate": group_rate, "groups_scored": groups_scored,
-              "best_per_attribute": best, "measure": measure, "min_drop": min_drop, "dominance": dominance}
+              "direct_agreement_rate": _rate([row["direct"] for row in rows])[0], "groups": groups,
+              "group_agreement_rate": group_rate, "groups_scored": groups_scored,
+              "measure": measure, "min_drop": min_drop, "dominance": dominance}
     result["table"] = causal_table(result, attributes)
     named = sum(row["attribute"] == row["singled_out"] for row in rows if row["singled_out"])
     log(f"causal check: ablation singles out {sum(bool(row['singled_out']) for row in rows)} heads, concept "
         f"entropy names {named} of them for that attribute")
     log(f"causal check: {len(rows)} heads and {len(groups)} groups ablated on {n_images} images; agreement "
-        f"{_percent(rate)} of {scored} scored heads, {_percent(group_rate)} of {groups_scored} scored groups "
-        f"(by {measure})")
+        f"{_percent(rate)} of {scored} scored heads ({_percent(result['direct_agreement_rate'])} by direct paths), "
+        f"{_percent(group_rate)} of {groups_scored} scored groups (by {measure})")
     return result
 
 
@@ -225,31 +226,32 @@ def causal_table(result: dict, attributes: Sequence[str]) -> str:
         return f"{drops} | {unit['top_attribute']} | {unit['singled_out'] or '-'} | {agrees} |"
 
     columns = " | ".join(f"drop {a}" for a in attributes) + " | largest drop | singled out | agrees |"
-    lines = ["| layer (1-based) | head | role (entropy) | " + columns, "|" + "---|" * (6 + len(attributes))]
+    lines = ["| layer (1-based) | head | role (entropy) | " + columns + " direct path alone singles out |",
+             "|" + "---|" * (7 + len(attributes))]
     lines.append("| baseline | | | " + " | ".join(
         f"{result['baseline'][a]['accuracy']:.0%} acc, {result['baseline'][a]['log_prob']:.2f} nats"
-        for a in attributes) + " | | | |")
+        for a in attributes) + " | | | | |")
     lines += [f"| {row['layer'] + 1} | {row['head']} | {_role(row, entropy=True)} | " + cells(row)
-              for row in result["heads"]]
+              + f" {row['direct']['singled_out'] or '-'} |" for row in result["heads"]]
     lines += ["", "| group (removed together) | heads | " + columns, "|" + "---|" * (5 + len(attributes))]
     lines += [f"| {group['name']} | {len(group['heads'])} | " + cells(group) for group in result["groups"]]
-    # The yardstick first: the heads whose own removal singles out an attribute, and what
-    # concept entropy calls them.
-    lines += ["", "| head ablation singles out (layer.head, 1-based) | attribute | concept entropy names it |",
-              "|---|---|---|"]
-    lines += [f"| {row['layer'] + 1}.{row['head']} | {row['singled_out']} | {_role(row, entropy=True)}"
-              f"{' (named for it)' if row['attribute'] == row['singled_out'] else ''} |"
-              for row in result["heads"] if row["singled_out"]]
-    lines += ["", "| attribute | most selective head or group | drop minus largest other drop | singled out |",
-              "|---|---|---:|---|"]
-    lines += [f"| {attribute} | {best['unit']} | {best['selectivity']:+.2f} | {'yes' if best['singled_out'] else 'no'} |"
-              for attribute, best in result["best_per_attribute"].items()]
+    # The yardstick first: the heads whose own removal singles out an attribute, what removing
+    # their direct path alone costs it (all concept entropy reads), and what concept entropy calls them.
+    lines += ["", "| head ablation singles out (layer.head, 1-based) | attribute | its drop, whole head / direct path "
+              "alone (nats) | concept entropy names it |", "|---|---|---|---|"]
+    for row in (row for row in result["heads"] if row["singled_out"]):
+        whole, direct = (unit["log_prob_drops"][row["singled_out"]] for unit in (row, row["direct"]))
+        named = " (named for it)" if row["attribute"] == row["singled_out"] else ""
+        lines.append(f"| {row['layer'] + 1}.{row['head']} | {row['singled_out']} | {whole:+.3f} / {direct:+.3f} | "
+                     f"{_role(row, entropy=True)}{named} |")
     unit = "nats" if result["measure"] == "log_prob" else "accuracy points"
     threshold = result["min_drop"] if result["measure"] == "log_prob" else 100 * result["min_drop"]
     lines.append("")
-    lines.append(f"Agreement: {_percent(result['agreement_rate'])} of {result['scored']} scored heads, "
+    lines.append(f"Agreement: {_percent(result['agreement_rate'])} of {result['scored']} scored heads "
+                 f"({_percent(result['direct_agreement_rate'])} when only their direct paths are removed), "
                  f"{_percent(result['group_agreement_rate'])} of {result['groups_scored']} scored groups. "
-                 f"Cells: accuracy points / nats of log-probability lost when the head is mean-ablated. "
+                 f"Cells: accuracy points / nats of log-probability lost when the head is mean-ablated; its direct "
+                 f"path alone: its term of the decomposed embedding set to its mean, what concept entropy reads. "
                  f"Attribute heads agree when their attribute is singled out, generalization heads when none "
                  f"is; singled out = largest {result['measure']} drop >= {threshold:g} {unit} and >= "
                  f"{result['dominance']:g}x the second; mixed heads are not scored. "

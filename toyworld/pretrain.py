@@ -167,12 +167,13 @@ def prompt_features(model: clip_model.CLIP, tokenizer: clip_model.SimpleTokenize
 
 @torch.no_grad()
 def zero_shot_scores(model: clip_model.CLIP, images: torch.Tensor, scenes: Sequence[world.Scene],
-                     text: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
+                     text: dict[str, torch.Tensor], embeddings: Optional[torch.Tensor] = None
+                     ) -> dict[str, dict[str, float]]:
     """Per attribute of `text` (from prompt_features): {"accuracy": share of images whose
     best-matching prompt names their value, "log_prob": mean log-probability of the true value
     under CLIP's softmax over the prompts}. The log-probability keeps moving when accuracy is
-    already 100%, which the ablation check (causal.py) needs to see a head's effect."""
-    image_features = F.normalize(model.encode_image(images), dim=-1)  # (B, E)
+    already 100%, which the ablation check (causal.py, which passes edited `embeddings`) needs."""
+    image_features = F.normalize(model.encode_image(images) if embeddings is None else embeddings, dim=-1)  # (B, E)
     scale = model.logit_scale.exp()
     result = {}
     for name, prompts in text.items():
