@@ -1095,13 +1095,13 @@ def draw_heatmap(role_map: dear.RoleMap, path: str) -> None:
     concept entropy written in it, and a legend."""
     from PIL import Image, ImageDraw
 
-    cell_w, cell_h, left, top, layers, H = 58, 34, 96, 40, role_map.layers, role_map.num_heads  # pixels
+    cell_w, cell_h, left, top, layers, H = 58, 34, 96, 52, role_map.layers, role_map.num_heads  # pixels
     legend = {f"attribute: {a}": ATTRIBUTE_COLOURS[i % len(ATTRIBUTE_COLOURS)] for i, a in
               enumerate(role_map.attributes)} | {"generalization": GENERALIZATION_COLOUR, "mixed": MIXED_COLOUR}
     height = top + len(layers) * cell_h + 30 + 18 * ((len(legend) + 2) // 3)  # the legend: three per line
     image = Image.new("RGB", (max(left + H * cell_w + 10, 560), height), "white")  # 560: the title's width
     draw = ImageDraw.Draw(image)
-    draw.text((8, 6), f"DeAR head roles ({role_map.source}); number = concept entropy (bits)", fill="black")
+    draw.text((8, 4), f"DeAR head roles; number = concept entropy (bits)\n{role_map.source}", fill="black")
     for head in range(H):
         draw.text((left + head * cell_w + cell_w // 2 - 8, top - 16), f"h{head}", fill="black")
     for row, layer in enumerate(layers):
