@@ -132,7 +132,7 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
     g("--analyse-only", action="store_true", help="run the head analysis alone (roles.json, roles.png, masks.png "
       "in --output and the cache), then stop")
     g("--low-bits", type=float, help="attribute heads have concept entropy at most this (unset: a third of "
-      "log2(min(descriptions, concepts)), the most the picks can spread, or one stray pick's if higher)")
+      "log2(min(descriptions, concepts)), the most the picks can spread, but at least 0.81: 3 of 4 on one concept)")
     g("--high-bits", type=float, help="generalization heads have concept entropy at least this (unset: two thirds)")
     g = p.add_argument_group("optimisation").add_argument
     g("--epochs", type=int, help="training epochs, the warm-up epochs included")
