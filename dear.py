@@ -128,7 +128,7 @@ def default_picks(bank: Sequence[Description], attributes: Sequence[str]) -> int
 def default_thresholds(num_picks: int, num_concepts: int):
     """(low_bits, high_bits): thirds of [0, log2(min(N, K))], the entropies N picks over K concepts can take, low at
     least 0.81 bits (3 of 4 picks on one concept) while under high (our choice, METHOD.md Sec. 3: absolute)."""
-    top, three_quarters = math.log2(max(1, min(num_picks, num_concepts))), concept_entropy("aaab")
+    top, three_quarters = math.log2(max(1, min(num_picks, num_concepts))), concept_entropy(["a", "a", "a", "b"])
     return (max(top / 3, three_quarters) if three_quarters < 2 * top / 3 else top / 3), 2 * top / 3
 
 

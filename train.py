@@ -314,7 +314,7 @@ def run_head_analysis(settings, inputs: Inputs, items: list, pool: str, picks: i
                 f"{pool}; {picks} TextSpan picks per head (done once per model and pool, then cached)")
     role_map = dear.analyze_heads(
         clip, (images for images, _ in loader_of(items, settings, clip.visual.input_resolution)), inputs.tokenizer,
-        inputs.bank, inputs.attributes, num_layers=layers, num_descriptions=picks, rank=dear.textspan_rank(clip),
+        inputs.bank, inputs.attributes, num_layers=layers, num_descriptions=picks,  # rank: the head width
         low_bits=settings["low_bits"], high_bits=settings["high_bits"], log=runtime.log)
     role_map.source = f"concept entropy on {pool}"
     table = role_map.table()
