@@ -1,7 +1,8 @@
 """dear.py -- DeAR (Ma et al., "Fine-Grained VLM Adaptation by Decomposing Attention Head Roles",
-CVPR 2026) in the order it runs: 1. TextSpan, 2. concept entropy, 3. head roles (paper Sec. 3.2;
-analyze_heads runs 1-3), 4. the role-based mask (Sec. 3.3), 5. the model and retrieval, 6. the
-losses (Sec. 3.4), 7. bookkeeping: RoleMap (its JSON file, its table), the description bank.
+CVPR 2026) in the order it runs: 1. TextSpan, 2. concepts (the picks clustered), 3. concept
+entropy's head roles (paper Sec. 3.2; analyze_heads runs 1-3), 4. the role-based mask (Sec. 3.3),
+5. the model and retrieval, 6. the losses (Sec. 3.4), 7. bookkeeping: RoleMap (its JSON file, its
+table), the description pools, 8. HDBSCAN written out.
 
 The method in one page: tests/test_dear_reference.py, DeAR's forward pass one head at a time; this
 file batches it. docs/METHOD.md ("METHOD.md Sec. N") has the choices where the paper is silent. It
@@ -16,11 +17,13 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
+from numbers import Integral
 from pathlib import Path
-from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence, Union
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Union
 
+import numpy as np  # torchvision's own dependency: numpy's sort order, for HDBSCAN's ties
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -32,6 +35,7 @@ except ImportError:
 
 CORE_ATTRIBUTES = ("colour", "shape", "texture", "object", "location")  # the paper's five, one token each
 ROLES = ("attribute", "generalization", "mixed")
+CONCEPT_SOURCES = ("clusters", "labels")  # the paper's: clusters of the picks; the control: a bank's labels
 TEXTSPAN_RANK, PAPER_PICKS = 80, 20  # clip_text_span's --w_ov_rank ("the rank of the OV matrix": ViT-H's); paper's N
 ANALYSED_LAYERS = 4  # the paper analyses, and prompts, the vision tower's last four layers
 
@@ -88,17 +92,89 @@ def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *,
     return requested
 
 
-# ---- 2. Concept entropy (paper Eq. 2) of the concepts of a head's picks (each phrase's, by construction)
+# ---- 2. Concepts: the heads' picks clustered without labels (paper Sec. 3.2, METHOD.md Sec. 3) --
+# The paper labels no description: the picks of every analysed head are embedded by a sentence
+# encoder (SBERT in the paper; CLIP's own text tower by default here, our choice) and clustered
+# with HDBSCAN, and each cluster is a concept. A labelled bank's labels can stand in for the
+# clusters (concepts="labels"): the control that the toy laboratory measures the clusters against.
+# HDBSCAN itself is written out at the end of this file (Sec. 8), a tool the method calls.
+NOISE = "noise"  # the concept of a pick that HDBSCAN leaves in no cluster
+CENTRAL_SHOWN = 5  # phrases shown per cluster (its most central ones)
+
+@dataclass
+class Cluster:
+    """One discovered concept: a cluster of distinct picked descriptions."""
+    id: int  # HDBSCAN's cluster id, as printed in clusters.md (and used by a names override)
+    name: str  # the core attribute it stands for, or "other"
+    size: int  # distinct picks in it
+    central: List[str]  # its most central phrases (nearest its mean), at most CENTRAL_SHOWN
+
+
+def default_concepts(bank: Sequence[Description]) -> str:
+    """Where the concepts come from unless asked (our choice, METHOD.md Sec. 3): a labelled bank's
+    labels, which name the toy CLIP's heads better than its clusters do; else clusters, the paper's."""
+    return "labels" if all(Description(*entry).concept is not None for entry in bank) else "clusters"
+
+
+def default_min_cluster_size(num_picks: int) -> int:
+    """HDBSCAN's smallest cluster (our choice, METHOD.md Sec. 3): as many phrases as one head picks,
+    so that a concept is at least what fills one specialist's N picks, never a value's few phrases."""
+    return max(2, num_picks)
+
+
+def cluster_picks(texts: Sequence[str], embeddings: torch.Tensor, min_cluster_size: int,
+                  min_samples: Optional[int] = None):
+    """Distinct picked texts (P,) and their embeddings (P, D) -> (each text's concept, "cluster k" or
+    NOISE; the clusters, named "other" until named; their unit means (k, D))."""
+    points = F.normalize(embeddings.double(), dim=-1)  # (P, D) unit length: Euclidean order = cosine's
+    ids = hdbscan(points, min_cluster_size, min_samples)  # (P,), -1 = noise
+    clusters, centres = [], []
+    for k in range(int(ids.max()) + 1 if len(ids) else 0):
+        members = (ids == k).nonzero().flatten()  # (m,)
+        centres.append(F.normalize(points[members].mean(dim=0), dim=0))  # (D,)
+        nearest = (points[members] @ centres[-1]).argsort(descending=True)[:CENTRAL_SHOWN]
+        clusters.append(Cluster(k, "other", len(members), [texts[members[i]] for i in nearest.tolist()]))
+    concepts = [f"cluster {k}" if k >= 0 else NOISE for k in ids.tolist()]
+    return concepts, clusters, torch.stack(centres) if centres else points[:0]
+
+
+def name_by_labels(concepts: Sequence[str], labels: Sequence[str], attributes: Sequence[str]) -> Dict[str, str]:
+    """A labelled pool: each cluster is named by its phrases' most common label when that is a core
+    attribute, else "other" (the labels name the concepts; which picks go together stays HDBSCAN's)."""
+    by_cluster: Dict[str, Counter] = {}
+    for concept, label in zip(concepts, labels):
+        by_cluster.setdefault(concept, Counter())[label] += 1
+    return {concept: label if (label := counts.most_common(1)[0][0]) in attributes else "other"
+            for concept, counts in by_cluster.items() if concept != NOISE}
+
+
+def name_by_anchors(centres: torch.Tensor, anchors: torch.Tensor, attributes: Sequence[str]) -> Dict[str, str]:
+    """A pool without labels: cluster means (k, D) and the attributes' names embedded (A, D) -> each
+    attribute names the cluster nearest it if it is that cluster's nearest attribute too (mutual
+    nearest by cosine; our choice): at most one cluster per attribute, as the paper's hand-picked five."""
+    similarity = F.normalize(centres.double(), dim=-1) @ F.normalize(anchors.double(), dim=-1).T  # (k, A)
+    names = {f"cluster {k}": "other" for k in range(len(centres))}
+    for a, attribute in enumerate(attributes):
+        k = int(similarity[:, a].argmax()) if len(centres) else -1
+        if k >= 0 and int(similarity[k].argmax()) == a:
+            names[f"cluster {k}"] = attribute
+    return names
+
+
 def concept_entropy(concepts: Sequence[str]) -> float:
-    """H = -sum_c P(c) log2 P(c), P(c) the share of picks about concept c: 0 bits for a specialist."""
-    counts, total = Counter(concepts), len(concepts)
-    return float(-sum((c / total) * math.log2(c / total) for c in counts.values()))
+    """Paper Eq. 2: H = -sum_c P(c) log2 P(c), P(c) the share of picks about concept c: 0 bits for a
+    specialist. A pick in no cluster (NOISE) is a concept of its own (our choice, METHOD.md Sec. 3):
+    TextSpan found that it explains the head and it resembles no other pick, so it is spread."""
+    counts = list(Counter(c for c in concepts if c != NOISE).values()) + [1] * list(concepts).count(NOISE)
+    total = len(concepts)
+    return float(-sum((c / total) * math.log2(c / total) for c in counts))
 
 
 def dominant_concept(concepts: Sequence[str]) -> str:
-    """The most frequent concept; a tie goes to the one TextSpan found first (it explains more)."""
-    counts = Counter(concepts)
-    return next(c for c in concepts if counts[c] == max(counts.values()))
+    """The most frequent concept, never NOISE while a cluster is there; a tie goes to the one
+    TextSpan found first (it explains more)."""
+    counts = Counter(c for c in concepts if c != NOISE)
+    return next((c for c in concepts if counts.get(c) == max(counts.values())), NOISE) if counts else NOISE
 
 
 # ---- 3. Roles: entropy -> attribute / generalization / mixed (paper Sec. 3.2, METHOD.md Sec. 3) --
@@ -110,14 +186,18 @@ class HeadRole:
     attribute: Optional[str] = None  # for attribute heads: which core attribute
     entropy: Optional[float] = None  # concept entropy in bits (None when not analysed)
     descriptions: List[str] = field(default_factory=list)  # TextSpan's picks, in order
-    concepts: List[str] = field(default_factory=list)  # the concept of each pick
+    concepts: List[str] = field(default_factory=list)  # the concept of each pick: a label, "cluster k", NOISE
 
 
 def default_picks(bank: Sequence[Description], attributes: Sequence[str]) -> int:
-    """Picks per head the bank supports (our rule; METHOD.md Sec. 3): the fewest values of a core
-    attribute, as a pure specialist has nothing left to explain once its values are picked (ours: 16)."""
+    """Picks per head (our rule; METHOD.md Sec. 3). A labelled bank: the fewest values of a core
+    attribute, as a pure specialist has nothing left to explain once its values are picked (ours:
+    16). A pool without labels tells nothing of its values: the paper's 20."""
+    bank = [Description(*entry) for entry in bank]
+    if any(entry.concept is None for entry in bank):
+        return PAPER_PICKS
     values = {}
-    for entry in (Description(*entry) for entry in bank):
+    for entry in bank:
         if entry.concept in attributes:
             values.setdefault(entry.concept, set()).add(entry.value if entry.value is not None else entry.text)
     if not values:
@@ -134,10 +214,10 @@ def default_thresholds(num_picks: int, num_concepts: int):
 
 def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequence[str]], attributes: Sequence[str],
                  low_bits: Optional[float] = None, high_bits: Optional[float] = None,
-                 num_concepts: Optional[int] = None):
+                 num_concepts: Optional[int] = None, names: Optional[Dict[str, str]] = None):
     """Heads -> ([(role, attribute or None)], low_bits, high_bits), thresholds `default_thresholds(N, K)`
-    unless given. H <= low: an attribute head for its dominant concept if that is a core attribute, else
-    (e.g. "style": no token) generalization; H >= high: generalization; between: mixed."""
+    unless given. H <= low: an attribute head for its dominant concept if that is (names: is named) a core
+    attribute, else (e.g. "style": no token) generalization; H >= high: generalization; between: mixed."""
     num_concepts = num_concepts or len({c for concepts in concepts_per_head for c in concepts})
     low, high = default_thresholds(max(len(c) for c in concepts_per_head), num_concepts)
     low_bits, high_bits = (low if low_bits is None else low_bits), (high if high_bits is None else high_bits)
@@ -145,8 +225,8 @@ def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequenc
     roles = []
     for entropy, concepts in zip(entropies, concepts_per_head):
         if entropy <= low_bits:
-            concept = dominant_concept(concepts)
-            roles.append(("attribute", concept) if concept in attributes else ("generalization", None))
+            name = (names or {}).get(dominant_concept(concepts), dominant_concept(concepts))
+            roles.append(("attribute", name) if name in attributes else ("generalization", None))
         else:
             roles.append(("generalization" if entropy >= high_bits else "mixed", None))
     return roles, low_bits, high_bits
@@ -166,13 +246,71 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
                   tokenizer: clip_model.SimpleTokenizer, bank: Optional[Sequence[Description]] = None,
                   attributes: Sequence[str] = CORE_ATTRIBUTES, num_layers: Optional[int] = None,
                   num_descriptions: Optional[int] = None, rank: Optional[int] = None, low_bits: Optional[float] = None,
-                  high_bits: Optional[float] = None, log: Callable[[str], None] = print) -> RoleMap:
+                  high_bits: Optional[float] = None, concepts: Optional[str] = None,
+                  embed_texts: Optional[Callable[[List[str]], torch.Tensor]] = None,
+                  min_cluster_size: Optional[int] = None, min_samples: Optional[int] = None,
+                  cluster_names: Optional[Dict[int, str]] = None, log: Callable[[str], None] = print) -> RoleMap:
     """The head analysis (paper Sec. 3.2) -> RoleMap. image_batches: (n, 3, R, R) or an iterable of (B, 3, R, R);
     bank: default the project's; rank: default textspan_rank(clip). For each head of the last `num_layers` layers:
-    its direct contributions (over each embedding's norm, as TextSpan does), picks, entropy, role."""
+    its direct contributions (over each embedding's norm, as TextSpan does) and TextSpan's picks; then the
+    concepts (concepts="clusters": the picks clustered, embedded by embed_texts, default CLIP's text tower;
+    "labels": the bank's; default: default_concepts(bank)), each head's concept entropy and role.
+    cluster_names: {cluster id: name} overrides the names the clusters are given."""
     bank = [Description(*entry) for entry in bank] if bank is not None else description_bank()
+    concepts = default_concepts(bank) if concepts is None else concepts
+    check_concepts(concepts, bank)
     depth, rank = len(clip.visual.transformer.resblocks), textspan_rank(clip) if rank is None else rank
     num_layers = analysed_layers(depth) if num_layers is None else num_layers  # head_contributions checks it
+    contributions = normalised_contributions(clip, image_batches, num_layers, log)  # (n_images, L, H, E)
+    n_images, L, H, E = contributions.shape
+    default = default_picks(bank, attributes) if num_descriptions is None else PAPER_PICKS
+    num_descriptions = analysis_picks(num_descriptions, len(bank), n_images, rank=rank, embed_dim=E, default=default)
+    text = encode_descriptions(clip, tokenizer, [d.text for d in bank]).cpu()  # (T, E)
+    log(f"  head analysis: {len(bank)} descriptions; TextSpan with rank {min(rank, n_images, E)} and "
+        f"{num_descriptions} picks per head")
+    first, picks = depth - num_layers, []  # picks: per head (layer-major), the bank indices TextSpan chose
+    for li in range(L):
+        picks += [textspan(contributions[:, li, head], text, num_descriptions, rank) for head in range(H)]
+        log(f"  head analysis: layer {first + li + 1} (index {first + li}) done")
+    # The concepts: each picked phrase's, from the clusters of all heads' picks or from the bank's labels.
+    picked = list(dict.fromkeys(i for head_picks in picks for i in head_picks))  # distinct, in order found
+    clusters, names = [], None
+    if concepts == "labels":
+        concept_of = {i: bank[i].concept for i in picked}
+        num_concepts = len({bank[i].concept for i in range(len(bank))})
+    else:
+        texts = [bank[i].text for i in picked]
+        embedded = text[picked] if embed_texts is None else checked_embeddings(embed_texts, texts)  # (P, D)
+        size = default_min_cluster_size(num_descriptions) if min_cluster_size is None else min_cluster_size
+        found, clusters, centres = cluster_picks(texts, embedded, size, min_samples)
+        concept_of = dict(zip(picked, found))
+        if all(bank[i].concept is not None for i in picked):  # a labelled bank: the labels name the clusters
+            names = name_by_labels(found, [bank[i].concept for i in picked], attributes)
+        else:  # without labels: the attributes' own names, in the same encoder's space
+            anchors = text_embeddings_of(list(attributes), clip, tokenizer, embed_texts)  # (A, D)
+            names = name_by_anchors(centres, anchors, attributes)
+        names.update({f"cluster {k}": name for k, name in (cluster_names or {}).items()})  # the user's word wins
+        for cluster in clusters:
+            cluster.name = names[f"cluster {cluster.id}"]
+        num_concepts = len(clusters) + found.count(NOISE)  # each unclustered pick a concept of its own
+        log(f"  head analysis: {len(picked)} distinct picks in {len(clusters)} clusters "
+            f"({found.count(NOISE)} in none; HDBSCAN min_cluster_size {size}): "
+            + ", ".join(f"{c.id} {c.name} ({c.size})" for c in clusters))
+    analysed = []
+    for index, head_picks in enumerate(picks):
+        head_concepts = [concept_of[i] for i in head_picks]
+        analysed.append(HeadRole(first + index // H, index % H, "mixed", None, concept_entropy(head_concepts),
+                                 [bank[i].text for i in head_picks], head_concepts))
+    roles, low, high = assign_roles([h.entropy for h in analysed], [h.concepts for h in analysed],
+                                    attributes, low_bits, high_bits, num_concepts, names)
+    for entry, (role, attribute) in zip(analysed, roles):
+        entry.role, entry.attribute = role, attribute
+    return RoleMap(depth, H, list(attributes), analysed, low, high, concepts=concepts, clusters=clusters)
+
+
+def normalised_contributions(clip: clip_model.CLIP, image_batches, num_layers: int,
+                             log: Callable[[str], None]) -> torch.Tensor:
+    """Each image's direct head contributions over its embedding's norm (TextSpan) -> (n, L, H, E)."""
     per_image = []
     for batch in image_batches.split(64) if isinstance(image_batches, torch.Tensor) else image_batches:
         if not isinstance(batch, torch.Tensor) or batch.dim() != 4:
@@ -184,27 +322,7 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
         log(f"  head analysis: contributions of {sum(len(p) for p in per_image)} images")
     if not per_image:
         raise DeARError("image_batches holds no images; the analysis needs at least 2")
-    contributions = torch.cat(per_image)  # (n_images, L, H, E)
-    n_images, L, H, E = contributions.shape
-    default = default_picks(bank, attributes) if num_descriptions is None else PAPER_PICKS
-    num_descriptions = analysis_picks(num_descriptions, len(bank), n_images, rank=rank, embed_dim=E, default=default)
-    text = encode_descriptions(clip, tokenizer, [d.text for d in bank]).cpu()  # (T, E)
-    num_concepts = len({d.concept for d in bank})
-    log(f"  head analysis: {len(bank)} descriptions over {num_concepts} concepts; "
-        f"TextSpan with rank {min(rank, n_images, E)} and {num_descriptions} picks per head")
-    analysed, first = [], depth - num_layers
-    for li in range(L):
-        for head in range(H):
-            picks = textspan(contributions[:, li, head], text, num_descriptions, rank)
-            concepts = [bank[i].concept for i in picks]
-            analysed.append(HeadRole(first + li, head, "mixed", None, concept_entropy(concepts),
-                                     [bank[i].text for i in picks], concepts))
-        log(f"  head analysis: layer {first + li + 1} (index {first + li}) done")
-    roles, low, high = assign_roles([h.entropy for h in analysed], [h.concepts for h in analysed],
-                                    attributes, low_bits, high_bits, num_concepts)
-    for entry, (role, attribute) in zip(analysed, roles):
-        entry.role, entry.attribute = role, attribute
-    return RoleMap(depth, H, list(attributes), analysed, low, high)
+    return torch.cat(per_image)
 
 
 # ---- 4. The role-based attention mask (paper Sec. 3.3, METHOD.md Sec. 4) -------------------------
@@ -288,6 +406,32 @@ def check_thresholds(low_bits: Optional[float], high_bits: Optional[float]) -> N
             raise DeARError(f"{name}={value}: expected a finite entropy in bits, >= 0")
     if None not in (low_bits, high_bits) and low_bits > high_bits:
         raise DeARError(f"low_bits={low_bits:g} is above high_bits={high_bits:g}; make the low threshold the smaller")
+
+
+def check_concepts(concepts: str, bank: Sequence[Description]) -> None:
+    """concepts is "clusters" or "labels"; labels need every description labelled."""
+    if concepts not in CONCEPT_SOURCES:
+        raise DeARError(f"concepts={concepts!r}: use {' or '.join(CONCEPT_SOURCES)}")
+    unlabelled = sum(entry.concept is None for entry in bank)
+    if concepts == "labels" and unlabelled:
+        raise DeARError(f"concepts 'labels' needs a label on every description; {unlabelled} of {len(bank)} have "
+                        "none (give 'text<TAB>concept' lines) or let clusters find the concepts")
+
+
+def checked_embeddings(embed_texts: Callable[[List[str]], torch.Tensor], texts: List[str]) -> torch.Tensor:
+    """embed_texts(texts) as a (len(texts), D) float tensor on the CPU, or one line saying what came back."""
+    embedded = embed_texts(texts)
+    if not isinstance(embedded, torch.Tensor):
+        embedded = torch.as_tensor(embedded)  # e.g. a numpy array (sentence-transformers' default)
+    if embedded.dim() != 2 or len(embedded) != len(texts) or not embedded.is_floating_point():
+        raise DeARError(f"embed_texts returned a {embedded.dtype} tensor of shape {tuple(embedded.shape)} for "
+                        f"{len(texts)} texts; it must return ({len(texts)}, D) floats")
+    return embedded.detach().float().cpu()
+
+
+def text_embeddings_of(texts: List[str], clip: clip_model.CLIP, tokenizer, embed_texts) -> torch.Tensor:
+    return encode_descriptions(clip, tokenizer, texts).cpu() if embed_texts is None else \
+        checked_embeddings(embed_texts, texts)
 
 
 def falls_back_to_class_branch(role_map: RoleMap) -> bool:
@@ -522,6 +666,8 @@ class RoleMap:
     low_bits: Optional[float] = None  # the entropy thresholds that made it (None: not measured)
     high_bits: Optional[float] = None
     source: str = "analysis"  # "analysis" or the name of a fixed choice ("all-mixed", ...)
+    concepts: Optional[str] = None  # where the analysis took its concepts from: "clusters" or "labels"
+    clusters: List[Cluster] = field(default_factory=list)  # the concepts discovered (concepts="clusters")
 
     @property
     def layers(self) -> List[int]:
@@ -570,6 +716,7 @@ class RoleMap:
         return {"what": "DeAR head roles (layer and head are 0-based; the paper's layer = layer + 1)",
                 "source": self.source, "vision_layers": self.vision_layers, "num_heads": self.num_heads,
                 "attributes": list(self.attributes), "thresholds_bits": {"low": self.low_bits, "high": self.high_bits},
+                "concepts": self.concepts, "clusters": [asdict(c) for c in self.clusters],
                 "heads": [asdict(h) for h in self.heads]}
 
     def save(self, path: str) -> None:
@@ -585,7 +732,8 @@ class RoleMap:
             thresholds = data.get("thresholds_bits") or {}
             role_map = cls(int(data["vision_layers"]), int(data["num_heads"]), list(data["attributes"]),
                            [HeadRole(**entry) for entry in data["heads"]], thresholds.get("low"),
-                           thresholds.get("high"), data.get("source", "analysis"))
+                           thresholds.get("high"), data.get("source", "analysis"), data.get("concepts"),
+                           [Cluster(**entry) for entry in data.get("clusters") or []])
         except FileNotFoundError:
             raise DeARError(f"{path}: no such role file; run the head analysis first (analyze_heads, then "
                             "RoleMap.save) or use RoleMap.uniform('mixed', ...) (no mask)") from None
@@ -626,11 +774,36 @@ def format_head_mask(mask: torch.Tensor, num_image_tokens: int, attributes: Sequ
 
 
 class Description(NamedTuple):
-    """One labelled phrase of a description bank (METHOD.md Sec. 3), for TextSpan to choose from (a bank may
-    hold plain (text, concept) pairs); value: its word ("red")."""
+    """One phrase of a description pool (METHOD.md Sec. 3), for TextSpan to choose from: its concept
+    when the pool is labelled (None: clusters find it), its value word ("red") when known."""
     text: str
-    concept: str
+    concept: Optional[str] = None
     value: Optional[str] = None
+
+
+def read_descriptions(path: str, log: Callable[[str], None] = print) -> List[Description]:
+    """A pool file: one description per line, blank lines and '#' comments skipped, a repeated line
+    kept once (with a count); 'text<TAB>concept' labels a line. Problems: one DeARError naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.strip() for line in f]
+    except FileNotFoundError:
+        raise DeARError(f"{path}: no such description pool; give a text file, one description per line") from None
+    except UnicodeDecodeError:
+        raise DeARError(f"{path}: not UTF-8 text; save the pool as UTF-8") from None
+    except OSError as error:
+        raise DeARError(f"{path}: cannot read the description pool ({error.strerror or error})") from None
+    entries = [Description(*(part.strip() or None for part in line.split("\t", 1)))
+               for line in lines if line and not line.startswith("#")]
+    pool: Dict[str, Description] = {}
+    for entry in entries:
+        if entry.text is not None:
+            pool.setdefault(entry.text, entry)  # a repeated line: the first kept
+    if not pool:
+        raise DeARError(f"{path}: no descriptions in it (blank lines and '#' comments are skipped)")
+    if len(pool) < len(entries):
+        log(f"{path}: {len(pool)} distinct descriptions ({len(entries) - len(pool)} repeated lines dropped)")
+    return list(pool.values())
 
 
 def description_bank() -> List[Description]:
@@ -678,6 +851,156 @@ _BANK_WORDS = {  # concept -> (words, templates): the five core attributes, then
     "time": (["morning", "noon", "evening", "night", "winter", "summer", "autumn", "spring", "sunset", "dawn"],
              ["a photo taken in the {}", "a scene at {}", "an image from the {}"]),
 }
+
+
+# ---- 8. HDBSCAN, written out (the clustering of Sec. 2; checked against scikit-learn's) --------
+def hdbscan(points: torch.Tensor, min_cluster_size: int, min_samples: Optional[int] = None) -> torch.Tensor:
+    """HDBSCAN (Campello, Moulavi, Sander 2013; McInnes et al. 2017): single linkage over a distance
+    that pushes sparse points apart, then the clusters that persist longest as density rises.
+
+    Follows sklearn.cluster.HDBSCAN step by step (Euclidean, its default algorithm, "eom", no single
+    root cluster, epsilon 0, alpha 1) and gives the same partition, ties included.
+
+    points: (n, d) float tensor, any scale.
+    min_cluster_size: the fewest points (>= 2) that make a cluster.
+    min_samples: neighbours, itself counted, that make a point dense (None: min_cluster_size).
+    Returns: (n,) int64 tensor of cluster ids 0..k-1, -1 for noise.
+    """
+    m, s = min_cluster_size, (min_cluster_size if min_samples is None else min_samples)
+    if not isinstance(m, Integral) or isinstance(m, bool) or m < 2:
+        raise DeARError(f"min_cluster_size={m!r}: use an integer of 2 or more")
+    if not isinstance(s, Integral) or isinstance(s, bool) or s < 1:
+        raise DeARError(f"min_samples={s!r}: use an integer of 1 or more, or None")
+    x = torch.as_tensor(points).detach().to("cpu", torch.float64)  # (n, d), as sklearn: float64
+    if x.dim() != 2 or x.shape[0] < 1 or x.shape[1] < 1:
+        raise DeARError(f"points has shape {tuple(x.shape)}: pass an (n, d) tensor, n, d >= 1")
+    if not torch.isfinite(x).all():
+        raise DeARError("points holds nan or inf: drop or fix those rows first")
+    n, d = x.shape
+    if n < s or n == 1:  # sklearn raises here; no point has s neighbours: no density, all noise
+        return torch.full((n,), -1, dtype=torch.long)
+
+    # 1. Distances, (n, n), bit-equal to sklearn's, as the ties below hang on the last bit: squares
+    #    summed one dimension at a time like its C loop, then numpy's sqrt, because torch's float64
+    #    sqrt is not correctly rounded on some CPUs (1 ulp off for ~1% of values) and C's is.
+    squared, diff = torch.zeros(n, n, dtype=torch.float64), torch.empty(n, n, dtype=torch.float64)
+    for col in x.T.contiguous():  # col: (n,), one coordinate of every point (contiguous: faster)
+        torch.sub(col[:, None], col[None, :], out=diff)  # (n, n), in place: no allocation per dim
+        squared += diff.square_()
+    dist = torch.from_numpy(np.sqrt(squared.numpy()))
+
+    # 2. Core distance, (n,): distance to the s-th nearest point, the point itself counted first.
+    core = dist.kthvalue(s, dim=1).values
+    # 3. Mutual reachability, (n, n): max(core_i, core_j, dist_ij). Sparse points move away.
+    reach = torch.maximum(dist, torch.maximum(core[:, None], core[None, :]))
+
+    # 4. Minimum spanning tree by Prim's, as sklearn's default path (`mst_from_data_matrix`): each
+    #    step adds the outside point nearest the tree (lowest index at ties, as argmin gives),
+    #    joined to the tree point that first came that near (updates only on strictly nearer).
+    in_tree = torch.zeros(n, dtype=torch.bool)
+    nearest = torch.full((n,), math.inf, dtype=torch.float64)  # (n,) each point's reach to the tree
+    source = torch.zeros(n, dtype=torch.long)  # (n,) the tree point giving it
+    edges, new = [], 0  # edges: (tree point, new point, weight) in the order added
+    for _ in range(n - 1):
+        in_tree[new] = True
+        nearer = (reach[new] < nearest) & ~in_tree
+        nearest[nearer] = reach[new][nearer]
+        source[nearer] = new
+        new = int(nearest.masked_fill(in_tree, math.inf).argmin())
+        edges.append((int(source[new]), new, float(nearest[new])))
+
+    # 5. Edges by weight. Ties are common (many edges weigh exactly some point's core distance) and
+    #    their order shapes the tree. sklearn sorts with numpy's default argsort, which is not
+    #    stable (its tie order can depend on the CPU's SIMD sort); calling that same function on
+    #    the same weights in the same order reproduces it exactly, so numpy here, not torch.
+    order = np.argsort(np.array([w for _, _, w in edges], dtype=np.float64))
+
+    # 6. Single-linkage tree: merge i joins the groups holding the ends of the i-th lightest edge
+    #    into node n + i; left holds the edge's tree end, as sklearn's. size: points under a node.
+    up = list(range(2 * n - 1))  # union-find parent of each node, a root points to itself
+    size = [1] * n + [0] * (n - 1)
+    merges = []  # (left, right, distance), merge i is node n + i
+    for i, e in enumerate(order.tolist()):
+        a, b, w = edges[e]
+        left, right = _root(up, a), _root(up, b)
+        up[left] = up[right] = n + i
+        size[n + i] = size[left] + size[right]
+        merges.append((left, right, w))
+
+    # 7. Condensed tree, walking merges from the top, breadth first as sklearn; lambda = 1 / dist,
+    #    inf at 0 (duplicates). A side with under m points falls out of the cluster as points;
+    #    if both have m or more, the cluster ends and two are born, with ids n + 1, n + 2, ...
+    #    in birth order (so a parent's id is below its children's, which steps 9 and 10 use).
+    rows = []  # (parent cluster, child cluster or point, lambda, child size)
+    cluster_of, next_id = {2 * n - 2: n}, n + 1  # node -> cluster; the root node is cluster n
+    queue = deque([2 * n - 2])
+    while queue:
+        node = queue.popleft()
+        left, right, w = merges[node - n]
+        lam = 1.0 / w if w > 0 else math.inf
+        parent = cluster_of[node]
+        splits = size[left] >= m and size[right] >= m
+        for child in (left, right):
+            if size[child] < m:
+                rows += [(parent, p, lam, 1) for p in _points_under(merges, child, n)]
+                continue
+            if splits:
+                cluster_of[child], next_id = next_id, next_id + 1
+                rows.append((parent, cluster_of[child], lam, size[child]))
+            else:
+                cluster_of[child] = parent  # the same cluster, a few points lighter
+            queue.append(child)
+
+    # 8. Stability, sum over a cluster's rows of (lambda - its birth lambda) * size, added row by
+    #    row in sklearn's order so equal stabilities stay bit-equal (inf - inf gives nan as there).
+    birth = {n: 0.0, **{child: lam for _, child, lam, _ in rows if child >= n}}
+    stability = dict.fromkeys(range(n, next_id), 0.0)
+    for parent, _, lam, count in rows:
+        stability[parent] += (lam - birth[parent]) * count
+
+    # 9. Excess of mass, leaves first (larger ids): a cluster is chosen unless its children's summed
+    #    stability is strictly larger, which then stands as its own. The root is never a candidate
+    #    (no single cluster); nan (see 8) compares False, so a nan cluster is chosen, as in sklearn.
+    parent_of = {child: parent for parent, child, _, _ in rows}  # points and clusters alike
+    below = dict.fromkeys(range(n, next_id), 0.0)  # summed stability of each cluster's children
+    chosen = set()
+    for c in range(next_id - 1, n, -1):
+        if below[c] > stability[c]:
+            stability[c] = below[c]
+        else:
+            chosen.add(c)
+        below[parent_of[c]] += stability[c]
+
+    # 10. Labels. A point belongs to the topmost chosen cluster above it (chosen ones below that are
+    #     dropped), else it is noise, whatever lambda it left at (sklearn checks lambdas only for a
+    #     single root cluster, off here). Ids 0..k-1 in cluster-id order, as sklearn numbers them.
+    top = {n: None}  # cluster -> the topmost chosen cluster at or above it, None if there is none
+    for c in range(n + 1, next_id):  # a parent's id is below its children's: parents come first
+        above = top[parent_of[c]]
+        top[c] = above if above is not None else (c if c in chosen else None)
+    winner = [top[parent_of[p]] for p in range(n)]  # (n,) each point's cluster, None: noise
+    ids = {c: i for i, c in enumerate(sorted(set(winner) - {None}))}
+    return torch.tensor([ids.get(c, -1) for c in winner], dtype=torch.long)  # None -> -1
+
+
+def _root(up, i):
+    """The root of i's group in the union-find `up`, halving the path on the way."""
+    while up[i] != i:
+        up[i] = up[up[i]]
+        i = up[i]
+    return i
+
+
+def _points_under(merges, node, n):
+    """The points (ids < n) below a node of the single-linkage tree."""
+    stack, found = [node], []
+    while stack:
+        v = stack.pop()
+        if v < n:
+            found.append(v)
+        else:
+            stack += merges[v - n][:2]
+    return found
 
 
 if __name__ == "__main__":  # a small demonstration on a random CLIP (no weights needed)

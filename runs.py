@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
+from collections import Counter
 from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
@@ -51,7 +52,7 @@ MAX_SEED = 2**32 - 1  # numpy's range; the per-epoch seeds are derived from it (
 # Every setting of a run, in settings.json's order.
 SETTING_KEYS = ("dataset dataset_paths template protocol source method roles fusion seeds shots root weights "
                 "head_width bpe output first_layer beta text_tokens lambda_reg lambda_fusion analysis_pool "
-                "analysis_images descriptions low_bits high_bits epochs batch_size lr warmup_epochs warmup_lr "
+                "analysis_images bank concepts min_cluster_size min_samples cluster_names descriptions low_bits high_bits epochs batch_size lr warmup_epochs warmup_lr "
                 "weight_decay augment device amp workers eval_batch_size log_every max_epochs_per_call toy_scale "
                 "fingerprints role_maps").split()
 # Flags that say how to run, not what to compute: they may change on --resume / --eval-only.
@@ -60,8 +61,9 @@ RUN_CONTROL = {"output", "resume", "eval_only", "device", "workers", "log_every"
 CHECKPOINT_FORMAT = "dear-from-scratch checkpoint, version 1"  # checked on load: not some other .pt
 # What a run folder means. Version 2: one cached head analysis per model and pool (copied to
 # <dataset>/roles/), Dassl's warm-up recount, the fusion rows named by what they do, the
-# lineage's per-protocol recipes. An older folder is refused on --resume / --eval-only.
-RUN_FORMAT = "dear-from-scratch run folder, version 2"
+# lineage's per-protocol recipes. Version 3: the analysis's concepts from clusters or labels,
+# from a chosen description pool. An older folder is refused on --resume / --eval-only.
+RUN_FORMAT = "dear-from-scratch run folder, version 3"
 
 
 class TrainError(Exception):
@@ -127,8 +129,20 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
     g("--analysis-pool", help="head-analysis images: 'train' = the trained dataset's training split (base2novel: "
       "base classes; never the few-shot draw), or DATASET:SPLIT, e.g. imagenet:test (TextSpan's pool)")
     g("--analysis-images", type=int, help="at most this many pool images, spread evenly over its classes (fixed seed)")
-    g("--descriptions", type=int, help="TextSpan descriptions per head (unset: the bank's fewest values of an "
-      "attribute, capped with a warning where the images or TextSpan's rank fall short; typed: refused above that)")
+    g("--bank", help="the head analysis' description pool: 'project' (the project's labelled bank; toyworld: "
+      "its own), 'textspan' (TextSpan's general pool, 3,497 lines, downloaded once, SHA-256-checked) or a PATH: "
+      "one description per line, '#' comments, 'text<TAB>concept' to label a line")
+    g("--concepts", choices=dear.CONCEPT_SOURCES, help="where the analysis' concepts come from: clusters (the "
+      "paper's: HDBSCAN over the picks' CLIP text embeddings) or labels (the pool's own; every line labelled) "
+      "(unset: labels where every line of the pool has one, else clusters)")
+    g("--min-cluster-size", type=int, help="HDBSCAN's smallest concept, in distinct picks (unset: the picks "
+      "per head)")
+    g("--min-samples", type=int, help="HDBSCAN's neighbours for a core point (unset: --min-cluster-size)")
+    g("--cluster-names", help="JSON file {cluster id: attribute or 'other'} overriding the names the analysis "
+      "gave its clusters (ids as printed in roles/clusters.md)")
+    g("--descriptions", type=int, help="TextSpan descriptions per head (unset: a labelled pool's fewest values of "
+      "an attribute, else the paper's 20; capped with a warning where the images or TextSpan's rank fall short; "
+      "typed: refused above that)")
     g("--analyse-only", action="store_true", help="run the head analysis alone (roles.json, roles.png, masks.png "
       "in --output and the cache), then stop")
     g("--low-bits", type=float, help="attribute heads have concept entropy at most this (unset: a third of "
@@ -316,9 +330,10 @@ def validate_settings(settings: dict) -> None:
     for key, least, optional in (("epochs", 1, 0), ("batch_size", 1, 0), ("eval_batch_size", 1, 0),
                                  ("log_every", 1, 0), ("analysis_images", 1, 0), ("warmup_epochs", 0, 0),
                                  ("text_tokens", 0, 0), ("head_width", 1, 1), ("workers", 0, 1),
-                                 ("max_epochs_per_call", 1, 1), ("descriptions", 1, 1), ("first_layer", 1, 1)):
+                                 ("max_epochs_per_call", 1, 1), ("descriptions", 1, 1), ("first_layer", 1, 1),
+                                 ("min_cluster_size", 2, 1), ("min_samples", 1, 1)):
         if not (optional and settings[key] in (None, "auto") or is_int(settings[key]) and settings[key] >= least):
-            refuse(key, "expected a positive integer" if least else "expected an integer >= 0")  # a typed 0 too
+            refuse(key, f"expected an integer >= {least}" if least != 1 else "expected a positive integer")
     if not settings["seeds"] or not all(is_int(s) and 0 <= s <= MAX_SEED for s in settings["seeds"]):
         refuse("seeds", f"expected integers from 0 to {MAX_SEED}")
     if not settings["shots"] or not all(is_int(k) and k >= 1 for k in settings["shots"]):
@@ -591,6 +606,91 @@ def load_role_file(path: str) -> dear.RoleMap:
                          "written by the head analysis") from None
 
 
+# TextSpan's general description pool (yossigandelsman/clip_text_span, MIT), the one its authors'
+# analysis of ViT heads reads: fetched once into the cache like CLIP's weights, checked by SHA-256.
+TEXTSPAN_POOL_URL = ("https://raw.githubusercontent.com/yossigandelsman/clip_text_span/"
+                     "49f70f31bb13437a870ff8de340626b225500a22/text_descriptions/image_descriptions_general.txt")
+TEXTSPAN_POOL_SHA256 = "39c6bf3e788684d9e0e8afa902c13aae1ee8eafefdbab94ba923fd05b9038630"
+
+
+def description_pool(choice: str, project_bank: list, log: Callable[[str], None]):
+    """--bank -> (the pool as (text, concept, value) triples, its record: what, SHA-256, size).
+    'project': the project's own labelled bank; 'textspan': TextSpan's pool; else a file of the user's."""
+    if choice == "project":
+        pool, digest = [tuple(entry) for entry in project_bank], None
+    else:
+        path = textspan_pool_file() if choice == "textspan" else choice
+        try:
+            pool, digest = [tuple(entry) for entry in dear.read_descriptions(path, log)], sha256(path)
+        except dear.DeARError as error:
+            raise TrainError(f"--bank {error}") from None
+    digest = digest or hashlib.sha256(json.dumps(pool).encode()).hexdigest()  # the project's: of its entries
+    return pool, dict(bank=choice, sha256=digest, descriptions=len(pool))
+
+
+def textspan_pool_file() -> str:
+    """TextSpan's pool in the cache (fetched once when the network allows), else one line saying where
+    to put it."""
+    cached = os.path.join(clip_model.default_cache_dir(), os.path.basename(TEXTSPAN_POOL_URL))
+    try:
+        return clip_model.download(TEXTSPAN_POOL_URL, TEXTSPAN_POOL_SHA256, what="TextSpan's description pool")
+    except clip_model.CLIPError:
+        raise TrainError(f"--bank textspan: cannot download {TEXTSPAN_POOL_URL}; without network, put that file "
+                         f"(SHA-256 {TEXTSPAN_POOL_SHA256[:16]}...) at {cached}, or give its path as --bank PATH") \
+            from None
+
+
+def cluster_names_of(path: Optional[str], attributes: List[str]) -> Optional[Dict[int, str]]:
+    """--cluster-names FILE -> {cluster id: an attribute or 'other'}, or one line naming the problem."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as error:
+        raise TrainError(f"--cluster-names {path}: unreadable ({type(error).__name__}); give a JSON object such "
+                         'as {"3": "colour", "7": "other"}') from None
+    allowed = list(attributes) + ["other"]
+    if not isinstance(raw, dict) or not all(str(k).isdigit() and v in allowed for k, v in raw.items()):
+        raise TrainError(f"--cluster-names {path}: expected {{cluster id: name}} with names from "
+                         f"{', '.join(allowed)}, e.g. {{\"3\": \"{allowed[0]}\"}}")
+    return {int(k): v for k, v in raw.items()}
+
+
+def adjusted_rand_index(a: list, b: list) -> float:
+    """Hubert and Arabie's adjusted Rand index of two partitions of the same items (1: the same,
+    about 0: as alike as chance)."""
+    def pairs(counts) -> float:
+        return sum(c * (c - 1) / 2 for c in counts)
+    both, rows, cols = pairs(Counter(zip(a, b)).values()), pairs(Counter(a).values()), pairs(Counter(b).values())
+    expected, top = rows * cols / max(pairs([len(a)]), 1), (rows + cols) / 2
+    return 1.0 if top == expected else (both - expected) / (top - expected)
+
+
+def clusters_table(role_map: dear.RoleMap, pool: list) -> str:
+    """clusters.md: the concepts of an analysis; for a labelled pool, how the clusters agree with the
+    labels over the distinct picks (noise picks each their own cluster, as in the entropy)."""
+    picks = dict(zip((t for h in role_map.heads for t in h.descriptions), (c for h in role_map.heads for c in h.concepts)))
+    lines = [f"# Concepts of the head analysis: {role_map.concepts}", ""]
+    if role_map.concepts != "clusters":
+        return "\n".join(lines + [f"The pool's labels: {', '.join(sorted(set(picks.values())))}.", ""])
+    lines += [f"HDBSCAN over the {len(picks)} distinct picks of all heads; a name is a core attribute or other.",
+              "", *md_table("cluster", ["name", "size", "its most central phrases"],
+                            {str(c.id): [c.name, str(c.size), "; ".join(c.central)] for c in role_map.clusters}),
+              "", f"In no cluster (noise, each a concept of its own): {list(picks.values()).count(dear.NOISE)} picks."]
+    labels = {entry[0]: entry[1] for entry in pool}
+    if all(labels.get(text) is not None for text in picks):
+        found = [c if c != dear.NOISE else f"noise {text}" for text, c in picks.items()]
+        truth = [labels[text] for text in picks]
+        clustered = [(c, t) for c, t in zip(picks.values(), truth) if c != dear.NOISE]
+        pure = sum(Counter(t for c2, t in clustered if c2 == c).most_common(1)[0][1] for c in {c for c, _ in clustered})
+        per_concept = {t: len({c for c, t2 in clustered if t2 == t}) for t in sorted(set(truth))}
+        lines += ["", f"Against the pool's labels: adjusted Rand index {adjusted_rand_index(found, truth):.2f}, "
+                  f"purity {pure / max(len(clustered), 1):.2f} (clustered picks); clusters per concept: "
+                  + ", ".join(f"{t} {n}" for t, n in per_concept.items()) + "."]
+    return "\n".join(lines + [""])
+
+
 def role_map_for(choice: str, clip, attributes: List[str], analysed: Optional[dear.RoleMap]) -> dear.RoleMap:
     """A RoleMap for --roles CHOICE: this call's analysis, an ablation, or a file (checked)."""
     depth, heads = len(clip.visual.transformer.resblocks), clip.visual.transformer.heads
@@ -654,17 +754,19 @@ def input_fingerprints(settings, weights: str, tokenizer) -> dict:
 sha256 = clip_model._sha256  # noqa: SLF001 -- one file hasher for the project (clip_model's)
 
 
-def analysis_fingerprint(settings, clip, items: list, bank: list, attributes: list, picks: int, rank: int) -> str:
+def analysis_fingerprint(settings, clip, items: list, bank: list, attributes: list, picks: int, rank: int,
+                         concepts: dict) -> str:
     """SHA-256 of all a role map depends on: the weights' and BPE's SHA-256, the pool's images (path
-    under --root and size: their bytes would mean reading every image), the bank, the analysis
-    settings, and the source of dear.py and clip_model.py (changed code must not reuse a map)."""
+    under --root and size: their bytes would mean reading every image), the description pool, where
+    the concepts come from (the source, encoder, clustering settings, names), the analysis settings,
+    and the source of dear.py and clip_model.py (changed code must not reuse a map)."""
     depth = len(clip.visual.transformer.resblocks)  # vision layers
     key = dict(
         weights=settings["fingerprints"]["weights"], bpe=settings["fingerprints"]["bpe"],
         heads=clip.visual.transformer.heads, layers=dear.analysed_layers(depth),
         images=[[os.path.relpath(item.path, settings["root"]), os.path.getsize(item.path)] for item in items],
         bank=[list(entry) for entry in bank], attributes=list(attributes), picks=picks,
-        rank=rank, low_bits=settings["low_bits"], high_bits=settings["high_bits"],
+        rank=rank, low_bits=settings["low_bits"], high_bits=settings["high_bits"], concepts=concepts,
         code=hashlib.sha256((inspect.getsource(dear) + inspect.getsource(clip_model)).encode()).hexdigest())
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()  # sorted keys: one text per key
 
@@ -1112,7 +1214,10 @@ def draw_heatmap(role_map: dear.RoleMap, path: str) -> None:
             colour = legend[f"attribute: {entry.attribute}" if entry.role == "attribute" else entry.role]
             x = left + head * cell_w
             draw.rectangle([x, y, x + cell_w - 2, y + cell_h - 2], fill=colour)
-            draw.text((x + 6, y + cell_h // 2 - 6), "" if entry.entropy is None else f"{entry.entropy:.2f}",
+            label = "" if entry.entropy is None else f"{entry.entropy:.2f}"
+            if entry.role == "attribute" and role_map.concepts == "clusters":  # which cluster named it
+                label += "\ncl. " + dear.dominant_concept(entry.concepts).split()[-1]  # e.g. "cl. 3"
+            draw.text((x + 6, y + cell_h // 2 - 6 * label.count("\n") - 6), label,
                       fill="black" if sum(colour) > 450 else "white")
     y = top + len(layers) * cell_h + 12
     for i, (name, colour) in enumerate(legend.items()):

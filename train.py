@@ -121,6 +121,7 @@ DEFAULTS = dict(
     weights="ViT-B/16",  # the paper's backbone
     analysis_pool="train",  # the trained dataset's whole training split (base classes in base2novel)
     analysis_images=2000,  # at most this many images of the pool for the head analysis
+    bank="project",  # the head analysis' descriptions: the project's labelled bank (toyworld: its own)
     device="auto",  # cuda, then mps, then cpu
     amp="on",  # autocast on CUDA (CPU and MPS always run fp32)
     eval_batch_size=64,  # images per evaluation batch
@@ -231,7 +232,9 @@ class Inputs:
     clip: clip_model.CLIP
     tokenizer: clip_model.SimpleTokenizer
     attributes: List[str]  # one attribute token each
-    bank: List[tuple]  # (text, concept, value) triples of the head analysis: dear.py's, or the toy world's
+    bank: List[tuple]  # (text, concept or None, value) triples: the head analysis' description pool (--bank)
+    concepts: str  # where the analysis' concepts come from: "clusters" or "labels" (--concepts)
+    cluster_names: Optional[Dict[int, str]]  # --cluster-names: {cluster id: name}
     toy: bool  # the toy world: a causal check follows the head analysis (the ground truth is known)
     files: dict  # root, weights, head_width, bpe, fingerprints: merged into the settings once
 
@@ -244,13 +247,28 @@ def description_bank(toy: bool) -> List[tuple]:
     return [tuple(entry) for entry in dear.description_bank()]
 
 
-def open_inputs(settings, runtime: runs.Runtime) -> Inputs:
+def read_pool(settings):
+    """The head analysis' description pool (--bank), checked against what the analysis will ask of it
+    before any model is read -> (triples, record); a resumed run reads its role map instead: None."""
+    if settings["resume"] or settings["eval_only"]:
+        return None
+    toy = settings["dataset"] == ["toyworld"]
+    bank, record = runs.description_pool(settings["bank"], description_bank(toy), print)
+    record["concepts"] = settings["concepts"] or dear.default_concepts(bank)  # unset: the pool decides
+    if analysing(settings):
+        check_pool(settings, bank, record["concepts"], world_attributes() if toy else list(dear.CORE_ATTRIBUTES))
+    return bank, record
+
+
+def open_inputs(settings, runtime: runs.Runtime, pool) -> Inputs:
     """Find and read the model, the BPE file and a --roles file, each checked against the settings
     before any run folder is written. The toy world enters here, through toyworld.prepare, which
     makes or reuses its model, BPE file and data in the cache."""
     files = {key: settings[key] for key in ("root", "weights", "head_width", "bpe")}
     toy = settings["dataset"] == ["toyworld"]
-    attributes, bank = list(dear.CORE_ATTRIBUTES), description_bank(toy)
+    attributes = list(dear.CORE_ATTRIBUTES) if not toy else world_attributes()
+    bank, record = pool or ([], dict(concepts=None, sha256=settings["fingerprints"]["bank"]))  # resumed: none
+    cluster_names = runs.cluster_names_of(settings["cluster_names"], attributes)
     if toy:
         import toyworld  # the project's own world (toyworld/), only needed here
 
@@ -260,11 +278,33 @@ def open_inputs(settings, runtime: runs.Runtime) -> Inputs:
         # A new run takes the cache's files; a resumed one keeps its own (their content is checked).
         found = dict(root=assets.data_root, weights=assets.weights, head_width=assets.head_width, bpe=assets.bpe)
         files = {key: found[key] if value is None else value for key, value in files.items()}
-        attributes = list(assets.attributes)  # the bank: description_bank(toy), the toy world's own
     clip, tokenizer = runs.load_clip(files["weights"], files["head_width"], files["bpe"], runtime.device)
     files.update(bpe=tokenizer.bpe_path, fingerprints=runs.input_fingerprints(settings, files["weights"], tokenizer))
+    files["fingerprints"]["bank"] = record["sha256"]
     runs.check_model_fit(settings, clip, attributes)  # J, K and a roles file against this model
-    return Inputs(clip, tokenizer, attributes, bank, toy, files)
+    return Inputs(clip, tokenizer, attributes, bank, record["concepts"], cluster_names, toy, files)
+
+
+def world_attributes() -> List[str]:
+    from toyworld import world  # only the word lists: cheap, builds nothing
+
+    return list(world.ATTRIBUTES)
+
+
+def check_pool(settings, bank: List[tuple], concepts: str, attributes: List[str]) -> None:
+    """The pool against what the analysis will ask of it, before any model is read: its labels for
+    --concepts labels, and enough distinct lines for the picks (typed, else the pool's default)."""
+    try:
+        dear.check_concepts(concepts, [dear.Description(*entry) for entry in bank])
+        picks = dear.default_picks(bank, attributes)
+    except dear.DeARError as error:
+        raise TrainError(f"--bank {settings['bank']}: {error}") from None
+    if settings["descriptions"] is not None:  # typed: refused past the pool, the images, TextSpan's rank
+        dear.analysis_picks(settings["descriptions"], len(bank), settings["analysis_images"],
+                            rank=settings["head_width"] or 64)  # OpenAI's heads, until the model is read
+    elif len(bank) < picks:
+        raise TrainError(f"--bank {settings['bank']}: {len(bank)} distinct descriptions, and TextSpan makes {picks} "
+                         f"picks per head; give a pool of at least {picks}, or --descriptions {len(bank)} or fewer")
 
 
 def build_dear(settings, inputs: Inputs, role_map: dear.RoleMap) -> dear.DeAR:
@@ -315,12 +355,15 @@ def run_head_analysis(settings, inputs: Inputs, items: list, pool: str, picks: i
     role_map = dear.analyze_heads(
         clip, (images for images, _ in loader_of(items, settings, clip.visual.input_resolution)), inputs.tokenizer,
         inputs.bank, inputs.attributes, num_layers=layers, num_descriptions=picks,  # rank: the head width
-        low_bits=settings["low_bits"], high_bits=settings["high_bits"], log=runtime.log)
-    role_map.source = f"concept entropy on {pool}"
-    table = role_map.table()
-    runtime.log(table)
+        low_bits=settings["low_bits"], high_bits=settings["high_bits"], concepts=inputs.concepts,
+        min_cluster_size=settings["min_cluster_size"], min_samples=settings["min_samples"],
+        cluster_names=inputs.cluster_names, log=runtime.log)  # concepts embedded by CLIP's text tower
+    role_map.source = f"concept entropy ({inputs.concepts}) on {pool}"
+    table, clusters = role_map.table(), runs.clusters_table(role_map, inputs.bank)
+    runtime.log(table + "\n" + clusters)
     runs.draw_heatmap(role_map, os.path.join(folder, "roles.png"))
     runs.write_text(os.path.join(folder, "roles.txt"), table + "\n")
+    runs.write_text(os.path.join(folder, "clusters.md"), clusters)
     if inputs.toy:
         # Toy world only: is concept entropy right? Mean-ablate each analysed head and see which
         # attribute's zero-shot accuracy falls (the ground truth is known here). On a CPU copy of
@@ -352,9 +395,12 @@ def analysed_role_maps(settings, inputs: Inputs, runtime: runs.Runtime):
             picks = dear.analysis_picks(settings["descriptions"], len(inputs.bank), len(items), rank=rank,
                                         embed_dim=inputs.clip.visual.proj.shape[1],
                                         default=dear.default_picks(inputs.bank, inputs.attributes))
+            concepts = dict(source=inputs.concepts, encoder="CLIP's text tower", bank=settings["bank"],
+                            min_cluster_size=settings["min_cluster_size"], min_samples=settings["min_samples"],
+                            cluster_names=inputs.cluster_names)  # (clustering settings unset: the rule's)
             fingerprint = runs.analysis_fingerprint(settings, inputs.clip, items, inputs.bank, inputs.attributes,
-                                                    picks, rank)
-            record = dict(fingerprint=fingerprint, pool=pool, images=len(items), picks=picks)
+                                                    picks, rank, concepts)
+            record = dict(fingerprint=fingerprint, pool=pool, images=len(items), picks=picks, concepts=concepts)
 
             def analyse(folder: str) -> None:
                 run_head_analysis(settings, inputs, items, pool, picks, folder, runtime)
@@ -651,11 +697,9 @@ def run(args) -> int:
     jobs, fresh = runs.plan_jobs(settings), not (settings["resume"] or settings["eval_only"])
     with contextlib.ExitStack() as stack:  # holds the run folder's lock until the call ends
         runs.check_run_folder(settings, jobs, stack)  # fresh: usable; resumed: locked, every file checked
-        if analysing(settings) and fresh and settings["descriptions"] is not None:  # a typed --descriptions
-            dear.analysis_picks(settings["descriptions"], len(description_bank(settings["dataset"] == ["toyworld"])),
-                                settings["analysis_images"], rank=settings["head_width"] or 64)  # OpenAI's heads
+        pool = read_pool(settings)  # the analysis' descriptions, checked before any model is read
         runtime = runs.setup_runtime(settings)  # the device (and processes, under torchrun)
-        inputs = open_inputs(settings, runtime)  # CLIP, tokenizer, the toy world, checked
+        inputs = open_inputs(settings, runtime, pool)  # CLIP, tokenizer, the toy world, checked
         settings = dict(settings, **inputs.files)  # the files' places and SHA-256 complete the settings
         lists = read_data(settings, jobs) if not settings["analyse_only"] else None  # every image checked
         analysed, records = analysed_role_maps(settings, inputs, runtime)  # one cached analysis per pool

@@ -668,6 +668,19 @@ def test_toyworld_runs_end_to_end_from_an_empty_cache(tmp_path):
     assert (out / "toyworld/dear/seed2/results.json").is_file() and not (cache / "head-analysis").exists()
     assert not leftover.exists()
 
+    # A pool of the user's own: toy phrases without labels, clustered; the causal check follows.
+    from toyworld import world as toy_world
+
+    pool = tmp_path / "toy_phrases.txt"
+    pool.write_text("\n".join(text for text, _, _ in toy_world.toy_bank()) + "\n", encoding="utf-8")
+    mine = tmp_path / "mine"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DEAR_CACHE_DIR", str(cache))
+        assert train.main(["--dataset", "toyworld", "--toy-scale", "miniature", "--bank", str(pool),
+                           "--descriptions", "4", "--analyse-only", "--output", str(mine)]) == 0
+    assert dear.RoleMap.load(str(mine / "toyworld/roles/roles.json")).concepts == "clusters"
+    assert (mine / "toyworld/roles/clusters.md").is_file() and (mine / "toyworld/roles/causal_check.md").is_file()
+
 
 # ------------------------------------------------------------------------------------------
 # Runs you can trust: every bad input refused up front (in-process: the same code path)
@@ -1111,3 +1124,93 @@ def test_bad_own_data_ends_in_one_line_and_exit_2_before_any_work(world, tmp_pat
     out = tmp_path / "run"
     refused(common(world, out, "--dataset", *target, "--seeds", "1", *flags), capsys, message, out)
     assert sorted(tmp_path.rglob("*")) == before  # no split file, no cache, no run folder
+
+
+# ------------------------------------------------------------------------------------------
+# The head analysis' description pool (--bank) and where its concepts come from (--concepts)
+# ------------------------------------------------------------------------------------------
+
+
+def test_a_pool_without_labels_is_clustered_and_recorded(world, tmp_path, capsys, analysis_cache):
+    pool = tmp_path / "my_pool.txt"
+    words = ["red", "blue", "green", "striped", "dotted", "round", "square", "banded", "bubbly", "cracked"]
+    pool.write_text("# my own descriptions\n" + "".join(f"a photo of {w} texture\n" for w in words) + "a photo of red texture\n")
+    out = tmp_path / "run"
+    assert train.main(common(world, out, "--dataset", "dtd", "--analyse-only", "--bank", str(pool))) == 0
+    printed = capsys.readouterr().out
+    assert "10 distinct descriptions (1 repeated lines dropped)" in printed
+    role_map = dear.RoleMap.load(str(out / "dtd/roles/roles.json"))
+    assert role_map.concepts == "clusters" and role_map.source.startswith("concept entropy (clusters) on dtd")
+    assert all(c == dear.NOISE or c.startswith("cluster ") for h in role_map.heads for c in h.concepts)
+    clusters = (out / "dtd/roles/clusters.md").read_text()
+    assert clusters.startswith("# Concepts of the head analysis: clusters") and "adjusted Rand" not in clusters
+    record = read(out / "dtd/roles/analysis.json")
+    assert record["concepts"] == dict(source="clusters", encoder="CLIP's text tower", bank=str(pool),
+                                      min_cluster_size=None, min_samples=None, cluster_names=None)
+    # The project's labelled bank: labels by default; the clusters asked for are another analysis.
+    labelled = tmp_path / "labelled"
+    assert train.main(common(world, labelled, "--dataset", "dtd", "--analyse-only")) == 0
+    assert dear.RoleMap.load(str(labelled / "dtd/roles/roles.json")).concepts == "labels"
+    clustered = tmp_path / "clustered"
+    assert train.main(common(world, clustered, "--dataset", "dtd", "--analyse-only", "--concepts", "clusters",
+                             "--min-cluster-size", "3")) == 0
+    assert "reusing" not in capsys.readouterr().out
+    assert "adjusted Rand index" in (clustered / "dtd/roles/clusters.md").read_text()  # labels to compare with
+    fingerprints = {read(f / "dtd/roles/analysis.json")["fingerprint"] for f in (out, labelled, clustered)}
+    assert len(fingerprints) == 3
+
+
+def test_textspans_pool_comes_from_the_cache_offline_or_an_error_says_where_to_put_it(world, tmp_path, capsys,
+                                                                                     analysis_cache, monkeypatch):
+    import urllib.request
+
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    out = tmp_path / "run"
+    cached = analysis_cache / "image_descriptions_general.txt"
+    line = refused(common(world, out, "--dataset", "dtd", "--analyse-only", "--bank", "textspan"), capsys,
+                   "--bank textspan: cannot download https://raw.githubusercontent.com/yossigandelsman/", out)
+    assert f"put that file (SHA-256 39c6bf3e788684d9...) at {cached}" in line
+    shared = REPO.parent / "shared" / "textspan" / "image_descriptions_general.txt"
+    if not shared.is_file():
+        pytest.skip("TextSpan's pool is not beside this checkout (../shared/textspan/)")
+    import shutil
+
+    shutil.copyfile(shared, cached)
+    assert train.main(common(world, out, "--dataset", "dtd", "--analyse-only", "--bank", "textspan")) == 0
+    record = read(out / "dtd/roles/analysis.json")
+    assert record["concepts"]["source"] == "clusters" and record["concepts"]["bank"] == "textspan"
+    assert len({t for h in dear.RoleMap.load(str(out / "dtd/roles/roles.json")).heads for t in h.descriptions}) > 6
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing pool", "no such description pool"),
+    ("empty pool", "no descriptions in it"),
+    ("not utf-8", "not UTF-8 text; save the pool as UTF-8"),
+    ("too few lines", "3 distinct descriptions, and TextSpan makes 20 picks per head; give a pool of at least 20"),
+    ("labels missing", "concepts 'labels' needs a label on every description; 1 of 8 have none"),
+    ("typed picks past the pool", "--descriptions 9: TextSpan can make 1..8 picks per head here (the bank has 8"),
+    ("min cluster size", "--min-cluster-size 1: expected an integer >= 2"),
+    ("min samples", "--min-samples 0: expected a positive integer"),
+    ("cluster names", "--cluster-names"),
+])
+def test_a_bad_pool_or_clustering_setting_is_one_line_before_any_work(world, tmp_path, capsys, analysis_cache,
+                                                                      case, message):
+    pool = tmp_path / "pool.txt"
+    labelled = "".join(f"a photo of {w}\tcolour\n" for w in ("red", "blue", "green", "pink", "teal", "grey", "tan"))
+    content = {"empty pool": b"# nothing\n\n", "not utf-8": b"a r\xe9d photo\n",
+               "too few lines": b"one\ntwo\nthree\n", "labels missing": (labelled + "a photo\n").encode(),
+               "typed picks past the pool": (labelled + "a photo\tshape\n").encode()}.get(case)
+    if content is not None:
+        pool.write_bytes(content)
+    names = tmp_path / "names.json"
+    names.write_text('{"3": "colour", "x": "shape"}')
+    flags = {"min cluster size": ["--min-cluster-size", "1"], "min samples": ["--min-samples", "0"],
+             "cluster names": ["--cluster-names", str(names)],
+             "labels missing": ["--bank", str(pool), "--concepts", "labels"],
+             "typed picks past the pool": ["--bank", str(pool), "--descriptions", "9"]}.get(case, ["--bank", str(pool)])
+    args = [a for a in common(world, tmp_path / "run", "--dataset", "dtd", "--analyse-only") if a != "6"]
+    args.remove("--descriptions")  # the pool's own default number of picks, unless the case types one
+    refused(args + flags, capsys, message, tmp_path / "run")
+    assert not analysis_cache.exists()
