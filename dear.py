@@ -101,6 +101,7 @@ def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *,
 NOISE = "noise"  # the concept of a pick that HDBSCAN leaves in no cluster
 CENTRAL_SHOWN = 5  # phrases shown per cluster (its most central ones)
 
+
 @dataclass
 class Cluster:
     """One discovered concept: a cluster of distinct picked descriptions."""
@@ -124,14 +125,14 @@ def default_min_cluster_size(num_picks: int) -> int:
 
 def cluster_picks(texts: Sequence[str], embeddings: torch.Tensor, min_cluster_size: int,
                   min_samples: Optional[int] = None):
-    """Distinct picked texts (P,) and their embeddings (P, D) -> (each text's concept, "cluster k" or
-    NOISE; the clusters, named "other" until named; their unit means (k, D))."""
-    points = F.normalize(embeddings.double(), dim=-1)  # (P, D) unit length: Euclidean order = cosine's
+    """Distinct picked texts (P,) and their embeddings (P, d), d the encoder's width -> (each text's
+    concept, "cluster k" or NOISE; the clusters, named "other" until named; their unit means (k, d))."""
+    points = F.normalize(embeddings.double(), dim=-1)  # (P, d) unit length: Euclidean order = cosine's
     ids = hdbscan(points, min_cluster_size, min_samples)  # (P,), -1 = noise
     clusters, centres = [], []
     for k in range(int(ids.max()) + 1 if len(ids) else 0):
         members = (ids == k).nonzero().flatten()  # (m,)
-        centres.append(F.normalize(points[members].mean(dim=0), dim=0))  # (D,)
+        centres.append(F.normalize(points[members].mean(dim=0), dim=0))  # (d,)
         nearest = (points[members] @ centres[-1]).argsort(descending=True)[:CENTRAL_SHOWN]
         clusters.append(Cluster(k, "other", len(members), [texts[members[i]] for i in nearest.tolist()]))
     concepts = [f"cluster {k}" if k >= 0 else NOISE for k in ids.tolist()]
@@ -149,7 +150,7 @@ def name_by_labels(concepts: Sequence[str], labels: Sequence[str], attributes: S
 
 
 def name_by_anchors(centres: torch.Tensor, anchors: torch.Tensor, attributes: Sequence[str]) -> Dict[str, str]:
-    """A pool without labels: cluster means (k, D) and the attributes' names embedded (A, D) -> each
+    """A pool without labels: cluster means (k, d) and the attributes' names embedded (A, d) -> each
     attribute names the cluster nearest it if it is that cluster's nearest attribute too (mutual
     nearest by cosine; our choice): at most one cluster per attribute, as the paper's hand-picked five."""
     similarity = F.normalize(centres.double(), dim=-1) @ F.normalize(anchors.double(), dim=-1).T  # (k, A)
@@ -280,14 +281,14 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
         num_concepts = len({bank[i].concept for i in range(len(bank))})
     else:
         texts = [bank[i].text for i in picked]
-        embedded = text[picked] if embed_texts is None else checked_embeddings(embed_texts, texts)  # (P, D)
+        embedded = text[picked] if embed_texts is None else checked_embeddings(embed_texts, texts)  # (P, d)
         size = default_min_cluster_size(num_descriptions) if min_cluster_size is None else min_cluster_size
         found, clusters, centres = cluster_picks(texts, embedded, size, min_samples)
         concept_of = dict(zip(picked, found))
         if all(bank[i].concept is not None for i in picked):  # a labelled bank: the labels name the clusters
             names = name_by_labels(found, [bank[i].concept for i in picked], attributes)
         else:  # without labels: the attributes' own names, in the same encoder's space
-            anchors = text_embeddings_of(list(attributes), clip, tokenizer, embed_texts)  # (A, D)
+            anchors = text_embeddings_of(list(attributes), clip, tokenizer, embed_texts)  # (A, d)
             names = name_by_anchors(centres, anchors, attributes)
         names.update({f"cluster {k}": name for k, name in (cluster_names or {}).items()})  # the user's word wins
         for cluster in clusters:

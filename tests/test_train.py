@@ -157,7 +157,7 @@ def test_base2novel_from_the_command_line_writes_results_and_a_table_that_matche
     assert not list((out / "dtd" / "roles").glob("seed*"))
     roles = dear.RoleMap.load(str(out / "dtd" / "roles" / "roles.json"))
     assert (roles.vision_layers, roles.num_heads, roles.layers) == (3, 2, [0, 1, 2])  # 2 heads of 32 channels
-    assert roles.source == "concept entropy on dtd train (base classes), 18 of 18 images, 3 classes"
+    assert roles.source == "concept entropy (labels) on dtd train (base classes), 18 of 18 images, 3 classes"
     record = read(out / "settings.json")["settings"]["role_maps"]["dtd"]
     assert record["pool"] in roles.source and record["images"] == 18 and len(record["fingerprint"]) == 64
     assert record["sha256"] == clip_model._sha256(str(out / "dtd" / "roles" / "roles.json"))
