@@ -151,6 +151,14 @@ def test_attention_rejects_a_mask_of_the_wrong_shape():
         ours(torch.randn(2, 6, 64), torch.zeros(3, 6, 6))
 
 
+def test_attention_rejects_a_bool_mask():
+    # Why the mask is checked on every call: a bool mask (nn.MultiheadAttention's True = blocked)
+    # would otherwise run without an error, added as 0/1 or read as True = may attend.
+    ours, _ = _attention_pair()
+    with pytest.raises(clip_model.CLIPError, match="attn_mask must be an additive float mask"):
+        ours(torch.randn(2, 6, 64), torch.ones(6, 6, dtype=torch.bool).triu(1))
+
+
 # ------------------------------------------------------------------------------------------
 # Loading: plain state dicts, TorchScript archives, downloads and the cache
 # ------------------------------------------------------------------------------------------
