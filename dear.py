@@ -38,6 +38,7 @@ ROLES = ("attribute", "generalization", "mixed")
 CONCEPT_SOURCES = ("clusters", "labels")  # the paper's: clusters of the picks; the control: a bank's labels
 TEXTSPAN_RANK, PAPER_PICKS = 80, 20  # clip_text_span's --w_ov_rank ("the rank of the OV matrix": ViT-H's); paper's N
 ANALYSED_LAYERS = 4  # the paper analyses, and prompts, the vision tower's last four layers
+MMRL_ALPHA = 0.7  # MMRL's class-branch CE weight (yunncheng/MMRL train.py: TRAINER.MMRL.ALPHA)
 
 
 class DeARError(ValueError):
@@ -373,6 +374,16 @@ def blind_attributes(role_masks: torch.Tensor, num_image_tokens: int, attributes
     return [a for a, readable in zip(attributes, reads_image.any(dim=0).any(dim=0)) if not readable]
 
 
+def generalization_mask_only(role_map: RoleMap) -> RoleMap:
+    """The paper's ablation "the mask on the generalization heads only": every attribute head made
+    mixed, so every token reads the image through it. The entropies are dropped: a map derived by
+    hand is taken as given (falls_back_to_class_branch would otherwise read it as measured)."""
+    heads = [HeadRole(h.layer, h.head, "mixed" if h.role == "attribute" else h.role,
+                      descriptions=h.descriptions, concepts=h.concepts) for h in role_map.heads]
+    return RoleMap(role_map.vision_layers, role_map.num_heads, list(role_map.attributes), heads,
+                   source=f"{role_map.source}; attribute heads made mixed")
+
+
 # ---- 5. The model (paper Sec. 3.3-3.4, METHOD.md Sec. 4) -----------------------------------------
 def analysed_layers(depth: int) -> int:
     """How many of a `depth`-layer vision tower's last layers the head analysis reads."""
@@ -465,7 +476,8 @@ class DeAR(nn.Module):
       attribute_proj  (C_v, E)                 attribute tokens -> embedding, init = visual.proj
       fusion_logits   (1 + A,)                 alpha = softmax over the class branch and those reading the image
     Nothing before J learns: it runs without autograd, shared with the frozen pass, and once per class
-    list on the text side (test_dear_reference.py checks these shortcuts)."""
+    list on the text side (test_dear_reference.py checks these shortcuts). attributes=[] (A = 0, the
+    no-attribute-tokens ablation): frozen CLIP's image feature, the text tokens, alpha = (1,)."""
     LEARNABLE = ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits")
 
     def __init__(self, clip: clip_model.CLIP, role_map: RoleMap, attributes: Optional[Sequence[str]] = None,
@@ -645,15 +657,36 @@ def fusion_regularization_loss(alpha: torch.Tensor) -> torch.Tensor:
     return -torch.log(alpha[0])
 
 
-def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0, lambda_fusion: float = 0.1) -> dict:
-    """CE(fused logits) + lambda_reg * L_reg + lambda_fusion * L_fusion: each term, and 'total'."""
+def branch_cross_entropy(output: DeAROutput, labels: torch.Tensor,
+                         alpha: float = MMRL_ALPHA) -> torch.Tensor:
+    """Not the paper's loss (the branch-ce ablation): MMRL_Loss's ALPHA * CE(class branch) +
+    (1 - ALPHA) * CE(the rest) (yunncheng/MMRL trainers/mmrl.py), the rest = the mean CE of the
+    attribute branches in the fusion; with none in it, CE(class branch)."""
+    branches = output.branch_logits.float()  # (B, 1 + A, C)
+    class_term = F.cross_entropy(branches[:, 0], labels)
+    in_fusion = (output.alpha[1:] > 0).nonzero().flatten() + 1  # a branch left out has alpha 0
+    if len(in_fusion) == 0:
+        return class_term
+    rest = [F.cross_entropy(branches[:, k], labels) for k in in_fusion.tolist()]
+    return alpha * class_term + (1 - alpha) * torch.stack(rest).mean()
+
+
+def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0,
+              lambda_fusion: float = 0.1, branch_ce: bool = False) -> dict:
+    """CE(fused logits) + lambda_reg * L_reg + lambda_fusion * L_fusion: each term, and 'total'.
+    branch_ce (not the paper's loss): + branch_cross_entropy, each branch taught the labels too."""
     if output.frozen_image_features is None or output.frozen_text_features is None:
         raise DeARError("output has no frozen features (L_reg needs them): call the model with with_frozen=True")
     ce = F.cross_entropy(output.logits.float(), labels)
     reg = self_regularization_loss(output.image_features[:, 0].float(), output.frozen_image_features.float(),
                                    output.text_features.float(), output.frozen_text_features.float())
     fusion = fusion_regularization_loss(output.alpha.float())
-    return {"total": ce + lambda_reg * reg + lambda_fusion * fusion, "ce": ce, "reg": reg, "fusion": fusion}
+    total = ce + lambda_reg * reg + lambda_fusion * fusion
+    losses = {"total": total, "ce": ce, "reg": reg, "fusion": fusion}
+    if branch_ce:
+        losses["branch"] = branch_cross_entropy(output, labels)
+        losses["total"] = losses["total"] + losses["branch"]
+    return losses
 
 
 # ---- 7. Bookkeeping, not the method: RoleMap and its JSON file, the tables, the bank --------------

@@ -48,13 +48,24 @@ METHODS = ("zeroshot", "linear-probe", "dear")
 FUSION_MODES = ("fused-everywhere", "class-on-unseen")
 OLD_FUSION_NAMES = {"everywhere": "fused-everywhere", "adaptive": "class-on-unseen"}
 ROLE_ABLATIONS = ("all-mixed", "all-generalization")  # besides "analyse" and a roles file
+# The paper's ablation study ("Ablation Study"), each the DeAR row with one change, a row of its
+# own (docs/METHOD.md Sec. 5); branch-ce is ours, for the retrieval diagnosis (docs/TOYWORLD.md).
+ABLATIONS = {
+    "no-role-mask": "every head mixed: the tokens reach every head (the row of --roles all-mixed)",
+    "no-attribute-tokens": "no attribute token: the class branch and the text tokens alone",
+    "no-fusion-reg": "lambda_fusion = 0: nothing holds the fusion to the class branch",
+    "mask-generalization-only": "the analysed map with its attribute heads made mixed",
+    "branch-ce": "NOT the paper's loss: + MMRL's 0.7 CE(class) + 0.3 CE(attribute branches)",
+}
+TEST_BETAS = ("per-target", "trained")  # cross, dg: DeAR's beta on a target (train.beta_at_test)
 MAX_SEED = 2**32 - 1  # numpy's range; the per-epoch seeds are derived from it (seed * 100003 + epoch)
 # Every setting of a run, in settings.json's order.
-SETTING_KEYS = ("dataset dataset_paths template protocol source method roles fusion seeds shots root weights "
-                "head_width bpe output first_layer beta text_tokens lambda_reg lambda_fusion analysis_pool "
-                "analysis_images bank concepts min_cluster_size min_samples cluster_names descriptions low_bits high_bits epochs batch_size lr warmup_epochs warmup_lr "
-                "weight_decay augment device amp workers eval_batch_size log_every max_epochs_per_call toy_scale "
-                "fingerprints role_maps").split()
+SETTING_KEYS = ("dataset dataset_paths template protocol source method roles ablations fusion "
+                "seeds shots root weights head_width bpe output first_layer beta test_beta "
+                "text_tokens lambda_reg lambda_fusion analysis_pool analysis_images bank concepts "
+                "min_cluster_size min_samples cluster_names descriptions low_bits high_bits epochs "
+                "batch_size lr warmup_epochs warmup_lr weight_decay augment device amp workers "
+                "eval_batch_size log_every max_epochs_per_call toy_scale fingerprints role_maps").split()
 # Flags that say how to run, not what to compute: they may change on --resume / --eval-only.
 RUN_CONTROL = {"output", "resume", "eval_only", "device", "workers", "log_every", "eval_batch_size",
                "max_epochs_per_call", "amp", "root", "weights", "bpe"}  # (and the files' places)
@@ -106,6 +117,9 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
       "linear-probe = logistic regression on frozen image features (training classes only); dear = DeAR")
     g("--roles", nargs="+", help="head roles: 'analyse' (concept entropy on --analysis-pool, cached per model and "
       "pool), a roles JSON file, 'all-mixed' (no mask) or 'all-generalization'; one table row each")
+    g("--ablations", nargs="+", choices=(*ABLATIONS, "all"), metavar="NAME",
+      help="the paper's ablations, each a DeAR row with one change: "
+      + "; ".join(f"{name} = {what}" for name, what in ABLATIONS.items()) + "; all = every one")
     g("--fusion", nargs="+", type=fusion_name, metavar="{" + ",".join(FUSION_MODES) + "}", help="DeAR's scoring, "
       "one row each from the same model: fused-everywhere = fused logits on every test set; class-on-unseen = the "
       "class branch alone on classes not trained (MMRL's rule); the role ablations use the first")
@@ -123,6 +137,9 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
     g = p.add_argument_group("DeAR").add_argument
     g("--first-layer", type=int, help="J, the first layer with learnable tokens (1-based; auto: first of last four)")
     g("--beta", type=float, help="weight of each layer's fresh tokens against the previous layer's, in [0, 1]")
+    g("--test-beta", choices=TEST_BETAS, help="cross and dg: DeAR's beta on a target: "
+      "per-target = MMRL++'s (trainers/config.py, task CD; a target it does not name: the "
+      "training beta); trained = the training beta")
     g("--text-tokens", type=int, help="K, learnable tokens inserted in the text tower")
     g("--lambda-reg", type=float, help="weight of the self-regularisation loss")
     g("--lambda-fusion", type=float, help="weight of the fusion-weight regularisation loss")
@@ -175,7 +192,9 @@ def default_help(key: str, book: RecipeBook) -> str:
     def shown(value) -> str:
         if isinstance(value, bool):
             return "on" if value else "off"
-        return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+        if isinstance(value, list):
+            return " ".join(map(str, value)) or "none"
+        return str(value)
 
     parts = [shown(book.defaults[key])] if key in book.defaults else []
     if key in book.toy_defaults:
@@ -231,6 +250,7 @@ def typed_flags(args: argparse.Namespace, protocol: str, source: Optional[str], 
     """The flags typed (a typed 0 or "" too), in the form settings.json stores them (--augment off
     -> False, --dataset all -> the names, each list without repeats): new and resumed runs alike."""
     stored_as = dict.fromkeys(("roles", "method", "seeds", "shots", "fusion"), _unique)
+    stored_as["ablations"] = lambda v: list(ABLATIONS) if "all" in v else _unique(v)
     stored_as.update(dataset=lambda v: dataset_names(v, protocol, source, book), source=data.dataset_key,
                      augment=lambda v: v == "on")
     return {key: stored_as.get(key, lambda v: v)(value) for key, value in vars(args).items()
@@ -280,6 +300,9 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
             raise TrainError(f"--dataset {source}: it is the --source; its test set is already the first column")
     elif args.source:
         raise TrainError(f"--source is for --protocol cross or dg, not {protocol}")
+    elif args.test_beta:
+        raise TrainError(f"--test-beta is for --protocol cross or dg; {protocol} tests the trained "
+                         "dataset, at the training beta")
 
     trained = source or names[0]
     if trained not in book.recipes[protocol] and not data.get_spec(trained).own:  # added to data.py, not here
@@ -300,11 +323,22 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
     if sum(choice not in ROLE_ABLATIONS for choice in roles) > 1:
         raise TrainError(f"--roles {' '.join(roles)}: give at most one of 'analyse' or a roles file (both make the "
                          "DeAR row); add the ablations all-mixed / all-generalization beside it")
+    ablations = settings["ablations"]
+    if ablations and "dear" not in settings["method"]:
+        raise TrainError(f"--ablations {' '.join(ablations)}: each is a DeAR row; "
+                         "add dear to --method")
+    changed = [name for name in ablations if name != "no-role-mask"]  # each changes the DeAR row
+    if changed and all(choice in ROLE_ABLATIONS for choice in roles):
+        raise TrainError(f"--ablations {changed[0]}: it changes the DeAR row, which --roles "
+                         f"{' '.join(roles)} does not make; add analyse (or a roles file) "
+                         "to --roles")
     shots = list(typed.get("shots", book.fewshot_shots if protocol == "fewshot" else [recipe.shots]))
     if protocol != "fewshot" and len(shots) > 1:
         raise TrainError("--shots takes several values only with --protocol fewshot")
     settings.update(dataset_paths=dict(own), source=source, shots=shots, output=output, warmup_lr=book.warmup_lr,
                     weight_decay=book.weight_decay, weights=None if toy else settings["weights"])  # toy: its own
+    if source is None:  # no target: DeAR is tested at the training beta
+        settings["test_beta"] = None
     return settings
 
 
@@ -516,6 +550,7 @@ class Job:
     seed: Optional[int]  # None for zero-shot: it has no randomness, one run serves every seed
     shots: Optional[int]  # None for zero-shot (it does not train)
     folder: str  # <output>/<dataset>/<row>/<seed leaf>: checkpoint.pt, results.json, results.md
+    ablation: Optional[str] = None  # one of ABLATIONS (not no-role-mask: the --roles all-mixed row)
 
     @property
     def label(self) -> str:
@@ -525,7 +560,11 @@ class Job:
 
 ROW_LABELS = {"zeroshot": "CLIP (zero-shot)", "linear-probe": "Linear probe (frozen image features)", "dear": "DeAR",
               "dear-all-mixed": "DeAR, all heads mixed (no mask)",
-              "dear-all-generalization": "DeAR, all heads generalization"}
+              "dear-all-generalization": "DeAR, all heads generalization",
+              "dear-no-attribute-tokens": "DeAR, no attribute tokens (class branch, text tokens)",
+              "dear-no-fusion-reg": "DeAR, no fusion regularisation (lambda_fusion 0)",
+              "dear-mask-generalization-only": "DeAR, mask on the generalization heads only",
+              "dear-branch-ce": "DeAR + per-branch CE (MMRL's; not the paper's loss)"}
 # The DeAR row once per --fusion mode; its table key and label say what the mode does.
 FUSION_ROWS = {"fused-everywhere": ("-fused", ", fused on every test set"),
                "class-on-unseen": ("-class-on-unseen", ", class branch alone on unseen classes")}
@@ -533,6 +572,18 @@ FUSION_ROWS = {"fused-everywhere": ("-fused", ", fused on every test set"),
 
 def row_name(roles: str) -> str:
     return "dear" if roles not in ROLE_ABLATIONS else f"dear-{roles}"  # analysed or a file: the DeAR row
+
+
+def dear_rows(settings) -> List[tuple]:
+    """(row, roles, ablation) of each DeAR row, in table order: each --roles choice, then each of
+    --ablations on the DeAR row's roles (no-role-mask is --roles all-mixed's row: made once)."""
+    rows = [(row_name(roles), roles, None) for roles in settings["roles"]]
+    source = next((r for r in settings["roles"] if r not in ROLE_ABLATIONS), None)  # analyse/file
+    for name in settings["ablations"]:
+        row = row_name("all-mixed") if name == "no-role-mask" else f"dear-{name}"
+        if row not in [r for r, _, _ in rows]:
+            rows.append((row, "all-mixed", None) if name == "no-role-mask" else (row, source, name))
+    return rows
 
 
 def trained_datasets(settings) -> List[str]:
@@ -546,13 +597,14 @@ def plan_jobs(settings) -> List[Job]:
     for dataset in trained_datasets(settings):
         if "zeroshot" in settings["method"]:
             jobs.append(Job(dataset, "zeroshot", None, None, None, os.path.join(out, dataset, "zeroshot")))
-        rows = [("linear-probe", None)] if "linear-probe" in settings["method"] else []
-        rows += [(row_name(r), r) for r in settings["roles"]] if "dear" in settings["method"] else []
-        for row, roles in rows:  # one run per shots x seed
+        rows = [("linear-probe", None, None)] if "linear-probe" in settings["method"] else []
+        rows += dear_rows(settings) if "dear" in settings["method"] else []
+        for row, roles, ablation in rows:  # one run per shots x seed
             for shots in settings["shots"]:
                 for seed in settings["seeds"]:
                     leaf = f"seed{seed}" if settings["protocol"] != "fewshot" else f"shots{shots}-seed{seed}"
-                    jobs.append(Job(dataset, row, roles, seed, shots, os.path.join(out, dataset, row, leaf)))
+                    folder = os.path.join(out, dataset, row, leaf)
+                    jobs.append(Job(dataset, row, roles, seed, shots, folder, ablation))
     return jobs
 
 
@@ -560,9 +612,10 @@ def table_rows(settings) -> Dict[str, tuple]:
     """{table row: (job row, fusion mode)}: zero-shot; the linear probe; the DeAR row once per
     --fusion mode (its key ends in the mode's suffix); each ablation under the first mode."""
     rows = {"zeroshot": ("zeroshot", None), "linear-probe": ("linear-probe", None)}
-    for roles in settings["roles"]:
-        for mode in settings["fusion"][:1] if roles in ROLE_ABLATIONS else settings["fusion"]:
-            rows[row_name(roles) + ("" if roles in ROLE_ABLATIONS else FUSION_ROWS[mode][0])] = (row_name(roles), mode)
+    for row, roles, ablation in dear_rows(settings):
+        one_change = roles in ROLE_ABLATIONS or ablation is not None
+        for mode in settings["fusion"][:1] if one_change else settings["fusion"]:
+            rows[row + ("" if one_change else FUSION_ROWS[mode][0])] = (row, mode)
     return rows
 
 
@@ -576,7 +629,8 @@ def row_label(row: str) -> str:
 def job_settings(settings, job: Job) -> dict:
     """What decides a run's result: saved with it and compared on --resume."""
     keep = {k: v for k, v in settings.items() if k not in RUN_CONTROL}  # how to run may change, not what
-    return dict(keep, job=dict(dataset=job.dataset, row=job.row, roles=job.roles, seed=job.seed, shots=job.shots))
+    return dict(keep, job=dict(dataset=job.dataset, row=job.row, roles=job.roles, seed=job.seed,
+                               shots=job.shots, ablation=job.ablation))
 
 
 # ------------------------------------------------------------------------------------------
@@ -999,6 +1053,9 @@ def format_time(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+LOSS_TERMS = ("total", "ce", "reg", "fusion", "branch")  # dear.dear_loss's (branch: branch-ce's)
+
+
 class Progress:
     """An epoch's running sums and its progress lines (every --log-every steps and at the epoch's
     end): losses and training accuracy over the images seen so far, the speed, the time left."""
@@ -1008,13 +1065,13 @@ class Progress:
         self.started, self.done = time.time(), 0  # for the time left of this call
 
     def start_epoch(self) -> None:
-        self.sums = dict.fromkeys(("total", "ce", "reg", "fusion", "correct", "images"), 0.0)
+        self.sums = dict.fromkeys(LOSS_TERMS + ("correct", "images"), 0.0)
         self.epoch_started = time.time()
 
     def step(self, epoch: int, step: int, steps_per_epoch: int, lr: float, losses: dict, logits, labels) -> None:
         sums, n = self.sums, len(labels)
-        for key in ("total", "ce", "reg", "fusion"):
-            sums[key] += losses[key].item() * n
+        for key in LOSS_TERMS:
+            sums[key] += losses[key].item() * n if key in losses else 0.0  # branch-ce's alone
         sums["correct"] += (logits.argmax(-1) == labels).sum().item()  # the fused logits' training accuracy
         sums["images"] += n
         self.done += 1  # steps done in this call
@@ -1022,10 +1079,12 @@ class Progress:
             left = (time.time() - self.started) / self.done * (self.steps - self.done)
             rate = sums["images"] * self.runtime.world / max(time.time() - self.epoch_started, 1e-9)
             mean_of = {key: value / sums["images"] for key, value in sums.items()}  # over the epoch's images so far
+            branch = f" branch {mean_of['branch']:.4f}" if "branch" in losses else ""  # branch-ce's
             self.runtime.log(
                 f"[{self.label}] epoch {epoch + 1}/{self.settings['epochs']} step {step}/{steps_per_epoch} "
                 f"loss {mean_of['total']:.4f} (ce {mean_of['ce']:.4f} reg {mean_of['reg']:.4f} "
-                f"fusion {mean_of['fusion']:.4f}) acc {100 * mean_of['correct']:.1f}% lr {lr:.2e} "
+                f"fusion {mean_of['fusion']:.4f}{branch}) "
+                f"acc {100 * mean_of['correct']:.1f}% lr {lr:.2e} "
                 f"{rate:.1f} img/s, {format_time(left)} left")
 
 
@@ -1117,7 +1176,30 @@ def summarise(settings, results: List[dict]) -> dict:
         for key in set(table) & {"rows", "spread"}:
             table[key] = {row: [None if math.isnan(v) else round(v, 2) for v in vals]
                           for row, vals in table[key].items()}
-    return dict(protocol=protocol, seeds=settings["seeds"], rows=rows, tables=tables, logits=logits)
+    betas = next((res["test_beta"] for res in results if res.get("test_beta")), None)  # {set: beta}
+    test_beta = betas if settings["test_beta"] else None  # cross and dg: said under the table
+    return dict(protocol=protocol, seeds=settings["seeds"], rows=rows, tables=tables, logits=logits,
+                alpha=fusion_weights(settings, results), test_beta=test_beta)
+
+
+def fusion_weights(settings, results: List[dict]) -> dict:
+    """{trained dataset: {DeAR row (in fewshot: ", N shots" added): {branch: [mean, sd]}}}: the
+    learned alpha of the class branch and of each attribute token over seeds (left out: 0)."""
+    weights: Dict[str, dict] = {}
+    for res in results:
+        if res.get("alpha"):
+            job = res["job"]
+            shots = f", {job['shots']} shots" if settings["protocol"] == "fewshot" else ""
+            key = job["row"] + shots
+            row = weights.setdefault(job["dataset"], {}).setdefault(key, {})
+            for branch, value in res["alpha"].items():
+                row.setdefault(branch, []).append(value)
+    def summed(values: List[float]) -> List[float]:
+        return [round(mean(values), 3), round(spread(values), 3)]
+
+    return {dataset: {key: {branch: summed(v) for branch, v in row.items()}
+                      for key, row in rows.items()}
+            for dataset, rows in weights.items()}
 
 
 def markdown(summary: dict, settings) -> str:
@@ -1146,7 +1228,33 @@ def markdown(summary: dict, settings) -> str:
     if fallen:  # dear.falls_back_to_class_branch: both DeAR rows are then the class branch's
         lines.append(f"- The head analysis of {', '.join(fallen)} names no attribute head: DeAR falls back to the "
                      "class branch alone there.")
-    return "\n".join(lines + [""])
+    if summary.get("test_beta"):  # cross and dg: the beta DeAR was tested at, per test set
+        rule = ("MMRL++'s per target (trainers/config.py, task CD; the trained set and a target "
+                "it does not name: the training beta)" if settings["test_beta"] == "per-target"
+                else "the training beta on every target (--test-beta trained)")
+        betas = ", ".join(f"{name} {beta:g}" for name, beta in summary["test_beta"].items())
+        lines.append(f"- DeAR's beta at test time, {rule}: {betas}")
+    return "\n".join(lines + [""] + fusion_weights_markdown(summary.get("alpha") or {}))
+
+
+def fusion_weights_markdown(alpha: dict) -> List[str]:
+    """The learned fusion weights: a row per DeAR row (and dataset), a column per branch."""
+    if not alpha:
+        return []
+
+    def label(dataset: str, key: str) -> str:  # key: a row, in fewshot with ", N shots"
+        row, _, shots = key.partition(", ")
+        where = f"{dataset}: " if len(alpha) > 1 else ""
+        return where + row_label(row) + (f", {shots}" if shots else "")
+
+    branches = list(dict.fromkeys(b for rows in alpha.values() for row in rows.values()
+                                  for b in row))
+    cells = {label(dataset, key): [f"{row[b][0]:.2f} ± {row[b][1]:.2f}" if b in row else "-"
+                                   for b in branches]
+             for dataset, rows in alpha.items() for key, row in rows.items()}
+    return ["## Learned fusion weights alpha (mean ± sd over seeds)", "",
+            "Each branch's weight in the fused logits (class branch, then each attribute token); "
+            "- = no such branch.", "", *md_table("DeAR run", branches, cells), ""]
 
 
 def retrieval_summary(results: List[dict], attributes: List[str], k: int):

@@ -84,6 +84,13 @@ MMRLPP_B2N_FS = {"imagenet": (0.9, 0.2), "fgvc_aircraft": (0.9, 2.0), "ucf101": 
                  "oxford_pets": (0.7, 0.01), "stanford_cars": (0.7, 6.0), "caltech101": (0.6, 3.0),
                  "sun397": (0.5, 3.0), "oxford_flowers": (0.4, 7.0), "eurosat": (0.2, 0.01), "food101": (0.1, 1.0)}
 MMRLPP_CD = {"imagenet": (0.9, 0.1)}
+# MMRL++ tests each cross/dg target at its own beta: the same table (CD), merged for that
+# target's own test call (scripts/mmrlpp/cross_datasets_test.sh: --eval-only, TASK CD) into
+# the model it builds (trainers/mmrlpp.py: design_details["beta"]). train.py --test-beta.
+MMRLPP_CD_TEST_BETA = {"imagenet": 0.9, "imagenet_v2": 0.9, "imagenet_r": 0.9, "imagenet_a": 0.8,
+                       "imagenet_sketch": 0.7, "fgvc_aircraft": 0.9, "ucf101": 0.9, "sun397": 0.7,
+                       "oxford_pets": 0.6, "caltech101": 0.6, "dtd": 0.5, "oxford_flowers": 0.4,
+                       "stanford_cars": 0.3, "eurosat": 0.3, "food101": 0.3}
 WARMUP_LR, WEIGHT_DECAY = 1e-5, 5e-4  # MMRL++'s WARMUP_CONS_LR; Dassl's OPTIM.WEIGHT_DECAY
 FEWSHOT_SHOTS = [1, 2, 4, 8, 16]  # the few-shot protocol's sweep (CoOp)
 
@@ -115,6 +122,8 @@ DEFAULTS = dict(
     protocol="base2novel",  # the paper's main table
     method=["zeroshot", "dear"],  # CLIP as it is, and DeAR
     roles=["analyse"],  # DeAR's own head analysis: one role map per model and image pool, cached
+    ablations=[],  # the paper's ablations (runs.ABLATIONS), a row each: none unless asked
+    test_beta="per-target",  # cross and dg: each target at MMRL++'s beta (MMRLPP_CD_TEST_BETA)
     fusion=list(runs.FUSION_MODES),  # both rules of scoring DeAR, one table row each (runs.FUSION_MODES)
     seeds=[1, 2, 3],  # CoOp's three seeds; the tables report the mean
     source="imagenet",  # what cross and dg train on (the paper's protocol)
@@ -307,10 +316,20 @@ def check_pool(settings, bank: List[tuple], concepts: str, attributes: List[str]
                          f"picks per head; give a pool of at least {picks}, or --descriptions {len(bank)} or fewer")
 
 
-def build_dear(settings, inputs: Inputs, role_map: dear.RoleMap) -> dear.DeAR:
-    """DeAR on the frozen CLIP: the one place it is built (to train, and for --eval-only). Its
-    learnable tokens are drawn from torch's global generator: the caller seeds it."""
-    return dear.DeAR(inputs.clip, role_map, inputs.attributes, first_layer=runs.first_layer(settings, inputs.clip),
+def build_dear(settings, inputs: Inputs, role_map: dear.RoleMap,
+               ablation: Optional[str] = None) -> dear.DeAR:
+    """DeAR on the frozen CLIP: the one place it is built (to train, and for --eval-only), with
+    an ablation's change of the model. Its learnable tokens come from torch's global generator:
+    the caller seeds it."""
+    attributes = inputs.attributes
+    if ablation == "no-attribute-tokens":  # A = 0: the class branch and the text tokens alone
+        attributes = []
+        role_map = dear.RoleMap.uniform("mixed", role_map.vision_layers, role_map.num_heads,
+                                        role_map.layers, attributes)
+    if ablation == "mask-generalization-only":  # attribute heads made mixed: all tokens read there
+        role_map = dear.generalization_mask_only(role_map)
+    return dear.DeAR(inputs.clip, role_map, attributes,
+                     first_layer=runs.first_layer(settings, inputs.clip),
                      beta=settings["beta"], num_text_tokens=settings["text_tokens"])
 
 
@@ -439,7 +458,10 @@ def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap, s
     clip, expected = inputs.clip, runs.job_settings(settings, job)  # expected: what its checkpoint must hold
     checkpoint_path = os.path.join(job.folder, "checkpoint.pt")
     torch.manual_seed(job.seed)  # the learnable tokens' initialisation
-    model = build_dear(settings, inputs, role_map).to(runtime.device)
+    model = build_dear(settings, inputs, role_map, job.ablation).to(runtime.device)
+    # The ablations that change the loss: no fusion regularisation; a CE per branch (not DeAR's).
+    lambda_fusion = 0.0 if job.ablation == "no-fusion-reg" else settings["lambda_fusion"]
+    branch_ce = job.ablation == "branch-ce"
     runtime.log(f"[{job.label}] {len(split.train)} training images, {len(split.classnames)} classes; "
                 f"attribute tokens from layer J={model.first_layer} (1-based)"
                 f"{'; class branch alone (no attribute head)' if model.class_branch_only else ''}; "
@@ -460,7 +482,8 @@ def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap, s
     if runtime.world > 1:
         network = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
-            broadcast_buffers=False, find_unused_parameters=settings["text_tokens"] == 0)
+            broadcast_buffers=False,
+            find_unused_parameters=settings["text_tokens"] == 0 or not model.attributes)
     # The class prompts' frozen text side, once per run (the text tokens enter at layer J).
     class_ids = inputs.tokenizer.tokenize(split.prompts, clip.context_length, truncate=True).to(runtime.device)
     with runs.autocast(runtime):
@@ -486,7 +509,8 @@ def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap, s
             images, labels = images.to(runtime.device, non_blocking=True), labels.to(runtime.device)
             with runs.autocast(runtime):
                 output = network(images, classes, with_frozen=True)  # also frozen CLIP's, for L_reg
-                losses = dear.dear_loss(output, labels, settings["lambda_reg"], settings["lambda_fusion"])
+                losses = dear.dear_loss(output, labels, settings["lambda_reg"], lambda_fusion,
+                                        branch_ce)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(losses["total"]).backward()
             scaler.step(optimizer)
@@ -497,7 +521,8 @@ def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap, s
         alpha = ", ".join(f"{a:.2f}" for a in model.fusion_weights().tolist())
         took = runs.format_time(time.time() - progress.epoch_started)
         runtime.log(f"[{job.label}] epoch {epoch + 1} done in {took}; "
-                    f"fusion weights alpha (cls, {', '.join(inputs.attributes)}) = {alpha}; checkpoint saved")
+                    f"fusion weights alpha (cls, {', '.join(model.attributes)}) = {alpha}; "
+                    "checkpoint saved")
     if runtime.world > 1:
         dist.barrier()
     if stop_at < settings["epochs"]:
@@ -517,6 +542,15 @@ def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap, s
 def logits_used(eval_set: EvalSet, fusion: str) -> str:
     """"fused" or "class": which of DeAR's logits score this test set under this fusion mode."""
     return "fused" if fusion == "fused-everywhere" or eval_set.trained else "class"
+
+
+def beta_at_test(settings, eval_set: EvalSet) -> float:
+    """DeAR's beta on a test set: the training beta on the trained classes; on a cross or dg target,
+    MMRL++'s beta for it (--test-beta per-target; our choice for a target it does not name: the
+    training beta), or the training beta (--test-beta trained)."""
+    if settings["test_beta"] != "per-target" or eval_set.trained:
+        return settings["beta"]
+    return MMRLPP_CD_TEST_BETA.get(eval_set.name, settings["beta"])
 
 
 @torch.no_grad()
@@ -623,7 +657,8 @@ def retrieval_check(model: dear.DeAR, job: runs.Job, settings, inputs: Inputs, l
     values = {a: [getattr(scene, a) for scene in scenes] for a in inputs.attributes}
     return {name: {a: "blind" if name not in rankings else  # a blind token ranks nothing
                    dear.precision_at_k(rankings[name][:, :RETRIEVAL_K], values[a], values[a])
-                   for a in inputs.attributes} for name in ["class"] + inputs.attributes + ["frozen CLIP"]}
+                   for a in inputs.attributes}
+            for name in ["class"] + model.attributes + ["frozen CLIP"]}  # no-attribute-tokens: none
 
 
 def run_job(job: runs.Job, settings, inputs: Inputs, role_maps: dict, lists: RunData,
@@ -644,7 +679,8 @@ def run_job(job: runs.Job, settings, inputs: Inputs, role_maps: dict, lists: Run
             checkpoint = runs.load_run_file(os.path.join(job.folder, "checkpoint.pt"), expected)
             if checkpoint is None or checkpoint["epoch"] < settings["epochs"]:
                 raise TrainError(f"{job.folder}: no finished checkpoint to evaluate; finish it with --resume")
-            model = build_dear(settings, inputs, role_maps[job.dataset, job.roles]).to(runtime.device)
+            role_map = role_maps[job.dataset, job.roles]
+            model = build_dear(settings, inputs, role_map, job.ablation).to(runtime.device)
             model.load_learnable_state_dict(checkpoint["learnable"])
         elif job.row != "zeroshot":
             model = train_job(job, settings, inputs, role_maps[job.dataset, job.roles],
@@ -653,14 +689,19 @@ def run_job(job: runs.Job, settings, inputs: Inputs, role_maps: dict, lists: Run
                 return None
         model = model.eval() if model is not None else None
         # One pass per test set gives every kind of logits; each fusion mode then picks per set.
-        accuracy, logits = {}, {mode: {} for mode in settings["fusion"]}
+        accuracy, logits, betas = {}, {mode: {} for mode in settings["fusion"]}, {}
         for eval_set in lists.test[job.dataset]:
+            if model is not None:  # MMRL++'s recipe: each cross/dg target at its own beta
+                betas[eval_set.name] = model.beta = beta_at_test(settings, eval_set)
             accuracy[eval_set.name] = evaluate(model, inputs.clip, inputs.tokenizer, eval_set, settings, runtime)
             for mode in settings["fusion"]:
                 logits[mode][eval_set.name] = "clip" if model is None else logits_used(eval_set, mode)
             runtime.log(f"[{job.label}] test {eval_set.name}: " + ", ".join(
                 f"{v:.2f}% ({kind} logits)" for kind, v in accuracy[eval_set.name].items()) +
-                f" ({len(eval_set.items)} images, {len(eval_set.classnames)} classes)")
+                f" ({len(eval_set.items)} images, {len(eval_set.classnames)} classes"
+                f"{f', beta {betas[eval_set.name]:g}' if betas else ''})")
+        if model is not None:
+            model.beta = settings["beta"]  # the training beta again (retrieval: the trained set)
         by_fusion = {mode: {name: accuracy[name][kind] for name, kind in logits[mode].items()}
                      for mode in settings["fusion"]}
         for metrics in by_fusion.values():
@@ -668,11 +709,15 @@ def run_job(job: runs.Job, settings, inputs: Inputs, role_maps: dict, lists: Run
                 metrics["hm"] = runs.harmonic_mean(metrics["base"], metrics["novel"])
         first = settings["fusion"][0]
         # "metrics" and "logits": the first --fusion mode's numbers and which logits scored each set;
-        # *_by_fusion: the same for every mode; role_map: the analysed map this run used, if any.
+        # *_by_fusion: the same for every mode; role_map: the analysed map this run used, if any;
+        # alpha: DeAR's learned fusion weight per branch; test_beta: each set's beta at test.
+        alpha = None
+        if model is not None:
+            alpha = dict(zip(["class"] + model.attributes, model.fusion_weights().tolist()))
         result = dict(job=dataclasses.asdict(job), metrics=by_fusion[first], fusion=first, logits=logits[first],
                       metrics_by_fusion=by_fusion, logits_by_fusion=logits, accuracy_by_logits=accuracy,
                       role_map=(settings["role_maps"] or {}).get(job.dataset) if job.roles == "analyse" else None,
-                      settings=expected)
+                      alpha=alpha, test_beta=betas or None, settings=expected)
     if runtime.main:
         if model is not None:  # pictures in the run folder; the toy world's precision@10 in the result
             result["retrieval"] = retrieval_check(model, job, settings, inputs, lists, runtime)

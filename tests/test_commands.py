@@ -56,6 +56,8 @@ RUN = {
     "python -m toyworld --scale miniature --causal --grid samples.png",
     "python -m toyworld --grid samples.png",  # the full world: the shipped model, seconds
     "python data.py --dataset path/to/my_photos",  # on a folder of class folders made below
+    "python benchmarks/toy_ablations.py --toy-scale miniature --seeds 1 --epochs 1 "
+    "--output /tmp/abl",  # the toy ablation tables' path, seconds
 }
 
 # Not run on their own: a command of RUN that adds flags to them runs the same path and more
@@ -80,6 +82,7 @@ NOT_RUN = {
     "python benchmarks/bench_clip.py --device cuda --rounds 20": "needs a GPU",
     "python benchmarks/bench_train_step.py": "about a minute of ViT-B/16 on the CPU",
     "python benchmarks/bench_train_step.py --device cuda": "needs a GPU",
+    "python benchmarks/toy_ablations.py": "half an hour (37 toy runs); the miniature one runs here",
     "python -m pytest -q": "the test suite itself",
     "python train.py --dataset path/to/my_photos": "downloads OpenAI's weights (ViT-B/16)",
     "python benchmarks/device_check.py --device cpu --quick": "tests/test_device_check.py runs it",

@@ -384,3 +384,65 @@ def test_a_branch_is_blind_only_if_no_layer_from_J_on_lets_it_read_the_image(tin
         model = DeAR(tiny_deep_clip, role_map(spec), ATTRIBUTES, first_layer=2)
     assert model.blind_attributes == ["texture"]
     assert model.fusion_weights()[[0, 2, 3]].gt(0).all() and model.fusion_weights()[1] == 0
+
+
+# ------------------------------------------------------------------------------------------
+# The paper's ablations, as dear.py builds them (train.py --ablations)
+# ------------------------------------------------------------------------------------------
+
+
+def test_without_attribute_tokens_the_image_side_is_frozen_clip_and_the_logits_the_class_branchs(
+        tiny_deep_clip):
+    no_tokens = RoleMap.uniform("mixed", LAYERS, HEADS, range(LAYERS), attributes=[])
+    torch.manual_seed(3)
+    model = DeAR(tiny_deep_clip, no_tokens, attributes=[], first_layer=1, beta=0.3,
+                 num_text_tokens=3)
+    with torch.no_grad():
+        model.text_tokens.normal_(0, 1.0)
+        model.fusion_logits.normal_(0, 1.0)
+    labels = torch.tensor([0, 3, 1])
+    out = model(images(), model.prepare_classes(prompts()), with_frozen=True)
+    assert out.branch_logits.shape[1] == 1 and out.alpha.tolist() == [1.0]  # one branch, all weight
+    assert torch.equal(out.logits, out.branch_logits[:, 0])
+    assert_close(out.image_features[:, 0], out.frozen_image_features, 1e-5, "class vs plain CLIP")
+    assert (out.text_features - out.frozen_text_features).abs().max() > 1e-3  # the text tokens act
+    losses = dear.dear_loss(out, labels, lambda_fusion=0.5, branch_ce=True)
+    assert losses["fusion"].item() == 0.0  # -log(alpha_cls) = -log(1)
+    class_ce = F.cross_entropy(out.branch_logits[:, 0], labels)
+    assert_close(losses["branch"], class_ce, 1e-6, "a class branch alone: its own per-branch CE")
+    losses["total"].backward()
+    assert model.text_tokens.grad.abs().max() > 0 and model.vision_tokens.numel() == 0
+
+
+def test_the_mask_on_generalization_heads_only_makes_each_attribute_head_mixed(tiny_deep_clip):
+    measured = role_map(MIXED_MAP)
+    for head in measured.heads:  # measured (entropies): without attribute heads it would fall back
+        head.entropy = 0.5 if head.role == "attribute" else 2.0
+    ablated = dear.generalization_mask_only(measured)
+    expected = [{"attribute": "mixed"}.get(h.role, h.role) for h in measured.heads]
+    assert [h.role for h in ablated.heads] == expected
+    assert not any(h.attribute for h in ablated.heads)
+    before = make(tiny_deep_clip, MIXED_MAP)
+    after = DeAR(tiny_deep_clip, ablated, ATTRIBUTES, first_layer=1)
+    assert not after.class_branch_only and after.blind_attributes == []  # all read, none falls back
+    for layer, head in [(1, 1), (2, 2)]:  # the generalization heads keep their mask ...
+        assert torch.equal(after.role_masks[layer, head], before.role_masks[layer, head])
+        assert not torch.isfinite(after.role_masks[layer, head]).all()
+    for layer, head in [(1, 0), (2, 1), (2, 3)]:  # ... the attribute heads have none
+        assert torch.isfinite(after.role_masks[layer, head]).all()
+
+
+def test_branch_ce_adds_mmrls_per_branch_cross_entropy_of_the_branches_in_the_fusion(
+        tiny_deep_clip):
+    spec = {(2, 0): "colour", (2, 1): "G", (2, 2): "G", (2, 3): "shape"}  # J = 3: texture blind
+    with pytest.warns(UserWarning, match="texture token"):
+        model = make(tiny_deep_clip, spec, J=3)
+    labels = torch.tensor([0, 3, 1])
+    out = model(images(), model.prepare_classes(prompts()), with_frozen=True)
+    paper, ours = dear.dear_loss(out, labels), dear.dear_loss(out, labels, branch_ce=True)
+    assert "branch" not in paper  # the paper's loss is the default
+    ce = [F.cross_entropy(out.branch_logits[:, k], labels) for k in range(4)]
+    by_hand = 0.7 * ce[0] + 0.3 * (ce[2] + ce[3]) / 2  # MMRL's ALPHA; the colour and shape branches
+    assert_close(ours["branch"], by_hand, 1e-5, "per-branch CE")
+    assert_close(ours["total"], paper["total"] + by_hand, 1e-5, "total")
+    assert (ce[1] - (ce[2] + ce[3]) / 2).abs() > 1e-3  # a blind branch counted in would show

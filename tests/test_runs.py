@@ -20,8 +20,8 @@ import runs  # noqa: E402
 
 
 def test_summary_leaves_the_linear_probe_novel_and_hm_empty_and_shows_the_spread():
-    settings = dict(protocol="base2novel", dataset=["a"], roles=["analyse"], fusion=["class-on-unseen"],
-                    seeds=[1, 2], shots=[16])
+    settings = dict(protocol="base2novel", dataset=["a"], roles=["analyse"], ablations=[],
+                    fusion=["class-on-unseen"], seeds=[1, 2], shots=[16], test_beta=None)
     results = [dict(job=dict(dataset="a", row="linear-probe", shots=16), metrics=dict(base=b)) for b in (80.0, 84.0)]
     results += [dict(job=dict(dataset="a", row="dear", shots=16), metrics=dict(base=b, novel=n))
                 for b, n in ((70.0, 50.0), (74.0, 54.0))]
@@ -38,8 +38,8 @@ def test_summary_leaves_the_linear_probe_novel_and_hm_empty_and_shows_the_spread
 
 
 def test_a_datasets_hm_is_the_hm_of_its_mean_base_and_mean_novel_not_the_mean_of_per_seed_hms():
-    settings = dict(protocol="base2novel", dataset=["a"], roles=["analyse"], fusion=["fused-everywhere"],
-                    seeds=[1, 2], shots=[16])
+    settings = dict(protocol="base2novel", dataset=["a"], roles=["analyse"], ablations=[],
+                    fusion=["fused-everywhere"], seeds=[1, 2], shots=[16], test_beta=None)
     results = [dict(job=dict(dataset="a", row="dear", shots=16), metrics=dict(base=b, novel=n))
                for b, n in ((90.0, 10.0), (50.0, 50.0))]
     table = runs.summarise(settings, results)["tables"]["a"]
@@ -48,8 +48,8 @@ def test_a_datasets_hm_is_the_hm_of_its_mean_base_and_mean_novel_not_the_mean_of
 
 
 def test_summary_takes_hm_of_the_averages_as_the_paper_does():
-    settings = dict(protocol="base2novel", dataset=["a", "b"], roles=["analyse"], fusion=["class-on-unseen"],
-                    seeds=[1], shots=[16])
+    settings = dict(protocol="base2novel", dataset=["a", "b"], roles=["analyse"], ablations=[],
+                    fusion=["class-on-unseen"], seeds=[1], shots=[16], test_beta=None)
     results = [dict(job=dict(dataset=d, row="dear", shots=16), metrics=dict(base=b, novel=n))
                for d, b, n in (("a", 90.0, 10.0), ("b", 50.0, 50.0))]
     summary = runs.summarise(settings, results)

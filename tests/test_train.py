@@ -357,6 +357,164 @@ def test_fewshot_cross_and_dg_write_the_paper_shaped_tables(world, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------
+# The paper's ablations (--ablations), each a row of its own; MMRL++'s test-time beta
+# ------------------------------------------------------------------------------------------
+
+
+def hand_made_roles(folder: Path) -> str:
+    """A roles file for the tiny CLIP (3 layers x 2 heads): every role, a colour head in layer 3."""
+    heads = [dear.HeadRole(0, 0, "mixed"), dear.HeadRole(0, 1, "generalization"),
+             dear.HeadRole(1, 0, "mixed"), dear.HeadRole(1, 1, "generalization"),
+             dear.HeadRole(2, 0, "attribute", "colour"), dear.HeadRole(2, 1, "generalization")]
+    path = folder / "roles.json"
+    dear.RoleMap(3, 2, list(dear.CORE_ATTRIBUTES), heads).save(str(path))
+    return str(path)
+
+
+def test_each_ablation_is_a_dear_run_with_one_change_and_a_row_of_its_own(world, tmp_path, capsys,
+                                                                           monkeypatch):
+    models, losses, rows = {}, [], []  # row -> its DeAR; (row, lambda_fusion, branch_ce) per step
+    real_build, real_loss, real_train = train.build_dear, dear.dear_loss, train.train_job
+
+    def build(settings, inputs, role_map, ablation=None):
+        models[rows[-1]] = real_build(settings, inputs, role_map, ablation)
+        return models[rows[-1]]
+
+    def loss(output, labels, lambda_reg, lambda_fusion, branch_ce=False):
+        losses.append((rows[-1], lambda_fusion, branch_ce))
+        return real_loss(output, labels, lambda_reg, lambda_fusion, branch_ce)
+
+    def train_job(job, *rest):
+        rows.append(job.row)
+        return real_train(job, *rest)
+
+    monkeypatch.setattr(train, "build_dear", build)
+    monkeypatch.setattr(dear, "dear_loss", loss)
+    monkeypatch.setattr(train, "train_job", train_job)
+    out = tmp_path / "run"
+    assert train.main(common(world, out, "--dataset", "dtd", "--seeds", "1", "--shots", "4",
+                             "--epochs", "1", "--roles", hand_made_roles(tmp_path),
+                             "--ablations", "all")) == 0
+    assert read(out / "settings.json")["settings"]["ablations"] == list(runs.ABLATIONS)
+    summary = read(out / "summary.json")
+    assert list(summary["tables"]["dtd"]["rows"]) == [
+        "zeroshot", "dear-fused", "dear-class-on-unseen", "dear-all-mixed",
+        "dear-no-attribute-tokens", "dear-no-fusion-reg", "dear-mask-generalization-only",
+        "dear-branch-ce"]
+    # One change each: the model (the roles, the tokens) or the loss, nothing else.
+    roles_of = {row: [(h.role, h.attribute) for h in model.role_map.heads]
+                for row, model in models.items()}
+    colour_head = ("attribute", "colour")
+    assert colour_head in roles_of["dear"]
+    assert roles_of["dear-branch-ce"] == roles_of["dear-no-fusion-reg"] == roles_of["dear"]
+    assert roles_of["dear-mask-generalization-only"] == [("mixed", None) if r == colour_head else r
+                                                        for r in roles_of["dear"]]
+    assert set(roles_of["dear-all-mixed"]) == {("mixed", None)}
+    assert models["dear"].attributes == list(dear.CORE_ATTRIBUTES)
+    assert models["dear-no-attribute-tokens"].attributes == []
+    paper = {(0.1, False)}  # lambda_fusion, and no per-branch CE: the paper's loss
+    assert {row: {(f, b) for r, f, b in losses if r == row} for row in rows} == {
+        "dear": paper, "dear-all-mixed": paper, "dear-no-attribute-tokens": paper,
+        "dear-mask-generalization-only": paper, "dear-no-fusion-reg": {(0.0, False)},
+        "dear-branch-ce": {(0.1, True)}}
+    # Each run's settings name its ablation; every DeAR run reports its learned fusion weights.
+    markdown = (out / "summary.md").read_text()
+    assert "## Learned fusion weights alpha (mean ± sd over seeds)" in markdown
+    for row, model in models.items():
+        folder = out / "dtd" / row / "seed1"
+        ablation = None if row in ("dear", "dear-all-mixed") else row[len("dear-"):]
+        checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)
+        assert checkpoint["settings"]["job"]["ablation"] == ablation
+        result = read(folder / "results.json")
+        assert result["job"]["ablation"] == ablation
+        alpha = model.fusion_weights().tolist()
+        assert result["alpha"] == dict(zip(["class"] + model.attributes, alpha))
+        assert sum(alpha) == pytest.approx(1)
+        assert summary["alpha"]["dtd"][row]["class"] == [round(alpha[0], 3), 0.0]
+        absent = 1 + len(dear.CORE_ATTRIBUTES) - len(alpha)
+        cells = [f"{a:.2f} ± 0.00" for a in alpha] + ["-"] * absent
+        assert f"| {runs.row_label(row)} | {' | '.join(cells)} |" in markdown
+    assert read(out / "dtd/dear-no-attribute-tokens/seed1/results.json")["alpha"] == {"class": 1.0}
+    assert learnable(out / "dtd/dear-no-attribute-tokens/seed1")["vision_tokens"].shape[1] == 0
+    # --resume refuses another list of ablations, and a checkpoint of another ablation.
+    import shutil
+
+    refused(["--output", out, "--resume", "--ablations", "branch-ce"], capsys,
+            "--ablations cannot change")
+    (out / "dtd/dear-no-fusion-reg/seed1/results.json").unlink()
+    shutil.copy(out / "dtd/dear-branch-ce/seed1/checkpoint.pt",
+                out / "dtd/dear-no-fusion-reg/seed1/checkpoint.pt")
+    refused(["--output", out, "--resume"], capsys, "made with other settings than this run's")
+
+
+def test_no_role_mask_is_the_row_of_all_heads_mixed_made_once():
+    for roles in (["analyse"], ["analyse", "all-mixed"]):
+        settings = dict(method=["dear"], roles=roles, ablations=["no-role-mask", "no-fusion-reg"],
+                        protocol="base2novel", source=None, dataset=["dtd"], shots=[16], seeds=[1],
+                        output="o")
+        assert [(j.row, j.roles, j.ablation) for j in runs.plan_jobs(settings)] == [
+            ("dear", "analyse", None), ("dear-all-mixed", "all-mixed", None),
+            ("dear-no-fusion-reg", "analyse", "no-fusion-reg")]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--method", "zeroshot", "--ablations", "branch-ce"],
+     "--ablations branch-ce: each is a DeAR row; add dear to --method"),
+    (["--roles", "all-mixed", "--ablations", "no-role-mask", "no-fusion-reg"],
+     "--ablations no-fusion-reg: it changes the DeAR row, which --roles all-mixed does not make"),
+    (["--ablations", "no-mask"], "argument --ablations: invalid choice: 'no-mask'"),
+    (["--test-beta", "trained"], "--test-beta is for --protocol cross or dg; base2novel tests"),
+    (["--protocol", "cross", "--test-beta", "target"], "argument --test-beta: invalid choice"),
+])
+def test_an_ablation_or_test_beta_that_cannot_apply_is_refused_before_any_folder(
+        world, tmp_path, capsys, flags, message):
+    out = tmp_path / "run"
+    argv = common(world, out, "--dataset", "dtd", "--seeds", "1", *flags)
+    if "invalid choice" not in message:
+        refused(argv, capsys, message, out)
+        return
+    with pytest.raises(SystemExit) as stop:  # argparse's own refusal: one line too, exit status 2
+        train.main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(lines) == 1 and message in lines[0] and not out.exists()
+
+
+@pytest.mark.parametrize("test_beta", ["per-target", "trained"])
+def test_cross_and_dg_test_each_target_at_mmrlpps_beta_or_all_at_the_trained_one(
+        world, tmp_path, monkeypatch, test_beta):
+    seen = []  # (test set, DeAR's beta while it was scored); then the retrieval check's
+    real_evaluate, real_retrieval = train.evaluate, train.retrieval_check
+
+    def evaluate(model, clip, tokenizer, eval_set, settings, runtime):
+        seen.append((eval_set.name, None if model is None else model.beta))
+        return real_evaluate(model, clip, tokenizer, eval_set, settings, runtime)
+
+    def retrieval(model, *rest):
+        seen.append(("retrieval", model.beta))
+        return real_retrieval(model, *rest)
+
+    monkeypatch.setattr(train, "evaluate", evaluate)
+    monkeypatch.setattr(train, "retrieval_check", retrieval)
+    out = tmp_path / test_beta
+    assert train.main(common(world, out, "--protocol", "dg", "--dataset", "dtd", "imagenet_sketch",
+                             "--seeds", "1", "--shots", "2", "--epochs", "1", "--roles",
+                             "all-mixed", "--beta", "0.2", "--test-beta", test_beta)) == 0
+    # Trained at 0.2 on ImageNet: its own test set at 0.2, each target at MMRL++'s beta for it.
+    expected = dict(imagenet=0.2, dtd=0.5, imagenet_sketch=0.7)
+    if test_beta == "trained":
+        expected = dict.fromkeys(expected, 0.2)
+    assert seen == [("imagenet", None), ("dtd", None), ("imagenet_sketch", None),  # zero-shot
+                    *expected.items(), ("retrieval", 0.2)]  # then the training beta again
+    assert read(out / "imagenet/dear-all-mixed/seed1/results.json")["test_beta"] == expected
+    assert read(out / "summary.json")["test_beta"] == expected
+    rule = {"per-target": "MMRL++'s per target (trainers/config.py, task CD;",
+            "trained": "the training beta on every target"}[test_beta]
+    betas = ", ".join(f"{name} {beta:g}" for name, beta in expected.items())
+    assert f"- DeAR's beta at test time, {rule}" in (out / "summary.md").read_text()
+    assert f": {betas}\n" in (out / "summary.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------
 # Task-adaptive fusion at the evaluate() level; the head analysis's images
 # ------------------------------------------------------------------------------------------
 
@@ -642,15 +800,22 @@ def test_toyworld_runs_end_to_end_from_an_empty_cache(tmp_path):
     assert settings["role_maps"]["toyworld"]["picks"] == 4
     assert all(len(head.descriptions) == 4 for head in dear.RoleMap.load(str(roles / "roles.json")).heads)
 
-    # Other seeds and shots: the same model and pool, so the cached map, said in one line.
+    # Other seeds and shots: the same model and pool, so the cached map, said in one line; and the
+    # paper's ablations, a row each.
     again = tmp_path / "again"
     done = subprocess.run([sys.executable, "train.py", "--dataset", "toyworld", "--toy-scale", "miniature",
                            "--seeds", "3", "--shots", "2", "--epochs", "1", "--method", "dear", "--roles",
-                           "analyse", "--output", str(again)], cwd=REPO, capture_output=True, text=True,
-                          timeout=600, env=env)
+                           "analyse", "--ablations", "all", "--output", str(again)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("head analysis: reusing the role map cached in") == 1
     assert "concept entropy of every head" not in done.stdout and "causal check" not in done.stdout
+    assert list(read(again / "summary.json")["tables"]["toyworld"]["rows"]) == [
+        "dear-fused", "dear-class-on-unseen", "dear-all-mixed", "dear-no-attribute-tokens",
+        "dear-no-fusion-reg", "dear-mask-generalization-only", "dear-branch-ce"]
+    retrieval = read(again / "retrieval.json")
+    assert list(retrieval["dear-no-attribute-tokens"]) == ["class", "frozen CLIP"]  # no token: none
+    assert list(retrieval["dear-branch-ce"]) == ["class"] + attributes + ["frozen CLIP"]
     assert read(again / "settings.json")["settings"]["role_maps"]["toyworld"]["fingerprint"] == fingerprint
     assert read(again / "toyworld/roles/causal_check.json") == causal
 
