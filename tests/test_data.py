@@ -594,6 +594,16 @@ def test_one_listing_serves_every_subset_and_draw_and_is_fingerprinted_once(pets
         assert split == load_dataset("oxford_pets", pets_root, **selection), selection
 
 
+def test_the_draws_hold_nothing_of_the_listing(imagenet_root):
+    """A run keeps its draws to its end and lets the listing go (ImageNet: 1.3M Items, 250 MB):
+    no drawn item, nor its path, is one of the listing's own objects."""
+    listing = data.read_listing("imagenet", imagenet_root)
+    listed = {id(item) for item in listing.train} | {id(item.path) for item in listing.train}
+    for _ in ("drawn", "read from the cache"):
+        drawn = data.splits_from(listing, num_shots=2, seed=1).train
+        assert len(drawn) == 10 and not listed & ({id(i) for i in drawn} | {id(i.path) for i in drawn})
+
+
 @pytest.mark.parametrize("change", ["add", "remove", "rename"])
 def test_a_changed_imagenet_class_folder_redraws_the_few_shot_cache(imagenet_root, change):
     load_dataset("imagenet", imagenet_root, num_shots=3, seed=1)
