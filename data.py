@@ -2,9 +2,11 @@
 data.py -- the benchmark datasets of prompt learning, read from CoOp's on-disk layout.
 
 The registry, the readers (CoOp's split files, ImageNet and its variants, FGVC-Aircraft, your
-own data), few-shot sampling (the images Dassl draws) and its cache, the base/novel split,
-`load_dataset`, CLIP's transforms and a torch Dataset. $DATA as CoOp's DATASETS.md lays it out,
-without Dassl; imports nothing from the project, so it copies out alone (docs/METHOD.md Sec. 6).
+own data), a dataset read once (`read_listing`: ImageNet's 1.3M files in seconds) and what a run
+takes from it (`splits_from`: few-shot sampling, the images Dassl draws, and its cache; the
+base/novel split), `load_dataset` (both at once), CLIP's transforms and a torch Dataset. $DATA
+as CoOp's DATASETS.md lays it out, without Dassl; imports nothing from the project, so it copies
+out alone (docs/METHOD.md Sec. 6).
 
     python data.py --root $DATA --dataset oxford_pets --shots 16
     python data.py --dataset path/to/my_photos   # your own data: PATH/<class>/<image>
@@ -14,14 +16,18 @@ without Dassl; imports nothing from the project, so it copies out alone (docs/ME
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import hashlib
 import json
 import math
 import os
 import random
 import sys
+import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -55,7 +61,7 @@ class Item:
     classname: str  # cleaned (underscores -> spaces), as the prompt uses it
 
 @dataclass
-class DatasetSplits:  # what load_dataset returns; classnames[i] names label i in every list
+class DatasetSplits:  # what load_dataset and splits_from return; classnames[i] names label i
     name: str  # registry name, e.g. "oxford_pets"
     dataset_dir: str  # $DATA/<folder>: the split and the few-shot cache live here
     train: list[Item]
@@ -168,16 +174,29 @@ def _classnames_from_items(items: list[Item], source: str) -> list[str]:
 def _subfolders(folder: str) -> list[str]:  # sorted; files beside them (README.txt) are ignored
     return sorted(e.name for e in os.scandir(folder) if e.is_dir() and not e.name.startswith("."))
 
-def _image_files(folder: str) -> tuple[list[str], int]:
-    """(image files under `folder`, recursively, relative and sorted; how many other files)."""
-    images, skipped = [], 0
-    for parent, subfolders, files in os.walk(folder):  # recursive: your own class folders may nest
-        subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))  # hidden ones skipped
-        for filename in sorted(f for f in files if not f.startswith(".")):
-            if filename.lower().endswith(IMAGE_EXTENSIONS):
-                images.append(os.path.relpath(os.path.join(parent, filename), folder).replace(os.sep, "/"))
-            else:
-                skipped += 1
+def _image_files(folder: str, prefix: str = "") -> tuple[list[str], int]:
+    """(image files under `folder`, recursively, relative with "/" and sorted: a folder's files,
+    then each subfolder's, as os.walk lists them; how many other files). os.scandir and string
+    joins, no per-file os.path.relpath: ImageNet's 1.3M names in seconds, not tens of seconds."""
+    images, subfolders, skipped = [], [], 0
+    try:
+        with os.scandir(folder) as entries:
+            for entry in (e for e in entries if not e.name.startswith(".")):  # hidden ones skipped
+                if entry.is_dir():  # recursive: your own class folders may nest
+                    subfolders.append(entry)
+                elif entry.name.lower().endswith(IMAGE_EXTENSIONS):
+                    images.append(prefix + entry.name)
+                else:
+                    skipped += 1
+    except OSError as e:
+        raise DatasetError(f"{folder}: cannot list this folder ({e.strerror or e}); make it "
+                           "readable") from None
+    images.sort()
+    for entry in sorted(subfolders, key=lambda e: e.name):
+        if not entry.is_symlink():  # as os.walk: a linked folder is not entered
+            found, skipped_there = _image_files(entry.path, f"{prefix}{entry.name}/")
+            images += found
+            skipped += skipped_there
     return images, skipped
 
 
@@ -228,8 +247,9 @@ def _read_class_folders(image_root: str, label_of: dict[str, int], classnames: l
         if folder not in label_of:
             raise DatasetError(f"{os.path.join(image_root, folder)}: class folder not listed in the dataset's "
                                "classnames.txt; expected only the classes classnames.txt names")
-        items += [Item(os.path.join(image_root, folder, f), label_of[folder], classnames[label_of[folder]])
-                  for f in _image_files(os.path.join(image_root, folder))[0]]
+        label, class_folder = label_of[folder], os.path.join(image_root, folder)
+        prefix, name = os.path.join(class_folder, ""), classnames[label]  # no join per image
+        items += [Item(prefix + image, label, name) for image in _image_files(class_folder)[0]]
     return items
 
 def read_imagenet(spec: DatasetSpec, dataset_dir: str) -> tuple:
@@ -411,17 +431,84 @@ READERS = {"split_json": read_split_json, "imagenet": read_imagenet, "imagenet_v
            "fgvc_aircraft": read_fgvc_aircraft, "image_folder": read_image_folder}
 
 
+# ---- One reading of a dataset, shared by all that a call takes from it -----------------------
+
+def _no_log(line: str) -> None:  # the default: a library call prints nothing
+    pass
+
+@dataclass
+class FewShotPools:
+    """What each few-shot draw of one listing reads, made once (_few_shot_pools)."""
+    fingerprint: str  # of the lists drawn from: the few-shot cache's key
+    by_label: dict[str, dict[int, list[Item]]]  # part -> label -> its items, in the listing's order
+
+@dataclass
+class Listing:
+    """One dataset as its reader found it, every image listed and checked (read_listing): read
+    once per call, then shared by every subset and few-shot draw of it (splits_from)."""
+    spec: DatasetSpec
+    dataset_dir: str  # $DATA/<folder>: the split and the few-shot cache live here
+    train: list[Item]
+    val: list[Item] | None  # None: none of its own (ImageNet: CoOp validates on the test set)
+    test: list[Item]
+    classnames: list[str]
+    pools: FewShotPools | None = None  # made by the first few-shot draw, read by every other one
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off while a million small objects are made: they form
+    no cycles, and each automatic collection would walk them all again (twice the time, measured
+    on 10% of ImageNet)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+def read_listing(name: str, root: str | None, log: Callable[[str], None] = _no_log) -> Listing:
+    """Dataset `name` from `root` ($DATA; your own data: from where own_dataset found it), every
+    entry and image checked, with a line to `log` before (ImageNet: 1.3M files) and one after."""
+    spec = get_spec(name)
+    dataset_dir = spec.folder  # your own data lives where own_dataset found it, whatever the root
+    if not spec.own:
+        root = os.path.abspath(os.path.expanduser(str(root))) if root else "(no root given)"
+        if not os.path.isdir(root):
+            raise DatasetError(f"{root}: data root (--root) not found; expected the $DATA "
+                               f"folder of CoOp's DATASETS.md ({COOP_DATASETS_MD}) that holds "
+                               f"{spec.folder}/")
+        dataset_dir = os.path.join(root, spec.folder)
+        _require(dataset_dir, "dataset folder", os.path.isdir)
+    log(f"{spec.name}: reading {dataset_dir} (every image listed and checked)")
+    started = time.perf_counter()
+    with _collector_paused():
+        train, val, test, classnames = READERS[spec.reader](spec, dataset_dir)
+    counts = " + ".join(f"{len(items):,} {part}" for part, items in
+                        (("train", train), ("val", val or []), ("test", test)) if items)
+    log(f"{spec.name}: {counts or 'no'} images, {len(classnames):,} classes, read in "
+        f"{time.perf_counter() - started:.1f} s")
+    return Listing(spec, dataset_dir, train, val, test, classnames)
+
+
 # ---- Few-shot sampling and its cache ----------------------------------------------------------
+
+def _by_label(items: list[Item]) -> dict[int, list[Item]]:
+    by_label: dict[int, list[Item]] = {}  # classes in the order they first appear (Cars: unsorted)
+    for item in items:
+        by_label.setdefault(item.label, []).append(item)
+    return by_label
+
+def _draw(by_label: dict[int, list[Item]], num_shots: int, rng: random.Random) -> list[Item]:
+    return [item for pool in by_label.values() for item in  # fewer than K: K draws with repeats
+            (rng.sample(pool, num_shots) if len(pool) >= num_shots else rng.choices(pool, k=num_shots))]
 
 def sample_few_shot(items: list[Item], num_shots: int, rng: random.Random) -> list[Item]:
     """K images per class as Dassl's generate_fewshot_dataset draws them (Dassl.pytorch,
     dassl/data/datasets/base_dataset.py; CoOp, CoCoOp, MaPLe, PromptSRC and MMRL use it), so that
-    a seed trains on the papers' images; rng = random.Random(seed) is Dassl's random.seed(seed)."""
-    by_label: dict[int, list[Item]] = {}  # classes in the order they first appear (not sorted: Cars, Flowers)
-    for item in items:
-        by_label.setdefault(item.label, []).append(item)
-    return [item for pool in by_label.values() for item in  # fewer than K: K draws with repeats (repeat=True)
-            (rng.sample(pool, num_shots) if len(pool) >= num_shots else rng.choices(pool, k=num_shots))]
+    a seed trains on the papers' images; rng = random.Random(seed) is Dassl's random.seed(seed);
+    repeat=True: a class with fewer than K images gives K draws with repeats."""
+    return _draw(_by_label(items), num_shots, rng)
 
 # The cache, split_fewshot/shot_{K}-seed_{seed}.json: as CoOp's pickle, every run of one (K, seed)
 # trains on the same images. JSON (readable; loading runs no code) with SHA-256s of the split it was
@@ -433,6 +520,46 @@ def fewshot_cache_path(dataset_dir: str, num_shots: int, seed: int) -> str:
 
 def _fingerprint(lists: dict) -> str:
     return hashlib.sha256(json.dumps(lists, sort_keys=True).encode()).hexdigest()
+
+def _relative(path: str, dataset_dir: str, prefix: str) -> str:
+    """os.path.relpath(path, dataset_dir) with "/": the readers join every path onto the folder,
+    so the prefix is cut off (relpath itself costs seconds over ImageNet's 1.28M paths)."""
+    relative = path[len(prefix):] if path.startswith(prefix) else os.path.relpath(path, dataset_dir)
+    return relative.replace(os.sep, "/")
+
+def _entries(items: list[Item], dataset_dir: str) -> list[list]:
+    """[path under the dataset folder (which may move), label, class name] per item: the cache's."""
+    prefix = os.path.join(dataset_dir, "")  # the folder and a separator
+    return [[_relative(i.path, dataset_dir, prefix), i.label, i.classname] for i in items]
+
+def _fingerprint_of_items(parts: dict[str, list[Item]], dataset_dir: str,
+                          chunk: int = 10_000) -> str:
+    """_fingerprint({part: _entries(items)}), byte for byte, without all the entries at once: the
+    JSON text is hashed `chunk` entries at a time (ImageNet's 1.28M as lists: about 300 MB)."""
+    digest = hashlib.sha256(b"{")
+    for i, (part, items) in enumerate(sorted(parts.items())):  # json.dumps(sort_keys=True)'s order
+        digest.update(f"{', ' * (i > 0)}{json.dumps(part)}: [".encode())
+        for start in range(0, len(items), chunk):
+            text = json.dumps(_entries(items[start:start + chunk], dataset_dir))[1:-1]  # no [ ]
+            digest.update(f"{', ' * (start > 0)}{text}".encode())
+        digest.update(b"]")
+    digest.update(b"}")
+    return digest.hexdigest()
+
+def _few_shot_pools(listing: Listing, log: Callable[[str], None]) -> FewShotPools:
+    """The lists a draw reads (train; val where the dataset has its own) by class, and their
+    fingerprint: made once per listing, so that fifteen draws cost one pass over ImageNet."""
+    if listing.pools is None:
+        parts = {"train": listing.train, **({} if listing.val is None else {"val": listing.val})}
+        started = time.perf_counter()
+        with _collector_paused():
+            by_label = {part: _by_label(items) for part, items in parts.items()}
+            fingerprint = _fingerprint_of_items(parts, listing.dataset_dir)
+        log(f"{listing.spec.name}: {sum(map(len, parts.values())):,} {' + '.join(parts)} images "
+            f"grouped by class and fingerprinted for the few-shot cache in "
+            f"{time.perf_counter() - started:.1f} s")
+        listing.pools = FewShotPools(fingerprint, by_label)
+    return listing.pools
 
 def _read_fewshot_cache(cache_path: str, fingerprint: str, parts: list[str]) -> dict | None:
     """The cache's content, or None (with a warning saying why) when it cannot be trusted."""
@@ -472,39 +599,43 @@ def _write_json_atomically(path: str, header: dict, lists: dict[str, list[list]]
         if os.path.exists(temporary):
             os.remove(temporary)
 
-def few_shot_splits(spec: DatasetSpec, dataset_dir: str, full: dict[str, list[Item]],
-                    num_shots: int, seed: int) -> dict[str, list[Item]]:
+def _warn_short_classes(name: str, part: str, by_label: dict[int, list[Item]], k: int) -> None:
+    short = sorted((label, len(items)) for label, items in by_label.items() if len(items) < k)
+    if short:
+        listed = ", ".join(f"{by_label[label][0].classname!r} has {n}" for label, n in short[:5])
+        more = f", and {len(short) - 5} more" * (len(short) > 5)
+        _warn(f"{name} {part}: {len(short)} of {len(by_label)} classes have fewer than {k} images "
+              f"and repeat some to make {k}, as Dassl does ({listed}{more})")
+
+def few_shot_splits(listing: Listing, num_shots: int, seed: int,
+                    log: Callable[[str], None] = _no_log) -> dict[str, list[Item]]:
     """K per class for train, min(K, 4) for val (CoOp): the cache's, else drawn and cached. Drawn
     before the base/novel subsample, one cache serves both halves."""
-    shots = {part: num_shots if part == "train" else min(num_shots, 4) for part in full}
+    pools, dataset_dir = _few_shot_pools(listing, log), listing.dataset_dir
+    shots = {part: num_shots if part == "train" else min(num_shots, 4) for part in pools.by_label}
     for part, k in shots.items():
-        counts, names = Counter(item.label for item in full[part]), {item.label: item.classname for item in full[part]}
-        if short := sorted((label, count) for label, count in counts.items() if count < k):
-            listed = ", ".join(f"{names[label]!r} has {count}" for label, count in short[:5])
-            _warn(f"{spec.name} {part}: {len(short)} of {len(counts)} classes have fewer than {k} images and repeat "
-                  f"some to make {k}, as Dassl does ({listed}{f', and {len(short) - 5} more' * (len(short) > 5)})")
-
-    def entries(items: list[Item]) -> list[list]:  # [path relative to the dataset folder (may move), label, name]
-        return [[os.path.relpath(i.path, dataset_dir).replace(os.sep, "/"), i.label, i.classname] for i in items]
-
-    full_entries = {part: entries(items) for part, items in full.items()}
-    cache_path, fingerprint = fewshot_cache_path(dataset_dir, num_shots, seed), _fingerprint(full_entries)
-    if (cached := _read_fewshot_cache(cache_path, fingerprint, list(full))) is not None:
-        item_of = {tuple(e): item for part in full for e, item in zip(full_entries[part], full[part])}
-        return {part: [item_of[tuple(e)] for e in cached[part]] for part in full}  # all written from this split
-    rng = random.Random(seed)  # one stream, train then val: CoOp's datasets after Dassl's random.seed(seed)
-    sampled = {part: sample_few_shot(full[part], shots[part], rng) for part in full}
-    lists = {part: entries(items) for part, items in sampled.items()}
-    header = {"format": FEWSHOT_CACHE_FORMAT, "dataset": spec.name, "num_shots": num_shots, "seed": seed,
-              "fingerprint": fingerprint, "content": _fingerprint(lists)}
-    try:
-        _write_json_atomically(cache_path, header, lists)
-    except OSError as e:
-        _warn(f"{cache_path}: cannot write the few-shot cache ({e.strerror or e}); continuing without it")
-    return sampled
+        _warn_short_classes(listing.spec.name, part, pools.by_label[part], k)
+    cache_path = fewshot_cache_path(dataset_dir, num_shots, seed)
+    lists = _read_fewshot_cache(cache_path, pools.fingerprint, list(shots))
+    if lists is None:
+        rng = random.Random(seed)  # one stream, train then val, as after Dassl's random.seed(seed)
+        sampled = {part: _draw(pools.by_label[part], k, rng) for part, k in shots.items()}
+        lists = {part: _entries(items, dataset_dir) for part, items in sampled.items()}
+        header = {"format": FEWSHOT_CACHE_FORMAT, "dataset": listing.spec.name,
+                  "num_shots": num_shots, "seed": seed, "fingerprint": pools.fingerprint,
+                  "content": _fingerprint(lists)}
+        try:
+            _write_json_atomically(cache_path, header, lists)
+        except OSError as e:
+            _warn(f"{cache_path}: cannot write the few-shot cache ({e.strerror or e}); continuing "
+                  "without it")
+    # Items made anew from the entries, drawn or read alike: none of the listing's (ImageNet: 1.3M,
+    # 250 MB) stays alive with the draws, which the run keeps to its end.
+    return {part: [Item(_image_path(dataset_dir, path, cache_path), label, name)
+                   for path, label, name in lists[part]] for part in shots}
 
 
-# ---- Base/novel split (CoOp's OxfordPets.subsample_classes) and the entry point -------------
+# ---- Base/novel split (CoOp's OxfordPets.subsample_classes) and the entry points ------------
 
 def subsample_classes(classnames: list[str], splits: list[list[Item]], subsample: str) -> tuple:
     """Keep the base (first ceil(n/2) labels) or the novel ("new", the rest) classes in every list,
@@ -517,12 +648,7 @@ def subsample_classes(classnames: list[str], splits: list[list[Item]], subsample
     return [classnames[old] for old in selected], [
         [replace(item, label=new_label[item.label]) for item in items if item.label in new_label] for items in splits]
 
-def load_dataset(name: str, root: str, num_shots: int | None = None, seed: int = 1,
-                 subsample: str = "all") -> DatasetSplits:
-    """Dataset `name` from `root` ($DATA). num_shots: None (every training image) or K >= 1 per
-    class (val: min(K, 4)), drawn with `seed` and cached; subsample: "all", "base", "new"/"novel".
-    The variants are test sets only (num_shots=None, subsample="all"). One-line DatasetError."""
-    spec, subsample = get_spec(name), str(subsample).lower()
+def _check_selection(spec: DatasetSpec, num_shots: int | None, seed: int, subsample: str) -> None:
     if subsample not in SUBSAMPLE_CHOICES:
         raise DatasetError(f"subsample={subsample!r}: expected one of {', '.join(SUBSAMPLE_CHOICES)}")
     if num_shots is not None and (type(num_shots) is not int or num_shots < 1):
@@ -532,23 +658,30 @@ def load_dataset(name: str, root: str, num_shots: int | None = None, seed: int =
     if spec.evaluation_only and (num_shots is not None or subsample != "all"):
         raise DatasetError(f"{spec.name}: a test set only (domain generalization); load it with "
                            f"num_shots=None and subsample='all'")
-    dataset_dir = spec.folder  # your own data lives where own_dataset found it, whatever the root
-    if not spec.own:
-        root = os.path.abspath(os.path.expanduser(str(root))) if root else "(no root given)"
-        if not os.path.isdir(root):
-            raise DatasetError(f"{root}: data root (--root) not found; expected the $DATA folder of CoOp's "
-                               f"DATASETS.md ({COOP_DATASETS_MD}) that holds {spec.folder}/")
-        dataset_dir = os.path.join(root, spec.folder)
-        _require(dataset_dir, "dataset folder", os.path.isdir)
-    train, val, test, classnames = READERS[spec.reader](spec, dataset_dir)  # every entry and image checked
+
+def splits_from(listing: Listing, num_shots: int | None = None, seed: int = 1,
+                subsample: str = "all", log: Callable[[str], None] = _no_log) -> DatasetSplits:
+    """The splits of a listing. num_shots: None (every training image) or K >= 1 per class (val:
+    min(K, 4)), drawn with `seed` and cached; subsample: "all", "base", "new"/"novel". The
+    variants are test sets only (num_shots=None, subsample="all"). One-line DatasetError."""
+    subsample = str(subsample).lower()
+    _check_selection(listing.spec, num_shots, seed, subsample)
+    train, val, test = listing.train, listing.val, listing.test
     if num_shots is not None:
-        full = {"train": train} if val is None else {"train": train, "val": val}
-        sampled = few_shot_splits(spec, dataset_dir, full, num_shots, seed)
+        sampled = few_shot_splits(listing, num_shots, seed, log)
         train, val = sampled["train"], sampled.get("val")
     val = test if val is None else val  # ImageNet: CoOp validates on the test set
-    classnames, (train, val, test) = subsample_classes(classnames, [train, val, test],
+    classnames, (train, val, test) = subsample_classes(listing.classnames, [train, val, test],
                                                        "new" if subsample == "novel" else subsample)
-    return DatasetSplits(spec.name, dataset_dir, train, val, test, classnames, spec.template)
+    name, template = listing.spec.name, listing.spec.template
+    return DatasetSplits(name, listing.dataset_dir, train, val, test, classnames, template)
+
+def load_dataset(name: str, root: str, num_shots: int | None = None, seed: int = 1,
+                 subsample: str = "all", log: Callable[[str], None] = _no_log) -> DatasetSplits:
+    """Dataset `name` from `root` ($DATA): read_listing, then splits_from (see both). A caller
+    taking several subsets or draws of one dataset reads it once and calls splits_from."""
+    _check_selection(get_spec(name), num_shots, seed, str(subsample).lower())  # before the reading
+    return splits_from(read_listing(name, root, log), num_shots, seed, subsample, log)
 
 
 # ---- Transforms and the torch Dataset -------------------------------------------------------
@@ -624,7 +757,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--root is required with --dataset (unless it is the path of your own data)")
     try:
         name = own_dataset(args.dataset).name if own else args.dataset
-        d = load_dataset(name, args.root, num_shots=args.shots, seed=args.seed, subsample=args.subsample)
+        d = load_dataset(name, args.root, args.shots, args.seed, args.subsample, log=print)
     except DatasetError as e:
         print(f"data.py: error: {e}", file=sys.stderr)
         return 2

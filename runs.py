@@ -73,7 +73,8 @@ CHECKPOINT_FORMAT = "dear-from-scratch checkpoint, version 1"  # checked on load
 # What a run folder means. Version 2: one cached head analysis per model and pool (copied to
 # <dataset>/roles/), Dassl's warm-up recount, the fusion rows named by what they do, the
 # lineage's per-protocol recipes. Version 3: the analysis's concepts from clusters or labels,
-# from a chosen description pool. An older folder is refused on --resume / --eval-only.
+# from a chosen description pool; the ablation rows; the test-time beta per target. An older
+# folder is refused on --resume / --eval-only.
 RUN_FORMAT = "dear-from-scratch run folder, version 3"
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -160,10 +159,24 @@ class EvalSet:
     trained: bool  # its classes are the trained classes, in the trained domain (fused logits)
 
 
-def training_split(settings, dataset: str, seed: int, shots: int) -> data.DatasetSplits:
+class Datasets:
+    """Each dataset read once per call, every image listed and checked (ImageNet: 1.3M files),
+    then shared by its test sets, the head analysis's pool and every few-shot draw."""
+
+    def __init__(self, root: Optional[str], log):
+        self.root, self.log, self.listings = root, log, {}
+
+    def splits(self, name: str, **selection) -> data.DatasetSplits:  # num_shots, seed, subsample
+        if name not in self.listings:
+            self.listings[name] = data.read_listing(name, self.root, self.log)
+        return data.splits_from(self.listings[name], log=self.log, **selection)
+
+
+def training_split(settings, datasets: Datasets, dataset: str, seed: int,
+                   shots: int) -> data.DatasetSplits:
     """One run's few-shot draw (base2novel: of the base classes)."""
     subsample = "base" if settings["protocol"] == "base2novel" else "all"
-    split = data.load_dataset(dataset, settings["root"], num_shots=shots, seed=seed, subsample=subsample)
+    split = datasets.splits(dataset, num_shots=shots, seed=seed, subsample=subsample)
     split.template = settings["template"] or split.template  # --template overrides the dataset's own
     if not split.train:  # training on nothing would still write a row of the table
         which = " of the base classes" if subsample == "base" else ""
@@ -171,15 +184,10 @@ def training_split(settings, dataset: str, seed: int, shots: int) -> data.Datase
     return split
 
 
-@functools.lru_cache(maxsize=None)  # once per call (run() empties it): a load checks every listed image
-def whole_dataset(name: str, root: Optional[str], subsample: str = "all") -> data.DatasetSplits:
-    return data.load_dataset(name, root, num_shots=None, subsample=subsample)
-
-
-def evaluation_sets(settings, dataset: str) -> List[EvalSet]:
+def evaluation_sets(settings, datasets: Datasets, dataset: str) -> List[EvalSet]:
     """The test sets of a protocol, each with its own class list."""
     def full(name: str, column: str, trained: bool, subsample: str = "all") -> EvalSet:
-        d = whole_dataset(name, settings["root"], subsample)
+        d = datasets.splits(name, subsample=subsample)
         if not d.test:  # an accuracy over no images would print as 0.00
             which = {"base": " of the base classes", "new": " of the novel classes"}.get(subsample, "")
             raise TrainError(f"{d.dataset_dir}: no test images{which} ({len(d.classnames)} classes); the "
@@ -199,14 +207,15 @@ class RunData(NamedTuple):
     test: Dict[str, List[EvalSet]]  # trained dataset -> its protocol's test sets
 
 
-def read_data(settings, jobs: List[runs.Job]) -> RunData:
-    # Each training split is read once per (dataset, seed, shots): rows that differ only in
-    # --roles share it, and a load checks every listed image (over a million for ImageNet).
-    test = {dataset: evaluation_sets(settings, dataset) for dataset in sorted({job.dataset for job in jobs})}
+def read_data(settings, jobs: List[runs.Job], datasets: Datasets) -> RunData:
+    # Each training split is drawn once per (dataset, seed, shots): rows that differ only in
+    # --roles share it.
+    trained = sorted({job.dataset for job in jobs})
+    test = {dataset: evaluation_sets(settings, datasets, dataset) for dataset in trained}
     train: Dict[tuple, data.DatasetSplits] = {}
     for key in [(job.dataset, job.seed, job.shots) for job in jobs if job.seed is not None]:
         if key not in train:
-            train[key] = training_split(settings, *key)
+            train[key] = training_split(settings, datasets, *key)
     return RunData(train, test)
 
 
@@ -223,11 +232,16 @@ def analysis_images(items: List[data.Item], cap: int, seed: int) -> List[data.It
     generator, by_class = torch.Generator().manual_seed(seed), {}
     for item in items:
         by_class.setdefault(item.label, []).append(item)
-    queues = [[group[i] for i in torch.randperm(len(group), generator=generator).tolist()]
-              for _, group in sorted(by_class.items())]
+    groups = [group for _, group in sorted(by_class.items())]
+    orders = [torch.randperm(len(group), generator=generator) for group in groups]
+    rounds, taken, longest = 0, 0, max(map(len, groups), default=0)
+    while taken < cap and rounds < longest:  # rounds of one image per class that reach the cap
+        taken += sum(len(group) > rounds for group in groups)
+        rounds += 1
+    # Only those rounds' images are looked up (ImageNet: 2 of each class's ~1,281), round by round.
+    queues = [[group[i] for i in order[:rounds].tolist()] for group, order in zip(groups, orders)]
     queues = [queues[i] for i in torch.randperm(len(queues), generator=generator).tolist()]
-    depths = range(max(map(len, queues), default=0))
-    return [queue[depth] for depth in depths for queue in queues if depth < len(queue)][:cap]  # round by round
+    return [queue[depth] for depth in range(rounds) for queue in queues if depth < len(queue)][:cap]
 
 
 # ------------------------------------------------------------------------------------------
@@ -345,17 +359,17 @@ def analysing(settings) -> bool:
     return settings["analyse_only"] or ("dear" in settings["method"] and "analyse" in settings["roles"])
 
 
-def analysis_pool(settings, dataset: str):
+def analysis_pool(settings, datasets: Datasets, dataset: str):
     """The images `dataset`'s analysis reads (--analysis-pool, at most --analysis-images, evenly over
     the classes) and a line naming them. 'train': the whole training split (shared with the test sets'
     read), never a few-shot draw; in base2novel its base classes only, no novel image before the test."""
     name, split = runs.analysis_pool_of(settings["analysis_pool"])
     if name is None:
         subsample = "base" if settings["protocol"] == "base2novel" else "all"
-        items = whole_dataset(dataset, settings["root"], subsample).train
+        items = datasets.splits(dataset, subsample=subsample).train
         what = f"{dataset} train" + (" (base classes)" if subsample == "base" else "")
     else:
-        items, what = getattr(whole_dataset(name, settings["root"]), split), f"{name} {split}"
+        items, what = getattr(datasets.splits(name), split), f"{name} {split}"
     chosen = analysis_images(items, settings["analysis_images"], ANALYSIS_SEED)
     if len(chosen) < 2:  # TextSpan measures variation across images
         raise TrainError(f"--analysis-pool {settings['analysis_pool']}: {what} has {len(chosen)} images; the "
@@ -399,7 +413,7 @@ def run_head_analysis(settings, inputs: Inputs, items: list, pool: str, picks: i
     runtime.log(f"head analysis: done in {runs.format_time(time.time() - started)}")
 
 
-def analysed_role_maps(settings, inputs: Inputs, runtime: runs.Runtime):
+def analysed_role_maps(settings, inputs: Inputs, datasets: Datasets, runtime: runs.Runtime):
     """{trained dataset: its analysed RoleMap}, {trained dataset: the map's record (fingerprint,
     pool, images, picks, sha256, cache)}: a new run's from the cache (analysing what is missing);
     --resume / --eval-only read the run folder's copies, checked against settings.json."""
@@ -409,7 +423,8 @@ def analysed_role_maps(settings, inputs: Inputs, runtime: runs.Runtime):
             path = runs.role_copy(settings, dataset, checked=True)
             record = settings["role_maps"][dataset]
         else:
-            items, pool = analysis_pool(settings, dataset)
+            started = time.time()
+            items, pool = analysis_pool(settings, datasets, dataset)
             rank = dear.textspan_rank(inputs.clip)  # a head's width: 64 on ViT-B/16, 16 on the toy CLIP
             picks = dear.analysis_picks(settings["descriptions"], len(inputs.bank), len(items), rank=rank,
                                         embed_dim=inputs.clip.visual.proj.shape[1],
@@ -419,6 +434,8 @@ def analysed_role_maps(settings, inputs: Inputs, runtime: runs.Runtime):
                             cluster_names=inputs.cluster_names)  # (clustering settings unset: the rule's)
             fingerprint = runs.analysis_fingerprint(settings, inputs.clip, items, inputs.bank, inputs.attributes,
                                                     picks, rank, concepts)
+            took = time.time() - started
+            runtime.log(f"head analysis: pool {pool}, chosen and fingerprinted in {took:.1f} s")
             record = dict(fingerprint=fingerprint, pool=pool, images=len(items), picks=picks, concepts=concepts)
 
             def analyse(folder: str) -> None:
@@ -737,7 +754,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def run(args) -> int:
-    whole_dataset.cache_clear()
     settings = runs.resolve_settings(args, BOOK)  # flags (or the saved run) -> settings, checked
     jobs, fresh = runs.plan_jobs(settings), not (settings["resume"] or settings["eval_only"])
     with contextlib.ExitStack() as stack:  # holds the run folder's lock until the call ends
@@ -746,8 +762,10 @@ def run(args) -> int:
         runtime = runs.setup_runtime(settings)  # the device (and processes, under torchrun)
         inputs = open_inputs(settings, runtime, pool)  # CLIP, tokenizer, the toy world, checked
         settings = dict(settings, **inputs.files)  # the files' places and SHA-256 complete the settings
-        lists = read_data(settings, jobs) if not settings["analyse_only"] else None  # every image checked
-        analysed, records = analysed_role_maps(settings, inputs, runtime)  # one cached analysis per pool
+        datasets = Datasets(settings["root"], runtime.log)  # each read once, when first asked for
+        lists = read_data(settings, jobs, datasets) if not settings["analyse_only"] else None
+        analysed, records = analysed_role_maps(settings, inputs, datasets, runtime)  # one per pool
+        del datasets  # the whole lists (ImageNet: 1.3M Items, 250 MB) are not needed past here
         if fresh:
             settings["role_maps"] = records or None
         settings = types.MappingProxyType(settings)  # read-only from here on

@@ -83,6 +83,8 @@ NOT_RUN = {
     "python benchmarks/bench_train_step.py": "about a minute of ViT-B/16 on the CPU",
     "python benchmarks/bench_train_step.py --device cuda": "needs a GPU",
     "python benchmarks/toy_ablations.py": "half an hour (37 toy runs); the miniature one runs here",
+    "python benchmarks/bench_startup.py": "minutes: ImageNet's layout at 1% and 10% (hard links), train.py's start-up",
+    "python benchmarks/bench_startup.py --fractions 0.01 --repeats 1": "about a minute, mostly the head analysis",
     "python -m pytest -q": "the test suite itself",
     "python train.py --dataset path/to/my_photos": "downloads OpenAI's weights (ViT-B/16)",
     "python benchmarks/device_check.py --device cpu --quick": "tests/test_device_check.py runs it",

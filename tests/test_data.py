@@ -16,6 +16,7 @@ import json
 import os
 import pickle
 import random
+import re
 import subprocess
 import sys
 import warnings
@@ -502,6 +503,122 @@ def test_imagenet_few_shot_samples_train_only_and_caches_it(imagenet_root):
     assert result.val == result.test and len(result.test) == 10
     stored = json.loads((imagenet_root / "imagenet" / "split_fewshot" / "shot_3-seed_1.json").read_text())
     assert "val" not in stored and len(stored["train"]) == 15
+
+
+# -----------------------------------------------------------------------------
+# One reading of a dataset, shared by every subset and draw of it
+
+
+def walked_image_files(folder: str) -> tuple:
+    """The listing as data.py made it before (os.walk, os.path.relpath per file): what the fast
+    one must give, path for path and in order, so that every draw stays the same."""
+    images, skipped = [], 0
+    for parent, subfolders, files in os.walk(folder):
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
+        for filename in sorted(f for f in files if not f.startswith(".")):
+            if filename.lower().endswith(data.IMAGE_EXTENSIONS):
+                images.append(os.path.relpath(os.path.join(parent, filename), folder).replace(os.sep, "/"))
+            else:
+                skipped += 1
+    return images, skipped
+
+
+def test_the_listing_finds_what_os_walk_finds_in_its_order(tmp_path):
+    root = tmp_path / "class"
+    for name in ["b.jpg", "a.PNG", "B.jpeg", "_z.webp", "10.jpg", "9.jpg", "notes.txt", ".hidden.jpg",
+                 "\u00e9.jpg", "sub/x.jpg", "sub/deeper/y.bmp", "sub/deeper/readme.md", "sub-folder/w.jpg",
+                 "Sub/v.jpg", "a/z.jpg", ".cache/h.jpg"]:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(b"")
+    (root / "linked").symlink_to(root / "sub", target_is_directory=True)  # os.walk does not enter it
+    (root / "link.jpg").symlink_to(root / "b.jpg")  # a link to a file is a file
+    # A folder's files first, then each subfolder's (sub/x.jpg before sub/deeper/y.bmp, sub/ before
+    # sub-folder/), as os.walk gives them: not one sort of the whole list.
+    expected = ["10.jpg", "9.jpg", "B.jpeg", "_z.webp", "a.PNG", "b.jpg", "link.jpg", "\u00e9.jpg",
+                "Sub/v.jpg", "a/z.jpg", "sub/x.jpg", "sub/deeper/y.bmp", "sub-folder/w.jpg"]
+    assert data._image_files(str(root)) == walked_image_files(str(root)) == (expected, 2)
+
+
+def test_a_folder_that_cannot_be_listed_is_one_line_naming_it(imagenet_root, monkeypatch):
+    blocked, scandir = str(imagenet_root / "imagenet" / "images" / "val" / IMAGENET_CLASSES[2][0]), os.scandir
+
+    def refusing_scandir(path="."):
+        if os.fspath(path) == blocked:
+            raise PermissionError(13, "Permission denied", blocked)
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refusing_scandir)
+    with pytest.raises(DatasetError) as error:
+        load_dataset("imagenet", imagenet_root)
+    assert_one_line_naming(error, f"{blocked}: cannot list this folder (Permission denied)")
+
+
+def fingerprint_as_before(parts: dict, dataset_dir: str) -> str:
+    """The few-shot cache's split fingerprint as data.py computed it before (os.path.relpath
+    per image, the whole JSON at once): caches written then must still be read."""
+    entries = {part: [[os.path.relpath(i.path, dataset_dir).replace(os.sep, "/"), i.label, i.classname]
+                      for i in items] for part, items in parts.items()}
+    return hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
+
+
+@pytest.mark.parametrize("name", ["oxford_pets", "imagenet"])
+def test_the_split_fingerprint_is_the_one_existing_caches_hold(pets_root, imagenet_root, name):
+    listing = data.read_listing(name, pets_root if name == "oxford_pets" else imagenet_root)
+    parts = {"train": listing.train, **({} if listing.val is None else {"val": listing.val})}
+    assert len(parts) == (2 if name == "oxford_pets" else 1)  # ImageNet: no validation split of its own
+    for chunk in (7, 10, 10_000):  # hashed a chunk of entries at a time: boundaries inside both lists
+        assert data._fingerprint_of_items(parts, listing.dataset_dir, chunk) == fingerprint_as_before(
+            parts, listing.dataset_dir)
+
+
+def test_one_listing_serves_every_subset_and_draw_and_is_fingerprinted_once(pets_root, monkeypatch):
+    lines, readings, fingerprints = [], [], []
+    reader, fingerprint = data.READERS["split_json"], data._fingerprint_of_items
+
+    def counted_reader(*args):
+        readings.append(len(lines))  # how many lines were out when the reading began
+        return reader(*args)
+
+    monkeypatch.setitem(data.READERS, "split_json", counted_reader)
+    monkeypatch.setattr(data, "_fingerprint_of_items", lambda *a: fingerprints.append(a) or fingerprint(*a))
+    listing = data.read_listing("oxford_pets", pets_root, log=lines.append)
+    selections = [{}, dict(subsample="base"), dict(subsample="new"), dict(num_shots=2, seed=1),
+                  dict(num_shots=2, seed=2, subsample="base"), dict(num_shots=4, seed=1, subsample="novel")]
+    splits = [data.splits_from(listing, log=lines.append, **selection) for selection in selections]
+    assert readings == [1] and len(fingerprints) == 1  # read once, after a line saying so; hashed once
+    assert lines[0] == f"oxford_pets: reading {pets_root / 'oxford_pets'} (every image listed and checked)"
+    assert re.fullmatch(r"oxford_pets: 40 train \+ 30 val \+ 10 test images, 5 classes, read in \d+\.\d s", lines[1])
+    assert re.fullmatch(r"oxford_pets: 70 train \+ val images grouped by class and fingerprinted for the "
+                        r"few-shot cache in \d+\.\d s", lines[2]) and len(lines) == 3
+    for selection, split in zip(selections, splits):  # what a reading of its own would give
+        assert split == load_dataset("oxford_pets", pets_root, **selection), selection
+
+
+def test_the_draws_hold_nothing_of_the_listing(imagenet_root):
+    """A run keeps its draws to its end and lets the listing go (ImageNet: 1.3M Items, 250 MB):
+    no drawn item, nor its path, is one of the listing's own objects."""
+    listing = data.read_listing("imagenet", imagenet_root)
+    listed = {id(item) for item in listing.train} | {id(item.path) for item in listing.train}
+    for _ in ("drawn", "read from the cache"):
+        drawn = data.splits_from(listing, num_shots=2, seed=1).train
+        assert len(drawn) == 10 and not listed & ({id(i) for i in drawn} | {id(i.path) for i in drawn})
+
+
+@pytest.mark.parametrize("change", ["add", "remove", "rename"])
+def test_a_changed_imagenet_class_folder_redraws_the_few_shot_cache(imagenet_root, change):
+    load_dataset("imagenet", imagenet_root, num_shots=3, seed=1)
+    folder = imagenet_root / "imagenet" / "images" / "train" / IMAGENET_CLASSES[1][0]
+    image = sorted(folder.iterdir())[0]
+    if change == "add":
+        write_image(folder / "n01443537_new.JPEG")
+    elif change == "remove":
+        image.unlink()
+    else:  # the same count per class: only the names tell
+        image.rename(folder / "n01443537_renamed.JPEG")
+    with pytest.warns(DatasetWarning, match="drawn from a different split"):
+        redrawn = load_dataset("imagenet", imagenet_root, num_shots=3, seed=1)
+    assert {item.path for item in redrawn.train} <= {item.path for item in load_dataset("imagenet", imagenet_root).train}
+    assert labels_of(redrawn.train) == {label: 3 for label in range(5)}
 
 
 # -----------------------------------------------------------------------------

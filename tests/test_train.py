@@ -12,6 +12,7 @@ path, without paying for a fresh Python per call).
 import gzip
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -317,10 +318,24 @@ def test_learning_rate_is_dassls_warmup_then_cosine_recounted_after_it(lr, epoch
 # ------------------------------------------------------------------------------------------
 
 
-def test_fewshot_cross_and_dg_write_the_paper_shaped_tables(world, tmp_path):
+def counting_readings(monkeypatch) -> list:
+    """data.py's readers, each reading recorded by the dataset's name: the list it appends to."""
+    readings = []
+
+    def counted(reader):
+        return lambda spec, dataset_dir: readings.append(spec.name) or reader(spec, dataset_dir)
+
+    for name, reader in list(train.data.READERS.items()):
+        monkeypatch.setitem(train.data.READERS, name, counted(reader))
+    return readings
+
+
+def test_fewshot_cross_and_dg_write_the_paper_shaped_tables(world, tmp_path, monkeypatch, capsys):
     fast = ["--seeds", "1", "--roles", "all-generalization", "--epochs", "1"]
-    out = tmp_path / "fewshot"
+    out, readings = tmp_path / "fewshot", counting_readings(monkeypatch)
     assert train.main(common(world, out, "--protocol", "fewshot", "--dataset", "dtd", "--shots", "1", "2", *fast)) == 0
+    assert readings == ["dtd"]  # one reading serves the test set and both draws
+    assert capsys.readouterr().out.count("fingerprinted for the few-shot cache") == 1
     table = read(out / "summary.json")["tables"]["dtd"]
     assert table["columns"] == ["1 shot", "2 shots"]
     assert table["rows"]["zeroshot"][0] == table["rows"]["zeroshot"][1]  # zero-shot does not use shots
@@ -334,8 +349,10 @@ def test_fewshot_cross_and_dg_write_the_paper_shaped_tables(world, tmp_path):
     fast += ["--shots", "4"]
     for protocol in ("cross", "dg"):
         out = tmp_path / protocol
+        readings.clear()
         assert train.main(common(world, out, "--protocol", protocol, "--dataset", "dtd", "imagenet_sketch",
                                  *fast)) == 0
+        assert sorted(readings) == ["dtd", "imagenet", "imagenet_sketch"]  # each dataset once
         assert [p.parent.name for p in out.rglob("checkpoint.pt")] == ["seed1"]  # trained once
         (cross_title, cross), (dg_title, dg) = read(out / "summary.json")["tables"].items()
         assert cross_title.startswith("Cross-dataset") and cross["columns"] == ["imagenet (source)", "dtd", "Average"]
@@ -555,6 +572,29 @@ def test_evaluate_scores_the_fused_and_the_class_branch_logits_and_each_set_gets
         assert train.logits_used(eval_set, "class-on-unseen") == ("fused" if name == "base" else "class")
         assert train.logits_used(eval_set, "fused-everywhere") == "fused"
     assert differs, "the two kinds of logits agree on every image: the test could not tell them apart"
+
+
+def plain_analysis_images(items, cap: int, seed: int) -> list:
+    """train.analysis_images as it was before: every class's whole seeded order built, then one
+    image per class in turn, round by round (the fast one only builds the rounds it needs)."""
+    generator, by_class = torch.Generator().manual_seed(seed), {}
+    for item in items:
+        by_class.setdefault(item.label, []).append(item)
+    queues = [[group[i] for i in torch.randperm(len(group), generator=generator).tolist()]
+              for _, group in sorted(by_class.items())]
+    queues = [queues[i] for i in torch.randperm(len(queues), generator=generator).tolist()]
+    depths = range(max(map(len, queues), default=0))
+    return [queue[depth] for depth in depths for queue in queues if depth < len(queue)][:cap]
+
+
+def test_the_analysis_images_are_the_plain_round_robins_at_every_cap():
+    sizes = [1, 7, 3, 12, 2, 5]  # uneven classes: some run out in the early rounds
+    items = [train.data.Item(f"c{label}/{i}.jpg", label, f"c{label}") for label, n in enumerate(sizes)
+             for i in range(n)]
+    random.Random(0).shuffle(items)  # the classes' images interleaved, labels out of order
+    for cap in (0, 1, 4, 6, 7, 11, 12, 13, 16, 20, 29, 30, 100):
+        for seed in (0, 3):
+            assert train.analysis_images(items, cap, seed) == plain_analysis_images(items, cap, seed), (cap, seed)
 
 
 def test_the_analysis_images_cover_every_class_evenly_and_follow_the_seed():
@@ -1238,11 +1278,12 @@ def test_own_split_file_runs_fewshot_and_cross_with_its_template(world, own_data
     # The template reaches every prompt: training and each test set, own data and benchmarks.
     settings = settings_of(common(world, tmp_path / "unused", "--protocol", "cross", "--dataset", own_data["split"], "dtd",
                                 *fast))
-    assert {s.template for s in train.evaluation_sets(settings, "imagenet")} == {"a {} texture."}
-    assert train.training_split(settings, "imagenet", 1, 2).prompts[0] == "a tench texture."
+    datasets = train.Datasets(settings["root"], log=print)
+    assert {s.template for s in train.evaluation_sets(settings, datasets, "imagenet")} == {"a {} texture."}
+    assert train.training_split(settings, datasets, "imagenet", 1, 2).prompts[0] == "a tench texture."
     plain = settings_of(common(world, tmp_path / "unused", "--protocol", "fewshot", "--dataset", own_data["split"], "dtd"))
-    assert [s.template for s in train.evaluation_sets(plain, "labelled")] == ["a photo of a {}."]
-    assert [s.template for s in train.evaluation_sets(plain, "dtd")] == ["{} texture."]
+    assert [s.template for s in train.evaluation_sets(plain, datasets, "labelled")] == ["a photo of a {}."]
+    assert [s.template for s in train.evaluation_sets(plain, datasets, "dtd")] == ["{} texture."]
 
 
 @pytest.mark.parametrize("case, message", [
