@@ -12,8 +12,10 @@ train.py -- DeAR (and zero-shot CLIP, a linear probe) on the paper's four protoc
 Protocols: base2novel (train on the base half of the classes; Base, Novel, HM), fewshot (1 to 16
 shots of every class), cross and dg (one training on ImageNet, tested on the ten other datasets
 and on ImageNet-V2, -Sketch, -A, -R). How it fits: clip_model.py is CLIP, data.py reads CoOp's
-layout, dear.py is the method; this file reads top to bottom like nanoGPT's train.py: the
-recipes, data, model, the head analysis, the loop, evaluation, main. The run folder's harness
+layout, dear.py is the method; this file reads top to bottom like nanoGPT's train.py: 1. the
+recipes, 2. data, 3. the model, 4. the training loop, 5. evaluation, then what surrounds them:
+6. resuming and several processes, 7. the head analysis (run once per model, before training),
+8. the other rows and checks, one job end to end, and main. The run folder's harness
 (flags and settings, their checks, fingerprints, the lock, checkpoints, tables, pictures) is
 runs.py. A run folder holds per dataset / row / seed a checkpoint.pt and results.json (a run is
 complete once it exists), per trained dataset the head roles it used (<dataset>/roles/), and at
@@ -348,7 +350,198 @@ def build_dear(settings, inputs: Inputs, role_map: dear.RoleMap,
 
 
 # ------------------------------------------------------------------------------------------
-# 4. The head analysis (paper Sec. 3.2): once per model and image pool, cached
+# 4. The loop: AdamW on the learnable tokens and fusion weights alone (CLIP stays frozen)
+# ------------------------------------------------------------------------------------------
+
+
+def learning_rate(settings, epoch: int) -> float:
+    """Dassl's schedule for epoch `epoch` (0-based), set once per epoch: the constant warm-up lr
+    for warmup_epochs, then cosine annealing over `epochs` whose count restarts after the warm-up
+    (WARMUP_RECOUNT = True, Dassl's default: dassl/optim/lr_scheduler.py hands over to a
+    CosineAnnealingLR(T_max = epochs) never stepped). Epoch e runs at lr (1 + cos(pi (e - W) / T)) / 2."""
+    warmup = settings["warmup_epochs"]
+    if epoch < warmup:
+        return settings["warmup_lr"]
+    return 0.5 * settings["lr"] * (1 + math.cos(math.pi * (epoch - warmup) / settings["epochs"]))
+
+
+def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap, split: data.DatasetSplits,
+              runtime: runs.Runtime) -> Optional[dear.DeAR]:
+    """Train one DeAR run, a checkpoint at every epoch end -> the model (None if
+    --max-epochs-per-call stopped it first). The loop is the paper's Sec. 3.4; resuming, several
+    processes and the per-epoch seeds are the helpers below it."""
+    torch.manual_seed(job.seed)  # the learnable tokens' initialisation
+    model = build_dear(settings, inputs, role_map, job.ablation).to(runtime.device)
+    optimizer = torch.optim.AdamW(model.learnable_parameters(), lr=settings["lr"],
+                                  weight_decay=settings["weight_decay"])  # tokens and fusion weights alone
+    scaler = runs.grad_scaler(enabled=runtime.amp_dtype == torch.float16)  # fp16 only; bf16 needs none
+    start, stop = resume(job, settings, model, optimizer, scaler, runtime)  # epochs [start, stop)
+    if start >= settings["epochs"]:
+        return model
+    classes = class_prompts(model, inputs, split, runtime)  # the frozen text side up to J, once
+    loader = training_loader(job, settings, split, inputs.clip, runtime)
+    network = distributed(model, settings, runtime)  # DDP under torchrun, else the model itself
+    lambda_fusion = 0.0 if job.ablation == "no-fusion-reg" else settings["lambda_fusion"]  # ablations
+    branch_ce = job.ablation == "branch-ce"  # MMRL's CE per branch beside the fused one: not DeAR's
+    progress = runs.Progress(job.label, settings, runtime, steps=(stop - start) * len(loader))
+    model.train()
+    for epoch in range(start, stop):
+        lr = start_epoch(epoch, job, settings, loader, optimizer)  # lr, order, seeds: epoch alone
+        progress.start_epoch()
+        for step, (images, labels) in enumerate(loader, 1):
+            images, labels = images.to(runtime.device, non_blocking=True), labels.to(runtime.device)
+            with runs.autocast(runtime):
+                output = network(images, classes, with_frozen=True)  # also frozen CLIP's, for L_reg
+                losses = dear.dear_loss(output, labels, settings["lambda_reg"], lambda_fusion, branch_ce)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(losses["total"]).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            progress.step(epoch, step, len(loader), lr, losses, output.logits, labels)
+        end_epoch(epoch, job, settings, model, optimizer, scaler, progress, runtime)  # checkpoint
+    return finish(job, settings, model, stop, runtime)
+
+
+# ------------------------------------------------------------------------------------------
+# 5. Evaluation: top-1 accuracy under each fusion rule
+# ------------------------------------------------------------------------------------------
+# DeAR gives two kinds of logits in one pass (fused, and the class branch alone); the fusion
+# mode (runs.FUSION_MODES) decides per test set which one is reported (logits_used).
+
+
+def logits_used(eval_set: EvalSet, fusion: str) -> str:
+    """"fused" or "class": which of DeAR's logits score this test set under this fusion mode."""
+    return "fused" if fusion == "fused-everywhere" or eval_set.trained else "class"
+
+
+def beta_at_test(settings, eval_set: EvalSet) -> float:
+    """DeAR's beta on a test set: the training beta on the trained classes; on a cross or dg target,
+    MMRL++'s beta for it (--test-beta per-target; our choice for a target it does not name: the
+    training beta), or the training beta (--test-beta trained)."""
+    if settings["test_beta"] != "per-target" or eval_set.trained:
+        return settings["beta"]
+    return MMRLPP_CD_TEST_BETA.get(eval_set.name, settings["beta"])
+
+
+@torch.no_grad()
+def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings, runtime: runs.Runtime) -> Dict[str, float]:
+    """Top-1 accuracy (%) -> {"clip": acc} for zero-shot CLIP (model=None), or {"fused": acc,
+    "class": acc} for DeAR (the class branch alone: s * cos(f_cls, t_c)), from one pass over the
+    images. Under torchrun each process takes every world-th image and the counts are summed."""
+    prompts = [eval_set.template.format(name) for name in eval_set.classnames]
+    ids = tokenizer.tokenize(prompts, clip.context_length, truncate=True).to(runtime.device)
+    with runs.autocast(runtime):  # the class prompts, once per test set
+        if model is None:
+            text = F.normalize(clip.encode_text(ids).float(), dim=-1)  # (C, E)
+        else:
+            text = model.encode_text(model.prepare_classes(ids))  # (C, E) with the learned text tokens
+    items = eval_set.items[runtime.rank::runtime.world]
+    kinds = ["clip"] if model is None else ["fused", "class"]
+    correct = [0] * len(kinds)
+    for images, labels in loader_of(items, settings, clip.visual.input_resolution):
+        images = images.to(runtime.device)
+        with runs.autocast(runtime):
+            if model is None:
+                scores = [F.normalize(clip.encode_image(images).float(), dim=-1) @ text.T]
+            else:
+                f_cls, f_attr, _ = model.encode_image(images)
+                fused, branches = model.fused_logits(torch.cat([f_cls[:, None], f_attr], dim=1), text)
+                scores = [fused, branches[:, 0]]  # (B, C) each
+        for i, logits in enumerate(scores):
+            correct[i] += (logits.argmax(dim=-1).cpu() == labels).sum().item()
+    *correct, total = runs.sum_over_processes(correct + [len(items)], runtime)
+    return {kind: 100.0 * c / max(total, 1) for kind, c in zip(kinds, correct)}
+
+
+# ------------------------------------------------------------------------------------------
+# 6. Around the loop: resuming, several processes, the per-epoch seeds
+# ------------------------------------------------------------------------------------------
+
+
+def resume(job: runs.Job, settings, model, optimizer, scaler, runtime: runs.Runtime):
+    """The epochs this call trains, (start, stop): from the run's last checkpoint under --resume
+    (the tokens, the optimizer's moments, the scaler), to --max-epochs-per-call or the end."""
+    checkpoint_path = os.path.join(job.folder, "checkpoint.pt")
+    checkpoint = runs.load_run_file(checkpoint_path, runs.job_settings(settings, job)) if settings["resume"] else None
+    start = 0 if checkpoint is None else checkpoint["epoch"]
+    if checkpoint is not None:
+        model.load_learnable_state_dict(checkpoint["learnable"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        scaler.load_state_dict(checkpoint["scaler"])
+        runtime.log(f"[{job.label}] resumed after epoch {start}/{settings['epochs']}")
+    runtime.log(f"[{job.label}] attribute tokens from layer J={model.first_layer} (1-based)"
+                f"{'; class branch alone (no attribute head)' if model.class_branch_only else ''}; "
+                f"{model.parameter_summary()}")
+    return start, min(settings["epochs"], start + (settings["max_epochs_per_call"] or settings["epochs"]))
+
+
+def class_prompts(model: dear.DeAR, inputs: Inputs, split: data.DatasetSplits, runtime: runs.Runtime):
+    """The class prompts' frozen text side, once per run (the text tokens enter at layer J)."""
+    ids = inputs.tokenizer.tokenize(split.prompts, inputs.clip.context_length, truncate=True)
+    with runs.autocast(runtime):
+        return model.prepare_classes(ids.to(runtime.device))
+
+
+def training_loader(job: runs.Job, settings, split: data.DatasetSplits, clip, runtime: runs.Runtime):
+    """The few-shot images, augmented unless --augment off. A DistributedSampler also in one
+    process: its order is a pure function of (seed, epoch), which is what makes --resume land on
+    the same result as an unbroken run."""
+    transform = data.train_transform if settings["augment"] else data.test_transform
+    dataset = data.ImageDataset(split.train, transform(clip.visual.input_resolution))
+    sampler = DistributedSampler(dataset, num_replicas=runtime.world, rank=runtime.rank, shuffle=True,
+                                 seed=job.seed)
+    runtime.log(f"[{job.label}] {len(split.train)} training images, {len(split.classnames)} classes")
+    return DataLoader(dataset, batch_size=settings["batch_size"], sampler=sampler,
+                      num_workers=settings["workers"], pin_memory=runtime.device.type == "cuda")
+
+
+def distributed(model: dear.DeAR, settings, runtime: runs.Runtime):
+    """Under torchrun, the learnable tensors' gradients averaged over the processes (DDP)."""
+    if runtime.world == 1:
+        return model
+    unused = settings["text_tokens"] == 0 or not model.attributes  # a learnable tensor with no gradient
+    return torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
+        broadcast_buffers=False, find_unused_parameters=unused)
+
+
+def start_epoch(epoch: int, job: runs.Job, settings, loader: DataLoader, optimizer) -> float:
+    """Epoch `epoch`'s learning rate, set; its order, augmentation and randomness seeded by
+    (seed, epoch) alone, so that an epoch replays identically after --resume -> the lr."""
+    loader.sampler.set_epoch(epoch)
+    torch.manual_seed(job.seed * 100_003 + epoch)
+    lr = learning_rate(settings, epoch)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def end_epoch(epoch: int, job: runs.Job, settings, model: dear.DeAR, optimizer, scaler, progress,
+              runtime: runs.Runtime) -> None:
+    """The checkpoint (rank 0 writes; every rank holds the same tokens) and the epoch's line."""
+    if runtime.main:
+        path = os.path.join(job.folder, "checkpoint.pt")
+        runs.save_checkpoint(path, runs.job_settings(settings, job), epoch + 1, model, optimizer, scaler)
+    alpha = ", ".join(f"{a:.2f}" for a in model.fusion_weights().tolist())
+    took = runs.format_time(time.time() - progress.epoch_started)
+    runtime.log(f"[{job.label}] epoch {epoch + 1} done in {took}; "
+                f"fusion weights alpha (cls, {', '.join(model.attributes)}) = {alpha}; "
+                "checkpoint saved")
+
+
+def finish(job: runs.Job, settings, model: dear.DeAR, stop: int, runtime: runs.Runtime):
+    """The trained model, or None where --max-epochs-per-call stopped the run first."""
+    if runtime.world > 1:
+        dist.barrier()
+    if stop < settings["epochs"]:
+        runtime.log(f"[{job.label}] stopped after epoch {stop}/{settings['epochs']} (--max-epochs-per-call); "
+                    f"continue with: python train.py --output {settings['output']} --resume")
+        return None
+    return model
+
+
+# ------------------------------------------------------------------------------------------
+# 7. The head analysis (paper Sec. 3.2): once per model and image pool, cached
 # ------------------------------------------------------------------------------------------
 # A role map belongs to the model and the images it was measured on, not to a run: computed once per
 # (weights, pool, bank, analysis settings), cached (runs.analysis_cache), reused by every run asking the
@@ -453,151 +646,8 @@ def analysed_role_maps(settings, inputs: Inputs, datasets: Datasets, runtime: ru
 
 
 # ------------------------------------------------------------------------------------------
-# 5. The loop: AdamW on the learnable tokens and fusion weights alone (CLIP stays frozen)
+# 8. The other rows and checks: the linear probe, retrieval; one job end to end
 # ------------------------------------------------------------------------------------------
-
-
-def learning_rate(settings, epoch: int) -> float:
-    """Dassl's schedule for epoch `epoch` (0-based), set once per epoch: the constant warm-up lr
-    for warmup_epochs, then cosine annealing over `epochs` whose count restarts after the warm-up
-    (WARMUP_RECOUNT = True, Dassl's default: dassl/optim/lr_scheduler.py hands over to a
-    CosineAnnealingLR(T_max = epochs) never stepped). Epoch e runs at lr (1 + cos(pi (e - W) / T)) / 2."""
-    warmup = settings["warmup_epochs"]
-    if epoch < warmup:
-        return settings["warmup_lr"]
-    return 0.5 * settings["lr"] * (1 + math.cos(math.pi * (epoch - warmup) / settings["epochs"]))
-
-
-def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap, split: data.DatasetSplits,
-              runtime: runs.Runtime) -> Optional[dear.DeAR]:
-    """Train one DeAR run, a checkpoint at every epoch end -> the model (None if
-    --max-epochs-per-call stopped it first)."""
-    clip, expected = inputs.clip, runs.job_settings(settings, job)  # expected: what its checkpoint must hold
-    checkpoint_path = os.path.join(job.folder, "checkpoint.pt")
-    torch.manual_seed(job.seed)  # the learnable tokens' initialisation
-    model = build_dear(settings, inputs, role_map, job.ablation).to(runtime.device)
-    # The ablations that change the loss: no fusion regularisation; a CE per branch (not DeAR's).
-    lambda_fusion = 0.0 if job.ablation == "no-fusion-reg" else settings["lambda_fusion"]
-    branch_ce = job.ablation == "branch-ce"
-    runtime.log(f"[{job.label}] {len(split.train)} training images, {len(split.classnames)} classes; "
-                f"attribute tokens from layer J={model.first_layer} (1-based)"
-                f"{'; class branch alone (no attribute head)' if model.class_branch_only else ''}; "
-                f"{model.parameter_summary()}")
-    optimizer = torch.optim.AdamW(model.learnable_parameters(), lr=settings["lr"],
-                                  weight_decay=settings["weight_decay"])  # the tokens and fusion weights alone
-    scaler = runs.grad_scaler(enabled=runtime.amp_dtype == torch.float16)  # fp16 only; bf16 needs no scaling
-    checkpoint = runs.load_run_file(checkpoint_path, expected) if settings["resume"] else None
-    start_epoch = 0 if checkpoint is None else checkpoint["epoch"]
-    if checkpoint is not None:  # continue after the last finished epoch, with the optimizer's moments
-        model.load_learnable_state_dict(checkpoint["learnable"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        scaler.load_state_dict(checkpoint["scaler"])
-        runtime.log(f"[{job.label}] resumed after epoch {start_epoch}/{settings['epochs']}")
-    if start_epoch >= settings["epochs"]:
-        return model
-    network = model  # under torchrun: the learnable tensors' gradients averaged over processes
-    if runtime.world > 1:
-        network = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
-            broadcast_buffers=False,
-            find_unused_parameters=settings["text_tokens"] == 0 or not model.attributes)
-    # The class prompts' frozen text side, once per run (the text tokens enter at layer J).
-    class_ids = inputs.tokenizer.tokenize(split.prompts, clip.context_length, truncate=True).to(runtime.device)
-    with runs.autocast(runtime):
-        classes = model.prepare_classes(class_ids)
-    transform = data.train_transform if settings["augment"] else data.test_transform
-    dataset = data.ImageDataset(split.train, transform(clip.visual.input_resolution))
-    # A DistributedSampler also in one process: its order is a pure function of (seed, epoch),
-    # which is what makes --resume land on the same result as an unbroken run.
-    sampler = DistributedSampler(dataset, num_replicas=runtime.world, rank=runtime.rank, shuffle=True, seed=job.seed)
-    loader = DataLoader(dataset, batch_size=settings["batch_size"], sampler=sampler,
-                        num_workers=settings["workers"], pin_memory=runtime.device.type == "cuda")
-    stop_at = min(settings["epochs"], start_epoch + (settings["max_epochs_per_call"] or settings["epochs"]))
-    progress = runs.Progress(job.label, settings, runtime, steps=(stop_at - start_epoch) * len(loader))
-    model.train()
-    for epoch in range(start_epoch, stop_at):
-        loader.sampler.set_epoch(epoch)  # the order and the augmentation: seeded by (seed, epoch) alone
-        torch.manual_seed(job.seed * 100_003 + epoch)  # so an epoch replays identically after --resume
-        lr = learning_rate(settings, epoch)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        progress.start_epoch()
-        for step, (images, labels) in enumerate(loader, 1):
-            images, labels = images.to(runtime.device, non_blocking=True), labels.to(runtime.device)
-            with runs.autocast(runtime):
-                output = network(images, classes, with_frozen=True)  # also frozen CLIP's, for L_reg
-                losses = dear.dear_loss(output, labels, settings["lambda_reg"], lambda_fusion,
-                                        branch_ce)
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(losses["total"]).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            progress.step(epoch, step, len(loader), lr, losses, output.logits, labels)
-        if runtime.main:  # rank 0 writes; every rank holds the same tokens (DDP)
-            runs.save_checkpoint(checkpoint_path, expected, epoch + 1, model, optimizer, scaler)
-        alpha = ", ".join(f"{a:.2f}" for a in model.fusion_weights().tolist())
-        took = runs.format_time(time.time() - progress.epoch_started)
-        runtime.log(f"[{job.label}] epoch {epoch + 1} done in {took}; "
-                    f"fusion weights alpha (cls, {', '.join(model.attributes)}) = {alpha}; "
-                    "checkpoint saved")
-    if runtime.world > 1:
-        dist.barrier()
-    if stop_at < settings["epochs"]:
-        runtime.log(f"[{job.label}] stopped after epoch {stop_at}/{settings['epochs']} (--max-epochs-per-call); "
-                    f"continue with: python train.py --output {settings['output']} --resume")
-        return None
-    return model
-
-
-# ------------------------------------------------------------------------------------------
-# 6. Evaluation: top-1 accuracy, the linear probe, attribute-conditioned retrieval
-# ------------------------------------------------------------------------------------------
-# DeAR gives two kinds of logits in one pass (fused, and the class branch alone); the fusion
-# mode (runs.FUSION_MODES) decides per test set which one is reported (logits_used).
-
-
-def logits_used(eval_set: EvalSet, fusion: str) -> str:
-    """"fused" or "class": which of DeAR's logits score this test set under this fusion mode."""
-    return "fused" if fusion == "fused-everywhere" or eval_set.trained else "class"
-
-
-def beta_at_test(settings, eval_set: EvalSet) -> float:
-    """DeAR's beta on a test set: the training beta on the trained classes; on a cross or dg target,
-    MMRL++'s beta for it (--test-beta per-target; our choice for a target it does not name: the
-    training beta), or the training beta (--test-beta trained)."""
-    if settings["test_beta"] != "per-target" or eval_set.trained:
-        return settings["beta"]
-    return MMRLPP_CD_TEST_BETA.get(eval_set.name, settings["beta"])
-
-
-@torch.no_grad()
-def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings, runtime: runs.Runtime) -> Dict[str, float]:
-    """Top-1 accuracy (%) -> {"clip": acc} for zero-shot CLIP (model=None), or {"fused": acc,
-    "class": acc} for DeAR (the class branch alone: s * cos(f_cls, t_c)), from one pass over the
-    images. Under torchrun each process takes every world-th image and the counts are summed."""
-    prompts = [eval_set.template.format(name) for name in eval_set.classnames]
-    ids = tokenizer.tokenize(prompts, clip.context_length, truncate=True).to(runtime.device)
-    with runs.autocast(runtime):  # the class prompts, once per test set
-        if model is None:
-            text = F.normalize(clip.encode_text(ids).float(), dim=-1)  # (C, E)
-        else:
-            text = model.encode_text(model.prepare_classes(ids))  # (C, E) with the learned text tokens
-    items = eval_set.items[runtime.rank::runtime.world]
-    kinds = ["clip"] if model is None else ["fused", "class"]
-    correct = [0] * len(kinds)
-    for images, labels in loader_of(items, settings, clip.visual.input_resolution):
-        images = images.to(runtime.device)
-        with runs.autocast(runtime):
-            if model is None:
-                scores = [F.normalize(clip.encode_image(images).float(), dim=-1) @ text.T]
-            else:
-                f_cls, f_attr, _ = model.encode_image(images)
-                fused, branches = model.fused_logits(torch.cat([f_cls[:, None], f_attr], dim=1), text)
-                scores = [fused, branches[:, 0]]  # (B, C) each
-        for i, logits in enumerate(scores):
-            correct[i] += (logits.argmax(dim=-1).cpu() == labels).sum().item()
-    *correct, total = runs.sum_over_processes(correct + [len(items)], runtime)
-    return {kind: 100.0 * c / max(total, 1) for kind, c in zip(kinds, correct)}
 
 
 @torch.no_grad()
