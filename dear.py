@@ -45,7 +45,7 @@ except ImportError:
 CORE_ATTRIBUTES = ("colour", "shape", "texture", "object", "location")  # the paper's five, a token each
 ROLES = ("attribute", "generalization", "mixed")
 CONCEPT_SOURCES = ("clusters", "labels")  # the paper's: the picks clustered; the control: labels
-PAPER_PICKS = 20  # the paper's N, TextSpan's picks per head (default_picks: a pool without labels)
+PAPER_PICKS = 20  # TextSpan's picks per head, the paper's "N" (default_picks: unlabelled pools)
 ANALYSED_LAYERS = 4  # the paper analyses, and prompts, the vision tower's last four layers
 MMRL_ALPHA = 0.7  # MMRL's class-branch CE weight (yunncheng/MMRL train.py: TRAINER.MMRL.ALPHA)
 
@@ -62,12 +62,13 @@ def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
     (T, E); rank: textspan_rank(clip) -> indices into the bank. Each pick is the text varying most
     across the images; it is then removed from the head and from the bank."""
     num_descriptions = analysis_picks(num_descriptions, len(text_embeddings), len(contributions),
-                                      rank=rank, default=num_descriptions, embed_dim=contributions.shape[1])
+                                      rank=rank, default=num_descriptions,
+                                      embed_dim=contributions.shape[1])
     data = contributions.double()
     _, _, right = torch.linalg.svd(data, full_matrices=False)  # right: (min(n, E), E), raw data
     span = right[:rank]  # (r, E), r = min(rank, n, E): the authors' vh[:rank], mean included
     texts = text_embeddings.double() @ span.T @ span  # (T, E): each text inside the head's span
-    data = data - data.mean(dim=0, keepdim=True)  # (n, E), centred as the authors do: no pick changes
+    data = data - data.mean(dim=0, keepdim=True)  # (n, E), centred as the authors do (no pick moves)
     chosen: List[int] = []
     for _ in range(num_descriptions):
         spread = (data @ texts.T).std(dim=0)  # (T,): how much each text direction varies
@@ -92,19 +93,22 @@ def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *,
     (default_picks), at most min(bank size, num_images, rank, embed_dim), the span's rank. A request
     above that, or below 1, is refused."""
     if rank < 1:
-        raise DeARError(f"rank={rank}: TextSpan keeps the top `rank` singular directions; use 1 or more")
+        raise DeARError(f"rank={rank}: TextSpan keeps the top `rank` singular directions; "
+                        "use 1 or more")
     if num_images < 2:
         raise DeARError(f"the head analysis has {num_images} image(s); "
                         "TextSpan needs at least 2 to see a head vary")
+    span = f"the span of {num_images} images' contributions has rank <= {num_images}"
     limits = [(bank_size, f"the bank has {bank_size} descriptions"),
-              (num_images, f"the span of {num_images} images' contributions has rank <= {num_images}"),
+              (num_images, span),
               (rank, f"TextSpan keeps {rank} singular directions")]
     if embed_dim is not None:
         limits.append((embed_dim, f"the embedding has {embed_dim} dimensions"))
     limit, why = min(limits, key=lambda entry: entry[0])
     if requested is None:
         if default > limit:
-            warnings.warn(f"TextSpan makes {limit} picks per head, not the default {default}: {why}")
+            warnings.warn(f"TextSpan makes {limit} picks per head, "
+                          f"not the default {default}: {why}")
         return min(default, limit)
     if not 1 <= requested <= limit:
         more = " or give the analysis more images" if limit == num_images else ""
@@ -140,7 +144,7 @@ class HeadRole:
     attribute: Optional[str] = None  # for attribute heads: which core attribute
     entropy: Optional[float] = None  # concept entropy in bits (None when not analysed)
     descriptions: List[str] = field(default_factory=list)  # TextSpan's picks, in order
-    concepts: List[str] = field(default_factory=list)  # each pick's concept: a label, "cluster k", NOISE
+    concepts: List[str] = field(default_factory=list)  # each pick's: a label, "cluster k", NOISE
 
 
 @dataclass
@@ -155,7 +159,7 @@ class RoleMap:
     high_bits: Optional[float] = None
     source: str = "analysis"  # "analysis" or the name of a fixed choice ("all-mixed", ...)
     concepts: Optional[str] = None  # where the analysis took its concepts: "clusters" or "labels"
-    clusters: List[Cluster] = field(default_factory=list)  # the concepts found (concepts="clusters")
+    clusters: List[Cluster] = field(default_factory=list)  # found (concepts="clusters")
 
     @property
     def layers(self) -> List[int]:
@@ -167,7 +171,8 @@ class RoleMap:
     @classmethod
     def uniform(cls, role: str, vision_layers: int, num_heads: int, layers: Sequence[int],
                 attributes: Sequence[str] = CORE_ATTRIBUTES) -> RoleMap:
-        """The ablations': every head "mixed" (deep prompting, no mask) or "generalization" (all blind)."""
+        """The ablations': every head "mixed" (deep prompting, no mask) or "generalization"
+        (all blind)."""
         if role not in ("mixed", "generalization"):
             raise DeARError(f"uniform role must be 'mixed' or 'generalization', not {role!r}")
         heads = [HeadRole(layer, head, role) for layer in layers for head in range(num_heads)]
@@ -190,7 +195,7 @@ class RoleMap:
         return load_role_map(path)
 
     def table(self) -> str:
-        """A row per layer (1-based), a cell per head: A:col (attribute head for colour), G, M; bits."""
+        """A row per layer (1-based), a cell per head: A:col (attribute head for colour), G, M."""
         return role_table(self)
 
 
@@ -213,7 +218,7 @@ def default_concepts(bank: Sequence[Description]) -> str:
 
 def default_min_cluster_size(num_picks: int) -> int:
     """HDBSCAN's smallest cluster (our choice, METHOD.md Sec. 3): as many phrases as one head picks,
-    so that a concept is at least what fills one specialist's N picks, never a value's few phrases."""
+    so that a concept is at least what fills one specialist's picks, never a value's few phrases."""
     return max(2, num_picks)
 
 
@@ -221,7 +226,7 @@ def cluster_picks(texts: Sequence[str], embeddings: torch.Tensor, min_cluster_si
                   min_samples: Optional[int] = None):
     """Distinct picked texts (P,) and their embeddings (P, d) -> (each text's concept, "cluster k"
     or NOISE; the clusters, named "other" until named; their unit means (clusters, d))."""
-    points = F.normalize(embeddings.double(), dim=-1)  # (P, d) unit length: Euclidean order = cosine's
+    points = F.normalize(embeddings.double(), dim=-1)  # (P, d), unit: Euclidean order = cosine's
     ids = hdbscan(points, min_cluster_size, min_samples)  # (P,), -1 = noise
     clusters, centres = [], []
     for k in range(int(ids.max()) + 1 if len(ids) else 0):
@@ -372,7 +377,8 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
     check_concepts(concepts, bank)
     depth = len(clip.visual.transformer.resblocks)
     rank = textspan_rank(clip) if rank is None else rank
-    num_layers = analysed_layers(depth) if num_layers is None else num_layers  # head_contributions checks it
+    if num_layers is None:  # else head_contributions checks it
+        num_layers = analysed_layers(depth)
     contributions = normalised_contributions(clip, image_batches, num_layers, log)  # (n, L, H, E)
     n, L, H, E = contributions.shape  # L: the analysed layers
     default = default_picks(bank, attributes) if num_descriptions is None else num_descriptions
@@ -384,10 +390,11 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
     first = depth - num_layers
     picks = []  # per head (layer-major), the bank indices TextSpan chose
     for li in range(L):
-        picks += [textspan(contributions[:, li, head], text, num_descriptions, rank) for head in range(H)]
+        for head in range(H):
+            picks.append(textspan(contributions[:, li, head], text, num_descriptions, rank))
         log(f"  head analysis: layer {first + li + 1} (index {first + li}) done")
-    # The concepts: each picked phrase's, from the clusters of all heads' picks or from the bank's labels.
-    picked = list(dict.fromkeys(i for head_picks in picks for i in head_picks))  # distinct, in order found
+    # The concepts: each picked phrase's, from the clusters of all heads' picks or the bank's labels.
+    picked = list(dict.fromkeys(i for head_picks in picks for i in head_picks))  # distinct, in order
     clusters, names = [], None
     if concepts == "labels":
         concept_of = {i: bank[i].concept for i in picked}
@@ -398,7 +405,9 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
             embedded = text[picked]  # (P, E)
         else:
             embedded = checked_embeddings(embed_texts, texts)  # (P, d)
-        size = default_min_cluster_size(num_descriptions) if min_cluster_size is None else min_cluster_size
+        size = min_cluster_size
+        if size is None:
+            size = default_min_cluster_size(num_descriptions)
         found, clusters, centres = cluster_picks(texts, embedded, size, min_samples)
         concept_of = dict(zip(picked, found))
         if all(bank[i].concept is not None for i in picked):  # a labelled bank: the labels name them
@@ -410,7 +419,7 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
             names[f"cluster {k}"] = name
         for cluster in clusters:
             cluster.name = names[f"cluster {cluster.id}"]
-        num_concepts = len(clusters) + found.count(NOISE)  # each unclustered pick a concept of its own
+        num_concepts = len(clusters) + found.count(NOISE)  # each unclustered pick: its own concept
         log(f"  head analysis: {len(picked)} distinct picks in {len(clusters)} clusters "
             f"({found.count(NOISE)} in none; HDBSCAN min_cluster_size {size}): "
             + ", ".join(f"{c.id} {c.name} ({c.size})" for c in clusters))
@@ -449,8 +458,8 @@ def normalised_contributions(clip: clip_model.CLIP, image_batches, num_layers: i
 def check_image_batch(batch) -> None:
     if not isinstance(batch, torch.Tensor) or batch.dim() != 4:
         shape = f" of shape {tuple(batch.shape)}" if isinstance(batch, torch.Tensor) else ""
-        raise DeARError(f"image_batches must be a (n, 3, R, R) tensor or yield (B, 3, R, R) tensors; "
-                        f"got a {type(batch).__name__}{shape} "
+        raise DeARError("image_batches must be a (n, 3, R, R) tensor or yield (B, 3, R, R) "
+                        f"tensors; got a {type(batch).__name__}{shape} "
                         "(a DataLoader's: pass (x for x, _ in loader))")
 
 
@@ -491,7 +500,9 @@ def build_role_masks(role_map: RoleMap, first_layer: int, num_layers: int,
     for i, layer in enumerate(range(first_layer - 1, num_layers)):
         for head in range(role_map.num_heads):
             entry = role_map.role_of(layer, head) or HeadRole(layer, head, "mixed")
-            index = role_map.attributes.index(entry.attribute) if entry.role == "attribute" else None
+            index = None
+            if entry.role == "attribute":
+                index = role_map.attributes.index(entry.attribute)
             masks[i, head] = head_mask(entry.role, index, num_image_tokens, A)
     return masks
 
@@ -532,7 +543,8 @@ def default_first_layer(depth: int) -> int:
 # before any work.
 def check_first_layer(first_layer: int, depth: int) -> None:
     """J counts in both towers: 1..depth, depth = the shallower tower's layers."""
-    if isinstance(first_layer, bool) or not isinstance(first_layer, int) or not 1 <= first_layer <= depth:
+    is_int = isinstance(first_layer, int) and not isinstance(first_layer, bool)
+    if not is_int or not 1 <= first_layer <= depth:
         raise DeARError(f"first_layer J={first_layer} is out of range: "
                         f"use 1..{depth} (1-based, as the paper's J = 9)")
 
@@ -665,12 +677,13 @@ class DeAR(nn.Module):
         return [getattr(self, name) for name in self.LEARNABLE]
 
     def fusion_weights(self) -> torch.Tensor:
-        """alpha = softmax(w) over the branches in the fusion, (1 + A,), alpha[0] the class branch's."""
+        """alpha = softmax(w) over the branches in the fusion, (1 + A,); alpha[0]: the class's."""
         return self.fusion_logits.masked_fill(~self.in_fusion, float("-inf")).softmax(dim=0)
 
     def encode_image(self, images: torch.Tensor, with_frozen: bool = False):
-        """images (B, 3, R, R) -> (f_cls (B, E), f_attr (B, A, E), f_frozen (B, E) or None). Before J
-        plain CLIP; from J on the attribute tokens follow the image tokens, each head its role mask."""
+        """images (B, 3, R, R) -> (f_cls (B, E), f_attr (B, A, E), f_frozen (B, E) or None).
+        Before J plain CLIP; from J on the attribute tokens follow the image tokens, each head
+        under its role mask."""
         visual, j = self.clip.visual, self.first_layer - 1
         before, after = visual.transformer.resblocks[:j], visual.transformer.resblocks[j:]
         with torch.no_grad():  # nothing before J is learnable: keep no activations for backward
@@ -732,8 +745,9 @@ class DeAR(nn.Module):
 
     def forward(self, images: torch.Tensor, classes: PreparedClasses,
                 with_frozen: bool = False) -> DeAROutput:
-        """Paper Eq. 6-7: branch k in {cls, attr_1..attr_A} has logits_k = s * cos(f_k, t_c), s CLIP's
-        frozen scale; fused = sum_k alpha_k * logits_k (scoring_logits: which a test set reports)."""
+        """Paper Eq. 6-7: branch k in {cls, attr_1..attr_A} has logits_k = s * cos(f_k, t_c), s
+        CLIP's frozen scale; fused = sum_k alpha_k * logits_k (scoring_logits: which one a test
+        set reports)."""
         f_cls, f_attr, f_frozen = self.encode_image(images, with_frozen)
         t = self.encode_text(classes)  # (C, E)
         features = torch.cat([f_cls[:, None], f_attr], dim=1)  # (B, 1 + A, E)
@@ -752,8 +766,9 @@ class DeAR(nn.Module):
         for name, value in state.items():
             target = getattr(self, name)
             if tuple(value.shape) != tuple(target.shape):
-                raise DeARError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, the model "
-                                f"expects {tuple(target.shape)}; it was made with other settings")
+                raise DeARError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, "
+                                f"the model expects {tuple(target.shape)}; "
+                                "it was made with other settings")
             target.copy_(value)
 
     def parameter_summary(self) -> str:
@@ -825,7 +840,8 @@ def branches_in_fusion(attributes: List[str], blind: List[str], class_branch_onl
 
 
 def check_prepared(classes) -> None:
-    """encode_text takes prepare_classes' record (a cheap type check, kept per call: a test asks)."""
+    """encode_text takes prepare_classes' record (a cheap type check, kept per call: a test
+    asks for it)."""
     if not isinstance(classes, PreparedClasses):  # e.g. token ids, as an older version took
         raise DeARError(f"classes must be model.prepare_classes(class_token_ids), got a "
                         f"{type(classes).__name__}; "
@@ -854,8 +870,10 @@ def rank_gallery(queries: torch.Tensor, gallery: torch.Tensor, k: int,
     return similarity.topk(min(k, similarity.shape[1] - int(same_images)), dim=1).indices
 
 
-def precision_at_k(ranking: torch.Tensor, query_values: Sequence, gallery_values: Sequence) -> float:
-    """ranking (Q, k) -> the share of retrieved images whose value (e.g. colour) is their query's."""
+def precision_at_k(ranking: torch.Tensor, query_values: Sequence,
+                   gallery_values: Sequence) -> float:
+    """ranking (Q, k) -> the share of retrieved images whose value (e.g. colour) is their
+    query's."""
     hits = [sum(gallery_values[j] == query_values[q] for j in row) / len(row)
             for q, row in enumerate(ranking.tolist())]
     return sum(hits) / len(hits)
@@ -920,7 +938,8 @@ def validate_role_map(role_map: RoleMap, vision_layers: Optional[int] = None,
         raise DeARError(f"made for a vision tower of {m.vision_layers} layers, "
                         f"this model has {vision_layers}; " + rerun)
     if num_heads is not None and m.num_heads != num_heads:
-        raise DeARError(f"made for {m.num_heads} heads per layer, this model has {num_heads}; {rerun}")
+        raise DeARError(f"made for {m.num_heads} heads per layer, "
+                        f"this model has {num_heads}; {rerun}")
     if attributes is not None and list(attributes) != list(m.attributes):
         raise DeARError(f"made for attributes {', '.join(m.attributes)}, "
                         f"the model has {', '.join(attributes)}; leave DeAR's attributes out "
@@ -975,7 +994,8 @@ def load_role_map(path: str) -> RoleMap:
                            [Cluster(**entry) for entry in data.get("clusters") or []])
     except FileNotFoundError:
         raise DeARError(f"{path}: no such role file; run the head analysis first (analyze_heads, "
-                        "then RoleMap.save) or use RoleMap.uniform('mixed', ...) (no mask)") from None
+                        "then RoleMap.save) or use RoleMap.uniform('mixed', ...) "
+                        "(no mask)") from None
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise DeARError(f"{path}: not a DeAR role file ({type(error).__name__}: "
                         f"{' '.join(str(error).split())[:80]}); re-run the head analysis") from None
@@ -995,7 +1015,8 @@ def role_table(role_map: RoleMap) -> str:
         return "-" if value is None else f"{value:.2f}"
 
     def cell(entry: HeadRole) -> str:  # e.g. "A:col 0.00"
-        tags = {"attribute": f"A:{(entry.attribute or '')[:3]}", "generalization": "G", "mixed": "M"}
+        attribute = f"A:{(entry.attribute or '')[:3]}"
+        tags = {"attribute": attribute, "generalization": "G", "mixed": "M"}
         entropy = "" if entry.entropy is None else f" {entry.entropy:.2f}"
         return f"{tags[entry.role]}{entropy}".rjust(9)
 
@@ -1005,11 +1026,12 @@ def role_table(role_map: RoleMap) -> str:
     for layer in m.layers:
         cells = [cell(m.role_of(layer, head)) for head in range(m.num_heads)]
         lines.append(f"{layer + 1:>5} | " + " ".join(cells))
-    counts = Counter(h.role if h.role != "attribute" else f"attribute:{h.attribute}" for h in m.heads)
+    counts = Counter(f"attribute:{h.attribute}" if h.role == "attribute" else h.role
+                     for h in m.heads)
     lines.append("counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     if falls_back_to_class_branch(m):
-        lines.append("no attribute head: no head is specialised enough (entropy <= low); DeAR falls "
-                     "back to the class branch alone (falls_back_to_class_branch)")
+        lines.append("no attribute head: no head is specialised enough (entropy <= low); "
+                     "DeAR falls back to the class branch alone (falls_back_to_class_branch)")
     return "\n".join(lines)
 
 
@@ -1125,7 +1147,8 @@ _BANK_WORDS = {  # concept -> (words, templates): the five core attributes, then
 
 
 # ---- 8. HDBSCAN, written out (the clustering of Sec. 2; checked against scikit-learn's) --------
-def hdbscan(points: torch.Tensor, min_cluster_size: int, min_samples: Optional[int] = None) -> torch.Tensor:
+def hdbscan(points: torch.Tensor, min_cluster_size: int,
+            min_samples: Optional[int] = None) -> torch.Tensor:
     """HDBSCAN (Campello, Moulavi, Sander 2013; McInnes et al. 2017): single linkage over a distance
     that pushes sparse points apart, then the clusters that persist longest as density rises.
 
@@ -1276,9 +1299,10 @@ def _points_under(merges, node, n):
 
 if __name__ == "__main__":  # a small demonstration on a random CLIP (no weights needed)
     torch.manual_seed(0)
-    demo_clip = clip_model.CLIP(embed_dim=64, image_resolution=32, vision_layers=4, vision_width=128,
-                                vision_patch_size=8, vision_heads=4, context_length=16, vocab_size=100,
-                                transformer_width=64, transformer_heads=2, transformer_layers=4).eval()
+    demo_clip = clip_model.CLIP(embed_dim=64, image_resolution=32, vision_layers=4,
+                                vision_width=128, vision_patch_size=8, vision_heads=4,
+                                context_length=16, vocab_size=100, transformer_width=64,
+                                transformer_heads=2, transformer_layers=4).eval()
     heads = [HeadRole(3, 0, "attribute", "colour"), HeadRole(3, 1, "attribute", "shape"),
              HeadRole(3, 2, "generalization"), HeadRole(3, 3, "mixed")]
     demo_roles = RoleMap(4, 4, ["colour", "shape"], heads, source="hand-made demo")
@@ -1288,7 +1312,9 @@ if __name__ == "__main__":  # a small demonstration on a random CLIP (no weights
     for head, entry in enumerate(heads):
         print(f"\nlayer 4 (index 3), head {head}: {entry.role} {entry.attribute or ''}")
         print(format_head_mask(demo.role_masks[0, head], demo.num_image_tokens, demo.attributes))
-    ids = torch.tensor([[98, 3 * c + 5, 3 * c + 6, 3 * c + 7, 99] + [0] * 11 for c in range(3)])  # 3 class prompts
+    prompts = [[98, 3 * c + 5, 3 * c + 6, 3 * c + 7, 99] + [0] * 11 for c in range(3)]
+    ids = torch.tensor(prompts)  # (C, N) = (3, 16): three class prompts
     out = demo(torch.randn(2, 3, 32, 32), demo.prepare_classes(ids), with_frozen=True)
     losses = dear_loss(out, torch.tensor([0, 2]))
-    print("\nfused logits", tuple(out.logits.shape), "losses", {k: round(v.item(), 4) for k, v in losses.items()})
+    rounded = {k: round(v.item(), 4) for k, v in losses.items()}
+    print("\nfused logits", tuple(out.logits.shape), "losses", rounded)
