@@ -1,13 +1,22 @@
 """dear.py -- DeAR (Ma et al., "Fine-Grained VLM Adaptation by Decomposing Attention Head Roles",
-CVPR 2026) in the order it runs: 1. TextSpan, 2. concepts (the picks clustered), 3. concept
-entropy's head roles (paper Sec. 3.2; analyze_heads runs 1-3), 4. the role-based mask (Sec. 3.3),
-5. the model and retrieval, 6. the losses (Sec. 3.4), 7. bookkeeping: RoleMap (its JSON file, its
-table), the description pools, 8. HDBSCAN written out.
+CVPR 2026) in the order it runs:
+1. TextSpan, then the records (Description, Cluster, HeadRole, RoleMap) the rest takes;
+2. concepts (the picks clustered); 3. concept entropy's head roles (paper Sec. 3.2; analyze_heads
+runs 1-3); 4. the role-based mask (Sec. 3.3); 5. the model, which logits score a test set, and
+retrieval; 6. the losses (Sec. 3.4); 7. bookkeeping: RoleMap's checks, JSON file and table, the
+description pools; 8. HDBSCAN written out.
 
-The method in one page: tests/test_dear_reference.py, DeAR's forward pass one head at a time; this
-file batches it. docs/METHOD.md ("METHOD.md Sec. N") has the choices where the paper is silent. It
-imports only clip_model.py: copy the two together. `first_layer` is the paper's 1-based J; what is
-stored (`HeadRole.layer`) is 0-based.
+The method in one page: tests/test_dear_reference.py, DeAR's forward pass one head at a time;
+this file batches it. docs/METHOD.md ("METHOD.md Sec. N") has the choices where the paper is
+silent. It imports only clip_model.py: copy the two together. `first_layer` is the paper's
+1-based J; what is stored (`HeadRole.layer`) is 0-based.
+
+Shapes, the project's letters: B images in a batch; C classes; N tokens of a sequence (an image:
+1 + G*G; a text: its length); G the patch grid's side; R the image resolution; W the width of a
+tower's residual stream (W_v vision, W_t text); H heads; D a head's width; E the joint
+embedding's width; L layers (each use says which: from J on, or analysed); A attribute tokens;
+K learnable text tokens; n images of the analysis; T descriptions in the bank; P distinct picks;
+d an encoder's width (clustering; HDBSCAN's n points are the P picks).
 
 Try it on a random small CLIP:  python dear.py
 """
@@ -33,10 +42,10 @@ try:  # inside a package (myproj/vendor/) only the relative import works, at the
 except ImportError:
     import clip_model
 
-CORE_ATTRIBUTES = ("colour", "shape", "texture", "object", "location")  # the paper's five, one token each
+CORE_ATTRIBUTES = ("colour", "shape", "texture", "object", "location")  # the paper's five, a token each
 ROLES = ("attribute", "generalization", "mixed")
-CONCEPT_SOURCES = ("clusters", "labels")  # the paper's: clusters of the picks; the control: a bank's labels
-TEXTSPAN_RANK, PAPER_PICKS = 80, 20  # clip_text_span's --w_ov_rank ("the rank of the OV matrix": ViT-H's); paper's N
+CONCEPT_SOURCES = ("clusters", "labels")  # the paper's: the picks clustered; the control: labels
+PAPER_PICKS = 20  # TextSpan's picks per head, the paper's "N" (default_picks: unlabelled pools)
 ANALYSED_LAYERS = 4  # the paper analyses, and prompts, the vision tower's last four layers
 MMRL_ALPHA = 0.7  # MMRL's class-branch CE weight (yunncheng/MMRL train.py: TRAINER.MMRL.ALPHA)
 
@@ -47,50 +56,147 @@ class DeARError(ValueError):
 
 # ---- 1. TextSpan: which descriptions explain a head (paper Sec. 3.2, METHOD.md Sec. 3) ----------
 def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
-             num_descriptions: int = PAPER_PICKS, rank: int = TEXTSPAN_RANK) -> List[int]:
-    """TextSpan (Gandelsman et al., ICLR 2024, Alg. 1), picking what its authors' code picks, in order:
-    contributions (n_images, E), one head's direct contributions to the image embeddings, and the bank
-    (n_texts, E) -> indices; each the text varying most across images, then removed from head and bank."""
-    num_descriptions = analysis_picks(num_descriptions, len(text_embeddings), len(contributions), rank=rank,
+             num_descriptions: int, rank: int) -> List[int]:
+    """TextSpan (Gandelsman et al., ICLR 2024, Alg. 1), picking what its authors' code picks, in
+    order. contributions (n, E), one head's direct contributions to the image embeddings; the bank
+    (T, E); rank: textspan_rank(clip) -> indices into the bank. Each pick is the text varying most
+    across the images; it is then removed from the head and from the bank."""
+    num_descriptions = analysis_picks(num_descriptions, len(text_embeddings), len(contributions),
+                                      rank=rank, default=num_descriptions,
                                       embed_dim=contributions.shape[1])
     data = contributions.double()
     _, _, right = torch.linalg.svd(data, full_matrices=False)  # right: (min(n, E), E), raw data
     span = right[:rank]  # (r, E), r = min(rank, n, E): the authors' vh[:rank], mean included
     texts = text_embeddings.double() @ span.T @ span  # (T, E): each text inside the head's span
-    data = data - data.mean(dim=0, keepdim=True)  # (n, E), centred as the authors do: no pick changes
+    data = data - data.mean(dim=0, keepdim=True)  # (n, E), centred as the authors do (no pick moves)
     chosen: List[int] = []
     for _ in range(num_descriptions):
         spread = (data @ texts.T).std(dim=0)  # (T,): how much each text direction varies
         spread[chosen] = -1.0  # removed texts spread 0; -1 keeps them out of a tie at 0 too
         best = int(spread.argmax())
         chosen.append(best)
-        direction = texts[best] / texts[best].norm().clamp_min(1e-12)  # (E,); the same projection as the authors'
+        direction = texts[best] / texts[best].norm().clamp_min(1e-12)  # (E,), as the authors'
         data = data - (data @ direction)[:, None] * direction[None]  # remove it from the head ...
         texts = texts - (texts @ direction)[:, None] * direction[None]  # ... and from the bank
     return chosen
 
 
-def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *, rank: int = TEXTSPAN_RANK,
-                   embed_dim: Optional[int] = None, default: int = PAPER_PICKS) -> int:
-    """TextSpan's picks per head (the one check of it): `requested` (--descriptions) or `default`, at most
-    min(bank size, num_images, rank, embed_dim), the span's rank. A request above, or below 1, is refused."""
+def textspan_rank(clip: clip_model.CLIP) -> int:
+    """TextSpan's r, the one default of it: a head's OV rank, its width D (64 on ViT-B/16). The
+    authors' --w_ov_rank 80 ("the rank of the OV matrix") is ViT-H/14's head width."""
+    return clip.visual.transformer.resblocks[0].attn.head_dim
+
+
+def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *, rank: int,
+                   default: int, embed_dim: Optional[int] = None) -> int:
+    """TextSpan's picks per head (the one check of it): `requested` (--descriptions) or `default`
+    (default_picks), at most min(bank size, num_images, rank, embed_dim), the span's rank. A request
+    above that, or below 1, is refused."""
     if rank < 1:
-        raise DeARError(f"rank={rank}: TextSpan keeps the top `rank` singular directions; use 1 or more")
+        raise DeARError(f"rank={rank}: TextSpan keeps the top `rank` singular directions; "
+                        "use 1 or more")
     if num_images < 2:
-        raise DeARError(f"the head analysis has {num_images} image(s); TextSpan needs at least 2 to see a head vary")
+        raise DeARError(f"the head analysis has {num_images} image(s); "
+                        "TextSpan needs at least 2 to see a head vary")
+    span = f"the span of {num_images} images' contributions has rank <= {num_images}"
     limits = [(bank_size, f"the bank has {bank_size} descriptions"),
-              (num_images, f"the span of {num_images} images' contributions has rank <= {num_images}"),
+              (num_images, span),
               (rank, f"TextSpan keeps {rank} singular directions")]
-    limits += [(embed_dim, f"the embedding has {embed_dim} dimensions")] if embed_dim is not None else []
+    if embed_dim is not None:
+        limits.append((embed_dim, f"the embedding has {embed_dim} dimensions"))
     limit, why = min(limits, key=lambda entry: entry[0])
     if requested is None:
         if default > limit:
-            warnings.warn(f"TextSpan makes {limit} picks per head, not the default {default}: {why}")
+            warnings.warn(f"TextSpan makes {limit} picks per head, "
+                          f"not the default {default}: {why}")
         return min(default, limit)
     if not 1 <= requested <= limit:
-        raise DeARError(f"--descriptions {requested}: TextSpan can make 1..{limit} picks per head here ({why}); "
-                        f"ask for at most {limit}{' or give the analysis more images' if limit == num_images else ''}")
+        more = " or give the analysis more images" if limit == num_images else ""
+        raise DeARError(f"--descriptions {requested}: TextSpan can make 1..{limit} picks per head "
+                        f"here ({why}); ask for at most {limit}{more}")
     return requested
+
+
+# ---- The records the method passes around (defined before the code that takes them) -------------
+class Description(NamedTuple):
+    """One phrase of a description pool (METHOD.md Sec. 3), for TextSpan to choose from: its concept
+    when the pool is labelled (None: clusters find it), its value word ("red") when known."""
+    text: str
+    concept: Optional[str] = None
+    value: Optional[str] = None
+
+
+@dataclass
+class Cluster:
+    """One discovered concept: a cluster of distinct picked descriptions."""
+    id: int  # HDBSCAN's cluster id, as printed in clusters.md (and used by a names override)
+    name: str  # the core attribute it stands for, or "other"
+    size: int  # distinct picks in it
+    central: List[str]  # its most central phrases (nearest its mean), at most CENTRAL_SHOWN
+
+
+@dataclass
+class HeadRole:
+    """One analysed head: its role, and what the analysis saw of it."""
+    layer: int  # 0-based layer index (the paper's layer number is layer + 1)
+    head: int  # 0-based head index
+    role: str  # "attribute" | "generalization" | "mixed"
+    attribute: Optional[str] = None  # for attribute heads: which core attribute
+    entropy: Optional[float] = None  # concept entropy in bits (None when not analysed)
+    descriptions: List[str] = field(default_factory=list)  # TextSpan's picks, in order
+    concepts: List[str] = field(default_factory=list)  # each pick's: a label, "cluster k", NOISE
+
+
+@dataclass
+class RoleMap:
+    """The role of every head of the analysed vision layers, which the mask is built from. Its
+    checks, JSON file and table are bookkeeping, written out in Sec. 7."""
+    vision_layers: int  # depth of the vision tower it was made for
+    num_heads: int  # heads per layer of that tower
+    attributes: List[str]  # the attribute tokens' names, in token order
+    heads: List[HeadRole]  # one per (layer, head), layer-major
+    low_bits: Optional[float] = None  # the entropy thresholds that made it (None: not measured)
+    high_bits: Optional[float] = None
+    source: str = "analysis"  # "analysis" or the name of a fixed choice ("all-mixed", ...)
+    concepts: Optional[str] = None  # where the analysis took its concepts: "clusters" or "labels"
+    clusters: List[Cluster] = field(default_factory=list)  # found (concepts="clusters")
+
+    @property
+    def layers(self) -> List[int]:
+        return sorted({h.layer for h in self.heads})  # 0-based, ascending
+
+    def role_of(self, layer: int, head: int) -> Optional[HeadRole]:
+        return next((h for h in self.heads if h.layer == layer and h.head == head), None)
+
+    @classmethod
+    def uniform(cls, role: str, vision_layers: int, num_heads: int, layers: Sequence[int],
+                attributes: Sequence[str] = CORE_ATTRIBUTES) -> RoleMap:
+        """The ablations': every head "mixed" (deep prompting, no mask) or "generalization"
+        (all blind)."""
+        if role not in ("mixed", "generalization"):
+            raise DeARError(f"uniform role must be 'mixed' or 'generalization', not {role!r}")
+        heads = [HeadRole(layer, head, role) for layer in layers for head in range(num_heads)]
+        return cls(vision_layers, num_heads, list(attributes), heads, source=f"all-{role}")
+
+    def validate(self, vision_layers: Optional[int] = None, num_heads: Optional[int] = None,
+                 attributes: Optional[Sequence[str]] = None) -> None:
+        """Complete, consistent, and (when the sizes are given) fits the model (Sec. 7)."""
+        validate_role_map(self, vision_layers, num_heads, attributes)
+
+    def to_json(self) -> dict:
+        return role_map_json(self)
+
+    def save(self, path: str) -> None:
+        save_role_map(self, path)
+
+    @classmethod
+    def load(cls, path: str) -> RoleMap:
+        """Read a role file; every problem is one DeARError line that names the file (Sec. 7)."""
+        return load_role_map(path)
+
+    def table(self) -> str:
+        """A row per layer (1-based), a cell per head: A:col (attribute head for colour), G, M."""
+        return role_table(self)
 
 
 # ---- 2. Concepts: the heads' picks clustered without labels (paper Sec. 3.2, METHOD.md Sec. 3) --
@@ -103,59 +209,58 @@ NOISE = "noise"  # the concept of a pick that HDBSCAN leaves in no cluster
 CENTRAL_SHOWN = 5  # phrases shown per cluster (its most central ones)
 
 
-@dataclass
-class Cluster:
-    """One discovered concept: a cluster of distinct picked descriptions."""
-    id: int  # HDBSCAN's cluster id, as printed in clusters.md (and used by a names override)
-    name: str  # the core attribute it stands for, or "other"
-    size: int  # distinct picks in it
-    central: List[str]  # its most central phrases (nearest its mean), at most CENTRAL_SHOWN
-
-
 def default_concepts(bank: Sequence[Description]) -> str:
     """Where the concepts come from unless asked (our choice, METHOD.md Sec. 3): a labelled bank's
     labels, which name the toy CLIP's heads better than its clusters do; else clusters, the paper's."""
-    return "labels" if all(Description(*entry).concept is not None for entry in bank) else "clusters"
+    labelled = all(Description(*entry).concept is not None for entry in bank)
+    return "labels" if labelled else "clusters"
 
 
 def default_min_cluster_size(num_picks: int) -> int:
     """HDBSCAN's smallest cluster (our choice, METHOD.md Sec. 3): as many phrases as one head picks,
-    so that a concept is at least what fills one specialist's N picks, never a value's few phrases."""
+    so that a concept is at least what fills one specialist's picks, never a value's few phrases."""
     return max(2, num_picks)
 
 
 def cluster_picks(texts: Sequence[str], embeddings: torch.Tensor, min_cluster_size: int,
                   min_samples: Optional[int] = None):
-    """Distinct picked texts (P,) and their embeddings (P, d), d the encoder's width -> (each text's
-    concept, "cluster k" or NOISE; the clusters, named "other" until named; their unit means (k, d))."""
-    points = F.normalize(embeddings.double(), dim=-1)  # (P, d) unit length: Euclidean order = cosine's
+    """Distinct picked texts (P,) and their embeddings (P, d) -> (each text's concept, "cluster k"
+    or NOISE; the clusters, named "other" until named; their unit means (clusters, d))."""
+    points = F.normalize(embeddings.double(), dim=-1)  # (P, d), unit: Euclidean order = cosine's
     ids = hdbscan(points, min_cluster_size, min_samples)  # (P,), -1 = noise
     clusters, centres = [], []
     for k in range(int(ids.max()) + 1 if len(ids) else 0):
-        members = (ids == k).nonzero().flatten()  # (m,)
+        members = (ids == k).nonzero().flatten()  # (m,), the cluster's m picks
         centres.append(F.normalize(points[members].mean(dim=0), dim=0))  # (d,)
         nearest = (points[members] @ centres[-1]).argsort(descending=True)[:CENTRAL_SHOWN]
-        clusters.append(Cluster(k, "other", len(members), [texts[members[i]] for i in nearest.tolist()]))
+        central = [texts[members[i]] for i in nearest.tolist()]
+        clusters.append(Cluster(k, "other", len(members), central))
     concepts = [f"cluster {k}" if k >= 0 else NOISE for k in ids.tolist()]
     return concepts, clusters, torch.stack(centres) if centres else points[:0]
 
 
-def name_by_labels(concepts: Sequence[str], labels: Sequence[str], attributes: Sequence[str]) -> Dict[str, str]:
+def name_by_labels(concepts: Sequence[str], labels: Sequence[str],
+                   attributes: Sequence[str]) -> Dict[str, str]:
     """A labelled pool: each cluster is named by its phrases' most common label when that is a core
     attribute, else "other" (the labels name the concepts; which picks go together stays HDBSCAN's)."""
     by_cluster: Dict[str, Counter] = {}
     for concept, label in zip(concepts, labels):
         by_cluster.setdefault(concept, Counter())[label] += 1
-    return {concept: label if (label := counts.most_common(1)[0][0]) in attributes else "other"
-            for concept, counts in by_cluster.items() if concept != NOISE}
+    names = {}
+    for concept, counts in by_cluster.items():
+        if concept != NOISE:
+            label = counts.most_common(1)[0][0]
+            names[concept] = label if label in attributes else "other"
+    return names
 
 
-def name_by_anchors(centres: torch.Tensor, anchors: torch.Tensor, attributes: Sequence[str]) -> Dict[str, str]:
-    """A pool without labels: cluster means (k, d) and the attributes' names embedded (A, d) -> each
-    attribute names the cluster nearest it if it is that cluster's nearest attribute too (mutual
-    nearest by cosine; our choice): at most one cluster per attribute, as the paper's hand-picked five."""
-    similarity = F.normalize(centres.double(), dim=-1) @ F.normalize(anchors.double(), dim=-1).T  # (k, A)
-    names = {f"cluster {k}": "other" for k in range(len(centres))}
+def name_by_anchors(centres: torch.Tensor, anchors: torch.Tensor,
+                    attributes: Sequence[str]) -> Dict[str, str]:
+    """A pool without labels: cluster means (clusters, d) and the attributes' names embedded (A, d)
+    -> each attribute names the cluster nearest it if it is that cluster's nearest attribute too
+    (mutual nearest by cosine; our choice): at most one cluster per attribute, as the paper's five."""
+    similarity = F.normalize(centres.double(), dim=-1) @ F.normalize(anchors.double(), dim=-1).T
+    names = {f"cluster {k}": "other" for k in range(len(centres))}  # similarity: (clusters, A)
     for a, attribute in enumerate(attributes):
         k = int(similarity[:, a].argmax()) if len(centres) else -1
         if k >= 0 and int(similarity[k].argmax()) == a:
@@ -167,7 +272,8 @@ def concept_entropy(concepts: Sequence[str]) -> float:
     """Paper Eq. 2: H = -sum_c P(c) log2 P(c), P(c) the share of picks about concept c: 0 bits for a
     specialist. A pick in no cluster (NOISE) is a concept of its own (our choice, METHOD.md Sec. 3):
     TextSpan found that it explains the head and it resembles no other pick, so it is spread."""
-    counts = list(Counter(c for c in concepts if c != NOISE).values()) + [1] * list(concepts).count(NOISE)
+    counts = list(Counter(c for c in concepts if c != NOISE).values())
+    counts += [1] * list(concepts).count(NOISE)
     total = len(concepts)
     return float(-sum((c / total) * math.log2(c / total) for c in counts))
 
@@ -176,160 +282,190 @@ def dominant_concept(concepts: Sequence[str]) -> str:
     """The most frequent concept, never NOISE while a cluster is there; a tie goes to the one
     TextSpan found first (it explains more)."""
     counts = Counter(c for c in concepts if c != NOISE)
-    return next((c for c in concepts if counts.get(c) == max(counts.values())), NOISE) if counts else NOISE
+    if not counts:
+        return NOISE
+    return next((c for c in concepts if counts.get(c) == max(counts.values())), NOISE)
 
 
 # ---- 3. Roles: entropy -> attribute / generalization / mixed (paper Sec. 3.2, METHOD.md Sec. 3) --
-@dataclass
-class HeadRole:
-    layer: int  # 0-based layer index (the paper's layer number is layer + 1)
-    head: int  # 0-based head index
-    role: str  # "attribute" | "generalization" | "mixed"
-    attribute: Optional[str] = None  # for attribute heads: which core attribute
-    entropy: Optional[float] = None  # concept entropy in bits (None when not analysed)
-    descriptions: List[str] = field(default_factory=list)  # TextSpan's picks, in order
-    concepts: List[str] = field(default_factory=list)  # the concept of each pick: a label, "cluster k", NOISE
-
-
 def default_picks(bank: Sequence[Description], attributes: Sequence[str]) -> int:
-    """Picks per head (our rule; METHOD.md Sec. 3). A labelled bank: the fewest values of a core
-    attribute, as a pure specialist has nothing left to explain once its values are picked (ours:
-    16). A pool without labels tells nothing of its values: the paper's 20."""
+    """Picks per head, the one default of it (our rule; METHOD.md Sec. 3). A labelled bank: the
+    fewest values of a core attribute, as a pure specialist has nothing left to explain once its
+    values are picked (ours: 16). A pool without labels tells nothing of its values: the paper's 20."""
     bank = [Description(*entry) for entry in bank]
     if any(entry.concept is None for entry in bank):
         return PAPER_PICKS
     values = {}
     for entry in bank:
         if entry.concept in attributes:
-            values.setdefault(entry.concept, set()).add(entry.value if entry.value is not None else entry.text)
+            value = entry.value if entry.value is not None else entry.text
+            values.setdefault(entry.concept, set()).add(value)
     if not values:
-        raise DeARError(f"the bank has no phrase of any attribute ({', '.join(attributes)}); label phrases with them")
+        raise DeARError(f"the bank has no phrase of any attribute ({', '.join(attributes)}); "
+                        "label phrases with them")
     return min(len(v) for v in values.values())
 
 
 def default_thresholds(num_picks: int, num_concepts: int):
-    """(low_bits, high_bits): thirds of [0, log2(min(N, K))], the entropies N picks over K concepts can take, low at
-    least 0.81 bits (3 of 4 picks on one concept) while under high (our choice, METHOD.md Sec. 3: absolute)."""
-    top, three_quarters = math.log2(max(1, min(num_picks, num_concepts))), concept_entropy(["a", "a", "a", "b"])
-    return (max(top / 3, three_quarters) if three_quarters < 2 * top / 3 else top / 3), 2 * top / 3
+    """(low_bits, high_bits), our rule (METHOD.md Sec. 3), in absolute bits: thirds of the
+    entropies that the picks of one head can take over these concepts."""
+    top = math.log2(max(1, min(num_picks, num_concepts)))  # the most bits: picks spread evenly
+    low, high = top / 3, 2 * top / 3  # under a third: specialised; over two thirds: spread
+    # A head with 3 of 4 picks on one concept (0.81 bits) counts as specialised, as long as that
+    # stays under `high` (with few concepts, top / 3 alone would let 2 picks in 3 decide).
+    three_of_four = concept_entropy(["a", "a", "a", "b"])
+    if three_of_four < high:
+        low = max(low, three_of_four)
+    return low, high
 
 
-def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequence[str]], attributes: Sequence[str],
-                 low_bits: Optional[float] = None, high_bits: Optional[float] = None,
-                 num_concepts: Optional[int] = None, names: Optional[Dict[str, str]] = None):
-    """Heads -> ([(role, attribute or None)], low_bits, high_bits), thresholds `default_thresholds(N, K)`
-    unless given. H <= low: an attribute head for its dominant concept if that is (names: is named) a core
-    attribute, else (e.g. "style": no token) generalization; H >= high: generalization; between: mixed."""
+def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequence[str]],
+                 attributes: Sequence[str], low_bits: Optional[float] = None,
+                 high_bits: Optional[float] = None, num_concepts: Optional[int] = None,
+                 names: Optional[Dict[str, str]] = None):
+    """Heads -> ([(role, attribute or None)], low_bits, high_bits); the thresholds are
+    default_thresholds(picks, concepts) unless given. H <= low: an attribute head for its dominant
+    concept if that is (names: is named) a core attribute, else (e.g. "style": no token)
+    generalization; H >= high: generalization; between: mixed."""
     num_concepts = num_concepts or len({c for concepts in concepts_per_head for c in concepts})
     low, high = default_thresholds(max(len(c) for c in concepts_per_head), num_concepts)
-    low_bits, high_bits = (low if low_bits is None else low_bits), (high if high_bits is None else high_bits)
+    low_bits = low if low_bits is None else low_bits
+    high_bits = high if high_bits is None else high_bits
     check_thresholds(low_bits, high_bits)
     roles = []
     for entropy, concepts in zip(entropies, concepts_per_head):
         if entropy <= low_bits:
             name = (names or {}).get(dominant_concept(concepts), dominant_concept(concepts))
             roles.append(("attribute", name) if name in attributes else ("generalization", None))
+        elif entropy >= high_bits:
+            roles.append(("generalization", None))
         else:
-            roles.append(("generalization" if entropy >= high_bits else "mixed", None))
+            roles.append(("mixed", None))
     return roles, low_bits, high_bits
 
 
 @torch.no_grad()
-def encode_descriptions(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer, texts: Sequence[str],
-                        batch_size: int = 256) -> torch.Tensor:
-    """Texts -> (n_texts, E) normalised CLIP text embeddings."""
+def encode_descriptions(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer,
+                        texts: Sequence[str], batch_size: int = 256) -> torch.Tensor:
+    """Texts -> (T, E) normalised CLIP text embeddings."""
+    device = clip.positional_embedding.device
     batches = (tokenizer.tokenize(texts[s:s + batch_size], clip.context_length, truncate=True)
                for s in range(0, len(texts), batch_size))
-    return torch.cat([F.normalize(clip.encode_text(b.to(clip.positional_embedding.device)), dim=-1) for b in batches])
+    return torch.cat([F.normalize(clip.encode_text(b.to(device)), dim=-1) for b in batches])
 
 
 @torch.no_grad()
 def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iterable[torch.Tensor]],
                   tokenizer: clip_model.SimpleTokenizer, bank: Optional[Sequence[Description]] = None,
                   attributes: Sequence[str] = CORE_ATTRIBUTES, num_layers: Optional[int] = None,
-                  num_descriptions: Optional[int] = None, rank: Optional[int] = None, low_bits: Optional[float] = None,
-                  high_bits: Optional[float] = None, concepts: Optional[str] = None,
+                  num_descriptions: Optional[int] = None, rank: Optional[int] = None,
+                  low_bits: Optional[float] = None, high_bits: Optional[float] = None,
+                  concepts: Optional[str] = None,
                   embed_texts: Optional[Callable[[List[str]], torch.Tensor]] = None,
                   min_cluster_size: Optional[int] = None, min_samples: Optional[int] = None,
-                  cluster_names: Optional[Dict[int, str]] = None, log: Callable[[str], None] = print) -> RoleMap:
-    """The head analysis (paper Sec. 3.2) -> RoleMap. image_batches: (n, 3, R, R) or an iterable of (B, 3, R, R);
-    bank: default the project's; rank: default textspan_rank(clip). For each head of the last `num_layers` layers:
-    its direct contributions (over each embedding's norm, as TextSpan does) and TextSpan's picks; then the
-    concepts (concepts="clusters": the picks clustered, embedded by embed_texts, default CLIP's text tower;
-    "labels": the bank's; default: default_concepts(bank)), each head's concept entropy and role.
-    cluster_names: {cluster id: name} overrides the names the clusters are given."""
+                  cluster_names: Optional[Dict[int, str]] = None,
+                  log: Callable[[str], None] = print) -> RoleMap:
+    """The head analysis (paper Sec. 3.2) -> RoleMap. image_batches: (n, 3, R, R) or an iterable of
+    (B, 3, R, R); bank: default the project's; num_descriptions: default default_picks(bank);
+    rank: default textspan_rank(clip). For each head of the last `num_layers` layers: its direct
+    contributions (over each embedding's norm, as TextSpan does) and TextSpan's picks; then the
+    concepts (concepts="clusters": the picks clustered, embedded by embed_texts, default CLIP's
+    text tower; "labels": the bank's; default: default_concepts(bank)), each head's concept
+    entropy and role. cluster_names: {cluster id: name} overrides the names the clusters are given."""
     bank = [Description(*entry) for entry in bank] if bank is not None else description_bank()
     concepts = default_concepts(bank) if concepts is None else concepts
     check_concepts(concepts, bank)
-    depth, rank = len(clip.visual.transformer.resblocks), textspan_rank(clip) if rank is None else rank
-    num_layers = analysed_layers(depth) if num_layers is None else num_layers  # head_contributions checks it
-    contributions = normalised_contributions(clip, image_batches, num_layers, log)  # (n_images, L, H, E)
-    n_images, L, H, E = contributions.shape
-    default = default_picks(bank, attributes) if num_descriptions is None else PAPER_PICKS
-    num_descriptions = analysis_picks(num_descriptions, len(bank), n_images, rank=rank, embed_dim=E, default=default)
+    depth = len(clip.visual.transformer.resblocks)
+    rank = textspan_rank(clip) if rank is None else rank
+    if num_layers is None:  # else head_contributions checks it
+        num_layers = analysed_layers(depth)
+    contributions = normalised_contributions(clip, image_batches, num_layers, log)  # (n, L, H, E)
+    n, L, H, E = contributions.shape  # L: the analysed layers
+    default = default_picks(bank, attributes) if num_descriptions is None else num_descriptions
+    num_descriptions = analysis_picks(num_descriptions, len(bank), n, rank=rank,
+                                      default=default, embed_dim=E)
     text = encode_descriptions(clip, tokenizer, [d.text for d in bank]).cpu()  # (T, E)
-    log(f"  head analysis: {len(bank)} descriptions; TextSpan with rank {min(rank, n_images, E)} and "
+    log(f"  head analysis: {len(bank)} descriptions; TextSpan with rank {min(rank, n, E)} and "
         f"{num_descriptions} picks per head")
-    first, picks = depth - num_layers, []  # picks: per head (layer-major), the bank indices TextSpan chose
+    first = depth - num_layers
+    picks = []  # per head (layer-major), the bank indices TextSpan chose
     for li in range(L):
-        picks += [textspan(contributions[:, li, head], text, num_descriptions, rank) for head in range(H)]
+        for head in range(H):
+            picks.append(textspan(contributions[:, li, head], text, num_descriptions, rank))
         log(f"  head analysis: layer {first + li + 1} (index {first + li}) done")
-    # The concepts: each picked phrase's, from the clusters of all heads' picks or from the bank's labels.
-    picked = list(dict.fromkeys(i for head_picks in picks for i in head_picks))  # distinct, in order found
+    # The concepts: each picked phrase's, from the clusters of all heads' picks or the bank's labels.
+    picked = list(dict.fromkeys(i for head_picks in picks for i in head_picks))  # distinct, in order
     clusters, names = [], None
     if concepts == "labels":
         concept_of = {i: bank[i].concept for i in picked}
         num_concepts = len({bank[i].concept for i in range(len(bank))})
     else:
         texts = [bank[i].text for i in picked]
-        embedded = text[picked] if embed_texts is None else checked_embeddings(embed_texts, texts)  # (P, d)
-        size = default_min_cluster_size(num_descriptions) if min_cluster_size is None else min_cluster_size
+        if embed_texts is None:
+            embedded = text[picked]  # (P, E)
+        else:
+            embedded = checked_embeddings(embed_texts, texts)  # (P, d)
+        size = min_cluster_size
+        if size is None:
+            size = default_min_cluster_size(num_descriptions)
         found, clusters, centres = cluster_picks(texts, embedded, size, min_samples)
         concept_of = dict(zip(picked, found))
-        if all(bank[i].concept is not None for i in picked):  # a labelled bank: the labels name the clusters
+        if all(bank[i].concept is not None for i in picked):  # a labelled bank: the labels name them
             names = name_by_labels(found, [bank[i].concept for i in picked], attributes)
         else:  # without labels: the attributes' own names, in the same encoder's space
             anchors = text_embeddings_of(list(attributes), clip, tokenizer, embed_texts)  # (A, d)
             names = name_by_anchors(centres, anchors, attributes)
-        names.update({f"cluster {k}": name for k, name in (cluster_names or {}).items()})  # the user's word wins
+        for k, name in (cluster_names or {}).items():  # the user's word wins
+            names[f"cluster {k}"] = name
         for cluster in clusters:
             cluster.name = names[f"cluster {cluster.id}"]
-        num_concepts = len(clusters) + found.count(NOISE)  # each unclustered pick a concept of its own
+        num_concepts = len(clusters) + found.count(NOISE)  # each unclustered pick: its own concept
         log(f"  head analysis: {len(picked)} distinct picks in {len(clusters)} clusters "
             f"({found.count(NOISE)} in none; HDBSCAN min_cluster_size {size}): "
             + ", ".join(f"{c.id} {c.name} ({c.size})" for c in clusters))
     analysed = []
     for index, head_picks in enumerate(picks):
         head_concepts = [concept_of[i] for i in head_picks]
-        analysed.append(HeadRole(first + index // H, index % H, "mixed", None, concept_entropy(head_concepts),
+        analysed.append(HeadRole(first + index // H, index % H, "mixed", None,
+                                 concept_entropy(head_concepts),
                                  [bank[i].text for i in head_picks], head_concepts))
     roles, low, high = assign_roles([h.entropy for h in analysed], [h.concepts for h in analysed],
                                     attributes, low_bits, high_bits, num_concepts, names)
     for entry, (role, attribute) in zip(analysed, roles):
         entry.role, entry.attribute = role, attribute
-    return RoleMap(depth, H, list(attributes), analysed, low, high, concepts=concepts, clusters=clusters)
+    return RoleMap(depth, H, list(attributes), analysed, low, high, concepts=concepts,
+                   clusters=clusters)
 
 
 def normalised_contributions(clip: clip_model.CLIP, image_batches, num_layers: int,
                              log: Callable[[str], None]) -> torch.Tensor:
-    """Each image's direct head contributions over its embedding's norm (TextSpan) -> (n, L, H, E)."""
+    """Each image's direct head contributions over its embedding's norm (TextSpan) -> (n, L, H, E),
+    L the analysed layers."""
     per_image = []
-    for batch in image_batches.split(64) if isinstance(image_batches, torch.Tensor) else image_batches:
-        if not isinstance(batch, torch.Tensor) or batch.dim() != 4:
-            shape = f" of shape {tuple(batch.shape)}" if isinstance(batch, torch.Tensor) else ""
-            raise DeARError(f"image_batches must be a (n, 3, R, R) tensor or yield (B, 3, R, R) tensors; got a "
-                            f"{type(batch).__name__}{shape} (a DataLoader's: pass (x for x, _ in loader))")
-        parts = clip_model.head_contributions(clip, batch.to(clip.visual.conv1.weight.device), num_layers)
-        per_image.append((parts.heads / parts.total().norm(dim=-1)[:, None, None, None]).cpu())  # (B, L, H, E)
+    device = clip.visual.conv1.weight.device
+    batches = image_batches.split(64) if isinstance(image_batches, torch.Tensor) else image_batches
+    for batch in batches:
+        check_image_batch(batch)
+        parts = clip_model.head_contributions(clip, batch.to(device), num_layers)
+        norms = parts.total().norm(dim=-1)[:, None, None, None]  # (B, 1, 1, 1)
+        per_image.append((parts.heads / norms).cpu())  # (B, L, H, E)
         log(f"  head analysis: contributions of {sum(len(p) for p in per_image)} images")
     if not per_image:
         raise DeARError("image_batches holds no images; the analysis needs at least 2")
     return torch.cat(per_image)
 
 
+def check_image_batch(batch) -> None:
+    if not isinstance(batch, torch.Tensor) or batch.dim() != 4:
+        shape = f" of shape {tuple(batch.shape)}" if isinstance(batch, torch.Tensor) else ""
+        raise DeARError("image_batches must be a (n, 3, R, R) tensor or yield (B, 3, R, R) "
+                        f"tensors; got a {type(batch).__name__}{shape} "
+                        "(a DataLoader's: pass (x for x, _ in loader))")
+
+
 # ---- 4. The role-based attention mask (paper Sec. 3.3, METHOD.md Sec. 4) -------------------------
-# Tokens from layer J on: [CLS, patches (the image's own tokens), attribute tokens]. Each head has
-# its own additive mask (0 = may attend, -inf = may not):
+# Tokens from layer J on: [CLS, patches (the image's own N tokens), A attribute tokens]. Each head
+# has its own additive mask (0 = may attend, -inf = may not):
 #   generalization head: image and attribute tokens never see each other; each attribute token sees
 #                        only itself. Within the layer, its output at the image tokens ignores the
 #                        attribute tokens (not across layers: earlier heads wrote into what it reads).
@@ -339,11 +475,11 @@ def normalised_contributions(clip: clip_model.CLIP, image_batches, num_layers: i
 # Every row keeps a 0 (a token always sees itself), so no softmax is over nothing.
 def head_mask(role: str, attribute_index: Optional[int], num_image_tokens: int,
               num_attribute_tokens: int) -> torch.Tensor:
-    """One head's mask, (T, T) with T = image tokens + attribute tokens; row = query."""
-    N, T = num_image_tokens, num_image_tokens + num_attribute_tokens
-    allowed = torch.zeros(T, T, dtype=torch.bool)
+    """One head's mask, (N + A, N + A) with N image tokens and A attribute tokens; row = query."""
+    N, size = num_image_tokens, num_image_tokens + num_attribute_tokens
+    allowed = torch.zeros(size, size, dtype=torch.bool)
     allowed[:N, :N] = True  # the image's own tokens always see each other, as in CLIP
-    allowed[torch.arange(N, T), torch.arange(N, T)] = True  # each attribute token sees itself
+    allowed[torch.arange(N, size), torch.arange(N, size)] = True  # each attribute token sees itself
     if role == "mixed":
         allowed[:] = True
     elif role == "attribute":
@@ -352,26 +488,33 @@ def head_mask(role: str, attribute_index: Optional[int], num_image_tokens: int,
         allowed[a, :N] = True  # ... and token a reads the image
     elif role != "generalization":
         raise DeARError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
-    return torch.zeros(T, T).masked_fill(~allowed, float("-inf"))
+    return torch.zeros(size, size).masked_fill(~allowed, float("-inf"))
 
 
-def build_role_masks(role_map: RoleMap, first_layer: int, num_layers: int, num_image_tokens: int) -> torch.Tensor:
-    """(num_layers - J + 1, H, T, T), J 1-based; a layer the map does not cover has mixed heads (no mask)."""
-    A, T = len(role_map.attributes), num_image_tokens + len(role_map.attributes)
-    masks = torch.zeros(num_layers - first_layer + 1, role_map.num_heads, T, T)  # (layers from J, H, T, T)
+def build_role_masks(role_map: RoleMap, first_layer: int, num_layers: int,
+                     num_image_tokens: int) -> torch.Tensor:
+    """(L, H, N + A, N + A), L = num_layers - J + 1 the layers from J on (J 1-based); a layer the
+    map does not cover has mixed heads (no mask)."""
+    A, size = len(role_map.attributes), num_image_tokens + len(role_map.attributes)
+    masks = torch.zeros(num_layers - first_layer + 1, role_map.num_heads, size, size)
     for i, layer in enumerate(range(first_layer - 1, num_layers)):
         for head in range(role_map.num_heads):
             entry = role_map.role_of(layer, head) or HeadRole(layer, head, "mixed")
-            index = role_map.attributes.index(entry.attribute) if entry.role == "attribute" else None
+            index = None
+            if entry.role == "attribute":
+                index = role_map.attributes.index(entry.attribute)
             masks[i, head] = head_mask(entry.role, index, num_image_tokens, A)
     return masks
 
 
-def blind_attributes(role_masks: torch.Tensor, num_image_tokens: int, attributes: Sequence[str]) -> List[str]:
+def blind_attributes(role_masks: torch.Tensor, num_image_tokens: int,
+                     attributes: Sequence[str]) -> List[str]:
     """The attributes whose token no head from J on (no attribute head for it, no mixed head) lets
     read the image: a per-class bias, so DeAR leaves its branch out of the fusion."""
-    reads_image = torch.isfinite(role_masks[:, :, num_image_tokens:, :num_image_tokens]).any(dim=-1)  # (layers, H, A)
-    return [a for a, readable in zip(attributes, reads_image.any(dim=0).any(dim=0)) if not readable]
+    N = num_image_tokens
+    reads_image = torch.isfinite(role_masks[:, :, N:, :N]).any(dim=-1)  # (L, H, A)
+    readable = reads_image.any(dim=0).any(dim=0)  # (A,)
+    return [a for a, can_read in zip(attributes, readable) if not can_read]
 
 
 def generalization_mask_only(role_map: RoleMap) -> RoleMap:
@@ -390,34 +533,38 @@ def analysed_layers(depth: int) -> int:
     return min(ANALYSED_LAYERS, depth)
 
 
-def textspan_rank(clip: clip_model.CLIP) -> int:  # TextSpan's r, a head's OV rank: its width (80 on ViT-H, 64 on B/16)
-    return clip.visual.transformer.resblocks[0].attn.head_dim
-
-
 def default_first_layer(depth: int) -> int:
-    """The paper's J (1-based): the first analysed layer (9 of 12 for ViT-B/16)."""
+    """The paper's J (1-based), the one default of it: the first analysed layer (9 of 12 for
+    ViT-B/16); train.py's --first-layer auto is this."""
     return depth - analysed_layers(depth) + 1
 
 
-# The method's argument checks, once: DeAR and assign_roles call them, runs.py (for train.py) before any work.
+# The method's argument checks, once: DeAR and assign_roles call them, runs.py (for train.py)
+# before any work.
 def check_first_layer(first_layer: int, depth: int) -> None:
     """J counts in both towers: 1..depth, depth = the shallower tower's layers."""
-    if isinstance(first_layer, bool) or not isinstance(first_layer, int) or not 1 <= first_layer <= depth:
-        raise DeARError(f"first_layer J={first_layer} is out of range: use 1..{depth} (1-based, as the paper's J = 9)")
+    is_int = isinstance(first_layer, int) and not isinstance(first_layer, bool)
+    if not is_int or not 1 <= first_layer <= depth:
+        raise DeARError(f"first_layer J={first_layer} is out of range: "
+                        f"use 1..{depth} (1-based, as the paper's J = 9)")
 
 
 def check_beta(beta: float) -> None:
     if not (isinstance(beta, (int, float)) and 0.0 <= beta <= 1.0):  # NaN fails both comparisons
-        raise DeARError(f"beta={beta} is outside [0, 1]; beta weighs the fresh tokens against the previous layer's")
+        raise DeARError(f"beta={beta} is outside [0, 1]; "
+                        "beta weighs the fresh tokens against the previous layer's")
 
 
 def check_thresholds(low_bits: Optional[float], high_bits: Optional[float]) -> None:
     """Entropy thresholds in bits: finite, >= 0, low <= high (None = the default rule's)."""
     for name, value in (("low_bits", low_bits), ("high_bits", high_bits)):
-        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        if value is None:
+            continue
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
             raise DeARError(f"{name}={value}: expected a finite entropy in bits, >= 0")
     if None not in (low_bits, high_bits) and low_bits > high_bits:
-        raise DeARError(f"low_bits={low_bits:g} is above high_bits={high_bits:g}; make the low threshold the smaller")
+        raise DeARError(f"low_bits={low_bits:g} is above high_bits={high_bits:g}; "
+                        "make the low threshold the smaller")
 
 
 def check_concepts(concepts: str, bank: Sequence[Description]) -> None:
@@ -426,33 +573,42 @@ def check_concepts(concepts: str, bank: Sequence[Description]) -> None:
         raise DeARError(f"concepts={concepts!r}: use {' or '.join(CONCEPT_SOURCES)}")
     unlabelled = sum(entry.concept is None for entry in bank)
     if concepts == "labels" and unlabelled:
-        raise DeARError(f"concepts 'labels' needs a label on every description; {unlabelled} of {len(bank)} have "
-                        "none (give 'text<TAB>concept' lines) or let clusters find the concepts")
+        raise DeARError(f"concepts 'labels' needs a label on every description; {unlabelled} of "
+                        f"{len(bank)} have none (give 'text<TAB>concept' lines) "
+                        "or let clusters find the concepts")
 
 
-def checked_embeddings(embed_texts: Callable[[List[str]], torch.Tensor], texts: List[str]) -> torch.Tensor:
-    """embed_texts(texts) as a (len(texts), D) float tensor on the CPU, or one line saying what came back."""
+def checked_embeddings(embed_texts: Callable[[List[str]], torch.Tensor],
+                       texts: List[str]) -> torch.Tensor:
+    """embed_texts(texts) as a (len(texts), d) float tensor on the CPU, or one line saying what
+    came back."""
     embedded = embed_texts(texts)
     if not isinstance(embedded, torch.Tensor):
         embedded = torch.as_tensor(embedded)  # e.g. a numpy array (sentence-transformers' default)
     if embedded.dim() != 2 or len(embedded) != len(texts) or not embedded.is_floating_point():
-        raise DeARError(f"embed_texts returned a {embedded.dtype} tensor of shape {tuple(embedded.shape)} for "
-                        f"{len(texts)} texts; it must return ({len(texts)}, D) floats")
+        raise DeARError(f"embed_texts returned a {embedded.dtype} tensor of shape "
+                        f"{tuple(embedded.shape)} for {len(texts)} texts; "
+                        f"it must return ({len(texts)}, D) floats")
     return embedded.detach().float().cpu()
 
 
-def text_embeddings_of(texts: List[str], clip: clip_model.CLIP, tokenizer, embed_texts) -> torch.Tensor:
-    return encode_descriptions(clip, tokenizer, texts).cpu() if embed_texts is None else \
-        checked_embeddings(embed_texts, texts)
+def text_embeddings_of(texts: List[str], clip: clip_model.CLIP, tokenizer,
+                       embed_texts) -> torch.Tensor:
+    if embed_texts is None:
+        return encode_descriptions(clip, tokenizer, texts).cpu()
+    return checked_embeddings(embed_texts, texts)
 
 
 def falls_back_to_class_branch(role_map: RoleMap) -> bool:
-    """A measured map (a hand-made one is taken as given) without attribute heads (our choice, METHOD.md Sec. 3)."""
-    return any(h.entropy is not None for h in role_map.heads) and not any(h.role == "attribute" for h in role_map.heads)
+    """A measured map (a hand-made one is taken as given) without attribute heads (our choice,
+    METHOD.md Sec. 3)."""
+    measured = any(h.entropy is not None for h in role_map.heads)
+    return measured and not any(h.role == "attribute" for h in role_map.heads)
 
 
-class PreparedClasses(NamedTuple):  # one class list's frozen text side up to layer J (`DeAR.prepare_classes`)
-    hidden: torch.Tensor  # (C, L, W) the prompts' states entering text layer J (0-based J - 1)
+class PreparedClasses(NamedTuple):
+    """One class list's frozen text side up to layer J (`DeAR.prepare_classes`)."""
+    hidden: torch.Tensor  # (C, N, W_t) the prompts' states entering text layer J (0-based J - 1)
     eot: torch.Tensor  # (C,) each prompt's end-of-text position (before the K tokens go in)
     frozen: torch.Tensor  # (C, E) plain CLIP's text features (for L_reg)
 
@@ -470,84 +626,84 @@ class DeAROutput:
 
 class DeAR(nn.Module):
     """Frozen CLIP (in place, no copy) + the learnable pieces; attributes default to the map's, J to
-    the first analysed layer.
-      vision_tokens   (layers from J, A, C_v)  one token per attribute, fresh at each layer (MMRL++ beta rule)
-      text_tokens     (layers from J, K, C_t)  K tokens inserted after the start token
-      attribute_proj  (C_v, E)                 attribute tokens -> embedding, init = visual.proj
-      fusion_logits   (1 + A,)                 alpha = softmax over the class branch and those reading the image
-    Nothing before J learns: it runs without autograd, shared with the frozen pass, and once per class
-    list on the text side (test_dear_reference.py checks these shortcuts). attributes=[] (A = 0, the
-    no-attribute-tokens ablation): frozen CLIP's image feature, the text tokens, alpha = (1,)."""
+    the first analysed layer (L below: the layers from J on).
+      vision_tokens   (L, A, W_v)  one token per attribute, fresh at each layer (MMRL++ beta rule)
+      text_tokens     (L, K, W_t)  K tokens inserted after the start token
+      attribute_proj  (W_v, E)     attribute tokens -> embedding, init = visual.proj
+      fusion_logits   (1 + A,)     alpha = softmax over the class branch and those reading the image
+    Nothing before J learns: it runs without autograd, shared with the frozen pass, and once per
+    class list on the text side (test_dear_reference.py checks these shortcuts). attributes=[]
+    (A = 0, the no-attribute-tokens ablation): frozen CLIP's image feature, the text tokens,
+    alpha = (1,). beta = 0.5 is the toy world's, the library's choice for a small model; train.py
+    passes the recipe's (MMRL++'s 0.9 and its per-dataset values, METHOD.md Sec. 7)."""
     LEARNABLE = ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits")
 
-    def __init__(self, clip: clip_model.CLIP, role_map: RoleMap, attributes: Optional[Sequence[str]] = None,
-                 first_layer: Optional[int] = None, beta: float = 0.5, num_text_tokens: int = 4,
-                 cls_fusion_weight: float = 0.5):
+    def __init__(self, clip: clip_model.CLIP, role_map: RoleMap,
+                 attributes: Optional[Sequence[str]] = None, first_layer: Optional[int] = None,
+                 beta: float = 0.5, num_text_tokens: int = 4, cls_fusion_weight: float = 0.5):
         super().__init__()
-        vision_layers, text_layers = len(clip.visual.transformer.resblocks), len(clip.transformer.resblocks)
-        attributes = list(role_map.attributes) if attributes is None else attributes
-        first_layer = default_first_layer(vision_layers) if first_layer is None else first_layer
-        check_first_layer(first_layer, min(vision_layers, text_layers))
-        check_beta(beta)
-        if num_text_tokens < 0:
-            raise DeARError(f"num_text_tokens={num_text_tokens} must be 0 or more")
-        if not 0.0 < cls_fusion_weight < 1.0:
-            raise DeARError(f"cls_fusion_weight={cls_fusion_weight} must be in (0, 1)")
-        role_map.validate(vision_layers, clip.visual.transformer.heads, attributes)
-        self.clip = clip.eval().requires_grad_(False)  # frozen: only the pieces below learn
-        self.role_map, self.attributes = role_map, list(attributes)
+        depth = len(clip.visual.transformer.resblocks)
+        attributes = list(role_map.attributes if attributes is None else attributes)
+        first_layer = default_first_layer(depth) if first_layer is None else first_layer
+        check_model_settings(clip, role_map, attributes, first_layer, beta, num_text_tokens,
+                             cls_fusion_weight)
+        self.clip = clip.eval().requires_grad_(False)  # frozen: only the four tensors below learn
+        self.role_map, self.attributes = role_map, attributes
         self.first_layer, self.beta, self.num_text_tokens = first_layer, beta, num_text_tokens
-        A, K = len(self.attributes), num_text_tokens
-        width_v, width_t = clip.visual.transformer.width, clip.transformer.width
-        self.vision_tokens = nn.Parameter(torch.randn(vision_layers - first_layer + 1, A, width_v) * 0.02)
-        self.text_tokens = nn.Parameter(torch.randn(text_layers - first_layer + 1, K, width_t) * 0.02)
-        self.attribute_proj = nn.Parameter(clip.visual.proj.detach().clone())
-        rest = (1 - cls_fusion_weight) / max(A, 1)  # alpha_cls = cls_fusion_weight, the rest shared evenly
-        self.fusion_logits = nn.Parameter(torch.tensor([math.log(cls_fusion_weight)] + [math.log(rest)] * A))
-        self.num_image_tokens = 1 + clip.visual.grid_size**2
-        masks = build_role_masks(role_map, first_layer, vision_layers, self.num_image_tokens)
-        self.register_buffer("role_masks", masks, persistent=False)  # (layers from J, H, T, T)
-        # In the fusion: the class branch, and the attribute branches that can read the image (none on the fallback).
-        self.blind_attributes = blind = blind_attributes(masks, self.num_image_tokens, self.attributes)
+        L_v = depth - first_layer + 1  # vision layers from J on
+        L_t = len(clip.transformer.resblocks) - first_layer + 1  # text layers from J on
+        A, K = len(attributes), num_text_tokens
+        W_v, W_t = clip.visual.transformer.width, clip.transformer.width
+
+        # The four learnable tensors (paper Sec. 3.3-3.4).
+        self.vision_tokens = nn.Parameter(torch.randn(L_v, A, W_v) * 0.02)
+        self.text_tokens = nn.Parameter(torch.randn(L_t, K, W_t) * 0.02)
+        self.attribute_proj = nn.Parameter(clip.visual.proj.detach().clone())  # (W_v, E)
+        self.fusion_logits = nn.Parameter(initial_fusion_logits(cls_fusion_weight, A))  # (1 + A,)
+
+        # Each head's role mask from J on (Sec. 3.3), built once from the role map.
+        self.num_image_tokens = 1 + clip.visual.grid_size**2  # N
+        masks = build_role_masks(role_map, first_layer, depth, self.num_image_tokens)
+        self.register_buffer("role_masks", masks, persistent=False)  # (L, H, N + A, N + A)
+
+        # Our safety rules: which branches enter the fusion (blind ones and the fallback do not).
+        self.blind_attributes = blind_attributes(masks, self.num_image_tokens, self.attributes)
         self.class_branch_only = falls_back_to_class_branch(role_map)
-        left_out = self.attributes if self.class_branch_only else blind
-        if self.class_branch_only:
-            warnings.warn("DeAR: the head analysis names no attribute head (no head is specialised enough); "
-                          "falling back to the class branch alone (the attribute branches leave the fusion)")
-        elif blind:
-            warnings.warn(f"DeAR: no head from layer J={first_layer} lets the {', '.join(blind)} token"
-                          f"{'s' if len(blind) > 1 else ''} read the image; left out of the fusion (a per-class bias)")
-        in_fusion = [True] + [a not in left_out for a in self.attributes]
-        self.register_buffer("in_fusion", torch.tensor(in_fusion), persistent=False)  # (1 + A,) bool
+        in_fusion = branches_in_fusion(self.attributes, self.blind_attributes,
+                                       self.class_branch_only, first_layer)
+        self.register_buffer("in_fusion", in_fusion, persistent=False)  # (1 + A,) bool
 
     def learnable_parameters(self) -> List[nn.Parameter]:
         return [getattr(self, name) for name in self.LEARNABLE]
 
     def fusion_weights(self) -> torch.Tensor:
-        """alpha = softmax(w) over the branches in the fusion, (1 + A,), alpha[0] the class branch's."""
+        """alpha = softmax(w) over the branches in the fusion, (1 + A,); alpha[0]: the class's."""
         return self.fusion_logits.masked_fill(~self.in_fusion, float("-inf")).softmax(dim=0)
 
     def encode_image(self, images: torch.Tensor, with_frozen: bool = False):
-        """images (B, 3, R, R) -> (f_cls (B, E), f_attr (B, A, E), f_frozen (B, E) or None). Before J
-        plain CLIP; from J on the attribute tokens follow the image tokens, each head its role mask."""
-        visual, blocks, j = self.clip.visual, self.clip.visual.transformer.resblocks, self.first_layer - 1
+        """images (B, 3, R, R) -> (f_cls (B, E), f_attr (B, A, E), f_frozen (B, E) or None).
+        Before J plain CLIP; from J on the attribute tokens follow the image tokens, each head
+        under its role mask."""
+        visual, j = self.clip.visual, self.first_layer - 1
+        before, after = visual.transformer.resblocks[:j], visual.transformer.resblocks[j:]
         with torch.no_grad():  # nothing before J is learnable: keep no activations for backward
-            x = visual.embed(images.to(self.clip.dtype))  # (B, N, C)
-            for block in blocks[:j]:
-                x = block(x)  # (B, N, C)
+            x = visual.embed(images.to(self.clip.dtype))  # (B, N, W_v)
+            for block in before:
+                x = block(x)  # (B, N, W_v)
             frozen = None
             if with_frozen:  # plain CLIP's image feature, for the self-regularisation (Sec. 3.4)
                 plain = x  # the layers before J are the same in both passes: run them once
-                for block in blocks[j:]:
+                for block in after:
                     plain = block(plain)
                 frozen = visual.to_embedding(plain[:, 0])  # (B, E)
         B, N, _ = x.shape
-        tokens = None  # (B, A, C) from layer J on
-        for i, block in enumerate(blocks[j:]):
-            fresh = self.vision_tokens[i].to(x.dtype).expand(B, -1, -1)  # (B, A, C)
+        tokens = None  # (B, A, W_v) from layer J on
+        for i, block in enumerate(after):
+            fresh = self.vision_tokens[i].to(x.dtype).expand(B, -1, -1)  # (B, A, W_v)
             # MMRL++ rule: tokens entering layer l = beta * p_l + (1 - beta) * out_{l-1}.
             tokens = fresh if i == 0 else self.beta * fresh + (1 - self.beta) * tokens
-            sequence = block(torch.cat([x, tokens], dim=1), self.role_masks[i])  # (B, N + A, C), masked per head
+            sequence = torch.cat([x, tokens], dim=1)  # (B, N + A, W_v)
+            sequence = block(sequence, self.role_masks[i])  # masked per head
             x, tokens = sequence[:, :N], sequence[:, N:]
         f_cls = visual.to_embedding(x[:, 0])  # (B, E): CLS through ln_post and the frozen proj
         f_attr = visual.ln_post(tokens) @ self.attribute_proj  # (B, A, E)
@@ -555,11 +711,11 @@ class DeAR(nn.Module):
 
     @torch.no_grad()
     def prepare_classes(self, class_token_ids: torch.Tensor) -> PreparedClasses:
-        """Class prompts (C, L) token ids -> the frozen text layers before J, plain CLIP's features;
+        """Class prompts (C, N) token ids -> the frozen text layers before J, plain CLIP's features;
         cut after the longest prompt (exact: the causal mask keeps the padding unread)."""
         clip, j = self.clip, self.first_layer - 1
         eot = class_token_ids.argmax(dim=-1)  # (C,): the end-of-text id is the largest
-        x = clip.embed_text(class_token_ids[:, : int(eot.max()) + 1])  # (C, L', W) with L' <= L
+        x = clip.embed_text(class_token_ids[:, : int(eot.max()) + 1])  # (C, N', W_t), N' <= N
         mask = clip_model.causal_mask(x.shape[1], x.device, x.dtype)
         for block in clip.transformer.resblocks[:j]:
             x = block(x, mask)
@@ -570,33 +726,36 @@ class DeAR(nn.Module):
 
     def encode_text(self, classes: PreparedClasses) -> torch.Tensor:
         """PreparedClasses -> t_c (C, E). From J on, K learnable tokens sit right after the start
-        token (positions 1..K); the causal mask lets every later token, end-of-text included, read them."""
-        if not isinstance(classes, PreparedClasses):  # e.g. token ids, as an older version took
-            raise DeARError(f"classes must be model.prepare_classes(class_token_ids), got a {type(classes).__name__}; "
-                            "prepare each class list once, then pass the result to every step")
-        x, K = classes.hidden, self.num_text_tokens  # x: (C, L, W)
-        mask = clip_model.causal_mask(x.shape[1] + K, x.device, x.dtype)  # (L + K, L + K)
-        for i, block in enumerate(self.clip.transformer.resblocks[self.first_layer - 1:]):
-            fresh = self.text_tokens[i].to(x.dtype).expand(len(x), -1, -1)  # (C, K, W)
-            tokens = fresh if i == 0 else self.beta * fresh + (1 - self.beta) * x[:, 1:1 + K]  # the MMRL++ rule
-            rest = x[:, 1:] if i == 0 else x[:, 1 + K:]  # layer J inserts the tokens, later layers replace them
-            x = block(torch.cat([x[:, :1], tokens, rest], dim=1), mask)
+        token (positions 1..K); the causal mask lets every later token, end-of-text included, read
+        them. Layer J inserts them; each later layer replaces them by the MMRL++ rule."""
+        check_prepared(classes)
+        x, K = classes.hidden, self.num_text_tokens  # x: (C, N, W_t)
+        C = len(x)
+        mask = clip_model.causal_mask(x.shape[1] + K, x.device, x.dtype)  # (N + K, N + K)
+        after = self.clip.transformer.resblocks[self.first_layer - 1:]
+        fresh = self.text_tokens[0].to(x.dtype).expand(C, -1, -1)  # (C, K, W_t)
+        x = torch.cat([x[:, :1], fresh, x[:, 1:]], dim=1)  # (C, N + K, W_t): inserted at J
+        for i, block in enumerate(after):
+            if i > 0:  # MMRL++ rule: tokens entering layer l = beta * p_l + (1 - beta) * out_{l-1}
+                fresh = self.text_tokens[i].to(x.dtype).expand(C, -1, -1)  # (C, K, W_t)
+                tokens = self.beta * fresh + (1 - self.beta) * x[:, 1:1 + K]
+                x = torch.cat([x[:, :1], tokens, x[:, 1 + K:]], dim=1)  # replaced
+            x = block(x, mask)
         return self.clip.text_to_embedding(x, classes.eot + K)  # end-of-text moved K places right
 
-    def forward(self, images: torch.Tensor, classes: PreparedClasses, with_frozen: bool = False) -> DeAROutput:
-        """Paper Eq. 6-7: branch k in {cls, attr_1..attr_A} has logits_k = s * cos(f_k, t_c), s CLIP's
-        frozen scale; fused = sum_k alpha_k * logits_k (train.py also scores the class branch alone)."""
+    def forward(self, images: torch.Tensor, classes: PreparedClasses,
+                with_frozen: bool = False) -> DeAROutput:
+        """Paper Eq. 6-7: branch k in {cls, attr_1..attr_A} has logits_k = s * cos(f_k, t_c), s
+        CLIP's frozen scale; fused = sum_k alpha_k * logits_k (scoring_logits: which one a test
+        set reports)."""
         f_cls, f_attr, f_frozen = self.encode_image(images, with_frozen)
-        t = self.encode_text(classes)
+        t = self.encode_text(classes)  # (C, E)
         features = torch.cat([f_cls[:, None], f_attr], dim=1)  # (B, 1 + A, E)
-        return DeAROutput(*self.fused_logits(features, t), self.fusion_weights(), features, t, f_frozen,
-                          classes.frozen if with_frozen else None)
-
-    def fused_logits(self, features: torch.Tensor, text_features: torch.Tensor):
-        """(B, 1 + A, E), (C, E) -> (fused (B, C), branches (B, 1 + A, C)); evaluation's, text encoded once."""
-        scale = self.clip.logit_scale.exp()
-        branch_logits = scale * F.normalize(features, dim=-1) @ F.normalize(text_features, dim=-1).T
-        return torch.einsum("bkc,k->bc", branch_logits, self.fusion_weights().to(branch_logits.dtype)), branch_logits
+        logits, branch_logits = self.fused_logits(features, t)
+        return DeAROutput(logits=logits, branch_logits=branch_logits, alpha=self.fusion_weights(),
+                          image_features=features, text_features=t,
+                          frozen_image_features=f_frozen,
+                          frozen_text_features=classes.frozen if with_frozen else None)
 
     def learnable_state_dict(self) -> dict:
         """Only what training changes; a checkpoint needs nothing else (CLIP is frozen)."""
@@ -607,8 +766,9 @@ class DeAR(nn.Module):
         for name, value in state.items():
             target = getattr(self, name)
             if tuple(value.shape) != tuple(target.shape):
-                raise DeARError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, the model expects "
-                                f"{tuple(target.shape)}; it was made with other settings")
+                raise DeARError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, "
+                                f"the model expects {tuple(target.shape)}; "
+                                "it was made with other settings")
             target.copy_(value)
 
     def parameter_summary(self) -> str:
@@ -618,28 +778,104 @@ class DeAR(nn.Module):
         return (f"learnable {learnable:,} parameters ({parts}); frozen CLIP {frozen:,} "
                 f"({100 * learnable / (learnable + frozen):.2f}% learnable)")
 
+    def fused_logits(self, features: torch.Tensor, text_features: torch.Tensor):
+        """(B, 1 + A, E), (C, E) -> (fused (B, C), branches (B, 1 + A, C)); evaluation's, text
+        encoded once."""
+        scale = self.clip.logit_scale.exp()
+        branch_logits = scale * F.normalize(features, dim=-1) @ F.normalize(text_features, dim=-1).T
+        alpha = self.fusion_weights().to(branch_logits.dtype)  # (1 + A,)
+        fused = torch.einsum("bkc,k->bc", branch_logits, alpha)  # k: the branch
+        return fused, branch_logits
+
+
+def scoring_logits(fusion: str, trained: bool) -> str:
+    """Which of DeAR's logits score a test set, "fused" or "class" (the class branch alone), under
+    each fusion rule (METHOD.md Sec. 5: the paper does not say which its tables use).
+    trained: the test classes are the trained ones, in the trained domain (a base split).
+      fused-everywhere: the fused logits on every test set (weights learned on the trained classes);
+      class-on-unseen:  fused where trained, the class branch alone on classes not trained (novel
+                        classes, other datasets, variants): MMRL's code."""
+    if fusion == "fused-everywhere":
+        return "fused"
+    if fusion == "class-on-unseen":
+        return "fused" if trained else "class"
+    raise DeARError(f"fusion={fusion!r}: use fused-everywhere or class-on-unseen")
+
+
+# DeAR's checks and safety rules, each built once, beside the model that uses them.
+def check_model_settings(clip: clip_model.CLIP, role_map: RoleMap, attributes: List[str],
+                         first_layer: int, beta: float, num_text_tokens: int,
+                         cls_fusion_weight: float) -> None:
+    """DeAR's arguments against the model, before anything is built."""
+    depth_v, depth_t = len(clip.visual.transformer.resblocks), len(clip.transformer.resblocks)
+    check_first_layer(first_layer, min(depth_v, depth_t))
+    check_beta(beta)
+    if num_text_tokens < 0:
+        raise DeARError(f"num_text_tokens={num_text_tokens} must be 0 or more")
+    if not 0.0 < cls_fusion_weight < 1.0:
+        raise DeARError(f"cls_fusion_weight={cls_fusion_weight} must be in (0, 1)")
+    role_map.validate(depth_v, clip.visual.transformer.heads, attributes)
+
+
+def initial_fusion_logits(cls_fusion_weight: float, num_attributes: int) -> torch.Tensor:
+    """(1 + A,): alpha_cls = cls_fusion_weight at the start, the rest shared evenly."""
+    rest = (1 - cls_fusion_weight) / max(num_attributes, 1)
+    return torch.tensor([math.log(cls_fusion_weight)] + [math.log(rest)] * num_attributes)
+
+
+def branches_in_fusion(attributes: List[str], blind: List[str], class_branch_only: bool,
+                       first_layer: int) -> torch.Tensor:
+    """(1 + A,) bool: the class branch, and the attribute branches that can read the image (none on
+    the fallback to the class branch, our choice: METHOD.md Sec. 3); warns of what is left out."""
+    left_out = attributes if class_branch_only else blind
+    if class_branch_only:
+        warnings.warn("DeAR: the head analysis names no attribute head (no head is specialised "
+                      "enough); falling back to the class branch alone "
+                      "(the attribute branches leave the fusion)")
+    elif blind:
+        plural = "s" if len(blind) > 1 else ""
+        warnings.warn(f"DeAR: no head from layer J={first_layer} lets the {', '.join(blind)} "
+                      f"token{plural} read the image; left out of the fusion (a per-class bias)")
+    return torch.tensor([True] + [a not in left_out for a in attributes])
+
+
+def check_prepared(classes) -> None:
+    """encode_text takes prepare_classes' record (a cheap type check, kept per call: a test
+    asks for it)."""
+    if not isinstance(classes, PreparedClasses):  # e.g. token ids, as an older version took
+        raise DeARError(f"classes must be model.prepare_classes(class_token_ids), got a "
+                        f"{type(classes).__name__}; "
+                        "prepare each class list once, then pass the result to every step")
+
 
 # Attribute-conditioned retrieval (the paper's check that a token carries its attribute).
 @torch.no_grad()
 def retrieval_features(model: DeAR, images: torch.Tensor) -> dict:
-    """images (B, 3, R, R) -> {"class", each attribute but the blind, "frozen CLIP": (B, E)}, normalised."""
+    """images (B, 3, R, R) -> {"class", each attribute but the blind, "frozen CLIP": (B, E)},
+    normalised."""
     f_cls, f_attr, f_frozen = model.encode_image(images, with_frozen=True)
-    features = {"class": f_cls, **dict(zip(model.attributes, f_attr.unbind(dim=1))), "frozen CLIP": f_frozen}
+    features = {"class": f_cls, **dict(zip(model.attributes, f_attr.unbind(dim=1))),
+                "frozen CLIP": f_frozen}
     return {name: F.normalize(value.float(), dim=-1) for name, value in features.items()
             if name not in model.blind_attributes}
 
 
-def rank_gallery(queries: torch.Tensor, gallery: torch.Tensor, k: int, same_images: bool = False) -> torch.Tensor:
-    """(Q, E), (G, E), normalised -> (Q, k) indices, most similar first; same_images: Q is G, self left out."""
-    similarity = queries @ gallery.T  # (Q, G)
+def rank_gallery(queries: torch.Tensor, gallery: torch.Tensor, k: int,
+                 same_images: bool = False) -> torch.Tensor:
+    """Queries (Q, E), gallery (M, E), normalised -> (Q, k) indices, most similar first;
+    same_images: the queries are the gallery, each left out of its own list."""
+    similarity = queries @ gallery.T  # (Q, M)
     if same_images:
         similarity.fill_diagonal_(float("-inf"))
     return similarity.topk(min(k, similarity.shape[1] - int(same_images)), dim=1).indices
 
 
-def precision_at_k(ranking: torch.Tensor, query_values: Sequence, gallery_values: Sequence) -> float:
-    """ranking (Q, k) -> the share of retrieved images whose value (e.g. colour) is their query's."""
-    hits = [sum(gallery_values[j] == query_values[q] for j in row) / len(row) for q, row in enumerate(ranking.tolist())]
+def precision_at_k(ranking: torch.Tensor, query_values: Sequence,
+                   gallery_values: Sequence) -> float:
+    """ranking (Q, k) -> the share of retrieved images whose value (e.g. colour) is their
+    query's."""
+    hits = [sum(gallery_values[j] == query_values[q] for j in row) / len(row)
+            for q, row in enumerate(ranking.tolist())]
     return sum(hits) / len(hits)
 
 
@@ -676,10 +912,13 @@ def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0,
     """CE(fused logits) + lambda_reg * L_reg + lambda_fusion * L_fusion: each term, and 'total'.
     branch_ce (not the paper's loss): + branch_cross_entropy, each branch taught the labels too."""
     if output.frozen_image_features is None or output.frozen_text_features is None:
-        raise DeARError("output has no frozen features (L_reg needs them): call the model with with_frozen=True")
+        raise DeARError("output has no frozen features (L_reg needs them): "
+                        "call the model with with_frozen=True")
     ce = F.cross_entropy(output.logits.float(), labels)
-    reg = self_regularization_loss(output.image_features[:, 0].float(), output.frozen_image_features.float(),
-                                   output.text_features.float(), output.frozen_text_features.float())
+    reg = self_regularization_loss(output.image_features[:, 0].float(),
+                                   output.frozen_image_features.float(),
+                                   output.text_features.float(),
+                                   output.frozen_text_features.float())
     fusion = fusion_regularization_loss(output.alpha.float())
     total = ce + lambda_reg * reg + lambda_fusion * fusion
     losses = {"total": total, "ce": ce, "reg": reg, "fusion": fusion}
@@ -689,144 +928,140 @@ def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0,
     return losses
 
 
-# ---- 7. Bookkeeping, not the method: RoleMap and its JSON file, the tables, the bank --------------
-@dataclass
-class RoleMap:
-    """The role of every head of the analysed vision layers, which the mask is built from."""
-    vision_layers: int  # depth of the vision tower it was made for
-    num_heads: int  # heads per layer of that tower
-    attributes: List[str]  # the attribute tokens' names, in token order
-    heads: List[HeadRole]  # one per (layer, head), layer-major
-    low_bits: Optional[float] = None  # the entropy thresholds that made it (None: not measured)
-    high_bits: Optional[float] = None
-    source: str = "analysis"  # "analysis" or the name of a fixed choice ("all-mixed", ...)
-    concepts: Optional[str] = None  # where the analysis took its concepts from: "clusters" or "labels"
-    clusters: List[Cluster] = field(default_factory=list)  # the concepts discovered (concepts="clusters")
+# ---- 7. Bookkeeping, not the method: RoleMap's checks, JSON file and table; the pools ------------
+def validate_role_map(role_map: RoleMap, vision_layers: Optional[int] = None,
+                      num_heads: Optional[int] = None,
+                      attributes: Optional[Sequence[str]] = None) -> None:
+    """RoleMap.validate: complete, consistent, and (when the sizes are given) fits the model."""
+    m, rerun = role_map, "re-run the head analysis for this model"
+    if vision_layers is not None and m.vision_layers != vision_layers:
+        raise DeARError(f"made for a vision tower of {m.vision_layers} layers, "
+                        f"this model has {vision_layers}; " + rerun)
+    if num_heads is not None and m.num_heads != num_heads:
+        raise DeARError(f"made for {m.num_heads} heads per layer, "
+                        f"this model has {num_heads}; {rerun}")
+    if attributes is not None and list(attributes) != list(m.attributes):
+        raise DeARError(f"made for attributes {', '.join(m.attributes)}, "
+                        f"the model has {', '.join(attributes)}; leave DeAR's attributes out "
+                        "(it then takes the map's) or re-run the analysis with these")
+    for entry in m.heads:
+        where = f"layer {entry.layer + 1} (index {entry.layer}), head {entry.head}"
+        if not (0 <= entry.layer < m.vision_layers and 0 <= entry.head < m.num_heads):
+            raise DeARError(f"{where} is outside a tower of {m.vision_layers} layers "
+                            f"x {m.num_heads} heads")
+        if entry.role not in ROLES:
+            raise DeARError(f"{where} has role {entry.role!r}; roles are {', '.join(ROLES)}")
+        if entry.role == "attribute" and entry.attribute not in m.attributes:
+            raise DeARError(f"{where} is an attribute head for {entry.attribute!r}, which is not "
+                            f"one of the attributes ({', '.join(m.attributes)})")
+    for layer in m.layers:
+        present = sorted(h.head for h in m.heads if h.layer == layer)
+        if present != list(range(m.num_heads)):
+            raise DeARError(f"layer {layer + 1} (index {layer}) lists heads {present}, "
+                            f"expected each of 0..{m.num_heads - 1} once")
 
-    @property
-    def layers(self) -> List[int]:
-        return sorted({h.layer for h in self.heads})  # 0-based, ascending
 
-    def role_of(self, layer: int, head: int) -> Optional[HeadRole]:
-        return next((h for h in self.heads if h.layer == layer and h.head == head), None)
+def role_map_json(role_map: RoleMap) -> dict:
+    m = role_map
+    return {"what": "DeAR head roles (layer and head are 0-based; the paper's layer = layer + 1)",
+            "source": m.source, "vision_layers": m.vision_layers, "num_heads": m.num_heads,
+            "attributes": list(m.attributes),
+            "thresholds_bits": {"low": m.low_bits, "high": m.high_bits},
+            "concepts": m.concepts, "clusters": [asdict(c) for c in m.clusters],
+            "heads": [asdict(h) for h in m.heads]}
 
-    @classmethod
-    def uniform(cls, role: str, vision_layers: int, num_heads: int, layers: Sequence[int],
-                attributes: Sequence[str] = CORE_ATTRIBUTES) -> RoleMap:
-        """The ablations': every head "mixed" (deep prompting, no mask) or "generalization" (all blind)."""
-        if role not in ("mixed", "generalization"):
-            raise DeARError(f"uniform role must be 'mixed' or 'generalization', not {role!r}")
-        heads = [HeadRole(layer, head, role) for layer in layers for head in range(num_heads)]
-        return cls(vision_layers, num_heads, list(attributes), heads, source=f"all-{role}")
 
-    def validate(self, vision_layers: Optional[int] = None, num_heads: Optional[int] = None,
-                 attributes: Optional[Sequence[str]] = None) -> None:
-        """Complete, consistent, and (when the sizes are given) fits the model."""
-        rerun = "re-run the head analysis for this model"
-        if vision_layers is not None and self.vision_layers != vision_layers:
-            raise DeARError(f"made for a vision tower of {self.vision_layers} layers, this model has {vision_layers}; "
-                            + rerun)
-        if num_heads is not None and self.num_heads != num_heads:
-            raise DeARError(f"made for {self.num_heads} heads per layer, this model has {num_heads}; {rerun}")
-        if attributes is not None and list(attributes) != list(self.attributes):
-            raise DeARError(f"made for attributes {', '.join(self.attributes)}, the model has {', '.join(attributes)}; "
-                            "leave DeAR's attributes out (it then takes the map's) or re-run the analysis with these")
-        for entry in self.heads:
-            where = f"layer {entry.layer + 1} (index {entry.layer}), head {entry.head}"
-            if not (0 <= entry.layer < self.vision_layers and 0 <= entry.head < self.num_heads):
-                raise DeARError(f"{where} is outside a tower of {self.vision_layers} layers x {self.num_heads} heads")
-            if entry.role not in ROLES:
-                raise DeARError(f"{where} has role {entry.role!r}; roles are {', '.join(ROLES)}")
-            if entry.role == "attribute" and entry.attribute not in self.attributes:
-                raise DeARError(f"{where} is an attribute head for {entry.attribute!r}, which is not one of the "
-                                f"attributes ({', '.join(self.attributes)})")
-        for layer in self.layers:
-            present = sorted(h.head for h in self.heads if h.layer == layer)
-            if present != list(range(self.num_heads)):
-                raise DeARError(f"layer {layer + 1} (index {layer}) lists heads {present}, expected each of "
-                                f"0..{self.num_heads - 1} once")
+def save_role_map(role_map: RoleMap, path: str) -> None:
+    text = json.dumps(role_map_json(role_map), indent=2, ensure_ascii=False)
 
-    def to_json(self) -> dict:
-        return {"what": "DeAR head roles (layer and head are 0-based; the paper's layer = layer + 1)",
-                "source": self.source, "vision_layers": self.vision_layers, "num_heads": self.num_heads,
-                "attributes": list(self.attributes), "thresholds_bits": {"low": self.low_bits, "high": self.high_bits},
-                "concepts": self.concepts, "clusters": [asdict(c) for c in self.clusters],
-                "heads": [asdict(h) for h in self.heads]}
+    def write(tmp: str) -> None:
+        Path(tmp).write_text(text + "\n", encoding="utf-8")  # closes it
 
-    def save(self, path: str) -> None:
-        text = json.dumps(self.to_json(), indent=2, ensure_ascii=False)
-        clip_model.atomic_write(path, lambda tmp: Path(tmp).write_text(text + "\n", encoding="utf-8"))  # closes it
+    clip_model.atomic_write(path, write)
 
-    @classmethod
-    def load(cls, path: str) -> RoleMap:
-        """Read a role file; every problem is one DeARError line that names the file."""
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-            thresholds = data.get("thresholds_bits") or {}
-            role_map = cls(int(data["vision_layers"]), int(data["num_heads"]), list(data["attributes"]),
-                           [HeadRole(**entry) for entry in data["heads"]], thresholds.get("low"),
-                           thresholds.get("high"), data.get("source", "analysis"), data.get("concepts"),
+
+def load_role_map(path: str) -> RoleMap:
+    """RoleMap.load: every problem is one DeARError line that names the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        thresholds = data.get("thresholds_bits") or {}
+        role_map = RoleMap(int(data["vision_layers"]), int(data["num_heads"]),
+                           list(data["attributes"]),
+                           [HeadRole(**entry) for entry in data["heads"]],
+                           thresholds.get("low"), thresholds.get("high"),
+                           data.get("source", "analysis"), data.get("concepts"),
                            [Cluster(**entry) for entry in data.get("clusters") or []])
-        except FileNotFoundError:
-            raise DeARError(f"{path}: no such role file; run the head analysis first (analyze_heads, then "
-                            "RoleMap.save) or use RoleMap.uniform('mixed', ...) (no mask)") from None
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            raise DeARError(f"{path}: not a DeAR role file ({type(error).__name__}: "
-                            f"{' '.join(str(error).split())[:80]}); re-run the head analysis") from None
-        try:
-            role_map.validate()
-        except DeARError as error:
-            raise DeARError(f"{path}: {error}") from None
-        return role_map
+    except FileNotFoundError:
+        raise DeARError(f"{path}: no such role file; run the head analysis first (analyze_heads, "
+                        "then RoleMap.save) or use RoleMap.uniform('mixed', ...) "
+                        "(no mask)") from None
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise DeARError(f"{path}: not a DeAR role file ({type(error).__name__}: "
+                        f"{' '.join(str(error).split())[:80]}); re-run the head analysis") from None
+    try:
+        role_map.validate()
+    except DeARError as error:
+        raise DeARError(f"{path}: {error}") from None
+    return role_map
 
-    def table(self) -> str:
-        """A row per layer (1-based), a cell per head: A:col (attribute head for colour), G, M; bits."""
-        def bits(value: Optional[float]) -> str: return "-" if value is None else f"{value:.2f}"  # noqa: E704
-        lines = [f"Head roles ({self.source}); layers numbered as in the paper (1-based), heads 0-based; "
-                 f"thresholds low={bits(self.low_bits)} high={bits(self.high_bits)} bits",
-                 "layer | " + " ".join(f"{'h' + str(h):>9}" for h in range(self.num_heads))]
-        def cell(entry: HeadRole) -> str:  # e.g. "A:col 0.00"
-            tag = {"attribute": f"A:{(entry.attribute or '')[:3]}", "generalization": "G", "mixed": "M"}[entry.role]
-            return f"{tag}{'' if entry.entropy is None else f' {entry.entropy:.2f}'}".rjust(9)
-        lines += [f"{layer + 1:>5} | " + " ".join(cell(self.role_of(layer, head)) for head in range(self.num_heads))
-                  for layer in self.layers]
-        counts = Counter(h.role if h.role != "attribute" else f"attribute:{h.attribute}" for h in self.heads)
-        lines.append("counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-        if falls_back_to_class_branch(self):
-            lines.append("no attribute head: no head is specialised enough (entropy <= low); DeAR falls back "
-                         "to the class branch alone (falls_back_to_class_branch)")
-        return "\n".join(lines)
+
+def role_table(role_map: RoleMap) -> str:
+    """RoleMap.table: a row per layer (1-based), a cell per head: A:col (attribute head for
+    colour), G, M; bits."""
+    m = role_map
+
+    def bits(value: Optional[float]) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    def cell(entry: HeadRole) -> str:  # e.g. "A:col 0.00"
+        attribute = f"A:{(entry.attribute or '')[:3]}"
+        tags = {"attribute": attribute, "generalization": "G", "mixed": "M"}
+        entropy = "" if entry.entropy is None else f" {entry.entropy:.2f}"
+        return f"{tags[entry.role]}{entropy}".rjust(9)
+
+    lines = [f"Head roles ({m.source}); layers numbered as in the paper (1-based), heads 0-based; "
+             f"thresholds low={bits(m.low_bits)} high={bits(m.high_bits)} bits",
+             "layer | " + " ".join(f"{'h' + str(h):>9}" for h in range(m.num_heads))]
+    for layer in m.layers:
+        cells = [cell(m.role_of(layer, head)) for head in range(m.num_heads)]
+        lines.append(f"{layer + 1:>5} | " + " ".join(cells))
+    counts = Counter(f"attribute:{h.attribute}" if h.role == "attribute" else h.role
+                     for h in m.heads)
+    lines.append("counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    if falls_back_to_class_branch(m):
+        lines.append("no attribute head: no head is specialised enough (entropy <= low); "
+                     "DeAR falls back to the class branch alone (falls_back_to_class_branch)")
+    return "\n".join(lines)
 
 
 def format_head_mask(mask: torch.Tensor, num_image_tokens: int, attributes: Sequence[str]) -> str:
-    """A (T, T) role mask as text, the image tokens (alike by construction) folded into one: '#' = may attend."""
+    """An (N + A, N + A) role mask as text, the image tokens (alike by construction) folded into
+    one: '#' = may attend."""
     N, names = num_image_tokens, ["image"] + [a[:8] for a in attributes]
-    folded = torch.cat([torch.cat([mask[:1, :1], mask[:1, N:]], 1), torch.cat([mask[N:, :1], mask[N:, N:]], 1)])
-    rows = [f"{name:>11} " + " ".join(f"{'#' if v == 0 else '.':>8}" for v in row) for name, row in zip(names, folded)]
-    return "\n".join(["query \\ key " + " ".join(f"{n:>8}" for n in names)] + rows)  # folded: (1 + A, 1 + A)
-
-
-class Description(NamedTuple):
-    """One phrase of a description pool (METHOD.md Sec. 3), for TextSpan to choose from: its concept
-    when the pool is labelled (None: clusters find it), its value word ("red") when known."""
-    text: str
-    concept: Optional[str] = None
-    value: Optional[str] = None
+    top = torch.cat([mask[:1, :1], mask[:1, N:]], 1)
+    bottom = torch.cat([mask[N:, :1], mask[N:, N:]], 1)
+    folded = torch.cat([top, bottom])  # (1 + A, 1 + A)
+    rows = [f"{name:>11} " + " ".join(f"{'#' if v == 0 else '.':>8}" for v in row)
+            for name, row in zip(names, folded)]
+    return "\n".join(["query \\ key " + " ".join(f"{n:>8}" for n in names)] + rows)
 
 
 def read_descriptions(path: str, log: Callable[[str], None] = print) -> List[Description]:
-    """A pool file: one description per line, blank lines and '#' comments skipped, a repeated line
-    kept once (with a count); 'text<TAB>concept' labels a line. Problems: one DeARError naming the file."""
+    """A pool file: one description per line, blank lines and '#' comments skipped, a repeated
+    line kept once (with a count); 'text<TAB>concept' labels a line. Problems: one DeARError
+    naming the file."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = [line.strip() for line in f]
     except FileNotFoundError:
-        raise DeARError(f"{path}: no such description pool; give a text file, one description per line") from None
+        raise DeARError(f"{path}: no such description pool; "
+                        "give a text file, one description per line") from None
     except UnicodeDecodeError:
         raise DeARError(f"{path}: not UTF-8 text; save the pool as UTF-8") from None
     except OSError as error:
-        raise DeARError(f"{path}: cannot read the description pool ({error.strerror or error})") from None
+        raise DeARError(f"{path}: cannot read the description pool "
+                        f"({error.strerror or error})") from None
     entries = [Description(*(part.strip() or None for part in line.split("\t", 1)))
                for line in lines if line and not line.startswith("#")]
     pool: Dict[str, Description] = {}
@@ -836,59 +1071,84 @@ def read_descriptions(path: str, log: Callable[[str], None] = print) -> List[Des
     if not pool:
         raise DeARError(f"{path}: no descriptions in it (blank lines and '#' comments are skipped)")
     if len(pool) < len(entries):
-        log(f"{path}: {len(pool)} distinct descriptions ({len(entries) - len(pool)} repeated lines dropped)")
+        dropped = len(entries) - len(pool)
+        log(f"{path}: {len(pool)} distinct descriptions ({dropped} repeated lines dropped)")
     return list(pool.values())
 
 
 def description_bank() -> List[Description]:
-    """Each word of a concept in each of its templates (its concept known by construction): 591 phrases,
-    the 5 core attributes, then 7 concepts over which a head about none of them spreads (high entropy)."""
-    return [Description(template.format(word), concept, word)  # no phrase twice (tests/test_dear.py checks)
-            for concept, (words, templates) in _BANK_WORDS.items() for template in templates for word in words]
+    """Each word of a concept in each of its templates (its concept known by construction): 591
+    phrases, the 5 core attributes, then 7 concepts over which a head about none of them spreads
+    (high entropy). No phrase twice (tests/test_dear.py checks)."""
+    return [Description(template.format(word), concept, word)
+            for concept, (words, templates) in _BANK_WORDS.items()
+            for template in templates for word in words]
 
 
-_BANK_WORDS = {  # concept -> (words, templates): the five core attributes, then seven others (from "style")
-    "colour": (["red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white", "grey",
-                "gold", "silver", "beige", "turquoise", "maroon", "navy blue", "teal", "violet", "crimson"],
-               ["a bright {} colour", "an image dominated by the colour {}", "something coloured {}", "a {} tint"]),
-    "shape": (["round", "square", "triangular", "rectangular", "oval", "cylindrical", "spherical", "star-shaped",
-               "heart-shaped", "hexagonal", "curved", "pointed", "elongated", "flat", "cone-shaped", "spiral"],
-              ["a {} shape", "an object with a {} form", "a {} outline", "something {} in shape"]),
-    "texture": (["striped", "dotted", "checkered", "furry", "smooth", "rough", "fluffy", "woven", "scaly", "wrinkled",
-                 "glossy", "matte", "grainy", "bumpy", "metallic", "wooden", "knitted", "cracked", "porous", "velvety"],
-                ["a {} texture", "a {} surface", "a close-up of a {} pattern"]),
-    "object": (["bicycle", "car", "dog", "cat", "bird", "flower", "tree", "chair", "airplane", "boat", "house", "cup",
-                "guitar", "clock", "horse", "fish", "shoe", "book", "phone", "lamp", "bottle", "apple", "pizza",
-                "bridge", "train", "butterfly", "mushroom", "umbrella", "laptop", "piano"],
-               ["a photo of a {}", "a picture of a {}", "a close-up of a {}"]),
-    "location": (["beach", "forest", "city street", "kitchen", "desert", "mountain top", "lake shore", "snowy field",
-                  "office", "garden", "classroom", "stadium", "farm", "coral reef", "highway", "river bank", "park",
-                  "living room", "harbour", "airport"],
-                 ["a photo taken at a {}", "a scene in a {}", "the background is a {}"]),
-    "style": (["watercolour painting", "pencil sketch", "oil painting", "cartoon", "3D render", "pixel art",
-               "comic drawing", "mosaic", "embroidery", "origami model", "marble sculpture", "graffiti", "tattoo",
-               "low-poly model", "woodcut print"],
-              ["an image in the style of a {}", "a {} of something", "art made as a {}"]),
-    "count": (["one", "two", "three", "four", "five", "six", "seven", "a dozen", "many", "hundreds of"],
-              ["{} objects in the picture", "an image with {} things in it", "a group of {} items"]),
-    "lighting": (["bright sunlight", "dim light", "backlight", "neon light", "candlelight", "harsh shadows",
-                  "soft light", "golden hour light", "flash", "overcast light", "studio lighting", "moonlight"],
-                 ["a photo taken with {}", "a scene lit by {}", "an image full of {}"]),
-    "mood": (["happy", "sad", "peaceful", "scary", "romantic", "energetic", "lonely", "nostalgic", "dramatic",
-              "playful", "calm", "mysterious"], ["a {} mood", "a {} atmosphere", "a picture that feels {}"]),
-    "text": (["a sign with words", "a logo", "handwritten letters", "a newspaper page", "a street sign",
-              "a label with numbers", "a caption", "a book title", "a licence plate", "a price tag"],
-             ["an image containing {}", "a photo with {} in it", "a close-up of {}"]),
-    "viewpoint": (["an aerial view", "a close-up view", "a wide-angle view", "a side view", "a top-down view",
-                   "a low-angle view", "a fisheye view", "a macro view", "a panoramic view", "a rear view"],
-                  ["a photo taken from {}", "{} of a scene", "a picture shot as {}"]),
-    "time": (["morning", "noon", "evening", "night", "winter", "summer", "autumn", "spring", "sunset", "dawn"],
-             ["a photo taken in the {}", "a scene at {}", "an image from the {}"]),
+_BANK_WORDS = {  # concept -> (words, templates): the five core attributes, then seven others
+    "colour": (
+        ["red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white",
+         "grey", "gold", "silver", "beige", "turquoise", "maroon", "navy blue", "teal", "violet",
+         "crimson"],
+        ["a bright {} colour", "an image dominated by the colour {}", "something coloured {}",
+         "a {} tint"]),
+    "shape": (
+        ["round", "square", "triangular", "rectangular", "oval", "cylindrical", "spherical",
+         "star-shaped", "heart-shaped", "hexagonal", "curved", "pointed", "elongated", "flat",
+         "cone-shaped", "spiral"],
+        ["a {} shape", "an object with a {} form", "a {} outline", "something {} in shape"]),
+    "texture": (
+        ["striped", "dotted", "checkered", "furry", "smooth", "rough", "fluffy", "woven", "scaly",
+         "wrinkled", "glossy", "matte", "grainy", "bumpy", "metallic", "wooden", "knitted",
+         "cracked", "porous", "velvety"],
+        ["a {} texture", "a {} surface", "a close-up of a {} pattern"]),
+    "object": (
+        ["bicycle", "car", "dog", "cat", "bird", "flower", "tree", "chair", "airplane", "boat",
+         "house", "cup", "guitar", "clock", "horse", "fish", "shoe", "book", "phone", "lamp",
+         "bottle", "apple", "pizza", "bridge", "train", "butterfly", "mushroom", "umbrella",
+         "laptop", "piano"],
+        ["a photo of a {}", "a picture of a {}", "a close-up of a {}"]),
+    "location": (
+        ["beach", "forest", "city street", "kitchen", "desert", "mountain top", "lake shore",
+         "snowy field", "office", "garden", "classroom", "stadium", "farm", "coral reef",
+         "highway", "river bank", "park", "living room", "harbour", "airport"],
+        ["a photo taken at a {}", "a scene in a {}", "the background is a {}"]),
+    "style": (
+        ["watercolour painting", "pencil sketch", "oil painting", "cartoon", "3D render",
+         "pixel art", "comic drawing", "mosaic", "embroidery", "origami model", "marble sculpture",
+         "graffiti", "tattoo", "low-poly model", "woodcut print"],
+        ["an image in the style of a {}", "a {} of something", "art made as a {}"]),
+    "count": (
+        ["one", "two", "three", "four", "five", "six", "seven", "a dozen", "many", "hundreds of"],
+        ["{} objects in the picture", "an image with {} things in it", "a group of {} items"]),
+    "lighting": (
+        ["bright sunlight", "dim light", "backlight", "neon light", "candlelight", "harsh shadows",
+         "soft light", "golden hour light", "flash", "overcast light", "studio lighting",
+         "moonlight"],
+        ["a photo taken with {}", "a scene lit by {}", "an image full of {}"]),
+    "mood": (
+        ["happy", "sad", "peaceful", "scary", "romantic", "energetic", "lonely", "nostalgic",
+         "dramatic", "playful", "calm", "mysterious"],
+        ["a {} mood", "a {} atmosphere", "a picture that feels {}"]),
+    "text": (
+        ["a sign with words", "a logo", "handwritten letters", "a newspaper page", "a street sign",
+         "a label with numbers", "a caption", "a book title", "a licence plate", "a price tag"],
+        ["an image containing {}", "a photo with {} in it", "a close-up of {}"]),
+    "viewpoint": (
+        ["an aerial view", "a close-up view", "a wide-angle view", "a side view",
+         "a top-down view", "a low-angle view", "a fisheye view", "a macro view",
+         "a panoramic view", "a rear view"],
+        ["a photo taken from {}", "{} of a scene", "a picture shot as {}"]),
+    "time": (
+        ["morning", "noon", "evening", "night", "winter", "summer", "autumn", "spring", "sunset",
+         "dawn"],
+        ["a photo taken in the {}", "a scene at {}", "an image from the {}"]),
 }
 
 
 # ---- 8. HDBSCAN, written out (the clustering of Sec. 2; checked against scikit-learn's) --------
-def hdbscan(points: torch.Tensor, min_cluster_size: int, min_samples: Optional[int] = None) -> torch.Tensor:
+def hdbscan(points: torch.Tensor, min_cluster_size: int,
+            min_samples: Optional[int] = None) -> torch.Tensor:
     """HDBSCAN (Campello, Moulavi, Sander 2013; McInnes et al. 2017): single linkage over a distance
     that pushes sparse points apart, then the clusters that persist longest as density rises.
 
@@ -1039,9 +1299,10 @@ def _points_under(merges, node, n):
 
 if __name__ == "__main__":  # a small demonstration on a random CLIP (no weights needed)
     torch.manual_seed(0)
-    demo_clip = clip_model.CLIP(embed_dim=64, image_resolution=32, vision_layers=4, vision_width=128,
-                                vision_patch_size=8, vision_heads=4, context_length=16, vocab_size=100,
-                                transformer_width=64, transformer_heads=2, transformer_layers=4).eval()
+    demo_clip = clip_model.CLIP(embed_dim=64, image_resolution=32, vision_layers=4,
+                                vision_width=128, vision_patch_size=8, vision_heads=4,
+                                context_length=16, vocab_size=100, transformer_width=64,
+                                transformer_heads=2, transformer_layers=4).eval()
     heads = [HeadRole(3, 0, "attribute", "colour"), HeadRole(3, 1, "attribute", "shape"),
              HeadRole(3, 2, "generalization"), HeadRole(3, 3, "mixed")]
     demo_roles = RoleMap(4, 4, ["colour", "shape"], heads, source="hand-made demo")
@@ -1051,7 +1312,9 @@ if __name__ == "__main__":  # a small demonstration on a random CLIP (no weights
     for head, entry in enumerate(heads):
         print(f"\nlayer 4 (index 3), head {head}: {entry.role} {entry.attribute or ''}")
         print(format_head_mask(demo.role_masks[0, head], demo.num_image_tokens, demo.attributes))
-    ids = torch.tensor([[98, 3 * c + 5, 3 * c + 6, 3 * c + 7, 99] + [0] * 11 for c in range(3)])  # 3 class prompts
+    prompts = [[98, 3 * c + 5, 3 * c + 6, 3 * c + 7, 99] + [0] * 11 for c in range(3)]
+    ids = torch.tensor(prompts)  # (C, N) = (3, 16): three class prompts
     out = demo(torch.randn(2, 3, 32, 32), demo.prepare_classes(ids), with_frozen=True)
     losses = dear_loss(out, torch.tensor([0, 2]))
-    print("\nfused logits", tuple(out.logits.shape), "losses", {k: round(v.item(), 4) for k, v in losses.items()})
+    rounded = {k: round(v.item(), 4) for k, v in losses.items()}
+    print("\nfused logits", tuple(out.logits.shape), "losses", rounded)

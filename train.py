@@ -326,7 +326,7 @@ def check_pool(settings, bank: List[tuple], concepts: str, attributes: List[str]
         raise TrainError(f"--bank {settings['bank']}: {error}") from None
     if settings["descriptions"] is not None:  # typed: refused past the pool, the images, TextSpan's rank
         dear.analysis_picks(settings["descriptions"], len(bank), settings["analysis_images"],
-                            rank=settings["head_width"] or 64)  # OpenAI's heads, until the model is read
+                            rank=settings["head_width"] or 64, default=picks)  # OpenAI's heads, until the model is read
     elif len(bank) < picks:
         raise TrainError(f"--bank {settings['bank']}: {len(bank)} distinct descriptions, and TextSpan makes {picks} "
                          f"picks per head; give a pool of at least {picks}, or --descriptions {len(bank)} or fewer")
@@ -411,7 +411,7 @@ def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap, s
 
 def logits_used(eval_set: EvalSet, fusion: str) -> str:
     """"fused" or "class": which of DeAR's logits score this test set under this fusion mode."""
-    return "fused" if fusion == "fused-everywhere" or eval_set.trained else "class"
+    return dear.scoring_logits(fusion, eval_set.trained)
 
 
 def beta_at_test(settings, eval_set: EvalSet) -> float:

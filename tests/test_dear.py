@@ -256,9 +256,9 @@ def test_default_picks_let_a_pure_specialist_reach_zero_bits():
     text = torch.nn.functional.normalize(torch.randn(len(bank), 32, generator=generator), dim=-1)
     values = torch.randint(0, 4, (300,), generator=generator)
     head = text[values] + 0.01 * torch.randn(300, 32, generator=generator)  # (images, E): position only
-    picks = dear.textspan(head, text, dear.default_picks(bank, ["position", "colour"]))
+    picks = dear.textspan(head, text, dear.default_picks(bank, ["position", "colour"]), rank=32)
     assert [bank[i][1] for i in picks] == ["position"] * 4
-    fifth = dear.textspan(head, text, 5)[4]
+    fifth = dear.textspan(head, text, 5, rank=32)[4]
     assert bank[fifth][1] != "position"
 
 

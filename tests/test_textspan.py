@@ -117,19 +117,19 @@ def test_a_pool_smaller_than_the_rank_spans_every_image_not_one_less():
 
 
 def test_the_default_is_capped_by_what_the_span_can_explain():
-    assert dear.analysis_picks(None, 591, 2000) == dear.PAPER_PICKS == 20
-    assert dear.analysis_picks(None, 591, 2000, default=16) == 16
+    assert dear.analysis_picks(None, 591, 2000, rank=80, default=dear.PAPER_PICKS) == 20
+    assert dear.analysis_picks(None, 591, 2000, rank=80, default=16) == 16
     with pytest.warns(UserWarning, match=r"TextSpan makes 10 picks per head, not the default 20: .*rank <= 10"):
-        assert dear.analysis_picks(None, 591, 10) == 10  # EuroSAT 1-shot: 10 images
+        assert dear.analysis_picks(None, 591, 10, rank=80, default=20) == 10  # EuroSAT 1-shot: 10 images
     with pytest.warns(UserWarning, match="the bank has 15 descriptions"):
-        assert dear.analysis_picks(None, 15, 2000) == 15
+        assert dear.analysis_picks(None, 15, 2000, rank=80, default=20) == 15
 
 
 def test_a_request_the_span_supports_is_kept_up_to_the_limit():
-    assert dear.analysis_picks(7, 591, 12) == 7
-    assert dear.analysis_picks(12, 591, 12) == 12  # rank <= images, not images - 1
-    assert dear.analysis_picks(80, 591, 2000) == 80  # TextSpan's rank
-    assert dear.analysis_picks(32, 591, 2000, embed_dim=32) == 32
+    assert dear.analysis_picks(7, 591, 12, rank=80, default=20) == 7
+    assert dear.analysis_picks(12, 591, 12, rank=80, default=20) == 12  # rank <= images, not images - 1
+    assert dear.analysis_picks(80, 591, 2000, rank=80, default=20) == 80  # TextSpan's rank
+    assert dear.analysis_picks(32, 591, 2000, rank=80, default=20, embed_dim=32) == 32
 
 
 @pytest.mark.parametrize("requested, bank, images, extra, message", [
@@ -145,7 +145,7 @@ def test_a_request_the_span_supports_is_kept_up_to_the_limit():
 ])
 def test_a_request_the_span_cannot_support_is_refused_in_one_line(requested, bank, images, extra, message):
     with pytest.raises(DeARError, match=message) as error:
-        dear.analysis_picks(requested, bank, images, **extra)
+        dear.analysis_picks(requested, bank, images, **{"rank": 80, "default": 20, **extra})
     assert "\n" not in str(error.value)
 
 
