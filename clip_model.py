@@ -486,6 +486,9 @@ def build_model(state_dict: dict, head_width: Optional[int] = None,
     return model.eval()
 
 
+OPENAI_HEAD_WIDTH = 64  # channels per head in every OpenAI CLIP: a file that does not say has them
+
+
 def _heads(what: str, width: int, stored, heads, head_width) -> int:
     """One tower's head count: the argument (`heads`, else width / `head_width`), else the
     file's entry, else OpenAI's heads of 64 channels. An argument that contradicts the file is
@@ -500,15 +503,15 @@ def _heads(what: str, width: int, stored, heads, head_width) -> int:
         raise CLIPFileError(f"the file says {what}_heads={int(stored)}, the arguments ask for "
                             f"{heads}; leave vision_heads/text_heads/head_width out to use "
                             "the file's")
-    if heads is None and stored is None and width % 64:
-        raise CLIPFileError(f"the {what} width {width} is not a multiple of 64 (OpenAI's head "
-                            "width); pass the head_width (or vision_heads/text_heads) the model "
-                            "was trained with")
+    if heads is None and stored is None and width % OPENAI_HEAD_WIDTH:
+        raise CLIPFileError(f"the {what} width {width} is not a multiple of {OPENAI_HEAD_WIDTH} "
+                            "(OpenAI's head width); pass the head_width "
+                            "(or vision_heads/text_heads) the model was trained with")
     if heads is not None:
         return heads
     if stored is not None:
         return int(stored)
-    return width // 64
+    return width // OPENAI_HEAD_WIDTH
 
 
 # ---- 6. Image preprocessing (OpenAI's test transform) -------------------------------------

@@ -132,7 +132,8 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
     g = p.add_argument_group("where things are").add_argument
     g("--root", help="the $DATA folder in CoOp's layout (toyworld: made in the cache)")
     g("--weights", help="CLIP: ViT-B/32, ViT-B/16, ViT-L/14 or a checkpoint path")
-    g("--head-width", type=int, help="channels per head of --weights (unset: the file's, else 64 as in OpenAI's)")
+    g("--head-width", type=int, help="channels per head of --weights (unset: the file's, else "
+      f"{clip_model.OPENAI_HEAD_WIDTH} as in OpenAI's)")
     g("--bpe", help="CLIP's BPE merges file (unset: $CLIP_BPE_PATH, the cache, or a download)")
     g("--output", help="run folder (unset: runs/<protocol>-<datasets>)")
     g = p.add_argument_group("DeAR").add_argument

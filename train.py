@@ -20,6 +20,10 @@ recipes, 2. data, 3. the model, 4. the training loop, 5. evaluation, then what s
 runs.py. A run folder holds per dataset / row / seed a checkpoint.pt and results.json (a run is
 complete once it exists), per trained dataset the head roles it used (<dataset>/roles/), and at
 the top settings.json, summary.json and summary.md. Layers count from 1, as in the paper (J = 9).
+
+Shapes, the project's letters (as in clip_model.py and dear.py): B images in a batch; C classes;
+E the joint embedding's width; A attribute tokens; n images of a list (features of a whole split);
+M the retrieval gallery's images and k the neighbours ranked per image (dear.rank_gallery's).
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ from runs import TrainError
 # ------------------------------------------------------------------------------------------
 # 1. The recipes: every default, written once, with its source (docs/METHOD.md Sec. 7)
 # ------------------------------------------------------------------------------------------
-# Where the paper is silent: MMRL++ (yunncheng/MMRL), DeAR's nearest relative; runs.py makes flags of these.
+# Where the paper is silent: MMRL++ (yunncheng/MMRL), DeAR's nearest relative;
+# runs.py makes flags of these.
 
 
 @dataclass(frozen=True)
@@ -71,19 +76,22 @@ class Recipe:
 
 
 # The paper's eleven datasets, in its tables' order, and ImageNet's four variants (dg).
-PAPER_DATASETS = ["imagenet", "caltech101", "oxford_pets", "stanford_cars", "oxford_flowers", "food101",
-                  "fgvc_aircraft", "sun397", "dtd", "eurosat", "ucf101"]
+PAPER_DATASETS = ["imagenet", "caltech101", "oxford_pets", "stanford_cars", "oxford_flowers",
+                  "food101", "fgvc_aircraft", "sun397", "dtd", "eurosat", "ucf101"]
 DG_TARGETS = ["imagenet_v2", "imagenet_sketch", "imagenet_a", "imagenet_r"]
-# Each protocol's recipe, from MMRL++'s configs/trainers/MMRLpp/: vit_b16.yaml, vit_b16_few_shot.yaml,
-# vit_b16_cross_datasets.yaml (cross and dg share one ImageNet training); ImageNet: vit_b16_imagenet.yaml.
-PROTOCOL_RECIPES = {"base2novel": Recipe(), "fewshot": Recipe(epochs=100, batch_size=32, lr=2e-3),
+# Each protocol's recipe, from MMRL++'s configs/trainers/MMRLpp/: vit_b16.yaml,
+# vit_b16_few_shot.yaml, vit_b16_cross_datasets.yaml (cross and dg share one ImageNet training);
+# ImageNet: vit_b16_imagenet.yaml.
+PROTOCOL_RECIPES = {"base2novel": Recipe(),
+                    "fewshot": Recipe(epochs=100, batch_size=32, lr=2e-3),
                     "cross": Recipe(epochs=1, batch_size=32, warmup_epochs=0)}
 PROTOCOL_RECIPES["dg"] = PROTOCOL_RECIPES["cross"]
 # (beta, lambda_reg) per dataset: MMRL++'s trainers/config.py, which MMRL's train.py merges
 # after the yaml (so it wins); B2N and FS share one table, CD sets ImageNet's training.
-MMRLPP_B2N_FS = {"imagenet": (0.9, 0.2), "fgvc_aircraft": (0.9, 2.0), "ucf101": (0.9, 3.0), "dtd": (0.9, 7.0),
-                 "oxford_pets": (0.7, 0.01), "stanford_cars": (0.7, 6.0), "caltech101": (0.6, 3.0),
-                 "sun397": (0.5, 3.0), "oxford_flowers": (0.4, 7.0), "eurosat": (0.2, 0.01), "food101": (0.1, 1.0)}
+MMRLPP_B2N_FS = {"imagenet": (0.9, 0.2), "fgvc_aircraft": (0.9, 2.0), "ucf101": (0.9, 3.0),
+                 "dtd": (0.9, 7.0), "oxford_pets": (0.7, 0.01), "stanford_cars": (0.7, 6.0),
+                 "caltech101": (0.6, 3.0), "sun397": (0.5, 3.0), "oxford_flowers": (0.4, 7.0),
+                 "eurosat": (0.2, 0.01), "food101": (0.1, 1.0)}
 MMRLPP_CD = {"imagenet": (0.9, 0.1)}
 # MMRL++ tests each cross/dg target at its own beta: the same table (CD), merged for that
 # target's own test call (scripts/mmrlpp/cross_datasets_test.sh: --eval-only, TASK CD) into
@@ -92,7 +100,8 @@ MMRLPP_CD_TEST_BETA = {"imagenet": 0.9, "imagenet_v2": 0.9, "imagenet_r": 0.9, "
                        "imagenet_sketch": 0.7, "fgvc_aircraft": 0.9, "ucf101": 0.9, "sun397": 0.7,
                        "oxford_pets": 0.6, "caltech101": 0.6, "dtd": 0.5, "oxford_flowers": 0.4,
                        "stanford_cars": 0.3, "eurosat": 0.3, "food101": 0.3}
-WARMUP_LR, WEIGHT_DECAY = 1e-5, 5e-4  # MMRL++'s WARMUP_CONS_LR; Dassl's OPTIM.WEIGHT_DECAY
+WARMUP_LR = 1e-5  # MMRL++'s WARMUP_CONS_LR
+WEIGHT_DECAY = 5e-4  # Dassl's OPTIM.WEIGHT_DECAY
 FEWSHOT_SHOTS = [1, 2, 4, 8, 16]  # the few-shot protocol's sweep (CoOp)
 
 
@@ -100,10 +109,12 @@ def _recipes() -> Dict[str, Dict[str, Recipe]]:
     """{protocol: {dataset: Recipe}}: the protocol's recipe with each dataset's exceptions."""
     recipes: Dict[str, Dict[str, Recipe]] = {}
     for protocol in ("base2novel", "fewshot", "cross"):
-        table, recipes[protocol] = MMRLPP_CD if protocol == "cross" else MMRLPP_B2N_FS, {}
+        recipes[protocol] = {}
+        table = MMRLPP_CD if protocol == "cross" else MMRLPP_B2N_FS
         for name in PAPER_DATASETS:
             recipe = PROTOCOL_RECIPES[protocol]
-            if name == "imagenet" and protocol in ("base2novel", "fewshot"):  # vit_b16_imagenet.yaml
+            # ImageNet's own yaml: vit_b16_imagenet.yaml
+            if name == "imagenet" and protocol in ("base2novel", "fewshot"):
                 recipe = dataclasses.replace(recipe, epochs=5, batch_size=32, lr=1e-3)
             if name in table:
                 recipe = dataclasses.replace(recipe, beta=table[name][0], lambda_reg=table[name][1])
@@ -112,7 +123,8 @@ def _recipes() -> Dict[str, Dict[str, Recipe]]:
         # choice); no crop or flip, which would move the object and so change its position, one of
         # the attributes; beta 0.5 (our choice: no MMRL++ value exists for it). No cross protocol.
         if protocol != "cross":
-            recipes[protocol]["toyworld"] = Recipe(epochs=20, batch_size=8, lr=5e-3, beta=0.5, augment=False)
+            recipes[protocol]["toyworld"] = Recipe(epochs=20, batch_size=8, lr=5e-3, beta=0.5,
+                                                   augment=False)
     recipes["dg"] = recipes["cross"]  # one ImageNet training serves both
     return recipes
 
@@ -125,13 +137,13 @@ DEFAULTS = dict(
     roles=["analyse"],  # DeAR's own head analysis: one role map per model and image pool, cached
     ablations=[],  # the paper's ablations (runs.ABLATIONS), a row each: none unless asked
     test_beta="per-target",  # cross and dg: each target at MMRL++'s beta (MMRLPP_CD_TEST_BETA)
-    fusion=list(runs.FUSION_MODES),  # both rules of scoring DeAR, one table row each (runs.FUSION_MODES)
+    fusion=list(runs.FUSION_MODES),  # both rules of scoring DeAR, one table row each
     seeds=[1, 2, 3],  # CoOp's three seeds; the tables report the mean
     source="imagenet",  # what cross and dg train on (the paper's protocol)
     weights="ViT-B/16",  # the paper's backbone
-    analysis_pool="train",  # the trained dataset's whole training split (base classes in base2novel)
+    analysis_pool="train",  # the trained dataset's whole training split (base2novel: base classes)
     analysis_images=2000,  # at most this many images of the pool for the head analysis
-    bank="project",  # the head analysis' descriptions: the project's labelled bank (toyworld: its own)
+    bank="project",  # the analysis' descriptions: the project's labelled bank (toyworld: its own)
     device="auto",  # cuda, then mps, then cpu
     amp="on",  # autocast on CUDA (CPU and MPS always run fp32)
     eval_batch_size=64,  # images per evaluation batch
@@ -141,11 +153,13 @@ DEFAULTS = dict(
 # The toy world shows more rows: the linear probe (how far the frozen features separate the classes)
 # and the two role ablations beside DeAR. It brings its own model (--weights refused).
 TOY_DEFAULTS = dict(method=list(runs.METHODS), roles=["all-mixed", "all-generalization", "analyse"])
-BOOK = runs.RecipeBook(RECIPES, PROTOCOL_RECIPES, DEFAULTS, TOY_DEFAULTS, PAPER_DATASETS, DG_TARGETS,
-                       FEWSHOT_SHOTS, WARMUP_LR, WEIGHT_DECAY)
+BOOK = runs.RecipeBook(RECIPES, PROTOCOL_RECIPES, DEFAULTS, TOY_DEFAULTS, PAPER_DATASETS,
+                       DG_TARGETS, FEWSHOT_SHOTS, WARMUP_LR, WEIGHT_DECAY)
 ANALYSIS_SEED = 0  # the analysis pool's draw: fixed, so every run of a model draws the same images
 RETRIEVAL_GALLERY = 2000  # test images at most in the retrieval check (our choice: cost)
-RETRIEVAL_QUERIES, RETRIEVAL_SHOWN, RETRIEVAL_K = 4, 8, 10  # picture rows, neighbours shown, precision@K
+RETRIEVAL_QUERIES = 4  # picture rows
+RETRIEVAL_SHOWN = 8  # neighbours shown
+RETRIEVAL_K = 10  # precision@K
 
 # ------------------------------------------------------------------------------------------
 # 2. Data: what each protocol trains on and tests on (docs/METHOD.md Sec. 6)
@@ -166,7 +180,9 @@ class Datasets:
     then shared by its test sets, the head analysis's pool and every few-shot draw."""
 
     def __init__(self, root: Optional[str], log):
-        self.root, self.log, self.listings = root, log, {}
+        self.root = root
+        self.log = log
+        self.listings = {}
 
     def splits(self, name: str, **selection) -> data.DatasetSplits:  # num_shots, seed, subsample
         if name not in self.listings:
@@ -179,10 +195,12 @@ def training_split(settings, datasets: Datasets, dataset: str, seed: int,
     """One run's few-shot draw (base2novel: of the base classes)."""
     subsample = "base" if settings["protocol"] == "base2novel" else "all"
     split = datasets.splits(dataset, num_shots=shots, seed=seed, subsample=subsample)
-    split.template = settings["template"] or split.template  # --template overrides the dataset's own
+    # --template overrides the dataset's own
+    split.template = settings["template"] or split.template
     if not split.train:  # training on nothing would still write a row of the table
         which = " of the base classes" if subsample == "base" else ""
-        raise TrainError(f"{split.dataset_dir}: no training images{which}; the split's 'train' list must name some")
+        raise TrainError(f"{split.dataset_dir}: no training images{which}; "
+                         "the split's 'train' list must name some")
     return split
 
 
@@ -191,16 +209,19 @@ def evaluation_sets(settings, datasets: Datasets, dataset: str) -> List[EvalSet]
     def full(name: str, column: str, trained: bool, subsample: str = "all") -> EvalSet:
         d = datasets.splits(name, subsample=subsample)
         if not d.test:  # an accuracy over no images would print as 0.00
-            which = {"base": " of the base classes", "new": " of the novel classes"}.get(subsample, "")
-            raise TrainError(f"{d.dataset_dir}: no test images{which} ({len(d.classnames)} classes); the "
-                             f"{column} column needs some: the split's 'test' list must name them")
+            which = {"base": " of the base classes",
+                     "new": " of the novel classes"}.get(subsample, "")
+            raise TrainError(f"{d.dataset_dir}: no test images{which} "
+                             f"({len(d.classnames)} classes); the {column} column needs some: "
+                             "the split's 'test' list must name them")
         return EvalSet(column, d.test, d.classnames, settings["template"] or d.template, trained)
 
     if settings["protocol"] == "base2novel":
         return [full(dataset, "base", True, "base"), full(dataset, "novel", False, "new")]
     if settings["protocol"] == "fewshot":
         return [full(dataset, "all", True)]
-    return [full(dataset, dataset, True)] + [full(target, target, False) for target in settings["dataset"]]
+    return ([full(dataset, dataset, True)]
+            + [full(target, target, False) for target in settings["dataset"]])
 
 
 class RunData(NamedTuple):
@@ -223,20 +244,24 @@ def read_data(settings, jobs: List[runs.Job], datasets: Datasets) -> RunData:
 
 def loader_of(items: list, settings, size: int) -> DataLoader:
     """The test-transform loader of evaluation, features and the head analysis."""
-    return DataLoader(data.ImageDataset(items, data.test_transform(size)), batch_size=settings["eval_batch_size"],
+    dataset = data.ImageDataset(items, data.test_transform(size))
+    return DataLoader(dataset, batch_size=settings["eval_batch_size"],
                       num_workers=settings["workers"])
 
 
 def analysis_images(items: List[data.Item], cap: int, seed: int) -> List[data.Item]:
-    """At most `cap` images, evenly over the classes: each class's images in a seeded order, then one
-    per class in turn (the classes in a seeded order too: a cap below the class count samples classes
-    at random), never the head of a label-sorted list, which covers only a large dataset's first classes."""
-    generator, by_class = torch.Generator().manual_seed(seed), {}
+    """At most `cap` images, evenly over the classes: each class's images in a seeded order, then
+    one per class in turn (the classes in a seeded order too: a cap below the class count samples
+    classes at random), never the head of a label-sorted list, which covers only a large
+    dataset's first classes."""
+    generator = torch.Generator().manual_seed(seed)
+    by_class = {}
     for item in items:
         by_class.setdefault(item.label, []).append(item)
     groups = [group for _, group in sorted(by_class.items())]
     orders = [torch.randperm(len(group), generator=generator) for group in groups]
-    rounds, taken, longest = 0, 0, max(map(len, groups), default=0)
+    longest = max(map(len, groups), default=0)
+    rounds, taken = 0, 0
     while taken < cap and rounds < longest:  # rounds of one image per class that reach the cap
         taken += sum(len(group) > rounds for group in groups)
         rounds += 1
@@ -257,7 +282,7 @@ class Inputs:
     clip: clip_model.CLIP
     tokenizer: clip_model.SimpleTokenizer
     attributes: List[str]  # one attribute token each
-    bank: List[tuple]  # (text, concept or None, value) triples: the head analysis' description pool (--bank)
+    bank: List[tuple]  # the analysis' description pool (--bank): (text, concept or None, value)
     concepts: str  # where the analysis' concepts come from: "clusters" or "labels" (--concepts)
     cluster_names: Optional[Dict[int, str]]  # --cluster-names: {cluster id: name}
     toy: bool  # the toy world: a causal check follows the head analysis (the ground truth is known)
@@ -273,15 +298,18 @@ def description_bank(toy: bool) -> List[tuple]:
 
 
 def read_pool(settings):
-    """The head analysis' description pool (--bank), checked against what the analysis will ask of it
-    before any model is read -> (triples, record); a resumed run reads its role map instead: None."""
+    """The head analysis' description pool (--bank), checked against what the analysis will ask
+    of it before any model is read -> (triples, record); a resumed run reads its role map
+    instead: None."""
     if settings["resume"] or settings["eval_only"]:
         return None
     toy = settings["dataset"] == ["toyworld"]
     bank, record = runs.description_pool(settings["bank"], description_bank(toy), print)
-    record["concepts"] = settings["concepts"] or dear.default_concepts(bank)  # unset: the pool decides
+    record["concepts"] = (settings["concepts"]  # unset: the pool decides
+                          or dear.default_concepts(bank))
     if analysing(settings):
-        check_pool(settings, bank, record["concepts"], world_attributes() if toy else list(dear.CORE_ATTRIBUTES))
+        attributes = world_attributes() if toy else list(dear.CORE_ATTRIBUTES)
+        check_pool(settings, bank, record["concepts"], attributes)
     return bank, record
 
 
@@ -292,7 +320,9 @@ def open_inputs(settings, runtime: runs.Runtime, pool) -> Inputs:
     files = {key: settings[key] for key in ("root", "weights", "head_width", "bpe")}
     toy = settings["dataset"] == ["toyworld"]
     attributes = list(dear.CORE_ATTRIBUTES) if not toy else world_attributes()
-    bank, record = pool or ([], dict(concepts=None, sha256=settings["fingerprints"]["bank"]))  # resumed: none
+    if pool is None:  # resumed: none
+        pool = [], dict(concepts=None, sha256=settings["fingerprints"]["bank"])
+    bank, record = pool
     cluster_names = runs.cluster_names_of(settings["cluster_names"], attributes)
     if toy:
         import toyworld  # the project's own world (toyworld/), only needed here
@@ -301,10 +331,13 @@ def open_inputs(settings, runtime: runs.Runtime, pool) -> Inputs:
             raise TrainError("--dataset toyworld runs in one process; start it without torchrun")
         assets = toyworld.prepare(settings["toy_scale"], log=runtime.log)
         # A new run takes the cache's files; a resumed one keeps its own (their content is checked).
-        found = dict(root=assets.data_root, weights=assets.weights, head_width=assets.head_width, bpe=assets.bpe)
+        found = dict(root=assets.data_root, weights=assets.weights,
+                     head_width=assets.head_width, bpe=assets.bpe)
         files = {key: found[key] if value is None else value for key, value in files.items()}
-    clip, tokenizer = runs.load_clip(files["weights"], files["head_width"], files["bpe"], runtime.device)
-    files.update(bpe=tokenizer.bpe_path, fingerprints=runs.input_fingerprints(settings, files["weights"], tokenizer))
+    clip, tokenizer = runs.load_clip(files["weights"], files["head_width"], files["bpe"],
+                                     runtime.device)
+    files["bpe"] = tokenizer.bpe_path
+    files["fingerprints"] = runs.input_fingerprints(settings, files["weights"], tokenizer)
     files["fingerprints"]["bank"] = record["sha256"]
     runs.check_model_fit(settings, clip, attributes)  # J, K and a roles file against this model
     return Inputs(clip, tokenizer, attributes, bank, record["concepts"], cluster_names, toy, files)
@@ -324,12 +357,15 @@ def check_pool(settings, bank: List[tuple], concepts: str, attributes: List[str]
         picks = dear.default_picks(bank, attributes)
     except dear.DeARError as error:
         raise TrainError(f"--bank {settings['bank']}: {error}") from None
-    if settings["descriptions"] is not None:  # typed: refused past the pool, the images, TextSpan's rank
+    if settings["descriptions"] is not None:  # typed: refused past the pool, the images, the rank
+        # TextSpan's rank is the head width: --head-width, else OpenAI's, until the model is read
+        rank = settings["head_width"] or clip_model.OPENAI_HEAD_WIDTH
         dear.analysis_picks(settings["descriptions"], len(bank), settings["analysis_images"],
-                            rank=settings["head_width"] or 64, default=picks)  # OpenAI's heads, until the model is read
+                            rank=rank, default=picks)
     elif len(bank) < picks:
-        raise TrainError(f"--bank {settings['bank']}: {len(bank)} distinct descriptions, and TextSpan makes {picks} "
-                         f"picks per head; give a pool of at least {picks}, or --descriptions {len(bank)} or fewer")
+        raise TrainError(f"--bank {settings['bank']}: {len(bank)} distinct descriptions, "
+                         f"and TextSpan makes {picks} picks per head; give a pool of at least "
+                         f"{picks}, or --descriptions {len(bank)} or fewer")
 
 
 def build_dear(settings, inputs: Inputs, role_map: dear.RoleMap,
@@ -358,30 +394,35 @@ def learning_rate(settings, epoch: int) -> float:
     """Dassl's schedule for epoch `epoch` (0-based), set once per epoch: the constant warm-up lr
     for warmup_epochs, then cosine annealing over `epochs` whose count restarts after the warm-up
     (WARMUP_RECOUNT = True, Dassl's default: dassl/optim/lr_scheduler.py hands over to a
-    CosineAnnealingLR(T_max = epochs) never stepped). Epoch e runs at lr (1 + cos(pi (e - W) / T)) / 2."""
+    CosineAnnealingLR(T_max = epochs) never stepped). Epoch e runs at
+    lr (1 + cos(pi (e - W) / T)) / 2."""
     warmup = settings["warmup_epochs"]
     if epoch < warmup:
         return settings["warmup_lr"]
     return 0.5 * settings["lr"] * (1 + math.cos(math.pi * (epoch - warmup) / settings["epochs"]))
 
 
-def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap, split: data.DatasetSplits,
-              runtime: runs.Runtime) -> Optional[dear.DeAR]:
+def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap,
+              split: data.DatasetSplits, runtime: runs.Runtime) -> Optional[dear.DeAR]:
     """Train one DeAR run, a checkpoint at every epoch end -> the model (None if
     --max-epochs-per-call stopped it first). The loop is the paper's Sec. 3.4; resuming, several
     processes and the per-epoch seeds are the helpers below it."""
     torch.manual_seed(job.seed)  # the learnable tokens' initialisation
     model = build_dear(settings, inputs, role_map, job.ablation).to(runtime.device)
+    # the tokens and fusion weights alone
     optimizer = torch.optim.AdamW(model.learnable_parameters(), lr=settings["lr"],
-                                  weight_decay=settings["weight_decay"])  # tokens and fusion weights alone
-    scaler = runs.grad_scaler(enabled=runtime.amp_dtype == torch.float16)  # fp16 only; bf16 needs none
+                                  weight_decay=settings["weight_decay"])
+    # the loss scaler: fp16 only; bf16 needs none
+    scaler = runs.grad_scaler(enabled=runtime.amp_dtype == torch.float16)
     start, stop = resume(job, settings, model, optimizer, scaler, runtime)  # epochs [start, stop)
     if start >= settings["epochs"]:
         return model
     classes = class_prompts(model, inputs, split, runtime)  # the frozen text side up to J, once
     loader = training_loader(job, settings, split, inputs.clip, runtime)
     network = distributed(model, settings, runtime)  # DDP under torchrun, else the model itself
-    lambda_fusion = 0.0 if job.ablation == "no-fusion-reg" else settings["lambda_fusion"]  # ablations
+    lambda_reg = settings["lambda_reg"]
+    # ablations of the loss
+    lambda_fusion = 0.0 if job.ablation == "no-fusion-reg" else settings["lambda_fusion"]
     branch_ce = job.ablation == "branch-ce"  # MMRL's CE per branch beside the fused one: not DeAR's
     progress = runs.Progress(job.label, settings, runtime, steps=(stop - start) * len(loader))
     model.train()
@@ -389,10 +430,11 @@ def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap, s
         lr = start_epoch(epoch, job, settings, loader, optimizer)  # lr, order, seeds: epoch alone
         progress.start_epoch()
         for step, (images, labels) in enumerate(loader, 1):
-            images, labels = images.to(runtime.device, non_blocking=True), labels.to(runtime.device)
+            images = images.to(runtime.device, non_blocking=True)
+            labels = labels.to(runtime.device)
             with runs.autocast(runtime):
                 output = network(images, classes, with_frozen=True)  # also frozen CLIP's, for L_reg
-                losses = dear.dear_loss(output, labels, settings["lambda_reg"], lambda_fusion, branch_ce)
+                losses = dear.dear_loss(output, labels, lambda_reg, lambda_fusion, branch_ce)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(losses["total"]).backward()
             scaler.step(optimizer)
@@ -424,7 +466,8 @@ def beta_at_test(settings, eval_set: EvalSet) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings, runtime: runs.Runtime) -> Dict[str, float]:
+def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings,
+             runtime: runs.Runtime) -> Dict[str, float]:
     """Top-1 accuracy (%) -> {"clip": acc} for zero-shot CLIP (model=None), or {"fused": acc,
     "class": acc} for DeAR (the class branch alone: s * cos(f_cls, t_c)), from one pass over the
     images. Under torchrun each process takes every world-th image and the counts are summed."""
@@ -434,7 +477,8 @@ def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings, runtime: runs.
         if model is None:
             text = F.normalize(clip.encode_text(ids).float(), dim=-1)  # (C, E)
         else:
-            text = model.encode_text(model.prepare_classes(ids))  # (C, E) with the learned text tokens
+            # (C, E) with the learned text tokens
+            text = model.encode_text(model.prepare_classes(ids))
     items = eval_set.items[runtime.rank::runtime.world]
     kinds = ["clip"] if model is None else ["fused", "class"]
     correct = [0] * len(kinds)
@@ -444,8 +488,9 @@ def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings, runtime: runs.
             if model is None:
                 scores = [F.normalize(clip.encode_image(images).float(), dim=-1) @ text.T]
             else:
-                f_cls, f_attr, _ = model.encode_image(images)
-                fused, branches = model.fused_logits(torch.cat([f_cls[:, None], f_attr], dim=1), text)
+                f_cls, f_attr, _ = model.encode_image(images)  # (B, E), (B, A, E)
+                features = torch.cat([f_cls[:, None], f_attr], dim=1)  # (B, 1 + A, E)
+                fused, branches = model.fused_logits(features, text)  # (B, C), (B, 1 + A, C)
                 scores = [fused, branches[:, 0]]  # (B, C) each
         for i, logits in enumerate(scores):
             correct[i] += (logits.argmax(dim=-1).cpu() == labels).sum().item()
@@ -462,35 +507,41 @@ def resume(job: runs.Job, settings, model, optimizer, scaler, runtime: runs.Runt
     """The epochs this call trains, (start, stop): from the run's last checkpoint under --resume
     (the tokens, the optimizer's moments, the scaler), to --max-epochs-per-call or the end."""
     checkpoint_path = os.path.join(job.folder, "checkpoint.pt")
-    checkpoint = runs.load_run_file(checkpoint_path, runs.job_settings(settings, job)) if settings["resume"] else None
+    checkpoint = None
+    if settings["resume"]:
+        checkpoint = runs.load_run_file(checkpoint_path, runs.job_settings(settings, job))
     start = 0 if checkpoint is None else checkpoint["epoch"]
     if checkpoint is not None:
         model.load_learnable_state_dict(checkpoint["learnable"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         scaler.load_state_dict(checkpoint["scaler"])
         runtime.log(f"[{job.label}] resumed after epoch {start}/{settings['epochs']}")
+    alone = "; class branch alone (no attribute head)" if model.class_branch_only else ""
     runtime.log(f"[{job.label}] attribute tokens from layer J={model.first_layer} (1-based)"
-                f"{'; class branch alone (no attribute head)' if model.class_branch_only else ''}; "
-                f"{model.parameter_summary()}")
-    return start, min(settings["epochs"], start + (settings["max_epochs_per_call"] or settings["epochs"]))
+                f"{alone}; {model.parameter_summary()}")
+    per_call = settings["max_epochs_per_call"] or settings["epochs"]
+    return start, min(settings["epochs"], start + per_call)
 
 
-def class_prompts(model: dear.DeAR, inputs: Inputs, split: data.DatasetSplits, runtime: runs.Runtime):
+def class_prompts(model: dear.DeAR, inputs: Inputs, split: data.DatasetSplits,
+                  runtime: runs.Runtime):
     """The class prompts' frozen text side, once per run (the text tokens enter at layer J)."""
     ids = inputs.tokenizer.tokenize(split.prompts, inputs.clip.context_length, truncate=True)
     with runs.autocast(runtime):
         return model.prepare_classes(ids.to(runtime.device))
 
 
-def training_loader(job: runs.Job, settings, split: data.DatasetSplits, clip, runtime: runs.Runtime):
+def training_loader(job: runs.Job, settings, split: data.DatasetSplits, clip,
+                    runtime: runs.Runtime):
     """The few-shot images, augmented unless --augment off. A DistributedSampler also in one
     process: its order is a pure function of (seed, epoch), which is what makes --resume land on
     the same result as an unbroken run."""
     transform = data.train_transform if settings["augment"] else data.test_transform
     dataset = data.ImageDataset(split.train, transform(clip.visual.input_resolution))
-    sampler = DistributedSampler(dataset, num_replicas=runtime.world, rank=runtime.rank, shuffle=True,
-                                 seed=job.seed)
-    runtime.log(f"[{job.label}] {len(split.train)} training images, {len(split.classnames)} classes")
+    sampler = DistributedSampler(dataset, num_replicas=runtime.world, rank=runtime.rank,
+                                 shuffle=True, seed=job.seed)
+    runtime.log(f"[{job.label}] {len(split.train)} training images, "
+                f"{len(split.classnames)} classes")
     return DataLoader(dataset, batch_size=settings["batch_size"], sampler=sampler,
                       num_workers=settings["workers"], pin_memory=runtime.device.type == "cuda")
 
@@ -499,7 +550,8 @@ def distributed(model: dear.DeAR, settings, runtime: runs.Runtime):
     """Under torchrun, the learnable tensors' gradients averaged over the processes (DDP)."""
     if runtime.world == 1:
         return model
-    unused = settings["text_tokens"] == 0 or not model.attributes  # a learnable tensor with no gradient
+    # a learnable tensor with no gradient
+    unused = settings["text_tokens"] == 0 or not model.attributes
     return torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
         broadcast_buffers=False, find_unused_parameters=unused)
@@ -521,7 +573,8 @@ def end_epoch(epoch: int, job: runs.Job, settings, model: dear.DeAR, optimizer, 
     """The checkpoint (rank 0 writes; every rank holds the same tokens) and the epoch's line."""
     if runtime.main:
         path = os.path.join(job.folder, "checkpoint.pt")
-        runs.save_checkpoint(path, runs.job_settings(settings, job), epoch + 1, model, optimizer, scaler)
+        expected = runs.job_settings(settings, job)
+        runs.save_checkpoint(path, expected, epoch + 1, model, optimizer, scaler)
     alpha = ", ".join(f"{a:.2f}" for a in model.fusion_weights().tolist())
     took = runs.format_time(time.time() - progress.epoch_started)
     runtime.log(f"[{job.label}] epoch {epoch + 1} done in {took}; "
@@ -534,8 +587,9 @@ def finish(job: runs.Job, settings, model: dear.DeAR, stop: int, runtime: runs.R
     if runtime.world > 1:
         dist.barrier()
     if stop < settings["epochs"]:
-        runtime.log(f"[{job.label}] stopped after epoch {stop}/{settings['epochs']} (--max-epochs-per-call); "
-                    f"continue with: python train.py --output {settings['output']} --resume")
+        runtime.log(f"[{job.label}] stopped after epoch {stop}/{settings['epochs']} "
+                    "(--max-epochs-per-call); continue with: "
+                    f"python train.py --output {settings['output']} --resume")
         return None
     return model
 
@@ -543,19 +597,22 @@ def finish(job: runs.Job, settings, model: dear.DeAR, stop: int, runtime: runs.R
 # ------------------------------------------------------------------------------------------
 # 7. The head analysis (paper Sec. 3.2): once per model and image pool, cached
 # ------------------------------------------------------------------------------------------
-# A role map belongs to the model and the images it was measured on, not to a run: computed once per
-# (weights, pool, bank, analysis settings), cached (runs.analysis_cache), reused by every run asking the
-# same. Each run folder keeps a copy (<dataset>/roles/): --resume and --eval-only never need the cache.
+# A role map belongs to the model and the images it was measured on, not to a run: computed once
+# per (weights, pool, bank, analysis settings), cached (runs.analysis_cache), reused by every run
+# asking the same. Each run folder keeps a copy (<dataset>/roles/): --resume and --eval-only never
+# need the cache.
 
 
 def analysing(settings) -> bool:
-    return settings["analyse_only"] or ("dear" in settings["method"] and "analyse" in settings["roles"])
+    return settings["analyse_only"] or ("dear" in settings["method"]
+                                        and "analyse" in settings["roles"])
 
 
 def analysis_pool(settings, datasets: Datasets, dataset: str):
-    """The images `dataset`'s analysis reads (--analysis-pool, at most --analysis-images, evenly over
-    the classes) and a line naming them. 'train': the whole training split (shared with the test sets'
-    read), never a few-shot draw; in base2novel its base classes only, no novel image before the test."""
+    """The images `dataset`'s analysis reads (--analysis-pool, at most --analysis-images, evenly
+    over the classes) and a line naming them. 'train': the whole training split (shared with the
+    test sets' read), never a few-shot draw; in base2novel its base classes only, no novel image
+    before the test."""
     name, split = runs.analysis_pool_of(settings["analysis_pool"])
     if name is None:
         subsample = "base" if settings["protocol"] == "base2novel" else "all"
@@ -565,9 +622,11 @@ def analysis_pool(settings, datasets: Datasets, dataset: str):
         items, what = getattr(datasets.splits(name), split), f"{name} {split}"
     chosen = analysis_images(items, settings["analysis_images"], ANALYSIS_SEED)
     if len(chosen) < 2:  # TextSpan measures variation across images
-        raise TrainError(f"--analysis-pool {settings['analysis_pool']}: {what} has {len(chosen)} images; the "
-                         "head analysis needs at least 2 (choose another pool, e.g. imagenet:test)")
-    return chosen, f"{what}, {len(chosen)} of {len(items)} images, {len({i.label for i in chosen})} classes"
+        raise TrainError(f"--analysis-pool {settings['analysis_pool']}: {what} has "
+                         f"{len(chosen)} images; the head analysis needs at least 2 "
+                         "(choose another pool, e.g. imagenet:test)")
+    classes = len({item.label for item in chosen})
+    return chosen, f"{what}, {len(chosen)} of {len(items)} images, {classes} classes"
 
 
 def run_head_analysis(settings, inputs: Inputs, items: list, pool: str, picks: int, folder: str,
@@ -576,14 +635,17 @@ def run_head_analysis(settings, inputs: Inputs, items: list, pool: str, picks: i
     in `folder` (and, in the toy world, the causal check)."""
     clip, started = inputs.clip, time.time()
     layers = dear.analysed_layers(len(clip.visual.transformer.resblocks))  # the last four
-    runtime.log(f"head analysis: concept entropy of every head of the last {layers} layers on "
-                f"{pool}; {picks} TextSpan picks per head (done once per model and pool, then cached)")
+    runtime.log(f"head analysis: concept entropy of every head of the last {layers} layers "
+                f"on {pool}; {picks} TextSpan picks per head "
+                "(done once per model and pool, then cached)")
+    batches = (images for images, _ in loader_of(items, settings, clip.visual.input_resolution))
     role_map = dear.analyze_heads(
-        clip, (images for images, _ in loader_of(items, settings, clip.visual.input_resolution)), inputs.tokenizer,
-        inputs.bank, inputs.attributes, num_layers=layers, num_descriptions=picks,  # rank: the head width
-        low_bits=settings["low_bits"], high_bits=settings["high_bits"], concepts=inputs.concepts,
+        clip, batches, inputs.tokenizer, inputs.bank, inputs.attributes,
+        num_layers=layers, num_descriptions=picks,  # rank: the head width
+        low_bits=settings["low_bits"], high_bits=settings["high_bits"],
+        concepts=inputs.concepts,  # concepts embedded by CLIP's text tower
         min_cluster_size=settings["min_cluster_size"], min_samples=settings["min_samples"],
-        cluster_names=inputs.cluster_names, log=runtime.log)  # concepts embedded by CLIP's text tower
+        cluster_names=inputs.cluster_names, log=runtime.log)
     role_map.source = f"concept entropy ({inputs.concepts}) on {pool}"
     table, clusters = role_map.table(), runs.clusters_table(role_map, inputs.bank)
     runtime.log(table + "\n" + clusters)
@@ -593,12 +655,15 @@ def run_head_analysis(settings, inputs: Inputs, items: list, pool: str, picks: i
     if inputs.toy:
         # Toy world only: is concept entropy right? Mean-ablate each analysed head and see which
         # attribute's zero-shot accuracy falls (the ground truth is known here). On a CPU copy of
-        # the toy CLIP (1.6M parameters): the check draws on the CPU, the same table on every device.
+        # the toy CLIP (1.6M parameters): the check draws on the CPU, the same table on every
+        # device.
         import toyworld
 
-        runtime.log("[toyworld] causal check: mean-ablating every analysed head, zero-shot accuracy per attribute")
+        runtime.log("[toyworld] causal check: mean-ablating every analysed head, "
+                    "zero-shot accuracy per attribute")
         cpu_clip = clip if clip.visual.conv1.weight.is_cpu else copy.deepcopy(clip).cpu()
-        result = toyworld.causal_check(cpu_clip, inputs.tokenizer, role_map, role_map.attributes, log=runtime.log)
+        result = toyworld.causal_check(cpu_clip, inputs.tokenizer, role_map, role_map.attributes,
+                                       log=runtime.log)
         runs.write_text(os.path.join(folder, "causal_check.md"), result["table"] + "\n")
         runs.write_json(os.path.join(folder, "causal_check.json"), result)
         runtime.log(result["table"])
@@ -618,18 +683,24 @@ def analysed_role_maps(settings, inputs: Inputs, datasets: Datasets, runtime: ru
         else:
             started = time.time()
             items, pool = analysis_pool(settings, datasets, dataset)
-            rank = dear.textspan_rank(inputs.clip)  # a head's width: 64 on ViT-B/16, 16 on the toy CLIP
-            picks = dear.analysis_picks(settings["descriptions"], len(inputs.bank), len(items), rank=rank,
-                                        embed_dim=inputs.clip.visual.proj.shape[1],
-                                        default=dear.default_picks(inputs.bank, inputs.attributes))
-            concepts = dict(source=inputs.concepts, encoder="CLIP's text tower", bank=settings["bank"],
-                            min_cluster_size=settings["min_cluster_size"], min_samples=settings["min_samples"],
-                            cluster_names=inputs.cluster_names)  # (clustering settings unset: the rule's)
-            fingerprint = runs.analysis_fingerprint(settings, inputs.clip, items, inputs.bank, inputs.attributes,
-                                                    picks, rank, concepts)
+            # TextSpan's rank, a head's width: 64 on ViT-B/16, 16 on the toy CLIP
+            rank = dear.textspan_rank(inputs.clip)
+            embed_dim = inputs.clip.visual.proj.shape[1]
+            default = dear.default_picks(inputs.bank, inputs.attributes)
+            picks = dear.analysis_picks(settings["descriptions"], len(inputs.bank), len(items),
+                                        rank=rank, embed_dim=embed_dim, default=default)
+            # (clustering settings unset: the rule's)
+            concepts = dict(source=inputs.concepts, encoder="CLIP's text tower",
+                            bank=settings["bank"],
+                            min_cluster_size=settings["min_cluster_size"],
+                            min_samples=settings["min_samples"],
+                            cluster_names=inputs.cluster_names)
+            fingerprint = runs.analysis_fingerprint(settings, inputs.clip, items, inputs.bank,
+                                                    inputs.attributes, picks, rank, concepts)
             took = time.time() - started
             runtime.log(f"head analysis: pool {pool}, chosen and fingerprinted in {took:.1f} s")
-            record = dict(fingerprint=fingerprint, pool=pool, images=len(items), picks=picks, concepts=concepts)
+            record = dict(fingerprint=fingerprint, pool=pool, images=len(items), picks=picks,
+                          concepts=concepts)
 
             def analyse(folder: str) -> None:
                 run_head_analysis(settings, inputs, items, pool, picks, folder, runtime)
@@ -641,7 +712,8 @@ def analysed_role_maps(settings, inputs: Inputs, datasets: Datasets, runtime: ru
         maps[dataset], records[dataset] = runs.load_role_file(path), record
         record.setdefault("class_branch_only", dear.falls_back_to_class_branch(maps[dataset]))
         if record["class_branch_only"]:
-            runtime.log(f"head analysis ({dataset}): no attribute head; DeAR falls back to the class branch alone")
+            runtime.log(f"head analysis ({dataset}): no attribute head; "
+                        "DeAR falls back to the class branch alone")
     return maps, records
 
 
@@ -652,27 +724,33 @@ def analysed_role_maps(settings, inputs: Inputs, datasets: Datasets, runtime: ru
 
 @torch.no_grad()
 def image_features(clip, items: list, settings, runtime: runs.Runtime):
-    """Normalised frozen CLIP image embeddings (test transform) -> ((N, E), labels (N,))."""
+    """Normalised frozen CLIP image embeddings (test transform) -> ((n, E), labels (n,))."""
     features, labels = [], []
     for images, batch_labels in loader_of(items, settings, clip.visual.input_resolution):
         with runs.autocast(runtime):
-            features.append(F.normalize(clip.encode_image(images.to(runtime.device)).float(), dim=-1).cpu())
+            embedded = clip.encode_image(images.to(runtime.device)).float()  # (B, E)
+            features.append(F.normalize(embedded, dim=-1).cpu())
         labels.append(batch_labels)
     return torch.cat(features), torch.cat(labels)
 
 
-def linear_probe(clip, split: data.DatasetSplits, eval_sets: List[EvalSet], settings, runtime) -> Dict[str, float]:
+def linear_probe(clip, split: data.DatasetSplits, eval_sets: List[EvalSet], settings,
+                 runtime) -> Dict[str, float]:
     """CLIP's linear probe (Radford et al. 2021, Sec. 3.2): logistic regression on the frozen
     image embeddings of the few-shot images DeAR trains on, its L2 strength picked on the
     validation images: a ceiling for the base column, telling weak training from weak features.
     No classifier for untrained classes: those sets get no number. -> {set name: top-1 %}"""
     train_x, train_y = image_features(clip, split.train, settings, runtime)
-    val_x, val_y = image_features(clip, split.val, settings, runtime) if split.val else (train_x, train_y)
+    if split.val:
+        val_x, val_y = image_features(clip, split.val, settings, runtime)
+    else:  # no validation images: picked on the training images
+        val_x, val_y = train_x, train_y
 
     def fit(l2: float) -> torch.nn.Linear:
         torch.manual_seed(0)
         probe = torch.nn.Linear(train_x.shape[1], len(split.classnames))
-        optimizer = torch.optim.LBFGS(probe.parameters(), lr=1.0, max_iter=300, line_search_fn="strong_wolfe")
+        optimizer = torch.optim.LBFGS(probe.parameters(), lr=1.0, max_iter=300,
+                                      line_search_fn="strong_wolfe")
 
         def closure():
             optimizer.zero_grad()
@@ -706,21 +784,28 @@ def retrieval_check(model: dear.DeAR, job: runs.Job, settings, inputs: Inputs, l
     every image's attributes are known, also precision@10 of same-value retrieval: {feature:
     {attribute: share}}, "blind" for a token that cannot read the image (None elsewhere)."""
     names = ("base", "novel", "all", job.dataset)  # the trained dataset's own test split
-    items = list({item.path: item for s in lists.test[job.dataset] if s.name in names for item in s.items}.values())
-    gallery, size = analysis_images(items, RETRIEVAL_GALLERY, seed=0), inputs.clip.visual.input_resolution
-    parts = [dear.retrieval_features(model, x.to(runtime.device)) for x, _ in loader_of(gallery, settings, size)]
-    features = {name: torch.cat([p[name] for p in parts]).cpu() for name in parts[0]}  # {name: (G, E)}
-    rankings = {name: dear.rank_gallery(f, f, max(RETRIEVAL_K, RETRIEVAL_SHOWN), same_images=True)
-                for name, f in features.items()}  # {name: (G, k)}
+    own = [s for s in lists.test[job.dataset] if s.name in names]
+    items = list({item.path: item for s in own for item in s.items}.values())  # each image once
+    gallery = analysis_images(items, RETRIEVAL_GALLERY, seed=0)
+    size = inputs.clip.visual.input_resolution
+    batches = loader_of(gallery, settings, size)
+    parts = [dear.retrieval_features(model, x.to(runtime.device)) for x, _ in batches]
+    # {feature name: (M, E)}, the whole gallery
+    features = {name: torch.cat([p[name] for p in parts]).cpu() for name in parts[0]}
+    k = max(RETRIEVAL_K, RETRIEVAL_SHOWN)
+    rankings = {name: dear.rank_gallery(f, f, k, same_images=True)
+                for name, f in features.items()}  # {name: (M, k)}
     runs.draw_retrieval(gallery, rankings, size, RETRIEVAL_QUERIES, RETRIEVAL_SHOWN, job.folder)
-    runtime.log(f"[{job.label}] retrieval: {len(gallery)} test images ranked by {', '.join(rankings)}; "
-                f"pictures retrieval_*.png in {job.folder}")
+    runtime.log(f"[{job.label}] retrieval: {len(gallery)} test images "
+                f"ranked by {', '.join(rankings)}; pictures retrieval_*.png in {job.folder}")
     if not inputs.toy:
         return None
     from toyworld.task import split_scenes  # the toy world knows every test image's attributes
 
-    images_dir, scenes = os.path.join(settings["root"], "toyworld", "images"), split_scenes(settings["root"])
-    scenes = [scenes[os.path.relpath(item.path, images_dir).replace(os.sep, "/")] for item in gallery]
+    images_dir = os.path.join(settings["root"], "toyworld", "images")
+    by_path = split_scenes(settings["root"])
+    paths = [os.path.relpath(item.path, images_dir).replace(os.sep, "/") for item in gallery]
+    scenes = [by_path[path] for path in paths]
     values = {a: [getattr(scene, a) for scene in scenes] for a in inputs.attributes}
     return {name: {a: "blind" if name not in rankings else  # a blind token ranks nothing
                    dear.precision_at_k(rankings[name][:, :RETRIEVAL_K], values[a], values[a])
@@ -732,20 +817,22 @@ def run_job(job: runs.Job, settings, inputs: Inputs, role_maps: dict, lists: Run
             runtime: runs.Runtime) -> Optional[dict]:
     """Train (or load) and evaluate one job, then write its results.json -> its results, or None
     if --max-epochs-per-call stopped it."""
-    results_path, expected = os.path.join(job.folder, "results.json"), runs.job_settings(settings, job)
+    results_path = os.path.join(job.folder, "results.json")
+    expected = runs.job_settings(settings, job)
     if os.path.isfile(results_path) and not settings["eval_only"]:
         with open(results_path, encoding="utf-8") as f:
             return json.load(f)  # finished in an earlier call (checked by runs.check_run_folder)
     model = None
     if job.row == "linear-probe":
-        metrics = linear_probe(inputs.clip, lists.train[job.dataset, job.seed, job.shots], lists.test[job.dataset],
-                               settings, runtime)
+        split = lists.train[job.dataset, job.seed, job.shots]
+        metrics = linear_probe(inputs.clip, split, lists.test[job.dataset], settings, runtime)
         result = dict(job=dataclasses.asdict(job), metrics=metrics, settings=expected)
     else:
         if job.row != "zeroshot" and settings["eval_only"]:
             checkpoint = runs.load_run_file(os.path.join(job.folder, "checkpoint.pt"), expected)
             if checkpoint is None or checkpoint["epoch"] < settings["epochs"]:
-                raise TrainError(f"{job.folder}: no finished checkpoint to evaluate; finish it with --resume")
+                raise TrainError(f"{job.folder}: no finished checkpoint to evaluate; "
+                                 "finish it with --resume")
             role_map = role_maps[job.dataset, job.roles]
             model = build_dear(settings, inputs, role_map, job.ablation).to(runtime.device)
             model.load_learnable_state_dict(checkpoint["learnable"])
@@ -756,17 +843,22 @@ def run_job(job: runs.Job, settings, inputs: Inputs, role_maps: dict, lists: Run
                 return None
         model = model.eval() if model is not None else None
         # One pass per test set gives every kind of logits; each fusion mode then picks per set.
-        accuracy, logits, betas = {}, {mode: {} for mode in settings["fusion"]}, {}
+        accuracy = {}  # {set: {kind of logits: top-1 %}}
+        logits = {mode: {} for mode in settings["fusion"]}  # {mode: {set: kind that scores it}}
+        betas = {}  # {set: DeAR's beta on it}
         for eval_set in lists.test[job.dataset]:
             if model is not None:  # MMRL++'s recipe: each cross/dg target at its own beta
                 betas[eval_set.name] = model.beta = beta_at_test(settings, eval_set)
-            accuracy[eval_set.name] = evaluate(model, inputs.clip, inputs.tokenizer, eval_set, settings, runtime)
+            accuracy[eval_set.name] = evaluate(model, inputs.clip, inputs.tokenizer, eval_set,
+                                               settings, runtime)
             for mode in settings["fusion"]:
-                logits[mode][eval_set.name] = "clip" if model is None else logits_used(eval_set, mode)
-            runtime.log(f"[{job.label}] test {eval_set.name}: " + ", ".join(
-                f"{v:.2f}% ({kind} logits)" for kind, v in accuracy[eval_set.name].items()) +
-                f" ({len(eval_set.items)} images, {len(eval_set.classnames)} classes"
-                f"{f', beta {betas[eval_set.name]:g}' if betas else ''})")
+                used = "clip" if model is None else logits_used(eval_set, mode)
+                logits[mode][eval_set.name] = used
+            scores = ", ".join(f"{v:.2f}% ({kind} logits)"
+                               for kind, v in accuracy[eval_set.name].items())
+            beta = f", beta {betas[eval_set.name]:g}" if betas else ""
+            runtime.log(f"[{job.label}] test {eval_set.name}: {scores} "
+                        f"({len(eval_set.items)} images, {len(eval_set.classnames)} classes{beta})")
         if model is not None:
             model.beta = settings["beta"]  # the training beta again (retrieval: the trained set)
         by_fusion = {mode: {name: accuracy[name][kind] for name, kind in logits[mode].items()}
@@ -775,20 +867,25 @@ def run_job(job: runs.Job, settings, inputs: Inputs, role_maps: dict, lists: Run
             if settings["protocol"] == "base2novel":
                 metrics["hm"] = runs.harmonic_mean(metrics["base"], metrics["novel"])
         first = settings["fusion"][0]
-        # "metrics" and "logits": the first --fusion mode's numbers and which logits scored each set;
-        # *_by_fusion: the same for every mode; role_map: the analysed map this run used, if any;
-        # alpha: DeAR's learned fusion weight per branch; test_beta: each set's beta at test.
+        # "metrics" and "logits": the first --fusion mode's numbers and which logits scored each
+        # set; *_by_fusion: the same for every mode; role_map: the analysed map this run used, if
+        # any; alpha: DeAR's learned fusion weight per branch; test_beta: each set's beta at test.
         alpha = None
         if model is not None:
             alpha = dict(zip(["class"] + model.attributes, model.fusion_weights().tolist()))
-        result = dict(job=dataclasses.asdict(job), metrics=by_fusion[first], fusion=first, logits=logits[first],
-                      metrics_by_fusion=by_fusion, logits_by_fusion=logits, accuracy_by_logits=accuracy,
-                      role_map=(settings["role_maps"] or {}).get(job.dataset) if job.roles == "analyse" else None,
-                      alpha=alpha, test_beta=betas or None, settings=expected)
+        role_record = None
+        if job.roles == "analyse":
+            role_record = (settings["role_maps"] or {}).get(job.dataset)
+        result = dict(job=dataclasses.asdict(job), metrics=by_fusion[first], fusion=first,
+                      logits=logits[first], metrics_by_fusion=by_fusion, logits_by_fusion=logits,
+                      accuracy_by_logits=accuracy, role_map=role_record, alpha=alpha,
+                      test_beta=betas or None, settings=expected)
     if runtime.main:
-        if model is not None:  # pictures in the run folder; the toy world's precision@10 in the result
+        # pictures in the run folder; the toy world's precision@10 in the result
+        if model is not None:
             result["retrieval"] = retrieval_check(model, job, settings, inputs, lists, runtime)
-        runs.write_text(os.path.join(job.folder, "results.md"), runs.job_table(job.label, result["metrics"]))
+        table = runs.job_table(job.label, result["metrics"])
+        runs.write_text(os.path.join(job.folder, "results.md"), table)
         runs.write_json(results_path, result)  # last: its presence marks the run complete
     return result
 
@@ -805,13 +902,16 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def run(args) -> int:
     settings = runs.resolve_settings(args, BOOK)  # flags (or the saved run) -> settings, checked
-    jobs, fresh = runs.plan_jobs(settings), not (settings["resume"] or settings["eval_only"])
+    jobs = runs.plan_jobs(settings)
+    fresh = not (settings["resume"] or settings["eval_only"])
     with contextlib.ExitStack() as stack:  # holds the run folder's lock until the call ends
-        runs.check_run_folder(settings, jobs, stack)  # fresh: usable; resumed: locked, every file checked
+        # fresh: usable; resumed: locked, every file checked
+        runs.check_run_folder(settings, jobs, stack)
         pool = read_pool(settings)  # the analysis' descriptions, checked before any model is read
         runtime = runs.setup_runtime(settings)  # the device (and processes, under torchrun)
         inputs = open_inputs(settings, runtime, pool)  # CLIP, tokenizer, the toy world, checked
-        settings = dict(settings, **inputs.files)  # the files' places and SHA-256 complete the settings
+        # the files' places and SHA-256 complete the settings
+        settings = dict(settings, **inputs.files)
         datasets = Datasets(settings["root"], runtime.log)  # each read once, when first asked for
         lists = read_data(settings, jobs, datasets) if not settings["analyse_only"] else None
         analysed, records = analysed_role_maps(settings, inputs, datasets, runtime)  # one per pool
@@ -826,17 +926,23 @@ def run(args) -> int:
                 for dataset in records:
                     folder = os.path.dirname(runs.role_copy(settings, dataset))
                     runtime.log(f"train.py: head roles of {dataset} in {folder} "
-                                "(roles.json, roles.txt, roles.png, masks.png); train with them by leaving out "
-                                "--analyse-only (the cache is reused)")
+                                "(roles.json, roles.txt, roles.png, masks.png); "
+                                "train with them by leaving out --analyse-only "
+                                "(the cache is reused)")
             return 0
         if runtime.main and fresh:  # from here on the run folder exists
             runs.start_run_folder(settings, inputs.clip, runtime.world, stack)
-        runtime.log(f"train.py: {settings['protocol']} on {', '.join(settings['dataset'])}; {len(jobs)} runs "
-                    f"({', '.join(dict.fromkeys(job.row for job in jobs))}); device {runtime.device}"
-                    f"{f' x {runtime.world} processes' if runtime.world > 1 else ''}"
-                    f"{f', autocast {runtime.amp_dtype}' if runtime.amp_dtype else ''}; output {settings['output']}")
-        role_maps = {(dataset, roles): runs.role_map_for(roles, inputs.clip, inputs.attributes, analysed.get(dataset))
-                     for dataset, roles in dict.fromkeys((j.dataset, j.roles) for j in jobs if j.roles is not None)}
+        rows = ", ".join(dict.fromkeys(job.row for job in jobs))
+        processes = f" x {runtime.world} processes" if runtime.world > 1 else ""
+        autocast = f", autocast {runtime.amp_dtype}" if runtime.amp_dtype else ""
+        runtime.log(f"train.py: {settings['protocol']} on {', '.join(settings['dataset'])}; "
+                    f"{len(jobs)} runs ({rows}); device {runtime.device}{processes}{autocast}; "
+                    f"output {settings['output']}")
+        # one role map per (dataset, --roles) the jobs ask for
+        pairs = dict.fromkeys((j.dataset, j.roles) for j in jobs if j.roles is not None)
+        role_maps = {(dataset, roles): runs.role_map_for(roles, inputs.clip, inputs.attributes,
+                                                         analysed.get(dataset))
+                     for dataset, roles in pairs}
         started, results = time.time(), []
         for index, job in enumerate(jobs, 1):  # a run is done once its results.json is written
             elapsed = runs.format_time(time.time() - started)
@@ -845,7 +951,8 @@ def run(args) -> int:
             if result is None:
                 return 0  # stopped by --max-epochs-per-call; resumable
             results.append(result)
-        runs.write_summaries(settings, results, inputs.attributes, RETRIEVAL_K, runtime)  # the call is done
+        # the call's tables: after them the call is done
+        runs.write_summaries(settings, results, inputs.attributes, RETRIEVAL_K, runtime)
         runtime.log(f"train.py: done in {runs.format_time(time.time() - started)}; tables in "
                     f"{os.path.join(settings['output'], 'summary.md')}")
         if runtime.world > 1:
