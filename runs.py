@@ -24,9 +24,9 @@ import secrets
 import shutil
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, fields
 from pathlib import Path
-from collections import Counter
 from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch

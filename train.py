@@ -299,17 +299,16 @@ def description_bank(toy: bool) -> List[tuple]:
 
 def read_pool(settings):
     """The head analysis' description pool (--bank), checked against what the analysis will ask
-    of it before any model is read -> (triples, record); a resumed run reads its role map
-    instead: None."""
-    if settings["resume"] or settings["eval_only"]:
+    of it before any model is read -> (triples, record); a call that analyses nothing (a resumed
+    one reads its run folder's role map): None, and no pool is read or fetched."""
+    if settings["resume"] or settings["eval_only"] or not analysing(settings):
         return None
     toy = settings["dataset"] == ["toyworld"]
     bank, record = runs.description_pool(settings["bank"], description_bank(toy), print)
     record["concepts"] = (settings["concepts"]  # unset: the pool decides
                           or dear.default_concepts(bank))
-    if analysing(settings):
-        attributes = world_attributes() if toy else list(dear.CORE_ATTRIBUTES)
-        check_pool(settings, bank, record["concepts"], attributes)
+    attributes = world_attributes() if toy else list(dear.CORE_ATTRIBUTES)
+    check_pool(settings, bank, record["concepts"], attributes)
     return bank, record
 
 
@@ -320,8 +319,8 @@ def open_inputs(settings, runtime: runs.Runtime, pool) -> Inputs:
     files = {key: settings[key] for key in ("root", "weights", "head_width", "bpe")}
     toy = settings["dataset"] == ["toyworld"]
     attributes = list(dear.CORE_ATTRIBUTES) if not toy else world_attributes()
-    if pool is None:  # resumed: none
-        pool = [], dict(concepts=None, sha256=settings["fingerprints"]["bank"])
+    if pool is None:  # no analysis in this call: a resumed run keeps the pool's recorded SHA-256
+        pool = [], dict(concepts=None, sha256=(settings["fingerprints"] or {}).get("bank"))
     bank, record = pool
     cluster_names = runs.cluster_names_of(settings["cluster_names"], attributes)
     if toy:
@@ -677,7 +676,7 @@ def analysed_role_maps(settings, inputs: Inputs, datasets: Datasets, runtime: ru
     --resume / --eval-only read the run folder's copies, checked against settings.json."""
     maps, records = {}, {}
     for dataset in runs.trained_datasets(settings) if analysing(settings) else []:
-        if settings["resume"] or settings["eval_only"]:
+        if settings["resume"] or settings["eval_only"] or not analysing(settings):
             path = runs.role_copy(settings, dataset, checked=True)
             record = settings["role_maps"][dataset]
         else:

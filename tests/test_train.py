@@ -1378,6 +1378,10 @@ def test_textspans_pool_comes_from_the_cache_offline_or_an_error_says_where_to_p
     line = refused(common(world, out, "--dataset", "dtd", "--analyse-only", "--bank", "textspan"), capsys,
                    "--bank textspan: cannot download https://raw.githubusercontent.com/yossigandelsman/", out)
     assert f"put that file (SHA-256 39c6bf3e788684d9...) at {cached}" in line
+    # A call that analyses no head reads no pool: nothing is fetched, nothing is refused.
+    zeroshot = tmp_path / "zeroshot"
+    assert train.main(common(world, zeroshot, "--dataset", "dtd", "--method", "zeroshot", "--bank", "textspan")) == 0
+    assert read(zeroshot / "settings.json")["settings"]["fingerprints"]["bank"] is None
     shared = REPO.parent / "shared" / "textspan" / "image_descriptions_general.txt"
     if not shared.is_file():
         pytest.skip("TextSpan's pool is not beside this checkout (../shared/textspan/)")
