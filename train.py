@@ -676,7 +676,7 @@ def analysed_role_maps(settings, inputs: Inputs, datasets: Datasets, runtime: ru
     --resume / --eval-only read the run folder's copies, checked against settings.json."""
     maps, records = {}, {}
     for dataset in runs.trained_datasets(settings) if analysing(settings) else []:
-        if settings["resume"] or settings["eval_only"] or not analysing(settings):
+        if settings["resume"] or settings["eval_only"]:
             path = runs.role_copy(settings, dataset, checked=True)
             record = settings["role_maps"][dataset]
         else:
