@@ -178,8 +178,13 @@ def test_the_cache_misses_when_the_encoder_or_a_model_file_changes_and_a_named_m
     assert not reused("e")
     fingerprints = {read(tmp_path / f / "toyworld/roles/analysis.json")["fingerprint"] for f in "abcde"}
     assert len(fingerprints) == 3
-    # Nothing cached, and the hub out of reach: one line saying how to pass a folder, at once.
+    # Nothing cached, and the hub out of reach: one line saying how to pass a folder, at once
+    # (no fetch is tried: the hub's client would retry for minutes).
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    import sentence_transformers
+
+    monkeypatch.setattr(sentence_transformers, "SentenceTransformer",
+                        lambda *a, **k: pytest.fail("a fetch was tried with the hub out of reach"))
     line = refused(capsys, toy(tmp_path / "offline", "--analyse-only", *flags,
                                "--sentence-encoder", "sbert:all-MiniLM-L6-v2"), "cannot be reached")
     assert line.endswith(f"--sentence-encoder sbert:{runs.SBERT_MODEL}: not in the Hugging Face cache "
