@@ -969,8 +969,9 @@ def clusters_table(role_map: dear.RoleMap, labels: Dict[str, str], encoder: dict
         clustered = [(c, t) for c, t in zip(picks.values(), truth) if c != dear.NOISE]
         pure = sum(Counter(t for c2, t in clustered if c2 == c).most_common(1)[0][1] for c in {c for c, _ in clustered})
         per_concept = {t: len({c for c, t2 in clustered if t2 == t}) for t in sorted(set(truth))}
+        purity = f"{pure / len(clustered):.2f}" if clustered else "- (no pick in a cluster)"
         lines += ["", f"Against the labels: adjusted Rand index {adjusted_rand_index(found, truth):.2f}, "
-                  f"purity {pure / max(len(clustered), 1):.2f} (clustered picks); clusters per concept: "
+                  f"purity {purity} (clustered picks); clusters per concept: "
                   + ", ".join(f"{t} {n}" for t, n in per_concept.items()) + "."]
     return "\n".join(lines + [""])
 
