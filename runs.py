@@ -63,8 +63,8 @@ ABLATIONS = {
 # world against ablation) or the paper's Sec. 3.2 (analysis_preset; docs/METHOD.md Sec. 3's table
 # of departures).
 ANALYSES = ("project", "paper")
-# SBERT, the paper's sentence encoder (--sentence-encoder sbert): sentence-transformers' all-MiniLM-L6-v2
-# unless another model is named. An optional extra, imported only when chosen.
+# SBERT, the paper's sentence encoder (--sentence-encoder sbert): sentence-transformers'
+# all-MiniLM-L6-v2 unless another model is named. An optional extra, imported only when chosen.
 SBERT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 SBERT_INSTALL = "pip install -r requirements-sbert.txt"
 TEST_BETAS = ("per-target", "trained")  # cross, dg: DeAR's beta on a target (train.beta_at_test)
@@ -72,8 +72,8 @@ MAX_SEED = 2**32 - 1  # numpy's range; the per-epoch seeds are derived from it (
 # Every setting of a run, in settings.json's order.
 SETTING_KEYS = ("dataset dataset_paths template protocol source method roles ablations fusion "
                 "seeds shots root weights head_width bpe output first_layer beta test_beta "
-                "text_tokens lambda_reg lambda_fusion analysis analysis_pool analysis_images bank concepts "
-                "sentence_encoder min_cluster_size min_samples cluster_names descriptions low_bits "
+                "text_tokens lambda_reg lambda_fusion analysis analysis_pool analysis_images bank "
+                "concepts sentence_encoder min_cluster_size min_samples cluster_names descriptions low_bits "
                 "high_bits epochs "
                 "batch_size lr warmup_epochs warmup_lr weight_decay augment device amp workers "
                 "eval_batch_size log_every max_epochs_per_call toy_scale fingerprints role_maps").split()
@@ -157,25 +157,26 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
     g("--text-tokens", type=int, help="K, learnable tokens inserted in the text tower")
     g("--lambda-reg", type=float, help="weight of the self-regularisation loss")
     g("--lambda-fusion", type=float, help="weight of the fusion-weight regularisation loss")
-    g("--analysis", choices=ANALYSES, help="the head analysis as a whole: project = the project's (its "
-      "labelled bank, the labels as concepts; checked on the toy world against ablation; not the paper's); "
-      "paper = the paper's Sec. 3.2: TextSpan's pool (toyworld: its own bank, labels stripped), clusters of "
-      "SBERT embeddings, 20 picks per head, ImageNet's validation images when ImageNet is under --root; "
-      "a flag typed beside it wins")
+    g("--analysis", choices=ANALYSES, help="the head analysis as a whole: project = the "
+      "project's (its labelled bank, the labels as concepts; checked on the toy world against "
+      "ablation; not the paper's); paper = the paper's Sec. 3.2: TextSpan's pool (toyworld: its "
+      "own bank, labels stripped), clusters of SBERT embeddings, 20 picks per head, ImageNet's "
+      "validation images when ImageNet is under --root; a flag typed beside it wins")
     g("--analysis-pool", help="head-analysis images: 'train' = the trained dataset's training split (base2novel: "
       "base classes; never the few-shot draw), or DATASET:SPLIT, e.g. imagenet:test (TextSpan's pool)")
     g("--analysis-images", type=int, help="at most this many pool images, spread evenly over its classes (fixed seed)")
     g("--bank", help="the head analysis' description pool: 'project' (the project's labelled bank; toyworld: "
-      "its own), 'project-unlabelled' (the same, its labels stripped: they only score the clusters), "
-      "'textspan' (TextSpan's general pool, 3,497 lines, downloaded once, SHA-256-checked) or a PATH: "
+      "its own), 'project-unlabelled' (the same, its labels stripped: they only score the "
+      "clusters), 'textspan' (TextSpan's general pool, 3,497 lines, downloaded once, "
+      "SHA-256-checked) or a PATH: "
       "one description per line, '#' comments, 'text<TAB>concept' to label a line")
     g("--concepts", choices=dear.CONCEPT_SOURCES, help="where the analysis' concepts come from: clusters (the "
       "paper's: HDBSCAN over the picks' embeddings by --sentence-encoder) or labels (the pool's own; every line labelled) "
       "(unset: labels where every line of the pool has one, else clusters)")
     g("--sentence-encoder", type=sentence_encoder_name, metavar="clip|sbert[:NAME_OR_FOLDER]",
-      help="what embeds the picks to cluster them: clip = CLIP's own text tower; sbert = SBERT through "
-      f"sentence-transformers ({SBERT_INSTALL}), {SBERT_MODEL} unless a Hugging Face model name or a "
-      "local model folder follows (offline: a folder)")
+      help="what embeds the picks to cluster them: clip = CLIP's own text tower; sbert = SBERT "
+      f"through sentence-transformers ({SBERT_INSTALL}), {SBERT_MODEL} unless a Hugging Face "
+      "model name or a local model folder follows (offline: a folder)")
     g("--min-cluster-size", type=int, help="HDBSCAN's smallest concept, in distinct picks (unset: the picks "
       "per head)")
     g("--min-samples", type=int, help="HDBSCAN's neighbours for a core point (unset: --min-cluster-size)")
@@ -249,8 +250,8 @@ def fusion_name(value: str) -> str:
 
 def sentence_encoder_name(value: str) -> str:
     """--sentence-encoder's type -> 'clip', or 'sbert:' + a Hugging Face model name (a bare name is
-    sentence-transformers', as that library reads it) or an absolute folder: one spelling per model,
-    so that --resume compares like with like. Whether it is installed and there: check_sentence_encoder."""
+    sentence-transformers', as that library reads it) or an absolute folder: one spelling per
+    model, so that --resume compares like with like. Installed and there: check_sentence_encoder."""
     kind, colon, model = value.partition(":")
     if value == "clip":
         return value
@@ -384,11 +385,11 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
 
 
 def analysis_preset(analysis: str, toy: bool, root: Optional[str], typed: dict) -> dict:
-    """--analysis paper -> the settings it gives, each unless typed: TextSpan's general pool (the toy
-    world: its own bank without labels, as its tokenizer knows only toy words), concepts by clusters,
-    SBERT, and ImageNet's validation images when ImageNet is under --root (else the trained dataset's
-    training images); its 20 picks are the picks' default (train.default_picks). --analysis project:
-    nothing (the defaults are the project's)."""
+    """--analysis paper -> the settings it gives, each unless typed: TextSpan's general pool (the
+    toy world: its own bank without labels, as its tokenizer knows only toy words), concepts by
+    clusters, SBERT, and ImageNet's validation images when ImageNet is under --root (else the
+    trained dataset's training images); its 20 picks are the picks' default (train.default_picks).
+    --analysis project: nothing (the defaults are the project's)."""
     if analysis != "paper":
         return {}
     imagenet = bool(root) and os.path.isdir(os.path.join(root, data.get_spec("imagenet").folder))
@@ -402,12 +403,14 @@ def analysis_preset(analysis: str, toy: bool, root: Optional[str], typed: dict) 
 
 # What stays the project's under --analysis paper (docs/METHOD.md Sec. 3, the table of departures).
 PAPER_DEPARTURES_KEPT = (
-    "HDBSCAN's min_cluster_size = the picks per head", "a pick in no cluster is a concept of its own",
+    "HDBSCAN's min_cluster_size = the picks per head",
+    "a pick in no cluster is a concept of its own",
     "clusters named by mutual-nearest attribute names (a labelled pool: by its labels)",
     "role thresholds at thirds of log2(min(picks, concepts)) bits, the low one at least 0.81",
     "TextSpan's rank = the head width", "at most {analysis_images} images",
     "no attribute head measured: the class branch alone",
-    "attribute and text tokens of their own in each layer and tower", "K = {text_tokens} text tokens")
+    "attribute and text tokens of their own in each layer and tower",
+    "K = {text_tokens} text tokens")
 
 
 def analysis_header(settings, concepts: str, toy: bool) -> List[str]:
@@ -418,15 +421,17 @@ def analysis_header(settings, concepts: str, toy: bool) -> List[str]:
     if settings["analysis"] != "paper":
         return [f"head analysis: --analysis project (the default: the project's analysis, not the "
                 f"paper's; --analysis paper runs the paper's): --bank {settings['bank']}, concepts "
-                f"{concepts}, --sentence-encoder {encoder}, --analysis-pool {settings['analysis_pool']}"]
+                f"{concepts}, --sentence-encoder {encoder}, "
+                f"--analysis-pool {settings['analysis_pool']}"]
     preset = analysis_preset("paper", toy, settings["root"], {})
     if concepts != "clusters":  # typed labels: no encoder runs
         del preset["sentence_encoder"]
     shown = [f"--{key.replace('_', '-')} {settings[key]}" + ("" if settings[key] == value else
              f" (typed; the paper's: {value})") for key, value in preset.items()]
     picks = settings["descriptions"]
-    shown.append(f"{dear.PAPER_PICKS} picks per head (capped where a head's width allows fewer)"
-                 if picks is None else f"--descriptions {picks} (typed; the paper's: {dear.PAPER_PICKS})")
+    paper_picks = f"{dear.PAPER_PICKS} picks per head (capped where a head's width allows fewer)"
+    typed = f"--descriptions {picks} (typed; the paper's: {dear.PAPER_PICKS})"
+    shown.append(paper_picks if picks is None else typed)
     lines = ["head analysis: --analysis paper, the paper's Sec. 3.2: " + ", ".join(shown)]
     if settings["analysis_pool"] == "train":
         where = "the toy world" if toy else "no ImageNet under --root"
@@ -813,7 +818,8 @@ def check_sentence_encoder(encoder: str) -> None:
         return
     flag, model = f"--sentence-encoder {encoder}", encoder.split(":", 1)[1]
     if os.path.isabs(model) and not os.path.isfile(os.path.join(model, "config.json")):
-        what = "no such folder" if not os.path.isdir(model) else "not a model folder (no config.json)"
+        what = ("no such folder" if not os.path.isdir(model)
+                else "not a model folder (no config.json)")
         raise TrainError(f"{flag}: {what}; give the folder of a sentence-transformers model "
                          f"(e.g. all-MiniLM-L6-v2's), or a model name such as {SBERT_MODEL}")
     if importlib.util.find_spec("sentence_transformers") is None:

@@ -242,7 +242,8 @@ def check_datasets(settings, jobs: List[runs.Job]) -> None:
     if not settings["analyse_only"]:
         names += settings["dataset"]  # cross, dg: the targets
     pool, _ = runs.analysis_pool_of(settings["analysis_pool"])
-    if pool is not None and analysing(settings) and not (settings["resume"] or settings["eval_only"]):
+    fresh = not (settings["resume"] or settings["eval_only"])
+    if pool is not None and analysing(settings) and fresh:
         names.append(pool)
     for name in dict.fromkeys(names):
         data.dataset_folder(name, settings["root"])
@@ -327,9 +328,9 @@ def read_pool(settings):
     try:
         bank, record = runs.description_pool(settings["bank"], description_bank(toy), print)
     except TrainError as error:  # say why a pool never typed is read
-        preset = settings["analysis"] == "paper" and settings["bank"] == "textspan"
-        raise (TrainError(f"--analysis paper reads TextSpan's pool: {error}") if preset else error) \
-            from None
+        if settings["analysis"] == "paper" and settings["bank"] == "textspan":
+            raise TrainError(f"--analysis paper reads TextSpan's pool: {error}") from None
+        raise
     record["concepts"] = (settings["concepts"]  # unset: the pool decides
                           or dear.default_concepts(bank))
     attributes = world_attributes() if toy else list(dear.CORE_ATTRIBUTES)
@@ -343,7 +344,8 @@ def read_pool(settings):
 def check_encoder(settings, concepts: str) -> None:
     """--sentence-encoder against the concepts, then installed and there (before any download)."""
     if concepts == "labels" and settings["bank"] == "textspan":
-        raise TrainError("--concepts labels: TextSpan's pool has no labels; use --concepts clusters")
+        raise TrainError("--concepts labels: TextSpan's pool has no labels; "
+                         "use --concepts clusters")
     if concepts == "labels" and settings["sentence_encoder"] != "clip":
         raise TrainError(f"--sentence-encoder {settings['sentence_encoder']}: the concepts are the "
                          f"pool's labels (--bank {settings['bank']}), which no encoder touches; "
@@ -679,7 +681,7 @@ def run_head_analysis(settings, inputs: Inputs, items: list, pool: str, picks: i
                       folder: str, runtime: runs.Runtime) -> None:
     """Concept entropy of every head of the last four layers -> roles.json, roles.txt, roles.png,
     clusters.md in `folder` (and, in the toy world, the causal check). `encoder`: the record of
-    --sentence-encoder (runs.sentence_encoder_record); SBERT is loaded here, on a cache miss alone."""
+    --sentence-encoder (runs.sentence_encoder_record); SBERT is loaded here, on a cache miss."""
     clip, started = inputs.clip, time.time()
     layers = dear.analysed_layers(len(clip.visual.transformer.resblocks))  # the last four
     runtime.log(f"head analysis: concept entropy of every head of the last {layers} layers "
