@@ -570,9 +570,11 @@ def distributed(model: dear.DeAR, settings, runtime: runs.Runtime):
 
 
 def has_idle_tensors(model: dear.DeAR) -> bool:
-    """Whether a learnable tensor gets no gradient (DDP must then look for it every step): K = 0,
-    an empty text tensor; A = 0 under --tokens separate, an empty vision tensor and an unused
-    attribute_proj. --tokens shared builds no vision map and no residual at A = 0, and its K is A."""
+    """Whether DDP is told to look for learnable tensors without a gradient every step: under
+    --tokens separate with K = 0 (an empty text tensor) or A = 0 (an empty vision tensor, and an
+    attribute_proj that only empty tokens reach), as before. --tokens shared builds no vision map
+    and no residual at A = 0, and its K is A: every tensor takes part in every step (a blind
+    branch's gradients are zeros, not missing), so DDP need not search the graph."""
     return model.num_text_tokens == 0 or (not model.attributes and model.tokens == "separate")
 
 

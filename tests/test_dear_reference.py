@@ -185,8 +185,8 @@ def reference(clip, tensors: dict, J: int, images: torch.Tensor, ids: torch.Tens
 def shared_layer_tokens(latent, weight, a, b, bias) -> torch.Tensor:
     """(L, A, W_tower): one layer at a time, the residual added to the weight first."""
     z = latent.double()
-    return torch.stack([F.linear(z, weight.double() + a[l].double() @ b[l].double(), bias[l].double())
-                        for l in range(len(a))])
+    weight, a, b, bias = weight.double(), a.double(), b.double(), bias.double()
+    return torch.stack([F.linear(z, weight + a[l] @ b[l], bias[l]) for l in range(len(a))])
 
 
 def reference_tensors(model: DeAR) -> dict:
@@ -195,7 +195,9 @@ def reference_tensors(model: DeAR) -> dict:
     t = dict(model.named_parameters())
     if model.tokens == "separate":
         return t
-    aligner = lambda tower: [t[f"{tower}_aligner.{n}"] for n in ("weight", "a", "b", "bias")]  # noqa: E731
+    def aligner(tower: str) -> list:
+        return [t[f"{tower}_aligner.{n}"] for n in ("weight", "a", "b", "bias")]
+
     residual = t["attribute_proj_residual.a"].double() @ t["attribute_proj_residual.b"].double()
     return dict(vision_tokens=shared_layer_tokens(t["latent_tokens"], *aligner("vision")),
                 text_tokens=shared_layer_tokens(t["latent_tokens"], *aligner("text")),
@@ -222,7 +224,8 @@ def prompts(num_classes=4, seed=0):
 def randomised(clip, J: int, tokens: str = "separate") -> DeAR:
     torch.manual_seed(10 + J)
     if tokens == "shared":  # K unset: it must follow A (= K = 3 here)
-        return randomised_shared(DeAR(clip, role_map(), ATTRIBUTES, first_layer=J, beta=BETA, tokens=tokens))
+        model = DeAR(clip, role_map(), ATTRIBUTES, first_layer=J, beta=BETA, tokens=tokens)
+        return randomised_shared(model)
     model = DeAR(clip, role_map(), ATTRIBUTES, first_layer=J, beta=BETA, num_text_tokens=K)
     with torch.no_grad():
         model.vision_tokens.normal_(0, 1.0)
@@ -304,7 +307,8 @@ def test_the_fast_path_equals_the_plain_reference_gradients_included(tiny_deep_c
         assert_close(out.image_features.detach(), plain.image_features.detach(), 1e-5, f"J={J}: image features")
         for (name, p), g in zip(model.learnable_tensors().items(), plain_grads):
             scale = max(1.0, g.abs().max().item())
-            assert_close(p.grad / scale, g / scale, 1e-5, f"J={J}, step {step}: {name}'s gradient (relative)")
+            what = f"J={J}, step {step}: {name}'s gradient (relative)"
+            assert_close(p.grad / scale, g / scale, 1e-5, what)
 
 
 # ------------------------------------------------------------------------------------------
@@ -312,19 +316,20 @@ def test_the_fast_path_equals_the_plain_reference_gradients_included(tiny_deep_c
 # ------------------------------------------------------------------------------------------
 
 
-def test_at_the_start_every_layers_mapped_tokens_are_equal_and_the_projection_is_proj(tiny_deep_clip):
+def test_at_the_start_every_layers_tokens_are_equal_and_the_projection_is_proj(tiny_deep_clip):
     torch.manual_seed(0)
     model = DeAR(tiny_deep_clip, role_map(), ATTRIBUTES, first_layer=1, beta=BETA, tokens="shared")
     with torch.no_grad():
         tensors = reference_tensors(model)
-        for tower, ours in (("vision", model.vision_layer_tokens()), ("text", model.text_layer_tokens())):
+        towers = (("vision", model.vision_layer_tokens()), ("text", model.text_layer_tokens()))
+        for tower, ours in towers:
             theirs = tensors[f"{tower}_tokens"]
             assert ours.shape == (3, len(ATTRIBUTES), 128), tower
             assert_close(ours.double(), theirs, 1e-6, f"{tower}: the map at the start")
             for layer in range(1, len(ours)):  # B = 0 and one bias copied to every layer
-                assert torch.equal(ours[layer], ours[0]), f"{tower} layer {layer} differs at the start"
-        assert torch.equal(model.attribute_projection(), tiny_deep_clip.visual.proj)  # B = 0: proj itself
-        assert model.latent_tokens.std().item() == pytest.approx(0.02, rel=0.25)  # MMRL++'s normal init
+                assert torch.equal(ours[layer], ours[0]), f"{tower} layer {layer} differs"
+        assert torch.equal(model.attribute_projection(), tiny_deep_clip.visual.proj)  # B = 0: proj
+        assert model.latent_tokens.std().item() == pytest.approx(0.02, rel=0.25)  # MMRL++'s init
 
 
 def test_one_layers_residual_moves_that_layers_tokens_only(tiny_deep_clip):
@@ -333,9 +338,11 @@ def test_one_layers_residual_moves_that_layers_tokens_only(tiny_deep_clip):
         before_v, before_t = model.vision_layer_tokens().clone(), model.text_layer_tokens().clone()
         model.vision_aligner.b[1] += 0.3  # layer 2's residual, vision tower
         after_v, after_t = model.vision_layer_tokens(), model.text_layer_tokens()
-        assert_close(after_v.double(), reference_tensors(model)["vision_tokens"], 1e-5, "after the change")
+        expected = reference_tensors(model)["vision_tokens"]
+        assert_close(after_v.double(), expected, 1e-5, "after the change")
     assert (after_v[1] - before_v[1]).abs().max() > 1e-2, "the changed layer did not move"
-    assert torch.equal(after_v[0], before_v[0]) and torch.equal(after_v[2], before_v[2]), "another layer moved"
+    for layer in (0, 2):
+        assert torch.equal(after_v[layer], before_v[layer]), f"layer {layer} moved"
     assert torch.equal(after_t, before_t), "the text tower moved"
 
 
@@ -347,5 +354,6 @@ def test_changing_a_latent_token_moves_both_towers(tiny_deep_clip):
         before = model(images, classes)
         model.latent_tokens[1] += 0.5  # the colour token's latent
         after = model(images, classes)
-    assert (after.image_features[:, 2] - before.image_features[:, 2]).abs().max() > 1e-3, "vision tower"
+    moved = (after.image_features[:, 2] - before.image_features[:, 2]).abs().max()
+    assert moved > 1e-3, "vision tower"
     assert (after.text_features - before.text_features).abs().max() > 1e-3, "text tower"
