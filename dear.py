@@ -48,6 +48,11 @@ CONCEPT_SOURCES = ("clusters", "labels")  # the paper's: the picks clustered; th
 PAPER_PICKS = 20  # TextSpan's picks per head, the paper's "N" (default_picks: unlabelled pools)
 ANALYSED_LAYERS = 4  # the paper analyses, and prompts, the vision tower's last four layers
 MMRL_ALPHA = 0.7  # MMRL's class-branch CE weight (yunncheng/MMRL train.py: TRAINER.MMRL.ALPHA)
+TOKEN_CONSTRUCTIONS = ("separate", "shared")  # each layer's own tokens (ours), or MMRL++'s space
+TEXT_TOKENS = 4  # K under tokens="separate" (our choice); "shared": K = A (default_text_tokens)
+# tokens="shared", MMRL++'s ranks (yunncheng/MMRL configs/trainers/MMRLpp/vit_b16.yaml):
+SHARED_RESIDUAL_RANK = 4  # each token layer's residual on its tower's map (RES_LORA_DIM)
+SHARED_PROJ_RANK = 64  # the attribute projection's learnable residual on proj (PROJ_LORA_DIM)
 
 
 class DeARError(ValueError):
@@ -606,6 +611,74 @@ def falls_back_to_class_branch(role_map: RoleMap) -> bool:
     return measured and not any(h.role == "attribute" for h in role_map.heads)
 
 
+# The token construction (METHOD.md Sec. 4): where each layer's fresh tokens p_l come from.
+#   separate (default, ours): every layer from J and each tower has its own learnable tokens, in
+#     its own width (DeAR.vision_tokens (L, A, W_v), DeAR.text_tokens (L, K, W_t)); the attribute
+#     tokens' projection is a learnable copy of proj.
+#   shared (MMRL++, yunncheng/MMRL trainers/mmrlpp.py and clip/model_mmrlpp.py): one set of K = A
+#     latent tokens of width R (the text tower's, 512 on ViT-B/16), mapped into each token layer of
+#     both towers by that tower's TowerAligner; the projection is proj, frozen, plus a learnable
+#     low-rank residual. The same tokens enter both towers.
+# Either way DeAR gets (L, A, W_v) and (L, K, W_t) tokens, mixed by beta and masked the same way.
+def default_text_tokens(tokens: str, num_attributes: int) -> int:
+    """K, the one default of it: 4 under "separate" (our choice); A under "shared", whose text
+    tower receives the vision tower's own latent tokens (MMRL++)."""
+    return TEXT_TOKENS if tokens == "separate" else num_attributes
+
+
+def check_tokens(tokens: str, num_attributes: int, num_text_tokens: Optional[int]) -> None:
+    """tokens is a construction; under "shared" K is A (A = 0, the no-attribute-tokens ablation:
+    the K latent tokens reach the text tower alone)."""
+    if tokens not in TOKEN_CONSTRUCTIONS:
+        raise DeARError(f"tokens={tokens!r}: use {' or '.join(TOKEN_CONSTRUCTIONS)}")
+    if tokens == "shared" and num_attributes and num_text_tokens not in (None, num_attributes):
+        raise DeARError(f"K = {num_text_tokens} text tokens: under tokens 'shared' the text tower "
+                        f"receives the A = {num_attributes} tokens of the vision tower; leave K "
+                        "unset (it follows A)")
+
+
+class TowerAligner(nn.Module):
+    """tokens="shared": one tower's map of the latent tokens into its L token layers, MMRL++'s
+    Shared_Residual_Representation_Aligner (trainers/mmrlpp.py, one Residual_Aligner per layer):
+        p_l = z (W + a_l b_l)^T + bias_l
+    z (K, R) the latent tokens; W (W_tower, R) one linear map for every layer (torch's nn.Linear
+    initialisation, learned); a_l (W_tower, r) Kaiming-uniform and b_l (r, R) zero, layer l's
+    rank-r residual, so every layer starts from the same map; bias_l (W_tower,) each layer's own,
+    all starting from the linear's bias."""
+
+    def __init__(self, latent_width: int, width: int, layers: int, rank: int):
+        super().__init__()
+        linear = nn.Linear(latent_width, width)  # MMRL++'s fresh nn.Linear: its random start
+        self.weight = nn.Parameter(linear.weight.detach().clone())  # (W, R), shared by the layers
+        self.bias = nn.Parameter(linear.bias.detach().repeat(layers, 1))  # (L, W), a copy each
+        self.a = nn.Parameter(torch.empty(layers, width, rank))  # (L, W, r)
+        for a_l in self.a.data:  # Residual_Aligner's A: kaiming_uniform_(a=sqrt(5)) over fan-in r
+            nn.init.kaiming_uniform_(a_l, a=math.sqrt(5))
+        self.b = nn.Parameter(torch.zeros(layers, rank, latent_width))  # (L, r, R): B = 0
+
+    def forward(self, latent: torch.Tensor) -> torch.Tensor:
+        """latent (K, R) -> every layer's tokens (L, K, W)."""
+        shared = latent @ self.weight.T  # (K, W): the map all layers share
+        low = torch.einsum("kr,lqr->lkq", latent, self.b)  # (L, K, r): z b_l^T
+        residual = torch.einsum("lkq,lwq->lkw", low, self.a)  # (L, K, W): z b_l^T a_l^T
+        return shared + residual + self.bias[:, None]  # (L, K, W)
+
+
+class LowRankResidual(nn.Module):
+    """tokens="shared": the attribute projection's learnable part, a b with a (W_v, r)
+    Kaiming-uniform and b (r, E) zero (MMRL++'s VisionTransformer.A, .B in clip/model_mmrlpp.py:
+    proj + A @ B), so the projection starts as proj itself."""
+
+    def __init__(self, rows: int, cols: int, rank: int):
+        super().__init__()
+        self.a = nn.Parameter(torch.empty(rows, rank))  # (W_v, r)
+        nn.init.kaiming_uniform_(self.a, a=math.sqrt(5))
+        self.b = nn.Parameter(torch.zeros(rank, cols))  # (r, E)
+
+    def forward(self) -> torch.Tensor:
+        return self.a @ self.b  # (W_v, E)
+
+
 class PreparedClasses(NamedTuple):
     """One class list's frozen text side up to layer J (`DeAR.prepare_classes`)."""
     hidden: torch.Tensor  # (C, N, W_t) the prompts' states entering text layer J (0-based J - 1)
@@ -626,39 +699,63 @@ class DeAROutput:
 
 class DeAR(nn.Module):
     """Frozen CLIP (in place, no copy) + the learnable pieces; attributes default to the map's, J to
-    the first analysed layer (L below: the layers from J on).
+    the first analysed layer (L below: the layers from J on). tokens="separate" (the default):
       vision_tokens   (L, A, W_v)  one token per attribute, fresh at each layer (MMRL++ beta rule)
       text_tokens     (L, K, W_t)  K tokens inserted after the start token
       attribute_proj  (W_v, E)     attribute tokens -> embedding, init = visual.proj
+    tokens="shared" (MMRL++'s space; K = A, R = latent_width, default W_t):
+      latent_tokens            (K, R)  one token per attribute, for both towers
+      vision_aligner           TowerAligner: latent -> (L, A, W_v), each layer's tokens
+      text_aligner             TowerAligner: latent -> (L, K, W_t)
+      attribute_proj_residual  LowRankResidual: the projection is visual.proj (frozen) + a b
+    and either way
       fusion_logits   (1 + A,)     alpha = softmax over the class branch and those reading the image
     Nothing before J learns: it runs without autograd, shared with the frozen pass, and once per
     class list on the text side (test_dear_reference.py checks these shortcuts). attributes=[]
     (A = 0, the no-attribute-tokens ablation): frozen CLIP's image feature, the text tokens,
-    alpha = (1,). beta = 0.5 is the toy world's, the library's choice for a small model; train.py
-    passes the recipe's (MMRL++'s 0.9 and its per-dataset values, METHOD.md Sec. 7)."""
-    LEARNABLE = ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits")
+    alpha = (1,); under "shared" no vision aligner and no projection residual, the K latent
+    tokens reach the text tower alone. num_text_tokens: K, default default_text_tokens. beta = 0.5
+    is the toy world's, the library's choice for a small model; train.py passes the recipe's
+    (MMRL++'s 0.9 and its per-dataset values, METHOD.md Sec. 7)."""
+    # The learnable components of each construction: a tensor, or a module whose tensors all learn.
+    LEARNABLE = {"separate": ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits"),
+                 "shared": ("latent_tokens", "vision_aligner", "text_aligner",
+                            "attribute_proj_residual", "fusion_logits")}
 
     def __init__(self, clip: clip_model.CLIP, role_map: RoleMap,
                  attributes: Optional[Sequence[str]] = None, first_layer: Optional[int] = None,
-                 beta: float = 0.5, num_text_tokens: int = 4, cls_fusion_weight: float = 0.5):
+                 beta: float = 0.5, num_text_tokens: Optional[int] = None,
+                 cls_fusion_weight: float = 0.5, tokens: str = "separate",
+                 latent_width: Optional[int] = None):
         super().__init__()
         depth = len(clip.visual.transformer.resblocks)
         attributes = list(role_map.attributes if attributes is None else attributes)
         first_layer = default_first_layer(depth) if first_layer is None else first_layer
         check_model_settings(clip, role_map, attributes, first_layer, beta, num_text_tokens,
-                             cls_fusion_weight)
-        self.clip = clip.eval().requires_grad_(False)  # frozen: only the four tensors below learn
-        self.role_map, self.attributes = role_map, attributes
+                             cls_fusion_weight, tokens, latent_width)
+        if num_text_tokens is None:
+            num_text_tokens = default_text_tokens(tokens, len(attributes))
+        self.clip = clip.eval().requires_grad_(False)  # frozen: only the tensors below learn
+        self.role_map, self.attributes, self.tokens = role_map, attributes, tokens
         self.first_layer, self.beta, self.num_text_tokens = first_layer, beta, num_text_tokens
         L_v = depth - first_layer + 1  # vision layers from J on
         L_t = len(clip.transformer.resblocks) - first_layer + 1  # text layers from J on
         A, K = len(attributes), num_text_tokens
         W_v, W_t = clip.visual.transformer.width, clip.transformer.width
+        E = clip.visual.proj.shape[1]
 
-        # The four learnable tensors (paper Sec. 3.3-3.4).
-        self.vision_tokens = nn.Parameter(torch.randn(L_v, A, W_v) * 0.02)
-        self.text_tokens = nn.Parameter(torch.randn(L_t, K, W_t) * 0.02)
-        self.attribute_proj = nn.Parameter(clip.visual.proj.detach().clone())  # (W_v, E)
+        # The learnable tensors (paper Sec. 3.3-3.4): each layer's tokens, the attribute
+        # projection, the fusion weights.
+        if tokens == "separate":  # each layer and tower its own tokens, in its own width
+            self.vision_tokens = nn.Parameter(torch.randn(L_v, A, W_v) * 0.02)
+            self.text_tokens = nn.Parameter(torch.randn(L_t, K, W_t) * 0.02)
+            self.attribute_proj = nn.Parameter(clip.visual.proj.detach().clone())  # (W_v, E)
+        else:  # MMRL++: one set of latent tokens (normal, std 0.02), mapped into both towers
+            R, r = W_t if latent_width is None else latent_width, SHARED_RESIDUAL_RANK
+            self.latent_tokens = nn.Parameter(torch.randn(K, R) * 0.02)  # (K, R), K = A
+            self.vision_aligner = TowerAligner(R, W_v, L_v, r) if A else None
+            self.text_aligner = TowerAligner(R, W_t, L_t, r)
+            self.attribute_proj_residual = LowRankResidual(W_v, E, SHARED_PROJ_RANK) if A else None
         self.fusion_logits = nn.Parameter(initial_fusion_logits(cls_fusion_weight, A))  # (1 + A,)
 
         # Each head's role mask from J on (Sec. 3.3), built once from the role map.
@@ -673,8 +770,44 @@ class DeAR(nn.Module):
                                        self.class_branch_only, first_layer)
         self.register_buffer("in_fusion", in_fusion, persistent=False)  # (1 + A,) bool
 
+    def learnable_tensors(self) -> Dict[str, nn.Parameter]:
+        """{name: tensor} of everything that learns (a component's own tensors as component.name);
+        under "separate" the four names of LEARNABLE["separate"], as checkpoints hold them."""
+        tensors = {}
+        for component in self.LEARNABLE[self.tokens]:
+            part = getattr(self, component)
+            if isinstance(part, nn.Parameter):
+                tensors[component] = part
+            elif part is not None:  # a module; None: not built (shared, A = 0)
+                tensors.update({f"{component}.{n}": p for n, p in part.named_parameters()})
+        return tensors
+
     def learnable_parameters(self) -> List[nn.Parameter]:
-        return [getattr(self, name) for name in self.LEARNABLE]
+        return list(self.learnable_tensors().values())
+
+    def vision_layer_tokens(self) -> torch.Tensor:
+        """p_l, the fresh tokens of each vision layer from J on: (L, A, W_v)."""
+        if self.tokens == "separate":
+            return self.vision_tokens
+        if self.vision_aligner is None:  # shared, A = 0: no vision token
+            L, W_v = len(self.role_masks), self.clip.visual.transformer.width
+            return self.latent_tokens.new_zeros(L, 0, W_v)
+        return self.vision_aligner(self.latent_tokens)
+
+    def text_layer_tokens(self) -> torch.Tensor:
+        """p_l, the fresh tokens of each text layer from J on: (L, K, W_t)."""
+        if self.tokens == "separate":
+            return self.text_tokens
+        return self.text_aligner(self.latent_tokens)
+
+    def attribute_projection(self) -> torch.Tensor:
+        """(W_v, E), the attribute tokens' projection: learnable (separate), or proj frozen plus the
+        learnable residual (shared; MMRL++'s proj + A @ B)."""
+        if self.tokens == "separate":
+            return self.attribute_proj
+        proj = self.clip.visual.proj
+        residual = self.attribute_proj_residual
+        return proj if residual is None else proj + residual()
 
     def fusion_weights(self) -> torch.Tensor:
         """alpha = softmax(w) over the branches in the fusion, (1 + A,); alpha[0]: the class's."""
@@ -697,16 +830,16 @@ class DeAR(nn.Module):
                     plain = block(plain)
                 frozen = visual.to_embedding(plain[:, 0])  # (B, E)
         B, N, _ = x.shape
-        tokens = None  # (B, A, W_v) from layer J on
+        tokens, layer_tokens = None, self.vision_layer_tokens()  # (B, A, W_v); (L, A, W_v)
         for i, block in enumerate(after):
-            fresh = self.vision_tokens[i].to(x.dtype).expand(B, -1, -1)  # (B, A, W_v)
+            fresh = layer_tokens[i].to(x.dtype).expand(B, -1, -1)  # (B, A, W_v)
             # MMRL++ rule: tokens entering layer l = beta * p_l + (1 - beta) * out_{l-1}.
             tokens = fresh if i == 0 else self.beta * fresh + (1 - self.beta) * tokens
             sequence = torch.cat([x, tokens], dim=1)  # (B, N + A, W_v)
             sequence = block(sequence, self.role_masks[i])  # masked per head
             x, tokens = sequence[:, :N], sequence[:, N:]
         f_cls = visual.to_embedding(x[:, 0])  # (B, E): CLS through ln_post and the frozen proj
-        f_attr = visual.ln_post(tokens) @ self.attribute_proj  # (B, A, E)
+        f_attr = visual.ln_post(tokens) @ self.attribute_projection()  # (B, A, E)
         return f_cls, f_attr, frozen
 
     @torch.no_grad()
@@ -733,11 +866,12 @@ class DeAR(nn.Module):
         C = len(x)
         mask = clip_model.causal_mask(x.shape[1] + K, x.device, x.dtype)  # (N + K, N + K)
         after = self.clip.transformer.resblocks[self.first_layer - 1:]
-        fresh = self.text_tokens[0].to(x.dtype).expand(C, -1, -1)  # (C, K, W_t)
+        layer_tokens = self.text_layer_tokens()  # (L, K, W_t)
+        fresh = layer_tokens[0].to(x.dtype).expand(C, -1, -1)  # (C, K, W_t)
         x = torch.cat([x[:, :1], fresh, x[:, 1:]], dim=1)  # (C, N + K, W_t): inserted at J
         for i, block in enumerate(after):
             if i > 0:  # MMRL++ rule: tokens entering layer l = beta * p_l + (1 - beta) * out_{l-1}
-                fresh = self.text_tokens[i].to(x.dtype).expand(C, -1, -1)  # (C, K, W_t)
+                fresh = layer_tokens[i].to(x.dtype).expand(C, -1, -1)  # (C, K, W_t)
                 tokens = self.beta * fresh + (1 - self.beta) * x[:, 1:1 + K]
                 x = torch.cat([x[:, :1], tokens, x[:, 1 + K:]], dim=1)  # replaced
             x = block(x, mask)
@@ -759,22 +893,37 @@ class DeAR(nn.Module):
 
     def learnable_state_dict(self) -> dict:
         """Only what training changes; a checkpoint needs nothing else (CLIP is frozen)."""
-        return {name: getattr(self, name).detach().cpu().clone() for name in self.LEARNABLE}
+        return {name: t.detach().cpu().clone() for name, t in self.learnable_tensors().items()}
 
     @torch.no_grad()
     def load_learnable_state_dict(self, state: dict) -> None:
+        tensors = self.learnable_tensors()
         for name, value in state.items():
-            target = getattr(self, name)
+            target = tensors.get(name)
+            if target is None:
+                raise DeARError(f"checkpoint tensor {name} is not a learnable tensor of this model "
+                                f"(tokens {self.tokens!r}); it was made with other settings")
             if tuple(value.shape) != tuple(target.shape):
                 raise DeARError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, "
                                 f"the model expects {tuple(target.shape)}; "
                                 "it was made with other settings")
             target.copy_(value)
 
+    def parameter_counts(self) -> Dict[str, int]:
+        """{component of LEARNABLE: its learnable parameters}, e.g. on ViT-B/16 at J = 9 under
+        "shared": latent_tokens 2,560, vision_aligner 416,768, text_aligner 280,576,
+        attribute_proj_residual 81,920, fusion_logits 6."""
+        counts = {}
+        for name, tensor in self.learnable_tensors().items():
+            component = name.split(".")[0]
+            counts[component] = counts.get(component, 0) + tensor.numel()
+        return counts
+
     def parameter_summary(self) -> str:
         learnable = sum(p.numel() for p in self.learnable_parameters())
         frozen = sum(p.numel() for p in self.clip.parameters())
-        parts = ", ".join(f"{name} {tuple(getattr(self, name).shape)}" for name in self.LEARNABLE)
+        tensors = self.learnable_tensors().items()
+        parts = ", ".join(f"{name} {tuple(t.shape)}" for name, t in tensors)
         return (f"learnable {learnable:,} parameters ({parts}); frozen CLIP {frozen:,} "
                 f"({100 * learnable / (learnable + frozen):.2f}% learnable)")
 
@@ -804,14 +953,19 @@ def scoring_logits(fusion: str, trained: bool) -> str:
 
 # DeAR's checks and safety rules, each built once, beside the model that uses them.
 def check_model_settings(clip: clip_model.CLIP, role_map: RoleMap, attributes: List[str],
-                         first_layer: int, beta: float, num_text_tokens: int,
-                         cls_fusion_weight: float) -> None:
+                         first_layer: int, beta: float, num_text_tokens: Optional[int],
+                         cls_fusion_weight: float, tokens: str,
+                         latent_width: Optional[int]) -> None:
     """DeAR's arguments against the model, before anything is built."""
     depth_v, depth_t = len(clip.visual.transformer.resblocks), len(clip.transformer.resblocks)
     check_first_layer(first_layer, min(depth_v, depth_t))
     check_beta(beta)
-    if num_text_tokens < 0:
+    check_tokens(tokens, len(attributes), num_text_tokens)
+    if num_text_tokens is not None and num_text_tokens < 0:
         raise DeARError(f"num_text_tokens={num_text_tokens} must be 0 or more")
+    if latent_width is not None and not (tokens == "shared" and latent_width >= 1):
+        raise DeARError(f"latent_width={latent_width}: the latent tokens' width, 1 or more, "
+                        "for tokens='shared' only")
     if not 0.0 < cls_fusion_weight < 1.0:
         raise DeARError(f"cls_fusion_weight={cls_fusion_weight} must be in (0, 1)")
     role_map.validate(depth_v, clip.visual.transformer.heads, attributes)

@@ -71,10 +71,10 @@ TEST_BETAS = ("per-target", "trained")  # cross, dg: DeAR's beta on a target (tr
 MAX_SEED = 2**32 - 1  # numpy's range; the per-epoch seeds are derived from it (seed * 100003 + epoch)
 # Every setting of a run, in settings.json's order.
 SETTING_KEYS = ("dataset dataset_paths template protocol source method roles ablations fusion "
-                "seeds shots root weights head_width bpe output first_layer beta test_beta "
+                "seeds shots root weights head_width bpe output first_layer beta test_beta tokens "
                 "text_tokens lambda_reg lambda_fusion analysis analysis_pool analysis_images bank "
-                "concepts sentence_encoder min_cluster_size min_samples cluster_names descriptions low_bits "
-                "high_bits epochs "
+                "concepts sentence_encoder min_cluster_size min_samples cluster_names descriptions "
+                "low_bits high_bits epochs "
                 "batch_size lr warmup_epochs warmup_lr weight_decay augment device amp workers "
                 "eval_batch_size log_every max_epochs_per_call toy_scale fingerprints role_maps").split()
 # Flags that say how to run, not what to compute: they may change on --resume / --eval-only.
@@ -84,9 +84,11 @@ CHECKPOINT_FORMAT = "dear-from-scratch checkpoint, version 1"  # checked on load
 # What a run folder means. Version 2: one cached head analysis per model and pool (copied to
 # <dataset>/roles/), Dassl's warm-up recount, the fusion rows named by what they do, the
 # lineage's per-protocol recipes. Version 3: the analysis's concepts from clusters or labels,
-# from a chosen description pool; the ablation rows; the test-time beta per target. Version 4:
-# the analysis as a whole (--analysis) and its sentence encoder (--sentence-encoder). An older
-# folder is refused on --resume / --eval-only.
+# from a chosen description pool; the ablation rows; the test-time beta per target. Version 4: the
+# token construction (--tokens separate | shared, a setting), K resolved and saved as a number
+# (unset: 4 under separate, A under shared), the learnable parameters per component in each
+# results.json; the analysis as a whole (--analysis) and its sentence encoder
+# (--sentence-encoder). An older folder is refused on --resume / --eval-only.
 RUN_FORMAT = "dear-from-scratch run folder, version 4"
 
 
@@ -105,6 +107,7 @@ class RecipeBook(NamedTuple):
     fewshot_shots: list  # the few-shot sweep
     warmup_lr: float
     weight_decay: float
+    attributes: Callable[[bool], List[str]]  # the attribute tokens' names (True: the toy world's)
 
 
 # ------------------------------------------------------------------------------------------
@@ -154,7 +157,13 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
     g("--test-beta", choices=TEST_BETAS, help="cross and dg: DeAR's beta on a target: "
       "per-target = MMRL++'s (trainers/config.py, task CD; a target it does not name: the "
       "training beta); trained = the training beta")
-    g("--text-tokens", type=int, help="K, learnable tokens inserted in the text tower")
+    g("--text-tokens", type=int, help="K, learnable tokens inserted in the text tower (unset: "
+      f"{dear.TEXT_TOKENS} under --tokens separate; under shared A, the attribute tokens, "
+      "and no other value)")
+    g("--tokens", choices=dear.TOKEN_CONSTRUCTIONS, help="the tokens' construction: separate = "
+      "each layer and tower its own tokens, a learnable copy of proj; shared = MMRL++'s: A latent "
+      "tokens mapped into both towers by a shared linear map plus a rank-4 residual per layer, "
+      "proj frozen plus a rank-64 residual")
     g("--lambda-reg", type=float, help="weight of the self-regularisation loss")
     g("--lambda-fusion", type=float, help="weight of the fusion-weight regularisation loss")
     g("--analysis", choices=ANALYSES, help="the head analysis as a whole: project = the "
@@ -356,6 +365,7 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
     # weights, BPE and roles files) and role_maps are added by train.open_inputs and train.run.
     settings = {key: copy.copy(typed[key] if key in typed else getattr(recipe, key, defaults.get(key)))
                 for key in SETTING_KEYS}  # (copied: no list shared with the book)
+    resolve_text_tokens(settings, len(book.attributes(toy)))
     settings.update(analysis_preset(settings["analysis"], toy, settings["root"], typed))
     roles = settings["roles"]
     for choice in roles:
@@ -409,7 +419,7 @@ PAPER_DEPARTURES_KEPT = (
     "role thresholds at thirds of log2(min(picks, concepts)) bits, the low one at least 0.81",
     "TextSpan's rank = the head width", "at most {analysis_images} images",
     "no attribute head measured: the class branch alone",
-    "attribute and text tokens of their own in each layer and tower",
+    "the tokens --tokens {tokens} (the paper note fits both separate and shared)",
     "K = {text_tokens} text tokens")
 
 
@@ -440,6 +450,18 @@ def analysis_header(settings, concepts: str, toy: bool) -> List[str]:
     kept = [d.format(**settings) for d in PAPER_DEPARTURES_KEPT]
     return lines + ["head analysis: still the project's, not the paper's (docs/METHOD.md Sec. 3): "
                     + "; ".join(kept)]
+
+
+def resolve_text_tokens(settings: dict, num_attributes: int) -> None:
+    """K, resolved here once so that settings.json holds the number: unset, dear.default_text_tokens
+    (4 under --tokens separate; A, this world's attribute tokens, under shared, where the text
+    tower receives the vision tower's tokens); typed, under shared, A or refused."""
+    try:
+        dear.check_tokens(settings["tokens"], num_attributes, settings["text_tokens"])
+    except dear.DeARError as error:
+        raise TrainError(f"--text-tokens {settings['text_tokens']}: {error}") from None
+    if settings["text_tokens"] is None:
+        settings["text_tokens"] = dear.default_text_tokens(settings["tokens"], num_attributes)
 
 
 def register_own_data(dataset_paths: Dict[str, str], output: str) -> None:

@@ -71,7 +71,6 @@ class Recipe:
     lambda_fusion: float = 0.1  # weight of the fusion-weight regularisation loss (our choice)
     beta: float = 0.9  # each layer's fresh tokens against the previous layer's output tokens
     first_layer: str = "auto"  # J, 1-based as in the paper; auto = first of the last four layers
-    text_tokens: int = 4  # K, learnable tokens in the text tower
     augment: bool = True  # random resized crop + flip (CoOp's)
 
 
@@ -138,6 +137,7 @@ DEFAULTS = dict(
     ablations=[],  # the paper's ablations (runs.ABLATIONS), a row each: none unless asked
     test_beta="per-target",  # cross and dg: each target at MMRL++'s beta (MMRLPP_CD_TEST_BETA)
     fusion=list(runs.FUSION_MODES),  # both rules of scoring DeAR, one table row each
+    tokens="separate",  # each layer's own tokens (ours); shared = MMRL++'s (docs/METHOD.md Sec. 4)
     seeds=[1, 2, 3],  # CoOp's three seeds; the tables report the mean
     source="imagenet",  # what cross and dg train on (the paper's protocol)
     weights="ViT-B/16",  # the paper's backbone
@@ -155,8 +155,16 @@ DEFAULTS = dict(
 # The toy world shows more rows: the linear probe (how far the frozen features separate the classes)
 # and the two role ablations beside DeAR. It brings its own model (--weights refused).
 TOY_DEFAULTS = dict(method=list(runs.METHODS), roles=["all-mixed", "all-generalization", "analyse"])
+
+
+def attribute_tokens(toy: bool) -> List[str]:
+    """One attribute token each: the paper's five core attributes, or the toy world's four."""
+    return world_attributes() if toy else list(dear.CORE_ATTRIBUTES)
+
+
+# K (--text-tokens) is in no table: unset, dear.default_text_tokens (runs.resolve_text_tokens).
 BOOK = runs.RecipeBook(RECIPES, PROTOCOL_RECIPES, DEFAULTS, TOY_DEFAULTS, PAPER_DATASETS,
-                       DG_TARGETS, FEWSHOT_SHOTS, WARMUP_LR, WEIGHT_DECAY)
+                       DG_TARGETS, FEWSHOT_SHOTS, WARMUP_LR, WEIGHT_DECAY, attribute_tokens)
 ANALYSIS_SEED = 0  # the analysis pool's draw: fixed, so every run of a model draws the same images
 RETRIEVAL_GALLERY = 2000  # test images at most in the retrieval check (our choice: cost)
 RETRIEVAL_QUERIES = 4  # picture rows
@@ -422,7 +430,9 @@ def build_dear(settings, inputs: Inputs, role_map: dear.RoleMap,
     an ablation's change of the model. Its learnable tokens come from torch's global generator:
     the caller seeds it."""
     attributes = inputs.attributes
-    if ablation == "no-attribute-tokens":  # A = 0: the class branch and the text tokens alone
+    # A = 0: the class branch and the text tokens alone (under --tokens shared the K latent
+    # tokens still learn, mapped into the text tower only: no vision token, no vision map)
+    if ablation == "no-attribute-tokens":
         attributes = []
         role_map = dear.RoleMap.uniform("mixed", role_map.vision_layers, role_map.num_heads,
                                         role_map.layers, attributes)
@@ -430,7 +440,8 @@ def build_dear(settings, inputs: Inputs, role_map: dear.RoleMap,
         role_map = dear.generalization_mask_only(role_map)
     return dear.DeAR(inputs.clip, role_map, attributes,
                      first_layer=runs.first_layer(settings, inputs.clip),
-                     beta=settings["beta"], num_text_tokens=settings["text_tokens"])
+                     beta=settings["beta"], num_text_tokens=settings["text_tokens"],
+                     tokens=settings["tokens"])
 
 
 # ------------------------------------------------------------------------------------------
@@ -567,6 +578,10 @@ def resume(job: runs.Job, settings, model, optimizer, scaler, runtime: runs.Runt
     alone = "; class branch alone (no attribute head)" if model.class_branch_only else ""
     runtime.log(f"[{job.label}] attribute tokens from layer J={model.first_layer} (1-based)"
                 f"{alone}; {model.parameter_summary()}")
+    counts = model.parameter_counts()  # per component of the token construction
+    runtime.log(f"[{job.label}] learnable parameters, tokens {model.tokens}: "
+                + " + ".join(f"{name} {n:,}" for name, n in counts.items())
+                + f" = {sum(counts.values()):,}")
     per_call = settings["max_epochs_per_call"] or settings["epochs"]
     return start, min(settings["epochs"], start + per_call)
 
@@ -598,11 +613,18 @@ def distributed(model: dear.DeAR, settings, runtime: runs.Runtime):
     """Under torchrun, the learnable tensors' gradients averaged over the processes (DDP)."""
     if runtime.world == 1:
         return model
-    # a learnable tensor with no gradient
-    unused = settings["text_tokens"] == 0 or not model.attributes
     return torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
-        broadcast_buffers=False, find_unused_parameters=unused)
+        broadcast_buffers=False, find_unused_parameters=has_idle_tensors(model))
+
+
+def has_idle_tensors(model: dear.DeAR) -> bool:
+    """Whether DDP is told to look for learnable tensors without a gradient every step: under
+    --tokens separate with K = 0 (an empty text tensor) or A = 0 (an empty vision tensor, and an
+    attribute_proj that only empty tokens reach), as before. --tokens shared builds no vision map
+    and no residual at A = 0, and its K is A: every tensor takes part in every step (a blind
+    branch's gradients are zeros, not missing), so DDP need not search the graph."""
+    return model.num_text_tokens == 0 or (not model.attributes and model.tokens == "separate")
 
 
 def start_epoch(epoch: int, job: runs.Job, settings, loader: DataLoader, optimizer) -> float:
@@ -938,17 +960,21 @@ def run_job(job: runs.Job, settings, inputs: Inputs, role_maps: dict, lists: Run
         first = settings["fusion"][0]
         # "metrics" and "logits": the first --fusion mode's numbers and which logits scored each
         # set; *_by_fusion: the same for every mode; role_map: the analysed map this run used, if
-        # any; alpha: DeAR's learned fusion weight per branch; test_beta: each set's beta at test.
-        alpha = None
+        # any; alpha: DeAR's learned fusion weight per branch; parameters: its learnable ones per
+        # component; test_beta: each set's beta at test.
+        alpha = parameters = None
         if model is not None:
             alpha = dict(zip(["class"] + model.attributes, model.fusion_weights().tolist()))
+            counts = model.parameter_counts()  # per component of the token construction
+            parameters = dict(tokens=model.tokens, learnable=sum(counts.values()),
+                              components=counts)
         role_record = None
         if job.roles == "analyse":
             role_record = (settings["role_maps"] or {}).get(job.dataset)
         result = dict(job=dataclasses.asdict(job), metrics=by_fusion[first], fusion=first,
                       logits=logits[first], metrics_by_fusion=by_fusion, logits_by_fusion=logits,
                       accuracy_by_logits=accuracy, role_map=role_record, alpha=alpha,
-                      test_beta=betas or None, settings=expected)
+                      parameters=parameters, test_beta=betas or None, settings=expected)
     if runtime.main:
         # pictures in the run folder; the toy world's precision@10 in the result
         if model is not None:

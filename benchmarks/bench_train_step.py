@@ -21,6 +21,7 @@ their own process so that the peak memory figures do not mix.
 
     python benchmarks/bench_train_step.py                 # CPU (~1.5 min on 2 quiet cores)
     python benchmarks/bench_train_step.py --device cuda
+    python benchmarks/bench_train_step.py --tokens shared # MMRL++'s shared token space instead
 
 Targets: step / image-only forward at most 2.9 (2.65 on 2 quiet CPU cores); step / inference
 with prompts at most 1.8; peak memory at most 2 GB.
@@ -79,7 +80,7 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure(part: str, device: str, batch: int, classes: int, repeats: int) -> dict:
+def measure(part: str, device: str, batch: int, classes: int, repeats: int, tokens: str) -> dict:
     """Run in a child process that does only `part` ("inference" or "step"), so that its peak
     memory is that part's alone. Returns the best time and the memory figures; the step's
     process also times the image-only frozen forward of the same batch, alternating with the
@@ -101,7 +102,7 @@ def measure(part: str, device: str, batch: int, classes: int, repeats: int) -> d
             with torch.no_grad():
                 clip.encode_image(images), clip.encode_text(prompts)
     else:
-        model = dear.DeAR(clip, mixed_roles(), first_layer=9).to(device)
+        model = dear.DeAR(clip, mixed_roles(), first_layer=9, tokens=tokens).to(device)
         prepared = model.prepare_classes(prompts)  # once per class list, as in train.py
         optimizer = torch.optim.AdamW(model.learnable_parameters(), lr=1e-3)
         # Autograd's own memory: tensors saved for backward, each storage counted once, the
@@ -154,7 +155,8 @@ def measure(part: str, device: str, batch: int, classes: int, repeats: int) -> d
 def run_child(part: str, args) -> dict:
     child = subprocess.run([sys.executable, __file__, "--only", part, "--device", args.device,
                             "--batch", str(args.batch), "--classes", str(args.classes),
-                            "--repeats", str(args.repeats)], capture_output=True, text=True)
+                            "--repeats", str(args.repeats), "--tokens", args.tokens],
+                           capture_output=True, text=True)
     if child.returncode != 0:
         sys.exit(f"error: the {part} run failed: {child.stderr.strip().splitlines()[-1]}")
     return json.loads(child.stdout.strip().splitlines()[-1])
@@ -166,15 +168,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="images per step")
     parser.add_argument("--classes", type=int, default=100, help="classes (text prompts) per step")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats; the best counts")
+    parser.add_argument("--tokens", choices=dear.TOKEN_CONSTRUCTIONS, default="separate",
+                        help="DeAR's token construction (train.py --tokens)")
     parser.add_argument("--only", default=None, help=argparse.SUPPRESS)  # child-process mode
     args = parser.parse_args()
 
     if args.only is not None:
-        print(json.dumps(measure(args.only, args.device, args.batch, args.classes, args.repeats)))
+        print(json.dumps(measure(args.only, args.device, args.batch, args.classes, args.repeats,
+                                 args.tokens)))
         return
 
     print(f"DeAR step vs frozen CLIP inference: ViT-B/16, batch {args.batch}, {args.classes} classes, "
-          f"{args.device}, {torch.get_num_threads()} threads, best of {args.repeats}")
+          f"tokens {args.tokens}, {args.device}, {torch.get_num_threads()} threads, "
+          f"best of {args.repeats}")
     inference = run_child("inference", args)
     print(f"frozen CLIP inference ({args.batch} images + {args.classes} prompts at 77 tokens): "
           f"{inference['seconds']:.3f} s, peak {inference['peak_bytes'] / 2**20:.0f} MB")

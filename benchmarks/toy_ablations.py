@@ -9,7 +9,8 @@ Every run is `train.py --dataset toyworld` (train.main, in this process), in a f
 under --output:
   ablations/    the quick start's rows and the paper's ablations beside them (--ablations all)
   <candidate>/  the DeAR row with one training setting changed: a candidate cause of the tokens'
-                weak retrieval (beta, lambda_fusion, the epochs). The per-branch cross-entropy and
+                weak retrieval (beta, lambda_fusion, the epochs, the token construction that is not
+                the default: --tokens shared, MMRL++'s). The per-branch cross-entropy and
                 lambda_fusion = 0 are rows of ablations/ (branch-ce, no-fusion-reg).
 A finished folder is read again and a stopped one continued (train.py --resume), so a second call
 only prints the tables again. Every row follows the role map, which a run folder keeps: after a
@@ -25,6 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import dear  # noqa: E402
 import runs  # noqa: E402
 import train  # noqa: E402
 
@@ -45,10 +47,12 @@ PAPER = {"dear-fused": ("DeAR (no ablation)", "the full method"),
 
 def candidates(epochs: int) -> list:
     """(folder, label, flags): the DeAR row with one training setting of the toy recipe changed."""
+    other = next(t for t in dear.TOKEN_CONSTRUCTIONS if t != train.DEFAULTS["tokens"])
     return [("beta-0.9", "beta 0.9", ["--beta", "0.9"]),
             ("beta-0.1", "beta 0.1", ["--beta", "0.1"]),
             ("lambda-fusion-1", "lambda_fusion 1.0", ["--lambda-fusion", "1.0"]),
-            (f"epochs-{3 * epochs}", f"{3 * epochs} epochs", ["--epochs", str(3 * epochs)])]
+            (f"epochs-{3 * epochs}", f"{3 * epochs} epochs", ["--epochs", str(3 * epochs)]),
+            (f"tokens-{other}", f"tokens {other} (--tokens {other})", ["--tokens", other])]
 
 
 def run(folder: str, flags: list) -> dict:

@@ -82,6 +82,7 @@ NOT_RUN = {
     "python benchmarks/bench_clip.py --device cuda --rounds 20": "needs a GPU",
     "python benchmarks/bench_train_step.py": "about a minute of ViT-B/16 on the CPU",
     "python benchmarks/bench_train_step.py --device cuda": "needs a GPU",
+    "python benchmarks/bench_train_step.py --tokens shared": "about a minute of ViT-B/16 on the CPU",
     "python benchmarks/toy_ablations.py": "half an hour (37 toy runs); the miniature one runs here",
     "python benchmarks/bench_startup.py": "minutes: ImageNet's layout at 1% and 10% (hard links), train.py's start-up",
     "python benchmarks/bench_startup.py --fractions 0.01 --repeats 1": "about a minute, mostly the head analysis",

@@ -18,6 +18,11 @@ runs the layers before J without autograd, shares them with the frozen pass, and
 text side before J once per class list, cut after the longest prompt; the reference does none
 of that (full context, its own frozen passes, everything recomputed on every call), and the
 two must agree in their outputs and in the gradients they give the learnable tensors.
+
+Both token constructions go through it. Under tokens="shared" (MMRL++'s) the tokens of each
+layer are not learnable tensors of their own but a map of A latent tokens, written here from
+its description (`shared_layer_tokens`), layer by layer as MMRL++'s Residual_Aligner computes
+it, and fed to the same reference; K = A = 3 there, so a K that did not follow A would show.
 """
 
 import math
@@ -173,6 +178,33 @@ def reference(clip, tensors: dict, J: int, images: torch.Tensor, ids: torch.Tens
     return {k: v.float() for k, v in result.items()}
 
 
+# The shared construction (tokens="shared"), from its description: A latent tokens z (A, R); per
+# tower one linear map W (W_tower, R) for all its layers, and per layer l a rank-4 residual A_l B_l
+# and a bias b_l of its own: p_l = z (W + A_l B_l)^T + b_l, for every layer from J on in both
+# towers. The attribute projection: the frozen proj plus a rank-64 residual A B.
+def shared_layer_tokens(latent, weight, a, b, bias) -> torch.Tensor:
+    """(L, A, W_tower): one layer at a time, the residual added to the weight first."""
+    z = latent.double()
+    weight, a, b, bias = weight.double(), a.double(), b.double(), bias.double()
+    return torch.stack([F.linear(z, weight + a[l] @ b[l], bias[l]) for l in range(len(a))])
+
+
+def reference_tensors(model: DeAR) -> dict:
+    """What `reference` reads, from the model's learnable tensors (with their autograd graph):
+    under "shared", each layer's tokens and the projection computed from the shared tensors."""
+    t = dict(model.named_parameters())
+    if model.tokens == "separate":
+        return t
+    def aligner(tower: str) -> list:
+        return [t[f"{tower}_aligner.{n}"] for n in ("weight", "a", "b", "bias")]
+
+    residual = t["attribute_proj_residual.a"].double() @ t["attribute_proj_residual.b"].double()
+    return dict(vision_tokens=shared_layer_tokens(t["latent_tokens"], *aligner("vision")),
+                text_tokens=shared_layer_tokens(t["latent_tokens"], *aligner("text")),
+                attribute_proj=model.clip.visual.proj.double() + residual,
+                fusion_logits=t["fusion_logits"])
+
+
 # ------------------------------------------------------------------------------------------
 # The comparison
 # ------------------------------------------------------------------------------------------
@@ -189,8 +221,11 @@ def prompts(num_classes=4, seed=0):
     return ids
 
 
-def randomised(clip, J: int) -> DeAR:
+def randomised(clip, J: int, tokens: str = "separate") -> DeAR:
     torch.manual_seed(10 + J)
+    if tokens == "shared":  # K unset: it must follow A (= K = 3 here)
+        model = DeAR(clip, role_map(), ATTRIBUTES, first_layer=J, beta=BETA, tokens=tokens)
+        return randomised_shared(model)
     model = DeAR(clip, role_map(), ATTRIBUTES, first_layer=J, beta=BETA, num_text_tokens=K)
     with torch.no_grad():
         model.vision_tokens.normal_(0, 1.0)
@@ -200,17 +235,34 @@ def randomised(clip, J: int) -> DeAR:
     return model
 
 
+def randomised_shared(model: DeAR) -> DeAR:
+    """Every shared tensor away from its start (B = 0 would hide a residual applied wrongly), each
+    layer's bias its own; tokens of about unit size, as the separate ones above."""
+    with torch.no_grad():
+        model.latent_tokens.normal_(0, 1.0)
+        for aligner in (model.vision_aligner, model.text_aligner):
+            aligner.weight.mul_(8.0)  # torch's init is ~1/sqrt(R): mapped tokens of order 1
+            aligner.a.normal_(0, 0.5)
+            aligner.b.normal_(0, 0.5)
+            aligner.bias.normal_(0, 0.5)
+        residual = model.attribute_proj_residual
+        residual.a.normal_(0, 0.05)
+        residual.b.normal_(0, 0.05)  # a b of about the size of proj's entries
+        model.fusion_logits.copy_(torch.randn_like(model.fusion_logits))
+    return model
+
+
+@pytest.mark.parametrize("tokens", ["separate", "shared"])
 @pytest.mark.parametrize("J", [1, 2, 3])
-def test_dear_matches_the_reference_forward(tiny_deep_clip, J):
-    model = randomised(tiny_deep_clip, J)
+def test_dear_matches_the_reference_forward(tiny_deep_clip, J, tokens):
+    model = randomised(tiny_deep_clip, J, tokens)
     assert model.blind_attributes == []  # every branch is in the fusion (mixed heads exist from J on)
     generator = torch.Generator().manual_seed(3)
     images = torch.randn(3, 3, TINY_DEEP["image_resolution"], TINY_DEEP["image_resolution"], generator=generator)
     ids = prompts()
     with torch.no_grad():
         out = model(images, model.prepare_classes(ids), with_frozen=True)
-        tensors = {name: t.detach() for name, t in model.learnable_state_dict().items()}
-        ref = reference(tiny_deep_clip, tensors, J, images, ids)
+        ref = reference(tiny_deep_clip, reference_tensors(model), J, images, ids)
     assert_close(out.image_features[:, 0], ref["f_cls"], 1e-5, f"J={J}: class feature")
     assert_close(out.image_features[:, 1:], ref["f_attr"], 1e-5, f"J={J}: attribute features")
     assert_close(out.text_features, ref["text"], 1e-5, f"J={J}: text features")
@@ -223,16 +275,17 @@ def test_dear_matches_the_reference_forward(tiny_deep_clip, J):
     assert (out.text_features - ref["frozen_text"]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("tokens", ["separate", "shared"])
 @pytest.mark.parametrize("J", [1, 2, 3])
-def test_the_fast_path_equals_the_plain_reference_gradients_included(tiny_deep_clip, J):
-    model = randomised(tiny_deep_clip, J)
+def test_the_fast_path_equals_the_plain_reference_gradients_included(tiny_deep_clip, J, tokens):
+    model = randomised(tiny_deep_clip, J, tokens)
     generator = torch.Generator().manual_seed(4)
     images = torch.randn(3, 3, TINY_DEEP["image_resolution"], TINY_DEEP["image_resolution"], generator=generator)
     ids, labels = prompts(5), torch.tensor([0, 4, 2])
     # The reference, with grad: it reads DeAR's learnable tensors themselves, so the loss on its
     # outputs -- written out here from the spec, not dear_loss -- gives them the plain
     # computation's gradients.
-    ref = reference(tiny_deep_clip, dict(model.named_parameters()), J, images, ids)
+    ref = reference(tiny_deep_clip, reference_tensors(model), J, images, ids)
     alpha = model.fusion_logits.softmax(dim=0)
     plain = DeAROutput(ref["fused"], ref["branch"], alpha, torch.cat([ref["f_cls"][:, None], ref["f_attr"]], 1),
                        ref["text"], ref["frozen_image"], ref["frozen_text"])
@@ -252,6 +305,55 @@ def test_the_fast_path_equals_the_plain_reference_gradients_included(tiny_deep_c
             expected = getattr(plain, name).detach()
             assert_close(getattr(out, name).detach(), expected, 1e-5, f"J={J}, step {step}: {name}")
         assert_close(out.image_features.detach(), plain.image_features.detach(), 1e-5, f"J={J}: image features")
-        for p, g, name in zip(model.learnable_parameters(), plain_grads, ("vision", "text", "proj", "fusion")):
+        for (name, p), g in zip(model.learnable_tensors().items(), plain_grads):
             scale = max(1.0, g.abs().max().item())
-            assert_close(p.grad / scale, g / scale, 1e-5, f"J={J}, step {step}: {name} tokens' gradient (relative)")
+            what = f"J={J}, step {step}: {name}'s gradient (relative)"
+            assert_close(p.grad / scale, g / scale, 1e-5, what)
+
+
+# ------------------------------------------------------------------------------------------
+# The shared construction's own properties, read through the reference's map
+# ------------------------------------------------------------------------------------------
+
+
+def test_at_the_start_every_layers_tokens_are_equal_and_the_projection_is_proj(tiny_deep_clip):
+    torch.manual_seed(0)
+    model = DeAR(tiny_deep_clip, role_map(), ATTRIBUTES, first_layer=1, beta=BETA, tokens="shared")
+    with torch.no_grad():
+        tensors = reference_tensors(model)
+        towers = (("vision", model.vision_layer_tokens()), ("text", model.text_layer_tokens()))
+        for tower, ours in towers:
+            theirs = tensors[f"{tower}_tokens"]
+            assert ours.shape == (3, len(ATTRIBUTES), 128), tower
+            assert_close(ours.double(), theirs, 1e-6, f"{tower}: the map at the start")
+            for layer in range(1, len(ours)):  # B = 0 and one bias copied to every layer
+                assert torch.equal(ours[layer], ours[0]), f"{tower} layer {layer} differs"
+        assert torch.equal(model.attribute_projection(), tiny_deep_clip.visual.proj)  # B = 0: proj
+        assert model.latent_tokens.std().item() == pytest.approx(0.02, rel=0.25)  # MMRL++'s init
+
+
+def test_one_layers_residual_moves_that_layers_tokens_only(tiny_deep_clip):
+    model = randomised(tiny_deep_clip, 1, "shared")
+    with torch.no_grad():
+        before_v, before_t = model.vision_layer_tokens().clone(), model.text_layer_tokens().clone()
+        model.vision_aligner.b[1] += 0.3  # layer 2's residual, vision tower
+        after_v, after_t = model.vision_layer_tokens(), model.text_layer_tokens()
+        expected = reference_tensors(model)["vision_tokens"]
+        assert_close(after_v.double(), expected, 1e-5, "after the change")
+    assert (after_v[1] - before_v[1]).abs().max() > 1e-2, "the changed layer did not move"
+    for layer in (0, 2):
+        assert torch.equal(after_v[layer], before_v[layer]), f"layer {layer} moved"
+    assert torch.equal(after_t, before_t), "the text tower moved"
+
+
+def test_changing_a_latent_token_moves_both_towers(tiny_deep_clip):
+    model = randomised(tiny_deep_clip, 2, "shared")
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+    classes = model.prepare_classes(prompts())
+    with torch.no_grad():
+        before = model(images, classes)
+        model.latent_tokens[1] += 0.5  # the colour token's latent
+        after = model(images, classes)
+    moved = (after.image_features[:, 2] - before.image_features[:, 2]).abs().max()
+    assert moved > 1e-3, "vision tower"
+    assert (after.text_features - before.text_features).abs().max() > 1e-3, "text tower"

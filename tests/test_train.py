@@ -16,6 +16,7 @@ import random
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -1526,3 +1527,120 @@ def test_every_check_that_costs_nothing_comes_before_any_download(tmp_path, caps
     argv = ["--root", root, "--output", out, *flags]
     refused((argv if "--dataset" in flags else ["--dataset", "oxford_pets", *argv]), capsys, message, out)
     assert fetched == [] and no_network == [] and not (tmp_path / "cache").exists()
+
+# ------------------------------------------------------------------------------------------
+# The token construction (--tokens separate | shared)
+# ------------------------------------------------------------------------------------------
+
+
+def test_k_follows_a_under_shared_and_another_typed_k_or_tokens_is_refused(world, tmp_path, capsys):
+    # The tiny world trains the five core attributes: A = 5, not the separate default K = 4 (the
+    # toy world's A = 4 would hide a K that stayed 4).
+    base = common(world, tmp_path / "run", "--dataset", "dtd", "--seeds", "1")
+    assert settings_of(base)["tokens"] == "separate" and settings_of(base)["text_tokens"] == 4
+    assert settings_of(base + ["--tokens", "shared"])["text_tokens"] == 5  # resolved, as saved
+    assert settings_of(base + ["--tokens", "shared", "--text-tokens", "5"])["text_tokens"] == 5
+    assert settings_of(base + ["--text-tokens", "2"])["text_tokens"] == 2  # separate: any K
+    for k in ("4", "0"):
+        refused(base + ["--tokens", "shared", "--text-tokens", k], capsys,
+                f"--text-tokens {k}: K = {k} text tokens: under tokens 'shared' the text tower "
+                "receives the A = 5 tokens of the vision tower; leave K unset", tmp_path / "run")
+    with pytest.raises(SystemExit) as stop:  # argparse's refusal: one line, exit status 2
+        train.main(base + ["--tokens", "joint"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(lines) == 1
+    assert "argument --tokens: invalid choice: 'joint'" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_shared_reuses_the_analysis_reports_its_parameters_and_resume_refuses_other_tokens(
+        world, tmp_path, capsys, analysis_cache):
+    run = ["--dataset", "dtd", "--seeds", "1", "--method", "dear", "--roles", "analyse",
+           "--epochs", "1", "--shots", "2"]
+    separate, shared = tmp_path / "separate", tmp_path / "shared"
+    assert train.main(common(world, separate, *run)) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("head analysis: concept entropy") == 1
+    assert "learnable parameters, tokens separate: vision_tokens 960 + text_tokens 512 + " \
+           "attribute_proj 2,048 + fusion_logits 6 = 3,526" in printed
+    # Only --tokens changes: the analysis reads the frozen CLIP alone, so its cache serves both.
+    assert train.main(common(world, shared, *run, "--tokens", "shared")) == 0
+    printed = capsys.readouterr().out
+    assert "head analysis: reusing the role map cached" in printed
+    assert "concept entropy" not in printed
+    # J = 1 of a 3-layer vision and 2-layer text tower, widths 64, E = 32, A = K = 5:
+    # 5 x 64 + (64 x 64 + 3 x 576) + (64 x 64 + 2 x 576) + (64 x 64 + 64 x 32) + 6
+    components = dict(latent_tokens=320, vision_aligner=5_824, text_aligner=5_248,
+                      attribute_proj_residual=6_144, fusion_logits=6)
+    assert "learnable parameters, tokens shared: latent_tokens 320 + vision_aligner 5,824 + " \
+           "text_aligner 5,248 + attribute_proj_residual 6,144 + fusion_logits 6 = 17,542" in printed
+    result = read(shared / "dtd/dear/seed1/results.json")
+    assert result["parameters"] == dict(tokens="shared", learnable=17_542, components=components)
+    assert read(separate / "dtd/dear/seed1/results.json")["parameters"]["components"] == dict(
+        vision_tokens=960, text_tokens=512, attribute_proj=2_048, fusion_logits=6)
+    saved = read(shared / "settings.json")["settings"]
+    assert (saved["tokens"], saved["text_tokens"]) == ("shared", 5)
+    assert read(separate / "settings.json")["settings"]["role_maps"]["dtd"]["fingerprint"] == \
+        saved["role_maps"]["dtd"]["fingerprint"]
+    assert "latent_tokens" in learnable(shared / "dtd/dear/seed1")
+    # --tokens is a setting: a saved run continues only with its own.
+    (shared / "dtd/dear/seed1/results.json").unlink()
+    refused(["--output", shared, "--resume", "--tokens", "separate"], capsys,
+            "--tokens cannot change in a saved run")
+    assert train.main(["--output", str(shared), "--resume", "--tokens", "shared"]) == 0
+
+
+def test_ddp_is_told_of_a_tensor_without_gradient_in_every_configuration_and_shared_leaves_none(
+        tiny_deep_clip):
+    attributes = ["colour", "shape", "texture"]
+    measured = [dear.HeadRole(2, h, r, a, entropy=1.0) for h, (r, a) in
+                enumerate([("mixed", None), ("generalization", None)] * 2)]
+    maps = {"analysed": dear.RoleMap(3, 4, attributes, [dear.HeadRole(2, 0, "attribute", "colour")]
+                                     + [dear.HeadRole(2, h, "generalization") for h in (1, 2, 3)]),
+            "all-mixed": dear.RoleMap.uniform("mixed", 3, 4, [2], attributes),
+            "all-generalization": dear.RoleMap.uniform("generalization", 3, 4, [2], attributes),
+            "fallback": dear.RoleMap(3, 4, attributes, measured),
+            "no-attribute-tokens": dear.RoleMap.uniform("mixed", 3, 4, [2], [])}
+    vocab = tiny_deep_clip.token_embedding.num_embeddings
+    prompts = torch.tensor([[vocab - 2, 5 + c, vocab - 1] + [0] * 13 for c in range(3)])
+    for tokens in ("separate", "shared"):
+        for name, role_map in maps.items():
+            for k in (None, 0) if tokens == "separate" else (None,):
+                k = 3 if k is None and not role_map.attributes else k  # the run's K at A = 0
+                torch.manual_seed(0)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # blind branches, the fallback: said elsewhere
+                    model = dear.DeAR(tiny_deep_clip, role_map, first_layer=3, num_text_tokens=k,
+                                      tokens=tokens)
+                classes = model.prepare_classes(prompts)
+                out = model(torch.randn(2, 3, 32, 32), classes, with_frozen=True)
+                dear.dear_loss(out, torch.tensor([0, 2]))["total"].backward()
+                without = [n for n, p in model.learnable_tensors().items() if p.grad is None]
+                where = f"{tokens}, {name}, K = {model.num_text_tokens}"
+                told = train.has_idle_tensors(model)
+                assert not without or told, f"{where}: DDP not told of {without}"
+                if tokens == "shared":  # every tensor takes part: DDP need not search the graph
+                    assert not without and not train.has_idle_tensors(model), where
+
+
+def test_torchrun_trains_shared_tokens_with_blind_branches_and_no_attribute_tokens(world, tmp_path):
+    """Two processes (gloo), find_unused_parameters off under --tokens shared: a learnable tensor
+    without a gradient would stop the second step. Rows: a roles file, all heads generalization
+    (every attribute branch blind), no attribute tokens (the text tower's latent tokens alone)."""
+    out = tmp_path / "ddp"
+    args = common(world, out, "--dataset", "dtd", "--seeds", "1", "--method", "dear",
+                  "--tokens", "shared", "--roles", hand_made_roles(tmp_path), "all-generalization",
+                  "--ablations", "no-attribute-tokens",
+                  "--shots", "4")  # 12 images: 2 steps per process and epoch
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = subprocess.run([*torchrun, "train.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "x 2 processes" in done.stdout and done.stdout.count("train.py: done") == 1
+    for row in ("dear", "dear-all-generalization", "dear-no-attribute-tokens"):
+        result = read(out / "dtd" / row / "seed1" / "results.json")
+        assert result["parameters"]["tokens"] == "shared"
+        assert set(result["metrics"]) == {"base", "novel", "hm"}
+    alone = read(out / "dtd/dear-no-attribute-tokens/seed1/results.json")["parameters"]
+    assert "vision_aligner" not in alone["components"]
