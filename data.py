@@ -467,19 +467,28 @@ def _collector_paused():
         if enabled:
             gc.enable()
 
+def dataset_folder(name: str, root: str | None) -> str:
+    """The folder of dataset `name` under `root` ($DATA; your own data: where own_dataset found
+    it), or a DatasetError saying what is missing: a check that reads no listing, so a caller can
+    make it before anything costly (a download, a model read)."""
+    spec = get_spec(name)
+    if spec.own:
+        return spec.folder  # your own data lives where own_dataset found it, whatever the root
+    root = os.path.abspath(os.path.expanduser(str(root))) if root else "(no root given)"
+    if not os.path.isdir(root):
+        raise DatasetError(f"{root}: data root (--root) not found; expected the $DATA "
+                           f"folder of CoOp's DATASETS.md ({COOP_DATASETS_MD}) that holds "
+                           f"{spec.folder}/")
+    dataset_dir = os.path.join(root, spec.folder)
+    _require(dataset_dir, "dataset folder", os.path.isdir)
+    return dataset_dir
+
+
 def read_listing(name: str, root: str | None, log: Callable[[str], None] = _no_log) -> Listing:
     """Dataset `name` from `root` ($DATA; your own data: from where own_dataset found it), every
     entry and image checked, with a line to `log` before (ImageNet: 1.3M files) and one after."""
     spec = get_spec(name)
-    dataset_dir = spec.folder  # your own data lives where own_dataset found it, whatever the root
-    if not spec.own:
-        root = os.path.abspath(os.path.expanduser(str(root))) if root else "(no root given)"
-        if not os.path.isdir(root):
-            raise DatasetError(f"{root}: data root (--root) not found; expected the $DATA "
-                               f"folder of CoOp's DATASETS.md ({COOP_DATASETS_MD}) that holds "
-                               f"{spec.folder}/")
-        dataset_dir = os.path.join(root, spec.folder)
-        _require(dataset_dir, "dataset folder", os.path.isdir)
+    dataset_dir = dataset_folder(name, root)
     log(f"{spec.name}: reading {dataset_dir} (every image listed and checked)")
     started = time.perf_counter()
     with _collector_paused():

@@ -15,6 +15,8 @@ import argparse
 import contextlib
 import copy
 import hashlib
+import importlib.metadata
+import importlib.util
 import inspect
 import json
 import math
@@ -57,13 +59,22 @@ ABLATIONS = {
     "mask-generalization-only": "the analysed map with its attribute heads made mixed",
     "branch-ce": "NOT the paper's loss: + MMRL's 0.7 CE(class) + 0.3 CE(attribute branches)",
 }
+# The head analysis as a whole (--analysis): the project's (its labelled bank, checked on the toy
+# world against ablation) or the paper's Sec. 3.2 (analysis_preset; docs/METHOD.md Sec. 3's table
+# of departures).
+ANALYSES = ("project", "paper")
+# SBERT, the paper's sentence encoder (--sentence-encoder sbert): sentence-transformers'
+# all-MiniLM-L6-v2 unless another model is named. An optional extra, imported only when chosen.
+SBERT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+SBERT_INSTALL = "pip install -r requirements-sbert.txt"
 TEST_BETAS = ("per-target", "trained")  # cross, dg: DeAR's beta on a target (train.beta_at_test)
 MAX_SEED = 2**32 - 1  # numpy's range; the per-epoch seeds are derived from it (seed * 100003 + epoch)
 # Every setting of a run, in settings.json's order.
 SETTING_KEYS = ("dataset dataset_paths template protocol source method roles ablations fusion "
                 "seeds shots root weights head_width bpe output first_layer beta test_beta tokens "
-                "text_tokens lambda_reg lambda_fusion analysis_pool analysis_images bank concepts "
-                "min_cluster_size min_samples cluster_names descriptions low_bits high_bits epochs "
+                "text_tokens lambda_reg lambda_fusion analysis analysis_pool analysis_images bank "
+                "concepts sentence_encoder min_cluster_size min_samples cluster_names descriptions "
+                "low_bits high_bits epochs "
                 "batch_size lr warmup_epochs warmup_lr weight_decay augment device amp workers "
                 "eval_batch_size log_every max_epochs_per_call toy_scale fingerprints role_maps").split()
 # Flags that say how to run, not what to compute: they may change on --resume / --eval-only.
@@ -76,7 +87,8 @@ CHECKPOINT_FORMAT = "dear-from-scratch checkpoint, version 1"  # checked on load
 # from a chosen description pool; the ablation rows; the test-time beta per target. Version 4: the
 # token construction (--tokens separate | shared, a setting), K resolved and saved as a number
 # (unset: 4 under separate, A under shared), the learnable parameters per component in each
-# results.json. An older folder is refused on --resume / --eval-only.
+# results.json; the analysis as a whole (--analysis) and its sentence encoder
+# (--sentence-encoder). An older folder is refused on --resume / --eval-only.
 RUN_FORMAT = "dear-from-scratch run folder, version 4"
 
 
@@ -154,22 +166,33 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
       "proj frozen plus a rank-64 residual")
     g("--lambda-reg", type=float, help="weight of the self-regularisation loss")
     g("--lambda-fusion", type=float, help="weight of the fusion-weight regularisation loss")
+    g("--analysis", choices=ANALYSES, help="the head analysis as a whole: project = the "
+      "project's (its labelled bank, the labels as concepts; checked on the toy world against "
+      "ablation; not the paper's); paper = the paper's Sec. 3.2: TextSpan's pool (toyworld: its "
+      "own bank, labels stripped), clusters of SBERT embeddings, 20 picks per head, ImageNet's "
+      "validation images when ImageNet is under --root; a flag typed beside it wins")
     g("--analysis-pool", help="head-analysis images: 'train' = the trained dataset's training split (base2novel: "
       "base classes; never the few-shot draw), or DATASET:SPLIT, e.g. imagenet:test (TextSpan's pool)")
     g("--analysis-images", type=int, help="at most this many pool images, spread evenly over its classes (fixed seed)")
     g("--bank", help="the head analysis' description pool: 'project' (the project's labelled bank; toyworld: "
-      "its own), 'textspan' (TextSpan's general pool, 3,497 lines, downloaded once, SHA-256-checked) or a PATH: "
+      "its own), 'project-unlabelled' (the same, its labels stripped: they only score the "
+      "clusters), 'textspan' (TextSpan's general pool, 3,497 lines, downloaded once, "
+      "SHA-256-checked) or a PATH: "
       "one description per line, '#' comments, 'text<TAB>concept' to label a line")
     g("--concepts", choices=dear.CONCEPT_SOURCES, help="where the analysis' concepts come from: clusters (the "
-      "paper's: HDBSCAN over the picks' CLIP text embeddings) or labels (the pool's own; every line labelled) "
+      "paper's: HDBSCAN over the picks' embeddings by --sentence-encoder) or labels (the pool's own; every line labelled) "
       "(unset: labels where every line of the pool has one, else clusters)")
+    g("--sentence-encoder", type=sentence_encoder_name, metavar="clip|sbert[:NAME_OR_FOLDER]",
+      help="what embeds the picks to cluster them: clip = CLIP's own text tower; sbert = SBERT "
+      f"through sentence-transformers ({SBERT_INSTALL}), {SBERT_MODEL} unless a Hugging Face "
+      "model name or a local model folder follows (offline: a folder)")
     g("--min-cluster-size", type=int, help="HDBSCAN's smallest concept, in distinct picks (unset: the picks "
       "per head)")
     g("--min-samples", type=int, help="HDBSCAN's neighbours for a core point (unset: --min-cluster-size)")
     g("--cluster-names", help="JSON file {cluster id: attribute or 'other'} overriding the names the analysis "
       "gave its clusters (ids as printed in roles/clusters.md)")
     g("--descriptions", type=int, help="TextSpan descriptions per head (unset: a labelled pool's fewest values of "
-      "an attribute, else the paper's 20; capped with a warning where the images or TextSpan's rank fall short; "
+      "an attribute, else (and under --analysis paper) the paper's 20; capped with a warning where the images or TextSpan's rank fall short; "
       "typed: refused above that)")
     g("--analyse-only", action="store_true", help="run the head analysis alone (roles.json, roles.png, masks.png "
       "in --output and the cache), then stop")
@@ -232,6 +255,22 @@ def fusion_name(value: str) -> str:
     if value not in FUSION_MODES:
         raise argparse.ArgumentTypeError(f"invalid choice: '{value}' (choose from {', '.join(FUSION_MODES)})")
     return value
+
+
+def sentence_encoder_name(value: str) -> str:
+    """--sentence-encoder's type -> 'clip', or 'sbert:' + a Hugging Face model name (a bare name is
+    sentence-transformers', as that library reads it) or an absolute folder: one spelling per
+    model, so that --resume compares like with like. Installed and there: check_sentence_encoder."""
+    kind, colon, model = value.partition(":")
+    if value == "clip":
+        return value
+    if kind != "sbert" or (colon and not model):
+        raise argparse.ArgumentTypeError(f"'{value}': expected clip, sbert or sbert:NAME_OR_FOLDER "
+                                         "(a Hugging Face model name, or a local model folder)")
+    model = model or SBERT_MODEL
+    if model.startswith(("/", ".", "~")) or os.path.isdir(model):  # a folder, not a hub name
+        return "sbert:" + os.path.abspath(os.path.expanduser(model))
+    return "sbert:" + (model if "/" in model else f"sentence-transformers/{model}")
 
 
 def resolve_settings(args: argparse.Namespace, book: RecipeBook) -> Dict[str, object]:
@@ -327,6 +366,7 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
     settings = {key: copy.copy(typed[key] if key in typed else getattr(recipe, key, defaults.get(key)))
                 for key in SETTING_KEYS}  # (copied: no list shared with the book)
     resolve_text_tokens(settings, len(book.attributes(toy)))
+    settings.update(analysis_preset(settings["analysis"], toy, settings["root"], typed))
     roles = settings["roles"]
     for choice in roles:
         if choice not in ("analyse", *ROLE_ABLATIONS) and not os.path.isfile(choice):
@@ -352,6 +392,64 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
     if source is None:  # no target: DeAR is tested at the training beta
         settings["test_beta"] = None
     return settings
+
+
+def analysis_preset(analysis: str, toy: bool, root: Optional[str], typed: dict) -> dict:
+    """--analysis paper -> the settings it gives, each unless typed: TextSpan's general pool (the
+    toy world: its own bank without labels, as its tokenizer knows only toy words), concepts by
+    clusters, SBERT, and ImageNet's validation images when ImageNet is under --root (else the
+    trained dataset's training images); its 20 picks are the picks' default (train.default_picks).
+    --analysis project: nothing (the defaults are the project's)."""
+    if analysis != "paper":
+        return {}
+    imagenet = bool(root) and os.path.isdir(os.path.join(root, data.get_spec("imagenet").folder))
+    preset = dict(bank="project-unlabelled" if toy else "textspan", concepts="clusters",
+                  sentence_encoder=f"sbert:{SBERT_MODEL}",
+                  analysis_pool="imagenet:test" if imagenet and not toy else "train")
+    if typed.get("concepts") == "labels":  # labels need no encoder: SBERT would do nothing
+        del preset["sentence_encoder"]
+    return {key: value for key, value in preset.items() if key not in typed}
+
+
+# What stays the project's under --analysis paper (docs/METHOD.md Sec. 3, the table of departures).
+PAPER_DEPARTURES_KEPT = (
+    "HDBSCAN's min_cluster_size = the picks per head",
+    "a pick in no cluster is a concept of its own",
+    "clusters named by mutual-nearest attribute names (a labelled pool: by its labels)",
+    "role thresholds at thirds of log2(min(picks, concepts)) bits, the low one at least 0.81",
+    "TextSpan's rank = the head width", "at most {analysis_images} images",
+    "no attribute head measured: the class branch alone",
+    "the tokens --tokens {tokens} (the paper note fits both separate and shared)",
+    "K = {text_tokens} text tokens")
+
+
+def analysis_header(settings, concepts: str, toy: bool) -> List[str]:
+    """The lines that open a head analysis: which analysis runs, each setting --analysis paper
+    changed (or a typed flag kept), and what stays unlike the paper's; the default says it is not
+    the paper's and how to get it."""
+    encoder = settings["sentence_encoder"] if concepts == "clusters" else "none (labels)"
+    if settings["analysis"] != "paper":
+        return [f"head analysis: --analysis project (the default: the project's analysis, not the "
+                f"paper's; --analysis paper runs the paper's): --bank {settings['bank']}, concepts "
+                f"{concepts}, --sentence-encoder {encoder}, "
+                f"--analysis-pool {settings['analysis_pool']}"]
+    preset = analysis_preset("paper", toy, settings["root"], {})
+    if concepts != "clusters":  # typed labels: no encoder runs
+        del preset["sentence_encoder"]
+    shown = [f"--{key.replace('_', '-')} {settings[key]}" + ("" if settings[key] == value else
+             f" (typed; the paper's: {value})") for key, value in preset.items()]
+    picks = settings["descriptions"]
+    paper_picks = f"{dear.PAPER_PICKS} picks per head (capped where a head's width allows fewer)"
+    typed = f"--descriptions {picks} (typed; the paper's: {dear.PAPER_PICKS})"
+    shown.append(paper_picks if picks is None else typed)
+    lines = ["head analysis: --analysis paper, the paper's Sec. 3.2: " + ", ".join(shown)]
+    if settings["analysis_pool"] == "train":
+        where = "the toy world" if toy else "no ImageNet under --root"
+        lines.append(f"head analysis: {where}: the trained dataset's training images, not "
+                     "ImageNet's validation images (the paper's)")
+    kept = [d.format(**settings) for d in PAPER_DEPARTURES_KEPT]
+    return lines + ["head analysis: still the project's, not the paper's (docs/METHOD.md Sec. 3): "
+                    + "; ".join(kept)]
 
 
 def resolve_text_tokens(settings: dict, num_attributes: int) -> None:
@@ -445,7 +543,8 @@ def settings_from_run_folder(args: argparse.Namespace, book: RecipeBook) -> Dict
     if saved_file.get("format") != RUN_FORMAT:  # what a folder means changed: refused, not misread
         raise TrainError(f"{path}: a run folder of an earlier train.py ({saved_file.get('format') or 'format 1'}; "
                          f"this one reads {RUN_FORMAT}: one cached head analysis per model, Dassl's warm-up "
-                         "recount, renamed fusion rows); finish it with that version, or start a new run")
+                         "recount, renamed fusion rows, the analysis' preset and sentence encoder); finish "
+                         "it with that version, or start a new run")
     if not isinstance(saved, dict) or set(saved) != set(SETTING_KEYS) or not isinstance(saved["fingerprints"], dict) \
             or not isinstance(saved["dataset_paths"], dict):
         raise TrainError(f"{path}: not the settings of this train.py (damaged, or made by another version); "
@@ -693,9 +792,13 @@ TEXTSPAN_POOL_SHA256 = "39c6bf3e788684d9e0e8afa902c13aae1ee8eafefdbab94ba923fd05
 
 def description_pool(choice: str, project_bank: list, log: Callable[[str], None]):
     """--bank -> (the pool as (text, concept, value) triples, its record: what, SHA-256, size).
-    'project': the project's own labelled bank; 'textspan': TextSpan's pool; else a file of the user's."""
+    'project': the project's own labelled bank; 'project-unlabelled': the same without its labels
+    (its clusters are scored against them, never named by them); 'textspan': TextSpan's pool; else a
+    file of the user's."""
     if choice == "project":
         pool, digest = [tuple(entry) for entry in project_bank], None
+    elif choice == "project-unlabelled":
+        pool, digest = [(entry[0], None, None) for entry in project_bank], None
     else:
         path = textspan_pool_file() if choice == "textspan" else choice
         try:
@@ -704,6 +807,13 @@ def description_pool(choice: str, project_bank: list, log: Callable[[str], None]
             raise TrainError(f"--bank {error}") from None
     digest = digest or hashlib.sha256(json.dumps(pool).encode()).hexdigest()  # the project's: of its entries
     return pool, dict(bank=choice, sha256=digest, descriptions=len(pool))
+
+
+def scoring_labels(choice: str, pool: list, project_bank: list) -> Dict[str, str]:
+    """{text: label} that clusters.md scores the clusters against: the pool's own labels, or, for
+    'project-unlabelled', the labels stripped from it."""
+    labelled = project_bank if choice == "project-unlabelled" else pool
+    return {entry[0]: entry[1] for entry in labelled if entry[1] is not None}
 
 
 def textspan_pool_file() -> str:
@@ -716,6 +826,129 @@ def textspan_pool_file() -> str:
         raise TrainError(f"--bank textspan: cannot download {TEXTSPAN_POOL_URL}; without network, put that file "
                          f"(SHA-256 {TEXTSPAN_POOL_SHA256[:16]}...) at {cached}, or give its path as --bank PATH") \
             from None
+
+
+# The sentence encoder that embeds the picks before HDBSCAN (--sentence-encoder): CLIP's own text
+# tower, or SBERT (the paper's) through sentence-transformers, an optional extra imported only
+# here and only when chosen (never by dear.py, whose analyze_heads takes any embed_texts).
+
+
+def check_sentence_encoder(encoder: str) -> None:
+    """What costs nothing, before any download: SBERT's package is installed (looked up, not
+    imported: the import takes seconds) and a model folder given is there."""
+    if encoder == "clip":
+        return
+    flag, model = f"--sentence-encoder {encoder}", encoder.split(":", 1)[1]
+    if os.path.isabs(model) and not os.path.isfile(os.path.join(model, "config.json")):
+        what = ("no such folder" if not os.path.isdir(model)
+                else "not a model folder (no config.json)")
+        raise TrainError(f"{flag}: {what}; give the folder of a sentence-transformers model "
+                         f"(e.g. all-MiniLM-L6-v2's), or a model name such as {SBERT_MODEL}")
+    if importlib.util.find_spec("sentence_transformers") is None:
+        raise TrainError(f"{flag}: sentence-transformers is not installed; {SBERT_INSTALL}")
+    if not os.path.isabs(model):
+        from huggingface_hub.utils import validate_repo_id  # sentence-transformers' own dependency
+
+        try:
+            validate_repo_id(model)
+        except ValueError:
+            raise TrainError(f"{flag}: neither a model folder nor a Hugging Face model name "
+                             f"(such as {SBERT_MODEL})") from None
+
+
+def sentence_encoder_record(encoder: str, log: Callable[[str], None]) -> dict:
+    """What the analysis records of its encoder and keys its cache on -> {"name": "clip"} (its
+    weights are keyed already), or SBERT's: the model asked for, its folder, every file's SHA-256
+    by relative path, and the library versions. A named model comes from the Hugging Face cache
+    (local files only), else is fetched once by name."""
+    if encoder == "clip":
+        return dict(name="clip")
+    model = encoder.split(":", 1)[1]
+    folder = model if os.path.isabs(model) else sbert_folder_of(model, log)
+    files = {}
+    for parent, _, names in sorted(os.walk(folder)):
+        for name in sorted(names):  # a cache's snapshot holds links to its blobs: their content
+            path = os.path.join(parent, name)
+            files[os.path.relpath(path, folder).replace(os.sep, "/")] = sha256(path)
+    versions = {package: importlib.metadata.version(package)
+                for package in ("sentence-transformers", "transformers")}
+    return dict(name="sbert", model=model, folder=folder, files=files, **versions)
+
+
+def sbert_folder_of(name: str, log: Callable[[str], None]) -> str:
+    """A named SBERT model's folder: the Hugging Face cache's copy, found with local files only,
+    else fetched by sentence-transformers (the files its model needs) into that cache, once.
+    Offline, one line saying how to pass a folder instead."""
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        return snapshot_download(name, local_files_only=True)
+    except OSError:  # not in the cache (LocalEntryNotFoundError)
+        pass
+    flag = f"--sentence-encoder sbert:{name}"
+    offline = (f"{flag}: not in the Hugging Face cache and {constants.ENDPOINT} cannot be "
+               "reached; without network, pass a model folder: --sentence-encoder sbert:FOLDER "
+               "(e.g. all-MiniLM-L6-v2's files, copied from a machine that has them)")
+    if not reachable(constants.ENDPOINT):  # at once: the hub's client retries for minutes
+        raise TrainError(offline)
+    log(f"head analysis: fetching {name} into the Hugging Face cache (once)")
+    from sentence_transformers import SentenceTransformer
+
+    try:
+        SentenceTransformer(name, device="cpu")
+        return snapshot_download(name, local_files_only=True)
+    except Exception as error:  # noqa: BLE001 -- the hub's and transformers' errors, one line
+        raise TrainError(f"{offline} ({type(error).__name__})") from None
+
+
+def reachable(url: str, timeout: float = 10.0) -> bool:
+    """Whether a TCP connection to `url`'s host opens."""
+    import socket
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def sbert_embedder(record: dict, device: torch.device) -> Callable[[List[str]], torch.Tensor]:
+    """SBERT from its model folder (local files only: no hub call) on the run's device, in fp32 and
+    eval mode -> embed_texts for dear.analyze_heads: texts -> (n, d) on the CPU."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no warning when loaders fork later
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError as error:
+        raise TrainError(f"--sentence-encoder: sentence-transformers cannot be imported "
+                         f"({error}); {SBERT_INSTALL}") from None
+    from transformers.utils import logging as transformers_logging  # sentence-transformers' own
+
+    transformers_logging.disable_progress_bar()  # no bar per model load in the run's log
+    try:
+        model = SentenceTransformer(record["folder"], device=str(device), local_files_only=True)
+    except (OSError, ValueError, KeyError, RuntimeError) as error:
+        raise TrainError(f"--sentence-encoder sbert:{record['model']}: cannot load the model in "
+                         f"{record['folder']} ({type(error).__name__}); give a "
+                         "sentence-transformers model folder") from None
+    model = model.float().eval()
+
+    @torch.no_grad()
+    def embed_texts(texts: List[str]) -> torch.Tensor:
+        return model.encode(texts, batch_size=64, convert_to_tensor=True,
+                            show_progress_bar=False).float().cpu()  # (n, d)
+    return embed_texts
+
+
+def encoder_line(encoder: dict) -> str:
+    """The encoder in a few words, for clusters.md and the printed lines."""
+    if encoder["name"] == "clip":
+        return "CLIP's text tower"
+    return (f"SBERT {encoder['model']} (sentence-transformers {encoder['sentence-transformers']}, "
+            f"transformers {encoder['transformers']}; {len(encoder['files'])} files, SHA-256 in "
+            "analysis.json)")
 
 
 def cluster_names_of(path: Optional[str], attributes: List[str]) -> Optional[Dict[int, str]]:
@@ -745,26 +978,28 @@ def adjusted_rand_index(a: list, b: list) -> float:
     return 1.0 if top == expected else (both - expected) / (top - expected)
 
 
-def clusters_table(role_map: dear.RoleMap, pool: list) -> str:
-    """clusters.md: the concepts of an analysis; for a labelled pool, how the clusters agree with the
-    labels over the distinct picks (noise picks each their own cluster, as in the entropy)."""
+def clusters_table(role_map: dear.RoleMap, labels: Dict[str, str], encoder: dict) -> str:
+    """clusters.md: the concepts of an analysis and the encoder that embedded them; where the picks
+    have labels ({text: label}: scoring_labels), how the clusters agree with them over the distinct
+    picks (noise picks each their own cluster, as in the entropy)."""
     picks = dict(zip((t for h in role_map.heads for t in h.descriptions), (c for h in role_map.heads for c in h.concepts)))
     lines = [f"# Concepts of the head analysis: {role_map.concepts}", ""]
     if role_map.concepts != "clusters":
         return "\n".join(lines + [f"The pool's labels: {', '.join(sorted(set(picks.values())))}.", ""])
-    lines += [f"HDBSCAN over the {len(picks)} distinct picks of all heads; a name is a core attribute or other.",
+    lines += [f"Embedded by {encoder_line(encoder)}.", "",
+              f"HDBSCAN over the {len(picks)} distinct picks of all heads; a name is a core attribute or other.",
               "", *md_table("cluster", ["name", "size", "its most central phrases"],
                             {str(c.id): [c.name, str(c.size), "; ".join(c.central)] for c in role_map.clusters}),
               "", f"In no cluster (noise, each a concept of its own): {list(picks.values()).count(dear.NOISE)} picks."]
-    labels = {entry[0]: entry[1] for entry in pool}
     if all(labels.get(text) is not None for text in picks):
         found = [c if c != dear.NOISE else f"noise {text}" for text, c in picks.items()]
         truth = [labels[text] for text in picks]
         clustered = [(c, t) for c, t in zip(picks.values(), truth) if c != dear.NOISE]
         pure = sum(Counter(t for c2, t in clustered if c2 == c).most_common(1)[0][1] for c in {c for c, _ in clustered})
         per_concept = {t: len({c for c, t2 in clustered if t2 == t}) for t in sorted(set(truth))}
-        lines += ["", f"Against the pool's labels: adjusted Rand index {adjusted_rand_index(found, truth):.2f}, "
-                  f"purity {pure / max(len(clustered), 1):.2f} (clustered picks); clusters per concept: "
+        purity = f"{pure / len(clustered):.2f}" if clustered else "- (no pick in a cluster)"
+        lines += ["", f"Against the labels: adjusted Rand index {adjusted_rand_index(found, truth):.2f}, "
+                  f"purity {purity} (clustered picks); clusters per concept: "
                   + ", ".join(f"{t} {n}" for t, n in per_concept.items()) + "."]
     return "\n".join(lines + [""])
 
@@ -833,20 +1068,29 @@ sha256 = clip_model._sha256  # noqa: SLF001 -- one file hasher for the project (
 
 
 def analysis_fingerprint(settings, clip, items: list, bank: list, attributes: list, picks: int, rank: int,
-                         concepts: dict) -> str:
+                         concepts: dict, code: list) -> str:
     """SHA-256 of all a role map depends on: the weights' and BPE's SHA-256, the pool's images (path
     under --root and size: their bytes would mean reading every image), the description pool, where
-    the concepts come from (the source, encoder, clustering settings, names), the analysis settings,
-    and the source of dear.py and clip_model.py (changed code must not reuse a map)."""
+    the concepts come from (the source, the encoder by its files' SHA-256 and library versions, not
+    its folder's place; clustering settings, names), the analysis settings, and the source of the
+    code that makes and writes the map (`code`: modules and functions; changed code must not reuse
+    a map)."""
     depth = len(clip.visual.transformer.resblocks)  # vision layers
+    encoder = {k: v for k, v in concepts["encoder"].items() if k not in ("model", "folder")}
     key = dict(
         weights=settings["fingerprints"]["weights"], bpe=settings["fingerprints"]["bpe"],
         heads=clip.visual.transformer.heads, layers=dear.analysed_layers(depth),
         images=[[os.path.relpath(item.path, settings["root"]), os.path.getsize(item.path)] for item in items],
         bank=[list(entry) for entry in bank], attributes=list(attributes), picks=picks,
-        rank=rank, low_bits=settings["low_bits"], high_bits=settings["high_bits"], concepts=concepts,
-        code=hashlib.sha256((inspect.getsource(dear) + inspect.getsource(clip_model)).encode()).hexdigest())
+        rank=rank, low_bits=settings["low_bits"], high_bits=settings["high_bits"],
+        concepts=dict(concepts, encoder=encoder), code=source_fingerprint(code))
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()  # sorted keys: one text per key
+
+
+def source_fingerprint(code: list) -> str:
+    """SHA-256 of the source of each module or function in `code`, in order, each under its name."""
+    parts = [f"{part.__name__}\n{inspect.getsource(part)}" for part in code]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def analysis_cache(fingerprint: str, pool: str, analyse: Callable[[str], None], runtime: Runtime) -> str:

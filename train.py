@@ -142,8 +142,10 @@ DEFAULTS = dict(
     source="imagenet",  # what cross and dg train on (the paper's protocol)
     weights="ViT-B/16",  # the paper's backbone
     analysis_pool="train",  # the trained dataset's whole training split (base2novel: base classes)
+    analysis="project",  # the project's head analysis, not the paper's (runs.analysis_preset)
     analysis_images=2000,  # at most this many images of the pool for the head analysis
     bank="project",  # the analysis' descriptions: the project's labelled bank (toyworld: its own)
+    sentence_encoder="clip",  # what embeds the picks to cluster them: CLIP's own text tower
     device="auto",  # cuda, then mps, then cpu
     amp="on",  # autocast on CUDA (CPU and MPS always run fp32)
     eval_batch_size=64,  # images per evaluation batch
@@ -238,6 +240,23 @@ class RunData(NamedTuple):
     test: Dict[str, List[EvalSet]]  # trained dataset -> its protocol's test sets
 
 
+def check_datasets(settings, jobs: List[runs.Job]) -> None:
+    """Each dataset the call will read is under --root: a folder's presence costs nothing, so it is
+    checked before anything is downloaded (CLIP's weights, TextSpan's pool, an SBERT model) or read.
+    The toy world is made later, in the cache."""
+    if settings["dataset"] == ["toyworld"]:
+        return
+    names = [job.dataset for job in jobs]  # the trained datasets (and their test sets)
+    if not settings["analyse_only"]:
+        names += settings["dataset"]  # cross, dg: the targets
+    pool, _ = runs.analysis_pool_of(settings["analysis_pool"])
+    fresh = not (settings["resume"] or settings["eval_only"])
+    if pool is not None and analysing(settings) and fresh:
+        names.append(pool)
+    for name in dict.fromkeys(names):
+        data.dataset_folder(name, settings["root"])
+
+
 def read_data(settings, jobs: List[runs.Job], datasets: Datasets) -> RunData:
     # Each training split is drawn once per (dataset, seed, shots): rows that differ only in
     # --roles share it.
@@ -312,12 +331,34 @@ def read_pool(settings):
     if settings["resume"] or settings["eval_only"] or not analysing(settings):
         return None
     toy = settings["dataset"] == ["toyworld"]
-    bank, record = runs.description_pool(settings["bank"], description_bank(toy), print)
+    if settings["bank"] == "textspan":  # the pool that is downloaded: what costs nothing first
+        check_encoder(settings, settings["concepts"] or "clusters")  # it has no labels
+    try:
+        bank, record = runs.description_pool(settings["bank"], description_bank(toy), print)
+    except TrainError as error:  # say why a pool never typed is read
+        if settings["analysis"] == "paper" and settings["bank"] == "textspan":
+            raise TrainError(f"--analysis paper reads TextSpan's pool: {error}") from None
+        raise
     record["concepts"] = (settings["concepts"]  # unset: the pool decides
                           or dear.default_concepts(bank))
     attributes = world_attributes() if toy else list(dear.CORE_ATTRIBUTES)
     check_pool(settings, bank, record["concepts"], attributes)
+    check_encoder(settings, record["concepts"])
+    for line in runs.analysis_header(settings, record["concepts"], toy):
+        print(line)
     return bank, record
+
+
+def check_encoder(settings, concepts: str) -> None:
+    """--sentence-encoder against the concepts, then installed and there (before any download)."""
+    if concepts == "labels" and settings["bank"] == "textspan":
+        raise TrainError("--concepts labels: TextSpan's pool has no labels; "
+                         "use --concepts clusters")
+    if concepts == "labels" and settings["sentence_encoder"] != "clip":
+        raise TrainError(f"--sentence-encoder {settings['sentence_encoder']}: the concepts are the "
+                         f"pool's labels (--bank {settings['bank']}), which no encoder touches; "
+                         "add --concepts clusters (or --analysis paper), or drop the encoder")
+    runs.check_sentence_encoder(settings["sentence_encoder"])
 
 
 def open_inputs(settings, runtime: runs.Runtime, pool) -> Inputs:
@@ -361,7 +402,7 @@ def check_pool(settings, bank: List[tuple], concepts: str, attributes: List[str]
     --concepts labels, and enough distinct lines for the picks (typed, else the pool's default)."""
     try:
         dear.check_concepts(concepts, [dear.Description(*entry) for entry in bank])
-        picks = dear.default_picks(bank, attributes)
+        picks = default_picks(settings, bank, attributes)
     except dear.DeARError as error:
         raise TrainError(f"--bank {settings['bank']}: {error}") from None
     if settings["descriptions"] is not None:  # typed: refused past the pool, the images, the rank
@@ -373,6 +414,14 @@ def check_pool(settings, bank: List[tuple], concepts: str, attributes: List[str]
         raise TrainError(f"--bank {settings['bank']}: {len(bank)} distinct descriptions, "
                          f"and TextSpan makes {picks} picks per head; give a pool of at least "
                          f"{picks}, or --descriptions {len(bank)} or fewer")
+
+
+def default_picks(settings, bank: List[tuple], attributes: List[str]) -> int:
+    """TextSpan's picks per head unless --descriptions says: the paper's 20 under --analysis paper,
+    else the pool's rule (dear.default_picks: a labelled pool's fewest values of an attribute)."""
+    if settings["analysis"] == "paper":
+        return dear.PAPER_PICKS
+    return dear.default_picks(bank, attributes)
 
 
 def build_dear(settings, inputs: Inputs, role_map: dear.RoleMap,
@@ -650,25 +699,30 @@ def analysis_pool(settings, datasets: Datasets, dataset: str):
     return chosen, f"{what}, {len(chosen)} of {len(items)} images, {classes} classes"
 
 
-def run_head_analysis(settings, inputs: Inputs, items: list, pool: str, picks: int, folder: str,
-                      runtime: runs.Runtime) -> None:
-    """Concept entropy of every head of the last four layers -> roles.json, roles.txt, roles.png
-    in `folder` (and, in the toy world, the causal check)."""
+def run_head_analysis(settings, inputs: Inputs, items: list, pool: str, picks: int, encoder: dict,
+                      folder: str, runtime: runs.Runtime) -> None:
+    """Concept entropy of every head of the last four layers -> roles.json, roles.txt, roles.png,
+    clusters.md in `folder` (and, in the toy world, the causal check). `encoder`: the record of
+    --sentence-encoder (runs.sentence_encoder_record); SBERT is loaded here, on a cache miss."""
     clip, started = inputs.clip, time.time()
     layers = dear.analysed_layers(len(clip.visual.transformer.resblocks))  # the last four
     runtime.log(f"head analysis: concept entropy of every head of the last {layers} layers "
                 f"on {pool}; {picks} TextSpan picks per head "
                 "(done once per model and pool, then cached)")
     batches = (images for images, _ in loader_of(items, settings, clip.visual.input_resolution))
+    embed_texts = None  # CLIP's text tower: dear.py's own
+    if encoder["name"] == "sbert":  # (labels need no encoder: read_pool refuses one)
+        embed_texts = runs.sbert_embedder(encoder, runtime.device)
     role_map = dear.analyze_heads(
         clip, batches, inputs.tokenizer, inputs.bank, inputs.attributes,
         num_layers=layers, num_descriptions=picks,  # rank: the head width
         low_bits=settings["low_bits"], high_bits=settings["high_bits"],
-        concepts=inputs.concepts,  # concepts embedded by CLIP's text tower
+        concepts=inputs.concepts, embed_texts=embed_texts,  # None: CLIP's text tower
         min_cluster_size=settings["min_cluster_size"], min_samples=settings["min_samples"],
         cluster_names=inputs.cluster_names, log=runtime.log)
     role_map.source = f"concept entropy ({inputs.concepts}) on {pool}"
-    table, clusters = role_map.table(), runs.clusters_table(role_map, inputs.bank)
+    labels = runs.scoring_labels(settings["bank"], inputs.bank, description_bank(inputs.toy))
+    table, clusters = role_map.table(), runs.clusters_table(role_map, labels, encoder)
     runtime.log(table + "\n" + clusters)
     runs.draw_heatmap(role_map, os.path.join(folder, "roles.png"))
     runs.write_text(os.path.join(folder, "roles.txt"), table + "\n")
@@ -692,11 +746,25 @@ def run_head_analysis(settings, inputs: Inputs, items: list, pool: str, picks: i
     runtime.log(f"head analysis: done in {runs.format_time(time.time() - started)}")
 
 
+def analysis_code(toy: bool) -> list:
+    """The code a cached role map comes from, the one list of it: its source is part of the cache
+    key (runs.analysis_fingerprint), so that a changed line never reuses a map made before. The
+    method (dear.py, clip_model.py), the harness that loads the encoder and writes the cached files
+    (runs.py, run_head_analysis) and, in the toy world, the causal check written beside the map.
+    A module the analysis comes to call is added here."""
+    code = [clip_model, dear, runs, run_head_analysis]
+    if toy:
+        from toyworld import causal
+
+        code.append(causal)
+    return code
+
+
 def analysed_role_maps(settings, inputs: Inputs, datasets: Datasets, runtime: runs.Runtime):
     """{trained dataset: its analysed RoleMap}, {trained dataset: the map's record (fingerprint,
     pool, images, picks, sha256, cache)}: a new run's from the cache (analysing what is missing);
     --resume / --eval-only read the run folder's copies, checked against settings.json."""
-    maps, records = {}, {}
+    maps, records, encoder = {}, {}, None
     for dataset in runs.trained_datasets(settings) if analysing(settings) else []:
         if settings["resume"] or settings["eval_only"]:
             path = runs.role_copy(settings, dataset, checked=True)
@@ -707,24 +775,26 @@ def analysed_role_maps(settings, inputs: Inputs, datasets: Datasets, runtime: ru
             # TextSpan's rank, a head's width: 64 on ViT-B/16, 16 on the toy CLIP
             rank = dear.textspan_rank(inputs.clip)
             embed_dim = inputs.clip.visual.proj.shape[1]
-            default = dear.default_picks(inputs.bank, inputs.attributes)
+            default = default_picks(settings, inputs.bank, inputs.attributes)
             picks = dear.analysis_picks(settings["descriptions"], len(inputs.bank), len(items),
                                         rank=rank, embed_dim=embed_dim, default=default)
+            if encoder is None:  # once per call; a named SBERT model is found (or fetched) here
+                encoder = runs.sentence_encoder_record(settings["sentence_encoder"], runtime.log)
             # (clustering settings unset: the rule's)
-            concepts = dict(source=inputs.concepts, encoder="CLIP's text tower",
-                            bank=settings["bank"],
+            concepts = dict(source=inputs.concepts, encoder=encoder, bank=settings["bank"],
                             min_cluster_size=settings["min_cluster_size"],
                             min_samples=settings["min_samples"],
                             cluster_names=inputs.cluster_names)
             fingerprint = runs.analysis_fingerprint(settings, inputs.clip, items, inputs.bank,
-                                                    inputs.attributes, picks, rank, concepts)
+                                                    inputs.attributes, picks, rank, concepts,
+                                                    analysis_code(inputs.toy))
             took = time.time() - started
             runtime.log(f"head analysis: pool {pool}, chosen and fingerprinted in {took:.1f} s")
             record = dict(fingerprint=fingerprint, pool=pool, images=len(items), picks=picks,
                           concepts=concepts)
 
             def analyse(folder: str) -> None:
-                run_head_analysis(settings, inputs, items, pool, picks, folder, runtime)
+                run_head_analysis(settings, inputs, items, pool, picks, encoder, folder, runtime)
                 runs.write_json(os.path.join(folder, "analysis.json"), record)
 
             entry = runs.analysis_cache(fingerprint, pool, analyse, runtime)
@@ -932,6 +1002,7 @@ def run(args) -> int:
     with contextlib.ExitStack() as stack:  # holds the run folder's lock until the call ends
         # fresh: usable; resumed: locked, every file checked
         runs.check_run_folder(settings, jobs, stack)
+        check_datasets(settings, jobs)  # each dataset's folder is there, before any download
         pool = read_pool(settings)  # the analysis' descriptions, checked before any model is read
         runtime = runs.setup_runtime(settings)  # the device (and processes, under torchrun)
         inputs = open_inputs(settings, runtime, pool)  # CLIP, tokenizer, the toy world, checked

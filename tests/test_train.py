@@ -30,7 +30,7 @@ import clip_model  # noqa: E402
 import dear  # noqa: E402
 import train  # noqa: E402
 import runs  # noqa: E402
-from conftest import perturb_  # noqa: E402
+from conftest import no_network, perturb_  # noqa: E402,F401 -- a fixture
 
 
 @pytest.fixture(autouse=True)
@@ -1352,7 +1352,7 @@ def test_a_pool_without_labels_is_clustered_and_recorded(world, tmp_path, capsys
     clusters = (out / "dtd/roles/clusters.md").read_text()
     assert clusters.startswith("# Concepts of the head analysis: clusters") and "adjusted Rand" not in clusters
     record = read(out / "dtd/roles/analysis.json")
-    assert record["concepts"] == dict(source="clusters", encoder="CLIP's text tower", bank=str(pool),
+    assert record["concepts"] == dict(source="clusters", encoder=dict(name="clip"), bank=str(pool),
                                       min_cluster_size=None, min_samples=None, cluster_names=None)
     # The project's labelled bank: labels by default; the clusters asked for are another analysis.
     labelled = tmp_path / "labelled"
@@ -1426,6 +1426,107 @@ def test_a_bad_pool_or_clustering_setting_is_one_line_before_any_work(world, tmp
     refused(args + flags, capsys, message, tmp_path / "run")
     assert not analysis_cache.exists()
 
+
+# ------------------------------------------------------------------------------------------
+# The analysis as a whole (--analysis), its code in the cache key, and cheap checks first
+# ------------------------------------------------------------------------------------------
+
+
+def test_analysis_paper_resolves_to_the_papers_settings_and_typed_flags_win(world, tmp_path):
+    paper = f"sbert:{runs.SBERT_MODEL}"
+    keys = ("analysis", "bank", "concepts", "sentence_encoder", "analysis_pool", "descriptions")
+    # ImageNet under --root: its validation images, one map for the model.
+    settings = settings_of(common(world, tmp_path / "a", "--dataset", "dtd", "--analysis", "paper"))
+    assert [settings[k] for k in keys] == ["paper", "textspan", "clusters", paper, "imagenet:test", 6]
+    assert train.default_picks(settings, dear.description_bank(), dear.CORE_ATTRIBUTES) == 20  # labelled: 16
+    # No ImageNet under --root: the trained dataset's training images, and the header says so.
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / "dtd").symlink_to(Path(world["root"]) / "dtd")
+    argv = [a if a != world["root"] else str(root) for a in common(world, tmp_path / "b", "--dataset", "dtd",
+                                                                   "--analysis", "paper")]
+    argv.remove("--descriptions")
+    argv.remove("6")
+    settings = settings_of(argv)
+    assert [settings[k] for k in keys] == ["paper", "textspan", "clusters", paper, "train", None]
+    header = runs.analysis_header(settings, "clusters", toy=False)
+    assert header[0] == ("head analysis: --analysis paper, the paper's Sec. 3.2: --bank textspan, --concepts "
+                         f"clusters, --sentence-encoder {paper}, --analysis-pool train, 20 picks per head "
+                         "(capped where a head's width allows fewer)")
+    assert header[1].startswith("head analysis: no ImageNet under --root: the trained dataset's training images")
+    assert "min_cluster_size = the picks per head" in header[2] and "at most 2000 images" in header[2]
+    # The toy world: its own bank without labels (its tokenizer knows only toy words), its own images.
+    settings = settings_of(["--dataset", "toyworld", "--analysis", "paper"])
+    assert [settings[k] for k in keys] == ["paper", "project-unlabelled", "clusters", paper, "train", None]
+    # Typed flags win; labels need no encoder, so the preset's SBERT is dropped with them.
+    settings = settings_of(common(world, tmp_path / "c", "--dataset", "dtd", "--analysis", "paper", "--bank",
+                                  "project", "--concepts", "labels", "--analysis-pool", "train"))
+    assert [settings[k] for k in keys] == ["paper", "project", "labels", "clip", "train", 6]
+    header = runs.analysis_header(settings, "labels", toy=False)[0]
+    assert "--bank project (typed; the paper's: textspan)" in header and "--sentence-encoder" not in header
+    # The default: the project's analysis, and its header says it is not the paper's.
+    settings = settings_of(common(world, tmp_path / "d", "--dataset", "dtd"))
+    assert [settings[k] for k in keys] == ["project", "project", None, "clip", "train", 6]
+    assert train.default_picks(settings, dear.description_bank(), dear.CORE_ATTRIBUTES) == 16
+    assert runs.analysis_header(settings, "labels", toy=False) == [
+        "head analysis: --analysis project (the default: the project's analysis, not the paper's; --analysis "
+        "paper runs the paper's): --bank project, concepts labels, --sentence-encoder none (labels), "
+        "--analysis-pool train"]
+
+
+def test_analysis_paper_offline_without_textspans_pool_is_one_line(world, tmp_path, capsys, monkeypatch,
+                                                                   analysis_cache):
+    import urllib.request
+
+    monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: (_ for _ in ()).throw(
+        urllib.error.URLError("no network")))
+    out = tmp_path / "run"
+    line = refused(common(world, out, "--dataset", "dtd", "--analysis", "paper", "--sentence-encoder", "clip"),
+                   capsys, "--analysis paper reads TextSpan's pool: --bank textspan: cannot download", out)
+    assert f"put that file (SHA-256 39c6bf3e788684d9...) at {analysis_cache}" in line
+
+
+def test_the_analysis_cache_misses_when_the_code_of_the_analysis_changes(world, tmp_path, capsys, monkeypatch):
+    """A changed line in any of train.analysis_code's modules and functions makes another map."""
+    flags = ["--dataset", "dtd", "--analyse-only"]
+    assert train.main(common(world, tmp_path / "a", *flags)) == 0
+    assert "reusing the role map" not in capsys.readouterr().out
+    assert train.main(common(world, tmp_path / "b", *flags)) == 0
+    assert "reusing the role map" in capsys.readouterr().out
+    getsource = runs.inspect.getsource
+    for index, part in enumerate(train.analysis_code(toy=False)):  # clip_model, dear, runs, the writer
+        with monkeypatch.context() as patch:
+            patch.setattr(runs.inspect, "getsource", lambda obj: getsource(obj) + "#" * (obj is part))
+            assert train.main(common(world, tmp_path / f"edited{index}", *flags)) == 0
+        assert "reusing the role map" not in capsys.readouterr().out, part
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "/oxford_pets: dataset folder not found"),
+    (["--bank", "textspan"], "/oxford_pets: dataset folder not found"),
+    (["--analysis", "paper", "--sentence-encoder", "clip"], "/oxford_pets: dataset folder not found"),
+    (["--analysis-pool", "imagenet:test"], "/oxford_pets: dataset folder not found"),
+    (["--bank", "textspan", "--concepts", "labels"], "--concepts labels: TextSpan's pool has no labels"),
+    (["--bank", "textspan", "--sentence-encoder", "sbert:/nowhere"], "sbert:/nowhere: no such folder"),
+    (["--protocol", "cross", "--dataset", "all"], "/imagenet: dataset folder not found"),
+])
+def test_every_check_that_costs_nothing_comes_before_any_download(tmp_path, capsys, monkeypatch, no_network,
+                                                                  flags, message):
+    """A dataset missing under --root, or a bad flag, is reported before CLIP's weights, TextSpan's
+    pool or an SBERT model is fetched: nothing is asked of the network (an empty cache, no --weights)."""
+    import urllib.request
+
+    fetched = []
+    monkeypatch.setattr(urllib.request, "urlopen", lambda url, *a, **k: fetched.append(url) or
+                        (_ for _ in ()).throw(urllib.error.URLError("no network")))
+    monkeypatch.setenv("DEAR_CACHE_DIR", str(tmp_path / "cache"))
+    root, out = tmp_path / "empty", tmp_path / "run"
+    root.mkdir()
+    if "dataset folder" not in message:  # a bad flag: refused before the download, the data there
+        (root / "oxford_pets").mkdir()
+    argv = ["--root", root, "--output", out, *flags]
+    refused((argv if "--dataset" in flags else ["--dataset", "oxford_pets", *argv]), capsys, message, out)
+    assert fetched == [] and no_network == [] and not (tmp_path / "cache").exists()
 
 # ------------------------------------------------------------------------------------------
 # The token construction (--tokens separate | shared)
