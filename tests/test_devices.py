@@ -368,20 +368,20 @@ sys.exit(train.main(sys.argv[1:]))
 def test_two_processes_outlast_the_group_timeout_while_rank_0_analyses(world, tmp_path):
     """torchrun, 2 processes, gloo: the process group's timeout forced to 4 s, rank 0's head
     analysis made to take 8 s; rank 1 waits on the CPU-side group and the run finishes. K = 0
-    (DDP told of the empty text tokens) and 2 shots (3 images per process, under the batch: one
-    step each, none dropped)."""
+    (empty text tokens), 3 steps per process (DDP checks at each step that the last one's
+    gradients all arrived)."""
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER.format(repo=str(REPO), timeout=4, sleep=8))
     out = tmp_path / "ddp"
-    args = common(world, out, "--method", "dear", "--roles", "analyse", "--text-tokens", "0", "--shots", "2",
-                  "--epochs", "1")
+    args = common(world, out, "--method", "dear", "--roles", "analyse", "--text-tokens", "0",
+                  "--batch-size", "2", "--epochs", "1")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(driver), *args], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "the other processes wait for it up to 2:00:00 (runs.MAIN_WORK_TIMEOUT)" in done.stdout
     assert "x 2 processes" in done.stdout and done.stdout.count("train.py: done") == 1
-    assert "step 1/1 " in done.stdout  # 3 images per process, under the batch of 4: kept
+    assert "step 3/3 " in done.stdout  # 12 images: 6 per process
     assert (out / "dtd/dear/seed1/results.json").is_file()
 
 
