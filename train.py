@@ -570,11 +570,12 @@ def distributed(model: dear.DeAR, settings, runtime: runs.Runtime):
 
 
 def unused_learnables(model: dear.DeAR) -> List[str]:
-    """The learnable tensors DDP is told may get no gradient (find_unused_parameters): the empty
-    ones (A = 0: no attribute token; K = 0: no text token). Every other one reaches the loss in
-    every configuration, blind branches and the class-branch fallback included (weighed by
-    alpha = 0: a gradient of zeros); tests/test_devices.py checks each configuration."""
-    return [name for name in model.LEARNABLE if getattr(model, name).numel() == 0]
+    """The learnable tensors that get no gradient in a step, which DDP must be told of
+    (find_unused_parameters; telling it of none that exist costs a graph walk per step): none,
+    in every configuration (tests/test_devices.py checks each). The empty tensors of A = 0 and
+    K = 0 get empty gradients; blind branches and the class-branch fallback, weighed by
+    alpha = 0, gradients of zeros. A construction that leaves a tensor out names it here."""
+    return []
 
 
 def start_epoch(epoch: int, job: runs.Job, settings, loader: DataLoader, optimizer) -> float:
