@@ -570,9 +570,10 @@ def wait_for_main(runtime: Runtime, what: str) -> None:
     try:
         dist.barrier(group=runtime.waiting_group)
     except RuntimeError:  # gloo's timeout (DistBackendError)
-        raise TrainError(f"process {runtime.rank}: waited {format_time(MAIN_WORK_TIMEOUT.total_seconds())} "
-                         f"for rank 0's {what} in vain (runs.MAIN_WORK_TIMEOUT); see rank 0's "
-                         "output, then continue with --resume") from None
+        waited = format_time(MAIN_WORK_TIMEOUT.total_seconds())
+        raise TrainError(f"process {runtime.rank}: waited {waited} for rank 0's {what} in vain "
+                         "(runs.MAIN_WORK_TIMEOUT); see rank 0's output, then continue with "
+                         "--resume") from None
 
 
 def autocast(runtime: Runtime):
@@ -909,8 +910,9 @@ def analysis_cache(fingerprint: str, pool: str, analyse: Callable[[str], None], 
             raise TrainError(f"{root}: the head-analysis cache {reason}; set $CLIP_CACHE_DIR to a writable folder")
         os.makedirs(root, exist_ok=True)  # the lock file lives beside the entries
         if runtime.world > 1:
+            bound = format_time(MAIN_WORK_TIMEOUT.total_seconds())
             runtime.log(f"head analysis: on rank 0 alone; the other processes wait for it up to "
-                        f"{format_time(MAIN_WORK_TIMEOUT.total_seconds())} (runs.MAIN_WORK_TIMEOUT)")
+                        f"{bound} (runs.MAIN_WORK_TIMEOUT)")
         with waiting_lock(entry + ".lock", "head analysis: another process is analysing the same "
                           f"heads ({entry}.lock); waiting for it", runtime.log,
                           timeout=ANALYSIS_LOCK_TIMEOUT.total_seconds()):
@@ -1006,10 +1008,10 @@ def waiting_lock(path: str, waiting_message: str, log: Callable[[str], None] = p
             bound = f", at most {format_time(timeout)}" if timeout is not None else ""
             log(f"{waiting_message} (held by pid {holder}{bound})")
             if not flock_within(handle, timeout):
-                raise TrainError(f"{path}: held by another process (pid {holder}) for more than "
-                                 f"{format_time(timeout)}; let it finish, or end it if it is stuck, "
-                                 "then run again") from None
-        handle.truncate(0)  # ours now: our pid, for the next caller's line ("a+": writes go to the end)
+                raise TrainError(f"{path}: held by another process (pid {holder}) for more "
+                                 f"than {format_time(timeout)}; let it finish, or end it if it "
+                                 "is stuck, then run again") from None
+        handle.truncate(0)  # ours now: our pid, for the next caller ("a+": writes go to the end)
         handle.write(f"{os.getpid()}\n")
         handle.flush()
         yield

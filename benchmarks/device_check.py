@@ -94,6 +94,7 @@ import traceback
 import warnings
 
 import torch
+import torch.nn.functional as F
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -306,7 +307,7 @@ def check_parity(report: Report, config: dict, device: torch.device) -> clip_mod
 # ------------------------------------------------------------------------------------------
 # train.py runs the encoders under autocast and every score in fp32 (dear.cosine_logits): a bf16
 # logit near CLIP's scale of 100 moves in steps of 0.5 (near the toy's 25, of 0.125).
-MARGIN_BATCH = dict(images=64, classes=200, width=512, scale=100.0)  # ViT-B/16's E, CLIP's top scale
+MARGIN_BATCH = dict(images=64, classes=200, width=512, scale=100.0)  # ViT-B/16's E; CLIP's scale
 # The full toy's predictions (its base and novel test sets, 360 images each; zero-shot CLIP and
 # DeAR at its seed-1 initialisation, all heads mixed: fused and class-branch logits) with the
 # encoders under bf16 autocast may differ from fp32's in at most this many images per set and
@@ -322,38 +323,41 @@ def margin_batch(seed: int = 0):
     fp32: every logit within about 0.1 of the others at a scale of 100, where bf16 has steps of
     0.5 -> ((64, 6, 512), (200, 512))."""
     generator = torch.Generator().manual_seed(seed)
-    centre = torch.randn(MARGIN_BATCH["width"], generator=generator)
-    text = centre + 0.02 * torch.randn(MARGIN_BATCH["classes"], MARGIN_BATCH["width"], generator=generator)
-    noise = torch.randn(MARGIN_BATCH["images"], 6, MARGIN_BATCH["width"], generator=generator)
-    return centre + 0.05 * noise, text
+    images, classes, width = MARGIN_BATCH["images"], MARGIN_BATCH["classes"], MARGIN_BATCH["width"]
+    centre = torch.randn(width, generator=generator)
+    text = centre + 0.02 * torch.randn(classes, width, generator=generator)
+    return centre + 0.05 * torch.randn(images, 6, width, generator=generator), text
 
 
 def check_scores(report: Report, device: torch.device) -> None:
     """DeAR.fused_logits on fixed fp32 features, under autocast bf16 and fp16 on the device:
     float32, and fp32's predictions exactly (fused and every branch)."""
+    layers, heads = TINY["vision_layers"], TINY["vision_heads"]
     with warnings.catch_warnings():  # blind attribute tokens of the tiny model: expected
         warnings.simplefilter("ignore")
-        model = dear.DeAR(random_clip(TINY), mixed_roles(TINY["vision_layers"], TINY["vision_heads"])).to(device)
+        model = dear.DeAR(random_clip(TINY), mixed_roles(layers, heads)).to(device)
     with torch.no_grad():
         model.clip.logit_scale.fill_(math.log(MARGIN_BATCH["scale"]))
     features, text = (t.to(device) for t in margin_batch())
+    images, classes = MARGIN_BATCH["images"], MARGIN_BATCH["classes"]
     with torch.no_grad(), no_tf32():
         fused, branches = model.fused_logits(features, text)  # fp32: no autocast
         for dtype in (torch.bfloat16, torch.float16):
+            name = precision_name(dtype)
             with autocast(device, dtype):
                 fused_amp, branches_amp = model.fused_logits(features, text)
-                unit = [torch.nn.functional.normalize(t, dim=-1).to(dtype) for t in (features[:, 0], text)]
-                rounded = (MARGIN_BATCH["scale"] * unit[0] @ unit[1].T).argmax(-1)  # scores in `dtype`
-            changed = sum(int((a.argmax(-1) != b.argmax(-1)).sum())
-                          for a, b in ((fused_amp, fused), *zip(branches_amp.unbind(1), branches.unbind(1))))
+                unit = [F.normalize(t, dim=-1).to(dtype) for t in (features[:, 0], text)]
+                rounded = (MARGIN_BATCH["scale"] * unit[0] @ unit[1].T).argmax(-1)  # in `dtype`
+            pairs = ((fused_amp, fused), *zip(branches_amp.unbind(1), branches.unbind(1)))
+            changed = sum(int((a.argmax(-1) != b.argmax(-1)).sum()) for a, b in pairs)
+            would = int((rounded != branches[:, 0].argmax(-1)).sum())
             dtypes = {str(t.dtype).replace("torch.", "") for t in (fused_amp, branches_amp)}
-            ok = dtypes == {"float32"} and changed == 0
-            report.add(f"2. scores under autocast {precision_name(dtype)}, {MARGIN_BATCH['images']} images x "
-                       f"{MARGIN_BATCH['classes']} close classes", ok,
-                       f"fused and branch logits {'/'.join(sorted(dtypes))}; {changed} predictions changed against "
-                       f"fp32 (must be 0); scores rounded to {precision_name(dtype)} would change "
-                       f"{int((rounded != branches[:, 0].argmax(-1)).sum())} of {MARGIN_BATCH['images']}",
-                       changed=changed, rounded_changed=int((rounded != branches[:, 0].argmax(-1)).sum()))
+            report.add(f"2. scores under autocast {name}, {images} images x {classes} close "
+                       "classes",
+                       dtypes == {"float32"} and changed == 0,
+                       f"fused and branch logits {'/'.join(sorted(dtypes))}; {changed} predictions "
+                       f"changed against fp32 (must be 0); scores rounded to {name} would change "
+                       f"{would} of {images}", changed=changed, rounded_changed=would)
 
 
 def toy_predictions(clip, tokenizer, split, model, device: torch.device, dtype) -> dict:
@@ -376,7 +380,7 @@ def toy_predictions(clip, tokenizer, split, model, device: torch.device, dtype) 
 def check_toy_predictions(report: Report, device: torch.device, dtype) -> None:
     import toyworld
 
-    assets = toyworld.prepare("full", log=lambda line: None)  # the shipped model; its task drawn once
+    assets = toyworld.prepare("full", log=lambda line: None)  # the shipped model; its task, once
     clip, _ = clip_model.load(assets.weights, device=device, head_width=assets.head_width)
     clip = clip.eval().requires_grad_(False)
     tokenizer = clip_model.SimpleTokenizer(assets.bpe)
@@ -458,21 +462,25 @@ def check_attention(report: Report, config: dict, device: torch.device, dtype) -
         with no_tf32():
             reference = attention_pass(attention, x, gradient, mask, device, None, details=True)
             explicit = attention_pass(attention, x, gradient, mask, device, dtype, details=True)
-        own = [relative_error(e, r) for e, r in zip(explicit, reference)]  # the explicit path's, in dtype
+        own = [relative_error(e, r) for e, r in zip(explicit, reference)]  # the explicit one's
         cases.append((case, attention, x, gradient, mask, reference, own))
     times, plus = ATTENTION_TOLERANCE
+    worst = max(o for *_, own in cases for o in own)
+    allowed = (f" (explicit path in {precision_name(dtype)}: up to {worst:.1e}; allowed {times:g}x "
+               f"its error + {plus:g})")
+    refusals = ("No available kernel", "No viable backend")  # torch's words: CUDA's, the CPU's
     for backend in ATTENTION_BACKENDS:
         if not hasattr(SDPBackend, backend):  # e.g. cuDNN's before torch 2.5
-            report.add(f"{name}, {backend}", "skip", f"unavailable: this torch has no SDPBackend.{backend}")
+            report.add(f"{name}, {backend}", "skip", f"unavailable: no SDPBackend.{backend} here")
             continue
         figures, ok, ran = [], True, 0
         for case, attention, x, gradient, mask, reference, own in cases:
             try:
                 with sdpa_kernel(getattr(SDPBackend, backend)), warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # torch's reasons for refusing a kernel
-                    fused = attention_pass(attention, x, gradient, mask, device, dtype, details=False)
-            except RuntimeError as error:  # torch's refusal (CUDA's words, then the CPU's)
-                if not any(words in str(error) for words in ("No available kernel", "No viable backend")):
+                    fused = attention_pass(attention, x, gradient, mask, device, dtype, False)
+            except RuntimeError as error:
+                if not any(words in str(error) for words in refusals):
                     raise  # the kernel was chosen, then broke: the finding
                 figures.append(f"{case} unavailable")
                 continue
@@ -480,12 +488,11 @@ def check_attention(report: Report, config: dict, device: torch.device, dtype) -
             errors = [relative_error(f, r) for f, r in zip(fused, reference)]
             within = all(e <= times * o + plus for e, o in zip(errors, own))  # NaN: False
             ok &= within
-            figures.append(f"{case} out {errors[0]:.1e} grad {errors[1]:.1e}{'' if within else ' FAIL'}")
-        worst = max(o for *_, own in cases for o in own)
+            verdict = "" if within else " FAIL"
+            figures.append(f"{case} out {errors[0]:.1e} grad {errors[1]:.1e}{verdict}")
         status = ("pass" if ok else "fail") if ran else "skip"
-        report.add(f"{name}, {backend}", status,
-                   "; ".join(figures) + f" (explicit path in {precision_name(dtype)}: up to {worst:.1e}; "
-                   f"allowed {times:g}x its error + {plus:g})", available=ran, cases=len(cases))
+        report.add(f"{name}, {backend}", status, "; ".join(figures) + allowed, available=ran,
+                   cases=len(cases))
 
 
 # ------------------------------------------------------------------------------------------
@@ -742,7 +749,8 @@ def check_train_py(report: Report, device: torch.device, quick: bool, toy_scale:
         toy += ["--method", "zeroshot", "dear", "--roles", "analyse"]
     folder, code, written = train_py(f"toy-{device.type}", *toy, "--device", str(device))
     if code != 0:
-        report.add(f"6. train.py toy world on {device.type}", False, f"exit {code}: {tail(f'toy-{device.type}')}")
+        report.add(f"6. train.py toy world on {device.type}", False,
+                   f"exit {code}: {tail(f'toy-{device.type}')}")
     else:
         cpu_folder = folder
         if device.type != "cpu":
@@ -758,20 +766,23 @@ def check_train_py(report: Report, device: torch.device, quick: bool, toy_scale:
     # one process train.py starts no process group (there is nothing to average); (c) below runs
     # DDP over NCCL itself, (e) train.py in 2 processes.
     root = write_coop_copy(assets.data_root, os.path.join(scratch, "data"))
-    model_files = ["--dataset", "dtd", "--root", root, "--weights", assets.weights, "--bpe", assets.bpe,
-                   "--head-width", str(assets.head_width), "--seeds", "1"]
+    model_files = ["--dataset", "dtd", "--root", root, "--weights", assets.weights,
+                   "--bpe", assets.bpe, "--head-width", str(assets.head_width), "--seeds", "1"]
     coop = [*model_files, "--method", "zeroshot", "dear", "--roles", "all-generalization",
-            "--shots", "4" if quick else "16", "--epochs", "3" if quick else "5", "--batch-size", "4", "--amp", "off"]
+            "--shots", "4" if quick else "16", "--epochs", "3" if quick else "5",
+            "--batch-size", "4", "--amp", "off"]
     ddp, code, written = train_py("coop-torchrun", *coop, "--device", device.type, launcher=torchrun(1))
     if code != 0:
-        report.add(f"6. torchrun x 1 train.py on {device.type}", False, f"exit {code}: {tail('coop-torchrun')}")
+        report.add(f"6. torchrun x 1 train.py on {device.type}", False,
+                   f"exit {code}: {tail('coop-torchrun')}")
         return
     # On the CPU the plain-process reference is the resumed run below (bit-identical or not).
     reference, ref_code = ddp, 0
     if device.type != "cpu":
         reference, ref_code, _ = train_py("coop-cpu", *coop, "--device", "cpu")
     gap = largest_gap(summary_cells(ddp), summary_cells(reference)) if written and ref_code == 0 else math.inf
-    report.add(f"6. torchrun x 1 train.py on {device.type}, fp32", written and gap <= TOLERANCE_POINTS_FP32,
+    report.add(f"6. torchrun x 1 train.py on {device.type}, fp32",
+               written and gap <= TOLERANCE_POINTS_FP32,
                f"exit 0, table written; largest cell gap to one CPU process {gap:.2f} points (<= {TOLERANCE_POINTS_FP32:g})"
                + (" (compared below)" if device.type == "cpu" else ""), gap=gap)
 
@@ -780,7 +791,8 @@ def check_train_py(report: Report, device: torch.device, quick: bool, toy_scale:
     if stopped:
         _, code, _ = train_py("coop-broken", "--resume")
     if not stopped or code != 0:
-        report.add(f"6. resume after a stop, {device.type}", False, f"stop or resume failed: {tail('coop-broken')}")
+        report.add(f"6. resume after a stop, {device.type}", False,
+                   f"stop or resume failed: {tail('coop-broken')}")
     else:
         unbroken, resumed = learnable_tensors(ddp), learnable_tensors(broken)
         same_runs = set(unbroken) == set(resumed) and bool(unbroken)
@@ -798,7 +810,8 @@ def check_train_py(report: Report, device: torch.device, quick: bool, toy_scale:
 
     # (c) DistributedDataParallel over DeAR through the backend train.py picks, in a one-process group.
     backend = "nccl" if device.type == "cuda" else "gloo"
-    figures = guarded(report, f"6. DDP step of DeAR, process group {backend}", ddp_smoke, device, backend)
+    figures = guarded(report, f"6. DDP step of DeAR, process group {backend}", ddp_smoke, device,
+                      backend)
     if figures is not None:
         report.add(f"6. DDP step of DeAR, process group {backend}", True, figures)
 
@@ -806,36 +819,37 @@ def check_train_py(report: Report, device: torch.device, quick: bool, toy_scale:
     # that path; the CPU takes no autocast): a run stopped after one epoch at the device's own
     # precision, then resumed in fp16 (train.py starts a fresh scaler, saying so).
     name = f"6. resume into fp16 + loss scaler (forced), {device.type}"
-    fp16 = [*model_files, "--method", "dear", "--roles", "all-mixed", "--shots", "4", "--epochs", "2",
-            "--batch-size", "4", "--device", str(device)]
+    fp16 = [*model_files, "--method", "dear", "--roles", "all-mixed", "--shots", "4",
+            "--epochs", "2", "--batch-size", "4", "--device", str(device)]
     folder, code, _ = train_py("fp16-resume", *fp16, "--max-epochs-per-call", "1")
     if code == 0:
-        with forced_precision(torch.float16, "fp16 autocast with a loss scaler (forced by device_check)"):
+        with forced_precision(torch.float16, "fp16 autocast with a loss scaler (forced)"):
             _, code, written = train_py("fp16-resume", "--resume")
     if code != 0:
         report.add(name, False, f"exit {code}: {tail('fp16-resume')}")
     else:
-        checkpoint = torch.load(os.path.join(folder, "dtd", "dear-all-mixed", "seed1", "checkpoint.pt"),
-                                map_location="cpu", weights_only=True)
+        leaf = os.path.join(folder, "dtd", "dear-all-mixed", "seed1", "checkpoint.pt")
+        checkpoint = torch.load(leaf, map_location="cpu", weights_only=True)
         scale = float(checkpoint["scaler"].get("scale", 0.0))
         finite = all(bool(torch.isfinite(t).all()) for t in checkpoint["learnable"].values())
         with open(os.path.join(logs, "fp16-resume.txt"), encoding="utf-8") as f:
             fresh = "a fresh scaler" in f.read()
+        own = device_precision(device)[1] if device.type == "cuda" else "fp32"
         report.add(name, written and checkpoint["epoch"] == 2 and scale > 0 and finite and fresh,
-                   f"epoch 1 at {device_precision(device)[1] if device.type == 'cuda' else 'fp32'}, epoch 2 in "
-                   f"fp16: exit 0, table written; {'a fresh scaler, said' if fresh else 'NO fresh scaler'}, "
-                   f"its scale saved {scale:g}; learnable tensors {'finite' if finite else 'NOT finite'}",
+                   f"epoch 1 at {own}, epoch 2 in fp16: exit 0, table written; "
+                   f"{'a fresh scaler, said' if fresh else 'NO fresh scaler'}, its scale saved "
+                   f"{scale:g}; learnable tensors {'finite' if finite else 'NOT finite'}",
                    scale=scale, finite=finite)
 
     # (e) train.py in 2 processes, 2 steps each (12 images, batch 3), rank 0 analysing the heads
     # alone while the other waits on the CPU-side gloo group: NCCL with 2 GPUs; on the CPU, gloo
     # (as tests/test_devices.py runs it).
     if device.type == "cuda" and torch.cuda.device_count() < 2:
-        report.add("6. torchrun x 2 train.py", "info", "one GPU: NCCL across processes was not checked "
-                   "(a machine with 2 GPUs runs train.py in 2 processes here)")
+        report.add("6. torchrun x 2 train.py", "info", "one GPU: NCCL across processes was not "
+                   "checked (a machine with 2 GPUs runs train.py in 2 processes here)")
         return
-    pair = [*model_files, "--method", "dear", "--roles", "analyse", "--descriptions", "4", "--shots", "1",
-            "--epochs", "1", "--batch-size", "3", "--device", device.type]
+    pair = [*model_files, "--method", "dear", "--roles", "analyse", "--descriptions", "4",
+            "--shots", "1", "--epochs", "1", "--batch-size", "3", "--device", device.type]
     folder, code, written = train_py("torchrun-2", *pair, launcher=torchrun(2))
     with open(os.path.join(logs, "torchrun-2.txt"), encoding="utf-8", errors="replace") as f:
         steps = "step 2/2 " in f.read()
@@ -952,7 +966,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a tiny CLIP instead of ViT-B/16, 2 epochs: seconds")
     parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, for the MFU")
     parser.add_argument("--toy-scale", default="miniature", choices=("miniature", "full"),
-                        help="the toy world for the train.py runs (full: the shipped toy model; slower)")
+                        help="the toy world of the train.py runs (full: the shipped model; slower)")
     parser.add_argument("--output", default=os.path.join("runs", "device_check"), help="folder for the table files")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -967,7 +981,8 @@ def main(argv=None) -> int:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     print(f"device check: {'tiny CLIP' if args.quick else 'ViT-B/16'}, {where}, torch {torch.__version__}, "
           f"python {sys.version.split()[0]}; train.py's precision here: {why}"
-          + ("; ftfy is not installed: a stand-in that changes no text" if FTFY_STAND_IN else ""), flush=True)
+          + ("; ftfy is not installed: a stand-in that changes no text" if FTFY_STAND_IN else ""),
+          flush=True)
 
     report = Report()
     clip = guarded(report, "1. parity", check_parity, report, config, device)
@@ -981,10 +996,11 @@ def main(argv=None) -> int:
     seconds = guarded(report, "4. speed", check_speed, report, clip, config, device,
                       dtype if device.type == "cuda" else None, args.quick)
     del clip
-    guarded(report, "5. ours vs open_clip", check_open_clip, report, config, device, dtype, args.quick)
+    guarded(report, "5. ours vs open_clip", check_open_clip, report, config, device, dtype,
+            args.quick)
     with tempfile.TemporaryDirectory(prefix="device_check-") as scratch:
-        guarded(report, "6. train.py", check_train_py, report, device, args.quick, args.toy_scale, scratch,
-                os.path.join(args.output, "logs"))
+        guarded(report, "6. train.py", check_train_py, report, device, args.quick, args.toy_scale,
+                scratch, os.path.join(args.output, "logs"))
     if seconds:
         guarded(report, "7. MFU", check_mfu, report, config, device, seconds, args.peak_tflops)
     else:

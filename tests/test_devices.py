@@ -59,10 +59,11 @@ def world(tmp_path_factory):
     with gzip.open(bpe, "wt", encoding="utf-8") as f:
         f.write("#version: 0.2\n" + "\n".join(merges) + "\n")
     torch.manual_seed(0)
-    clip = perturb_(clip_model.CLIP(embed_dim=32, image_resolution=32, vision_layers=3, vision_width=64,
-                                    vision_patch_size=8, vision_heads=2, context_length=16,
-                                    vocab_size=512 + len(merges) + 2, transformer_width=64,
-                                    transformer_heads=2, transformer_layers=2))
+    clip = perturb_(clip_model.CLIP(embed_dim=32, image_resolution=32, vision_layers=3,
+                                    vision_width=64, vision_patch_size=8, vision_heads=2,
+                                    context_length=16, vocab_size=512 + len(merges) + 2,
+                                    transformer_width=64, transformer_heads=2,
+                                    transformer_layers=2))
     torch.save(clip.state_dict(), tmp / "tiny_clip.pt")
     generator = torch.Generator().manual_seed(0)
     root, split = tmp / "data", {"train": [], "val": [], "test": []}
@@ -106,26 +107,31 @@ def small_margin_batch(images: int, classes: int, branches: int, width: int, see
     return centre + 0.05 * torch.randn(images, branches, width, generator=generator), text
 
 
+def mixed_dear(tiny_clip) -> dear.DeAR:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the uniform map's blind tokens
+        roles = dear.RoleMap.uniform("mixed", 3, 2, range(3), ["colour", "shape"])
+        return dear.DeAR(tiny_clip, roles)
+
+
 def test_scores_under_bf16_autocast_are_fp32_and_predict_exactly_as_fp32(tiny_clip):
     """DeAR's fused and branch logits and the zero-shot logits, on fixed fp32 features, under
     CPU autocast bf16: float32, equal to the fp32 ones, on a batch where bf16 scores would
     change predictions."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the uniform map's blind tokens
-        model = dear.DeAR(tiny_clip, dear.RoleMap.uniform("mixed", 3, 2, range(3), ["colour", "shape"]))
+    model = mixed_dear(tiny_clip)
     features, text = small_margin_batch(64, 200, 3, 32)
     fused, branches = model.fused_logits(features, text)
     zero_shot = train.zero_shot_logits(tiny_clip, features[:, 0], text)
-    rounded = (F.normalize(features[:, 0], dim=-1).bfloat16() @ F.normalize(text, dim=-1).bfloat16().T).float()
-    changed = (rounded.argmax(-1) != zero_shot.argmax(-1)).sum().item()
-    assert changed >= 10, f"bf16 scores change only {changed} of 64 predictions: not a small-margin batch"
+    unit = [F.normalize(t, dim=-1).bfloat16() for t in (features[:, 0], text)]
+    changed = ((unit[0] @ unit[1].T).argmax(-1) != zero_shot.argmax(-1)).sum().item()
+    assert changed >= 10, f"bf16 scores change {changed} of 64 predictions: not a small margin"
     with torch.autocast("cpu", dtype=torch.bfloat16):
         fused_amp, branches_amp = model.fused_logits(features, text)
         zero_shot_amp = train.zero_shot_logits(tiny_clip, features[:, 0], text)
     for name, amp, plain in (("fused", fused_amp, fused), ("branches", branches_amp, branches),
                              ("zero-shot", zero_shot_amp, zero_shot)):
         assert amp.dtype == torch.float32, f"{name} logits are {amp.dtype} under autocast"
-        assert torch.equal(amp.argmax(-1), plain.argmax(-1)), f"{name}: bf16 autocast changed predictions"
+        assert torch.equal(amp.argmax(-1), plain.argmax(-1)), f"{name}: predictions changed"
         assert torch.equal(amp, plain), name
 
 
@@ -133,9 +139,7 @@ def test_evaluate_under_bf16_autocast_scores_as_fp32_does(tiny_clip, tmp_path):
     """train.evaluate end to end under a bf16 runtime, the encoders replaced by fixed fp32
     features on the small-margin batch: zero-shot and both DeAR logits score as in fp32."""
     features, text = small_margin_batch(48, 200, 3, 32, seed=1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = dear.DeAR(tiny_clip, dear.RoleMap.uniform("mixed", 3, 2, range(3), ["colour", "shape"]))
+    model = mixed_dear(tiny_clip)
     labels = model.fused_logits(features, text)[0].argmax(-1)  # fp32's prediction is right
     items = []
     for i, label in enumerate(labels.tolist()):
@@ -143,18 +147,22 @@ def test_evaluate_under_bf16_autocast_scores_as_fp32_does(tiny_clip, tmp_path):
         Image.new("RGB", (32, 32), (i, 0, 0)).save(path)  # read, then replaced by features[i]
         items.append(data.Item(str(path), label, f"class {label}"))
     eval_set = train.EvalSet("base", items, [f"class {c}" for c in range(200)], "{}", trained=True)
-    tokenizer = types.SimpleNamespace(tokenize=lambda texts, length, truncate: torch.zeros(len(texts), length,
-                                                                                           dtype=torch.long))
+    def tokenize(texts, length, truncate):  # the ids are never read: the encoders are replaced
+        return torch.zeros(len(texts), length, dtype=torch.long)
+
+    tokenizer = types.SimpleNamespace(tokenize=tokenize)
     tiny_clip.encode_text = lambda ids: text
     tiny_clip.encode_image = lambda images: features[:len(images), 0]
     model.prepare_classes = lambda ids: None
     model.encode_text = lambda classes: text
-    model.encode_image = lambda images: (features[:len(images), 0], features[:len(images), 1:], None)
+    model.encode_image = lambda images: (features[:len(images), 0], features[:len(images), 1:],
+                                         None)
     settings = dict(eval_batch_size=64, workers=0)
+    cpu = torch.device("cpu")
     for which in (None, model):
-        fp32 = train.evaluate(which, tiny_clip, tokenizer, eval_set, settings, runs.Runtime(torch.device("cpu")))
+        fp32 = train.evaluate(which, tiny_clip, tokenizer, eval_set, settings, runs.Runtime(cpu))
         bf16 = train.evaluate(which, tiny_clip, tokenizer, eval_set, settings,
-                              runs.Runtime(torch.device("cpu"), amp_dtype=torch.bfloat16))
+                              runs.Runtime(cpu, amp_dtype=torch.bfloat16))
         assert bf16 == fp32, f"{'DeAR' if which else 'zero-shot'}: bf16 {bf16}, fp32 {fp32}"
     assert fp32["fused"] == 100.0
 
@@ -174,7 +182,8 @@ def test_evaluate_under_bf16_autocast_scores_as_fp32_does(tiny_clip, tmp_path):
     ("cpu", "on", None, None),
     ("mps", "on", None, None),
 ])
-def test_the_precision_is_bf16_from_compute_capability_8_else_fp16_and_says_why(device, amp, capability, dtype):
+def test_the_precision_is_bf16_from_capability_8_else_fp16_and_says_why(device, amp, capability,
+                                                                         dtype):
     chosen, why = runs.choose_precision(device, amp, capability)
     assert chosen == dtype
     assert why.startswith({torch.float16: "fp16", torch.bfloat16: "bf16", None: "fp32"}[dtype])
@@ -235,7 +244,8 @@ def test_resume_continues_in_another_precision_with_a_fresh_or_an_unused_scaler(
     assert checkpoint["epoch"] == 2 and (leaf / "results.json").is_file()
     assert all(torch.isfinite(t).all() for t in checkpoint["learnable"].values())
     if after == torch.float16:  # an enabled scaler ran the second epoch and was saved
-        assert "resumed in fp16 from a run without a loss scaler (bf16 or fp32): a fresh scaler" in printed
+        assert ("resumed in fp16 from a run without a loss scaler (bf16 or fp32): a fresh scaler"
+                in printed)
         assert checkpoint["scaler"]["scale"] > 0
     else:
         assert "its loss scaler is not needed" in printed and checkpoint["scaler"] == {}
@@ -265,20 +275,22 @@ def test_every_way_out_of_a_call_leaves_the_process_group(world, tmp_path, monke
     real = runs.setup_runtime
 
     def joined(settings):
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                world_size=1)
         return dataclasses.replace(real(settings), waiting_group=dist.new_group(backend="gloo"))
 
     monkeypatch.setattr(runs, "setup_runtime", joined)
-    flags = {"done": [], "analyse-only": ["--analyse-only"], "max-epochs-per-call": ["--max-epochs-per-call", "1"],
-             "error": []}[way_out]
+    flags = {"done": [], "analyse-only": ["--analyse-only"], "error": [],
+             "max-epochs-per-call": ["--max-epochs-per-call", "1"]}[way_out]
     if way_out == "error":  # an error after the group is joined (e.g. a corrupt test image)
         def broken(*args):
             raise runs.TrainError("a test image is broken")
 
         monkeypatch.setattr(train, "evaluate", broken)
     try:
+        epochs = "2" if way_out == "max-epochs-per-call" else "1"
         code = train.main(common(world, tmp_path / "run", "--method", "dear", "--roles", "analyse",
-                                 "--epochs", "1" if way_out != "max-epochs-per-call" else "2", *flags))
+                                 "--epochs", epochs, *flags))
         assert code == (2 if way_out == "error" else 0)
         assert not dist.is_initialized(), f"{way_out}: the process group was not left"
     finally:
@@ -294,10 +306,10 @@ def role_map_of(kind: str, attributes=("colour", "shape")) -> dear.RoleMap:
         "analysed": {(0, 0): ("attribute", "colour"), (0, 1): ("generalization", None),
                      (1, 0): ("attribute", "shape"), (1, 1): ("mixed", None),
                      (2, 0): ("mixed", None), (2, 1): ("generalization", None)},
-        "blind": {(0, 0): ("attribute", "colour"), (0, 1): ("generalization", None),  # shape: no head reads it
+        "blind": {(0, 0): ("attribute", "colour"), (0, 1): ("generalization", None),  # shape: none
                   (1, 0): ("attribute", "colour"), (1, 1): ("generalization", None),
                   (2, 0): ("generalization", None), (2, 1): ("generalization", None)},
-        "fallback": {(layer, head): ("mixed" if head else "generalization", None)  # no attribute head
+        "fallback": {(layer, head): ("mixed" if head else "generalization", None)  # none attribute
                      for layer in range(3) for head in range(2)},
     }[kind]
     heads = [dear.HeadRole(layer, head, role, attribute, entropy=1.0)
@@ -311,7 +323,8 @@ CONFIGURATIONS = [
     ("analysed roles", {}, "analysed", None),
     ("all heads mixed", {}, "all-mixed", None),
     ("all heads generalization", {}, "all-generalization", None),
-    *[(f"ablation {name}", {}, "analysed", name) for name in runs.ABLATIONS if name != "no-role-mask"],
+    *[(f"ablation {name}", {}, "analysed", name) for name in runs.ABLATIONS
+      if name != "no-role-mask"],  # (the all-mixed row)
     ("blind branch", {}, "blind", None),
     ("class-branch fallback", {}, "fallback", None),
     ("K = 0 text tokens", {"text_tokens": 0}, "analysed", None),
@@ -319,14 +332,17 @@ CONFIGURATIONS = [
 ]
 
 
-@pytest.mark.parametrize("name, changed, roles, ablation", CONFIGURATIONS, ids=[c[0] for c in CONFIGURATIONS])
-def test_every_learnable_tensor_gets_a_gradient_or_ddp_is_told(tiny_clip, name, changed, roles, ablation):
+@pytest.mark.parametrize("name, changed, roles, ablation", CONFIGURATIONS,
+                         ids=[c[0] for c in CONFIGURATIONS])
+def test_every_learnable_tensor_gets_a_gradient_or_ddp_is_told(tiny_clip, name, changed, roles,
+                                                                ablation):
     """One training step's forward and backward (train.py's model and loss) per configuration:
     DDP is told (find_unused_parameters) exactly the learnable tensors without a gradient. One
     it was not told of would stop a torchrun run at its second step; one told of needlessly
     costs a graph walk per step (and a warning)."""
-    settings = dict(dict(beta=0.7, text_tokens=3, first_layer="auto", lambda_reg=1.0, lambda_fusion=0.1),
-                    **changed)
+    settings = dict(beta=0.7, text_tokens=3, first_layer="auto", lambda_reg=1.0,
+                    lambda_fusion=0.1)
+    settings.update(changed)
     inputs = types.SimpleNamespace(clip=tiny_clip, attributes=["colour", "shape"])
     torch.manual_seed(0)
     with warnings.catch_warnings():
@@ -335,7 +351,8 @@ def test_every_learnable_tensor_gets_a_gradient_or_ddp_is_told(tiny_clip, name, 
     ids = torch.randint(1, 590, (4, 16))
     ids[:, 6] = 599  # the end-of-text token, the largest id
     output = model(torch.randn(3, 3, 32, 32), model.prepare_classes(ids), with_frozen=True)
-    lambda_fusion = 0.0 if ablation == "no-fusion-reg" else settings["lambda_fusion"]  # as train_job
+    # as train_job
+    lambda_fusion = 0.0 if ablation == "no-fusion-reg" else settings["lambda_fusion"]
     losses = dear.dear_loss(output, torch.tensor([0, 3, 1]), settings["lambda_reg"], lambda_fusion,
                             branch_ce=ablation == "branch-ce")
     losses["total"].backward()
@@ -354,7 +371,8 @@ import torch.distributed as dist
 import train
 
 joined = dist.init_process_group
-dist.init_process_group = lambda *args, **kwargs: joined(*args, **dict(kwargs, timeout=datetime.timedelta(seconds={timeout})))
+short = datetime.timedelta(seconds={timeout})
+dist.init_process_group = lambda *args, **kwargs: joined(*args, **dict(kwargs, timeout=short))
 analysis = train.run_head_analysis
 
 def slow(*args, **kwargs):
@@ -377,8 +395,9 @@ def test_two_processes_outlast_the_group_timeout_while_rank_0_analyses(world, tm
     args = common(world, out, "--method", "dear", "--roles", "analyse", "--text-tokens", "0",
                   "--batch-size", "2", "--epochs", "1")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(driver), *args], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = subprocess.run([*torchrun, str(driver), *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "the other processes wait for it up to 2:00:00 (runs.MAIN_WORK_TIMEOUT)" in done.stdout
     assert "x 2 processes" in done.stdout and done.stdout.count("train.py: done") == 1
@@ -412,7 +431,8 @@ def test_the_analysis_lock_is_waited_for_at_most_its_bound_then_one_line_names_t
         captured = capsys.readouterr()
         assert code == 2
         lines = captured.err.strip().splitlines()
-        assert len(lines) == 1 and f"held by another process (pid {holder.pid}) for more than 0:00:01" in lines[0]
+        named = f"held by another process (pid {holder.pid}) for more than 0:00:01"
+        assert len(lines) == 1 and named in lines[0]
         assert f"waiting for it (held by pid {holder.pid}, at most 0:00:01)" in captured.out
         assert not out.exists()
     finally:
@@ -425,13 +445,13 @@ def test_the_analysis_lock_is_waited_for_at_most_its_bound_then_one_line_names_t
 # ------------------------------------------------------------------------------------------
 
 
-def loader_for(world, workers: int, augment: bool = True, batch_size: int = 4, images=None, world_size=1,
-               rank=0):
+def loader_for(world, workers: int, batch_size: int = 4, images=None, world_size=1, rank=0):
+    """train.py's training loader over the dtd images (or `images` of them, repeated), augmented."""
     split = data.load_dataset("dtd", world["root"])
     if images is not None:
         split.train = (split.train * 10)[:images]
-    settings = dict(augment=augment, batch_size=batch_size, workers=workers, warmup_epochs=1, warmup_lr=1e-5,
-                    lr=1e-3, epochs=3)
+    settings = dict(augment=True, batch_size=batch_size, workers=workers, warmup_epochs=1,
+                    warmup_lr=1e-5, lr=1e-3, epochs=3)
     job = runs.Job("dtd", "dear", "analyse", 1, 4, "unused")
     runtime = runs.Runtime(torch.device("cpu"), rank=rank, world=world_size)
     clip = types.SimpleNamespace(visual=types.SimpleNamespace(input_resolution=32))
@@ -449,13 +469,15 @@ def test_training_batches_are_bitwise_the_same_at_0_and_2_workers(world):
     (serial, job, settings), (parallel, _, _) = loader_for(world, 0), loader_for(world, 2)
     by_index = []  # per epoch, {image index: its augmented tensor}
     for epoch in (0, 1):
-        (one, order), (two, _) = (epoch_batches(loader, job, settings, epoch) for loader in (serial, parallel))
+        (one, order), (two, _) = (epoch_batches(loader, job, settings, epoch)
+                                  for loader in (serial, parallel))
         for (images, labels), (images2, labels2) in zip(one, two):
             assert torch.equal(labels, labels2) and torch.equal(images, images2), f"epoch {epoch}"
         assert len(one) == len(two) == 7  # 30 images, batch 4: the short last batch dropped
         by_index.append(dict(zip(order, torch.cat([images for images, _ in one]))))
     # Still augmented: each image's crop differs from one epoch to the next.
-    same = [i for i in by_index[0] if i in by_index[1] and torch.equal(by_index[0][i], by_index[1][i])]
+    same = [i for i, image in by_index[0].items() if i in by_index[1]
+            and torch.equal(image, by_index[1][i])]
     assert not same, f"images {same} got the same augmentation in two epochs"
 
 
@@ -479,8 +501,8 @@ def test_a_short_training_ends_with_the_same_tensors_at_0_and_2_workers(world, t
     tensors = []
     for workers in ("0", "2"):
         out = tmp_path / f"workers{workers}"
-        assert train.main(common(world, out, "--method", "dear", "--roles", "all-mixed", "--augment", "on",
-                                 "--workers", workers)) == 0
+        assert train.main(common(world, out, "--method", "dear", "--roles", "all-mixed",
+                                 "--augment", "on", "--workers", workers)) == 0
         tensors.append(learnable(out / "dtd" / "dear-all-mixed" / "seed1")["learnable"])
     for name, tensor in tensors[0].items():
         assert torch.equal(tensor, tensors[1][name]), name
@@ -493,8 +515,8 @@ def test_a_short_training_ends_with_the_same_tensors_at_0_and_2_workers(world, t
     (10, 4, 2, [4]),  # 5 images per process
     (6, 4, 2, [3]),  # 3 per process: kept, no process without a step
 ])
-def test_training_drops_a_short_last_batch_unless_it_is_a_processs_only_one(world, images, batch, world_size,
-                                                                              batches):
+def test_training_drops_a_short_last_batch_unless_it_is_a_processs_only_one(world, images, batch,
+                                                                              world_size, batches):
     for rank in range(world_size):
-        loader, _, _ = loader_for(world, 0, batch_size=batch, images=images, world_size=world_size, rank=rank)
+        loader, _, _ = loader_for(world, 0, batch, images, world_size, rank)
         assert [len(b) for b in loader.batch_sampler] == batches
