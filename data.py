@@ -722,19 +722,39 @@ def load_image(path: str) -> Image.Image:
         raise DatasetError(f"{path}: cannot read image ({type(e).__name__}: {e}); the file is "
                            f"corrupt or not an image, replace it with the original") from e
 
-class ImageDataset(Dataset):
-    """Items as a torch Dataset of (image tensor (3, size, size), label)."""
+def augmentation_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of one image's augmentation in one epoch: 64 bits of SHA-256 of (seed, epoch,
+    index), so that nearby triples draw unrelated crops."""
+    digest = hashlib.sha256(f"{seed},{epoch},{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
 
-    def __init__(self, items: list[Item], transform=None):
+class ImageDataset(Dataset):
+    """Items as a torch Dataset of (image tensor (3, size, size), label). With a `seed`, each
+    image's random transform (train_transform's crop and flip) draws from a generator of its own,
+    seeded by (seed, epoch, index) (set_epoch before each epoch): the same augmentation whichever
+    DataLoader worker, or the main process, loads the image, so the stream does not depend on
+    the number of workers. torchvision's transforms draw from torch's global generator: it is
+    forked around each image and left as it was. Without a seed: the global generator, as is."""
+
+    def __init__(self, items: list[Item], transform=None, seed: int | None = None):
         self.items = list(items)
         self.transform = transform if transform is not None else test_transform()
+        self.seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch  # a worker gets its copy of the dataset when an iterator is made
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         item = self.items[index]  # opened here, in the worker: a bad file fails on its own line
-        return self.transform(load_image(item.path)), item.label
+        image = load_image(item.path)
+        if self.seed is None:
+            return self.transform(image), item.label
+        with torch.random.fork_rng(devices=[]):  # the CPU generator alone, restored after
+            torch.default_generator.manual_seed(augmentation_seed(self.seed, self.epoch, index))
+            return self.transform(image), item.label
 
 
 # ---- Command line: a summary of one dataset, or the registry --------------------------------

@@ -679,6 +679,18 @@ class LowRankResidual(nn.Module):
         return self.a @ self.b  # (W_v, E)
 
 
+def cosine_logits(features: torch.Tensor, text_features: torch.Tensor,
+                  scale: torch.Tensor) -> torch.Tensor:
+    """(..., E) image features, (C, E) text features -> s * cos, (..., C), in fp32 with autocast
+    off: the scores that decide a prediction or enter a loss are never rounded to bf16, where a
+    logit between 16 and 32 moves in steps of 0.125 and two close classes swap (the encoders
+    before it may run under autocast; METHOD.md Sec. 5)."""
+    with torch.autocast(features.device.type, enabled=False):
+        image = F.normalize(features.float(), dim=-1)  # (..., E)
+        text = F.normalize(text_features.float(), dim=-1)  # (C, E)
+        return scale.float() * image @ text.T  # (..., C)
+
+
 class PreparedClasses(NamedTuple):
     """One class list's frozen text side up to layer J (`DeAR.prepare_classes`)."""
     hidden: torch.Tensor  # (C, N, W_t) the prompts' states entering text layer J (0-based J - 1)
@@ -929,11 +941,12 @@ class DeAR(nn.Module):
 
     def fused_logits(self, features: torch.Tensor, text_features: torch.Tensor):
         """(B, 1 + A, E), (C, E) -> (fused (B, C), branches (B, 1 + A, C)); evaluation's, text
-        encoded once."""
+        encoded once. fp32 under any autocast (cosine_logits), the weighted sum too."""
         scale = self.clip.logit_scale.exp()
-        branch_logits = scale * F.normalize(features, dim=-1) @ F.normalize(text_features, dim=-1).T
-        alpha = self.fusion_weights().to(branch_logits.dtype)  # (1 + A,)
-        fused = torch.einsum("bkc,k->bc", branch_logits, alpha)  # k: the branch
+        branch_logits = cosine_logits(features, text_features, scale)  # (B, 1 + A, C), fp32
+        with torch.autocast(branch_logits.device.type, enabled=False):
+            alpha = self.fusion_weights().float()  # (1 + A,)
+            fused = torch.einsum("bkc,k->bc", branch_logits, alpha)  # k: the branch
         return fused, branch_logits
 
 

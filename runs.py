@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import datetime
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -29,7 +30,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -88,7 +89,10 @@ CHECKPOINT_FORMAT = "dear-from-scratch checkpoint, version 1"  # checked on load
 # token construction (--tokens separate | shared, a setting), K resolved and saved as a number
 # (unset: 4 under separate, A under shared), the learnable parameters per component in each
 # results.json; the analysis as a whole (--analysis) and its sentence encoder
-# (--sentence-encoder). An older folder is refused on --resume / --eval-only.
+# (--sentence-encoder); each training image's augmentation drawn from its own generator, seeded
+# by (seed, epoch, image), whatever --workers (data.ImageDataset); Dassl's drop_last for the
+# training loader (a short last batch dropped unless it is a process's only one). An older folder
+# is refused on --resume / --eval-only.
 RUN_FORMAT = "dear-from-scratch run folder, version 4"
 
 
@@ -591,6 +595,8 @@ class Runtime:
     rank: int = 0
     world: int = 1
     amp_dtype: Optional[torch.dtype] = None  # autocast dtype on CUDA, None = fp32
+    precision: str = "fp32"  # the precision and why (choose_precision), for the header
+    waiting_group: Optional[object] = None  # under torchrun: the gloo group of wait_for_main
 
     @property
     def main(self) -> bool:  # rank 0 alone prints and writes files
@@ -621,34 +627,101 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
+# Rank 0 does some work alone (the head analysis, after waiting for another call's lock on it);
+# the other processes wait for it on a CPU-side gloo group with this timeout, never in a
+# collective of the device's group, whose timeout (NCCL's: 10 minutes) that work may outlast.
+# Constants, not flags (our choice): they only end a wait on a rank 0 that hangs (one that dies
+# ends the run at once: torchrun stops every process when one exits), so one generous value
+# serves every run. The analysis lock's bound is the shorter, so that rank 0 still has an hour
+# for the analysis itself (ViT-B/16's 2,000 images: minutes on a GPU).
+ANALYSIS_LOCK_TIMEOUT = datetime.timedelta(hours=1)  # another call analysing the same heads
+MAIN_WORK_TIMEOUT = datetime.timedelta(hours=2)  # the other processes, for rank 0's analysis
+BF16_CAPABILITY = (8, 0)  # CUDA compute capability with bf16 in hardware (Ampere and later)
+
+
+def choose_precision(device_type: str, amp: str, capability: Optional[Tuple[int, int]]):
+    """-> (the autocast dtype, None for fp32; the choice and why), from the run's own device:
+    bf16 from compute capability 8.0 on; below it fp16 with a loss scaler, where bf16 would only
+    be emulated (torch.cuda.is_bf16_supported() says yes there, and reads the current device).
+    Autocast on CUDA only: CPU and MPS run fp32."""
+    if device_type != "cuda":
+        return None, f"fp32 (autocast on CUDA only; {device_type} runs fp32)"
+    if amp == "off":
+        return None, "fp32 (--amp off)"
+    where = f"compute capability {capability[0]}.{capability[1]}"
+    if tuple(capability) >= BF16_CAPABILITY:
+        return torch.bfloat16, f"bf16 autocast ({where}: bf16 in hardware)"
+    return torch.float16, f"fp16 autocast with a loss scaler ({where}: bf16 only emulated)"
+
+
 def setup_runtime(settings) -> Runtime:
     """One process, or one of several started by torchrun (which sets RANK and WORLD_SIZE):
-    each then drives one device and DistributedDataParallel averages the gradients."""
+    each then drives one device and DistributedDataParallel averages the gradients. A CUDA
+    device is made the current one (kernels, the allocator and NCCL use that one); the process
+    group is left by end_runtime."""
     device, world, rank = pick_device(settings["device"]), int(os.environ.get("WORLD_SIZE", "1")), 0
     if world > 1:
         rank = int(os.environ["RANK"])
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(device)
+    if device.type == "cuda" and device.index is not None:  # --device cuda:1 in one process too
+        torch.cuda.set_device(device)
+    waiting_group = None
+    if world > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")  # gloo: CPU (and the tests)
-    amp_dtype = None
-    if device.type == "cuda" and settings["amp"] == "on":  # autocast on CUDA only; CPU and MPS run fp32
-        amp_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return Runtime(device, rank, world, amp_dtype)  # decided once: nothing below decides again
+        waiting_group = dist.new_group(backend="gloo", timeout=MAIN_WORK_TIMEOUT)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    amp_dtype, precision = choose_precision(device.type, settings["amp"], capability)
+    # decided once: nothing below decides again
+    return Runtime(device, rank, world, amp_dtype, precision, waiting_group)
+
+
+def end_runtime(runtime: Runtime) -> None:
+    """Leave the process group setup_runtime joined: on every way out of a call (train.run holds
+    this in its ExitStack), early returns and errors included."""
+    if runtime.waiting_group is not None:
+        dist.destroy_process_group()  # every group: the device's and the waiting one
+
+
+def wait_for_main(runtime: Runtime, what: str) -> None:
+    """Every process meets here once rank 0 has done `what` alone: the others wait on the gloo
+    group, a CPU-side wait of up to MAIN_WORK_TIMEOUT (see there)."""
+    if runtime.world == 1:
+        return
+    try:
+        dist.barrier(group=runtime.waiting_group)
+    except RuntimeError:  # gloo's timeout (DistBackendError)
+        waited = format_time(MAIN_WORK_TIMEOUT.total_seconds())
+        raise TrainError(f"process {runtime.rank}: waited {waited} for rank 0's {what} in vain "
+                         "(runs.MAIN_WORK_TIMEOUT); see rank 0's output, then continue with "
+                         "--resume") from None
 
 
 def autocast(runtime: Runtime):
     if runtime.amp_dtype is None:
         return torch.autocast("cpu", enabled=False)  # a no-op context: fp32
-    return torch.autocast(runtime.device.type, dtype=runtime.amp_dtype)  # bf16 where supported, else fp16
+    return torch.autocast(runtime.device.type, dtype=runtime.amp_dtype)  # choose_precision's
 
 
-def grad_scaler(enabled: bool):
-    """fp16's loss scaler: torch.amp.GradScaler("cuda") is torch >= 2.3; older torch
-    (requirements.txt allows 2.1) has the same class as torch.cuda.amp.GradScaler."""
+def grad_scaler(device: torch.device, enabled: bool):
+    """fp16's loss scaler on the run's device (disabled: every call passes through).
+    torch.amp.GradScaler(device) is torch >= 2.3, with a CPU one (the tests run it enabled); older
+    torch (requirements.txt allows 2.1) has the CUDA one alone, as torch.cuda.amp.GradScaler."""
     if hasattr(torch.amp, "GradScaler"):
-        return torch.amp.GradScaler("cuda", enabled=enabled)  # disabled: every call passes through
-    return torch.cuda.amp.GradScaler(enabled=enabled)
+        return torch.amp.GradScaler(device.type, enabled=enabled)
+    return torch.cuda.amp.GradScaler(enabled=enabled and device.type == "cuda")
+
+
+def load_scaler_state(scaler, state: dict, log: Callable[[str], None]) -> None:
+    """A checkpoint's loss-scaler state into this call's scaler: the precision may change on
+    --resume (--amp, another GPU). A run that had no scaler (bf16 or fp32 save {}) resumed in fp16
+    starts a fresh one; a saved scaler is left unused in bf16 or fp32. One line says which."""
+    if scaler.is_enabled() and state:
+        scaler.load_state_dict(state)
+    elif scaler.is_enabled():
+        log("resumed in fp16 from a run without a loss scaler (bf16 or fp32): a fresh scaler")
+    elif state:
+        log("resumed in bf16 or fp32 from an fp16 run: its loss scaler is not needed")
 
 
 def sum_over_processes(values: List[float], runtime: Runtime) -> List[float]:
@@ -1102,8 +1175,13 @@ def analysis_cache(fingerprint: str, pool: str, analyse: Callable[[str], None], 
         if reason := unwritable_reason(root):
             raise TrainError(f"{root}: the head-analysis cache {reason}; set $CLIP_CACHE_DIR to a writable folder")
         os.makedirs(root, exist_ok=True)  # the lock file lives beside the entries
+        if runtime.world > 1:
+            bound = format_time(MAIN_WORK_TIMEOUT.total_seconds())
+            runtime.log(f"head analysis: on rank 0 alone; the other processes wait for it up to "
+                        f"{bound} (runs.MAIN_WORK_TIMEOUT)")
         with waiting_lock(entry + ".lock", "head analysis: another process is analysing the same "
-                          f"heads ({entry}.lock); waiting for it", runtime.log):
+                          f"heads ({entry}.lock); waiting for it", runtime.log,
+                          timeout=ANALYSIS_LOCK_TIMEOUT.total_seconds()):
             if os.path.isfile(os.path.join(entry, "roles.json")):
                 runtime.log(f"head analysis: reusing the role map cached in {entry} ({pool})")
             else:
@@ -1112,8 +1190,7 @@ def analysis_cache(fingerprint: str, pool: str, analyse: Callable[[str], None], 
                 analyse(temporary)  # roles.json, roles.txt, roles.png, analysis.json (toy: the causal check)
                 shutil.rmtree(entry, ignore_errors=True)  # an entry without roles.json is incomplete
                 os.replace(temporary, entry)  # whole or not at all
-    if runtime.world > 1:
-        dist.barrier()  # the other processes read what rank 0 wrote
+    wait_for_main(runtime, "head analysis")  # the other processes then read what rank 0 wrote
     return entry  # its roles.json exists: complete
 
 
@@ -1176,22 +1253,54 @@ def unwritable_reason(path: str) -> Optional[str]:
 
 
 @contextlib.contextmanager
-def waiting_lock(path: str, waiting_message: str, log: Callable[[str], None] = print):
-    """An exclusive lock on the file `path` around a cache entry checked, then written: a second
-    process logs `waiting_message` once and blocks until the first leaves, then finds the entry
-    made. The OS drops it however its holder ends; no lock where fcntl is missing (Windows)."""
+def waiting_lock(path: str, waiting_message: str, log: Callable[[str], None] = print,
+                 timeout: Optional[float] = None):
+    """An exclusive lock on the file `path` around a cache entry checked, then written; its
+    holder's pid is written in the file. A second process logs `waiting_message` and the holder
+    once, and waits until the first leaves (then finds the entry made), or for at most `timeout`
+    seconds: then one line naming the holder (TrainError). The OS drops the lock however its
+    holder ends; no lock where fcntl is missing (Windows)."""
     try:
         import fcntl
     except ImportError:
         yield
         return
-    with open(path, "a", encoding="utf-8") as handle:
+    with open(path, "a+", encoding="utf-8") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            log(waiting_message)
-            fcntl.flock(handle, fcntl.LOCK_EX)  # blocks until the holder's block ends
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"  # the pid its holder wrote
+            bound = f", at most {format_time(timeout)}" if timeout is not None else ""
+            log(f"{waiting_message} (held by pid {holder}{bound})")
+            if not flock_within(handle, timeout):
+                raise TrainError(f"{path}: held by another process (pid {holder}) for more "
+                                 f"than {format_time(timeout)}; let it finish, or end it if it "
+                                 "is stuck, then run again") from None
+        handle.truncate(0)  # ours now: our pid, for the next caller ("a+": writes go to the end)
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
         yield
+
+
+def flock_within(handle, timeout: Optional[float]) -> bool:
+    """Take the exclusive lock on an open file, waiting at most `timeout` seconds (None: as long
+    as it takes) -> whether it was taken. flock has no timeout of its own: it is tried each
+    second."""
+    import fcntl
+
+    if timeout is None:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # blocks until the holder's block ends
+        return True
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(1.0, max(deadline - time.monotonic(), 0.01)))
 
 
 def check_output_folder(output: str) -> None:

@@ -472,7 +472,7 @@ def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap,
     optimizer = torch.optim.AdamW(model.learnable_parameters(), lr=settings["lr"],
                                   weight_decay=settings["weight_decay"])
     # the loss scaler: fp16 only; bf16 needs none
-    scaler = runs.grad_scaler(enabled=runtime.amp_dtype == torch.float16)
+    scaler = runs.grad_scaler(runtime.device, enabled=runtime.amp_dtype == torch.float16)
     start, stop = resume(job, settings, model, optimizer, scaler, runtime)  # epochs [start, stop)
     if start >= settings["epochs"]:
         return model
@@ -524,6 +524,11 @@ def beta_at_test(settings, eval_set: EvalSet) -> float:
     return MMRLPP_CD_TEST_BETA.get(eval_set.name, settings["beta"])
 
 
+def zero_shot_logits(clip, image_features: torch.Tensor, text_features: torch.Tensor):
+    """CLIP's zero-shot logits, s * cos: (B, E), (C, E) -> (B, C), in fp32 under any autocast."""
+    return dear.cosine_logits(image_features, text_features, clip.logit_scale.exp())
+
+
 @torch.no_grad()
 def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings,
              runtime: runs.Runtime) -> Dict[str, float]:
@@ -534,7 +539,7 @@ def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings,
     ids = tokenizer.tokenize(prompts, clip.context_length, truncate=True).to(runtime.device)
     with runs.autocast(runtime):  # the class prompts, once per test set
         if model is None:
-            text = F.normalize(clip.encode_text(ids).float(), dim=-1)  # (C, E)
+            text = clip.encode_text(ids)  # (C, E)
         else:
             # (C, E) with the learned text tokens
             text = model.encode_text(model.prepare_classes(ids))
@@ -543,9 +548,10 @@ def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings,
     correct = [0] * len(kinds)
     for images, labels in loader_of(items, settings, clip.visual.input_resolution):
         images = images.to(runtime.device)
+        # The encoders under autocast; every score in fp32 (dear.cosine_logits, fused_logits).
         with runs.autocast(runtime):
             if model is None:
-                scores = [F.normalize(clip.encode_image(images).float(), dim=-1) @ text.T]
+                scores = [zero_shot_logits(clip, clip.encode_image(images), text)]  # (B, C)
             else:
                 f_cls, f_attr, _ = model.encode_image(images)  # (B, E), (B, A, E)
                 features = torch.cat([f_cls[:, None], f_attr], dim=1)  # (B, 1 + A, E)
@@ -573,7 +579,9 @@ def resume(job: runs.Job, settings, model, optimizer, scaler, runtime: runs.Runt
     if checkpoint is not None:
         model.load_learnable_state_dict(checkpoint["learnable"])
         optimizer.load_state_dict(checkpoint["optimizer"])
-        scaler.load_state_dict(checkpoint["scaler"])
+        # the precision may have changed (--amp, another GPU): a fresh scaler where none was saved
+        runs.load_scaler_state(scaler, checkpoint["scaler"],
+                               lambda line: runtime.log(f"[{job.label}] {line}"))
         runtime.log(f"[{job.label}] resumed after epoch {start}/{settings['epochs']}")
     alone = "; class branch alone (no attribute head)" if model.class_branch_only else ""
     runtime.log(f"[{job.label}] attribute tokens from layer J={model.first_layer} (1-based)"
@@ -597,16 +605,23 @@ def class_prompts(model: dear.DeAR, inputs: Inputs, split: data.DatasetSplits,
 def training_loader(job: runs.Job, settings, split: data.DatasetSplits, clip,
                     runtime: runs.Runtime):
     """The few-shot images, augmented unless --augment off. A DistributedSampler also in one
-    process: its order is a pure function of (seed, epoch), which is what makes --resume land on
-    the same result as an unbroken run."""
+    process: its order is a pure function of (seed, epoch), and each image's augmentation is
+    drawn from its own generator seeded by (seed, epoch, image), whatever --workers: what makes
+    --resume land on the same result as an unbroken run."""
     transform = data.train_transform if settings["augment"] else data.test_transform
-    dataset = data.ImageDataset(split.train, transform(clip.visual.input_resolution))
+    dataset = data.ImageDataset(split.train, transform(clip.visual.input_resolution), seed=job.seed)
     sampler = DistributedSampler(dataset, num_replicas=runtime.world, rank=runtime.rank,
                                  shuffle=True, seed=job.seed)
+    # Dassl's rule (dassl/data/data_manager.py, build_data_loader): a short last batch is dropped,
+    # unless it is the only one; per process (len(sampler)), so that no process has no step.
+    drop_last = len(sampler) >= settings["batch_size"]
     runtime.log(f"[{job.label}] {len(split.train)} training images, "
                 f"{len(split.classnames)} classes")
+    # persistent_workers stays off: each epoch's workers get a fresh copy of the dataset, which
+    # knows the epoch (start_epoch); persistent ones would keep the first epoch's.
     return DataLoader(dataset, batch_size=settings["batch_size"], sampler=sampler,
-                      num_workers=settings["workers"], pin_memory=runtime.device.type == "cuda")
+                      num_workers=settings["workers"], pin_memory=runtime.device.type == "cuda",
+                      drop_last=drop_last)
 
 
 def distributed(model: dear.DeAR, settings, runtime: runs.Runtime):
@@ -615,22 +630,23 @@ def distributed(model: dear.DeAR, settings, runtime: runs.Runtime):
         return model
     return torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
-        broadcast_buffers=False, find_unused_parameters=has_idle_tensors(model))
+        broadcast_buffers=False, find_unused_parameters=bool(unused_learnables(model)))
 
 
-def has_idle_tensors(model: dear.DeAR) -> bool:
-    """Whether DDP is told to look for learnable tensors without a gradient every step: under
-    --tokens separate with K = 0 (an empty text tensor) or A = 0 (an empty vision tensor, and an
-    attribute_proj that only empty tokens reach), as before. --tokens shared builds no vision map
-    and no residual at A = 0, and its K is A: every tensor takes part in every step (a blind
-    branch's gradients are zeros, not missing), so DDP need not search the graph."""
-    return model.num_text_tokens == 0 or (not model.attributes and model.tokens == "separate")
+def unused_learnables(model: dear.DeAR) -> List[str]:
+    """The learnable tensors that get no gradient in a step, which DDP must be told of
+    (find_unused_parameters; telling it of none that exist costs a graph walk per step): none,
+    in every configuration (tests/test_devices.py checks each). The empty tensors of A = 0 and
+    K = 0 get empty gradients; blind branches and the class-branch fallback, weighed by
+    alpha = 0, gradients of zeros. A construction that leaves a tensor out names it here."""
+    return []
 
 
 def start_epoch(epoch: int, job: runs.Job, settings, loader: DataLoader, optimizer) -> float:
     """Epoch `epoch`'s learning rate, set; its order, augmentation and randomness seeded by
     (seed, epoch) alone, so that an epoch replays identically after --resume -> the lr."""
     loader.sampler.set_epoch(epoch)
+    loader.dataset.set_epoch(epoch)  # before the epoch's iterator (and its workers) is made
     torch.manual_seed(job.seed * 100_003 + epoch)
     lr = learning_rate(settings, epoch)
     for group in optimizer.param_groups:
@@ -1005,6 +1021,7 @@ def run(args) -> int:
         check_datasets(settings, jobs)  # each dataset's folder is there, before any download
         pool = read_pool(settings)  # the analysis' descriptions, checked before any model is read
         runtime = runs.setup_runtime(settings)  # the device (and processes, under torchrun)
+        stack.callback(runs.end_runtime, runtime)  # the processes' group left on every way out
         inputs = open_inputs(settings, runtime, pool)  # CLIP, tokenizer, the toy world, checked
         # the files' places and SHA-256 complete the settings
         settings = dict(settings, **inputs.files)
@@ -1030,10 +1047,9 @@ def run(args) -> int:
             runs.start_run_folder(settings, inputs.clip, runtime.world, stack)
         rows = ", ".join(dict.fromkeys(job.row for job in jobs))
         processes = f" x {runtime.world} processes" if runtime.world > 1 else ""
-        autocast = f", autocast {runtime.amp_dtype}" if runtime.amp_dtype else ""
         runtime.log(f"train.py: {settings['protocol']} on {', '.join(settings['dataset'])}; "
-                    f"{len(jobs)} runs ({rows}); device {runtime.device}{processes}{autocast}; "
-                    f"output {settings['output']}")
+                    f"{len(jobs)} runs ({rows}); device {runtime.device}{processes}, "
+                    f"{runtime.precision}; output {settings['output']}")
         # one role map per (dataset, --roles) the jobs ask for
         pairs = dict.fromkeys((j.dataset, j.roles) for j in jobs if j.roles is not None)
         role_maps = {(dataset, roles): runs.role_map_for(roles, inputs.clip, inputs.attributes,
@@ -1051,8 +1067,6 @@ def run(args) -> int:
         runs.write_summaries(settings, results, inputs.attributes, RETRIEVAL_K, runtime)
         runtime.log(f"train.py: done in {runs.format_time(time.time() - started)}; tables in "
                     f"{os.path.join(settings['output'], 'summary.md')}")
-        if runtime.world > 1:
-            dist.destroy_process_group()
     return 0
 
 

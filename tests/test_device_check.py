@@ -34,13 +34,24 @@ def test_quick_mode_runs_every_check_on_the_cpu_and_writes_the_table_it_prints(t
 
     record = json.loads((out / "device_check_cpu_quick.json").read_text())
     rows = record["checks"]
-    assert [row["check"][:2] for row in rows] == ["1."] * 2 + ["2."] * 6 + ["3."] + ["4."] * 4 + ["5."]
-    for row in rows:  # open_clip is a dev requirement, so nothing may be skipped here
-        assert row["status"] == "pass", row
+    counts = {"1.": 2, "2.": 3, "3.": 4, "4.": 6, "5.": 1, "6.": 6, "7.": 1}
+    assert [row["check"][:2] for row in rows] == [n for n, k in counts.items() for _ in range(k)]
+    for row in rows:  # open_clip is a dev requirement, so nothing may be skipped here but a kernel
+        unavailable = row["check"].startswith("3.") and row["values"].get("available") == 0
+        assert row["status"] == ("skip" if unavailable else "pass"), row
     assert rows[0]["values"]["image"] <= 1e-3 and rows[1]["values"]["difference"] <= 1e-3
-    assert not rows[2]["values"]["unmoved"] and not rows[3]["values"]["clip_changed"]
-    resume = next(row for row in rows if row["check"].startswith("4. resume"))
+    scores = {row["check"]: row["values"] for row in rows if row["check"].startswith("2. scores")}
+    assert all(v["changed"] == 0 and v["rounded_changed"] > 30 for v in scores.values()), scores
+    attention = {row["check"].rsplit(", ", 1)[1]: row for row in rows
+                 if row["check"].startswith("3.")}
+    assert attention["MATH"]["values"]["available"] == 5  # the vision length and four text lengths
+    assert "unavailable" in attention["CUDNN_ATTENTION"]["figures"]  # no cuDNN on the CPU
+    steps = [row for row in rows if row["check"].startswith("4. DeAR steps")]
+    assert not steps[0]["values"]["unmoved"] and not steps[1]["values"]["clip_changed"]
+    resume = next(row for row in rows if row["check"].startswith("6. resume after"))
     assert resume["values"]["bit_identical"]
+    fp16 = next(row for row in rows if row["check"].startswith("6. resume into fp16"))
+    assert fp16["values"]["scale"] > 0 and fp16["values"]["finite"]
     assert 0 < rows[-1]["values"]["mfu"] < 1  # from --peak-tflops
     # The printed table is the Markdown file's table, line for line.
     table = (out / "device_check_cpu_quick.md").read_text().split("\n\n", 1)[1].strip()
@@ -105,6 +116,38 @@ def test_the_flop_count_of_a_step_equals_torchs_own_count_of_a_real_step(tiny_cl
     assert abs(estimate / counter.get_total_flops() - 1) < 0.01, (estimate, counter.get_total_flops())
 
 
+def test_the_scores_check_fails_scores_rounded_to_the_autocast_precision(monkeypatch):
+    """fused_logits as it was: the similarity matmul and the alpha einsum inside autocast."""
+    def inside_autocast(self, features, text_features):
+        unit = [torch.nn.functional.normalize(t, dim=-1) for t in (features, text_features)]
+        branches = self.clip.logit_scale.exp() * unit[0] @ unit[1].T
+        alpha = self.fusion_weights().to(branches.dtype)
+        return torch.einsum("bkc,k->bc", branches, alpha), branches
+
+    report = device_check.Report()
+    device_check.check_scores(report, torch.device("cpu"))
+    assert [row["status"] for row in report.rows] == ["pass", "pass"]
+    monkeypatch.setattr(device_check.dear.DeAR, "fused_logits", inside_autocast)
+    report = device_check.Report()
+    device_check.check_scores(report, torch.device("cpu"))
+    assert [row["status"] for row in report.rows] == ["fail", "fail"]
+    assert all(row["values"]["changed"] > 30 for row in report.rows)
+
+
+def test_the_attention_check_fails_a_kernel_that_drops_the_mask(monkeypatch):
+    """A fused kernel that ignored DeAR's per-head masks (and the causal one) in every case."""
+    fused = torch.nn.functional.scaled_dot_product_attention
+
+    def maskless(q, k, v, attn_mask=None, **kwargs):
+        return fused(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", maskless)
+    report = device_check.Report()
+    device_check.check_attention(report, device_check.TINY, torch.device("cpu"), torch.bfloat16)
+    math_row = next(row for row in report.rows if row["check"].endswith("MATH"))
+    assert math_row["status"] == "fail" and math_row["figures"].count("FAIL") == 5
+
+
 @pytest.mark.parametrize("name, peak", [
     ("NVIDIA H200", 989.0), ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
     ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA L4", 121.0), ("NVIDIA L40S", 362.0),
@@ -123,13 +166,15 @@ def test_a_check_that_breaks_fails_the_table_and_the_exit_status_and_the_others_
         raise RuntimeError("Expected all tensors to be on the same device")
 
     monkeypatch.setattr(device_check, "check_parity", broken_parity)
-    for name in ("check_amp_steps", "check_speed", "check_open_clip", "check_train_py", "check_mfu"):
+    checks = ("check_scores", "check_toy_predictions", "check_attention", "check_amp_steps",
+              "check_speed", "check_open_clip", "check_train_py", "check_mfu")
+    for name in checks:
         monkeypatch.setattr(device_check, name, lambda *args, name=name: ran.append(name))
     assert device_check.main(["--device", "cpu", "--quick", "--output", str(tmp_path)]) == 1
     record = json.loads((tmp_path / "device_check_cpu_quick.json").read_text())
     assert not record["passed"] and record["checks"][0]["status"] == "fail"
     assert "same device" in record["checks"][0]["figures"]
-    assert ran == ["check_amp_steps", "check_speed", "check_open_clip", "check_train_py"]  # no step time, no MFU
+    assert ran == list(checks[:-1])  # no step time, no MFU
 
 
 def test_without_ftfy_a_stand_in_serves_this_process_and_the_train_py_processes(tmp_path):

@@ -77,5 +77,5 @@ def test_a_second_writer_of_a_cache_entry_waits_for_the_first(tmp_path):
 def test_grad_scaler_falls_back_to_the_name_older_torch_has(monkeypatch):
     monkeypatch.delattr(torch.amp, "GradScaler", raising=False)
     with pytest.warns(FutureWarning) if hasattr(torch.cuda.amp, "GradScaler") else pytest.raises(AttributeError):
-        scaler = runs.grad_scaler(enabled=False)
+        scaler = runs.grad_scaler(torch.device("cpu"), enabled=False)
         assert not scaler.is_enabled()

@@ -1590,39 +1590,6 @@ def test_shared_reuses_the_analysis_reports_its_parameters_and_resume_refuses_ot
     assert train.main(["--output", str(shared), "--resume", "--tokens", "shared"]) == 0
 
 
-def test_ddp_is_told_of_a_tensor_without_gradient_in_every_configuration_and_shared_leaves_none(
-        tiny_deep_clip):
-    attributes = ["colour", "shape", "texture"]
-    measured = [dear.HeadRole(2, h, r, a, entropy=1.0) for h, (r, a) in
-                enumerate([("mixed", None), ("generalization", None)] * 2)]
-    maps = {"analysed": dear.RoleMap(3, 4, attributes, [dear.HeadRole(2, 0, "attribute", "colour")]
-                                     + [dear.HeadRole(2, h, "generalization") for h in (1, 2, 3)]),
-            "all-mixed": dear.RoleMap.uniform("mixed", 3, 4, [2], attributes),
-            "all-generalization": dear.RoleMap.uniform("generalization", 3, 4, [2], attributes),
-            "fallback": dear.RoleMap(3, 4, attributes, measured),
-            "no-attribute-tokens": dear.RoleMap.uniform("mixed", 3, 4, [2], [])}
-    vocab = tiny_deep_clip.token_embedding.num_embeddings
-    prompts = torch.tensor([[vocab - 2, 5 + c, vocab - 1] + [0] * 13 for c in range(3)])
-    for tokens in ("separate", "shared"):
-        for name, role_map in maps.items():
-            for k in (None, 0) if tokens == "separate" else (None,):
-                k = 3 if k is None and not role_map.attributes else k  # the run's K at A = 0
-                torch.manual_seed(0)
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # blind branches, the fallback: said elsewhere
-                    model = dear.DeAR(tiny_deep_clip, role_map, first_layer=3, num_text_tokens=k,
-                                      tokens=tokens)
-                classes = model.prepare_classes(prompts)
-                out = model(torch.randn(2, 3, 32, 32), classes, with_frozen=True)
-                dear.dear_loss(out, torch.tensor([0, 2]))["total"].backward()
-                without = [n for n, p in model.learnable_tensors().items() if p.grad is None]
-                where = f"{tokens}, {name}, K = {model.num_text_tokens}"
-                told = train.has_idle_tensors(model)
-                assert not without or told, f"{where}: DDP not told of {without}"
-                if tokens == "shared":  # every tensor takes part: DDP need not search the graph
-                    assert not without and not train.has_idle_tensors(model), where
-
-
 def test_torchrun_trains_shared_tokens_with_blind_branches_and_no_attribute_tokens(world, tmp_path):
     """Two processes (gloo), find_unused_parameters off under --tokens shared: a learnable tensor
     without a gradient would stop the second step. Rows: a roles file, all heads generalization
