@@ -2,7 +2,7 @@
 benchmarks/toy_ablations.py -- the paper's ablation study on the toy world, and why its attribute
 tokens do not carry their attribute, measured: docs/TOYWORLD.md's tables, in one command.
 
-    python benchmarks/toy_ablations.py     # docs/TOYWORLD.md's tables: 3 seeds, 16 CPU-minutes
+    python benchmarks/toy_ablations.py     # docs/TOYWORLD.md's tables: 3 seeds, 18 CPU-minutes
     python benchmarks/toy_ablations.py --toy-scale miniature --seeds 1 --epochs 1 --output /tmp/abl
 
 Every run is `train.py --dataset toyworld` (train.main, in this process), in a folder of its own
