@@ -260,7 +260,7 @@ def two_groups_and_four_loners():
 
 # 12 heads of 6 picks: a specialist of each group, one head holding the 4 loners, the rest split 3 + 3;
 # phrases 0-2 and 6-8 are picked by many heads.
-PLAN = ([list(range(6)), list(range(6, 12)), [12, 13, 14, 15, 0, 6]]
+PLAN = ([list(range(5, -1, -1)), list(range(6, 12)), [12, 13, 14, 15, 0, 6]]
         + [[0, 1, 2, 6, 7, 8] for _ in range(9)])
 
 
