@@ -45,7 +45,8 @@ def hdbscan(points: torch.Tensor, min_cluster_size: int,
         raise ClusteringError(f"min_samples={s!r}: use an integer of 1 or more, or None")
     x = torch.as_tensor(points).detach().to("cpu", torch.float64)  # (n, d), as sklearn: float64
     if x.dim() != 2 or x.shape[0] < 1 or x.shape[1] < 1:
-        raise ClusteringError(f"points has shape {tuple(x.shape)}: pass an (n, d) tensor, n, d >= 1")
+        raise ClusteringError(f"points has shape {tuple(x.shape)}: "
+                              "pass an (n, d) tensor, n, d >= 1")
     if not torch.isfinite(x).all():
         raise ClusteringError("points holds nan or inf: drop or fix those rows first")
     n, d = x.shape

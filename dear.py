@@ -3,9 +3,9 @@ CVPR 2026) in the order it runs. Its sections ("section N" below; "paper Sec. N"
 "METHOD.md Sec. N" docs/METHOD.md's, which has the choices where the paper is silent):
 1. TextSpan, then the records (Description, Cluster, HeadRole, RoleMap) the rest takes;
 2. concepts (the picks clustered); 3. concept entropy's head roles (paper Sec. 3.2; analyze_heads
-runs 1-3); 4. the role-based mask (paper Sec. 3.3); 5. the model, which logits score a test set,
-and retrieval; 6. the losses (paper Sec. 3.4); 7. bookkeeping: the argument checks, RoleMap's
-checks, JSON file and table, the description pools.
+runs 1-3); 4. the role-based mask (paper Sec. 3.3); 5. the model and which logits score a test set;
+6. the losses (paper Sec. 3.4); 7. attribute-conditioned retrieval; 8. bookkeeping: the argument
+checks, RoleMap's checks, JSON file and table, DeAR's checkpoint tensors, the description pools.
 
 The method in one page: tests/test_dear_reference.py, DeAR's forward pass one head at a time;
 this file batches it. It imports torch and clip_model.py: copy the two files together.
@@ -67,7 +67,7 @@ def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
     order. contributions (n, E), one head's direct contributions to the image embeddings; the bank
     (T, E); rank: textspan_rank(clip) -> indices into the bank. Each pick is the text varying most
     across the images; it is then removed from the head and from the bank."""
-    check_picks(num_descriptions, contributions, text_embeddings, rank)  # section 7
+    check_picks(num_descriptions, contributions, text_embeddings, rank)  # section 8
     data = contributions.double()
     _, _, right = torch.linalg.svd(data, full_matrices=False)  # right: (min(n, E), E), raw data
     span = right[:rank]  # (r, E), r = min(rank, n, E): the authors' vh[:rank], mean included
@@ -124,7 +124,7 @@ class HeadRole:
 @dataclass
 class RoleMap:
     """The role of every head of the analysed vision layers, which the mask is built from. Its
-    checks, JSON file and table are bookkeeping, written out in section 7."""
+    checks, JSON file and table are bookkeeping, written out in section 8."""
     vision_layers: int  # depth of the vision tower it was made for
     num_heads: int  # heads per layer of that tower
     attributes: List[str]  # the attribute tokens' names, in token order
@@ -154,7 +154,7 @@ class RoleMap:
 
     def validate(self, vision_layers: Optional[int] = None, num_heads: Optional[int] = None,
                  attributes: Optional[Sequence[str]] = None) -> None:
-        """Complete, consistent, and (when the sizes are given) fits the model (section 7)."""
+        """Complete, consistent, and (when the sizes are given) fits the model (section 8)."""
         validate_role_map(self, vision_layers, num_heads, attributes)
 
     def to_json(self) -> dict:
@@ -165,7 +165,7 @@ class RoleMap:
 
     @classmethod
     def load(cls, path: str) -> RoleMap:
-        """Read a role file; every problem is one DeARError line that names the file (section 7)."""
+        """Read a role file; every problem is one DeARError line that names the file (section 8)."""
         return load_role_map(path)
 
     def table(self) -> str:
@@ -197,6 +197,17 @@ def default_min_cluster_size(num_picks: int) -> int:
     return max(2, num_picks)
 
 
+def hdbscan(points: torch.Tensor, min_cluster_size: int,
+            min_samples: Optional[int] = None) -> torch.Tensor:
+    """clustering.hdbscan, imported only here: (P, d) -> (P,) cluster ids, -1 = noise. Its
+    ClusteringError comes back as DeARError; without clustering.py, one line says what it needs."""
+    clustering = clustering_module()  # section 8
+    try:
+        return clustering.hdbscan(points, min_cluster_size, min_samples)
+    except clustering.ClusteringError as error:
+        raise DeARError(str(error)) from None
+
+
 def cluster_picks(texts: Sequence[str], embeddings: torch.Tensor, min_cluster_size: int,
                   min_samples: Optional[int] = None):
     """Distinct picked texts (P,) and their embeddings (P, d) -> (each text's concept, "cluster k"
@@ -212,17 +223,6 @@ def cluster_picks(texts: Sequence[str], embeddings: torch.Tensor, min_cluster_si
         clusters.append(Cluster(k, "other", len(members), central))
     found = [f"cluster {k}" if k >= 0 else NOISE for k in ids.tolist()]
     return found, clusters, torch.stack(centres) if centres else points[:0]
-
-
-def hdbscan(points: torch.Tensor, min_cluster_size: int,
-            min_samples: Optional[int] = None) -> torch.Tensor:
-    """clustering.hdbscan, imported only here: (P, d) -> (P,) cluster ids, -1 = noise. Its
-    ClusteringError comes back as DeARError; without clustering.py, one line says what it needs."""
-    clustering = clustering_module()  # section 7
-    try:
-        return clustering.hdbscan(points, min_cluster_size, min_samples)
-    except clustering.ClusteringError as error:
-        raise DeARError(str(error)) from None
 
 
 def name_by_labels(found: Sequence[str], labels: Sequence[str],
@@ -324,7 +324,7 @@ def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequenc
     low, high = default_thresholds(max(len(c) for c in concepts_per_head), num_concepts)
     low_bits = low if low_bits is None else low_bits
     high_bits = high if high_bits is None else high_bits
-    check_thresholds(low_bits, high_bits)  # section 7
+    check_thresholds(low_bits, high_bits)  # section 8
     roles = []
     for entropy, pick_concepts in zip(entropies, concepts_per_head):
         if entropy <= low_bits:
@@ -358,7 +358,7 @@ def text_embeddings_of(texts: List[str], clip: clip_model.CLIP, tokenizer,
     """Texts in the clustering's space: embed_texts' (checked), or CLIP's text tower's."""
     if embed_texts is None:
         return encode_descriptions(clip, tokenizer, texts).cpu()
-    return checked_embeddings(embed_texts, texts)  # section 7
+    return checked_embeddings(embed_texts, texts)  # section 8
 
 
 def normalised_contributions(clip: clip_model.CLIP, image_batches, num_layers: int,
@@ -369,7 +369,7 @@ def normalised_contributions(clip: clip_model.CLIP, image_batches, num_layers: i
     device = clip.visual.conv1.weight.device
     batches = image_batches.split(64) if isinstance(image_batches, torch.Tensor) else image_batches
     for batch in batches:
-        check_image_batch(batch)  # section 7
+        check_image_batch(batch)  # section 8
         parts = clip_model.head_contributions(clip, batch.to(device), num_layers)
         norms = parts.total().norm(dim=-1)[:, None, None, None]  # (B, 1, 1, 1)
         per_image.append((parts.heads / norms).cpu())  # (B, L_a, H, E)
@@ -572,13 +572,13 @@ def branches_in_fusion(attributes: List[str], blind: List[str], class_branch_onl
 
 # The token construction (METHOD.md Sec. 4): where each layer's fresh tokens p_l come from.
 #   separate (default, ours): every layer from J and each tower has its own learnable tokens, in
-#     its own width (DeAR.vision_tokens (L_v, A, W_v), DeAR.text_tokens (L_t, K, W_t)); the attribute
-#     tokens' projection is a learnable copy of proj.
+#     its own width (DeAR.vision_tokens (L_v, A, W_v), DeAR.text_tokens (L_t, K, W_t)); the
+#     attribute tokens' projection is a learnable copy of proj.
 #   shared (MMRL++, yunncheng/MMRL trainers/mmrlpp.py and clip/model_mmrlpp.py): one set of K = A
 #     latent tokens of width R (the text tower's, 512 on ViT-B/16), mapped into each token layer of
 #     both towers by that tower's TowerAligner; the projection is proj, frozen, plus a learnable
 #     low-rank residual. The same tokens enter both towers.
-# Either way DeAR gets (L_v, A, W_v) and (L_t, K, W_t) tokens, mixed by beta and masked the same way.
+# Either way DeAR gets (L_v, A, W_v) and (L_t, K, W_t) tokens, mixed by beta, masked the same way.
 def default_text_tokens(tokens: str, num_attributes: int) -> int:
     """K, the one default of it: 4 under "separate" (our choice); A under "shared", whose text
     tower receives the vision tower's own latent tokens (MMRL++)."""
@@ -674,11 +674,12 @@ class DeAR(nn.Module):
     Nothing before J learns: it runs without autograd, shared with the frozen pass, and once per
     class list on the text side (test_dear_reference.py checks these shortcuts). No attribute
     tokens (A = 0, the no-attribute-tokens ablation), a map with none and no mask:
-    DeAR(clip, RoleMap.uniform("mixed", depth, H, layers, attributes=[])): frozen CLIP's image
-    feature, the text tokens, alpha = (1,); under "shared" no vision aligner and no projection residual, the K latent
-    tokens reach the text tower alone. num_text_tokens: K, default default_text_tokens. beta = 0.5
-    is the toy world's, the library's choice for a small model; train.py passes the recipe's
-    (MMRL++'s 0.9 and its per-dataset values, METHOD.md Sec. 7)."""
+    DeAR(clip, RoleMap.uniform("mixed", depth, H, layers, attributes=[])) (as train.py's
+    build_dear; a map with attributes refuses attributes=[]): frozen CLIP's image feature, the
+    text tokens, alpha = (1,); under "shared" no vision aligner and no projection residual, the K
+    latent tokens reach the text tower alone. num_text_tokens: K, default default_text_tokens.
+    beta = 0.5 is the toy world's, the library's choice for a small model; train.py passes the
+    recipe's (MMRL++'s 0.9 and its per-dataset values, METHOD.md Sec. 7)."""
     # The learnable components of each construction: a tensor, or a module whose tensors all learn.
     LEARNABLE = {"separate": ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits"),
                  "shared": ("latent_tokens", "vision_aligner", "text_aligner",
@@ -786,7 +787,7 @@ class DeAR(nn.Module):
             for block in before:
                 x = block(x)  # (B, N, W_v)
             frozen = None
-            if with_frozen:  # plain CLIP's image feature, for the self-regularisation (paper Sec. 3.4)
+            if with_frozen:  # plain CLIP's image feature, for L_reg (paper Sec. 3.4)
                 plain = x  # the layers before J are the same in both passes: run them once
                 for block in after:
                     plain = block(plain)
@@ -855,42 +856,6 @@ class DeAR(nn.Module):
                           frozen_image_features=f_frozen,
                           frozen_text_features=classes.frozen if with_frozen else None)
 
-    def learnable_state_dict(self) -> dict:
-        """Only what training changes; a checkpoint needs nothing else (CLIP is frozen)."""
-        return {name: t.detach().cpu().clone() for name, t in self.learnable_tensors().items()}
-
-    @torch.no_grad()
-    def load_learnable_state_dict(self, state: dict) -> None:
-        tensors = self.learnable_tensors()
-        for name, value in state.items():
-            target = tensors.get(name)
-            if target is None:
-                raise DeARError(f"checkpoint tensor {name} is not a learnable tensor of this model "
-                                f"(tokens {self.tokens!r}); it was made with other settings")
-            if tuple(value.shape) != tuple(target.shape):
-                raise DeARError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, "
-                                f"the model expects {tuple(target.shape)}; "
-                                "it was made with other settings")
-            target.copy_(value)
-
-    def parameter_counts(self) -> Dict[str, int]:
-        """{component of LEARNABLE: its learnable parameters}, e.g. on ViT-B/16 at J = 9 under
-        "shared": latent_tokens 2,560, vision_aligner 416,768, text_aligner 280,576,
-        attribute_proj_residual 81,920, fusion_logits 6."""
-        counts = {}
-        for name, tensor in self.learnable_tensors().items():
-            component = name.split(".")[0]
-            counts[component] = counts.get(component, 0) + tensor.numel()
-        return counts
-
-    def parameter_summary(self) -> str:
-        learnable = sum(p.numel() for p in self.learnable_parameters())
-        frozen = sum(p.numel() for p in self.clip.parameters())
-        tensors = self.learnable_tensors().items()
-        parts = ", ".join(f"{name} {tuple(t.shape)}" for name, t in tensors)
-        return (f"learnable {learnable:,} parameters ({parts}); frozen CLIP {frozen:,} "
-                f"({100 * learnable / (learnable + frozen):.2f}% learnable)")
-
     def fused_logits(self, features: torch.Tensor, text_features: torch.Tensor):
         """(B, 1 + A, E), (C, E) -> (fused (B, C), branches (B, 1 + A, C)): forward's, and
         evaluation's with the text encoded once. fp32 under any autocast (cosine_logits), the
@@ -901,6 +866,23 @@ class DeAR(nn.Module):
             alpha = self.fusion_weights().float()  # (1 + A,)
             fused = torch.einsum("bkc,k->bc", branch_logits, alpha)  # k: the branch
         return fused, branch_logits
+
+    # Bookkeeping (section 8): the checkpoint's tensors and the parameter counts.
+    def learnable_state_dict(self) -> dict:
+        """Only what training changes; a checkpoint needs nothing else (CLIP is frozen)."""
+        return {name: t.detach().cpu().clone() for name, t in self.learnable_tensors().items()}
+
+    def load_learnable_state_dict(self, state: dict) -> None:
+        load_learnable_tensors(self, state)
+
+    def parameter_counts(self) -> Dict[str, int]:
+        """{component of LEARNABLE: its learnable parameters}, e.g. on ViT-B/16 at J = 9 under
+        "shared": latent_tokens 2,560, vision_aligner 416,768, text_aligner 280,576,
+        attribute_proj_residual 81,920, fusion_logits 6."""
+        return component_parameter_counts(self)
+
+    def parameter_summary(self) -> str:
+        return parameter_summary(self)
 
 
 def scoring_logits(fusion: str, trained: bool) -> str:
@@ -915,37 +897,6 @@ def scoring_logits(fusion: str, trained: bool) -> str:
     if fusion == "class-on-unseen":
         return "fused" if trained else "class"
     raise DeARError(f"fusion={fusion!r}: use fused-everywhere or class-on-unseen")
-
-
-# Attribute-conditioned retrieval (the paper's check that a token carries its attribute).
-@torch.no_grad()
-def retrieval_features(model: DeAR, images: torch.Tensor) -> dict:
-    """images (B, 3, R, R) -> {"class", each attribute but the blind, "frozen CLIP": (B, E)},
-    normalised."""
-    f_cls, f_attr, f_frozen = model.encode_image(images, with_frozen=True)
-    features = {"class": f_cls, **dict(zip(model.attributes, f_attr.unbind(dim=1))),
-                "frozen CLIP": f_frozen}
-    return {name: F.normalize(value.float(), dim=-1) for name, value in features.items()
-            if name not in model.blind_attributes}
-
-
-def rank_gallery(queries: torch.Tensor, gallery: torch.Tensor, k: int,
-                 same_images: bool = False) -> torch.Tensor:
-    """Queries (Q, E), gallery (M, E), normalised -> (Q, k) indices, most similar first;
-    same_images: the queries are the gallery, each left out of its own list."""
-    similarity = queries @ gallery.T  # (Q, M)
-    if same_images:
-        similarity.fill_diagonal_(float("-inf"))
-    return similarity.topk(min(k, similarity.shape[1] - int(same_images)), dim=1).indices
-
-
-def precision_at_k(ranking: torch.Tensor, query_values: Sequence,
-                   gallery_values: Sequence) -> float:
-    """ranking (Q, k) -> the share of retrieved images whose value (e.g. colour) is their
-    query's."""
-    hits = [sum(gallery_values[j] == query_values[q] for j in row) / len(row)
-            for q, row in enumerate(ranking.tolist())]
-    return sum(hits) / len(hits)
 
 
 # ---- 6. The losses (paper Sec. 3.4, METHOD.md Sec. 5) --------------------------------------------
@@ -998,9 +949,40 @@ def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0,
     return losses
 
 
-# ---- 7. Bookkeeping, not the method: its argument checks; RoleMap's checks, JSON file and table; --
-# the description pools. Each check stands once, at a public function's entry or here; runs.py
-# (for train.py) calls the same ones before any work.
+# ---- 7. Attribute-conditioned retrieval (the paper's check that a token carries its attribute) --
+@torch.no_grad()
+def retrieval_features(model: DeAR, images: torch.Tensor) -> dict:
+    """images (B, 3, R, R) -> {"class", each attribute but the blind, "frozen CLIP": (B, E)},
+    normalised."""
+    f_cls, f_attr, f_frozen = model.encode_image(images, with_frozen=True)
+    features = {"class": f_cls, **dict(zip(model.attributes, f_attr.unbind(dim=1))),
+                "frozen CLIP": f_frozen}
+    return {name: F.normalize(value.float(), dim=-1) for name, value in features.items()
+            if name not in model.blind_attributes}
+
+
+def rank_gallery(queries: torch.Tensor, gallery: torch.Tensor, k: int,
+                 same_images: bool = False) -> torch.Tensor:
+    """Queries (Q, E), gallery (M, E), normalised -> (Q, k) indices, most similar first;
+    same_images: the queries are the gallery, each left out of its own list."""
+    similarity = queries @ gallery.T  # (Q, M)
+    if same_images:
+        similarity.fill_diagonal_(float("-inf"))
+    return similarity.topk(min(k, similarity.shape[1] - int(same_images)), dim=1).indices
+
+
+def precision_at_k(ranking: torch.Tensor, query_values: Sequence,
+                   gallery_values: Sequence) -> float:
+    """ranking (Q, k) -> the share of retrieved images whose value (e.g. colour) is their
+    query's."""
+    hits = [sum(gallery_values[j] == query_values[q] for j in row) / len(row)
+            for q, row in enumerate(ranking.tolist())]
+    return sum(hits) / len(hits)
+
+
+# ---- 8. Bookkeeping, not the method: its argument checks; RoleMap's checks, JSON file and table;
+# DeAR's checkpoint tensors; the description pools. Each check stands once, at a public function's
+# entry or here; runs.py (for train.py) calls the same ones before any work.
 def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *, rank: int,
                    default: int, embed_dim: Optional[int] = None) -> int:
     """TextSpan's picks per head (the one check of it): `requested` (--descriptions) or `default`
@@ -1148,6 +1130,42 @@ def check_prepared(classes) -> None:
         raise DeARError(f"classes must be model.prepare_classes(class_token_ids), got a "
                         f"{type(classes).__name__}; "
                         "prepare each class list once, then pass the result to every step")
+
+
+@torch.no_grad()
+def load_learnable_tensors(model: DeAR, state: dict) -> None:
+    """DeAR.load_learnable_state_dict: each tensor of a checkpoint into the model's, or one line
+    saying which does not fit."""
+    tensors = model.learnable_tensors()
+    for name, value in state.items():
+        target = tensors.get(name)
+        if target is None:
+            raise DeARError(f"checkpoint tensor {name} is not a learnable tensor of this model "
+                            f"(tokens {model.tokens!r}); it was made with other settings")
+        if tuple(value.shape) != tuple(target.shape):
+            raise DeARError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, "
+                            f"the model expects {tuple(target.shape)}; "
+                            "it was made with other settings")
+        target.copy_(value)
+
+
+def component_parameter_counts(model: DeAR) -> Dict[str, int]:
+    """DeAR.parameter_counts: {component of LEARNABLE: its learnable parameters}."""
+    counts = {}
+    for name, tensor in model.learnable_tensors().items():
+        component = name.split(".")[0]
+        counts[component] = counts.get(component, 0) + tensor.numel()
+    return counts
+
+
+def parameter_summary(model: DeAR) -> str:
+    """DeAR.parameter_summary: the learnable tensors, their count and share, in one line."""
+    learnable = sum(p.numel() for p in model.learnable_parameters())
+    frozen = sum(p.numel() for p in model.clip.parameters())
+    tensors = model.learnable_tensors().items()
+    parts = ", ".join(f"{name} {tuple(t.shape)}" for name, t in tensors)
+    return (f"learnable {learnable:,} parameters ({parts}); frozen CLIP {frozen:,} "
+            f"({100 * learnable / (learnable + frozen):.2f}% learnable)")
 
 
 def validate_role_map(role_map: RoleMap, vision_layers: Optional[int] = None,
