@@ -61,6 +61,9 @@ class DeARError(ValueError):
 
 
 # ---- 1. TextSpan: which descriptions explain a head (paper Sec. 3.2, METHOD.md Sec. 3) ----------
+# A head writes a direct contribution into each image's embedding (clip_model.head_contributions).
+# TextSpan names what it writes: from a bank of descriptions it picks, one at a time, the text
+# along which the head's contributions vary most across images, then projects that text out.
 def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
              num_descriptions: int, rank: int) -> List[int]:
     """TextSpan (Gandelsman et al., ICLR 2024, Alg. 1), picking what its authors' code picks, in
@@ -535,6 +538,12 @@ def generalization_mask_only(role_map: RoleMap) -> RoleMap:
 
 
 # ---- 5. The model (paper Sec. 3.3-3.4, METHOD.md Sec. 4) -----------------------------------------
+# DeAR is frozen CLIP plus learnable tokens from layer J on: in the vision tower A attribute tokens
+# follow the image's N tokens, each head under its role mask (section 4); in the text tower K tokens
+# follow the start token. Each branch (the class token, each attribute token) scores the classes
+# by cosine with the prompts' features; the fused logits weigh the branches by alpha = softmax of
+# learnable logits (paper Eq. 6-7). First what DeAR's constructor reads (J, which branches enter
+# the fusion, alpha's start), then the token construction, then the model and its scoring rule.
 def default_first_layer(depth: int) -> int:
     """The paper's J (1-based), the one default of it: the first analysed layer (9 of 12 for
     ViT-B/16); train.py's --first-layer auto is this."""
@@ -900,6 +909,8 @@ def scoring_logits(fusion: str, trained: bool) -> str:
 
 
 # ---- 6. The losses (paper Sec. 3.4, METHOD.md Sec. 5) --------------------------------------------
+# CE on the fused logits, plus L_reg, which keeps the class feature and the class texts near plain
+# CLIP's, plus L_fusion, which keeps the class branch's weight from vanishing (dear_loss).
 def self_regularization_loss(f_cls: torch.Tensor, f_cls_frozen: torch.Tensor, t: torch.Tensor,
                              t_frozen: torch.Tensor) -> torch.Tensor:
     """L_reg = mean_i (1 - cos(f_cls_i, f_cls_frozen_i)) + mean_c (1 - cos(t_c, t_c_frozen)): near
