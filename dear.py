@@ -74,17 +74,17 @@ def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
     data = contributions.double()
     _, _, right = torch.linalg.svd(data, full_matrices=False)  # right: (min(n, E), E), raw data
     span = right[:rank]  # (r, E), r = min(rank, n, E): the authors' vh[:rank], mean included
-    texts = text_embeddings.double() @ span.T @ span  # (T, E): each text inside the head's span
+    bank = text_embeddings.double() @ span.T @ span  # (T, E): each text inside the head's span
     data = data - data.mean(dim=0, keepdim=True)  # (n, E), centred as the authors do (no pick moves)
     chosen: List[int] = []
     for _ in range(num_descriptions):
-        spread = (data @ texts.T).std(dim=0)  # (T,): how much each text direction varies
+        spread = (data @ bank.T).std(dim=0)  # (T,): how much each text direction varies
         spread[chosen] = -1.0  # removed texts spread 0; -1 keeps them out of a tie at 0 too
         best = int(spread.argmax())
         chosen.append(best)
-        direction = texts[best] / texts[best].norm().clamp_min(1e-12)  # (E,), as the authors'
+        direction = bank[best] / bank[best].norm().clamp_min(1e-12)  # (E,), as the authors'
         data = data - (data @ direction)[:, None] * direction[None]  # remove it from the head ...
-        texts = texts - (texts @ direction)[:, None] * direction[None]  # ... and from the bank
+        bank = bank - (bank @ direction)[:, None] * direction[None]  # ... and from the bank
     return chosen
 
 
