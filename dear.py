@@ -1,22 +1,25 @@
 """dear.py -- DeAR (Ma et al., "Fine-Grained VLM Adaptation by Decomposing Attention Head Roles",
-CVPR 2026) in the order it runs:
+CVPR 2026) in the order it runs. Its sections ("section N" below; "paper Sec. N" is the paper's,
+"METHOD.md Sec. N" docs/METHOD.md's, which has the choices where the paper is silent):
 1. TextSpan, then the records (Description, Cluster, HeadRole, RoleMap) the rest takes;
 2. concepts (the picks clustered); 3. concept entropy's head roles (paper Sec. 3.2; analyze_heads
-runs 1-3); 4. the role-based mask (Sec. 3.3); 5. the model, which logits score a test set, and
-retrieval; 6. the losses (Sec. 3.4); 7. bookkeeping: RoleMap's checks, JSON file and table, the
-description pools; 8. HDBSCAN written out.
+runs 1-3); 4. the role-based mask (paper Sec. 3.3); 5. the model and which logits score a test set;
+6. the losses (paper Sec. 3.4); 7. attribute-conditioned retrieval; 8. bookkeeping: the argument
+checks, RoleMap's checks, JSON file and table, DeAR's checkpoint tensors, the description pools.
 
 The method in one page: tests/test_dear_reference.py, DeAR's forward pass one head at a time;
-this file batches it. docs/METHOD.md ("METHOD.md Sec. N") has the choices where the paper is
-silent. It imports only clip_model.py: copy the two together. `first_layer` is the paper's
-1-based J; what is stored (`HeadRole.layer`) is 0-based.
+this file batches it. It imports torch and clip_model.py: copy the two files together.
+Clustering the picks (concepts="clusters") also needs clustering.py (HDBSCAN written out; torch
+and numpy) beside them; everything else runs without it. `first_layer` is the paper's 1-based
+J; what is stored (`HeadRole.layer`) is 0-based.
 
 Shapes, the project's letters: B images in a batch; C classes; N tokens of a sequence (an image:
-1 + G*G; a text: its length); G the patch grid's side; R the image resolution; W the width of a
-tower's residual stream (W_v vision, W_t text); H heads; D a head's width; E the joint
-embedding's width; L layers (each use says which: from J on, or analysed); A attribute tokens;
-K learnable text tokens; n images of the analysis; T descriptions in the bank; P distinct picks;
-d an encoder's width (clustering; HDBSCAN's n points are the P picks).
+1 + G*G, the class token and the patches; a text: its length); G the patch grid's side; R the
+image resolution; W the width of a tower's residual stream (W_v vision, W_t text); H heads; D a
+head's width; E the joint embedding's width; L_v and L_t the vision and the text tower's layers
+from J on; L_a the analysed layers (the vision tower's last four); A attribute tokens; K
+learnable text tokens; n images of the analysis; T descriptions in the bank; P distinct picks;
+d an encoder's width (clustering's points are the P picks).
 
 Try it on a random small CLIP:  python dear.py
 """
@@ -26,13 +29,11 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import asdict, dataclass, field
-from numbers import Integral
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Union
 
-import numpy as np  # torchvision's own dependency: numpy's sort order, for HDBSCAN's ties
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -60,29 +61,30 @@ class DeARError(ValueError):
 
 
 # ---- 1. TextSpan: which descriptions explain a head (paper Sec. 3.2, METHOD.md Sec. 3) ----------
+# A head writes a direct contribution into each image's embedding (clip_model.head_contributions).
+# TextSpan names what it writes: from a bank of descriptions it picks, one at a time, the text
+# along which the head's contributions vary most across images, then projects that text out.
 def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
              num_descriptions: int, rank: int) -> List[int]:
     """TextSpan (Gandelsman et al., ICLR 2024, Alg. 1), picking what its authors' code picks, in
     order. contributions (n, E), one head's direct contributions to the image embeddings; the bank
     (T, E); rank: textspan_rank(clip) -> indices into the bank. Each pick is the text varying most
     across the images; it is then removed from the head and from the bank."""
-    num_descriptions = analysis_picks(num_descriptions, len(text_embeddings), len(contributions),
-                                      rank=rank, default=num_descriptions,
-                                      embed_dim=contributions.shape[1])
+    check_picks(num_descriptions, contributions, text_embeddings, rank)  # section 8
     data = contributions.double()
     _, _, right = torch.linalg.svd(data, full_matrices=False)  # right: (min(n, E), E), raw data
     span = right[:rank]  # (r, E), r = min(rank, n, E): the authors' vh[:rank], mean included
-    texts = text_embeddings.double() @ span.T @ span  # (T, E): each text inside the head's span
+    bank = text_embeddings.double() @ span.T @ span  # (T, E): each text inside the head's span
     data = data - data.mean(dim=0, keepdim=True)  # (n, E), centred as the authors do (no pick moves)
     chosen: List[int] = []
     for _ in range(num_descriptions):
-        spread = (data @ texts.T).std(dim=0)  # (T,): how much each text direction varies
+        spread = (data @ bank.T).std(dim=0)  # (T,): how much each text direction varies
         spread[chosen] = -1.0  # removed texts spread 0; -1 keeps them out of a tie at 0 too
         best = int(spread.argmax())
         chosen.append(best)
-        direction = texts[best] / texts[best].norm().clamp_min(1e-12)  # (E,), as the authors'
+        direction = bank[best] / bank[best].norm().clamp_min(1e-12)  # (E,), as the authors'
         data = data - (data @ direction)[:, None] * direction[None]  # remove it from the head ...
-        texts = texts - (texts @ direction)[:, None] * direction[None]  # ... and from the bank
+        bank = bank - (bank @ direction)[:, None] * direction[None]  # ... and from the bank
     return chosen
 
 
@@ -90,36 +92,6 @@ def textspan_rank(clip: clip_model.CLIP) -> int:
     """TextSpan's r, the one default of it: a head's OV rank, its width D (64 on ViT-B/16). The
     authors' --w_ov_rank 80 ("the rank of the OV matrix") is ViT-H/14's head width."""
     return clip.visual.transformer.resblocks[0].attn.head_dim
-
-
-def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *, rank: int,
-                   default: int, embed_dim: Optional[int] = None) -> int:
-    """TextSpan's picks per head (the one check of it): `requested` (--descriptions) or `default`
-    (default_picks), at most min(bank size, num_images, rank, embed_dim), the span's rank. A request
-    above that, or below 1, is refused."""
-    if rank < 1:
-        raise DeARError(f"rank={rank}: TextSpan keeps the top `rank` singular directions; "
-                        "use 1 or more")
-    if num_images < 2:
-        raise DeARError(f"the head analysis has {num_images} image(s); "
-                        "TextSpan needs at least 2 to see a head vary")
-    span = f"the span of {num_images} images' contributions has rank <= {num_images}"
-    limits = [(bank_size, f"the bank has {bank_size} descriptions"),
-              (num_images, span),
-              (rank, f"TextSpan keeps {rank} singular directions")]
-    if embed_dim is not None:
-        limits.append((embed_dim, f"the embedding has {embed_dim} dimensions"))
-    limit, why = min(limits, key=lambda entry: entry[0])
-    if requested is None:
-        if default > limit:
-            warnings.warn(f"TextSpan makes {limit} picks per head, "
-                          f"not the default {default}: {why}")
-        return min(default, limit)
-    if not 1 <= requested <= limit:
-        more = " or give the analysis more images" if limit == num_images else ""
-        raise DeARError(f"--descriptions {requested}: TextSpan can make 1..{limit} picks per head "
-                        f"here ({why}); ask for at most {limit}{more}")
-    return requested
 
 
 # ---- The records the method passes around (defined before the code that takes them) -------------
@@ -155,7 +127,7 @@ class HeadRole:
 @dataclass
 class RoleMap:
     """The role of every head of the analysed vision layers, which the mask is built from. Its
-    checks, JSON file and table are bookkeeping, written out in Sec. 7."""
+    checks, JSON file and table are bookkeeping, written out in section 8."""
     vision_layers: int  # depth of the vision tower it was made for
     num_heads: int  # heads per layer of that tower
     attributes: List[str]  # the attribute tokens' names, in token order
@@ -185,7 +157,7 @@ class RoleMap:
 
     def validate(self, vision_layers: Optional[int] = None, num_heads: Optional[int] = None,
                  attributes: Optional[Sequence[str]] = None) -> None:
-        """Complete, consistent, and (when the sizes are given) fits the model (Sec. 7)."""
+        """Complete, consistent, and (when the sizes are given) fits the model (section 8)."""
         validate_role_map(self, vision_layers, num_heads, attributes)
 
     def to_json(self) -> dict:
@@ -196,7 +168,7 @@ class RoleMap:
 
     @classmethod
     def load(cls, path: str) -> RoleMap:
-        """Read a role file; every problem is one DeARError line that names the file (Sec. 7)."""
+        """Read a role file; every problem is one DeARError line that names the file (section 8)."""
         return load_role_map(path)
 
     def table(self) -> str:
@@ -209,14 +181,15 @@ class RoleMap:
 # encoder (SBERT in the paper; CLIP's own text tower by default here, our choice) and clustered
 # with HDBSCAN, and each cluster is a concept. A labelled bank's labels can stand in for the
 # clusters (concepts="labels"): the control that the toy laboratory measures the clusters against.
-# HDBSCAN itself is written out at the end of this file (Sec. 8), a tool the method calls.
+# HDBSCAN itself is written out in clustering.py, a tool the method calls. Below, "concept source"
+# is "clusters" or "labels", and a head's "pick concepts" name the concept of each of its picks.
 NOISE = "noise"  # the concept of a pick that HDBSCAN leaves in no cluster
 CENTRAL_SHOWN = 5  # phrases shown per cluster (its most central ones)
 
 
 def default_concepts(bank: Sequence[Description]) -> str:
-    """Where the concepts come from unless asked (our choice, METHOD.md Sec. 3): a labelled bank's
-    labels, which name the toy CLIP's heads better than its clusters do; else clusters, the paper's."""
+    """The concept source unless asked (our choice, METHOD.md Sec. 3): a labelled bank's labels,
+    which name the toy CLIP's heads better than its clusters do; else clusters, the paper's."""
     labelled = all(Description(*entry).concept is not None for entry in bank)
     return "labels" if labelled else "clusters"
 
@@ -225,6 +198,17 @@ def default_min_cluster_size(num_picks: int) -> int:
     """HDBSCAN's smallest cluster (our choice, METHOD.md Sec. 3): as many phrases as one head picks,
     so that a concept is at least what fills one specialist's picks, never a value's few phrases."""
     return max(2, num_picks)
+
+
+def hdbscan(points: torch.Tensor, min_cluster_size: int,
+            min_samples: Optional[int] = None) -> torch.Tensor:
+    """clustering.hdbscan, imported only here: (P, d) -> (P,) cluster ids, -1 = noise. Its
+    ClusteringError comes back as DeARError; without clustering.py, one line says what it needs."""
+    clustering = clustering_module()  # section 8
+    try:
+        return clustering.hdbscan(points, min_cluster_size, min_samples)
+    except clustering.ClusteringError as error:
+        raise DeARError(str(error)) from None
 
 
 def cluster_picks(texts: Sequence[str], embeddings: torch.Tensor, min_cluster_size: int,
@@ -240,16 +224,17 @@ def cluster_picks(texts: Sequence[str], embeddings: torch.Tensor, min_cluster_si
         nearest = (points[members] @ centres[-1]).argsort(descending=True)[:CENTRAL_SHOWN]
         central = [texts[members[i]] for i in nearest.tolist()]
         clusters.append(Cluster(k, "other", len(members), central))
-    concepts = [f"cluster {k}" if k >= 0 else NOISE for k in ids.tolist()]
-    return concepts, clusters, torch.stack(centres) if centres else points[:0]
+    found = [f"cluster {k}" if k >= 0 else NOISE for k in ids.tolist()]
+    return found, clusters, torch.stack(centres) if centres else points[:0]
 
 
-def name_by_labels(concepts: Sequence[str], labels: Sequence[str],
+def name_by_labels(found: Sequence[str], labels: Sequence[str],
                    attributes: Sequence[str]) -> Dict[str, str]:
     """A labelled pool: each cluster is named by its phrases' most common label when that is a core
-    attribute, else "other" (the labels name the concepts; which picks go together stays HDBSCAN's)."""
+    attribute, else "other" (the labels name the concepts; which picks go together stays HDBSCAN's).
+    found: each distinct pick's concept, as cluster_picks gives it; labels: each one's label."""
     by_cluster: Dict[str, Counter] = {}
-    for concept, label in zip(concepts, labels):
+    for concept, label in zip(found, labels):
         by_cluster.setdefault(concept, Counter())[label] += 1
     names = {}
     for concept, counts in by_cluster.items():
@@ -273,26 +258,29 @@ def name_by_anchors(centres: torch.Tensor, anchors: torch.Tensor,
     return names
 
 
-def concept_entropy(concepts: Sequence[str]) -> float:
-    """Paper Eq. 2: H = -sum_c P(c) log2 P(c), P(c) the share of picks about concept c: 0 bits for a
-    specialist. A pick in no cluster (NOISE) is a concept of its own (our choice, METHOD.md Sec. 3):
-    TextSpan found that it explains the head and it resembles no other pick, so it is spread."""
-    counts = list(Counter(c for c in concepts if c != NOISE).values())
-    counts += [1] * list(concepts).count(NOISE)
-    total = len(concepts)
+# ---- 3. Roles: entropy -> attribute / generalization / mixed (paper Sec. 3.2, METHOD.md Sec. 3) --
+# A head whose picks fall on one concept is a specialist (low entropy): an attribute head if that
+# concept is a core attribute. A head whose picks spread over many concepts is general (high
+# entropy). Between the two: mixed. analyze_heads, at the end of this section, runs sections 1-3.
+def concept_entropy(pick_concepts: Sequence[str]) -> float:
+    """Paper Eq. 2: H = -sum_c P(c) log2 P(c), P(c) the share of a head's picks about concept c:
+    0 bits for a specialist. A pick in no cluster (NOISE) is a concept of its own (our choice,
+    METHOD.md Sec. 3): TextSpan found that it explains the head and it resembles no other pick."""
+    counts = list(Counter(c for c in pick_concepts if c != NOISE).values())
+    counts += [1] * list(pick_concepts).count(NOISE)
+    total = len(pick_concepts)
     return float(-sum((c / total) * math.log2(c / total) for c in counts))
 
 
-def dominant_concept(concepts: Sequence[str]) -> str:
+def dominant_concept(pick_concepts: Sequence[str]) -> str:
     """The most frequent concept, never NOISE while a cluster is there; a tie goes to the one
     TextSpan found first (it explains more)."""
-    counts = Counter(c for c in concepts if c != NOISE)
+    counts = Counter(c for c in pick_concepts if c != NOISE)
     if not counts:
         return NOISE
-    return next((c for c in concepts if counts.get(c) == max(counts.values())), NOISE)
+    return next((c for c in pick_concepts if counts.get(c) == max(counts.values())), NOISE)
 
 
-# ---- 3. Roles: entropy -> attribute / generalization / mixed (paper Sec. 3.2, METHOD.md Sec. 3) --
 def default_picks(bank: Sequence[Description], attributes: Sequence[str]) -> int:
     """Picks per head, the one default of it (our rule; METHOD.md Sec. 3). A labelled bank: the
     fewest values of a core attribute, as a pure specialist has nothing left to explain once its
@@ -316,8 +304,10 @@ def default_thresholds(num_picks: int, num_concepts: int):
     entropies that the picks of one head can take over these concepts."""
     top = math.log2(max(1, min(num_picks, num_concepts)))  # the most bits: picks spread evenly
     low, high = top / 3, 2 * top / 3  # under a third: specialised; over two thirds: spread
-    # A head with 3 of 4 picks on one concept (0.81 bits) counts as specialised, as long as that
-    # stays under `high` (with few concepts, top / 3 alone would let 2 picks in 3 decide).
+    # The floor: a head with 3 of every 4 picks on one concept (0.81 bits) counts as specialised.
+    # A third of the top is below that while min(picks, concepts) is 3, 4 or 5 (0.53, 0.67, 0.77
+    # bits), so low rises to 0.81 there; from 6 on a third is the larger (0.86 bits at 6). At 2,
+    # high (0.67) is below 0.81 and the floor would lift low over it: it stays off.
     three_of_four = concept_entropy(["a", "a", "a", "b"])
     if three_of_four < high:
         low = max(low, three_of_four)
@@ -329,24 +319,31 @@ def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequenc
                  high_bits: Optional[float] = None, num_concepts: Optional[int] = None,
                  names: Optional[Dict[str, str]] = None):
     """Heads -> ([(role, attribute or None)], low_bits, high_bits); the thresholds are
-    default_thresholds(picks, concepts) unless given. H <= low: an attribute head for its dominant
-    concept if that is (names: is named) a core attribute, else (e.g. "style": no token)
-    generalization; H >= high: generalization; between: mixed."""
-    num_concepts = num_concepts or len({c for concepts in concepts_per_head for c in concepts})
+    default_thresholds(picks, concepts) unless given (num_concepts: default the distinct concepts
+    the heads' picks name). H <= low: an attribute head for its dominant concept if that is
+    (names: is named) a core attribute, else (e.g. "style": no token) generalization; H >= high:
+    generalization; between: mixed."""
+    num_concepts = num_concepts or len({c for head in concepts_per_head for c in head})
     low, high = default_thresholds(max(len(c) for c in concepts_per_head), num_concepts)
     low_bits = low if low_bits is None else low_bits
     high_bits = high if high_bits is None else high_bits
-    check_thresholds(low_bits, high_bits)
+    check_thresholds(low_bits, high_bits)  # section 8
     roles = []
-    for entropy, concepts in zip(entropies, concepts_per_head):
+    for entropy, pick_concepts in zip(entropies, concepts_per_head):
         if entropy <= low_bits:
-            name = (names or {}).get(dominant_concept(concepts), dominant_concept(concepts))
+            dominant = dominant_concept(pick_concepts)
+            name = (names or {}).get(dominant, dominant)
             roles.append(("attribute", name) if name in attributes else ("generalization", None))
         elif entropy >= high_bits:
             roles.append(("generalization", None))
         else:
             roles.append(("mixed", None))
     return roles, low_bits, high_bits
+
+
+def analysed_layers(depth: int) -> int:
+    """L_a: how many of a `depth`-layer vision tower's last layers the head analysis reads."""
+    return min(ANALYSED_LAYERS, depth)
 
 
 @torch.no_grad()
@@ -357,6 +354,32 @@ def encode_descriptions(clip: clip_model.CLIP, tokenizer: clip_model.SimpleToken
     batches = (tokenizer.tokenize(texts[s:s + batch_size], clip.context_length, truncate=True)
                for s in range(0, len(texts), batch_size))
     return torch.cat([F.normalize(clip.encode_text(b.to(device)), dim=-1) for b in batches])
+
+
+def text_embeddings_of(texts: List[str], clip: clip_model.CLIP, tokenizer,
+                       embed_texts) -> torch.Tensor:
+    """Texts in the clustering's space: embed_texts' (checked), or CLIP's text tower's."""
+    if embed_texts is None:
+        return encode_descriptions(clip, tokenizer, texts).cpu()
+    return checked_embeddings(embed_texts, texts)  # section 8
+
+
+def normalised_contributions(clip: clip_model.CLIP, image_batches, num_layers: int,
+                             log: Callable[[str], None]) -> torch.Tensor:
+    """Each image's direct head contributions over its embedding's norm (TextSpan) ->
+    (n, L_a, H, E), L_a = num_layers, the analysed layers."""
+    per_image = []
+    device = clip.visual.conv1.weight.device
+    batches = image_batches.split(64) if isinstance(image_batches, torch.Tensor) else image_batches
+    for batch in batches:
+        check_image_batch(batch)  # section 8
+        parts = clip_model.head_contributions(clip, batch.to(device), num_layers)
+        norms = parts.total().norm(dim=-1)[:, None, None, None]  # (B, 1, 1, 1)
+        per_image.append((parts.heads / norms).cpu())  # (B, L_a, H, E)
+        log(f"  head analysis: contributions of {sum(len(p) for p in per_image)} images")
+    if not per_image:
+        raise DeARError("image_batches holds no images; the analysis needs at least 2")
+    return torch.cat(per_image)
 
 
 @torch.no_grad()
@@ -371,49 +394,55 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
                   cluster_names: Optional[Dict[int, str]] = None,
                   log: Callable[[str], None] = print) -> RoleMap:
     """The head analysis (paper Sec. 3.2) -> RoleMap. image_batches: (n, 3, R, R) or an iterable of
-    (B, 3, R, R); bank: default the project's; num_descriptions: default default_picks(bank);
-    rank: default textspan_rank(clip). For each head of the last `num_layers` layers: its direct
-    contributions (over each embedding's norm, as TextSpan does) and TextSpan's picks; then the
-    concepts (concepts="clusters": the picks clustered, embedded by embed_texts, default CLIP's
-    text tower; "labels": the bank's; default: default_concepts(bank)), each head's concept
-    entropy and role. cluster_names: {cluster id: name} overrides the names the clusters are given."""
+    (B, 3, R, R); bank: default the project's; num_layers: L_a, default analysed_layers;
+    num_descriptions: default default_picks(bank); rank: default textspan_rank(clip). For each
+    head of the last L_a layers: its direct contributions (over each embedding's norm, as
+    TextSpan does) and TextSpan's picks; then the concepts (concepts="clusters": the picks
+    clustered, embedded by embed_texts, default CLIP's text tower; "labels": the bank's; default:
+    default_concepts(bank)), each head's concept entropy and role. cluster_names: {cluster id:
+    name} overrides the names the clusters are given."""
     bank = [Description(*entry) for entry in bank] if bank is not None else description_bank()
-    concepts = default_concepts(bank) if concepts is None else concepts
-    check_concepts(concepts, bank)
+    source = default_concepts(bank) if concepts is None else concepts  # "clusters" or "labels"
+    check_concepts(source, bank)
     depth = len(clip.visual.transformer.resblocks)
     rank = textspan_rank(clip) if rank is None else rank
     if num_layers is None:  # else head_contributions checks it
         num_layers = analysed_layers(depth)
-    contributions = normalised_contributions(clip, image_batches, num_layers, log)  # (n, L, H, E)
-    n, L, H, E = contributions.shape  # L: the analysed layers
+
+    # 1. Each head's direct contributions, and TextSpan's picks from the bank.
+    contributions = normalised_contributions(clip, image_batches, num_layers, log)  # (n, L_a, H, E)
+    n, L_a, H, E = contributions.shape
     default = default_picks(bank, attributes) if num_descriptions is None else num_descriptions
-    num_descriptions = analysis_picks(num_descriptions, len(bank), n, rank=rank,
+    num_descriptions = analysis_picks(num_descriptions, len(bank), n, rank=rank,  # before encoding
                                       default=default, embed_dim=E)
-    text = encode_descriptions(clip, tokenizer, [d.text for d in bank]).cpu()  # (T, E)
+    bank_embeddings = encode_descriptions(clip, tokenizer, [d.text for d in bank]).cpu()  # (T, E)
     log(f"  head analysis: {len(bank)} descriptions; TextSpan with rank {min(rank, n, E)} and "
         f"{num_descriptions} picks per head")
     first = depth - num_layers
     picks = []  # per head (layer-major), the bank indices TextSpan chose
-    for li in range(L):
+    for li in range(L_a):
         for head in range(H):
-            picks.append(textspan(contributions[:, li, head], text, num_descriptions, rank))
+            picks.append(textspan(contributions[:, li, head], bank_embeddings, num_descriptions,
+                                  rank))
         log(f"  head analysis: layer {first + li + 1} (index {first + li}) done")
-    # The concepts: each picked phrase's, from the clusters of all heads' picks or the bank's labels.
-    picked = list(dict.fromkeys(i for head_picks in picks for i in head_picks))  # distinct, in order
+
+    # 2. The concepts: each distinct picked phrase's (a phrase picked by several heads counts
+    #    once), from the clusters of all heads' picks or from the bank's labels.
+    picked = list(dict.fromkeys(i for head_picks in picks for i in head_picks))  # (P,), in order
     clusters, names = [], None
-    if concepts == "labels":
+    if source == "labels":
         concept_of = {i: bank[i].concept for i in picked}
-        num_concepts = len({bank[i].concept for i in range(len(bank))})
+        num_concepts = len({entry.concept for entry in bank})
     else:
-        texts = [bank[i].text for i in picked]
+        picked_texts = [bank[i].text for i in picked]
         if embed_texts is None:
-            embedded = text[picked]  # (P, E)
+            embedded = bank_embeddings[picked]  # (P, E)
         else:
-            embedded = checked_embeddings(embed_texts, texts)  # (P, d)
+            embedded = checked_embeddings(embed_texts, picked_texts)  # (P, d)
         size = min_cluster_size
         if size is None:
             size = default_min_cluster_size(num_descriptions)
-        found, clusters, centres = cluster_picks(texts, embedded, size, min_samples)
+        found, clusters, centres = cluster_picks(picked_texts, embedded, size, min_samples)
         concept_of = dict(zip(picked, found))
         if all(bank[i].concept is not None for i in picked):  # a labelled bank: the labels name them
             names = name_by_labels(found, [bank[i].concept for i in picked], attributes)
@@ -428,48 +457,24 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
         log(f"  head analysis: {len(picked)} distinct picks in {len(clusters)} clusters "
             f"({found.count(NOISE)} in none; HDBSCAN min_cluster_size {size}): "
             + ", ".join(f"{c.id} {c.name} ({c.size})" for c in clusters))
+
+    # 3. Each head's concept entropy, then its role.
     analysed = []
     for index, head_picks in enumerate(picks):
-        head_concepts = [concept_of[i] for i in head_picks]
+        pick_concepts = [concept_of[i] for i in head_picks]
         analysed.append(HeadRole(first + index // H, index % H, "mixed", None,
-                                 concept_entropy(head_concepts),
-                                 [bank[i].text for i in head_picks], head_concepts))
+                                 concept_entropy(pick_concepts),
+                                 [bank[i].text for i in head_picks], pick_concepts))
     roles, low, high = assign_roles([h.entropy for h in analysed], [h.concepts for h in analysed],
                                     attributes, low_bits, high_bits, num_concepts, names)
     for entry, (role, attribute) in zip(analysed, roles):
         entry.role, entry.attribute = role, attribute
-    return RoleMap(depth, H, list(attributes), analysed, low, high, concepts=concepts,
+    return RoleMap(depth, H, list(attributes), analysed, low, high, concepts=source,
                    clusters=clusters)
 
 
-def normalised_contributions(clip: clip_model.CLIP, image_batches, num_layers: int,
-                             log: Callable[[str], None]) -> torch.Tensor:
-    """Each image's direct head contributions over its embedding's norm (TextSpan) -> (n, L, H, E),
-    L the analysed layers."""
-    per_image = []
-    device = clip.visual.conv1.weight.device
-    batches = image_batches.split(64) if isinstance(image_batches, torch.Tensor) else image_batches
-    for batch in batches:
-        check_image_batch(batch)
-        parts = clip_model.head_contributions(clip, batch.to(device), num_layers)
-        norms = parts.total().norm(dim=-1)[:, None, None, None]  # (B, 1, 1, 1)
-        per_image.append((parts.heads / norms).cpu())  # (B, L, H, E)
-        log(f"  head analysis: contributions of {sum(len(p) for p in per_image)} images")
-    if not per_image:
-        raise DeARError("image_batches holds no images; the analysis needs at least 2")
-    return torch.cat(per_image)
-
-
-def check_image_batch(batch) -> None:
-    if not isinstance(batch, torch.Tensor) or batch.dim() != 4:
-        shape = f" of shape {tuple(batch.shape)}" if isinstance(batch, torch.Tensor) else ""
-        raise DeARError("image_batches must be a (n, 3, R, R) tensor or yield (B, 3, R, R) "
-                        f"tensors; got a {type(batch).__name__}{shape} "
-                        "(a DataLoader's: pass (x for x, _ in loader))")
-
-
 # ---- 4. The role-based attention mask (paper Sec. 3.3, METHOD.md Sec. 4) -------------------------
-# Tokens from layer J on: [CLS, patches (the image's own N tokens), A attribute tokens]. Each head
+# Tokens from layer J on: [the image's N tokens (CLS and patches), A attribute tokens]. Each head
 # has its own additive mask (0 = may attend, -inf = may not):
 #   generalization head: image and attribute tokens never see each other; each attribute token sees
 #                        only itself. Within the layer, its output at the image tokens ignores the
@@ -496,13 +501,13 @@ def head_mask(role: str, attribute_index: Optional[int], num_image_tokens: int,
     return torch.zeros(size, size).masked_fill(~allowed, float("-inf"))
 
 
-def build_role_masks(role_map: RoleMap, first_layer: int, num_layers: int,
+def build_role_masks(role_map: RoleMap, first_layer: int, depth: int,
                      num_image_tokens: int) -> torch.Tensor:
-    """(L, H, N + A, N + A), L = num_layers - J + 1 the layers from J on (J 1-based); a layer the
-    map does not cover has mixed heads (no mask)."""
+    """(L_v, H, N + A, N + A), L_v = depth - J + 1 the layers from J on of a `depth`-layer vision
+    tower (J 1-based); a layer the map does not cover has mixed heads (no mask)."""
     A, size = len(role_map.attributes), num_image_tokens + len(role_map.attributes)
-    masks = torch.zeros(num_layers - first_layer + 1, role_map.num_heads, size, size)
-    for i, layer in enumerate(range(first_layer - 1, num_layers)):
+    masks = torch.zeros(depth - first_layer + 1, role_map.num_heads, size, size)
+    for i, layer in enumerate(range(first_layer - 1, depth)):
         for head in range(role_map.num_heads):
             entry = role_map.role_of(layer, head) or HeadRole(layer, head, "mixed")
             index = None
@@ -517,7 +522,7 @@ def blind_attributes(role_masks: torch.Tensor, num_image_tokens: int,
     """The attributes whose token no head from J on (no attribute head for it, no mixed head) lets
     read the image: a per-class bias, so DeAR leaves its branch out of the fusion."""
     N = num_image_tokens
-    reads_image = torch.isfinite(role_masks[:, :, N:, :N]).any(dim=-1)  # (L, H, A)
+    reads_image = torch.isfinite(role_masks[:, :, N:, :N]).any(dim=-1)  # (L_v, H, A)
     readable = reads_image.any(dim=0).any(dim=0)  # (A,)
     return [a for a, can_read in zip(attributes, readable) if not can_read]
 
@@ -533,75 +538,16 @@ def generalization_mask_only(role_map: RoleMap) -> RoleMap:
 
 
 # ---- 5. The model (paper Sec. 3.3-3.4, METHOD.md Sec. 4) -----------------------------------------
-def analysed_layers(depth: int) -> int:
-    """How many of a `depth`-layer vision tower's last layers the head analysis reads."""
-    return min(ANALYSED_LAYERS, depth)
-
-
+# DeAR is frozen CLIP plus learnable tokens from layer J on: in the vision tower A attribute tokens
+# follow the image's N tokens, each head under its role mask (section 4); in the text tower K tokens
+# follow the start token. Each branch (the class token, each attribute token) scores the classes
+# by cosine with the prompts' features; the fused logits weigh the branches by alpha = softmax of
+# learnable logits (paper Eq. 6-7). First what DeAR's constructor reads (J, which branches enter
+# the fusion, alpha's start), then the token construction, then the model and its scoring rule.
 def default_first_layer(depth: int) -> int:
     """The paper's J (1-based), the one default of it: the first analysed layer (9 of 12 for
     ViT-B/16); train.py's --first-layer auto is this."""
     return depth - analysed_layers(depth) + 1
-
-
-# The method's argument checks, once: DeAR and assign_roles call them, runs.py (for train.py)
-# before any work.
-def check_first_layer(first_layer: int, depth: int) -> None:
-    """J counts in both towers: 1..depth, depth = the shallower tower's layers."""
-    is_int = isinstance(first_layer, int) and not isinstance(first_layer, bool)
-    if not is_int or not 1 <= first_layer <= depth:
-        raise DeARError(f"first_layer J={first_layer} is out of range: "
-                        f"use 1..{depth} (1-based, as the paper's J = 9)")
-
-
-def check_beta(beta: float) -> None:
-    if not (isinstance(beta, (int, float)) and 0.0 <= beta <= 1.0):  # NaN fails both comparisons
-        raise DeARError(f"beta={beta} is outside [0, 1]; "
-                        "beta weighs the fresh tokens against the previous layer's")
-
-
-def check_thresholds(low_bits: Optional[float], high_bits: Optional[float]) -> None:
-    """Entropy thresholds in bits: finite, >= 0, low <= high (None = the default rule's)."""
-    for name, value in (("low_bits", low_bits), ("high_bits", high_bits)):
-        if value is None:
-            continue
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-            raise DeARError(f"{name}={value}: expected a finite entropy in bits, >= 0")
-    if None not in (low_bits, high_bits) and low_bits > high_bits:
-        raise DeARError(f"low_bits={low_bits:g} is above high_bits={high_bits:g}; "
-                        "make the low threshold the smaller")
-
-
-def check_concepts(concepts: str, bank: Sequence[Description]) -> None:
-    """concepts is "clusters" or "labels"; labels need every description labelled."""
-    if concepts not in CONCEPT_SOURCES:
-        raise DeARError(f"concepts={concepts!r}: use {' or '.join(CONCEPT_SOURCES)}")
-    unlabelled = sum(entry.concept is None for entry in bank)
-    if concepts == "labels" and unlabelled:
-        raise DeARError(f"concepts 'labels' needs a label on every description; {unlabelled} of "
-                        f"{len(bank)} have none (give 'text<TAB>concept' lines) "
-                        "or let clusters find the concepts")
-
-
-def checked_embeddings(embed_texts: Callable[[List[str]], torch.Tensor],
-                       texts: List[str]) -> torch.Tensor:
-    """embed_texts(texts) as a (len(texts), d) float tensor on the CPU, or one line saying what
-    came back."""
-    embedded = embed_texts(texts)
-    if not isinstance(embedded, torch.Tensor):
-        embedded = torch.as_tensor(embedded)  # e.g. a numpy array (sentence-transformers' default)
-    if embedded.dim() != 2 or len(embedded) != len(texts) or not embedded.is_floating_point():
-        raise DeARError(f"embed_texts returned a {embedded.dtype} tensor of shape "
-                        f"{tuple(embedded.shape)} for {len(texts)} texts; "
-                        f"it must return ({len(texts)}, D) floats")
-    return embedded.detach().float().cpu()
-
-
-def text_embeddings_of(texts: List[str], clip: clip_model.CLIP, tokenizer,
-                       embed_texts) -> torch.Tensor:
-    if embed_texts is None:
-        return encode_descriptions(clip, tokenizer, texts).cpu()
-    return checked_embeddings(embed_texts, texts)
 
 
 def falls_back_to_class_branch(role_map: RoleMap) -> bool:
@@ -611,34 +557,46 @@ def falls_back_to_class_branch(role_map: RoleMap) -> bool:
     return measured and not any(h.role == "attribute" for h in role_map.heads)
 
 
+def initial_fusion_logits(cls_fusion_weight: float, num_attributes: int) -> torch.Tensor:
+    """(1 + A,): alpha_cls = cls_fusion_weight at the start, the rest shared evenly."""
+    rest = (1 - cls_fusion_weight) / max(num_attributes, 1)
+    return torch.tensor([math.log(cls_fusion_weight)] + [math.log(rest)] * num_attributes)
+
+
+def branches_in_fusion(attributes: List[str], blind: List[str], class_branch_only: bool,
+                       first_layer: int) -> torch.Tensor:
+    """(1 + A,) bool: the class branch, and the attribute branches that can read the image (none on
+    the fallback to the class branch, our choice: METHOD.md Sec. 3); warns of what is left out."""
+    left_out = attributes if class_branch_only else blind
+    if class_branch_only:
+        warnings.warn("DeAR: the head analysis names no attribute head (no head is specialised "
+                      "enough); falling back to the class branch alone "
+                      "(the attribute branches leave the fusion)")
+    elif blind:
+        plural = "s" if len(blind) > 1 else ""
+        warnings.warn(f"DeAR: no head from layer J={first_layer} lets the {', '.join(blind)} "
+                      f"token{plural} read the image; left out of the fusion (a per-class bias)")
+    return torch.tensor([True] + [a not in left_out for a in attributes])
+
+
 # The token construction (METHOD.md Sec. 4): where each layer's fresh tokens p_l come from.
 #   separate (default, ours): every layer from J and each tower has its own learnable tokens, in
-#     its own width (DeAR.vision_tokens (L, A, W_v), DeAR.text_tokens (L, K, W_t)); the attribute
-#     tokens' projection is a learnable copy of proj.
+#     its own width (DeAR.vision_tokens (L_v, A, W_v), DeAR.text_tokens (L_t, K, W_t)); the
+#     attribute tokens' projection is a learnable copy of proj.
 #   shared (MMRL++, yunncheng/MMRL trainers/mmrlpp.py and clip/model_mmrlpp.py): one set of K = A
 #     latent tokens of width R (the text tower's, 512 on ViT-B/16), mapped into each token layer of
 #     both towers by that tower's TowerAligner; the projection is proj, frozen, plus a learnable
 #     low-rank residual. The same tokens enter both towers.
-# Either way DeAR gets (L, A, W_v) and (L, K, W_t) tokens, mixed by beta and masked the same way.
+# Either way DeAR gets (L_v, A, W_v) and (L_t, K, W_t) tokens, mixed by beta, masked the same way.
 def default_text_tokens(tokens: str, num_attributes: int) -> int:
     """K, the one default of it: 4 under "separate" (our choice); A under "shared", whose text
     tower receives the vision tower's own latent tokens (MMRL++)."""
     return TEXT_TOKENS if tokens == "separate" else num_attributes
 
 
-def check_tokens(tokens: str, num_attributes: int, num_text_tokens: Optional[int]) -> None:
-    """tokens is a construction; under "shared" K is A (A = 0, the no-attribute-tokens ablation:
-    the K latent tokens reach the text tower alone)."""
-    if tokens not in TOKEN_CONSTRUCTIONS:
-        raise DeARError(f"tokens={tokens!r}: use {' or '.join(TOKEN_CONSTRUCTIONS)}")
-    if tokens == "shared" and num_attributes and num_text_tokens not in (None, num_attributes):
-        raise DeARError(f"K = {num_text_tokens} text tokens: under tokens 'shared' the text tower "
-                        f"receives the A = {num_attributes} tokens of the vision tower; leave K "
-                        "unset (it follows A)")
-
-
 class TowerAligner(nn.Module):
-    """tokens="shared": one tower's map of the latent tokens into its L token layers, MMRL++'s
+    """tokens="shared": one tower's map of the latent tokens into its L token layers (L_v or L_t,
+    the tower's layers from J on), MMRL++'s
     Shared_Residual_Representation_Aligner (trainers/mmrlpp.py, one Residual_Aligner per layer):
         p_l = z (W + a_l b_l)^T + bias_l
     z (K, R) the latent tokens; W (W_tower, R) one linear map for every layer (torch's nn.Linear
@@ -711,24 +669,26 @@ class DeAROutput:
 
 class DeAR(nn.Module):
     """Frozen CLIP (in place, no copy) + the learnable pieces; attributes default to the map's, J to
-    the first analysed layer (L below: the layers from J on). tokens="separate" (the default):
-      vision_tokens   (L, A, W_v)  one token per attribute, fresh at each layer (MMRL++ beta rule)
-      text_tokens     (L, K, W_t)  K tokens inserted after the start token
+    the first analysed layer (L_v, L_t: each tower's layers from J on). tokens="separate" (default):
+      vision_tokens   (L_v, A, W_v)  one token per attribute, fresh at each layer (MMRL++ beta rule)
+      text_tokens     (L_t, K, W_t)  K tokens inserted after the start token
       attribute_proj  (W_v, E)     attribute tokens -> embedding, init = visual.proj
     tokens="shared" (MMRL++'s space; K = A, R = latent_width, default W_t):
       latent_tokens            (K, R)  one token per attribute, for both towers
-      vision_aligner           TowerAligner: latent -> (L, A, W_v), each layer's tokens
-      text_aligner             TowerAligner: latent -> (L, K, W_t)
+      vision_aligner           TowerAligner: latent -> (L_v, A, W_v), each layer's tokens
+      text_aligner             TowerAligner: latent -> (L_t, K, W_t)
       attribute_proj_residual  LowRankResidual: the projection is visual.proj (frozen) + a b
     and either way
       fusion_logits   (1 + A,)     alpha = softmax over the class branch and those reading the image
     Nothing before J learns: it runs without autograd, shared with the frozen pass, and once per
-    class list on the text side (test_dear_reference.py checks these shortcuts). attributes=[]
-    (A = 0, the no-attribute-tokens ablation): frozen CLIP's image feature, the text tokens,
-    alpha = (1,); under "shared" no vision aligner and no projection residual, the K latent
-    tokens reach the text tower alone. num_text_tokens: K, default default_text_tokens. beta = 0.5
-    is the toy world's, the library's choice for a small model; train.py passes the recipe's
-    (MMRL++'s 0.9 and its per-dataset values, METHOD.md Sec. 7)."""
+    class list on the text side (test_dear_reference.py checks these shortcuts). No attribute
+    tokens (A = 0, the no-attribute-tokens ablation), a map with none and no mask:
+    DeAR(clip, RoleMap.uniform("mixed", depth, H, layers, attributes=[])) (as train.py's
+    build_dear; a map with attributes refuses attributes=[]): frozen CLIP's image feature, the
+    text tokens, alpha = (1,); under "shared" no vision aligner and no projection residual, the K
+    latent tokens reach the text tower alone. num_text_tokens: K, default default_text_tokens.
+    beta = 0.5 is the toy world's, the library's choice for a small model; train.py passes the
+    recipe's (MMRL++'s 0.9 and its per-dataset values, METHOD.md Sec. 7)."""
     # The learnable components of each construction: a tensor, or a module whose tensors all learn.
     LEARNABLE = {"separate": ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits"),
                  "shared": ("latent_tokens", "vision_aligner", "text_aligner",
@@ -770,10 +730,10 @@ class DeAR(nn.Module):
             self.attribute_proj_residual = LowRankResidual(W_v, E, SHARED_PROJ_RANK) if A else None
         self.fusion_logits = nn.Parameter(initial_fusion_logits(cls_fusion_weight, A))  # (1 + A,)
 
-        # Each head's role mask from J on (Sec. 3.3), built once from the role map.
+        # Each head's role mask from J on (paper Sec. 3.3), built once from the role map.
         self.num_image_tokens = 1 + clip.visual.grid_size**2  # N
         masks = build_role_masks(role_map, first_layer, depth, self.num_image_tokens)
-        self.register_buffer("role_masks", masks, persistent=False)  # (L, H, N + A, N + A)
+        self.register_buffer("role_masks", masks, persistent=False)  # (L_v, H, N + A, N + A)
 
         # Our safety rules: which branches enter the fusion (blind ones and the fallback do not).
         self.blind_attributes = blind_attributes(masks, self.num_image_tokens, self.attributes)
@@ -798,16 +758,16 @@ class DeAR(nn.Module):
         return list(self.learnable_tensors().values())
 
     def vision_layer_tokens(self) -> torch.Tensor:
-        """p_l, the fresh tokens of each vision layer from J on: (L, A, W_v)."""
+        """p_l, the fresh tokens of each vision layer from J on: (L_v, A, W_v)."""
         if self.tokens == "separate":
             return self.vision_tokens
         if self.vision_aligner is None:  # shared, A = 0: no vision token
-            L, W_v = len(self.role_masks), self.clip.visual.transformer.width
-            return self.latent_tokens.new_zeros(L, 0, W_v)
+            L_v, W_v = len(self.role_masks), self.clip.visual.transformer.width
+            return self.latent_tokens.new_zeros(L_v, 0, W_v)
         return self.vision_aligner(self.latent_tokens)
 
     def text_layer_tokens(self) -> torch.Tensor:
-        """p_l, the fresh tokens of each text layer from J on: (L, K, W_t)."""
+        """p_l, the fresh tokens of each text layer from J on: (L_t, K, W_t)."""
         if self.tokens == "separate":
             return self.text_tokens
         return self.text_aligner(self.latent_tokens)
@@ -836,13 +796,13 @@ class DeAR(nn.Module):
             for block in before:
                 x = block(x)  # (B, N, W_v)
             frozen = None
-            if with_frozen:  # plain CLIP's image feature, for the self-regularisation (Sec. 3.4)
+            if with_frozen:  # plain CLIP's image feature, for L_reg (paper Sec. 3.4)
                 plain = x  # the layers before J are the same in both passes: run them once
                 for block in after:
                     plain = block(plain)
                 frozen = visual.to_embedding(plain[:, 0])  # (B, E)
         B, N, _ = x.shape
-        tokens, layer_tokens = None, self.vision_layer_tokens()  # (B, A, W_v); (L, A, W_v)
+        tokens, layer_tokens = None, self.vision_layer_tokens()  # (B, A, W_v); (L_v, A, W_v)
         for i, block in enumerate(after):
             fresh = layer_tokens[i].to(x.dtype).expand(B, -1, -1)  # (B, A, W_v)
             # MMRL++ rule: tokens entering layer l = beta * p_l + (1 - beta) * out_{l-1}.
@@ -872,13 +832,15 @@ class DeAR(nn.Module):
     def encode_text(self, classes: PreparedClasses) -> torch.Tensor:
         """PreparedClasses -> t_c (C, E). From J on, K learnable tokens sit right after the start
         token (positions 1..K); the causal mask lets every later token, end-of-text included, read
-        them. Layer J inserts them; each later layer replaces them by the MMRL++ rule."""
+        them. Layer J inserts them; each later layer replaces them by the MMRL++ rule. They get no
+        positional embedding (CLIP adds it once, in embed_text, before layer 0; the prompt's own
+        tokens keep theirs, moved K places right)."""
         check_prepared(classes)
         x, K = classes.hidden, self.num_text_tokens  # x: (C, N, W_t)
         C = len(x)
         mask = clip_model.causal_mask(x.shape[1] + K, x.device, x.dtype)  # (N + K, N + K)
         after = self.clip.transformer.resblocks[self.first_layer - 1:]
-        layer_tokens = self.text_layer_tokens()  # (L, K, W_t)
+        layer_tokens = self.text_layer_tokens()  # (L_t, K, W_t)
         fresh = layer_tokens[0].to(x.dtype).expand(C, -1, -1)  # (C, K, W_t)
         x = torch.cat([x[:, :1], fresh, x[:, 1:]], dim=1)  # (C, N + K, W_t): inserted at J
         for i, block in enumerate(after):
@@ -903,51 +865,33 @@ class DeAR(nn.Module):
                           frozen_image_features=f_frozen,
                           frozen_text_features=classes.frozen if with_frozen else None)
 
-    def learnable_state_dict(self) -> dict:
-        """Only what training changes; a checkpoint needs nothing else (CLIP is frozen)."""
-        return {name: t.detach().cpu().clone() for name, t in self.learnable_tensors().items()}
-
-    @torch.no_grad()
-    def load_learnable_state_dict(self, state: dict) -> None:
-        tensors = self.learnable_tensors()
-        for name, value in state.items():
-            target = tensors.get(name)
-            if target is None:
-                raise DeARError(f"checkpoint tensor {name} is not a learnable tensor of this model "
-                                f"(tokens {self.tokens!r}); it was made with other settings")
-            if tuple(value.shape) != tuple(target.shape):
-                raise DeARError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, "
-                                f"the model expects {tuple(target.shape)}; "
-                                "it was made with other settings")
-            target.copy_(value)
-
-    def parameter_counts(self) -> Dict[str, int]:
-        """{component of LEARNABLE: its learnable parameters}, e.g. on ViT-B/16 at J = 9 under
-        "shared": latent_tokens 2,560, vision_aligner 416,768, text_aligner 280,576,
-        attribute_proj_residual 81,920, fusion_logits 6."""
-        counts = {}
-        for name, tensor in self.learnable_tensors().items():
-            component = name.split(".")[0]
-            counts[component] = counts.get(component, 0) + tensor.numel()
-        return counts
-
-    def parameter_summary(self) -> str:
-        learnable = sum(p.numel() for p in self.learnable_parameters())
-        frozen = sum(p.numel() for p in self.clip.parameters())
-        tensors = self.learnable_tensors().items()
-        parts = ", ".join(f"{name} {tuple(t.shape)}" for name, t in tensors)
-        return (f"learnable {learnable:,} parameters ({parts}); frozen CLIP {frozen:,} "
-                f"({100 * learnable / (learnable + frozen):.2f}% learnable)")
-
     def fused_logits(self, features: torch.Tensor, text_features: torch.Tensor):
-        """(B, 1 + A, E), (C, E) -> (fused (B, C), branches (B, 1 + A, C)); evaluation's, text
-        encoded once. fp32 under any autocast (cosine_logits), the weighted sum too."""
+        """(B, 1 + A, E), (C, E) -> (fused (B, C), branches (B, 1 + A, C)): forward's, and
+        evaluation's with the text encoded once. fp32 under any autocast (cosine_logits), the
+        weighted sum too."""
         scale = self.clip.logit_scale.exp()
         branch_logits = cosine_logits(features, text_features, scale)  # (B, 1 + A, C), fp32
         with torch.autocast(branch_logits.device.type, enabled=False):
             alpha = self.fusion_weights().float()  # (1 + A,)
             fused = torch.einsum("bkc,k->bc", branch_logits, alpha)  # k: the branch
         return fused, branch_logits
+
+    # Bookkeeping (section 8): the checkpoint's tensors and the parameter counts.
+    def learnable_state_dict(self) -> dict:
+        """Only what training changes; a checkpoint needs nothing else (CLIP is frozen)."""
+        return {name: t.detach().cpu().clone() for name, t in self.learnable_tensors().items()}
+
+    def load_learnable_state_dict(self, state: dict) -> None:
+        load_learnable_tensors(self, state)
+
+    def parameter_counts(self) -> Dict[str, int]:
+        """{component of LEARNABLE: its learnable parameters}, e.g. on ViT-B/16 at J = 9 under
+        "shared": latent_tokens 2,560, vision_aligner 416,768, text_aligner 280,576,
+        attribute_proj_residual 81,920, fusion_logits 6."""
+        return component_parameter_counts(self)
+
+    def parameter_summary(self) -> str:
+        return parameter_summary(self)
 
 
 def scoring_logits(fusion: str, trained: bool) -> str:
@@ -964,58 +908,59 @@ def scoring_logits(fusion: str, trained: bool) -> str:
     raise DeARError(f"fusion={fusion!r}: use fused-everywhere or class-on-unseen")
 
 
-# DeAR's checks and safety rules, each built once, beside the model that uses them.
-def check_model_settings(clip: clip_model.CLIP, role_map: RoleMap, attributes: List[str],
-                         first_layer: int, beta: float, num_text_tokens: Optional[int],
-                         cls_fusion_weight: float, tokens: str,
-                         latent_width: Optional[int]) -> None:
-    """DeAR's arguments against the model, before anything is built."""
-    depth_v, depth_t = len(clip.visual.transformer.resblocks), len(clip.transformer.resblocks)
-    check_first_layer(first_layer, min(depth_v, depth_t))
-    check_beta(beta)
-    check_tokens(tokens, len(attributes), num_text_tokens)
-    if num_text_tokens is not None and num_text_tokens < 0:
-        raise DeARError(f"num_text_tokens={num_text_tokens} must be 0 or more")
-    if latent_width is not None and not (tokens == "shared" and latent_width >= 1):
-        raise DeARError(f"latent_width={latent_width}: the latent tokens' width, 1 or more, "
-                        "for tokens='shared' only")
-    if not 0.0 < cls_fusion_weight < 1.0:
-        raise DeARError(f"cls_fusion_weight={cls_fusion_weight} must be in (0, 1)")
-    role_map.validate(depth_v, clip.visual.transformer.heads, attributes)
+# ---- 6. The losses (paper Sec. 3.4, METHOD.md Sec. 5) --------------------------------------------
+# CE on the fused logits, plus L_reg, which keeps the class feature and the class texts near plain
+# CLIP's, plus L_fusion, which keeps the class branch's weight from vanishing (dear_loss).
+def self_regularization_loss(f_cls: torch.Tensor, f_cls_frozen: torch.Tensor, t: torch.Tensor,
+                             t_frozen: torch.Tensor) -> torch.Tensor:
+    """L_reg = mean_i (1 - cos(f_cls_i, f_cls_frozen_i)) + mean_c (1 - cos(t_c, t_c_frozen)): near
+    plain CLIP's features, where the novel classes' knowledge lives."""
+    image_term = 1 - F.cosine_similarity(f_cls, f_cls_frozen, dim=-1).mean()
+    return image_term + (1 - F.cosine_similarity(t, t_frozen, dim=-1).mean())
 
 
-def initial_fusion_logits(cls_fusion_weight: float, num_attributes: int) -> torch.Tensor:
-    """(1 + A,): alpha_cls = cls_fusion_weight at the start, the rest shared evenly."""
-    rest = (1 - cls_fusion_weight) / max(num_attributes, 1)
-    return torch.tensor([math.log(cls_fusion_weight)] + [math.log(rest)] * num_attributes)
+def fusion_regularization_loss(alpha: torch.Tensor) -> torch.Tensor:
+    """L_fusion = -log(alpha_cls): stops the fusion from abandoning the class branch."""
+    return -torch.log(alpha[0])
 
 
-def branches_in_fusion(attributes: List[str], blind: List[str], class_branch_only: bool,
-                       first_layer: int) -> torch.Tensor:
-    """(1 + A,) bool: the class branch, and the attribute branches that can read the image (none on
-    the fallback to the class branch, our choice: METHOD.md Sec. 3); warns of what is left out."""
-    left_out = attributes if class_branch_only else blind
-    if class_branch_only:
-        warnings.warn("DeAR: the head analysis names no attribute head (no head is specialised "
-                      "enough); falling back to the class branch alone "
-                      "(the attribute branches leave the fusion)")
-    elif blind:
-        plural = "s" if len(blind) > 1 else ""
-        warnings.warn(f"DeAR: no head from layer J={first_layer} lets the {', '.join(blind)} "
-                      f"token{plural} read the image; left out of the fusion (a per-class bias)")
-    return torch.tensor([True] + [a not in left_out for a in attributes])
+def branch_cross_entropy(output: DeAROutput, labels: torch.Tensor,
+                         class_weight: float = MMRL_ALPHA) -> torch.Tensor:
+    """Not the paper's loss (the branch-ce ablation): MMRL_Loss's ALPHA * CE(class branch) +
+    (1 - ALPHA) * CE(the rest) (yunncheng/MMRL trainers/mmrl.py), ALPHA = class_weight (not the
+    fusion weights output.alpha), the rest = the mean CE of the attribute branches in the fusion;
+    with none in it, CE(class branch)."""
+    branches = output.branch_logits.float()  # (B, 1 + A, C)
+    class_term = F.cross_entropy(branches[:, 0], labels)
+    in_fusion = (output.alpha[1:] > 0).nonzero().flatten() + 1  # a branch left out has alpha 0
+    if len(in_fusion) == 0:
+        return class_term
+    rest = [F.cross_entropy(branches[:, k], labels) for k in in_fusion.tolist()]
+    return class_weight * class_term + (1 - class_weight) * torch.stack(rest).mean()
 
 
-def check_prepared(classes) -> None:
-    """encode_text takes prepare_classes' record (a cheap type check, kept per call: a test
-    asks for it)."""
-    if not isinstance(classes, PreparedClasses):  # e.g. token ids, as an older version took
-        raise DeARError(f"classes must be model.prepare_classes(class_token_ids), got a "
-                        f"{type(classes).__name__}; "
-                        "prepare each class list once, then pass the result to every step")
+def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0,
+              lambda_fusion: float = 0.1, branch_ce: bool = False) -> dict:
+    """CE(fused logits) + lambda_reg * L_reg + lambda_fusion * L_fusion: each term, and 'total'.
+    branch_ce (not the paper's loss): + branch_cross_entropy, each branch taught the labels too."""
+    if output.frozen_image_features is None or output.frozen_text_features is None:
+        raise DeARError("output has no frozen features (L_reg needs them): "
+                        "call the model with with_frozen=True")
+    ce = F.cross_entropy(output.logits.float(), labels)
+    reg = self_regularization_loss(output.image_features[:, 0].float(),
+                                   output.frozen_image_features.float(),
+                                   output.text_features.float(),
+                                   output.frozen_text_features.float())
+    fusion = fusion_regularization_loss(output.alpha.float())
+    total = ce + lambda_reg * reg + lambda_fusion * fusion
+    losses = {"total": total, "ce": ce, "reg": reg, "fusion": fusion}
+    if branch_ce:
+        losses["branch"] = branch_cross_entropy(output, labels)
+        losses["total"] = losses["total"] + losses["branch"]
+    return losses
 
 
-# Attribute-conditioned retrieval (the paper's check that a token carries its attribute).
+# ---- 7. Attribute-conditioned retrieval (the paper's check that a token carries its attribute) --
 @torch.no_grad()
 def retrieval_features(model: DeAR, images: torch.Tensor) -> dict:
     """images (B, 3, R, R) -> {"class", each attribute but the blind, "frozen CLIP": (B, E)},
@@ -1046,56 +991,194 @@ def precision_at_k(ranking: torch.Tensor, query_values: Sequence,
     return sum(hits) / len(hits)
 
 
-# ---- 6. The losses (paper Sec. 3.4, METHOD.md Sec. 5) --------------------------------------------
-def self_regularization_loss(f_cls: torch.Tensor, f_cls_frozen: torch.Tensor, t: torch.Tensor,
-                             t_frozen: torch.Tensor) -> torch.Tensor:
-    """L_reg = mean_i (1 - cos(f_cls_i, f_cls_frozen_i)) + mean_c (1 - cos(t_c, t_c_frozen)): near
-    plain CLIP's features, where the novel classes' knowledge lives."""
-    image_term = 1 - F.cosine_similarity(f_cls, f_cls_frozen, dim=-1).mean()
-    return image_term + (1 - F.cosine_similarity(t, t_frozen, dim=-1).mean())
+# ---- 8. Bookkeeping, not the method: its argument checks; RoleMap's checks, JSON file and table;
+# DeAR's checkpoint tensors; the description pools. Each check stands once, at a public function's
+# entry or here; runs.py (for train.py) calls the same ones before any work.
+def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *, rank: int,
+                   default: int, embed_dim: Optional[int] = None) -> int:
+    """TextSpan's picks per head (the one check of it): `requested` (--descriptions) or `default`
+    (default_picks), at most min(bank size, num_images, rank, embed_dim), the span's rank. A request
+    above that, or below 1, is refused."""
+    if rank < 1:
+        raise DeARError(f"rank={rank}: TextSpan keeps the top `rank` singular directions; "
+                        "use 1 or more")
+    if num_images < 2:
+        raise DeARError(f"the head analysis has {num_images} image(s); "
+                        "TextSpan needs at least 2 to see a head vary")
+    span = f"the span of {num_images} images' contributions has rank <= {num_images}"
+    limits = [(bank_size, f"the bank has {bank_size} descriptions"),
+              (num_images, span),
+              (rank, f"TextSpan keeps {rank} singular directions")]
+    if embed_dim is not None:
+        limits.append((embed_dim, f"the embedding has {embed_dim} dimensions"))
+    limit, why = min(limits, key=lambda entry: entry[0])
+    if requested is None:
+        if default > limit:
+            warnings.warn(f"TextSpan makes {limit} picks per head, "
+                          f"not the default {default}: {why}")
+        return min(default, limit)
+    if not 1 <= requested <= limit:
+        more = " or give the analysis more images" if limit == num_images else ""
+        raise DeARError(f"--descriptions {requested}: TextSpan can make 1..{limit} picks per head "
+                        f"here ({why}); ask for at most {limit}{more}")
+    return requested
 
 
-def fusion_regularization_loss(alpha: torch.Tensor) -> torch.Tensor:
-    """L_fusion = -log(alpha_cls): stops the fusion from abandoning the class branch."""
-    return -torch.log(alpha[0])
+def check_picks(num_descriptions: int, contributions: torch.Tensor,
+                text_embeddings: torch.Tensor, rank: int) -> None:
+    """textspan's guard: analysis_picks' limits on a requested count, for one head's
+    contributions (n, E) and the bank (T, E)."""
+    analysis_picks(num_descriptions, len(text_embeddings), len(contributions), rank=rank,
+                   default=num_descriptions, embed_dim=contributions.shape[1])
+def clustering_module():
+    """clustering.py (HDBSCAN), imported only when the picks are clustered: dear.py runs without
+    it, and without it clustering is one line saying what it needs."""
+    try:  # beside dear.py: in a package the relative import, at the top level the other
+        from . import clustering
+    except ImportError:
+        try:
+            import clustering
+        except ImportError as error:
+            raise DeARError(f"clustering the picks needs clustering.py (HDBSCAN; torch and numpy): "
+                            f"copy clustering.py beside dear.py, or use concepts='labels' "
+                            f"({error})") from None
+    return clustering
 
 
-def branch_cross_entropy(output: DeAROutput, labels: torch.Tensor,
-                         alpha: float = MMRL_ALPHA) -> torch.Tensor:
-    """Not the paper's loss (the branch-ce ablation): MMRL_Loss's ALPHA * CE(class branch) +
-    (1 - ALPHA) * CE(the rest) (yunncheng/MMRL trainers/mmrl.py), the rest = the mean CE of the
-    attribute branches in the fusion; with none in it, CE(class branch)."""
-    branches = output.branch_logits.float()  # (B, 1 + A, C)
-    class_term = F.cross_entropy(branches[:, 0], labels)
-    in_fusion = (output.alpha[1:] > 0).nonzero().flatten() + 1  # a branch left out has alpha 0
-    if len(in_fusion) == 0:
-        return class_term
-    rest = [F.cross_entropy(branches[:, k], labels) for k in in_fusion.tolist()]
-    return alpha * class_term + (1 - alpha) * torch.stack(rest).mean()
+def check_image_batch(batch) -> None:
+    if not isinstance(batch, torch.Tensor) or batch.dim() != 4:
+        shape = f" of shape {tuple(batch.shape)}" if isinstance(batch, torch.Tensor) else ""
+        raise DeARError("image_batches must be a (n, 3, R, R) tensor or yield (B, 3, R, R) "
+                        f"tensors; got a {type(batch).__name__}{shape} "
+                        "(a DataLoader's: pass (x for x, _ in loader))")
 
 
-def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0,
-              lambda_fusion: float = 0.1, branch_ce: bool = False) -> dict:
-    """CE(fused logits) + lambda_reg * L_reg + lambda_fusion * L_fusion: each term, and 'total'.
-    branch_ce (not the paper's loss): + branch_cross_entropy, each branch taught the labels too."""
-    if output.frozen_image_features is None or output.frozen_text_features is None:
-        raise DeARError("output has no frozen features (L_reg needs them): "
-                        "call the model with with_frozen=True")
-    ce = F.cross_entropy(output.logits.float(), labels)
-    reg = self_regularization_loss(output.image_features[:, 0].float(),
-                                   output.frozen_image_features.float(),
-                                   output.text_features.float(),
-                                   output.frozen_text_features.float())
-    fusion = fusion_regularization_loss(output.alpha.float())
-    total = ce + lambda_reg * reg + lambda_fusion * fusion
-    losses = {"total": total, "ce": ce, "reg": reg, "fusion": fusion}
-    if branch_ce:
-        losses["branch"] = branch_cross_entropy(output, labels)
-        losses["total"] = losses["total"] + losses["branch"]
-    return losses
+def check_concepts(concepts: str, bank: Sequence[Description]) -> None:
+    """concepts is "clusters" or "labels"; labels need every description labelled."""
+    if concepts not in CONCEPT_SOURCES:
+        raise DeARError(f"concepts={concepts!r}: use {' or '.join(CONCEPT_SOURCES)}")
+    unlabelled = sum(entry.concept is None for entry in bank)
+    if concepts == "labels" and unlabelled:
+        raise DeARError(f"concepts 'labels' needs a label on every description; {unlabelled} of "
+                        f"{len(bank)} have none (give 'text<TAB>concept' lines) "
+                        "or let clusters find the concepts")
 
 
-# ---- 7. Bookkeeping, not the method: RoleMap's checks, JSON file and table; the pools ------------
+def checked_embeddings(embed_texts: Callable[[List[str]], torch.Tensor],
+                       texts: List[str]) -> torch.Tensor:
+    """embed_texts(texts) as a (len(texts), d) float tensor on the CPU, or one line saying what
+    came back."""
+    embedded = embed_texts(texts)
+    if not isinstance(embedded, torch.Tensor):
+        embedded = torch.as_tensor(embedded)  # e.g. a numpy array (sentence-transformers' default)
+    if embedded.dim() != 2 or len(embedded) != len(texts) or not embedded.is_floating_point():
+        raise DeARError(f"embed_texts returned a {embedded.dtype} tensor of shape "
+                        f"{tuple(embedded.shape)} for {len(texts)} texts; "
+                        f"it must return ({len(texts)}, D) floats")
+    return embedded.detach().float().cpu()
+
+
+def check_first_layer(first_layer: int, depth: int) -> None:
+    """J counts in both towers: 1..depth, depth = the shallower tower's layers."""
+    is_int = isinstance(first_layer, int) and not isinstance(first_layer, bool)
+    if not is_int or not 1 <= first_layer <= depth:
+        raise DeARError(f"first_layer J={first_layer} is out of range: "
+                        f"use 1..{depth} (1-based, as the paper's J = 9)")
+
+
+def check_beta(beta: float) -> None:
+    if not (isinstance(beta, (int, float)) and 0.0 <= beta <= 1.0):  # NaN fails both comparisons
+        raise DeARError(f"beta={beta} is outside [0, 1]; "
+                        "beta weighs the fresh tokens against the previous layer's")
+
+
+def check_thresholds(low_bits: Optional[float], high_bits: Optional[float]) -> None:
+    """Entropy thresholds in bits: finite, >= 0, low <= high (None = the default rule's)."""
+    for name, value in (("low_bits", low_bits), ("high_bits", high_bits)):
+        if value is None:
+            continue
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise DeARError(f"{name}={value}: expected a finite entropy in bits, >= 0")
+    if None not in (low_bits, high_bits) and low_bits > high_bits:
+        raise DeARError(f"low_bits={low_bits:g} is above high_bits={high_bits:g}; "
+                        "make the low threshold the smaller")
+
+
+def check_tokens(tokens: str, num_attributes: int, num_text_tokens: Optional[int]) -> None:
+    """tokens is a construction; under "shared" K is A (A = 0, the no-attribute-tokens ablation:
+    the K latent tokens reach the text tower alone)."""
+    if tokens not in TOKEN_CONSTRUCTIONS:
+        raise DeARError(f"tokens={tokens!r}: use {' or '.join(TOKEN_CONSTRUCTIONS)}")
+    if tokens == "shared" and num_attributes and num_text_tokens not in (None, num_attributes):
+        raise DeARError(f"K = {num_text_tokens} text tokens: under tokens 'shared' the text tower "
+                        f"receives the A = {num_attributes} tokens of the vision tower; leave K "
+                        "unset (it follows A)")
+
+
+def check_model_settings(clip: clip_model.CLIP, role_map: RoleMap, attributes: List[str],
+                         first_layer: int, beta: float, num_text_tokens: Optional[int],
+                         cls_fusion_weight: float, tokens: str,
+                         latent_width: Optional[int]) -> None:
+    """DeAR's arguments against the model, before anything is built."""
+    depth_v, depth_t = len(clip.visual.transformer.resblocks), len(clip.transformer.resblocks)
+    check_first_layer(first_layer, min(depth_v, depth_t))
+    check_beta(beta)
+    check_tokens(tokens, len(attributes), num_text_tokens)
+    if num_text_tokens is not None and num_text_tokens < 0:
+        raise DeARError(f"num_text_tokens={num_text_tokens} must be 0 or more")
+    if latent_width is not None and not (tokens == "shared" and latent_width >= 1):
+        raise DeARError(f"latent_width={latent_width}: the latent tokens' width, 1 or more, "
+                        "for tokens='shared' only")
+    if not 0.0 < cls_fusion_weight < 1.0:
+        raise DeARError(f"cls_fusion_weight={cls_fusion_weight} must be in (0, 1)")
+    role_map.validate(depth_v, clip.visual.transformer.heads, attributes)
+
+
+def check_prepared(classes) -> None:
+    """encode_text takes prepare_classes' record (a cheap type check, kept per call: a test
+    asks for it)."""
+    if not isinstance(classes, PreparedClasses):  # e.g. token ids, as an older version took
+        raise DeARError(f"classes must be model.prepare_classes(class_token_ids), got a "
+                        f"{type(classes).__name__}; "
+                        "prepare each class list once, then pass the result to every step")
+
+
+@torch.no_grad()
+def load_learnable_tensors(model: DeAR, state: dict) -> None:
+    """DeAR.load_learnable_state_dict: each tensor of a checkpoint into the model's, or one line
+    saying which does not fit."""
+    tensors = model.learnable_tensors()
+    for name, value in state.items():
+        target = tensors.get(name)
+        if target is None:
+            raise DeARError(f"checkpoint tensor {name} is not a learnable tensor of this model "
+                            f"(tokens {model.tokens!r}); it was made with other settings")
+        if tuple(value.shape) != tuple(target.shape):
+            raise DeARError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, "
+                            f"the model expects {tuple(target.shape)}; "
+                            "it was made with other settings")
+        target.copy_(value)
+
+
+def component_parameter_counts(model: DeAR) -> Dict[str, int]:
+    """DeAR.parameter_counts: {component of LEARNABLE: its learnable parameters}."""
+    counts = {}
+    for name, tensor in model.learnable_tensors().items():
+        component = name.split(".")[0]
+        counts[component] = counts.get(component, 0) + tensor.numel()
+    return counts
+
+
+def parameter_summary(model: DeAR) -> str:
+    """DeAR.parameter_summary: the learnable tensors, their count and share, in one line."""
+    learnable = sum(p.numel() for p in model.learnable_parameters())
+    frozen = sum(p.numel() for p in model.clip.parameters())
+    tensors = model.learnable_tensors().items()
+    parts = ", ".join(f"{name} {tuple(t.shape)}" for name, t in tensors)
+    return (f"learnable {learnable:,} parameters ({parts}); frozen CLIP {frozen:,} "
+            f"({100 * learnable / (learnable + frozen):.2f}% learnable)")
+
+
 def validate_role_map(role_map: RoleMap, vision_layers: Optional[int] = None,
                       num_heads: Optional[int] = None,
                       attributes: Optional[Sequence[str]] = None) -> None:
@@ -1311,157 +1394,6 @@ _BANK_WORDS = {  # concept -> (words, templates): the five core attributes, then
          "dawn"],
         ["a photo taken in the {}", "a scene at {}", "an image from the {}"]),
 }
-
-
-# ---- 8. HDBSCAN, written out (the clustering of Sec. 2; checked against scikit-learn's) --------
-def hdbscan(points: torch.Tensor, min_cluster_size: int,
-            min_samples: Optional[int] = None) -> torch.Tensor:
-    """HDBSCAN (Campello, Moulavi, Sander 2013; McInnes et al. 2017): single linkage over a distance
-    that pushes sparse points apart, then the clusters that persist longest as density rises.
-
-    Follows sklearn.cluster.HDBSCAN step by step (Euclidean, its default algorithm, "eom", no single
-    root cluster, epsilon 0, alpha 1) and gives the same partition, ties included.
-
-    points: (n, d) float tensor, any scale.
-    min_cluster_size: the fewest points (>= 2) that make a cluster.
-    min_samples: neighbours, itself counted, that make a point dense (None: min_cluster_size).
-    Returns: (n,) int64 tensor of cluster ids 0..k-1, -1 for noise.
-    """
-    m, s = min_cluster_size, (min_cluster_size if min_samples is None else min_samples)
-    if not isinstance(m, Integral) or isinstance(m, bool) or m < 2:
-        raise DeARError(f"min_cluster_size={m!r}: use an integer of 2 or more")
-    if not isinstance(s, Integral) or isinstance(s, bool) or s < 1:
-        raise DeARError(f"min_samples={s!r}: use an integer of 1 or more, or None")
-    x = torch.as_tensor(points).detach().to("cpu", torch.float64)  # (n, d), as sklearn: float64
-    if x.dim() != 2 or x.shape[0] < 1 or x.shape[1] < 1:
-        raise DeARError(f"points has shape {tuple(x.shape)}: pass an (n, d) tensor, n, d >= 1")
-    if not torch.isfinite(x).all():
-        raise DeARError("points holds nan or inf: drop or fix those rows first")
-    n, d = x.shape
-    if n < s or n == 1:  # sklearn raises here; no point has s neighbours: no density, all noise
-        return torch.full((n,), -1, dtype=torch.long)
-
-    # 1. Distances, (n, n), bit-equal to sklearn's, as the ties below hang on the last bit: squares
-    #    summed one dimension at a time like its C loop, then numpy's sqrt, because torch's float64
-    #    sqrt is not correctly rounded on some CPUs (1 ulp off for ~1% of values) and C's is.
-    squared, diff = torch.zeros(n, n, dtype=torch.float64), torch.empty(n, n, dtype=torch.float64)
-    for col in x.T.contiguous():  # col: (n,), one coordinate of every point (contiguous: faster)
-        torch.sub(col[:, None], col[None, :], out=diff)  # (n, n), in place: no allocation per dim
-        squared += diff.square_()
-    dist = torch.from_numpy(np.sqrt(squared.numpy()))
-
-    # 2. Core distance, (n,): distance to the s-th nearest point, the point itself counted first.
-    core = dist.kthvalue(s, dim=1).values
-    # 3. Mutual reachability, (n, n): max(core_i, core_j, dist_ij). Sparse points move away.
-    reach = torch.maximum(dist, torch.maximum(core[:, None], core[None, :]))
-
-    # 4. Minimum spanning tree by Prim's, as sklearn's default path (`mst_from_data_matrix`): each
-    #    step adds the outside point nearest the tree (lowest index at ties, as argmin gives),
-    #    joined to the tree point that first came that near (updates only on strictly nearer).
-    in_tree = torch.zeros(n, dtype=torch.bool)
-    nearest = torch.full((n,), math.inf, dtype=torch.float64)  # (n,) each point's reach to the tree
-    source = torch.zeros(n, dtype=torch.long)  # (n,) the tree point giving it
-    edges, new = [], 0  # edges: (tree point, new point, weight) in the order added
-    for _ in range(n - 1):
-        in_tree[new] = True
-        nearer = (reach[new] < nearest) & ~in_tree
-        nearest[nearer] = reach[new][nearer]
-        source[nearer] = new
-        new = int(nearest.masked_fill(in_tree, math.inf).argmin())
-        edges.append((int(source[new]), new, float(nearest[new])))
-
-    # 5. Edges by weight. Ties are common (many edges weigh exactly some point's core distance) and
-    #    their order shapes the tree. sklearn sorts with numpy's default argsort, which is not
-    #    stable (its tie order can depend on the CPU's SIMD sort); calling that same function on
-    #    the same weights in the same order reproduces it exactly, so numpy here, not torch.
-    order = np.argsort(np.array([w for _, _, w in edges], dtype=np.float64))
-
-    # 6. Single-linkage tree: merge i joins the groups holding the ends of the i-th lightest edge
-    #    into node n + i; left holds the edge's tree end, as sklearn's. size: points under a node.
-    up = list(range(2 * n - 1))  # union-find parent of each node, a root points to itself
-    size = [1] * n + [0] * (n - 1)
-    merges = []  # (left, right, distance), merge i is node n + i
-    for i, e in enumerate(order.tolist()):
-        a, b, w = edges[e]
-        left, right = _root(up, a), _root(up, b)
-        up[left] = up[right] = n + i
-        size[n + i] = size[left] + size[right]
-        merges.append((left, right, w))
-
-    # 7. Condensed tree, walking merges from the top, breadth first as sklearn; lambda = 1 / dist,
-    #    inf at 0 (duplicates). A side with under m points falls out of the cluster as points;
-    #    if both have m or more, the cluster ends and two are born, with ids n + 1, n + 2, ...
-    #    in birth order (so a parent's id is below its children's, which steps 9 and 10 use).
-    rows = []  # (parent cluster, child cluster or point, lambda, child size)
-    cluster_of, next_id = {2 * n - 2: n}, n + 1  # node -> cluster; the root node is cluster n
-    queue = deque([2 * n - 2])
-    while queue:
-        node = queue.popleft()
-        left, right, w = merges[node - n]
-        lam = 1.0 / w if w > 0 else math.inf
-        parent = cluster_of[node]
-        splits = size[left] >= m and size[right] >= m
-        for child in (left, right):
-            if size[child] < m:
-                rows += [(parent, p, lam, 1) for p in _points_under(merges, child, n)]
-                continue
-            if splits:
-                cluster_of[child], next_id = next_id, next_id + 1
-                rows.append((parent, cluster_of[child], lam, size[child]))
-            else:
-                cluster_of[child] = parent  # the same cluster, a few points lighter
-            queue.append(child)
-
-    # 8. Stability, sum over a cluster's rows of (lambda - its birth lambda) * size, added row by
-    #    row in sklearn's order so equal stabilities stay bit-equal (inf - inf gives nan as there).
-    birth = {n: 0.0, **{child: lam for _, child, lam, _ in rows if child >= n}}
-    stability = dict.fromkeys(range(n, next_id), 0.0)
-    for parent, _, lam, count in rows:
-        stability[parent] += (lam - birth[parent]) * count
-
-    # 9. Excess of mass, leaves first (larger ids): a cluster is chosen unless its children's summed
-    #    stability is strictly larger, which then stands as its own. The root is never a candidate
-    #    (no single cluster); nan (see 8) compares False, so a nan cluster is chosen, as in sklearn.
-    parent_of = {child: parent for parent, child, _, _ in rows}  # points and clusters alike
-    below = dict.fromkeys(range(n, next_id), 0.0)  # summed stability of each cluster's children
-    chosen = set()
-    for c in range(next_id - 1, n, -1):
-        if below[c] > stability[c]:
-            stability[c] = below[c]
-        else:
-            chosen.add(c)
-        below[parent_of[c]] += stability[c]
-
-    # 10. Labels. A point belongs to the topmost chosen cluster above it (chosen ones below that are
-    #     dropped), else it is noise, whatever lambda it left at (sklearn checks lambdas only for a
-    #     single root cluster, off here). Ids 0..k-1 in cluster-id order, as sklearn numbers them.
-    top = {n: None}  # cluster -> the topmost chosen cluster at or above it, None if there is none
-    for c in range(n + 1, next_id):  # a parent's id is below its children's: parents come first
-        above = top[parent_of[c]]
-        top[c] = above if above is not None else (c if c in chosen else None)
-    winner = [top[parent_of[p]] for p in range(n)]  # (n,) each point's cluster, None: noise
-    ids = {c: i for i, c in enumerate(sorted(set(winner) - {None}))}
-    return torch.tensor([ids.get(c, -1) for c in winner], dtype=torch.long)  # None -> -1
-
-
-def _root(up, i):
-    """The root of i's group in the union-find `up`, halving the path on the way."""
-    while up[i] != i:
-        up[i] = up[up[i]]
-        i = up[i]
-    return i
-
-
-def _points_under(merges, node, n):
-    """The points (ids < n) below a node of the single-linkage tree."""
-    stack, found = [node], []
-    while stack:
-        v = stack.pop()
-        if v < n:
-            found.append(v)
-        else:
-            stack += merges[v - n][:2]
-    return found
 
 
 if __name__ == "__main__":  # a small demonstration on a random CLIP (no weights needed)

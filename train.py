@@ -765,10 +765,13 @@ def run_head_analysis(settings, inputs: Inputs, items: list, pool: str, picks: i
 def analysis_code(toy: bool) -> list:
     """The code a cached role map comes from, the one list of it: its source is part of the cache
     key (runs.analysis_fingerprint), so that a changed line never reuses a map made before. The
-    method (dear.py, clip_model.py), the harness that loads the encoder and writes the cached files
-    (runs.py, run_head_analysis) and, in the toy world, the causal check written beside the map.
-    A module the analysis comes to call is added here."""
-    code = [clip_model, dear, runs, run_head_analysis]
+    method (dear.py, clip_model.py, clustering.py: the HDBSCAN dear.py calls), the harness that
+    loads the encoder and writes the cached files (runs.py, run_head_analysis) and, in the toy
+    world, the causal check written beside the map. A module the analysis comes to call is added
+    here."""
+    import clustering  # dear.py imports it only where it clusters
+
+    code = [clip_model, dear, clustering, runs, run_head_analysis]
     if toy:
         from toyworld import causal
 

@@ -226,3 +226,67 @@ def test_clusters_md_lists_each_cluster_and_its_agreement_with_the_labels():
     truth = ["colour"] * 3 + ["shape", "shape", "texture"]
     assert f"adjusted Rand index {runs.adjusted_rand_index(found, truth):.2f}, purity 0.80" in text
     assert "clusters per concept: colour 1, shape 1, texture 1." in text
+
+
+# ---- what the analysis hands the thresholds, and what it clusters --------------------------
+def planted_analysis(clip, plan, bank, embed_texts, **options):
+    """analyze_heads with TextSpan's picks planted head by head (layer-major), on 3 layers."""
+    picks = iter(plan)
+    fake_text = torch.nn.functional.normalize(torch.randn(len(bank), 32, generator=torch.Generator().manual_seed(0)),
+                                              dim=-1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dear, "encode_descriptions", lambda clip, tok, texts: fake_text[:len(texts)])
+        patch.setattr(dear, "textspan", lambda *args: next(picks))
+        images = torch.randn(24, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+        return dear.analyze_heads(clip, images, None, bank, num_layers=3, num_descriptions=6,
+                                  log=lambda line: None, embed_texts=embed_texts, **options)
+
+
+def two_groups_and_four_loners():
+    """16 unlabelled phrases: two groups of 6 alike ones (HDBSCAN's two clusters) and 4 loners,
+    each in a direction of its own (noise, as no 5 of them come together)."""
+    bank = [dear.Description(f"phrase {k}") for k in range(16)]
+    e, generator = torch.eye(32), torch.Generator().manual_seed(2)
+    where = [e[0]] * 6 + [e[1]] * 6 + [e[2 + k] for k in range(4)]
+    point = {entry.text: where[k] + 0.01 * torch.randn(32, generator=generator) for k, entry in enumerate(bank)}
+    point.update({a: e[20 + k] for k, a in enumerate(dear.CORE_ATTRIBUTES)})  # the anchors: far from all
+    calls = []
+
+    def embed_texts(texts):
+        calls.append(list(texts))
+        return torch.stack([point[t] for t in texts])
+    return bank, embed_texts, calls
+
+
+# 12 heads of 6 picks: a specialist of each group, one head holding the 4 loners, the rest split 3 + 3;
+# phrases 0-2 and 6-8 are picked by many heads.
+PLAN = ([list(range(5, -1, -1)), list(range(6, 12)), [12, 13, 14, 15, 0, 6]]
+        + [[0, 1, 2, 6, 7, 8] for _ in range(9)])
+
+
+def test_the_thresholds_count_each_pick_in_no_cluster_as_a_concept_of_its_own(tiny_deep_clip):
+    """2 clusters and 4 picks in none make 6 concepts: with 6 picks per head the thresholds are
+    thirds of log2(6) bits (0.86, 1.72). Counting the clusters alone (2: 0.33, 0.67), the noise as
+    one concept (3: the 0.81 floor, 1.06) or only the concepts the heads name gives others."""
+    bank, embed_texts, _ = two_groups_and_four_loners()
+    roles = planted_analysis(tiny_deep_clip, PLAN, bank, embed_texts, min_cluster_size=5)
+    assert [c.size for c in roles.clusters] == [6, 6]
+    assert roles.heads[2].concepts == [NOISE] * 4 + ["cluster 0", "cluster 1"]
+    top = math.log2(6)
+    assert (roles.low_bits, roles.high_bits) == pytest.approx((top / 3, 2 * top / 3))
+    assert (roles.low_bits, roles.high_bits) == pytest.approx(dear.default_thresholds(6, 6))
+
+
+def test_each_distinct_pick_is_embedded_and_clustered_once(tiny_deep_clip, monkeypatch):
+    """Phrases picked by several heads (0-2 and 6-8 by ten) are embedded once and are one point
+    each of the clustering, in the order TextSpan first picked them."""
+    bank, embed_texts, calls = two_groups_and_four_loners()
+    clustered = []
+    cluster_picks = dear.cluster_picks
+    monkeypatch.setattr(dear, "cluster_picks", lambda texts, points, *rest:
+                        clustered.append((list(texts), len(points))) or cluster_picks(texts, points, *rest))
+    roles = planted_analysis(tiny_deep_clip, PLAN, bank, embed_texts, min_cluster_size=5)
+    first_seen = [bank[i].text for i in dict.fromkeys(i for head in PLAN for i in head)]
+    assert calls[0] == first_seen and len(first_seen) == 16  # the picks; calls[1]: the anchors
+    assert clustered == [(first_seen, 16)]
+    assert sum(c.size for c in roles.clusters) + 4 == 16  # each point once: 6 + 6 + 4 loners

@@ -130,3 +130,33 @@ def test_the_two_files_alone_write_and_read_a_role_file_rank_a_gallery_and_run_t
     for how in (["-m", "vendor.dear"], [os.path.join("vendor", "dear.py")]):  # in the package, and as a script
         demo = run_alone(project, *how)
         assert demo.returncode == 0 and "Head roles (hand-made demo)" in demo.stdout, demo.stderr[-3000:]
+
+
+CLUSTER = """
+import torch
+import dear
+
+torch.manual_seed(0)
+e = torch.eye(4)
+points = torch.cat([e[0] + 0.01 * torch.randn(6, 4), e[1] + 0.01 * torch.randn(6, 4)])  # two groups
+try:
+    print("clusters", dear.cluster_picks([f"t{i}" for i in range(12)], points, 3)[0])
+except dear.DeARError as error:
+    print("DeARError", error)
+"""
+
+
+def test_clustering_alone_needs_clustering_py_and_says_so_in_one_line(tmp_path):
+    """clip_model.py + dear.py import and run without clustering.py; asking them to cluster the
+    picks is one DeARError line naming the file; with clustering.py beside them, it clusters."""
+    for name in ("clip_model.py", "dear.py"):
+        shutil.copy(os.path.join(ROOT, name), tmp_path / name)
+    (tmp_path / "cluster.py").write_text(CLUSTER)
+    alone = run_alone(tmp_path, "cluster.py")
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    line = alone.stdout.strip()
+    assert line.startswith("DeARError clustering the picks needs clustering.py") and "\n" not in line, line
+    assert "copy clustering.py beside dear.py" in line
+    shutil.copy(os.path.join(ROOT, "clustering.py"), tmp_path / "clustering.py")
+    both = run_alone(tmp_path, "cluster.py")
+    assert both.returncode == 0 and both.stdout.strip() == "clusters " + str(["cluster 0"] * 6 + ["cluster 1"] * 6), both.stdout + both.stderr[-2000:]

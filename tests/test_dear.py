@@ -573,3 +573,18 @@ def test_a_measured_map_without_attribute_heads_falls_back_to_the_class_branch(t
     measured.heads[-1].role, measured.heads[-1].attribute, measured.heads[-1].entropy = "attribute", ATTRIBUTES[0], 0.0
     kept = DeAR(tiny_clip, measured, ATTRIBUTES, first_layer=2, cls_fusion_weight=0.3)
     assert not kept.class_branch_only and abs(kept.fusion_weights()[0].item() - 0.3) < 1e-6
+
+
+@pytest.mark.parametrize("fusion, trained, logits", [
+    ("fused-everywhere", True, "fused"), ("fused-everywhere", False, "fused"),
+    ("class-on-unseen", True, "fused"), ("class-on-unseen", False, "class"),
+])
+def test_scoring_logits_under_each_fusion_rule(fusion, trained, logits):
+    """Which logits score a test set: the fused ones on the trained classes under both rules; on
+    classes not trained, the fused ones (fused-everywhere) or the class branch alone (MMRL's)."""
+    assert dear.scoring_logits(fusion, trained) == logits
+
+
+def test_scoring_logits_refuses_an_unknown_fusion_rule():
+    with pytest.raises(DeARError, match="fusion='fused': use fused-everywhere or class-on-unseen"):
+        dear.scoring_logits("fused", True)

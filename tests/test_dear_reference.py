@@ -1,5 +1,7 @@
 """DeAR's forward pass against an independent reference written from the spec: `reference` below is
-also the method in one page (dear.py's docstring points here), one head at a time.
+also the method in one page (dear.py's docstring points here), one head at a time. Its letters
+are the project's (dear.py's legend): B images, C classes, N tokens (N_t a text's), W a tower's
+width (W_v, W_t), H heads, D a head's width, E the embedding, A attribute tokens, K text tokens.
 
     python -m pytest -q tests/test_dear_reference.py
 
@@ -63,11 +65,12 @@ def role_map() -> RoleMap:
 
 
 def allowed(tag: str, n_image: int, n_attr: int) -> torch.Tensor:
-    """(T, T) bool, row = query: who may attend to whom, for one head (spec, Sec. 4)."""
-    T = n_image + n_attr
+    """(N + A, N + A) bool, N = n_image, A = n_attr, row = query: who may attend to whom, for one
+    head (the spec, METHOD.md Sec. 4)."""
+    size = n_image + n_attr
     if tag == "M":
-        return torch.ones(T, T, dtype=torch.bool)
-    ok = torch.zeros(T, T, dtype=torch.bool)
+        return torch.ones(size, size, dtype=torch.bool)
+    ok = torch.zeros(size, size, dtype=torch.bool)
     ok[:n_image, :n_image] = True
     for a in range(n_attr):
         ok[n_image + a, n_image + a] = True  # every attribute token sees itself
@@ -79,25 +82,25 @@ def allowed(tag: str, n_image: int, n_attr: int) -> torch.Tensor:
 
 
 def block(weights, prefix: str, x: torch.Tensor, heads: int, allow) -> torch.Tensor:
-    """One pre-LN residual block, attention written per head. x (B, T, C); allow: a list of
-    (T, T) bool per head, or one (T, T) bool for every head."""
+    """One pre-LN residual block, attention written per head. x (B, N, W), N its tokens, W the
+    tower's width; allow: a list of (N, N) bool per head, or one (N, N) bool for every head."""
     w = lambda name: weights[f"{prefix}.{name}"]  # noqa: E731
-    C = x.shape[-1]
-    D = C // heads
-    h = F.layer_norm(x, (C,), w("ln_1.weight"), w("ln_1.bias"), 1e-5)
-    W, b = w("attn.in_proj_weight"), w("attn.in_proj_bias")
+    W = x.shape[-1]
+    D = W // heads  # a head's width
+    h = F.layer_norm(x, (W,), w("ln_1.weight"), w("ln_1.bias"), 1e-5)
+    in_proj, b = w("attn.in_proj_weight"), w("attn.in_proj_bias")  # (3W, W), (3W,)
     outputs = []
     for head in range(heads):
         rows = slice(head * D, (head + 1) * D)
-        q = h @ W[rows].T + b[rows]  # (B, T, D)
-        k = h @ W[C:][rows].T + b[C:][rows]
-        v = h @ W[2 * C:][rows].T + b[2 * C:][rows]
-        scores = torch.einsum("bqd,bkd->bqk", q, k) / math.sqrt(D)  # (B, T, T)
+        q = h @ in_proj[rows].T + b[rows]  # (B, N, D)
+        k = h @ in_proj[W:][rows].T + b[W:][rows]
+        v = h @ in_proj[2 * W:][rows].T + b[2 * W:][rows]
+        scores = torch.einsum("bqd,bkd->bqk", q, k) / math.sqrt(D)  # (B, N, N)
         mask = allow[head] if isinstance(allow, list) else allow
         scores = scores.masked_fill(~mask, float("-inf"))
         outputs.append(torch.einsum("bqk,bkd->bqd", scores.softmax(dim=-1), v))
     x = x + torch.cat(outputs, dim=-1) @ w("attn.out_proj.weight").T + w("attn.out_proj.bias")
-    h = F.layer_norm(x, (C,), w("ln_2.weight"), w("ln_2.bias"), 1e-5)
+    h = F.layer_norm(x, (W,), w("ln_2.weight"), w("ln_2.bias"), 1e-5)
     h = h @ w("mlp.c_fc.weight").T + w("mlp.c_fc.bias")
     h = h * torch.sigmoid(1.702 * h)  # QuickGELU
     return x + h @ w("mlp.c_proj.weight").T + w("mlp.c_proj.bias")
@@ -109,15 +112,15 @@ def reference(clip, tensors: dict, J: int, images: torch.Tensor, ids: torch.Tens
     sd = {k: v.detach().double() for k, v in clip.state_dict().items()}
     tensors = {k: v.double() for k, v in tensors.items()}
     images = images.double()
-    P, C = TINY_DEEP["vision_patch_size"], TINY_DEEP["vision_width"]
+    patch, W_v = TINY_DEEP["vision_patch_size"], TINY_DEEP["vision_width"]
     A, j = len(ATTRIBUTES), J - 1
 
     # Vision: patches, class token, positions, ln_pre.
-    x = F.conv2d(images, sd["visual.conv1.weight"], stride=P).flatten(2).transpose(1, 2)  # (B, G*G, C)
-    cls = sd["visual.class_embedding"].expand(x.shape[0], 1, C)
+    x = F.conv2d(images, sd["visual.conv1.weight"], stride=patch).flatten(2).transpose(1, 2)  # (B, G*G, W_v)
+    cls = sd["visual.class_embedding"].expand(x.shape[0], 1, W_v)
     x = torch.cat([cls, x], 1) + sd["visual.positional_embedding"]
-    x = F.layer_norm(x, (C,), sd["visual.ln_pre.weight"], sd["visual.ln_pre.bias"], 1e-5)
-    N = x.shape[1]
+    x = F.layer_norm(x, (W_v,), sd["visual.ln_pre.weight"], sd["visual.ln_pre.bias"], 1e-5)
+    N = x.shape[1]  # 1 + G*G
     plain = x
     for layer in range(TINY_DEEP["vision_layers"]):
         plain = block(sd, f"visual.transformer.resblocks.{layer}", plain, HEADS, torch.ones(N, N, dtype=torch.bool))
@@ -125,7 +128,7 @@ def reference(clip, tensors: dict, J: int, images: torch.Tensor, ids: torch.Tens
         x = block(sd, f"visual.transformer.resblocks.{layer}", x, HEADS, torch.ones(N, N, dtype=torch.bool))
     out = None
     for i, layer in enumerate(range(j, TINY_DEEP["vision_layers"])):
-        p = tensors["vision_tokens"][i].expand(x.shape[0], A, C)
+        p = tensors["vision_tokens"][i].expand(x.shape[0], A, W_v)
         tokens = p if i == 0 else BETA * p + (1 - BETA) * out  # the MMRL++ rule
         tags = ROLES.get(layer, ["M"] * HEADS)
         masks = [allowed(tag, N, A) for tag in tags]
@@ -133,33 +136,33 @@ def reference(clip, tensors: dict, J: int, images: torch.Tensor, ids: torch.Tens
         x, out = sequence[:, :N], sequence[:, N:]
 
     def ln_post(t):
-        return F.layer_norm(t, (C,), sd["visual.ln_post.weight"], sd["visual.ln_post.bias"], 1e-5)
+        return F.layer_norm(t, (W_v,), sd["visual.ln_post.weight"], sd["visual.ln_post.bias"], 1e-5)
 
     f_cls = ln_post(x[:, 0]) @ sd["visual.proj"]
     f_attr = ln_post(out) @ tensors["attribute_proj"]
     frozen_image = ln_post(plain[:, 0]) @ sd["visual.proj"]
 
     # Text: the full context, causal; K tokens after the start token from layer J on.
-    W = TINY_DEEP["transformer_width"]
-    t = sd["token_embedding.weight"][ids] + sd["positional_embedding"]  # (Cn, L, W)
-    L = t.shape[1]
+    W_t = TINY_DEEP["transformer_width"]
+    t = sd["token_embedding.weight"][ids] + sd["positional_embedding"]  # (C, N_t, W_t)
+    N_t = t.shape[1]  # the text's tokens: the full context
     eot = ids.argmax(dim=-1)
     causal = lambda n: torch.ones(n, n, dtype=torch.bool).tril()  # noqa: E731
     plain_t = t
     for layer in range(TINY_DEEP["transformer_layers"]):
-        plain_t = block(sd, f"transformer.resblocks.{layer}", plain_t, TINY_DEEP["transformer_heads"], causal(L))
+        plain_t = block(sd, f"transformer.resblocks.{layer}", plain_t, TINY_DEEP["transformer_heads"], causal(N_t))
     for layer in range(j):
-        t = block(sd, f"transformer.resblocks.{layer}", t, TINY_DEEP["transformer_heads"], causal(L))
+        t = block(sd, f"transformer.resblocks.{layer}", t, TINY_DEEP["transformer_heads"], causal(N_t))
     for i, layer in enumerate(range(j, TINY_DEEP["transformer_layers"])):
-        p = tensors["text_tokens"][i].expand(t.shape[0], K, W)
+        p = tensors["text_tokens"][i].expand(t.shape[0], K, W_t)
         if i == 0:
             t = torch.cat([t[:, :1], p, t[:, 1:]], 1)  # right after the start token
         else:
             t = torch.cat([t[:, :1], BETA * p + (1 - BETA) * t[:, 1:1 + K], t[:, 1 + K:]], 1)
-        t = block(sd, f"transformer.resblocks.{layer}", t, TINY_DEEP["transformer_heads"], causal(L + K))
+        t = block(sd, f"transformer.resblocks.{layer}", t, TINY_DEEP["transformer_heads"], causal(N_t + K))
 
     def text_head(states, positions):
-        states = F.layer_norm(states, (W,), sd["ln_final.weight"], sd["ln_final.bias"], 1e-5)
+        states = F.layer_norm(states, (W_t,), sd["ln_final.weight"], sd["ln_final.bias"], 1e-5)
         return states[torch.arange(len(positions)), positions] @ sd["text_projection"]
 
     text = text_head(t, eot + K)
@@ -179,11 +182,12 @@ def reference(clip, tensors: dict, J: int, images: torch.Tensor, ids: torch.Tens
 
 
 # The shared construction (tokens="shared"), from its description: A latent tokens z (A, R); per
-# tower one linear map W (W_tower, R) for all its layers, and per layer l a rank-4 residual A_l B_l
-# and a bias b_l of its own: p_l = z (W + A_l B_l)^T + b_l, for every layer from J on in both
-# towers. The attribute projection: the frozen proj plus a rank-64 residual A B.
+# tower one linear map M (W, R), W that tower's width, for all its layers, and per layer l a rank-4
+# residual a_l b_l and a bias c_l of its own: p_l = z (M + a_l b_l)^T + c_l, for every layer from
+# J on in both towers. The attribute projection: the frozen proj plus a rank-64 residual a b.
 def shared_layer_tokens(latent, weight, a, b, bias) -> torch.Tensor:
-    """(L, A, W_tower): one layer at a time, the residual added to the weight first."""
+    """(L, A, W) (L_v or L_t layers, W_v or W_t): one layer at a time, the residual added to the
+    weight first."""
     z = latent.double()
     weight, a, b, bias = weight.double(), a.double(), b.double(), bias.double()
     return torch.stack([F.linear(z, weight + a[l] @ b[l], bias[l]) for l in range(len(a))])

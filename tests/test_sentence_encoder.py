@@ -198,11 +198,12 @@ def test_the_code_fingerprint_changes_with_the_source_of_each_part_of_the_analys
     """train.analysis_code, the one list of the code a map comes from (the toy world's: with its
     causal check): one changed line in any part changes the fingerprint; unchanged, it stays."""
     import clip_model
+    import clustering
     from toyworld import causal
 
     code = train.analysis_code(toy=True)
-    assert code == [clip_model, dear, runs, train.run_head_analysis, causal]
-    assert train.analysis_code(toy=False) == code[:4]
+    assert code == [clip_model, dear, clustering, runs, train.run_head_analysis, causal]
+    assert train.analysis_code(toy=False) == code[:5]
     before = runs.source_fingerprint(code)
     assert runs.source_fingerprint(code) == before
     getsource = runs.inspect.getsource

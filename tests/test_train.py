@@ -1494,7 +1494,7 @@ def test_the_analysis_cache_misses_when_the_code_of_the_analysis_changes(world, 
     assert train.main(common(world, tmp_path / "b", *flags)) == 0
     assert "reusing the role map" in capsys.readouterr().out
     getsource = runs.inspect.getsource
-    for index, part in enumerate(train.analysis_code(toy=False)):  # clip_model, dear, runs, the writer
+    for index, part in enumerate(train.analysis_code(toy=False)):  # clip_model, dear, clustering, runs, the writer
         with monkeypatch.context() as patch:
             patch.setattr(runs.inspect, "getsource", lambda obj: getsource(obj) + "#" * (obj is part))
             assert train.main(common(world, tmp_path / f"edited{index}", *flags)) == 0
