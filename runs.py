@@ -51,15 +51,7 @@ METHODS = ("zeroshot", "linear-probe", "dear")
 FUSION_MODES = ("fused-everywhere", "class-on-unseen")
 OLD_FUSION_NAMES = {"everywhere": "fused-everywhere", "adaptive": "class-on-unseen"}
 ROLE_ABLATIONS = ("all-mixed", "all-generalization")  # besides "analyse" and a roles file
-# The paper's ablation study ("Ablation Study"), each the DeAR row with one change, a row of its
-# own (docs/METHOD.md Sec. 5); branch-ce is ours, for the retrieval diagnosis (docs/TOYWORLD.md).
-ABLATIONS = {
-    "no-role-mask": "every head mixed: the tokens reach every head (the row of --roles all-mixed)",
-    "no-attribute-tokens": "no attribute token: the class branch and the text tokens alone",
-    "no-fusion-reg": "lambda_fusion = 0: nothing holds the fusion to the class branch",
-    "mask-generalization-only": "the analysed map with its attribute heads made mixed",
-    "branch-ce": "NOT the paper's loss: + MMRL's 0.7 CE(class) + 0.3 CE(attribute branches)",
-}
+# The ablations (--ablations), each a DeAR row with one change: ABLATIONS and ablate, Sec. 3.
 # The head analysis as a whole (--analysis): the project's (its labelled bank, checked on the toy
 # world against ablation) or the paper's Sec. 3.2 (analysis_preset; docs/METHOD.md Sec. 3's table
 # of departures).
@@ -383,7 +375,7 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
     if ablations and "dear" not in settings["method"]:
         raise TrainError(f"--ablations {' '.join(ablations)}: each is a DeAR row; "
                          "add dear to --method")
-    changed = [name for name in ablations if name != "no-role-mask"]  # each changes the DeAR row
+    changed = [name for name in ablations if ablation_roles(name) is None]  # change the DeAR row
     if changed and all(choice in ROLE_ABLATIONS for choice in roles):
         raise TrainError(f"--ablations {changed[0]}: it changes the DeAR row, which --roles "
                          f"{' '.join(roles)} does not make; add analyse (or a roles file) "
@@ -737,6 +729,72 @@ def sum_over_processes(values: List[float], runtime: Runtime) -> List[float]:
 # ------------------------------------------------------------------------------------------
 # A call is a list of Jobs (a table row x dataset x seed x shots), each with its own folder.
 
+# The paper's ablation study ("Ablation Study"), each the DeAR row with one change, a row of its
+# own (docs/METHOD.md Sec. 5); branch-ce is ours, for the retrieval diagnosis (docs/TOYWORLD.md).
+# Name -> what --ablations' help says; ablate below applies each.
+ABLATIONS = {
+    "no-role-mask": "every head mixed: the tokens reach every head (the row of --roles all-mixed)",
+    "no-attribute-tokens": "no attribute token: the class branch and the text tokens alone",
+    "no-fusion-reg": "lambda_fusion = 0: nothing holds the fusion to the class branch",
+    "mask-generalization-only": "the analysed map with its attribute heads made mixed",
+    "branch-ce": "NOT the paper's loss: + MMRL's 0.7 CE(class) + 0.3 CE(attribute branches)",
+}
+
+
+class Ablated(NamedTuple):
+    """What one DeAR run is built and trained from, after its ablation's change (if any)."""
+    role_map: dear.RoleMap  # DeAR's role map
+    attributes: List[str]  # DeAR's attribute tokens, one each
+    class_branch_fallback: bool  # DeAR's: a measured map without attribute heads -> class branch
+    lambda_fusion: float  # dear_loss's weight of the fusion regularisation
+    branch_ce: bool  # dear_loss's: + MMRL's CE per branch
+
+
+def ablate(name: Optional[str], role_map: dear.RoleMap, attributes: List[str],
+           lambda_fusion: float) -> Ablated:
+    """The one change of ablation `name` (None: none) to the DeAR row's role map, attribute tokens
+    and loss -> Ablated; train.build_dear and train.train_job read it, nothing else switches.
+
+      name                      the one change                                  where it acts
+      no-role-mask              every head of the analysed layers mixed         role map (the row
+                                (deep prompting, no mask)                       of --roles all-mixed)
+      no-attribute-tokens       A = 0: no attribute token; a uniform mixed      DeAR(attributes),
+                                map over the same layers (DeAR refuses a map    role map
+                                with attributes that A = 0 cannot hold)
+      no-fusion-reg             lambda_fusion = 0                               dear_loss
+      mask-generalization-only  attribute heads made mixed                      role map
+                                (dear.generalization_mask_only); a map made     DeAR(class_branch_
+                                by hand: no class-branch fallback               fallback=False)
+      branch-ce                 + MMRL's 0.7 CE(class) + 0.3 CE(attribute       dear_loss(branch_ce)
+                                branches), not the paper's loss
+    """
+    def uniform_mixed(attributes: List[str]) -> dear.RoleMap:  # over the map's own layers
+        return dear.RoleMap.uniform("mixed", role_map.vision_layers, role_map.num_heads,
+                                    role_map.layers, attributes)
+
+    change = Ablated(role_map, list(attributes), True, lambda_fusion, False)
+    if name is None:
+        return change
+    if name == "no-role-mask":
+        return change._replace(role_map=uniform_mixed(list(attributes)))
+    if name == "no-attribute-tokens":
+        return change._replace(role_map=uniform_mixed([]), attributes=[])
+    if name == "no-fusion-reg":
+        return change._replace(lambda_fusion=0.0)
+    if name == "mask-generalization-only":
+        return change._replace(role_map=dear.generalization_mask_only(role_map),
+                               class_branch_fallback=False)
+    if name == "branch-ce":
+        return change._replace(branch_ce=True)
+    raise TrainError(f"ablation {name!r}: use one of {', '.join(ABLATIONS)}")
+
+
+def ablation_roles(name: str) -> Optional[str]:
+    """The --roles row an ablation is, where its one change is the role map alone and --roles
+    makes that map (made once, whichever asks); None: the DeAR row with the change."""
+    return "all-mixed" if name == "no-role-mask" else None
+
+
 
 @dataclass
 class Job:
@@ -776,9 +834,10 @@ def dear_rows(settings) -> List[tuple]:
     rows = [(row_name(roles), roles, None) for roles in settings["roles"]]
     source = next((r for r in settings["roles"] if r not in ROLE_ABLATIONS), None)  # analyse/file
     for name in settings["ablations"]:
-        row = row_name("all-mixed") if name == "no-role-mask" else f"dear-{name}"
+        roles = ablation_roles(name)
+        row = row_name(roles) if roles is not None else f"dear-{name}"
         if row not in [r for r, _, _ in rows]:
-            rows.append((row, "all-mixed", None) if name == "no-role-mask" else (row, source, name))
+            rows.append((row, roles, None) if roles is not None else (row, source, name))
     return rows
 
 
@@ -880,6 +939,86 @@ def description_pool(choice: str, project_bank: list, log: Callable[[str], None]
             raise TrainError(f"--bank {error}") from None
     digest = digest or hashlib.sha256(json.dumps(pool).encode()).hexdigest()  # the project's: of its entries
     return pool, dict(bank=choice, sha256=digest, descriptions=len(pool))
+
+
+# The head analysis' description pool (--bank), read and checked before any model is read.
+
+
+def analysing(settings) -> bool:
+    """The call runs DeAR's own head analysis (--roles analyse), or --analyse-only."""
+    return settings["analyse_only"] or ("dear" in settings["method"]
+                                        and "analyse" in settings["roles"])
+
+
+def description_bank(toy: bool) -> List[tuple]:
+    if toy:
+        from toyworld import world  # only the word lists: cheap, builds nothing
+
+        return world.toy_bank()
+    return [tuple(entry) for entry in dear.description_bank()]
+
+
+def read_pool(settings, attributes: List[str]):
+    """The head analysis' description pool (--bank), checked against what the analysis will ask
+    of it before any model is read -> (triples, record); a call that analyses nothing (a resumed
+    one reads its run folder's role map): None, and no pool is read or fetched."""
+    if settings["resume"] or settings["eval_only"] or not analysing(settings):
+        return None
+    toy = settings["dataset"] == ["toyworld"]
+    if settings["bank"] == "textspan":  # the pool that is downloaded: what costs nothing first
+        check_encoder(settings, settings["concepts"] or "clusters")  # it has no labels
+    try:
+        bank, record = description_pool(settings["bank"], description_bank(toy), print)
+    except TrainError as error:  # say why a pool never typed is read
+        if settings["analysis"] == "paper" and settings["bank"] == "textspan":
+            raise TrainError(f"--analysis paper reads TextSpan's pool: {error}") from None
+        raise
+    record["concepts"] = (settings["concepts"]  # unset: the pool decides
+                          or dear.default_concepts(bank))
+    check_pool(settings, bank, record["concepts"], attributes)
+    check_encoder(settings, record["concepts"])
+    for line in analysis_header(settings, record["concepts"], toy):
+        print(line)
+    return bank, record
+
+
+def check_encoder(settings, concepts: str) -> None:
+    """--sentence-encoder against the concepts, then installed and there (before any download)."""
+    if concepts == "labels" and settings["bank"] == "textspan":
+        raise TrainError("--concepts labels: TextSpan's pool has no labels; "
+                         "use --concepts clusters")
+    if concepts == "labels" and settings["sentence_encoder"] != "clip":
+        raise TrainError(f"--sentence-encoder {settings['sentence_encoder']}: the concepts are the "
+                         f"pool's labels (--bank {settings['bank']}), which no encoder touches; "
+                         "add --concepts clusters (or --analysis paper), or drop the encoder")
+    check_sentence_encoder(settings["sentence_encoder"])
+
+
+def check_pool(settings, bank: List[tuple], concepts: str, attributes: List[str]) -> None:
+    """The pool against what the analysis will ask of it, before any model is read: its labels for
+    --concepts labels, and enough distinct lines for the picks (typed, else the pool's default)."""
+    try:
+        dear.check_concepts(concepts, [dear.Description(*entry) for entry in bank])
+        picks = default_picks(settings, bank, attributes)
+    except dear.DeARError as error:
+        raise TrainError(f"--bank {settings['bank']}: {error}") from None
+    if settings["descriptions"] is not None:  # typed: refused past the pool, the images, the rank
+        # TextSpan's rank is the head width: --head-width, else OpenAI's, until the model is read
+        rank = settings["head_width"] or clip_model.OPENAI_HEAD_WIDTH
+        dear.analysis_picks(settings["descriptions"], len(bank), settings["analysis_images"],
+                            rank=rank, default=picks)
+    elif len(bank) < picks:
+        raise TrainError(f"--bank {settings['bank']}: {len(bank)} distinct descriptions, "
+                         f"and TextSpan makes {picks} picks per head; give a pool of at least "
+                         f"{picks}, or --descriptions {len(bank)} or fewer")
+
+
+def default_picks(settings, bank: List[tuple], attributes: List[str]) -> int:
+    """TextSpan's picks per head unless --descriptions says: the paper's 20 under --analysis paper,
+    else the pool's rule (dear.default_picks: a labelled pool's fewest values of an attribute)."""
+    if settings["analysis"] == "paper":
+        return dear.PAPER_PICKS
+    return dear.default_picks(bank, attributes)
 
 
 def scoring_labels(choice: str, pool: list, project_bank: list) -> Dict[str, str]:

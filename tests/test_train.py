@@ -503,9 +503,10 @@ def test_cross_and_dg_test_each_target_at_mmrlpps_beta_or_all_at_the_trained_one
     seen = []  # (test set, DeAR's beta while it was scored); then the retrieval check's
     real_evaluate, real_retrieval = train.evaluate, train.retrieval_check
 
-    def evaluate(model, clip, tokenizer, eval_set, settings, runtime):
-        seen.append((eval_set.name, None if model is None else model.beta))
-        return real_evaluate(model, clip, tokenizer, eval_set, settings, runtime)
+    def evaluate(model, clip, tokenizer, eval_set, settings, runtime, beta=None):
+        assert model is None or model.beta == 0.2  # built at the training beta, never reassigned
+        seen.append((eval_set.name, beta))
+        return real_evaluate(model, clip, tokenizer, eval_set, settings, runtime, beta)
 
     def retrieval(model, *rest):
         seen.append(("retrieval", model.beta))
@@ -570,8 +571,8 @@ def test_evaluate_scores_the_fused_and_the_class_branch_logits_and_each_set_gets
         assert accuracy == pytest.approx({"fused": fused, "class": alone}), name
         differs |= (out.logits.argmax(-1) != out.branch_logits[:, 0].argmax(-1)).any().item()
         # The documented rule: fused on the trained classes, the class branch alone elsewhere.
-        assert train.logits_used(eval_set, "class-on-unseen") == ("fused" if name == "base" else "class")
-        assert train.logits_used(eval_set, "fused-everywhere") == "fused"
+        assert dear.scoring_logits("class-on-unseen", eval_set.trained) == ("fused" if name == "base" else "class")
+        assert dear.scoring_logits("fused-everywhere", eval_set.trained) == "fused"
     assert differs, "the two kinds of logits agree on every image: the test could not tell them apart"
 
 
@@ -1438,7 +1439,7 @@ def test_analysis_paper_resolves_to_the_papers_settings_and_typed_flags_win(worl
     # ImageNet under --root: its validation images, one map for the model.
     settings = settings_of(common(world, tmp_path / "a", "--dataset", "dtd", "--analysis", "paper"))
     assert [settings[k] for k in keys] == ["paper", "textspan", "clusters", paper, "imagenet:test", 6]
-    assert train.default_picks(settings, dear.description_bank(), dear.CORE_ATTRIBUTES) == 20  # labelled: 16
+    assert runs.default_picks(settings, dear.description_bank(), dear.CORE_ATTRIBUTES) == 20  # labelled: 16
     # No ImageNet under --root: the trained dataset's training images, and the header says so.
     root = tmp_path / "data"
     root.mkdir()
@@ -1467,7 +1468,7 @@ def test_analysis_paper_resolves_to_the_papers_settings_and_typed_flags_win(worl
     # The default: the project's analysis, and its header says it is not the paper's.
     settings = settings_of(common(world, tmp_path / "d", "--dataset", "dtd"))
     assert [settings[k] for k in keys] == ["project", "project", None, "clip", "train", 6]
-    assert train.default_picks(settings, dear.description_bank(), dear.CORE_ATTRIBUTES) == 16
+    assert runs.default_picks(settings, dear.description_bank(), dear.CORE_ATTRIBUTES) == 16
     assert runs.analysis_header(settings, "labels", toy=False) == [
         "head analysis: --analysis project (the default: the project's analysis, not the paper's; --analysis "
         "paper runs the paper's): --bank project, concepts labels, --sentence-encoder none (labels), "
