@@ -2,9 +2,11 @@
 runs.py -- the run-folder harness: the boilerplate a student of the method need not read.
 
 train.py is the teaching path (recipes, data, model, head analysis, loop, evaluation); here is
-what makes a run folder safe and repeatable: flags -> checked settings, the refusal to resume
-over other settings, input fingerprints, locks, checkpoints, temporary-file cleanup, devices
-and processes, summary tables, PNG pictures (roles, masks, retrieval) and one-line errors.
+what makes a run folder safe and repeatable: flags -> checked settings, the ablations (ablate:
+each name's one change), the refusal to resume over other settings, the head analysis'
+description pool, input fingerprints, locks, checkpoints and resuming, temporary-file cleanup,
+devices and processes, summary tables, PNG pictures (roles, masks, retrieval) and one-line
+errors.
 It imports clip_model.py, dear.py and data.py (which never import it) and never train.py:
 train.py passes in what it needs (a RecipeBook).
 """
@@ -725,7 +727,7 @@ def sum_over_processes(values: List[float], runtime: Runtime) -> List[float]:
 
 
 # ------------------------------------------------------------------------------------------
-# 3. Jobs and table rows
+# 3. Jobs, table rows and the ablations
 # ------------------------------------------------------------------------------------------
 # A call is a list of Jobs (a table row x dataset x seed x shots), each with its own folder.
 
@@ -889,7 +891,7 @@ def job_settings(settings, job: Job) -> dict:
 
 
 # ------------------------------------------------------------------------------------------
-# 4. Input files: the model, the BPE file, role files, their fingerprints, the analysis cache
+# 4. Input files: the model, the BPE file, the description pool, role files, fingerprints, the cache
 # ------------------------------------------------------------------------------------------
 
 
@@ -1358,7 +1360,7 @@ def copy_role_maps(settings, clip, records: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------
-# 5. The run folder: files written whole, the lock, checkpoints and their checks
+# 5. The run folder: files written whole, the lock, checkpoints, their checks, resuming
 # ------------------------------------------------------------------------------------------
 # Every file is written to a temporary name and renamed (clip_model.atomic_write: a reader
 # never sees half a file), a checkpoint or results.json is accepted only with the settings of
@@ -1556,6 +1558,46 @@ def save_checkpoint(path: str, settings: dict, epoch: int, model, optimizer, sca
                              "free disk space, then continue with --resume") from None
 
     clip_model.atomic_write(path, write)  # a run killed mid-save keeps the previous epoch's
+
+
+def resume_checkpoint(job: Job, settings, model, optimizer, scaler, runtime: Runtime) -> int:
+    """--resume: the run's last checkpoint loaded (the tokens, the optimizer's moments, the
+    scaler) -> the epoch it ends (0: none saved yet)."""
+    checkpoint = load_run_file(os.path.join(job.folder, "checkpoint.pt"), job_settings(settings, job))
+    if checkpoint is None:
+        return 0
+    model.load_learnable_state_dict(checkpoint["learnable"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    # the precision may have changed (--amp, another GPU): a fresh scaler where none was saved
+    load_scaler_state(scaler, checkpoint["scaler"], lambda line: runtime.log(f"[{job.label}] {line}"))
+    runtime.log(f"[{job.label}] resumed after epoch {checkpoint['epoch']}/{settings['epochs']}")
+    return checkpoint["epoch"]
+
+
+def end_epoch(epoch: int, job: Job, settings, model: dear.DeAR, optimizer, scaler, progress,
+              runtime: Runtime) -> None:
+    """The checkpoint (rank 0 writes; every rank holds the same tokens) and the epoch's line."""
+    if runtime.main:
+        path = os.path.join(job.folder, "checkpoint.pt")
+        expected = job_settings(settings, job)
+        save_checkpoint(path, expected, epoch + 1, model, optimizer, scaler)
+    alpha = ", ".join(f"{a:.2f}" for a in model.fusion_weights().tolist())
+    took = format_time(time.time() - progress.epoch_started)
+    runtime.log(f"[{job.label}] epoch {epoch + 1} done in {took}; "
+                f"fusion weights alpha (cls, {', '.join(model.attributes)}) = {alpha}; "
+                "checkpoint saved")
+
+
+def finish_job(job: Job, settings, model: dear.DeAR, stop: int, runtime: Runtime):
+    """The trained model, or None where --max-epochs-per-call stopped the run first."""
+    if runtime.world > 1:
+        dist.barrier()
+    if stop < settings["epochs"]:
+        runtime.log(f"[{job.label}] stopped after epoch {stop}/{settings['epochs']} "
+                    "(--max-epochs-per-call); continue with: "
+                    f"python train.py --output {settings['output']} --resume")
+        return None
+    return model
 
 
 def differences(found: dict, expected: dict) -> str:

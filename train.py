@@ -14,10 +14,11 @@ shots of every class), cross and dg (one training on ImageNet, tested on the ten
 and on ImageNet-V2, -Sketch, -A, -R). How it fits: clip_model.py is CLIP, data.py reads CoOp's
 layout, dear.py is the method; this file reads top to bottom like nanoGPT's train.py: 1. the
 recipes, 2. data, 3. the model, 4. the training loop, 5. evaluation, then what surrounds them:
-6. resuming and several processes, 7. the head analysis (run once per model, before training),
-8. the other rows and checks, one job end to end, and main. The run folder's harness
-(flags and settings, their checks, fingerprints, the lock, checkpoints, tables, pictures) is
-runs.py. A run folder holds per dataset / row / seed a checkpoint.pt and results.json (a run is
+6. what the loop calls (the class prompts, the loader, several processes, the per-epoch seeds),
+7. the head analysis (run once per model, before training), 8. the other rows and checks, one
+job end to end, and main. The run folder's harness (flags and settings, their checks, the
+ablations' one function, the analysis' description pool, fingerprints, the lock, checkpoints and
+resuming, tables, pictures) is runs.py. A run folder holds per dataset / row / seed a checkpoint.pt and results.json (a run is
 complete once it exists), per trained dataset the head roles it used (<dataset>/roles/), and at
 the top settings.json, summary.json and summary.md. Layers count from 1, as in the paper (J = 9).
 
@@ -41,7 +42,6 @@ from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -385,8 +385,8 @@ def learning_rate(settings, epoch: int) -> float:
 def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap,
               split: data.DatasetSplits, runtime: runs.Runtime) -> Optional[dear.DeAR]:
     """Train one DeAR run, a checkpoint at every epoch end -> the model (None if
-    --max-epochs-per-call stopped it first). The loop is the paper's Sec. 3.4; resuming, several
-    processes and the per-epoch seeds are the helpers below it."""
+    --max-epochs-per-call stopped it first). The loop is the paper's Sec. 3.4; several processes
+    and the per-epoch seeds are the helpers of Sec. 6 below; resuming and checkpoints, runs.py's."""
     torch.manual_seed(job.seed)  # the learnable tokens' initialisation
     model = build_dear(settings, inputs, role_map, job.ablation).to(runtime.device)
     # the tokens and fusion weights alone
@@ -395,7 +395,8 @@ def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap,
     # the loss scaler: fp16 only; bf16 needs none
     scaler = runs.grad_scaler(runtime.device, enabled=runtime.amp_dtype == torch.float16)
     # --resume: from the run's last checkpoint; the epochs [start, stop) of this call
-    start = resume(job, settings, model, optimizer, scaler, runtime) if settings["resume"] else 0
+    start = (runs.resume_checkpoint(job, settings, model, optimizer, scaler, runtime)
+             if settings["resume"] else 0)
     stop = min(settings["epochs"], start + (settings["max_epochs_per_call"] or settings["epochs"]))
     describe(job, model, runtime)
     if start >= settings["epochs"]:
@@ -423,8 +424,8 @@ def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap,
             scaler.step(optimizer)
             scaler.update()
             progress.step(epoch, step, len(loader), lr, losses, output.logits, labels)
-        end_epoch(epoch, job, settings, model, optimizer, scaler, progress, runtime)  # checkpoint
-    return finish(job, settings, model, stop, runtime)
+        runs.end_epoch(epoch, job, settings, model, optimizer, scaler, progress, runtime)
+    return runs.finish_job(job, settings, model, stop, runtime)  # None: stopped early
 
 
 # ------------------------------------------------------------------------------------------
@@ -499,24 +500,8 @@ def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings, runtime: runs.
 
 
 # ------------------------------------------------------------------------------------------
-# 6. Around the loop: resuming, several processes, the per-epoch seeds
+# 6. What the loop calls: the class prompts, the loader, several processes, the per-epoch seeds
 # ------------------------------------------------------------------------------------------
-
-
-def resume(job: runs.Job, settings, model, optimizer, scaler, runtime: runs.Runtime) -> int:
-    """--resume: the run's last checkpoint loaded (the tokens, the optimizer's moments, the
-    scaler) -> the epoch it ends (0: none saved yet)."""
-    checkpoint = runs.load_run_file(os.path.join(job.folder, "checkpoint.pt"),
-                                    runs.job_settings(settings, job))
-    if checkpoint is None:
-        return 0
-    model.load_learnable_state_dict(checkpoint["learnable"])
-    optimizer.load_state_dict(checkpoint["optimizer"])
-    # the precision may have changed (--amp, another GPU): a fresh scaler where none was saved
-    runs.load_scaler_state(scaler, checkpoint["scaler"],
-                           lambda line: runtime.log(f"[{job.label}] {line}"))
-    runtime.log(f"[{job.label}] resumed after epoch {checkpoint['epoch']}/{settings['epochs']}")
-    return checkpoint["epoch"]
 
 
 def describe(job: runs.Job, model: dear.DeAR, runtime: runs.Runtime) -> None:
@@ -588,32 +573,6 @@ def start_epoch(epoch: int, job: runs.Job, settings, loader: DataLoader, optimiz
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr
-
-
-def end_epoch(epoch: int, job: runs.Job, settings, model: dear.DeAR, optimizer, scaler, progress,
-              runtime: runs.Runtime) -> None:
-    """The checkpoint (rank 0 writes; every rank holds the same tokens) and the epoch's line."""
-    if runtime.main:
-        path = os.path.join(job.folder, "checkpoint.pt")
-        expected = runs.job_settings(settings, job)
-        runs.save_checkpoint(path, expected, epoch + 1, model, optimizer, scaler)
-    alpha = ", ".join(f"{a:.2f}" for a in model.fusion_weights().tolist())
-    took = runs.format_time(time.time() - progress.epoch_started)
-    runtime.log(f"[{job.label}] epoch {epoch + 1} done in {took}; "
-                f"fusion weights alpha (cls, {', '.join(model.attributes)}) = {alpha}; "
-                "checkpoint saved")
-
-
-def finish(job: runs.Job, settings, model: dear.DeAR, stop: int, runtime: runs.Runtime):
-    """The trained model, or None where --max-epochs-per-call stopped the run first."""
-    if runtime.world > 1:
-        dist.barrier()
-    if stop < settings["epochs"]:
-        runtime.log(f"[{job.label}] stopped after epoch {stop}/{settings['epochs']} "
-                    "(--max-epochs-per-call); continue with: "
-                    f"python train.py --output {settings['output']} --resume")
-        return None
-    return model
 
 
 # ------------------------------------------------------------------------------------------
