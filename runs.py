@@ -30,7 +30,7 @@ import shutil
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -1598,6 +1598,40 @@ def finish_job(job: Job, settings, model: dear.DeAR, stop: int, runtime: Runtime
                     f"python train.py --output {settings['output']} --resume")
         return None
     return model
+
+
+def finished_checkpoint(job: Job, settings) -> dict:
+    """--eval-only: the run's checkpoint, checked against its settings and finished."""
+    checkpoint = load_run_file(os.path.join(job.folder, "checkpoint.pt"), job_settings(settings, job))
+    if checkpoint is None or checkpoint["epoch"] < settings["epochs"]:
+        raise TrainError(f"{job.folder}: no finished checkpoint to evaluate; finish it with --resume")
+    return checkpoint
+
+
+def evaluation_record(job: Job, settings, model, accuracy: dict, logits: dict, betas: dict) -> dict:
+    """A zero-shot or DeAR job's results.json (retrieval added by train.run_job): "metrics" and
+    "logits", the first --fusion mode's numbers and which logits scored each set (accuracy: {set:
+    {kind of logits: top-1 %}}, logits: {mode: {set: kind}}); *_by_fusion: the same for every mode;
+    role_map: the analysed map this run used, if any; alpha: DeAR's learned fusion weight per branch;
+    parameters: its learnable ones per component; test_beta: each set's beta at test ({set: beta})."""
+    by_fusion = {mode: {name: accuracy[name][kind] for name, kind in logits[mode].items()}
+                 for mode in settings["fusion"]}
+    for metrics in by_fusion.values():
+        if settings["protocol"] == "base2novel":
+            metrics["hm"] = harmonic_mean(metrics["base"], metrics["novel"])
+    first = settings["fusion"][0]
+    alpha = parameters = None
+    if model is not None:
+        alpha = dict(zip(["class"] + model.attributes, model.fusion_weights().tolist()))
+        counts = model.parameter_counts()  # per component of the token construction
+        parameters = dict(tokens=model.tokens, learnable=sum(counts.values()), components=counts)
+    role_record = None
+    if job.roles == "analyse":
+        role_record = (settings["role_maps"] or {}).get(job.dataset)
+    return dict(job=asdict(job), metrics=by_fusion[first], fusion=first, logits=logits[first],
+                metrics_by_fusion=by_fusion, logits_by_fusion=logits, accuracy_by_logits=accuracy,
+                role_map=role_record, alpha=alpha, parameters=parameters, test_beta=betas or None,
+                settings=job_settings(settings, job))
 
 
 def differences(found: dict, expected: dict) -> str:

@@ -815,7 +815,6 @@ def run_job(job: runs.Job, settings, inputs: Inputs, role_maps: dict, lists: Run
     """Train (or load) and evaluate one job, then write its results.json -> its results, or None
     if --max-epochs-per-call stopped it."""
     results_path = os.path.join(job.folder, "results.json")
-    expected = runs.job_settings(settings, job)
     if os.path.isfile(results_path) and not settings["eval_only"]:
         with open(results_path, encoding="utf-8") as f:
             return json.load(f)  # finished in an earlier call (checked by runs.check_run_folder)
@@ -823,13 +822,11 @@ def run_job(job: runs.Job, settings, inputs: Inputs, role_maps: dict, lists: Run
     if job.row == "linear-probe":
         split = lists.train[job.dataset, job.seed, job.shots]
         metrics = linear_probe(inputs.clip, split, lists.test[job.dataset], settings, runtime)
-        result = dict(job=dataclasses.asdict(job), metrics=metrics, settings=expected)
+        result = dict(job=dataclasses.asdict(job), metrics=metrics,
+                      settings=runs.job_settings(settings, job))
     else:
         if job.row != "zeroshot" and settings["eval_only"]:
-            checkpoint = runs.load_run_file(os.path.join(job.folder, "checkpoint.pt"), expected)
-            if checkpoint is None or checkpoint["epoch"] < settings["epochs"]:
-                raise TrainError(f"{job.folder}: no finished checkpoint to evaluate; "
-                                 "finish it with --resume")
+            checkpoint = runs.finished_checkpoint(job, settings)
             role_map = role_maps[job.dataset, job.roles]
             model = build_dear(settings, inputs, role_map, job.ablation).to(runtime.device)
             model.load_learnable_state_dict(checkpoint["learnable"])
@@ -854,32 +851,10 @@ def run_job(job: runs.Job, settings, inputs: Inputs, role_maps: dict, lists: Run
                 logits[mode][eval_set.name] = used
             scores = ", ".join(f"{v:.2f}% ({kind} logits)"
                                for kind, v in accuracy[eval_set.name].items())
-            beta = f", beta {betas[eval_set.name]:g}" if betas else ""
+            at = f", beta {beta:g}" if beta is not None else ""
             runtime.log(f"[{job.label}] test {eval_set.name}: {scores} "
-                        f"({len(eval_set.items)} images, {len(eval_set.classnames)} classes{beta})")
-        by_fusion = {mode: {name: accuracy[name][kind] for name, kind in logits[mode].items()}
-                     for mode in settings["fusion"]}
-        for metrics in by_fusion.values():
-            if settings["protocol"] == "base2novel":
-                metrics["hm"] = runs.harmonic_mean(metrics["base"], metrics["novel"])
-        first = settings["fusion"][0]
-        # "metrics" and "logits": the first --fusion mode's numbers and which logits scored each
-        # set; *_by_fusion: the same for every mode; role_map: the analysed map this run used, if
-        # any; alpha: DeAR's learned fusion weight per branch; parameters: its learnable ones per
-        # component; test_beta: each set's beta at test.
-        alpha = parameters = None
-        if model is not None:
-            alpha = dict(zip(["class"] + model.attributes, model.fusion_weights().tolist()))
-            counts = model.parameter_counts()  # per component of the token construction
-            parameters = dict(tokens=model.tokens, learnable=sum(counts.values()),
-                              components=counts)
-        role_record = None
-        if job.roles == "analyse":
-            role_record = (settings["role_maps"] or {}).get(job.dataset)
-        result = dict(job=dataclasses.asdict(job), metrics=by_fusion[first], fusion=first,
-                      logits=logits[first], metrics_by_fusion=by_fusion, logits_by_fusion=logits,
-                      accuracy_by_logits=accuracy, role_map=role_record, alpha=alpha,
-                      parameters=parameters, test_beta=betas or None, settings=expected)
+                        f"({len(eval_set.items)} images, {len(eval_set.classnames)} classes{at})")
+        result = runs.evaluation_record(job, settings, model, accuracy, logits, betas)
     if runtime.main:
         # pictures in the run folder; the toy world's precision@10 in the result
         if model is not None:
