@@ -758,8 +758,8 @@ def ablate(name: Optional[str], role_map: dear.RoleMap, attributes: List[str],
     and loss -> Ablated; train.build_dear and train.train_job read it, nothing else switches.
 
       name                      the one change                                  where it acts
-      no-role-mask              every head of the analysed layers mixed         role map (the row
-                                (deep prompting, no mask)                       of --roles all-mixed)
+      no-role-mask              every head of the analysed layers mixed         role map (the
+                                (deep prompting, no mask)                       all-mixed row)
       no-attribute-tokens       A = 0: no attribute token; a uniform mixed      DeAR(attributes),
                                 map over the same layers (DeAR refuses a map    role map
                                 with attributes that A = 0 cannot hold)
@@ -1563,13 +1563,15 @@ def save_checkpoint(path: str, settings: dict, epoch: int, model, optimizer, sca
 def resume_checkpoint(job: Job, settings, model, optimizer, scaler, runtime: Runtime) -> int:
     """--resume: the run's last checkpoint loaded (the tokens, the optimizer's moments, the
     scaler) -> the epoch it ends (0: none saved yet)."""
-    checkpoint = load_run_file(os.path.join(job.folder, "checkpoint.pt"), job_settings(settings, job))
+    path = os.path.join(job.folder, "checkpoint.pt")
+    checkpoint = load_run_file(path, job_settings(settings, job))
     if checkpoint is None:
         return 0
     model.load_learnable_state_dict(checkpoint["learnable"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     # the precision may have changed (--amp, another GPU): a fresh scaler where none was saved
-    load_scaler_state(scaler, checkpoint["scaler"], lambda line: runtime.log(f"[{job.label}] {line}"))
+    load_scaler_state(scaler, checkpoint["scaler"],
+                      lambda line: runtime.log(f"[{job.label}] {line}"))
     runtime.log(f"[{job.label}] resumed after epoch {checkpoint['epoch']}/{settings['epochs']}")
     return checkpoint["epoch"]
 
@@ -1602,18 +1604,21 @@ def finish_job(job: Job, settings, model: dear.DeAR, stop: int, runtime: Runtime
 
 def finished_checkpoint(job: Job, settings) -> dict:
     """--eval-only: the run's checkpoint, checked against its settings and finished."""
-    checkpoint = load_run_file(os.path.join(job.folder, "checkpoint.pt"), job_settings(settings, job))
+    path = os.path.join(job.folder, "checkpoint.pt")
+    checkpoint = load_run_file(path, job_settings(settings, job))
     if checkpoint is None or checkpoint["epoch"] < settings["epochs"]:
-        raise TrainError(f"{job.folder}: no finished checkpoint to evaluate; finish it with --resume")
+        raise TrainError(f"{job.folder}: no finished checkpoint to evaluate; "
+                         "finish it with --resume")
     return checkpoint
 
 
 def evaluation_record(job: Job, settings, model, accuracy: dict, logits: dict, betas: dict) -> dict:
     """A zero-shot or DeAR job's results.json (retrieval added by train.run_job): "metrics" and
     "logits", the first --fusion mode's numbers and which logits scored each set (accuracy: {set:
-    {kind of logits: top-1 %}}, logits: {mode: {set: kind}}); *_by_fusion: the same for every mode;
-    role_map: the analysed map this run used, if any; alpha: DeAR's learned fusion weight per branch;
-    parameters: its learnable ones per component; test_beta: each set's beta at test ({set: beta})."""
+    {kind of logits: top-1 %}}, logits: {mode: {set: kind}}); *_by_fusion: the same for every
+    mode; role_map: the analysed map this run used, if any; alpha: DeAR's learned fusion weight
+    per branch; parameters: its learnable ones per component; test_beta: each set's beta at
+    test ({set: beta})."""
     by_fusion = {mode: {name: accuracy[name][kind] for name, kind in logits[mode].items()}
                  for mode in settings["fusion"]}
     for metrics in by_fusion.values():

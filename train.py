@@ -18,9 +18,10 @@ recipes, 2. data, 3. the model, 4. the training loop, 5. evaluation, then what s
 7. the head analysis (run once per model, before training), 8. the other rows and checks, one
 job end to end, and main. The run folder's harness (flags and settings, their checks, the
 ablations' one function, the analysis' description pool, fingerprints, the lock, checkpoints and
-resuming, tables, pictures) is runs.py. A run folder holds per dataset / row / seed a checkpoint.pt and results.json (a run is
-complete once it exists), per trained dataset the head roles it used (<dataset>/roles/), and at
-the top settings.json, summary.json and summary.md. Layers count from 1, as in the paper (J = 9).
+resuming, tables, pictures) is runs.py. A run folder holds per dataset / row / seed a
+checkpoint.pt and results.json (a run is complete once it exists), per trained dataset the head
+roles it used (<dataset>/roles/), and at the top settings.json, summary.json and summary.md.
+Layers count from 1, as in the paper (J = 9).
 
 Shapes, the project's letters (as in clip_model.py and dear.py): B images in a batch; C classes;
 E the joint embedding's width; A attribute tokens; n images of a list (features of a whole split);
