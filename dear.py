@@ -529,10 +529,11 @@ def blind_attributes(role_masks: torch.Tensor, num_image_tokens: int,
 
 def generalization_mask_only(role_map: RoleMap) -> RoleMap:
     """The paper's ablation "the mask on the generalization heads only": every attribute head made
-    mixed, so every token reads the image through it. The entropies are dropped: a map derived by
-    hand is taken as given (falls_back_to_class_branch would otherwise read it as measured)."""
+    mixed, so every token reads the image through it. What the analysis measured stays; a map
+    made so has no attribute head, so its DeAR is built with class_branch_fallback=False."""
     heads = [HeadRole(h.layer, h.head, "mixed" if h.role == "attribute" else h.role,
-                      descriptions=h.descriptions, concepts=h.concepts) for h in role_map.heads]
+                      entropy=h.entropy, descriptions=h.descriptions, concepts=h.concepts)
+             for h in role_map.heads]
     return RoleMap(role_map.vision_layers, role_map.num_heads, list(role_map.attributes), heads,
                    source=f"{role_map.source}; attribute heads made mixed")
 
@@ -683,12 +684,14 @@ class DeAR(nn.Module):
     Nothing before J learns: it runs without autograd, shared with the frozen pass, and once per
     class list on the text side (test_dear_reference.py checks these shortcuts). No attribute
     tokens (A = 0, the no-attribute-tokens ablation), a map with none and no mask:
-    DeAR(clip, RoleMap.uniform("mixed", depth, H, layers, attributes=[])) (as train.py's
-    build_dear; a map with attributes refuses attributes=[]): frozen CLIP's image feature, the
+    DeAR(clip, RoleMap.uniform("mixed", depth, H, layers, attributes=[])) (as runs.ablate makes
+    it; a map with attributes refuses attributes=[]): frozen CLIP's image feature, the
     text tokens, alpha = (1,); under "shared" no vision aligner and no projection residual, the K
     latent tokens reach the text tower alone. num_text_tokens: K, default default_text_tokens.
     beta = 0.5 is the toy world's, the library's choice for a small model; train.py passes the
-    recipe's (MMRL++'s 0.9 and its per-dataset values, METHOD.md Sec. 7)."""
+    recipe's (MMRL++'s 0.9 and its per-dataset values, METHOD.md Sec. 7).
+    class_branch_fallback=False keeps every branch of a measured map without attribute heads
+    (falls_back_to_class_branch): a map made so on purpose (generalization_mask_only)."""
     # The learnable components of each construction: a tensor, or a module whose tensors all learn.
     LEARNABLE = {"separate": ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits"),
                  "shared": ("latent_tokens", "vision_aligner", "text_aligner",
@@ -698,7 +701,7 @@ class DeAR(nn.Module):
                  attributes: Optional[Sequence[str]] = None, first_layer: Optional[int] = None,
                  beta: float = 0.5, num_text_tokens: Optional[int] = None,
                  cls_fusion_weight: float = 0.5, tokens: str = "separate",
-                 latent_width: Optional[int] = None):
+                 latent_width: Optional[int] = None, class_branch_fallback: bool = True):
         super().__init__()
         depth = len(clip.visual.transformer.resblocks)
         attributes = list(role_map.attributes if attributes is None else attributes)
@@ -737,7 +740,7 @@ class DeAR(nn.Module):
 
         # Our safety rules: which branches enter the fusion (blind ones and the fallback do not).
         self.blind_attributes = blind_attributes(masks, self.num_image_tokens, self.attributes)
-        self.class_branch_only = falls_back_to_class_branch(role_map)
+        self.class_branch_only = class_branch_fallback and falls_back_to_class_branch(role_map)
         in_fusion = branches_in_fusion(self.attributes, self.blind_attributes,
                                        self.class_branch_only, first_layer)
         self.register_buffer("in_fusion", in_fusion, persistent=False)  # (1 + A,) bool

@@ -2,9 +2,11 @@
 runs.py -- the run-folder harness: the boilerplate a student of the method need not read.
 
 train.py is the teaching path (recipes, data, model, head analysis, loop, evaluation); here is
-what makes a run folder safe and repeatable: flags -> checked settings, the refusal to resume
-over other settings, input fingerprints, locks, checkpoints, temporary-file cleanup, devices
-and processes, summary tables, PNG pictures (roles, masks, retrieval) and one-line errors.
+what makes a run folder safe and repeatable: flags -> checked settings, the ablations (ablate:
+each name's one change), the refusal to resume over other settings, the head analysis'
+description pool, input fingerprints, locks, checkpoints and resuming, temporary-file cleanup,
+devices and processes, summary tables, PNG pictures (roles, masks, retrieval) and one-line
+errors.
 It imports clip_model.py, dear.py and data.py (which never import it) and never train.py:
 train.py passes in what it needs (a RecipeBook).
 """
@@ -28,7 +30,7 @@ import shutil
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -51,15 +53,7 @@ METHODS = ("zeroshot", "linear-probe", "dear")
 FUSION_MODES = ("fused-everywhere", "class-on-unseen")
 OLD_FUSION_NAMES = {"everywhere": "fused-everywhere", "adaptive": "class-on-unseen"}
 ROLE_ABLATIONS = ("all-mixed", "all-generalization")  # besides "analyse" and a roles file
-# The paper's ablation study ("Ablation Study"), each the DeAR row with one change, a row of its
-# own (docs/METHOD.md Sec. 5); branch-ce is ours, for the retrieval diagnosis (docs/TOYWORLD.md).
-ABLATIONS = {
-    "no-role-mask": "every head mixed: the tokens reach every head (the row of --roles all-mixed)",
-    "no-attribute-tokens": "no attribute token: the class branch and the text tokens alone",
-    "no-fusion-reg": "lambda_fusion = 0: nothing holds the fusion to the class branch",
-    "mask-generalization-only": "the analysed map with its attribute heads made mixed",
-    "branch-ce": "NOT the paper's loss: + MMRL's 0.7 CE(class) + 0.3 CE(attribute branches)",
-}
+# The ablations (--ablations), each a DeAR row with one change: ABLATIONS and ablate, Sec. 3.
 # The head analysis as a whole (--analysis): the project's (its labelled bank, checked on the toy
 # world against ablation) or the paper's Sec. 3.2 (analysis_preset; docs/METHOD.md Sec. 3's table
 # of departures).
@@ -383,7 +377,7 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
     if ablations and "dear" not in settings["method"]:
         raise TrainError(f"--ablations {' '.join(ablations)}: each is a DeAR row; "
                          "add dear to --method")
-    changed = [name for name in ablations if name != "no-role-mask"]  # each changes the DeAR row
+    changed = [name for name in ablations if ablation_roles(name) is None]  # change the DeAR row
     if changed and all(choice in ROLE_ABLATIONS for choice in roles):
         raise TrainError(f"--ablations {changed[0]}: it changes the DeAR row, which --roles "
                          f"{' '.join(roles)} does not make; add analyse (or a roles file) "
@@ -733,9 +727,75 @@ def sum_over_processes(values: List[float], runtime: Runtime) -> List[float]:
 
 
 # ------------------------------------------------------------------------------------------
-# 3. Jobs and table rows
+# 3. Jobs, table rows and the ablations
 # ------------------------------------------------------------------------------------------
 # A call is a list of Jobs (a table row x dataset x seed x shots), each with its own folder.
+
+# The paper's ablation study ("Ablation Study"), each the DeAR row with one change, a row of its
+# own (docs/METHOD.md Sec. 5); branch-ce is ours, for the retrieval diagnosis (docs/TOYWORLD.md).
+# Name -> what --ablations' help says; ablate below applies each.
+ABLATIONS = {
+    "no-role-mask": "every head mixed: the tokens reach every head (the row of --roles all-mixed)",
+    "no-attribute-tokens": "no attribute token: the class branch and the text tokens alone",
+    "no-fusion-reg": "lambda_fusion = 0: nothing holds the fusion to the class branch",
+    "mask-generalization-only": "the analysed map with its attribute heads made mixed",
+    "branch-ce": "NOT the paper's loss: + MMRL's 0.7 CE(class) + 0.3 CE(attribute branches)",
+}
+
+
+class Ablated(NamedTuple):
+    """What one DeAR run is built and trained from, after its ablation's change (if any)."""
+    role_map: dear.RoleMap  # DeAR's role map
+    attributes: List[str]  # DeAR's attribute tokens, one each
+    class_branch_fallback: bool  # DeAR's: a measured map without attribute heads -> class branch
+    lambda_fusion: float  # dear_loss's weight of the fusion regularisation
+    branch_ce: bool  # dear_loss's: + MMRL's CE per branch
+
+
+def ablate(name: Optional[str], role_map: dear.RoleMap, attributes: List[str],
+           lambda_fusion: float) -> Ablated:
+    """The one change of ablation `name` (None: none) to the DeAR row's role map, attribute tokens
+    and loss -> Ablated; train.build_dear and train.train_job read it, nothing else switches.
+
+      name                      the one change                                  where it acts
+      no-role-mask              every head of the analysed layers mixed         role map (the
+                                (deep prompting, no mask)                       all-mixed row)
+      no-attribute-tokens       A = 0: no attribute token; a uniform mixed      DeAR(attributes),
+                                map over the same layers (DeAR refuses a map    role map
+                                with attributes that A = 0 cannot hold)
+      no-fusion-reg             lambda_fusion = 0                               dear_loss
+      mask-generalization-only  attribute heads made mixed                      role map
+                                (dear.generalization_mask_only); a map made     DeAR(class_branch_
+                                by hand: no class-branch fallback               fallback=False)
+      branch-ce                 + MMRL's 0.7 CE(class) + 0.3 CE(attribute       dear_loss(branch_ce)
+                                branches), not the paper's loss
+    """
+    def uniform_mixed(attributes: List[str]) -> dear.RoleMap:  # over the map's own layers
+        return dear.RoleMap.uniform("mixed", role_map.vision_layers, role_map.num_heads,
+                                    role_map.layers, attributes)
+
+    change = Ablated(role_map, list(attributes), True, lambda_fusion, False)
+    if name is None:
+        return change
+    if name == "no-role-mask":
+        return change._replace(role_map=uniform_mixed(list(attributes)))
+    if name == "no-attribute-tokens":
+        return change._replace(role_map=uniform_mixed([]), attributes=[])
+    if name == "no-fusion-reg":
+        return change._replace(lambda_fusion=0.0)
+    if name == "mask-generalization-only":
+        return change._replace(role_map=dear.generalization_mask_only(role_map),
+                               class_branch_fallback=False)
+    if name == "branch-ce":
+        return change._replace(branch_ce=True)
+    raise TrainError(f"ablation {name!r}: use one of {', '.join(ABLATIONS)}")
+
+
+def ablation_roles(name: str) -> Optional[str]:
+    """The --roles row an ablation is, where its one change is the role map alone and --roles
+    makes that map (made once, whichever asks); None: the DeAR row with the change."""
+    return "all-mixed" if name == "no-role-mask" else None
+
 
 
 @dataclass
@@ -776,9 +836,10 @@ def dear_rows(settings) -> List[tuple]:
     rows = [(row_name(roles), roles, None) for roles in settings["roles"]]
     source = next((r for r in settings["roles"] if r not in ROLE_ABLATIONS), None)  # analyse/file
     for name in settings["ablations"]:
-        row = row_name("all-mixed") if name == "no-role-mask" else f"dear-{name}"
+        roles = ablation_roles(name)
+        row = row_name(roles) if roles is not None else f"dear-{name}"
         if row not in [r for r, _, _ in rows]:
-            rows.append((row, "all-mixed", None) if name == "no-role-mask" else (row, source, name))
+            rows.append((row, roles, None) if roles is not None else (row, source, name))
     return rows
 
 
@@ -830,7 +891,7 @@ def job_settings(settings, job: Job) -> dict:
 
 
 # ------------------------------------------------------------------------------------------
-# 4. Input files: the model, the BPE file, role files, their fingerprints, the analysis cache
+# 4. Input files: the model, the BPE file, the description pool, role files, fingerprints, the cache
 # ------------------------------------------------------------------------------------------
 
 
@@ -880,6 +941,86 @@ def description_pool(choice: str, project_bank: list, log: Callable[[str], None]
             raise TrainError(f"--bank {error}") from None
     digest = digest or hashlib.sha256(json.dumps(pool).encode()).hexdigest()  # the project's: of its entries
     return pool, dict(bank=choice, sha256=digest, descriptions=len(pool))
+
+
+# The head analysis' description pool (--bank), read and checked before any model is read.
+
+
+def analysing(settings) -> bool:
+    """The call runs DeAR's own head analysis (--roles analyse), or --analyse-only."""
+    return settings["analyse_only"] or ("dear" in settings["method"]
+                                        and "analyse" in settings["roles"])
+
+
+def description_bank(toy: bool) -> List[tuple]:
+    if toy:
+        from toyworld import world  # only the word lists: cheap, builds nothing
+
+        return world.toy_bank()
+    return [tuple(entry) for entry in dear.description_bank()]
+
+
+def read_pool(settings, attributes: List[str]):
+    """The head analysis' description pool (--bank), checked against what the analysis will ask
+    of it before any model is read -> (triples, record); a call that analyses nothing (a resumed
+    one reads its run folder's role map): None, and no pool is read or fetched."""
+    if settings["resume"] or settings["eval_only"] or not analysing(settings):
+        return None
+    toy = settings["dataset"] == ["toyworld"]
+    if settings["bank"] == "textspan":  # the pool that is downloaded: what costs nothing first
+        check_encoder(settings, settings["concepts"] or "clusters")  # it has no labels
+    try:
+        bank, record = description_pool(settings["bank"], description_bank(toy), print)
+    except TrainError as error:  # say why a pool never typed is read
+        if settings["analysis"] == "paper" and settings["bank"] == "textspan":
+            raise TrainError(f"--analysis paper reads TextSpan's pool: {error}") from None
+        raise
+    record["concepts"] = (settings["concepts"]  # unset: the pool decides
+                          or dear.default_concepts(bank))
+    check_pool(settings, bank, record["concepts"], attributes)
+    check_encoder(settings, record["concepts"])
+    for line in analysis_header(settings, record["concepts"], toy):
+        print(line)
+    return bank, record
+
+
+def check_encoder(settings, concepts: str) -> None:
+    """--sentence-encoder against the concepts, then installed and there (before any download)."""
+    if concepts == "labels" and settings["bank"] == "textspan":
+        raise TrainError("--concepts labels: TextSpan's pool has no labels; "
+                         "use --concepts clusters")
+    if concepts == "labels" and settings["sentence_encoder"] != "clip":
+        raise TrainError(f"--sentence-encoder {settings['sentence_encoder']}: the concepts are the "
+                         f"pool's labels (--bank {settings['bank']}), which no encoder touches; "
+                         "add --concepts clusters (or --analysis paper), or drop the encoder")
+    check_sentence_encoder(settings["sentence_encoder"])
+
+
+def check_pool(settings, bank: List[tuple], concepts: str, attributes: List[str]) -> None:
+    """The pool against what the analysis will ask of it, before any model is read: its labels for
+    --concepts labels, and enough distinct lines for the picks (typed, else the pool's default)."""
+    try:
+        dear.check_concepts(concepts, [dear.Description(*entry) for entry in bank])
+        picks = default_picks(settings, bank, attributes)
+    except dear.DeARError as error:
+        raise TrainError(f"--bank {settings['bank']}: {error}") from None
+    if settings["descriptions"] is not None:  # typed: refused past the pool, the images, the rank
+        # TextSpan's rank is the head width: --head-width, else OpenAI's, until the model is read
+        rank = settings["head_width"] or clip_model.OPENAI_HEAD_WIDTH
+        dear.analysis_picks(settings["descriptions"], len(bank), settings["analysis_images"],
+                            rank=rank, default=picks)
+    elif len(bank) < picks:
+        raise TrainError(f"--bank {settings['bank']}: {len(bank)} distinct descriptions, "
+                         f"and TextSpan makes {picks} picks per head; give a pool of at least "
+                         f"{picks}, or --descriptions {len(bank)} or fewer")
+
+
+def default_picks(settings, bank: List[tuple], attributes: List[str]) -> int:
+    """TextSpan's picks per head unless --descriptions says: the paper's 20 under --analysis paper,
+    else the pool's rule (dear.default_picks: a labelled pool's fewest values of an attribute)."""
+    if settings["analysis"] == "paper":
+        return dear.PAPER_PICKS
+    return dear.default_picks(bank, attributes)
 
 
 def scoring_labels(choice: str, pool: list, project_bank: list) -> Dict[str, str]:
@@ -1219,7 +1360,7 @@ def copy_role_maps(settings, clip, records: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------
-# 5. The run folder: files written whole, the lock, checkpoints and their checks
+# 5. The run folder: files written whole, the lock, checkpoints, their checks, resuming
 # ------------------------------------------------------------------------------------------
 # Every file is written to a temporary name and renamed (clip_model.atomic_write: a reader
 # never sees half a file), a checkpoint or results.json is accepted only with the settings of
@@ -1417,6 +1558,85 @@ def save_checkpoint(path: str, settings: dict, epoch: int, model, optimizer, sca
                              "free disk space, then continue with --resume") from None
 
     clip_model.atomic_write(path, write)  # a run killed mid-save keeps the previous epoch's
+
+
+def resume_checkpoint(job: Job, settings, model, optimizer, scaler, runtime: Runtime) -> int:
+    """--resume: the run's last checkpoint loaded (the tokens, the optimizer's moments, the
+    scaler) -> the epoch it ends (0: none saved yet)."""
+    path = os.path.join(job.folder, "checkpoint.pt")
+    checkpoint = load_run_file(path, job_settings(settings, job))
+    if checkpoint is None:
+        return 0
+    model.load_learnable_state_dict(checkpoint["learnable"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    # the precision may have changed (--amp, another GPU): a fresh scaler where none was saved
+    load_scaler_state(scaler, checkpoint["scaler"],
+                      lambda line: runtime.log(f"[{job.label}] {line}"))
+    runtime.log(f"[{job.label}] resumed after epoch {checkpoint['epoch']}/{settings['epochs']}")
+    return checkpoint["epoch"]
+
+
+def end_epoch(epoch: int, job: Job, settings, model: dear.DeAR, optimizer, scaler, progress,
+              runtime: Runtime) -> None:
+    """The checkpoint (rank 0 writes; every rank holds the same tokens) and the epoch's line."""
+    if runtime.main:
+        path = os.path.join(job.folder, "checkpoint.pt")
+        expected = job_settings(settings, job)
+        save_checkpoint(path, expected, epoch + 1, model, optimizer, scaler)
+    alpha = ", ".join(f"{a:.2f}" for a in model.fusion_weights().tolist())
+    took = format_time(time.time() - progress.epoch_started)
+    runtime.log(f"[{job.label}] epoch {epoch + 1} done in {took}; "
+                f"fusion weights alpha (cls, {', '.join(model.attributes)}) = {alpha}; "
+                "checkpoint saved")
+
+
+def finish_job(job: Job, settings, model: dear.DeAR, stop: int, runtime: Runtime):
+    """The trained model, or None where --max-epochs-per-call stopped the run first."""
+    if runtime.world > 1:
+        dist.barrier()
+    if stop < settings["epochs"]:
+        runtime.log(f"[{job.label}] stopped after epoch {stop}/{settings['epochs']} "
+                    "(--max-epochs-per-call); continue with: "
+                    f"python train.py --output {settings['output']} --resume")
+        return None
+    return model
+
+
+def finished_checkpoint(job: Job, settings) -> dict:
+    """--eval-only: the run's checkpoint, checked against its settings and finished."""
+    path = os.path.join(job.folder, "checkpoint.pt")
+    checkpoint = load_run_file(path, job_settings(settings, job))
+    if checkpoint is None or checkpoint["epoch"] < settings["epochs"]:
+        raise TrainError(f"{job.folder}: no finished checkpoint to evaluate; "
+                         "finish it with --resume")
+    return checkpoint
+
+
+def evaluation_record(job: Job, settings, model, accuracy: dict, logits: dict, betas: dict) -> dict:
+    """A zero-shot or DeAR job's results.json (retrieval added by train.run_job): "metrics" and
+    "logits", the first --fusion mode's numbers and which logits scored each set (accuracy: {set:
+    {kind of logits: top-1 %}}, logits: {mode: {set: kind}}); *_by_fusion: the same for every
+    mode; role_map: the analysed map this run used, if any; alpha: DeAR's learned fusion weight
+    per branch; parameters: its learnable ones per component; test_beta: each set's beta at
+    test ({set: beta})."""
+    by_fusion = {mode: {name: accuracy[name][kind] for name, kind in logits[mode].items()}
+                 for mode in settings["fusion"]}
+    for metrics in by_fusion.values():
+        if settings["protocol"] == "base2novel":
+            metrics["hm"] = harmonic_mean(metrics["base"], metrics["novel"])
+    first = settings["fusion"][0]
+    alpha = parameters = None
+    if model is not None:
+        alpha = dict(zip(["class"] + model.attributes, model.fusion_weights().tolist()))
+        counts = model.parameter_counts()  # per component of the token construction
+        parameters = dict(tokens=model.tokens, learnable=sum(counts.values()), components=counts)
+    role_record = None
+    if job.roles == "analyse":
+        role_record = (settings["role_maps"] or {}).get(job.dataset)
+    return dict(job=asdict(job), metrics=by_fusion[first], fusion=first, logits=logits[first],
+                metrics_by_fusion=by_fusion, logits_by_fusion=logits, accuracy_by_logits=accuracy,
+                role_map=role_record, alpha=alpha, parameters=parameters, test_beta=betas or None,
+                settings=job_settings(settings, job))
 
 
 def differences(found: dict, expected: dict) -> str:

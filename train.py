@@ -14,12 +14,14 @@ shots of every class), cross and dg (one training on ImageNet, tested on the ten
 and on ImageNet-V2, -Sketch, -A, -R). How it fits: clip_model.py is CLIP, data.py reads CoOp's
 layout, dear.py is the method; this file reads top to bottom like nanoGPT's train.py: 1. the
 recipes, 2. data, 3. the model, 4. the training loop, 5. evaluation, then what surrounds them:
-6. resuming and several processes, 7. the head analysis (run once per model, before training),
-8. the other rows and checks, one job end to end, and main. The run folder's harness
-(flags and settings, their checks, fingerprints, the lock, checkpoints, tables, pictures) is
-runs.py. A run folder holds per dataset / row / seed a checkpoint.pt and results.json (a run is
-complete once it exists), per trained dataset the head roles it used (<dataset>/roles/), and at
-the top settings.json, summary.json and summary.md. Layers count from 1, as in the paper (J = 9).
+6. what the loop calls (the class prompts, the loader, several processes, the per-epoch seeds),
+7. the head analysis (run once per model, before training), 8. the other rows and checks, one
+job end to end, and main. The run folder's harness (flags and settings, their checks, the
+ablations' one function, the analysis' description pool, fingerprints, the lock, checkpoints and
+resuming, tables, pictures) is runs.py. A run folder holds per dataset / row / seed a
+checkpoint.pt and results.json (a run is complete once it exists), per trained dataset the head
+roles it used (<dataset>/roles/), and at the top settings.json, summary.json and summary.md.
+Layers count from 1, as in the paper (J = 9).
 
 Shapes, the project's letters (as in clip_model.py and dear.py): B images in a batch; C classes;
 E the joint embedding's width; A attribute tokens; n images of a list (features of a whole split);
@@ -41,7 +43,6 @@ from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -60,17 +61,20 @@ from runs import TrainError
 
 @dataclass(frozen=True)
 class Recipe:
-    """How one protocol trains one dataset; the field defaults are MMRL++'s base-to-novel yaml.
-    Each field is the default of the flag of the same name."""
+    """How one protocol trains one dataset. Each field is the default of the flag of the same
+    name; the defaults are MMRL++'s base-to-novel yaml (configs/trainers/MMRLpp/vit_b16.yaml)
+    but for the three whose comment names another source (K, --text-tokens, is ours and no
+    field: runs.resolve_text_tokens)."""
     epochs: int = 10  # training epochs, the warm-up epochs included
     batch_size: int = 4  # images per step (per process under torchrun)
     lr: float = 1e-3  # AdamW's learning rate after the warm-up, then cosine decay
     warmup_epochs: int = 1  # epochs at the constant WARMUP_LR before the cosine (Dassl's recount)
-    shots: int = 16  # training images per class (every protocol but fewshot, which sweeps)
+    shots: int = 16  # training images per class, but fewshot's sweep: MMRL++'s scripts, no yaml
     lambda_reg: float = 1.0  # weight of the self-regularisation loss (docs/METHOD.md Sec. 5)
-    lambda_fusion: float = 0.1  # weight of the fusion-weight regularisation loss (our choice)
+    lambda_fusion: float = 0.1  # weight of the fusion-weight regularisation loss: our choice
     beta: float = 0.9  # each layer's fresh tokens against the previous layer's output tokens
-    first_layer: str = "auto"  # J, 1-based as in the paper; auto = first of the last four layers
+    # J, 1-based: the paper's (MMRL++ starts at layer 6); auto = first of the last four layers
+    first_layer: str = "auto"
     augment: bool = True  # random resized crop + flip (CoOp's)
 
 
@@ -159,7 +163,11 @@ TOY_DEFAULTS = dict(method=list(runs.METHODS), roles=["all-mixed", "all-generali
 
 def attribute_tokens(toy: bool) -> List[str]:
     """One attribute token each: the paper's five core attributes, or the toy world's four."""
-    return world_attributes() if toy else list(dear.CORE_ATTRIBUTES)
+    if toy:
+        from toyworld import world  # only the word lists: cheap, builds nothing
+
+        return list(world.ATTRIBUTES)
+    return list(dear.CORE_ATTRIBUTES)
 
 
 # K (--text-tokens) is in no table: unset, dear.default_text_tokens (runs.resolve_text_tokens).
@@ -251,7 +259,7 @@ def check_datasets(settings, jobs: List[runs.Job]) -> None:
         names += settings["dataset"]  # cross, dg: the targets
     pool, _ = runs.analysis_pool_of(settings["analysis_pool"])
     fresh = not (settings["resume"] or settings["eval_only"])
-    if pool is not None and analysing(settings) and fresh:
+    if pool is not None and runs.analysing(settings) and fresh:
         names.append(pool)
     for name in dict.fromkeys(names):
         data.dataset_folder(name, settings["root"])
@@ -316,58 +324,13 @@ class Inputs:
     files: dict  # root, weights, head_width, bpe, fingerprints: merged into the settings once
 
 
-def description_bank(toy: bool) -> List[tuple]:
-    if toy:
-        from toyworld import world  # only the word lists: cheap, builds nothing
-
-        return world.toy_bank()
-    return [tuple(entry) for entry in dear.description_bank()]
-
-
-def read_pool(settings):
-    """The head analysis' description pool (--bank), checked against what the analysis will ask
-    of it before any model is read -> (triples, record); a call that analyses nothing (a resumed
-    one reads its run folder's role map): None, and no pool is read or fetched."""
-    if settings["resume"] or settings["eval_only"] or not analysing(settings):
-        return None
-    toy = settings["dataset"] == ["toyworld"]
-    if settings["bank"] == "textspan":  # the pool that is downloaded: what costs nothing first
-        check_encoder(settings, settings["concepts"] or "clusters")  # it has no labels
-    try:
-        bank, record = runs.description_pool(settings["bank"], description_bank(toy), print)
-    except TrainError as error:  # say why a pool never typed is read
-        if settings["analysis"] == "paper" and settings["bank"] == "textspan":
-            raise TrainError(f"--analysis paper reads TextSpan's pool: {error}") from None
-        raise
-    record["concepts"] = (settings["concepts"]  # unset: the pool decides
-                          or dear.default_concepts(bank))
-    attributes = world_attributes() if toy else list(dear.CORE_ATTRIBUTES)
-    check_pool(settings, bank, record["concepts"], attributes)
-    check_encoder(settings, record["concepts"])
-    for line in runs.analysis_header(settings, record["concepts"], toy):
-        print(line)
-    return bank, record
-
-
-def check_encoder(settings, concepts: str) -> None:
-    """--sentence-encoder against the concepts, then installed and there (before any download)."""
-    if concepts == "labels" and settings["bank"] == "textspan":
-        raise TrainError("--concepts labels: TextSpan's pool has no labels; "
-                         "use --concepts clusters")
-    if concepts == "labels" and settings["sentence_encoder"] != "clip":
-        raise TrainError(f"--sentence-encoder {settings['sentence_encoder']}: the concepts are the "
-                         f"pool's labels (--bank {settings['bank']}), which no encoder touches; "
-                         "add --concepts clusters (or --analysis paper), or drop the encoder")
-    runs.check_sentence_encoder(settings["sentence_encoder"])
-
-
 def open_inputs(settings, runtime: runs.Runtime, pool) -> Inputs:
     """Find and read the model, the BPE file and a --roles file, each checked against the settings
     before any run folder is written. The toy world enters here, through toyworld.prepare, which
     makes or reuses its model, BPE file and data in the cache."""
     files = {key: settings[key] for key in ("root", "weights", "head_width", "bpe")}
     toy = settings["dataset"] == ["toyworld"]
-    attributes = list(dear.CORE_ATTRIBUTES) if not toy else world_attributes()
+    attributes = attribute_tokens(toy)
     if pool is None:  # no analysis in this call: a resumed run keeps the pool's recorded SHA-256
         pool = [], dict(concepts=None, sha256=(settings["fingerprints"] or {}).get("bank"))
     bank, record = pool
@@ -391,57 +354,16 @@ def open_inputs(settings, runtime: runs.Runtime, pool) -> Inputs:
     return Inputs(clip, tokenizer, attributes, bank, record["concepts"], cluster_names, toy, files)
 
 
-def world_attributes() -> List[str]:
-    from toyworld import world  # only the word lists: cheap, builds nothing
-
-    return list(world.ATTRIBUTES)
-
-
-def check_pool(settings, bank: List[tuple], concepts: str, attributes: List[str]) -> None:
-    """The pool against what the analysis will ask of it, before any model is read: its labels for
-    --concepts labels, and enough distinct lines for the picks (typed, else the pool's default)."""
-    try:
-        dear.check_concepts(concepts, [dear.Description(*entry) for entry in bank])
-        picks = default_picks(settings, bank, attributes)
-    except dear.DeARError as error:
-        raise TrainError(f"--bank {settings['bank']}: {error}") from None
-    if settings["descriptions"] is not None:  # typed: refused past the pool, the images, the rank
-        # TextSpan's rank is the head width: --head-width, else OpenAI's, until the model is read
-        rank = settings["head_width"] or clip_model.OPENAI_HEAD_WIDTH
-        dear.analysis_picks(settings["descriptions"], len(bank), settings["analysis_images"],
-                            rank=rank, default=picks)
-    elif len(bank) < picks:
-        raise TrainError(f"--bank {settings['bank']}: {len(bank)} distinct descriptions, "
-                         f"and TextSpan makes {picks} picks per head; give a pool of at least "
-                         f"{picks}, or --descriptions {len(bank)} or fewer")
-
-
-def default_picks(settings, bank: List[tuple], attributes: List[str]) -> int:
-    """TextSpan's picks per head unless --descriptions says: the paper's 20 under --analysis paper,
-    else the pool's rule (dear.default_picks: a labelled pool's fewest values of an attribute)."""
-    if settings["analysis"] == "paper":
-        return dear.PAPER_PICKS
-    return dear.default_picks(bank, attributes)
-
-
 def build_dear(settings, inputs: Inputs, role_map: dear.RoleMap,
                ablation: Optional[str] = None) -> dear.DeAR:
-    """DeAR on the frozen CLIP: the one place it is built (to train, and for --eval-only), with
-    an ablation's change of the model. Its learnable tokens come from torch's global generator:
-    the caller seeds it."""
-    attributes = inputs.attributes
-    # A = 0: the class branch and the text tokens alone (under --tokens shared the K latent
-    # tokens still learn, mapped into the text tower only: no vision token, no vision map)
-    if ablation == "no-attribute-tokens":
-        attributes = []
-        role_map = dear.RoleMap.uniform("mixed", role_map.vision_layers, role_map.num_heads,
-                                        role_map.layers, attributes)
-    if ablation == "mask-generalization-only":  # attribute heads made mixed: all tokens read there
-        role_map = dear.generalization_mask_only(role_map)
-    return dear.DeAR(inputs.clip, role_map, attributes,
+    """DeAR on the frozen CLIP: the one place it is built (to train, and for --eval-only), at the
+    recipe's beta, with an ablation's change (runs.ablate). Its learnable tokens come from torch's
+    global generator: the caller seeds it."""
+    change = runs.ablate(ablation, role_map, inputs.attributes, settings["lambda_fusion"])
+    return dear.DeAR(inputs.clip, change.role_map, change.attributes,
                      first_layer=runs.first_layer(settings, inputs.clip),
                      beta=settings["beta"], num_text_tokens=settings["text_tokens"],
-                     tokens=settings["tokens"])
+                     tokens=settings["tokens"], class_branch_fallback=change.class_branch_fallback)
 
 
 # ------------------------------------------------------------------------------------------
@@ -464,8 +386,8 @@ def learning_rate(settings, epoch: int) -> float:
 def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap,
               split: data.DatasetSplits, runtime: runs.Runtime) -> Optional[dear.DeAR]:
     """Train one DeAR run, a checkpoint at every epoch end -> the model (None if
-    --max-epochs-per-call stopped it first). The loop is the paper's Sec. 3.4; resuming, several
-    processes and the per-epoch seeds are the helpers below it."""
+    --max-epochs-per-call stopped it first). The loop is the paper's Sec. 3.4; several processes
+    and the per-epoch seeds are the helpers of Sec. 6 below; resuming and checkpoints, runs.py's."""
     torch.manual_seed(job.seed)  # the learnable tokens' initialisation
     model = build_dear(settings, inputs, role_map, job.ablation).to(runtime.device)
     # the tokens and fusion weights alone
@@ -473,16 +395,20 @@ def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap,
                                   weight_decay=settings["weight_decay"])
     # the loss scaler: fp16 only; bf16 needs none
     scaler = runs.grad_scaler(runtime.device, enabled=runtime.amp_dtype == torch.float16)
-    start, stop = resume(job, settings, model, optimizer, scaler, runtime)  # epochs [start, stop)
+    # --resume: from the run's last checkpoint; the epochs [start, stop) of this call
+    start = (runs.resume_checkpoint(job, settings, model, optimizer, scaler, runtime)
+             if settings["resume"] else 0)
+    stop = min(settings["epochs"], start + (settings["max_epochs_per_call"] or settings["epochs"]))
+    describe(job, model, runtime)
     if start >= settings["epochs"]:
         return model
     classes = class_prompts(model, inputs, split, runtime)  # the frozen text side up to J, once
     loader = training_loader(job, settings, split, inputs.clip, runtime)
     network = distributed(model, settings, runtime)  # DDP under torchrun, else the model itself
     lambda_reg = settings["lambda_reg"]
-    # ablations of the loss
-    lambda_fusion = 0.0 if job.ablation == "no-fusion-reg" else settings["lambda_fusion"]
-    branch_ce = job.ablation == "branch-ce"  # MMRL's CE per branch beside the fused one: not DeAR's
+    # the loss's settings, an ablation's change included
+    change = runs.ablate(job.ablation, role_map, inputs.attributes, settings["lambda_fusion"])
+    lambda_fusion, branch_ce = change.lambda_fusion, change.branch_ce
     progress = runs.Progress(job.label, settings, runtime, steps=(stop - start) * len(loader))
     model.train()
     for epoch in range(start, stop):
@@ -499,20 +425,16 @@ def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap,
             scaler.step(optimizer)
             scaler.update()
             progress.step(epoch, step, len(loader), lr, losses, output.logits, labels)
-        end_epoch(epoch, job, settings, model, optimizer, scaler, progress, runtime)  # checkpoint
-    return finish(job, settings, model, stop, runtime)
+        runs.end_epoch(epoch, job, settings, model, optimizer, scaler, progress, runtime)
+    return runs.finish_job(job, settings, model, stop, runtime)  # None: stopped early
 
 
 # ------------------------------------------------------------------------------------------
 # 5. Evaluation: top-1 accuracy under each fusion rule
 # ------------------------------------------------------------------------------------------
 # DeAR gives two kinds of logits in one pass (fused, and the class branch alone); the fusion
-# mode (runs.FUSION_MODES) decides per test set which one is reported (logits_used).
-
-
-def logits_used(eval_set: EvalSet, fusion: str) -> str:
-    """"fused" or "class": which of DeAR's logits score this test set under this fusion mode."""
-    return dear.scoring_logits(fusion, eval_set.trained)
+# mode (runs.FUSION_MODES) decides per test set which one is reported (dear.scoring_logits). Each
+# test set is scored at its own beta (beta_at_test): MMRL++ tests each cross/dg target at its own.
 
 
 def beta_at_test(settings, eval_set: EvalSet) -> float:
@@ -524,65 +446,67 @@ def beta_at_test(settings, eval_set: EvalSet) -> float:
     return MMRLPP_CD_TEST_BETA.get(eval_set.name, settings["beta"])
 
 
+@contextlib.contextmanager
+def beta_for_test(model: Optional[dear.DeAR], beta: Optional[float]):
+    """DeAR at `beta` inside the block, at the beta it was built with after (None: unchanged)."""
+    if model is None or beta is None:
+        yield
+        return
+    built, model.beta = model.beta, beta
+    try:
+        yield
+    finally:
+        model.beta = built
+
+
 def zero_shot_logits(clip, image_features: torch.Tensor, text_features: torch.Tensor):
     """CLIP's zero-shot logits, s * cos: (B, E), (C, E) -> (B, C), in fp32 under any autocast."""
     return dear.cosine_logits(image_features, text_features, clip.logit_scale.exp())
 
 
 @torch.no_grad()
-def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings,
-             runtime: runs.Runtime) -> Dict[str, float]:
+def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings, runtime: runs.Runtime,
+             beta: Optional[float] = None) -> Dict[str, float]:
     """Top-1 accuracy (%) -> {"clip": acc} for zero-shot CLIP (model=None), or {"fused": acc,
     "class": acc} for DeAR (the class branch alone: s * cos(f_cls, t_c)), from one pass over the
-    images. Under torchrun each process takes every world-th image and the counts are summed."""
-    prompts = [eval_set.template.format(name) for name in eval_set.classnames]
-    ids = tokenizer.tokenize(prompts, clip.context_length, truncate=True).to(runtime.device)
-    with runs.autocast(runtime):  # the class prompts, once per test set
-        if model is None:
-            text = clip.encode_text(ids)  # (C, E)
-        else:
-            # (C, E) with the learned text tokens
-            text = model.encode_text(model.prepare_classes(ids))
-    items = eval_set.items[runtime.rank::runtime.world]
-    kinds = ["clip"] if model is None else ["fused", "class"]
-    correct = [0] * len(kinds)
-    for images, labels in loader_of(items, settings, clip.visual.input_resolution):
-        images = images.to(runtime.device)
-        # The encoders under autocast; every score in fp32 (dear.cosine_logits, fused_logits).
-        with runs.autocast(runtime):
+    images, DeAR's tokens mixed at `beta` (beta_at_test; None: the beta it was built with).
+    Under torchrun each process takes every world-th image and the counts are summed."""
+    with beta_for_test(model, beta):
+        prompts = [eval_set.template.format(name) for name in eval_set.classnames]
+        ids = tokenizer.tokenize(prompts, clip.context_length, truncate=True).to(runtime.device)
+        with runs.autocast(runtime):  # the class prompts, once per test set
             if model is None:
-                scores = [zero_shot_logits(clip, clip.encode_image(images), text)]  # (B, C)
+                text = clip.encode_text(ids)  # (C, E)
             else:
-                f_cls, f_attr, _ = model.encode_image(images)  # (B, E), (B, A, E)
-                features = torch.cat([f_cls[:, None], f_attr], dim=1)  # (B, 1 + A, E)
-                fused, branches = model.fused_logits(features, text)  # (B, C), (B, 1 + A, C)
-                scores = [fused, branches[:, 0]]  # (B, C) each
-        for i, logits in enumerate(scores):
-            correct[i] += (logits.argmax(dim=-1).cpu() == labels).sum().item()
-    *correct, total = runs.sum_over_processes(correct + [len(items)], runtime)
-    return {kind: 100.0 * c / max(total, 1) for kind, c in zip(kinds, correct)}
+                # (C, E) with the learned text tokens
+                text = model.encode_text(model.prepare_classes(ids))
+        items = eval_set.items[runtime.rank::runtime.world]
+        kinds = ["clip"] if model is None else ["fused", "class"]
+        correct = [0] * len(kinds)
+        for images, labels in loader_of(items, settings, clip.visual.input_resolution):
+            images = images.to(runtime.device)
+            # The encoders under autocast; every score in fp32 (dear.cosine_logits, fused_logits).
+            with runs.autocast(runtime):
+                if model is None:
+                    scores = [zero_shot_logits(clip, clip.encode_image(images), text)]  # (B, C)
+                else:
+                    f_cls, f_attr, _ = model.encode_image(images)  # (B, E), (B, A, E)
+                    features = torch.cat([f_cls[:, None], f_attr], dim=1)  # (B, 1 + A, E)
+                    fused, branches = model.fused_logits(features, text)  # (B, C), (B, 1 + A, C)
+                    scores = [fused, branches[:, 0]]  # (B, C) each
+            for i, logits in enumerate(scores):
+                correct[i] += (logits.argmax(dim=-1).cpu() == labels).sum().item()
+        *correct, total = runs.sum_over_processes(correct + [len(items)], runtime)
+        return {kind: 100.0 * c / max(total, 1) for kind, c in zip(kinds, correct)}
 
 
 # ------------------------------------------------------------------------------------------
-# 6. Around the loop: resuming, several processes, the per-epoch seeds
+# 6. What the loop calls: the class prompts, the loader, several processes, the per-epoch seeds
 # ------------------------------------------------------------------------------------------
 
 
-def resume(job: runs.Job, settings, model, optimizer, scaler, runtime: runs.Runtime):
-    """The epochs this call trains, (start, stop): from the run's last checkpoint under --resume
-    (the tokens, the optimizer's moments, the scaler), to --max-epochs-per-call or the end."""
-    checkpoint_path = os.path.join(job.folder, "checkpoint.pt")
-    checkpoint = None
-    if settings["resume"]:
-        checkpoint = runs.load_run_file(checkpoint_path, runs.job_settings(settings, job))
-    start = 0 if checkpoint is None else checkpoint["epoch"]
-    if checkpoint is not None:
-        model.load_learnable_state_dict(checkpoint["learnable"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        # the precision may have changed (--amp, another GPU): a fresh scaler where none was saved
-        runs.load_scaler_state(scaler, checkpoint["scaler"],
-                               lambda line: runtime.log(f"[{job.label}] {line}"))
-        runtime.log(f"[{job.label}] resumed after epoch {start}/{settings['epochs']}")
+def describe(job: runs.Job, model: dear.DeAR, runtime: runs.Runtime) -> None:
+    """The run's model in two lines: J, the fallback, the learnable parameters per component."""
     alone = "; class branch alone (no attribute head)" if model.class_branch_only else ""
     runtime.log(f"[{job.label}] attribute tokens from layer J={model.first_layer} (1-based)"
                 f"{alone}; {model.parameter_summary()}")
@@ -590,8 +514,6 @@ def resume(job: runs.Job, settings, model, optimizer, scaler, runtime: runs.Runt
     runtime.log(f"[{job.label}] learnable parameters, tokens {model.tokens}: "
                 + " + ".join(f"{name} {n:,}" for name, n in counts.items())
                 + f" = {sum(counts.values()):,}")
-    per_call = settings["max_epochs_per_call"] or settings["epochs"]
-    return start, min(settings["epochs"], start + per_call)
 
 
 def class_prompts(model: dear.DeAR, inputs: Inputs, split: data.DatasetSplits,
@@ -654,32 +576,6 @@ def start_epoch(epoch: int, job: runs.Job, settings, loader: DataLoader, optimiz
     return lr
 
 
-def end_epoch(epoch: int, job: runs.Job, settings, model: dear.DeAR, optimizer, scaler, progress,
-              runtime: runs.Runtime) -> None:
-    """The checkpoint (rank 0 writes; every rank holds the same tokens) and the epoch's line."""
-    if runtime.main:
-        path = os.path.join(job.folder, "checkpoint.pt")
-        expected = runs.job_settings(settings, job)
-        runs.save_checkpoint(path, expected, epoch + 1, model, optimizer, scaler)
-    alpha = ", ".join(f"{a:.2f}" for a in model.fusion_weights().tolist())
-    took = runs.format_time(time.time() - progress.epoch_started)
-    runtime.log(f"[{job.label}] epoch {epoch + 1} done in {took}; "
-                f"fusion weights alpha (cls, {', '.join(model.attributes)}) = {alpha}; "
-                "checkpoint saved")
-
-
-def finish(job: runs.Job, settings, model: dear.DeAR, stop: int, runtime: runs.Runtime):
-    """The trained model, or None where --max-epochs-per-call stopped the run first."""
-    if runtime.world > 1:
-        dist.barrier()
-    if stop < settings["epochs"]:
-        runtime.log(f"[{job.label}] stopped after epoch {stop}/{settings['epochs']} "
-                    "(--max-epochs-per-call); continue with: "
-                    f"python train.py --output {settings['output']} --resume")
-        return None
-    return model
-
-
 # ------------------------------------------------------------------------------------------
 # 7. The head analysis (paper Sec. 3.2): once per model and image pool, cached
 # ------------------------------------------------------------------------------------------
@@ -687,11 +583,6 @@ def finish(job: runs.Job, settings, model: dear.DeAR, stop: int, runtime: runs.R
 # per (weights, pool, bank, analysis settings), cached (runs.analysis_cache), reused by every run
 # asking the same. Each run folder keeps a copy (<dataset>/roles/): --resume and --eval-only never
 # need the cache.
-
-
-def analysing(settings) -> bool:
-    return settings["analyse_only"] or ("dear" in settings["method"]
-                                        and "analyse" in settings["roles"])
 
 
 def analysis_pool(settings, datasets: Datasets, dataset: str):
@@ -737,7 +628,7 @@ def run_head_analysis(settings, inputs: Inputs, items: list, pool: str, picks: i
         min_cluster_size=settings["min_cluster_size"], min_samples=settings["min_samples"],
         cluster_names=inputs.cluster_names, log=runtime.log)
     role_map.source = f"concept entropy ({inputs.concepts}) on {pool}"
-    labels = runs.scoring_labels(settings["bank"], inputs.bank, description_bank(inputs.toy))
+    labels = runs.scoring_labels(settings["bank"], inputs.bank, runs.description_bank(inputs.toy))
     table, clusters = role_map.table(), runs.clusters_table(role_map, labels, encoder)
     runtime.log(table + "\n" + clusters)
     runs.draw_heatmap(role_map, os.path.join(folder, "roles.png"))
@@ -784,7 +675,7 @@ def analysed_role_maps(settings, inputs: Inputs, datasets: Datasets, runtime: ru
     pool, images, picks, sha256, cache)}: a new run's from the cache (analysing what is missing);
     --resume / --eval-only read the run folder's copies, checked against settings.json."""
     maps, records, encoder = {}, {}, None
-    for dataset in runs.trained_datasets(settings) if analysing(settings) else []:
+    for dataset in runs.trained_datasets(settings) if runs.analysing(settings) else []:
         if settings["resume"] or settings["eval_only"]:
             path = runs.role_copy(settings, dataset, checked=True)
             record = settings["role_maps"][dataset]
@@ -794,7 +685,7 @@ def analysed_role_maps(settings, inputs: Inputs, datasets: Datasets, runtime: ru
             # TextSpan's rank, a head's width: 64 on ViT-B/16, 16 on the toy CLIP
             rank = dear.textspan_rank(inputs.clip)
             embed_dim = inputs.clip.visual.proj.shape[1]
-            default = default_picks(settings, inputs.bank, inputs.attributes)
+            default = runs.default_picks(settings, inputs.bank, inputs.attributes)
             picks = dear.analysis_picks(settings["descriptions"], len(inputs.bank), len(items),
                                         rank=rank, embed_dim=embed_dim, default=default)
             if encoder is None:  # once per call; a named SBERT model is found (or fetched) here
@@ -928,7 +819,6 @@ def run_job(job: runs.Job, settings, inputs: Inputs, role_maps: dict, lists: Run
     """Train (or load) and evaluate one job, then write its results.json -> its results, or None
     if --max-epochs-per-call stopped it."""
     results_path = os.path.join(job.folder, "results.json")
-    expected = runs.job_settings(settings, job)
     if os.path.isfile(results_path) and not settings["eval_only"]:
         with open(results_path, encoding="utf-8") as f:
             return json.load(f)  # finished in an earlier call (checked by runs.check_run_folder)
@@ -936,13 +826,11 @@ def run_job(job: runs.Job, settings, inputs: Inputs, role_maps: dict, lists: Run
     if job.row == "linear-probe":
         split = lists.train[job.dataset, job.seed, job.shots]
         metrics = linear_probe(inputs.clip, split, lists.test[job.dataset], settings, runtime)
-        result = dict(job=dataclasses.asdict(job), metrics=metrics, settings=expected)
+        result = dict(job=dataclasses.asdict(job), metrics=metrics,
+                      settings=runs.job_settings(settings, job))
     else:
         if job.row != "zeroshot" and settings["eval_only"]:
-            checkpoint = runs.load_run_file(os.path.join(job.folder, "checkpoint.pt"), expected)
-            if checkpoint is None or checkpoint["epoch"] < settings["epochs"]:
-                raise TrainError(f"{job.folder}: no finished checkpoint to evaluate; "
-                                 "finish it with --resume")
+            checkpoint = runs.finished_checkpoint(job, settings)
             role_map = role_maps[job.dataset, job.roles]
             model = build_dear(settings, inputs, role_map, job.ablation).to(runtime.device)
             model.load_learnable_state_dict(checkpoint["learnable"])
@@ -957,43 +845,20 @@ def run_job(job: runs.Job, settings, inputs: Inputs, role_maps: dict, lists: Run
         logits = {mode: {} for mode in settings["fusion"]}  # {mode: {set: kind that scores it}}
         betas = {}  # {set: DeAR's beta on it}
         for eval_set in lists.test[job.dataset]:
+            beta = None
             if model is not None:  # MMRL++'s recipe: each cross/dg target at its own beta
-                betas[eval_set.name] = model.beta = beta_at_test(settings, eval_set)
+                beta = betas[eval_set.name] = beta_at_test(settings, eval_set)
             accuracy[eval_set.name] = evaluate(model, inputs.clip, inputs.tokenizer, eval_set,
-                                               settings, runtime)
+                                               settings, runtime, beta)
             for mode in settings["fusion"]:
-                used = "clip" if model is None else logits_used(eval_set, mode)
+                used = "clip" if model is None else dear.scoring_logits(mode, eval_set.trained)
                 logits[mode][eval_set.name] = used
             scores = ", ".join(f"{v:.2f}% ({kind} logits)"
                                for kind, v in accuracy[eval_set.name].items())
-            beta = f", beta {betas[eval_set.name]:g}" if betas else ""
+            at = f", beta {beta:g}" if beta is not None else ""
             runtime.log(f"[{job.label}] test {eval_set.name}: {scores} "
-                        f"({len(eval_set.items)} images, {len(eval_set.classnames)} classes{beta})")
-        if model is not None:
-            model.beta = settings["beta"]  # the training beta again (retrieval: the trained set)
-        by_fusion = {mode: {name: accuracy[name][kind] for name, kind in logits[mode].items()}
-                     for mode in settings["fusion"]}
-        for metrics in by_fusion.values():
-            if settings["protocol"] == "base2novel":
-                metrics["hm"] = runs.harmonic_mean(metrics["base"], metrics["novel"])
-        first = settings["fusion"][0]
-        # "metrics" and "logits": the first --fusion mode's numbers and which logits scored each
-        # set; *_by_fusion: the same for every mode; role_map: the analysed map this run used, if
-        # any; alpha: DeAR's learned fusion weight per branch; parameters: its learnable ones per
-        # component; test_beta: each set's beta at test.
-        alpha = parameters = None
-        if model is not None:
-            alpha = dict(zip(["class"] + model.attributes, model.fusion_weights().tolist()))
-            counts = model.parameter_counts()  # per component of the token construction
-            parameters = dict(tokens=model.tokens, learnable=sum(counts.values()),
-                              components=counts)
-        role_record = None
-        if job.roles == "analyse":
-            role_record = (settings["role_maps"] or {}).get(job.dataset)
-        result = dict(job=dataclasses.asdict(job), metrics=by_fusion[first], fusion=first,
-                      logits=logits[first], metrics_by_fusion=by_fusion, logits_by_fusion=logits,
-                      accuracy_by_logits=accuracy, role_map=role_record, alpha=alpha,
-                      parameters=parameters, test_beta=betas or None, settings=expected)
+                        f"({len(eval_set.items)} images, {len(eval_set.classnames)} classes{at})")
+        result = runs.evaluation_record(job, settings, model, accuracy, logits, betas)
     if runtime.main:
         # pictures in the run folder; the toy world's precision@10 in the result
         if model is not None:
@@ -1022,7 +887,8 @@ def run(args) -> int:
         # fresh: usable; resumed: locked, every file checked
         runs.check_run_folder(settings, jobs, stack)
         check_datasets(settings, jobs)  # each dataset's folder is there, before any download
-        pool = read_pool(settings)  # the analysis' descriptions, checked before any model is read
+        # the analysis' descriptions, checked before any model is read
+        pool = runs.read_pool(settings, attribute_tokens(settings["dataset"] == ["toyworld"]))
         runtime = runs.setup_runtime(settings)  # the device (and processes, under torchrun)
         stack.callback(runs.end_runtime, runtime)  # the processes' group left on every way out
         inputs = open_inputs(settings, runtime, pool)  # CLIP, tokenizer, the toy world, checked

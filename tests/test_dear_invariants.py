@@ -423,7 +423,8 @@ def test_the_mask_on_generalization_heads_only_makes_each_attribute_head_mixed(t
     assert [h.role for h in ablated.heads] == expected
     assert not any(h.attribute for h in ablated.heads)
     before = make(tiny_deep_clip, MIXED_MAP)
-    after = DeAR(tiny_deep_clip, ablated, ATTRIBUTES, first_layer=1)
+    assert DeAR(tiny_deep_clip, ablated, ATTRIBUTES, first_layer=1).class_branch_only  # measured
+    after = DeAR(tiny_deep_clip, ablated, ATTRIBUTES, first_layer=1, class_branch_fallback=False)
     assert not after.class_branch_only and after.blind_attributes == []  # all read, none falls back
     for layer, head in [(1, 1), (2, 2)]:  # the generalization heads keep their mask ...
         assert torch.equal(after.role_masks[layer, head], before.role_masks[layer, head])

@@ -503,9 +503,10 @@ def test_cross_and_dg_test_each_target_at_mmrlpps_beta_or_all_at_the_trained_one
     seen = []  # (test set, DeAR's beta while it was scored); then the retrieval check's
     real_evaluate, real_retrieval = train.evaluate, train.retrieval_check
 
-    def evaluate(model, clip, tokenizer, eval_set, settings, runtime):
-        seen.append((eval_set.name, None if model is None else model.beta))
-        return real_evaluate(model, clip, tokenizer, eval_set, settings, runtime)
+    def evaluate(model, clip, tokenizer, eval_set, settings, runtime, beta=None):
+        assert model is None or model.beta == 0.2  # built at the training beta, never reassigned
+        seen.append((eval_set.name, beta))
+        return real_evaluate(model, clip, tokenizer, eval_set, settings, runtime, beta)
 
     def retrieval(model, *rest):
         seen.append(("retrieval", model.beta))
@@ -570,8 +571,8 @@ def test_evaluate_scores_the_fused_and_the_class_branch_logits_and_each_set_gets
         assert accuracy == pytest.approx({"fused": fused, "class": alone}), name
         differs |= (out.logits.argmax(-1) != out.branch_logits[:, 0].argmax(-1)).any().item()
         # The documented rule: fused on the trained classes, the class branch alone elsewhere.
-        assert train.logits_used(eval_set, "class-on-unseen") == ("fused" if name == "base" else "class")
-        assert train.logits_used(eval_set, "fused-everywhere") == "fused"
+        assert dear.scoring_logits("class-on-unseen", eval_set.trained) == ("fused" if name == "base" else "class")
+        assert dear.scoring_logits("fused-everywhere", eval_set.trained) == "fused"
     assert differs, "the two kinds of logits agree on every image: the test could not tell them apart"
 
 
@@ -1438,7 +1439,7 @@ def test_analysis_paper_resolves_to_the_papers_settings_and_typed_flags_win(worl
     # ImageNet under --root: its validation images, one map for the model.
     settings = settings_of(common(world, tmp_path / "a", "--dataset", "dtd", "--analysis", "paper"))
     assert [settings[k] for k in keys] == ["paper", "textspan", "clusters", paper, "imagenet:test", 6]
-    assert train.default_picks(settings, dear.description_bank(), dear.CORE_ATTRIBUTES) == 20  # labelled: 16
+    assert runs.default_picks(settings, dear.description_bank(), dear.CORE_ATTRIBUTES) == 20  # labelled: 16
     # No ImageNet under --root: the trained dataset's training images, and the header says so.
     root = tmp_path / "data"
     root.mkdir()
@@ -1467,7 +1468,7 @@ def test_analysis_paper_resolves_to_the_papers_settings_and_typed_flags_win(worl
     # The default: the project's analysis, and its header says it is not the paper's.
     settings = settings_of(common(world, tmp_path / "d", "--dataset", "dtd"))
     assert [settings[k] for k in keys] == ["project", "project", None, "clip", "train", 6]
-    assert train.default_picks(settings, dear.description_bank(), dear.CORE_ATTRIBUTES) == 16
+    assert runs.default_picks(settings, dear.description_bank(), dear.CORE_ATTRIBUTES) == 16
     assert runs.analysis_header(settings, "labels", toy=False) == [
         "head analysis: --analysis project (the default: the project's analysis, not the paper's; --analysis "
         "paper runs the paper's): --bank project, concepts labels, --sentence-encoder none (labels), "
@@ -1611,3 +1612,104 @@ def test_torchrun_trains_shared_tokens_with_blind_branches_and_no_attribute_toke
         assert set(result["metrics"]) == {"base", "novel", "hm"}
     alone = read(out / "dtd/dear-no-attribute-tokens/seed1/results.json")["parameters"]
     assert "vision_aligner" not in alone["components"]
+
+
+# ------------------------------------------------------------------------------------------
+# The test sets' trained flag, the recipe's beta, the one ablation function
+# ------------------------------------------------------------------------------------------
+
+
+def test_each_protocols_test_sets_are_marked_trained_exactly_where_the_classes_were_trained(world, tmp_path):
+    """The flag decides the scoring rule (class-on-unseen: the class branch alone where False):
+    few-shot's one test set holds the trained classes and is scored like base, never like novel."""
+    datasets = train.Datasets(world["root"], log=print)
+
+    def marks(protocol: str, trained: str, *datasets_flag):
+        settings = settings_of(common(world, tmp_path / "unused", "--protocol", protocol, "--dataset", *datasets_flag))
+        return {s.name: s.trained for s in train.evaluation_sets(settings, datasets, trained)}
+
+    assert marks("fewshot", "dtd", "dtd") == {"all": True}
+    assert marks("base2novel", "dtd", "dtd") == {"base": True, "novel": False}
+    assert marks("cross", "imagenet", "dtd") == {"imagenet": True, "dtd": False}
+    (fewshot,) = train.evaluation_sets(settings_of(common(world, tmp_path / "u", "--protocol", "fewshot", "--dataset",
+                                                          "dtd")), datasets, "dtd")
+    assert [dear.scoring_logits(mode, fewshot.trained) for mode in runs.FUSION_MODES] == ["fused", "fused"]
+
+
+def test_build_dear_keeps_the_recipes_beta_and_evaluate_scores_at_the_beta_it_is_given(world, tmp_path):
+    """The toy recipe's beta is DeAR's own default (0.5), so no toy run shows a dropped one:
+    Oxford Pets' recipe (MMRL++'s 0.7) must reach the model, and evaluate's beta the pass alone."""
+    import data
+
+    settings = settings_of(common(world, tmp_path / "unused", "--dataset", "oxford_pets"))
+    assert settings["beta"] == train.RECIPES["base2novel"]["oxford_pets"].beta == 0.7
+    clip, _ = clip_model.load(world["weights"], head_width=32)
+    tokenizer = clip_model.SimpleTokenizer(world["bpe"])
+    inputs = train.Inputs(clip, tokenizer, list(dear.CORE_ATTRIBUTES), [], "labels", None, False, {})
+    roles = dear.RoleMap.uniform("mixed", 3, 2, range(3))
+    torch.manual_seed(0)
+    model = train.build_dear(settings, inputs, roles).eval()
+    assert model.beta == 0.7
+    with torch.no_grad():
+        for tensor in (model.vision_tokens, model.text_tokens):
+            tensor.normal_(0, 3.0)
+    at_02 = train.build_dear(dict(settings, beta=0.2), inputs, roles).eval()
+    at_02.load_learnable_state_dict(model.learnable_state_dict())
+    d = data.load_dataset("dtd", world["root"], num_shots=None, subsample="new")
+    novel = train.EvalSet("novel", d.test, d.classnames, d.template, False)
+    options, runtime = dict(eval_batch_size=8, workers=0), runs.Runtime(torch.device("cpu"))
+    seen, encode_image = [], model.encode_image  # the beta each batch's image pass ran at
+    model.encode_image = lambda images: (seen.append(model.beta), encode_image(images))[1]
+    given = train.evaluate(model, clip, tokenizer, novel, options, runtime, beta=0.2)
+    assert seen and set(seen) == {0.2} and model.beta == 0.7  # the built beta again after the pass
+    assert given == train.evaluate(at_02, clip, tokenizer, novel, options, runtime)
+
+
+# Each ablation's one change, as the fields of runs.Ablated it moves.
+ABLATION_CHANGES = {"no-role-mask": {"role_map"}, "no-attribute-tokens": {"role_map", "attributes"},
+                    "no-fusion-reg": {"lambda_fusion"},
+                    "mask-generalization-only": {"role_map", "class_branch_fallback"},
+                    "branch-ce": {"branch_ce"}}
+
+
+def measured_map() -> dear.RoleMap:
+    """The tiny CLIP's three layers x two heads, measured: one attribute head, one generalization."""
+    roles = {(2, 0): ("attribute", "colour", 0.1), (1, 1): ("generalization", None, 3.0)}
+    heads = [dear.HeadRole(layer, head, *roles.get((layer, head), ("mixed", None, 1.5)))
+             for layer in range(3) for head in range(2)]
+    return dear.RoleMap(3, 2, list(dear.CORE_ATTRIBUTES), heads, source="measured")
+
+
+def test_each_ablation_makes_exactly_its_one_change_and_the_rows_follow(tiny_clip, world, tmp_path):
+    assert set(ABLATION_CHANGES) == set(runs.ABLATIONS)
+    attributes, analysed = list(dear.CORE_ATTRIBUTES), measured_map()
+    plain = runs.ablate(None, analysed, attributes, 0.3)
+    assert plain == (analysed, attributes, True, 0.3, False)
+    for name, fields in ABLATION_CHANGES.items():
+        change = runs.ablate(name, analysed, attributes, 0.3)
+        moved = {f for f in runs.Ablated._fields if getattr(change, f) != getattr(plain, f)}
+        assert moved == fields, name
+    roles_of = lambda m: [(h.layer, h.head, h.role, h.attribute) for h in m.heads]  # noqa: E731
+    no_mask = runs.ablate("no-role-mask", analysed, attributes, 0.3).role_map
+    assert roles_of(no_mask) == roles_of(runs.role_map_for("all-mixed", tiny_clip, attributes, None))
+    none = runs.ablate("no-attribute-tokens", analysed, attributes, 0.3)
+    assert none.attributes == [] and none.role_map.attributes == []
+    assert {h.role for h in none.role_map.heads} == {"mixed"}
+    only = runs.ablate("mask-generalization-only", analysed, attributes, 0.3)
+    assert [r[2] for r in roles_of(only.role_map)] == ["mixed" if r[2] == "attribute" else r[2]
+                                                       for r in roles_of(analysed)]
+    assert runs.ablate("no-fusion-reg", analysed, attributes, 0.3).lambda_fusion == 0.0
+    assert runs.ablate("branch-ce", analysed, attributes, 0.3).branch_ce
+    # Built: the map made by hand keeps every branch (without the switch it would fall back).
+    settings = dict(first_layer="auto", beta=0.7, text_tokens=2, tokens="separate", lambda_fusion=0.3)
+    inputs = train.Inputs(tiny_clip, None, attributes, [], "labels", None, False, {})
+    built = train.build_dear(settings, inputs, analysed, "mask-generalization-only")
+    assert not built.class_branch_only and not dear.falls_back_to_class_branch(analysed)
+    assert dear.falls_back_to_class_branch(built.role_map)  # measured, no attribute head left
+    assert train.build_dear(settings, inputs, analysed, "no-attribute-tokens").attributes == []
+    # The rows: no-role-mask is --roles all-mixed's row; each other one the DeAR row changed.
+    rows = runs.dear_rows(settings_of(common(world, tmp_path / "u", "--dataset", "dtd", "--ablations", "all")))
+    assert rows == [("dear", "analyse", None), ("dear-all-mixed", "all-mixed", None)] + [
+        (f"dear-{name}", "analyse", name) for name in runs.ABLATIONS if name != "no-role-mask"]
+    with pytest.raises(runs.TrainError, match="ablation 'no-such'"):
+        runs.ablate("no-such", analysed, attributes, 0.3)
