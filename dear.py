@@ -38,12 +38,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-try:  # inside a package (myproj/vendor/) only the relative import works, at the top level only the other
+try:  # in a package (myproj/vendor/) only the relative import works, at the top level the other
     from . import clip_model
 except ImportError:
     import clip_model
 
-CORE_ATTRIBUTES = ("colour", "shape", "texture", "object", "location")  # the paper's five, a token each
+CORE_ATTRIBUTES = ("colour", "shape", "texture", "object", "location")  # the paper's five tokens
 ROLES = ("attribute", "generalization", "mixed")
 CONCEPT_SOURCES = ("clusters", "labels")  # the paper's: the picks clustered; the control: labels
 PAPER_PICKS = 20  # TextSpan's picks per head, the paper's "N" (default_picks: unlabelled pools)
@@ -75,7 +75,7 @@ def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
     _, _, right = torch.linalg.svd(data, full_matrices=False)  # right: (min(n, E), E), raw data
     span = right[:rank]  # (r, E), r = min(rank, n, E): the authors' vh[:rank], mean included
     bank = text_embeddings.double() @ span.T @ span  # (T, E): each text inside the head's span
-    data = data - data.mean(dim=0, keepdim=True)  # (n, E), centred as the authors do (no pick moves)
+    data = data - data.mean(dim=0, keepdim=True)  # (n, E), centred as the authors do (picks stay)
     chosen: List[int] = []
     for _ in range(num_descriptions):
         spread = (data @ bank.T).std(dim=0)  # (T,): how much each text direction varies
@@ -248,7 +248,8 @@ def name_by_anchors(centres: torch.Tensor, anchors: torch.Tensor,
                     attributes: Sequence[str]) -> Dict[str, str]:
     """A pool without labels: cluster means (clusters, d) and the attributes' names embedded (A, d)
     -> each attribute names the cluster nearest it if it is that cluster's nearest attribute too
-    (mutual nearest by cosine; our choice): at most one cluster per attribute, as the paper's five."""
+    (mutual nearest by cosine; our choice): at most one cluster per attribute, as the paper's
+    five."""
     similarity = F.normalize(centres.double(), dim=-1) @ F.normalize(anchors.double(), dim=-1).T
     names = {f"cluster {k}": "other" for k in range(len(centres))}  # similarity: (clusters, A)
     for a, attribute in enumerate(attributes):
@@ -284,7 +285,8 @@ def dominant_concept(pick_concepts: Sequence[str]) -> str:
 def default_picks(bank: Sequence[Description], attributes: Sequence[str]) -> int:
     """Picks per head, the one default of it (our rule; METHOD.md Sec. 3). A labelled bank: the
     fewest values of a core attribute, as a pure specialist has nothing left to explain once its
-    values are picked (ours: 16). A pool without labels tells nothing of its values: the paper's 20."""
+    values are picked (ours: 16). A pool without labels tells nothing of its values: the paper's
+    20."""
     bank = [Description(*entry) for entry in bank]
     if any(entry.concept is None for entry in bank):
         return PAPER_PICKS
@@ -384,7 +386,8 @@ def normalised_contributions(clip: clip_model.CLIP, image_batches, num_layers: i
 
 @torch.no_grad()
 def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iterable[torch.Tensor]],
-                  tokenizer: clip_model.SimpleTokenizer, bank: Optional[Sequence[Description]] = None,
+                  tokenizer: clip_model.SimpleTokenizer,
+                  bank: Optional[Sequence[Description]] = None,
                   attributes: Sequence[str] = CORE_ATTRIBUTES, num_layers: Optional[int] = None,
                   num_descriptions: Optional[int] = None, rank: Optional[int] = None,
                   low_bits: Optional[float] = None, high_bits: Optional[float] = None,
@@ -444,7 +447,7 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
             size = default_min_cluster_size(num_descriptions)
         found, clusters, centres = cluster_picks(picked_texts, embedded, size, min_samples)
         concept_of = dict(zip(picked, found))
-        if all(bank[i].concept is not None for i in picked):  # a labelled bank: the labels name them
+        if all(bank[i].concept is not None for i in picked):  # a labelled bank: labels name them
             names = name_by_labels(found, [bank[i].concept for i in picked], attributes)
         else:  # without labels: the attributes' own names, in the same encoder's space
             anchors = text_embeddings_of(list(attributes), clip, tokenizer, embed_texts)  # (A, d)
@@ -478,7 +481,8 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
 # has its own additive mask (0 = may attend, -inf = may not):
 #   generalization head: image and attribute tokens never see each other; each attribute token sees
 #                        only itself. Within the layer, its output at the image tokens ignores the
-#                        attribute tokens (not across layers: earlier heads wrote into what it reads).
+#                        attribute tokens (not across layers: earlier heads wrote into what it
+#                        reads).
 #   attribute head (a):  attribute token a and the image tokens see each other; the other
 #                        attribute tokens see only themselves.
 #   mixed head:          no restriction.
