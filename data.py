@@ -46,13 +46,15 @@ class DatasetError(Exception):
         # worker process 0.\nOriginal Traceback ...\ndata.DatasetError: <our line>"): keep our line.
         if message.startswith("Caught DatasetError") and "\nOriginal Traceback" in message:
             message = message.rstrip().rsplit("\n", 1)[-1].split("DatasetError: ", 1)[-1]
-        super().__init__(message.replace("\r", " ").replace("\n", " "))  # one line, whatever it quotes
+        # one line, whatever it quotes
+        super().__init__(message.replace("\r", " ").replace("\n", " "))
 
 class DatasetWarning(UserWarning):
     """Worth knowing, not worth stopping for (a rebuilt cache, a class with fewer than K images)."""
 
 def _warn(message: str) -> None:
-    warnings.warn(message, DatasetWarning, stacklevel=2)  # attributed to the caller of the function that warns
+    # attributed to the caller of the function that warns
+    warnings.warn(message, DatasetWarning, stacklevel=2)
 
 @dataclass(frozen=True, slots=True)
 class Item:
@@ -70,7 +72,8 @@ class DatasetSplits:  # what load_dataset and splits_from return; classnames[i] 
     classnames: list[str]
     template: str  # template.format(name) is a class's prompt
 
-    prompts = property(lambda self: [self.template.format(name) for name in self.classnames])  # in label order
+    # in label order
+    prompts = property(lambda self: [self.template.format(name) for name in self.classnames])
 
 
 # ---- The registry: one row per dataset -------------------------------------------------------
@@ -81,15 +84,19 @@ class DatasetSpec:
     folder: str  # under $DATA (CoOp's DATASETS.md); for your own data its absolute path
     reader: str  # the reader that understands the layout (READERS)
     image_dir: str  # the folder, inside `folder`, that image paths are relative to
-    split_file: str | None  # CoOp's split file inside `folder` (the other readers find their classes)
+    # CoOp's split file inside `folder` (the other readers find their classes)
+    split_file: str | None
     template: str  # CoOp's prompt (CUSTOM_TEMPLATES, trainers/coop.py); "{}" is the class name
-    split_fallback_dir: str | None = None  # your own data: where its split goes if `folder` is read-only
+    # your own data: where its split goes if `folder` is read-only
+    split_fallback_dir: str | None = None
 
-    own = property(lambda self: os.path.isabs(self.folder))  # your own data (own_dataset): an absolute folder
-    evaluation_only = property(lambda self: self.reader == "imagenet_variant")  # test sets of domain generalization
+    # your own data (own_dataset): an absolute folder
+    own = property(lambda self: os.path.isabs(self.folder))
+    # test sets of domain generalization
+    evaluation_only = property(lambda self: self.reader == "imagenet_variant")
 
-# Rows 2-11: base-to-novel, few-shot, cross-dataset; ImageNet: the source of cross-dataset and domain
-# generalization, whose targets are the variants.
+# Rows 2-11: base-to-novel, few-shot, cross-dataset; ImageNet: the source of cross-dataset and
+# domain generalization, whose targets are the variants.
 DATASETS: dict[str, DatasetSpec] = {spec.name: spec for spec in [
     #           name               folder                  reader              image_dir                                  split_file                              template
     DatasetSpec("imagenet",        "imagenet",             "imagenet",         "images",                                  None,                                   "a photo of a {}."),
@@ -120,14 +127,16 @@ def dataset_key(name: str) -> str:
 
 def get_spec(name: str) -> DatasetSpec:
     """The registry row of `name`, or of your own data registered by own_dataset."""
-    spec = DATASETS.get(name) or DATASETS.get(dataset_key(name))  # own data: its folder's name, exactly
+    # own data: its folder's name, exactly
+    spec = DATASETS.get(name) or DATASETS.get(dataset_key(name))
     if spec is None:
         raise DatasetError(f"unknown dataset {name!r}; expected one of: {', '.join(DATASETS)}, or the path of "
                            f"your own data (a folder of class folders, or a split file)")
     return spec
 
 def clean_classname(name: str) -> str:
-    return name.replace("_", " ")  # CoOp's: "american_pit_bull_terrier" -> "american pit bull terrier"
+    # CoOp's: "american_pit_bull_terrier" -> "american pit bull terrier"
+    return name.replace("_", " ")
 
 
 # ---- Checks and listings shared by the readers -----------------------------------------------
@@ -147,14 +156,16 @@ def _image_path(image_root: str, relative_path: str, where: str) -> str:
 
 def _check_split(splits: dict[str, list[Item]], listed_in: str, on_disk: bool = True) -> None:
     """Each image once, and (on_disk) every image on disk (one isfile each is fast, a crash mid-epoch is not)."""
-    seen: dict[str, str] = {}  # normalised path -> its split: a repeat is drawn twice, or leaks the test set
+    # normalised path -> its split: a repeat is drawn twice, or leaks the test set
+    seen: dict[str, str] = {}
     for split_name, item in ((name, item) for name, items in splits.items() for item in items):
         key = os.path.normpath(item.path)
         if key in seen:
             raise DatasetError(f"{listed_in}: {item.path} is listed twice (in '{seen[key]}' and "
                                f"'{split_name}'); expected each image once; remove the repeated entry")
         seen[key] = split_name
-    missing = [path for path in seen if on_disk and not os.path.isfile(path)]  # all: the count says how bad
+    # all: the count says how bad
+    missing = [path for path in seen if on_disk and not os.path.isfile(path)]
     if missing:
         raise DatasetError(f"{missing[0]}: image listed in {listed_in} not found ({len(missing)} of {len(seen)} "
                            f"listed images are missing); expected the images where CoOp's DATASETS.md puts them")
@@ -166,7 +177,8 @@ def _classnames_from_items(items: list[Item], source: str) -> list[str]:
         if name_of.setdefault(item.label, item.classname) != item.classname:
             raise DatasetError(f"{source}: label {item.label} has two class names, {name_of[item.label]!r} "
                                f"and {item.classname!r}; expected one name per label")
-    if sorted(name_of) != list(range(len(name_of))):  # a skipped label would shift every class after it
+    # a skipped label would shift every class after it
+    if sorted(name_of) != list(range(len(name_of))):
         raise DatasetError(f"{source}: labels {str(sorted(name_of))[:80]} are not 0..{len(name_of) - 1}; "
                            "expected consecutive labels")
     return [name_of[label] for label in range(len(name_of))]
@@ -206,7 +218,8 @@ def _image_files(folder: str, prefix: str = "") -> tuple[list[str], int]:
 def read_split_json(spec: DatasetSpec, dataset_dir: str) -> tuple:
     """CoOp's split_zhou_*.json, `{"train"|"val"|"test": [[relative_path, label, classname]]}`."""
     split_path = os.path.join(dataset_dir, spec.split_file)
-    image_root = os.path.join(dataset_dir, spec.image_dir)  # Stanford Cars: "" ("cars_train/..." paths)
+    # Stanford Cars: "" ("cars_train/..." paths)
+    image_root = os.path.join(dataset_dir, spec.image_dir)
     if not os.path.isfile(split_path):  # CoOp's DATASETS.md links each split file
         raise DatasetError(f"{split_path}: split file not found; download {spec.split_file} from the link in "
                            f"CoOp's DATASETS.md ({COOP_DATASETS_MD}) and put it there")
@@ -214,11 +227,13 @@ def read_split_json(spec: DatasetSpec, dataset_dir: str) -> tuple:
     return _items_of_split(_read_json_split(split_path), image_root, split_path)
 
 def _read_json_split(split_path: str) -> dict:
-    again = f"download it again from CoOp's DATASETS.md ({COOP_DATASETS_MD})"  # what to do, for both errors
+    # what to do, for both errors
+    again = f"download it again from CoOp's DATASETS.md ({COOP_DATASETS_MD})"
     try:
         with open(split_path, encoding="utf-8") as f:
             raw = json.load(f)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # ValueError: also a 5,000-digit number
+    # ValueError: also a 5,000-digit number
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise DatasetError(f"{split_path}: not a valid JSON split file ({type(e).__name__}: "
                            f"{' '.join(str(e).split())[:100]}); {again}") from None
     if not isinstance(raw, dict) or not all(isinstance(raw.get(k), list) for k in ("train", "val", "test")):
@@ -230,7 +245,8 @@ def _items_of_split(raw: dict, image_root: str, split_path: str) -> tuple:
     splits: dict[str, list[Item]] = {"train": [], "val": [], "test": []}
     for split_name, items in splits.items():
         for position, entry in enumerate(raw[split_name]):
-            where = f"{split_path}: entry {position} of '{split_name}'"  # what every error here names
+            # what every error here names
+            where = f"{split_path}: entry {position} of '{split_name}'"
             if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
                     and not os.path.isabs(entry[0]) and type(entry[1]) is int and isinstance(entry[2], str)):
                 raise DatasetError(f"{where} is {repr(entry)[:100]}; expected [relative_image_path, label, classname]")
@@ -257,7 +273,8 @@ def read_imagenet(spec: DatasetSpec, dataset_dir: str) -> tuple:
     copy has CLIP's names), train from images/train/<wnid>/, test from images/val/<wnid>/, no
     validation split of its own. The variants (test sets only) hold a copy of classnames.txt and
     a folder per class: labelled as CoOp's imagenet_a.py / imagenet_r.py label them (below)."""
-    path, names = os.path.join(dataset_dir, "classnames.txt"), {}  # wnid -> cleaned name, in label order
+    # wnid -> cleaned name, in label order
+    path, names = os.path.join(dataset_dir, "classnames.txt"), {}
     _require(path, "classnames.txt (ImageNet's class list, one '<wnid> <name>' per line, linked from CoOp's "
                    "DATASETS.md; the variants hold a copy of it)")
     with open(path, encoding="utf-8") as f:
@@ -279,9 +296,12 @@ def read_imagenet(spec: DatasetSpec, dataset_dir: str) -> tuple:
                                    f"class ({len(absent)} of {len(names)} have none); expected a folder per class")
         return train, None, test, classnames
     _require(image_root, "image folder", os.path.isdir)
-    wnids, v2 = list(names), spec.name == "imagenet_v2"  # -V2's folders are "0".."999": line i of classnames.txt
-    wnid_of_folder = {f: wnids[int(f)] if v2 and f.isdigit() and int(f) < len(wnids) else f  # others: wnids
-                      for f in _subfolders(image_root)}  # a folder of no class is named by _read_class_folders
+    # -V2's folders are "0".."999": line i of classnames.txt
+    wnids, v2 = list(names), spec.name == "imagenet_v2"
+    # others: wnids
+    wnid_of_folder = {f: wnids[int(f)] if v2 and f.isdigit() and int(f) < len(wnids) else f
+                      # a folder of no class is named by _read_class_folders
+                      for f in _subfolders(image_root)}
     present = set(wnid_of_folder.values())
     # The classes with a folder, in classnames.txt order, labelled 0..n-1: for -V2 and -Sketch (all
     # 1000) ImageNet's index space; -A and -R hold 200, so a model trained on ImageNet classifies
@@ -314,7 +334,8 @@ def read_fgvc_aircraft(spec: DatasetSpec, dataset_dir: str) -> tuple:
                     path = _image_path(image_root, image_id + ".jpg", f"{list_path}: line {line_number}")
                     items.append(Item(path, label_of[variant], clean_classname(variant)))
         _check_split({split_name: items}, list_path)  # the missing image named with its list
-    _check_split(splits, f"the image lists in {dataset_dir}", on_disk=False)  # and no image in two lists
+    # and no image in two lists
+    _check_split(splits, f"the image lists in {dataset_dir}", on_disk=False)
     return splits["train"], splits["val"], splits["test"], [clean_classname(v) for v in label_of]
 
 
@@ -326,9 +347,11 @@ def read_fgvc_aircraft(spec: DatasetSpec, dataset_dir: str) -> tuple:
 # The name (tables, run folders) is the folder's; the few-shot cache is PATH/split_fewshot/.
 
 OWN_TEMPLATE = "a photo of a {}."  # CoOp's generic template
-OWN_SPLIT_FRACTIONS = (0.5, 0.2)  # train, val per class; test gets the rest (CoOp's read_and_split_data)
+# train, val per class; test gets the rest (CoOp's read_and_split_data)
+OWN_SPLIT_FRACTIONS = (0.5, 0.2)
 OWN_SPLIT_SEED = 1  # our choice: one fixed seed, so the same folder always gives the same split
-_DRAWN_SPLITS: dict[str, dict] = {}  # folder -> its drawn split, so that checking and reading draw once
+# folder -> its drawn split, so that checking and reading draw once
+_DRAWN_SPLITS: dict[str, dict] = {}
 
 def own_dataset_name(path: str) -> str:  # the folder's name (a split file's: that of its folder)
     path = os.path.abspath(os.path.expanduser(str(path)))
@@ -355,12 +378,14 @@ def own_dataset(path: str, split_fallback_dir: str | None = None) -> DatasetSpec
     else:
         raise DatasetError(f"{path}: not found; expected a folder of class folders (PATH/<class>/<image>) "
                            f"or a split file in CoOp's format (.json)")
-    known = DATASETS.get(name) or DATASETS.get(dataset_key(name))  # a benchmark's name would shadow it
+    # a benchmark's name would shadow it
+    known = DATASETS.get(name) or DATASETS.get(dataset_key(name))
     if (known is not None and not known.own) or dataset_key(name) == "all":
         raise DatasetError(f"{path}: its name {name!r} is that of a benchmark; rename the folder (the name "
                            f"is used in tables and run folders)")
     if spec.reader == "image_folder" and _find_own_split(spec) is None:
-        _DRAWN_SPLITS[spec.folder] = draw_image_folder_split(spec.folder)  # every class and image checked as drawn
+        # every class and image checked as drawn
+        _DRAWN_SPLITS[spec.folder] = draw_image_folder_split(spec.folder)
     else:
         READERS[spec.reader](spec, spec.folder)
     DATASETS[name] = spec  # from now on get_spec / load_dataset know it by name
@@ -412,7 +437,8 @@ def read_image_folder(spec: DatasetSpec, dataset_dir: str) -> tuple:
     written (to the folder, else the fallback; if neither is writable, drawn again next time)."""
     if (split_path := _find_own_split(spec)) is not None:
         return _items_of_split(_read_json_split(split_path), dataset_dir, split_path)
-    raw = _DRAWN_SPLITS.get(dataset_dir) or draw_image_folder_split(dataset_dir)  # the same fixed-seed draw
+    # the same fixed-seed draw
+    raw = _DRAWN_SPLITS.get(dataset_dir) or draw_image_folder_split(dataset_dir)
     wanted = os.path.join(dataset_dir, spec.split_file)
     for folder in filter(None, (dataset_dir, spec.split_fallback_dir)):
         split_path = os.path.join(folder, spec.split_file)
@@ -521,8 +547,10 @@ def sample_few_shot(items: list[Item], num_shots: int, rng: random.Random) -> li
 
 # The cache, split_fewshot/shot_{K}-seed_{seed}.json: as CoOp's pickle, every run of one (K, seed)
 # trains on the same images. JSON (readable; loading runs no code) with SHA-256s of the split it was
-# drawn from and of its own lists: another format, another split or an edit is redrawn, never trusted.
-FEWSHOT_CACHE_FORMAT = "dear-from-scratch few-shot split, version 3"  # 3: Dassl's draw (2 drew otherwise)
+# drawn from and of its own lists: another format, another split or an edit is redrawn, never
+# trusted.
+# 3: Dassl's draw (2 drew otherwise)
+FEWSHOT_CACHE_FORMAT = "dear-from-scratch few-shot split, version 3"
 
 def fewshot_cache_path(dataset_dir: str, num_shots: int, seed: int) -> str:
     return os.path.join(dataset_dir, "split_fewshot", f"shot_{num_shots}-seed_{seed}.json")
@@ -652,7 +680,8 @@ def subsample_classes(classnames: list[str], splits: list[list[Item]], subsample
     if subsample == "all":
         return classnames, splits
     n_base = math.ceil(len(classnames) / 2)
-    selected = range(n_base) if subsample == "base" else range(n_base, len(classnames))  # labels are 0..n-1
+    # labels are 0..n-1
+    selected = range(n_base) if subsample == "base" else range(n_base, len(classnames))
     new_label = {old: new for new, old in enumerate(selected)}
     return [classnames[old] for old in selected], [
         [replace(item, label=new_label[item.label]) for item in items if item.label in new_label] for items in splits]
@@ -695,7 +724,8 @@ def load_dataset(name: str, root: str, num_shots: int | None = None, seed: int =
 
 # ---- Transforms and the torch Dataset -------------------------------------------------------
 
-# CLIP's statistics and test transform: data.py stands alone, so it keeps its own copy (as clip_model.py).
+# CLIP's statistics and test transform: data.py stands alone, so it keeps its own copy (as
+# clip_model.py).
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 

@@ -63,7 +63,8 @@ ANALYSES = ("project", "paper")
 SBERT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 SBERT_INSTALL = "pip install -r requirements-sbert.txt"
 TEST_BETAS = ("per-target", "trained")  # cross, dg: DeAR's beta on a target (train.beta_at_test)
-MAX_SEED = 2**32 - 1  # numpy's range; the per-epoch seeds are derived from it (seed * 100003 + epoch)
+# numpy's range; the per-epoch seeds are derived from it (seed * 100003 + epoch)
+MAX_SEED = 2**32 - 1
 # Every setting of a run, in settings.json's order.
 SETTING_KEYS = ("dataset dataset_paths template protocol source method roles ablations fusion "
                 "seeds shots root weights head_width bpe output first_layer beta test_beta tokens "
@@ -231,7 +232,8 @@ def default_help(key: str, book: RecipeBook) -> str:
     parts = [shown(book.defaults[key])] if key in book.defaults else []
     if key in book.toy_defaults:
         parts.append(f"toyworld: {shown(book.toy_defaults[key])}")
-    if key in {f.name for f in fields(book.protocol_recipes["base2novel"])}:  # per protocol, then its exceptions
+    # per protocol, then its exceptions
+    if key in {f.name for f in fields(book.protocol_recipes["base2novel"])}:
         per_protocol = []
         for protocols in (("base2novel",), ("fewshot",), ("cross", "dg")):
             usual = getattr(book.protocol_recipes[protocols[0]], key)
@@ -279,7 +281,8 @@ def resolve_settings(args: argparse.Namespace, book: RecipeBook) -> Dict[str, ob
     settings = settings_from_flags(args, book) if fresh else settings_from_run_folder(args, book)
     settings.update(resume=bool(args.resume), eval_only=bool(args.eval_only), analyse_only=bool(args.analyse_only))
     validate_settings(settings)
-    if settings["workers"] is None:  # loading processes help on CUDA; on CPU they compete with the model
+    # loading processes help on CUDA; on CPU they compete with the model
+    if settings["workers"] is None:
         settings["workers"] = 4 if pick_device(settings["device"]).type == "cuda" else 0
     return settings
 
@@ -322,7 +325,8 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
     protocol = _default(args.protocol, book.defaults["protocol"])
     typed = typed_flags(args, protocol, args.source, book)
     names = typed["dataset"]
-    folder = [data.own_dataset_name(n) if data.is_own_data(n) else n for n in args.dataset]  # no paths in a folder name
+    # no paths in a folder name
+    folder = [data.own_dataset_name(n) if data.is_own_data(n) else n for n in args.dataset]
     output = _default(args.output, os.path.join("runs", f"{protocol}-{'-'.join(folder)}"))
     own = [(data.own_dataset_name(n), os.path.abspath(n)) for n in args.dataset if data.is_own_data(n)]
     if len({name for name, _ in own}) < len(own):
@@ -338,7 +342,8 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
                              f"head width (made in the cache); drop --{flag.replace('_', '-')}")
     for name in names:
         if name != "toyworld" and data.get_spec(name).evaluation_only and protocol in ("base2novel", "fewshot"):
-            raise TrainError(f"--dataset {name} is a test set only; use it with --protocol dg")  # unknown: get_spec's
+            # unknown: get_spec's
+            raise TrainError(f"--dataset {name} is a test set only; use it with --protocol dg")
     source = None
     if protocol in ("cross", "dg"):
         source = data.dataset_key(_default(args.source, book.defaults["source"]))
@@ -353,14 +358,17 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
                          "dataset, at the training beta")
 
     trained = source or names[0]
-    if trained not in book.recipes[protocol] and not data.get_spec(trained).own:  # added to data.py, not here
+    # added to data.py, not here
+    if trained not in book.recipes[protocol] and not data.get_spec(trained).own:
         raise TrainError(f"--dataset {trained}: train.py has no {protocol} recipe for it; add it to RECIPES "
                          "in train.py")
-    recipe = book.recipes[protocol].get(trained, book.protocol_recipes[protocol])  # own data: the protocol's
+    # own data: the protocol's
+    recipe = book.recipes[protocol].get(trained, book.protocol_recipes[protocol])
     defaults = dict(book.defaults, **book.toy_defaults) if toy else book.defaults
-    # Each setting: typed, else the recipe's, else the default (else None: the later code's own rule,
-    # e.g. descriptions -> dear.analysis_picks, head_width -> the file's); fingerprints (SHA-256 of the
-    # weights, BPE and roles files) and role_maps are added by train.open_inputs and train.run.
+    # Each setting: typed, else the recipe's, else the default (else None: the later code's own
+    # rule, e.g. descriptions -> dear.analysis_picks, head_width -> the file's); fingerprints
+    # (SHA-256 of the weights, BPE and roles files) and role_maps are added by train.open_inputs and
+    # train.run.
     settings = {key: copy.copy(typed[key] if key in typed else getattr(recipe, key, defaults.get(key)))
                 for key in SETTING_KEYS}  # (copied: no list shared with the book)
     resolve_text_tokens(settings, len(book.attributes(toy)))
@@ -386,7 +394,8 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
     if protocol != "fewshot" and len(shots) > 1:
         raise TrainError("--shots takes several values only with --protocol fewshot")
     settings.update(dataset_paths=dict(own), source=source, shots=shots, output=output, warmup_lr=book.warmup_lr,
-                    weight_decay=book.weight_decay, weights=None if toy else settings["weights"])  # toy: its own
+                    # toy: its own
+                    weight_decay=book.weight_decay, weights=None if toy else settings["weights"])
     if source is None:  # no target: DeAR is tested at the training beta
         settings["test_beta"] = None
     return settings
@@ -480,7 +489,8 @@ def validate_settings(settings: dict) -> None:
     def is_int(value) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
 
-    # (key, least value, None or "auto" allowed): dear.check_first_layer checks J's top once the model is read
+    # (key, least value, None or "auto" allowed): dear.check_first_layer checks J's top once the
+    # model is read
     for key, least, optional in (("epochs", 1, 0), ("batch_size", 1, 0), ("eval_batch_size", 1, 0),
                                  ("log_every", 1, 0), ("analysis_images", 1, 0), ("warmup_epochs", 0, 0),
                                  ("text_tokens", 0, 0), ("head_width", 1, 1), ("workers", 0, 1),
@@ -492,14 +502,16 @@ def validate_settings(settings: dict) -> None:
         refuse("seeds", f"expected integers from 0 to {MAX_SEED}")
     if not settings["shots"] or not all(is_int(k) and k >= 1 for k in settings["shots"]):
         refuse("shots", "expected positive integers")
-    weight = "expected a finite weight >= 0"  # an inf lr trains on NaN; a NaN weight is not even valid JSON
+    # an inf lr trains on NaN; a NaN weight is not even valid JSON
+    weight = "expected a finite weight >= 0"
     for key, expected in (("lr", "expected a positive, finite learning rate"), ("lambda_reg", weight),
                           ("lambda_fusion", weight)):
         value = settings[key]
         finite = isinstance(value, (int, float)) and math.isfinite(value)
         if not (finite and (value > 0 if key == "lr" else value >= 0)):
             refuse(key, expected)
-    for key, check, values in (("beta", dear.check_beta, [settings["beta"]]),  # dear.py's message, under the flag
+    # dear.py's message, under the flag
+    for key, check, values in (("beta", dear.check_beta, [settings["beta"]]),
                                ("low_bits", dear.check_thresholds, [settings["low_bits"], None]),
                                ("high_bits", dear.check_thresholds, [None, settings["high_bits"]]),
                                ("low_bits", dear.check_thresholds, [settings["low_bits"], settings["high_bits"]])):
@@ -511,7 +523,8 @@ def validate_settings(settings: dict) -> None:
     template = settings["template"]
     try:
         well_formed = template is None or template.format("x") != template.format("y")
-    except (IndexError, KeyError, ValueError, AttributeError, TypeError):  # '{0}{1}', '{x}', '{', '{.x}', '{[a]}'
+    # '{0}{1}', '{x}', '{', '{.x}', '{[a]}'
+    except (IndexError, KeyError, ValueError, AttributeError, TypeError):
         well_formed = False
     if not well_formed:
         raise TrainError(f"--template {template!r}: expected a prompt with one '{{}}' for the class name, "
@@ -554,7 +567,8 @@ def settings_from_run_folder(args: argparse.Namespace, book: RecipeBook) -> Dict
         elif saved.get(key) != value:
             raise TrainError(f"--{key.replace('_', '-')} cannot change in a saved run (it holds "
                              f"{saved.get(key)!r}); drop it, or start a new run with another --output")
-    saved["max_epochs_per_call"] = args.max_epochs_per_call  # a limit of an earlier call is not this one's
+    # a limit of an earlier call is not this one's
+    saved["max_epochs_per_call"] = args.max_epochs_per_call
     return saved
 
 
@@ -567,7 +581,8 @@ def analysis_pool_of(value: str):
     if split not in ("train", "val", "test"):
         raise TrainError(f"--analysis-pool {value}: expected 'train' or DATASET:SPLIT with SPLIT train, val or "
                          "test (e.g. imagenet:test, ImageNet's validation images)")
-    if data.get_spec(name).evaluation_only and split != "test":  # (an unknown name: data.py's one line)
+    # (an unknown name: data.py's one line)
+    if data.get_spec(name).evaluation_only and split != "test":
         raise TrainError(f"--analysis-pool {value}: {name} is a test set only; use {name}:test")
     return name, split
 
@@ -662,7 +677,8 @@ def setup_runtime(settings) -> Runtime:
         torch.cuda.set_device(device)
     waiting_group = None
     if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")  # gloo: CPU (and the tests)
+        # gloo: CPU (and the tests)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         waiting_group = dist.new_group(backend="gloo", timeout=MAIN_WORK_TIMEOUT)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     amp_dtype, precision = choose_precision(device.type, settings["amp"], capability)
@@ -827,7 +843,8 @@ FUSION_ROWS = {"fused-everywhere": ("-fused", ", fused on every test set"),
 
 
 def row_name(roles: str) -> str:
-    return "dear" if roles not in ROLE_ABLATIONS else f"dear-{roles}"  # analysed or a file: the DeAR row
+    # analysed or a file: the DeAR row
+    return "dear" if roles not in ROLE_ABLATIONS else f"dear-{roles}"
 
 
 def dear_rows(settings) -> List[tuple]:
@@ -844,7 +861,8 @@ def dear_rows(settings) -> List[tuple]:
 
 
 def trained_datasets(settings) -> List[str]:
-    return [settings["source"]] if settings["source"] else list(settings["dataset"])  # cross, dg: the source alone
+    # cross, dg: the source alone
+    return [settings["source"]] if settings["source"] else list(settings["dataset"])
 
 
 def plan_jobs(settings) -> List[Job]:
@@ -885,7 +903,8 @@ def row_label(row: str) -> str:
 
 def job_settings(settings, job: Job) -> dict:
     """What decides a run's result: saved with it and compared on --resume."""
-    keep = {k: v for k, v in settings.items() if k not in RUN_CONTROL}  # how to run may change, not what
+    # how to run may change, not what
+    keep = {k: v for k, v in settings.items() if k not in RUN_CONTROL}
     return dict(keep, job=dict(dataset=job.dataset, row=job.row, roles=job.roles, seed=job.seed,
                                shots=job.shots, ablation=job.ablation))
 
@@ -897,13 +916,16 @@ def job_settings(settings, job: Job) -> dict:
 
 def load_clip(weights: str, head_width: Optional[int], bpe: Optional[str], device):
     """-> (frozen CLIP on the device, tokenizer), the tokenizer checked against the model."""
-    clip, _ = clip_model.load(weights, device=device, head_width=head_width)  # errors: clip_model's one line
+    # errors: clip_model's one line
+    clip, _ = clip_model.load(weights, device=device, head_width=head_width)
     tokenizer = clip_model.SimpleTokenizer(bpe)  # None: $CLIP_BPE_PATH, the cache, or a download
     try:
-        tokenizer.check_fits(clip, weights)  # clip_model's one check: ids past the table, or other words
+        # clip_model's one check: ids past the table, or other words
+        tokenizer.check_fits(clip, weights)
     except clip_model.CLIPError as error:
         raise TrainError(f"--bpe {error}") from None  # named by the flag it came from
-    return clip.eval().requires_grad_(False), tokenizer  # CLIP stays frozen: DeAR learns tokens only
+    # CLIP stays frozen: DeAR learns tokens only
+    return clip.eval().requires_grad_(False), tokenizer
 
 
 def load_role_file(path: str) -> dear.RoleMap:
@@ -939,7 +961,8 @@ def description_pool(choice: str, project_bank: list, log: Callable[[str], None]
             pool, digest = [tuple(entry) for entry in dear.read_descriptions(path, log)], sha256(path)
         except dear.DeARError as error:
             raise TrainError(f"--bank {error}") from None
-    digest = digest or hashlib.sha256(json.dumps(pool).encode()).hexdigest()  # the project's: of its entries
+    # the project's: of its entries
+    digest = digest or hashlib.sha256(json.dumps(pool).encode()).hexdigest()
     return pool, dict(bank=choice, sha256=digest, descriptions=len(pool))
 
 
@@ -1224,7 +1247,8 @@ def role_map_for(choice: str, clip, attributes: List[str], analysed: Optional[de
     if choice == "analyse":
         return analysed  # measured by train.analysed_role_maps
     if choice in ROLE_ABLATIONS:
-        layers = range(depth - dear.analysed_layers(depth), depth)  # the analysed (last four) layers, 0-based
+        # the analysed (last four) layers, 0-based
+        layers = range(depth - dear.analysed_layers(depth), depth)
         return dear.RoleMap.uniform(choice.split("-", 1)[1], depth, heads, layers, attributes)
     try:  # dear.py's messages name arguments; say which flag the value came from
         role_map = load_role_file(choice)
@@ -1246,7 +1270,8 @@ def check_model_fit(settings, clip, attributes: List[str]) -> None:
         return
     if role_file_of(settings) is not None:  # a roles file made for another model stops here
         role_map_for(role_file_of(settings), clip, attributes, None)
-    if settings["text_tokens"] > clip.context_length:  # memory grows with (77 + K)^2: a typo, not a setting
+    # memory grows with (77 + K)^2: a typo, not a setting
+    if settings["text_tokens"] > clip.context_length:
         raise TrainError(f"--text-tokens {settings['text_tokens']}: expected at most the model's context "
                          f"length ({clip.context_length})")
     try:  # J counts in both towers
@@ -1298,7 +1323,8 @@ def analysis_fingerprint(settings, clip, items: list, bank: list, attributes: li
         bank=[list(entry) for entry in bank], attributes=list(attributes), picks=picks,
         rank=rank, low_bits=settings["low_bits"], high_bits=settings["high_bits"],
         concepts=dict(concepts, encoder=encoder), code=source_fingerprint(code))
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()  # sorted keys: one text per key
+    # sorted keys: one text per key
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
 def source_fingerprint(code: list) -> str:
@@ -1327,9 +1353,12 @@ def analysis_cache(fingerprint: str, pool: str, analyse: Callable[[str], None], 
                 runtime.log(f"head analysis: reusing the role map cached in {entry} ({pool})")
             else:
                 temporary = os.path.join(root, f".tmp-{os.getpid()}-{fingerprint[:16]}")
-                shutil.rmtree(temporary, ignore_errors=True)  # left by this pid's earlier killed call
-                analyse(temporary)  # roles.json, roles.txt, roles.png, analysis.json (toy: the causal check)
-                shutil.rmtree(entry, ignore_errors=True)  # an entry without roles.json is incomplete
+                # left by this pid's earlier killed call
+                shutil.rmtree(temporary, ignore_errors=True)
+                # roles.json, roles.txt, roles.png, analysis.json (toy: the causal check)
+                analyse(temporary)
+                # an entry without roles.json is incomplete
+                shutil.rmtree(entry, ignore_errors=True)
                 os.replace(temporary, entry)  # whole or not at all
     wait_for_main(runtime, "head analysis")  # the other processes then read what rank 0 wrote
     return entry  # its roles.json exists: complete
@@ -1367,7 +1396,8 @@ def copy_role_maps(settings, clip, records: dict) -> None:
 # this run, and one process at a time writes a folder.
 
 
-def write_text(path: str, text: str) -> None:  # whole or not at all, the file closed before the rename
+# whole or not at all, the file closed before the rename
+def write_text(path: str, text: str) -> None:
     clip_model.atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
@@ -1474,7 +1504,8 @@ def lock_run_folder(output: str, stack: contextlib.ExitStack) -> None:
         handle.close()
         raise TrainError(f"{output}: in use by another train.py process{f' (pid {holder})' if holder else ''}; "
                          "wait for it to end, or choose another --output") from None
-    handle.truncate(0)  # ours now: our pid, for the next caller's message ("a+": writes go to the end)
+    # ours now: our pid, for the next caller's message ("a+": writes go to the end)
+    handle.truncate(0)
     handle.write(f"{os.getpid()}\n")
     handle.flush()
     stack.callback(handle.close)  # closing the file releases the lock
@@ -1488,7 +1519,8 @@ def check_run_folder(settings, jobs: List[Job], stack: contextlib.ExitStack) -> 
     """Before any work: a fresh run's --output is usable; a resumed one is locked, cleaned, and
     every results.json and checkpoint in it was made with this run's settings."""
     if not (settings["resume"] or settings["eval_only"]):
-        return check_output_folder(settings["output"])  # a fresh run: its folder is made later, whole
+        # a fresh run: its folder is made later, whole
+        return check_output_folder(settings["output"])
     if int(os.environ.get("RANK", "0")) != 0:
         return
     lock_run_folder(settings["output"], stack)
@@ -1528,7 +1560,8 @@ def load_run_file(path: str, expected: dict) -> Optional[dict]:
             shaped = isinstance(found, dict) and isinstance(found.get("metrics"), dict) \
                 and all(isinstance(v, float) for v in found["metrics"].values()) and isinstance(found.get("job"), dict)
         else:
-            found = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data, no code
+            # tensors and plain data, no code
+            found = torch.load(path, map_location="cpu", weights_only=True)
             shaped = isinstance(found, dict) and found.get("format") == CHECKPOINT_FORMAT \
                 and isinstance(found.get("epoch"), int) \
                 and all(isinstance(found.get(key), dict) for key in ("learnable", "optimizer", "scaler"))
@@ -1669,13 +1702,15 @@ class Progress:
         sums, n = self.sums, len(labels)
         for key in LOSS_TERMS:
             sums[key] += losses[key].item() * n if key in losses else 0.0  # branch-ce's alone
-        sums["correct"] += (logits.argmax(-1) == labels).sum().item()  # the fused logits' training accuracy
+        # the fused logits' training accuracy
+        sums["correct"] += (logits.argmax(-1) == labels).sum().item()
         sums["images"] += n
         self.done += 1  # steps done in this call
         if step % self.settings["log_every"] == 0 or step == steps_per_epoch:
             left = (time.time() - self.started) / self.done * (self.steps - self.done)
             rate = sums["images"] * self.runtime.world / max(time.time() - self.epoch_started, 1e-9)
-            mean_of = {key: value / sums["images"] for key, value in sums.items()}  # over the epoch's images so far
+            # over the epoch's images so far
+            mean_of = {key: value / sums["images"] for key, value in sums.items()}
             branch = f" branch {mean_of['branch']:.4f}" if "branch" in losses else ""  # branch-ce's
             self.runtime.log(
                 f"[{self.label}] epoch {epoch + 1}/{self.settings['epochs']} step {step}/{steps_per_epoch} "
@@ -1734,7 +1769,8 @@ def summarise(settings, results: List[dict]) -> dict:
     def seed_values(dataset: str, row: str, metric: str, shots: Optional[int] = None) -> List[float]:
         return [res.get("metrics_by_fusion", {}).get(spec[row][1], res["metrics"]).get(metric, math.nan)
                 for res in results if res["job"]["row"] == spec[row][0] and res["job"]["dataset"] == dataset
-                and (shots is None or res["job"]["shots"] in (None, shots))]  # the row's fusion mode
+                # the row's fusion mode
+                and (shots is None or res["job"]["shots"] in (None, shots))]
 
     def cell(dataset: str, row: str, metric: str, shots: Optional[int] = None) -> float:
         return mean(seed_values(dataset, row, metric, shots))
@@ -1755,11 +1791,14 @@ def summarise(settings, results: List[dict]) -> dict:
         for name, values in per.items():
             tables[name] = dict(columns=columns, rows={row: v + [harmonic_mean(*v)] if b2n else v
                                                        for row, v in values.items()})
-            if b2n and name in datasets:  # the spread over seeds of base, novel and each seed's own HM
+            # the spread over seeds of base, novel and each seed's own HM
+            if b2n and name in datasets:
                 seeds = {row: (seed_values(name, row, "base"), seed_values(name, row, "novel")) for row in rows}
                 tables[name]["spread"] = {row: [spread(b), spread(n), spread(list(map(harmonic_mean, b, n)))]
                                           for row, (b, n) in seeds.items()}
-    else:  # cross and dg: one training on the source; other datasets and ImageNet's variants get a table each
+    # cross and dg: one training on the source; other datasets and ImageNet's variants get a table
+    # each
+    else:
         source = settings["source"]
         for title, dg in (("Cross-dataset evaluation", False), ("Domain generalization", True)):
             targets = [t for t in datasets if data.get_spec(t).evaluation_only == dg]
@@ -1768,7 +1807,8 @@ def summarise(settings, results: List[dict]) -> dict:
                 names = [DG_NAMES.get(n, n) if dg else n for n in [source] + targets]
                 tables[f"{title}: trained on {source}, tested on {len(targets)} targets"] = dict(
                     columns=[f"{names[0]} (source)"] + names[1:] + ["Average"],
-                    rows={row: v + [mean(v[1:])] for row, v in values.items()})  # the targets' average
+                    # the targets' average
+                    rows={row: v + [mean(v[1:])] for row, v in values.items()})
     for table in tables.values():  # an empty cell (nan) is stored as null
         for key in set(table) & {"rows", "spread"}:
             table[key] = {row: [None if math.isnan(v) else round(v, 2) for v in vals]
@@ -1800,7 +1840,8 @@ def fusion_weights(settings, results: List[dict]) -> dict:
 
 
 def markdown(summary: dict, settings) -> str:
-    titles = dict(base2novel="Base-to-novel generalization", fewshot="Few-shot classification")  # cross, dg:
+    # cross, dg:
+    titles = dict(base2novel="Base-to-novel generalization", fewshot="Few-shot classification")
     title = titles.get(settings["protocol"], "Cross-dataset evaluation and domain generalization")
     shots = settings["shots"]
     shots = "shots " + ", ".join(map(str, shots)) if settings["protocol"] == "fewshot" else f"{shots[0]} shots"
@@ -1878,7 +1919,8 @@ def write_summaries(settings, results: List[dict], attributes: List[str], k: int
     """summary.json / .md (and, where a run measured retrieval, retrieval.json / .md), printed too."""
     summary = summarise(settings, results)
     files = dict(summary=(summary, markdown(summary, settings)))
-    if any(res.get("retrieval") for res in results):  # the toy world: attribute-conditioned retrieval
+    # the toy world: attribute-conditioned retrieval
+    if any(res.get("retrieval") for res in results):
         files["retrieval"] = retrieval_summary(results, attributes, k)
     for name, (value, text) in files.items():
         if runtime.main:
@@ -1902,11 +1944,14 @@ def draw_heatmap(role_map: dear.RoleMap, path: str) -> None:
     concept entropy written in it, and a legend."""
     from PIL import Image, ImageDraw
 
-    cell_w, cell_h, left, top, layers, H = 58, 34, 96, 52, role_map.layers, role_map.num_heads  # pixels
+    # pixels
+    cell_w, cell_h, left, top, layers, H = 58, 34, 96, 52, role_map.layers, role_map.num_heads
     legend = {f"attribute: {a}": ATTRIBUTE_COLOURS[i % len(ATTRIBUTE_COLOURS)] for i, a in
               enumerate(role_map.attributes)} | {"generalization": GENERALIZATION_COLOUR, "mixed": MIXED_COLOUR}
-    height = top + len(layers) * cell_h + 30 + 18 * ((len(legend) + 2) // 3)  # the legend: three per line
-    image = Image.new("RGB", (max(left + H * cell_w + 10, 560), height), "white")  # 560: the title's width
+    # the legend: three per line
+    height = top + len(layers) * cell_h + 30 + 18 * ((len(legend) + 2) // 3)
+    # 560: the title's width
+    image = Image.new("RGB", (max(left + H * cell_w + 10, 560), height), "white")
     draw = ImageDraw.Draw(image)
     draw.text((8, 4), f"DeAR head roles; number = concept entropy (bits)\n{role_map.source}", fill="black")
     for head in range(H):
@@ -1920,8 +1965,10 @@ def draw_heatmap(role_map: dear.RoleMap, path: str) -> None:
             x = left + head * cell_w
             draw.rectangle([x, y, x + cell_w - 2, y + cell_h - 2], fill=colour)
             label = "" if entry.entropy is None else f"{entry.entropy:.2f}"
-            if entry.role == "attribute" and role_map.concepts == "clusters":  # which cluster named it
-                label += "\ncl. " + dear.dominant_concept(entry.concepts).split()[-1]  # e.g. "cl. 3"
+            # which cluster named it
+            if entry.role == "attribute" and role_map.concepts == "clusters":
+                # e.g. "cl. 3"
+                label += "\ncl. " + dear.dominant_concept(entry.concepts).split()[-1]
             draw.text((x + 6, y + cell_h // 2 - 6 * label.count("\n") - 6), label,
                       fill="black" if sum(colour) > 450 else "white")
     y = top + len(layers) * cell_h + 12
@@ -1939,8 +1986,10 @@ def draw_role_masks(masks: torch.Tensor, num_image_tokens: int, attributes: List
     from PIL import Image, ImageDraw
 
     layers, H, A = masks.shape[0], masks.shape[1], len(attributes)
-    kept = [0, *range(num_image_tokens, masks.shape[-1])]  # the image tokens folded into the CLS row and column
-    cell, left, top, gap, grid = 9, 80, 62, 10, (1 + A) * 9  # pixels; a head's grid: CLS + A tokens square
+    # the image tokens folded into the CLS row and column
+    kept = [0, *range(num_image_tokens, masks.shape[-1])]
+    # pixels; a head's grid: CLS + A tokens square
+    cell, left, top, gap, grid = 9, 80, 62, 10, (1 + A) * 9
     width = max(left + H * (grid + gap), 470)  # wide enough for the two title lines
     image = Image.new("RGB", (width, top + layers * (grid + gap) + 20), "white")
     draw = ImageDraw.Draw(image)
@@ -1968,11 +2017,13 @@ def draw_retrieval(gallery: list, rankings: Dict[str, torch.Tensor], size: int, 
     images by that feature (rankings: {feature: (G, k) indices})."""
     import torchvision  # torch's own companion (requirements.txt): the picture grid
 
-    unnormalised = torchvision.transforms.Compose(data.test_transform(size).transforms[:-1])  # pixels in [0, 1]
+    # pixels in [0, 1]
+    unnormalised = torchvision.transforms.Compose(data.test_transform(size).transforms[:-1])
     pictures = data.ImageDataset(gallery, unnormalised)
     for name, ranking in rankings.items():
         tiles = [pictures[i][0] for q in range(min(queries, len(gallery))) for i in [q] + ranking[q, :shown].tolist()]
-        tiles = F.interpolate(torch.stack(tiles), scale_factor=max(1, 96 // size), mode="nearest")  # small: enlarged
+        # small: enlarged
+        tiles = F.interpolate(torch.stack(tiles), scale_factor=max(1, 96 // size), mode="nearest")
         clip_model.atomic_write(os.path.join(folder, f"retrieval_{name.replace(' ', '_')}.png"),
                                 lambda tmp: torchvision.utils.save_image(tiles, tmp, nrow=1 + shown, padding=2,
                                                                          pad_value=1.0, format="PNG"))
