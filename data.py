@@ -130,8 +130,8 @@ def get_spec(name: str) -> DatasetSpec:
     # own data: its folder's name, exactly
     spec = DATASETS.get(name) or DATASETS.get(dataset_key(name))
     if spec is None:
-        raise DatasetError(f"unknown dataset {name!r}; expected one of: {', '.join(DATASETS)}, or the path of "
-                           f"your own data (a folder of class folders, or a split file)")
+        raise DatasetError(f"unknown dataset {name!r}; expected one of: {', '.join(DATASETS)}, or "
+                           "the path of your own data (a folder of class folders, or a split file)")
     return spec
 
 def clean_classname(name: str) -> str:
@@ -143,15 +143,15 @@ def clean_classname(name: str) -> str:
 
 def _require(path: str, what: str, exists=os.path.isfile) -> None:
     if not exists(path):
-        raise DatasetError(f"{path}: {what} not found; put it there as CoOp's DATASETS.md ({COOP_DATASETS_MD}) "
-                           "describes")
+        raise DatasetError(f"{path}: {what} not found; put it there as CoOp's DATASETS.md "
+                           f"({COOP_DATASETS_MD}) describes")
 
 def _image_path(image_root: str, relative_path: str, where: str) -> str:
     """image_root/relative_path, refused if it leaves image_root: a split names its own images."""
     path = os.path.join(image_root, relative_path)  # "../x.jpg" would reach files elsewhere on disk
     if not os.path.normpath(path).startswith(os.path.normpath(image_root) + os.sep):
-        raise DatasetError(f"{where}: image path {relative_path!r} leaves the image folder {image_root}; "
-                           f"expected a path relative to it, without '..'")
+        raise DatasetError(f"{where}: image path {relative_path!r} leaves the image folder "
+                           f"{image_root}; expected a path relative to it, without '..'")
     return path
 
 def _check_split(splits: dict[str, list[Item]], listed_in: str, on_disk: bool = True) -> None:
@@ -162,25 +162,28 @@ def _check_split(splits: dict[str, list[Item]], listed_in: str, on_disk: bool = 
         key = os.path.normpath(item.path)
         if key in seen:
             raise DatasetError(f"{listed_in}: {item.path} is listed twice (in '{seen[key]}' and "
-                               f"'{split_name}'); expected each image once; remove the repeated entry")
+                               f"'{split_name}'); expected each image once; remove the repeated "
+                               "entry")
         seen[key] = split_name
     # all: the count says how bad
     missing = [path for path in seen if on_disk and not os.path.isfile(path)]
     if missing:
-        raise DatasetError(f"{missing[0]}: image listed in {listed_in} not found ({len(missing)} of {len(seen)} "
-                           f"listed images are missing); expected the images where CoOp's DATASETS.md puts them")
+        raise DatasetError(f"{missing[0]}: image listed in {listed_in} not found ({len(missing)} "
+                           f"of {len(seen)} listed images are missing); expected the images where "
+                           "CoOp's DATASETS.md puts them")
 
 def _classnames_from_items(items: list[Item], source: str) -> list[str]:
     """The class list a split's items define: one name per label, labels 0..n-1."""
     name_of: dict[int, str] = {}
     for item in items:
         if name_of.setdefault(item.label, item.classname) != item.classname:
-            raise DatasetError(f"{source}: label {item.label} has two class names, {name_of[item.label]!r} "
-                               f"and {item.classname!r}; expected one name per label")
+            raise DatasetError(f"{source}: label {item.label} has two class names, "
+                               f"{name_of[item.label]!r} and {item.classname!r}; expected one name "
+                               "per label")
     # a skipped label would shift every class after it
     if sorted(name_of) != list(range(len(name_of))):
-        raise DatasetError(f"{source}: labels {str(sorted(name_of))[:80]} are not 0..{len(name_of) - 1}; "
-                           "expected consecutive labels")
+        raise DatasetError(f"{source}: labels {str(sorted(name_of))[:80]} are not "
+                           f"0..{len(name_of) - 1}; expected consecutive labels")
     return [name_of[label] for label in range(len(name_of))]
 
 def _subfolders(folder: str) -> list[str]:  # sorted; files beside them (README.txt) are ignored
@@ -221,8 +224,8 @@ def read_split_json(spec: DatasetSpec, dataset_dir: str) -> tuple:
     # Stanford Cars: "" ("cars_train/..." paths)
     image_root = os.path.join(dataset_dir, spec.image_dir)
     if not os.path.isfile(split_path):  # CoOp's DATASETS.md links each split file
-        raise DatasetError(f"{split_path}: split file not found; download {spec.split_file} from the link in "
-                           f"CoOp's DATASETS.md ({COOP_DATASETS_MD}) and put it there")
+        raise DatasetError(f"{split_path}: split file not found; download {spec.split_file} from "
+                           f"the link in CoOp's DATASETS.md ({COOP_DATASETS_MD}) and put it there")
     _require(image_root, "image folder", os.path.isdir)
     return _items_of_split(_read_json_split(split_path), image_root, split_path)
 
@@ -237,7 +240,8 @@ def _read_json_split(split_path: str) -> dict:
         raise DatasetError(f"{split_path}: not a valid JSON split file ({type(e).__name__}: "
                            f"{' '.join(str(e).split())[:100]}); {again}") from None
     if not isinstance(raw, dict) or not all(isinstance(raw.get(k), list) for k in ("train", "val", "test")):
-        raise DatasetError(f"{split_path}: expected a JSON object with lists 'train', 'val' and 'test'; {again}")
+        raise DatasetError(f"{split_path}: expected a JSON object with lists 'train', 'val' and "
+                           f"'test'; {again}")
     return raw
 
 def _items_of_split(raw: dict, image_root: str, split_path: str) -> tuple:
@@ -249,7 +253,8 @@ def _items_of_split(raw: dict, image_root: str, split_path: str) -> tuple:
             where = f"{split_path}: entry {position} of '{split_name}'"
             if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
                     and not os.path.isabs(entry[0]) and type(entry[1]) is int and isinstance(entry[2], str)):
-                raise DatasetError(f"{where} is {repr(entry)[:100]}; expected [relative_image_path, label, classname]")
+                raise DatasetError(f"{where} is {repr(entry)[:100]}; expected "
+                                   "[relative_image_path, label, classname]")
             items.append(Item(_image_path(image_root, entry[0], where), entry[1], clean_classname(entry[2])))
     _check_split(splits, split_path)  # now, not when a DataLoader worker meets the file mid-epoch
     classnames = _classnames_from_items(splits["train"] + splits["val"] + splits["test"], split_path)
@@ -261,8 +266,9 @@ def _read_class_folders(image_root: str, label_of: dict[str, int], classnames: l
     items = []
     for folder in _subfolders(image_root):
         if folder not in label_of:
-            raise DatasetError(f"{os.path.join(image_root, folder)}: class folder not listed in the dataset's "
-                               "classnames.txt; expected only the classes classnames.txt names")
+            raise DatasetError(f"{os.path.join(image_root, folder)}: class folder not listed in "
+                               "the dataset's classnames.txt; expected only the classes "
+                               "classnames.txt names")
         label, class_folder = label_of[folder], os.path.join(image_root, folder)
         prefix, name = os.path.join(class_folder, ""), classnames[label]  # no join per image
         items += [Item(prefix + image, label, name) for image in _image_files(class_folder)[0]]
@@ -275,8 +281,8 @@ def read_imagenet(spec: DatasetSpec, dataset_dir: str) -> tuple:
     a folder per class: labelled as CoOp's imagenet_a.py / imagenet_r.py label them (below)."""
     # wnid -> cleaned name, in label order
     path, names = os.path.join(dataset_dir, "classnames.txt"), {}
-    _require(path, "classnames.txt (ImageNet's class list, one '<wnid> <name>' per line, linked from CoOp's "
-                   "DATASETS.md; the variants hold a copy of it)")
+    _require(path, "classnames.txt (ImageNet's class list, one '<wnid> <name>' per line, linked "
+                   "from CoOp's DATASETS.md; the variants hold a copy of it)")
     with open(path, encoding="utf-8") as f:
         for line_number, (wnid, _, name) in enumerate((line.strip().partition(" ") for line in f), start=1):
             if wnid and (not name.strip() or wnid in names):
@@ -289,11 +295,13 @@ def read_imagenet(spec: DatasetSpec, dataset_dir: str) -> tuple:
         label_of, classnames = {wnid: label for label, wnid in enumerate(names)}, list(names.values())
         train = _read_class_folders(os.path.join(image_root, "train"), label_of, classnames, "training image folder")
         test = _read_class_folders(os.path.join(image_root, "val"), label_of, classnames,
-                                   "validation image folder (the val images sorted into <wnid>/ folders)")
+                                   "validation image folder (the val images sorted into <wnid>/ "
+                                   "folders)")
         for part, items in (("train", train), ("val", test)):  # a half-extracted archive shows here
             if absent := sorted(set(label_of.values()) - {item.label for item in items}):
-                raise DatasetError(f"{os.path.join(image_root, part, list(names)[absent[0]])}: no images for this "
-                                   f"class ({len(absent)} of {len(names)} have none); expected a folder per class")
+                raise DatasetError(f"{os.path.join(image_root, part, list(names)[absent[0]])}: no "
+                                   f"images for this class ({len(absent)} of {len(names)} have "
+                                   "none); expected a folder per class")
         return train, None, test, classnames
     _require(image_root, "image folder", os.path.isdir)
     # -V2's folders are "0".."999": line i of classnames.txt
@@ -317,7 +325,8 @@ def read_fgvc_aircraft(spec: DatasetSpec, dataset_dir: str) -> tuple:
     """The archive's data/ folder: variants.txt (one per line, label order), and per split
     images_variant_<split>.txt ("<image id> <variant>": "1025794 Cessna 172") -> images/<id>.jpg."""
     variants_path, image_root = os.path.join(dataset_dir, "variants.txt"), os.path.join(dataset_dir, spec.image_dir)
-    _require(variants_path, "FGVC-Aircraft class list (variants.txt, from the archive's data/ folder)")
+    _require(variants_path, "FGVC-Aircraft class list (variants.txt, from the archive's data/ "
+                            "folder)")
     _require(image_root, "image folder", os.path.isdir)
     with open(variants_path, encoding="utf-8") as f:
         label_of = {variant: label for label, variant in enumerate(line.strip() for line in f if line.strip())}
@@ -328,8 +337,9 @@ def read_fgvc_aircraft(spec: DatasetSpec, dataset_dir: str) -> tuple:
         with open(list_path, encoding="utf-8") as f:
             for line_number, (image_id, _, variant) in enumerate((line.strip().partition(" ") for line in f), 1):
                 if image_id and variant not in label_of:
-                    raise DatasetError(f"{list_path}: line {line_number} is {image_id + ' ' + variant!r}; expected "
-                                       f"'<image id> <variant>' with a variant listed in {variants_path}")
+                    raise DatasetError(f"{list_path}: line {line_number} is "
+                                       f"{image_id + ' ' + variant!r}; expected '<image id> "
+                                       f"<variant>' with a variant listed in {variants_path}")
                 if image_id:
                     path = _image_path(image_root, image_id + ".jpg", f"{list_path}: line {line_number}")
                     items.append(Item(path, label_of[variant], clean_classname(variant)))
@@ -369,20 +379,21 @@ def own_dataset(path: str, split_fallback_dir: str | None = None) -> DatasetSpec
     path, name = os.path.abspath(os.path.expanduser(str(path))), own_dataset_name(path)
     if path.lower().endswith(".json"):
         if not os.path.isfile(path):
-            raise DatasetError(f"{path}: split file not found; expected a JSON file in CoOp's format, "
+            raise DatasetError(f"{path}: split file not found; expected a JSON file in CoOp's "
+                               "format, "
                                f'{{"train"|"val"|"test": [[path, label, classname], ...]}}')
         spec = DatasetSpec(name, os.path.dirname(path), "split_json", "", os.path.basename(path), OWN_TEMPLATE)
     elif os.path.isdir(path):
         spec = DatasetSpec(name, path, "image_folder", "", f"split_{name}.json", OWN_TEMPLATE,
                            split_fallback_dir and os.path.abspath(split_fallback_dir))
     else:
-        raise DatasetError(f"{path}: not found; expected a folder of class folders (PATH/<class>/<image>) "
-                           f"or a split file in CoOp's format (.json)")
+        raise DatasetError(f"{path}: not found; expected a folder of class folders "
+                           "(PATH/<class>/<image>) or a split file in CoOp's format (.json)")
     # a benchmark's name would shadow it
     known = DATASETS.get(name) or DATASETS.get(dataset_key(name))
     if (known is not None and not known.own) or dataset_key(name) == "all":
-        raise DatasetError(f"{path}: its name {name!r} is that of a benchmark; rename the folder (the name "
-                           f"is used in tables and run folders)")
+        raise DatasetError(f"{path}: its name {name!r} is that of a benchmark; rename the folder "
+                           "(the name is used in tables and run folders)")
     if spec.reader == "image_folder" and _find_own_split(spec) is None:
         # every class and image checked as drawn
         _DRAWN_SPLITS[spec.folder] = draw_image_folder_split(spec.folder)
@@ -396,13 +407,15 @@ def draw_image_folder_split(folder: str) -> dict:
     CoOp's read_and_split_data (datasets/dtd.py) draws it; each part must get an image."""
     classes = [c for c in _subfolders(folder) if c != "split_fewshot"]  # our own cache is no class
     if len(classes) < 2:
-        raise DatasetError(f"{folder}: {len(classes)} class folder{'s' * (len(classes) != 1)}; expected at least "
-                           f"two, as PATH/<class name>/<image> (torchvision's ImageFolder layout)")
+        raise DatasetError(f"{folder}: {len(classes)} class folder{'s' * (len(classes) != 1)}; "
+                           "expected at least two, as PATH/<class name>/<image> (torchvision's "
+                           "ImageFolder layout)")
     folder_of_name: dict[str, str] = {}
     for class_folder in classes:
         if (other := folder_of_name.setdefault(clean_classname(class_folder), class_folder)) != class_folder:
-            raise DatasetError(f"{folder}: class folders {other!r} and {class_folder!r} both give the class name "
-                               f"{clean_classname(class_folder)!r} (underscores become spaces); rename one")
+            raise DatasetError(f"{folder}: class folders {other!r} and {class_folder!r} both give "
+                               f"the class name {clean_classname(class_folder)!r} (underscores "
+                               "become spaces); rename one")
     rng, skipped, split = random.Random(OWN_SPLIT_SEED), 0, {"train": [], "val": [], "test": []}
     for label, class_folder in enumerate(classes):
         images, skipped_here = _image_files(os.path.join(folder, class_folder))
@@ -416,16 +429,17 @@ def draw_image_folder_split(folder: str) -> dict:
         n = len(images)  # per class, so that every class is in every part
         n_train, n_val = round(n * OWN_SPLIT_FRACTIONS[0]), round(n * OWN_SPLIT_FRACTIONS[1])
         if min(n_train, n_val, n - n_train - n_val) < 1:
-            raise DatasetError(f"{os.path.join(folder, class_folder)}: class {clean_classname(class_folder)!r} has "
-                               f"{n} image{'s' * (n != 1)}; the 50/20/30 train/val/test split needs at least 4 "
-                               f"per class; add images or remove the folder")
+            raise DatasetError(f"{os.path.join(folder, class_folder)}: class "
+                               f"{clean_classname(class_folder)!r} has {n} image{'s' * (n != 1)}; "
+                               "the 50/20/30 train/val/test split needs at least 4 per class; add "
+                               "images or remove the folder")
         rng.shuffle(images)  # then round(50%) train, round(20%) val, the rest test
         entries = [[f"{class_folder}/{relative}", label, class_folder] for relative in images]
         for part, (start, stop) in zip(split, ((0, n_train), (n_train, n_train + n_val), (n_train + n_val, n))):
             split[part] += entries[start:stop]
     if skipped:  # said once for the whole folder, not once per file
-        _warn(f"{folder}: skipped {skipped} non-image file{'s' * (skipped != 1)} (only {', '.join(IMAGE_EXTENSIONS)} "
-              "are read)")
+        _warn(f"{folder}: skipped {skipped} non-image file{'s' * (skipped != 1)} (only "
+              f"{', '.join(IMAGE_EXTENSIONS)} are read)")
     return split
 
 def _find_own_split(spec: DatasetSpec) -> str | None:  # in the data folder, else in the fallback
@@ -450,7 +464,8 @@ def read_image_folder(spec: DatasetSpec, dataset_dir: str) -> tuple:
         if split_path != wanted:
             _warn(f"{wanted}: cannot write the split file ({reason}); wrote it to {split_path}")
         return _items_of_split(raw, dataset_dir, split_path)
-    _warn(f"{wanted}: cannot write the split file ({reason}); the same split is drawn again on each call")
+    _warn(f"{wanted}: cannot write the split file ({reason}); the same split is drawn again on "
+          "each call")
     return _items_of_split(raw, dataset_dir, wanted)
 
 READERS = {"split_json": read_split_json, "imagenet": read_imagenet, "imagenet_variant": read_imagenet,
@@ -688,9 +703,11 @@ def subsample_classes(classnames: list[str], splits: list[list[Item]], subsample
 
 def _check_selection(spec: DatasetSpec, num_shots: int | None, seed: int, subsample: str) -> None:
     if subsample not in SUBSAMPLE_CHOICES:
-        raise DatasetError(f"subsample={subsample!r}: expected one of {', '.join(SUBSAMPLE_CHOICES)}")
+        raise DatasetError(f"subsample={subsample!r}: expected one of "
+                           f"{', '.join(SUBSAMPLE_CHOICES)}")
     if num_shots is not None and (type(num_shots) is not int or num_shots < 1):
-        raise DatasetError(f"num_shots={num_shots!r}: expected None (all training images) or an integer >= 1")
+        raise DatasetError(f"num_shots={num_shots!r}: expected None (all training images) or an "
+                           "integer >= 1")
     if type(seed) is not int:
         raise DatasetError(f"seed={seed!r}: expected an integer")
     if spec.evaluation_only and (num_shots is not None or subsample != "all"):
@@ -796,10 +813,11 @@ class OneLineParser(argparse.ArgumentParser):  # also train.py's and the toy wor
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="data.py", description="Summarise a dataset (no --dataset: print the registry).")
+    parser = OneLineParser(prog="data.py", description="Summarise a dataset (no --dataset: print "
+                                                       "the registry).")
     parser.add_argument("--root", help="the $DATA folder of CoOp's DATASETS.md")
-    parser.add_argument("--dataset", help=f"one of: {', '.join(DATASETS)}; or your own data: PATH/<class>/<image> "
-                        "or a split file in CoOp's format")
+    parser.add_argument("--dataset", help=f"one of: {', '.join(DATASETS)}; or your own data: "
+                        "PATH/<class>/<image> or a split file in CoOp's format")
     parser.add_argument("--shots", type=int, default=None, help="K images per class (default: all)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the few-shot draw")
     parser.add_argument("--subsample", default="all", choices=SUBSAMPLE_CHOICES, help="which classes to keep")
@@ -822,7 +840,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     shots = "all images" if args.shots is None else f"{args.shots} shots, seed {args.seed}"
     print(f"{d.name}  ({d.dataset_dir})  {shots}, subsample={args.subsample}")
-    print(f"  classes   {len(d.classnames)}: {', '.join(d.classnames[:5])}{', ...' * (len(d.classnames) > 5)}")
+    print(f"  classes   {len(d.classnames)}: "
+          f"{', '.join(d.classnames[:5])}{', ...' * (len(d.classnames) > 5)}")
     for split_name in ("train", "val", "test"):
         counts = Counter(item.label for item in getattr(d, split_name)).values()
         per_class = f"{min(counts)}-{max(counts)} per class" if counts else "empty"

@@ -121,28 +121,33 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
     # Every default is None, so an unset flag is told apart from a typed one (--resume refuses
     # a typed change); "(default ...)" is added to each help line from the book. The parser is
     # data.py's (errors as one line, exit 2): the project's one copy.
-    p = data.OneLineParser(prog="train.py", description="DeAR on CLIP: train and evaluate on the paper's protocols. "
-                      "Unset DeAR and optimisation flags come from the trained dataset's recipe (RECIPES in train.py).")
+    p = data.OneLineParser(prog="train.py", description="DeAR on CLIP: train and evaluate on the "
+                      "paper's protocols. Unset DeAR and optimisation flags come from the trained "
+                      "dataset's recipe (RECIPES in train.py).")
     g = p.add_argument_group("what to run").add_argument
-    g("--dataset", nargs="+", help="data.py name(s); 'all' (the protocol's datasets); 'toyworld' (no downloads); or "
-      "the PATH of your own data, named by its folder: class folders PATH/<class>/<image> (split once 50/20/30 per "
-      "class into PATH/split_<name>.json) or a CoOp split file (paths relative to its folder)")
+    g("--dataset", nargs="+", help="data.py name(s); 'all' (the protocol's datasets); 'toyworld' "
+      "(no downloads); or the PATH of your own data, named by its folder: class folders "
+      "PATH/<class>/<image> (split once 50/20/30 per class into PATH/split_<name>.json) or a CoOp "
+      "split file (paths relative to its folder)")
     g("--protocol", choices=PROTOCOLS, help="base2novel | fewshot | cross | dg")
-    g("--method", nargs="+", choices=METHODS, help="table rows: zeroshot = CLIP with the dataset's template; "
-      "linear-probe = logistic regression on frozen image features (training classes only); dear = DeAR")
-    g("--roles", nargs="+", help="head roles: 'analyse' (concept entropy on --analysis-pool, cached per model and "
-      "pool), a roles JSON file, 'all-mixed' (no mask) or 'all-generalization'; one table row each")
+    g("--method", nargs="+", choices=METHODS, help="table rows: zeroshot = CLIP with the dataset's "
+      "template; linear-probe = logistic regression on frozen image features (training classes "
+      "only); dear = DeAR")
+    g("--roles", nargs="+", help="head roles: 'analyse' (concept entropy on --analysis-pool, "
+      "cached per model and pool), a roles JSON file, 'all-mixed' (no mask) or "
+      "'all-generalization'; one table row each")
     g("--ablations", nargs="+", choices=(*ABLATIONS, "all"), metavar="NAME",
       help="the paper's ablations, each a DeAR row with one change: "
       + "; ".join(f"{name} = {what}" for name, what in ABLATIONS.items()) + "; all = every one")
     g("--fusion", nargs="+", type=fusion_name, metavar="{" + ",".join(FUSION_MODES) + "}", help="DeAR's scoring, "
-      "one row each from the same model: fused-everywhere = fused logits on every test set; class-on-unseen = the "
-      "class branch alone on classes not trained (MMRL's rule); the role ablations use the first")
+      "one row each from the same model: fused-everywhere = fused logits on every test set; "
+      "class-on-unseen = the class branch alone on classes not trained (MMRL's rule); the role "
+      "ablations use the first")
     g("--seeds", nargs="+", type=int, help="seeds; tables report the mean")
     g("--shots", nargs="+", type=int, help="shots per class")
     g("--source", help="training dataset of cross and dg")
-    g("--template", help="class prompt, '{}' for the class name, for every dataset (unset: each benchmark's CoOp "
-      f"template; your own data: {data.OWN_TEMPLATE!r})")
+    g("--template", help="class prompt, '{}' for the class name, for every dataset (unset: each "
+      f"benchmark's CoOp template; your own data: {data.OWN_TEMPLATE!r})")
     g = p.add_argument_group("where things are").add_argument
     g("--root", help="the $DATA folder in CoOp's layout (toyworld: made in the cache)")
     g("--weights", help="CLIP: ViT-B/32, ViT-B/16, ViT-L/14 or a checkpoint path")
@@ -151,8 +156,10 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
     g("--bpe", help="CLIP's BPE merges file (unset: $CLIP_BPE_PATH, the cache, or a download)")
     g("--output", help="run folder (unset: runs/<protocol>-<datasets>)")
     g = p.add_argument_group("DeAR").add_argument
-    g("--first-layer", type=int, help="J, the first layer with learnable tokens (1-based; auto: first of last four)")
-    g("--beta", type=float, help="weight of each layer's fresh tokens against the previous layer's, in [0, 1]")
+    g("--first-layer", type=int, help="J, the first layer with learnable tokens (1-based; auto: "
+                                      "first of last four)")
+    g("--beta", type=float, help="weight of each layer's fresh tokens against the previous "
+                                 "layer's, in [0, 1]")
     g("--test-beta", choices=TEST_BETAS, help="cross and dg: DeAR's beta on a target: "
       "per-target = MMRL++'s (trainers/config.py, task CD; a target it does not name: the "
       "training beta); trained = the training beta")
@@ -170,34 +177,40 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
       "ablation; not the paper's); paper = the paper's Sec. 3.2: TextSpan's pool (toyworld: its "
       "own bank, labels stripped), clusters of SBERT embeddings, 20 picks per head, ImageNet's "
       "validation images when ImageNet is under --root; a flag typed beside it wins")
-    g("--analysis-pool", help="head-analysis images: 'train' = the trained dataset's training split (base2novel: "
-      "base classes; never the few-shot draw), or DATASET:SPLIT, e.g. imagenet:test (TextSpan's pool)")
-    g("--analysis-images", type=int, help="at most this many pool images, spread evenly over its classes (fixed seed)")
-    g("--bank", help="the head analysis' description pool: 'project' (the project's labelled bank; toyworld: "
-      "its own), 'project-unlabelled' (the same, its labels stripped: they only score the "
-      "clusters), 'textspan' (TextSpan's general pool, 3,497 lines, downloaded once, "
+    g("--analysis-pool", help="head-analysis images: 'train' = the trained dataset's training "
+      "split (base2novel: base classes; never the few-shot draw), or DATASET:SPLIT, e.g. "
+      "imagenet:test (TextSpan's pool)")
+    g("--analysis-images", type=int, help="at most this many pool images, spread evenly over its "
+                                          "classes (fixed seed)")
+    g("--bank", help="the head analysis' description pool: 'project' (the project's labelled bank; "
+      "toyworld: its own), 'project-unlabelled' (the same, its labels stripped: they only score "
+      "the clusters), 'textspan' (TextSpan's general pool, 3,497 lines, downloaded once, "
       "SHA-256-checked) or a PATH: "
       "one description per line, '#' comments, 'text<TAB>concept' to label a line")
-    g("--concepts", choices=dear.CONCEPT_SOURCES, help="where the analysis' concepts come from: clusters (the "
-      "paper's: HDBSCAN over the picks' embeddings by --sentence-encoder) or labels (the pool's own; every line labelled) "
-      "(unset: labels where every line of the pool has one, else clusters)")
+    g("--concepts", choices=dear.CONCEPT_SOURCES, help="where the analysis' concepts come from: "
+      "clusters (the paper's: HDBSCAN over the picks' embeddings by --sentence-encoder) or labels "
+      "(the pool's own; every line labelled) (unset: labels where every line of the pool has one, "
+      "else clusters)")
     g("--sentence-encoder", type=sentence_encoder_name, metavar="clip|sbert[:NAME_OR_FOLDER]",
       help="what embeds the picks to cluster them: clip = CLIP's own text tower; sbert = SBERT "
       f"through sentence-transformers ({SBERT_INSTALL}), {SBERT_MODEL} unless a Hugging Face "
       "model name or a local model folder follows (offline: a folder)")
-    g("--min-cluster-size", type=int, help="HDBSCAN's smallest concept, in distinct picks (unset: the picks "
-      "per head)")
-    g("--min-samples", type=int, help="HDBSCAN's neighbours for a core point (unset: --min-cluster-size)")
-    g("--cluster-names", help="JSON file {cluster id: attribute or 'other'} overriding the names the analysis "
-      "gave its clusters (ids as printed in roles/clusters.md)")
-    g("--descriptions", type=int, help="TextSpan descriptions per head (unset: a labelled pool's fewest values of "
-      "an attribute, else (and under --analysis paper) the paper's 20; capped with a warning where the images or TextSpan's rank fall short; "
-      "typed: refused above that)")
-    g("--analyse-only", action="store_true", help="run the head analysis alone (roles.json, roles.png, masks.png "
-      "in --output and the cache), then stop")
-    g("--low-bits", type=float, help="attribute heads have concept entropy at most this (unset: a third of "
-      "log2(min(descriptions, concepts)), the most the picks can spread, but at least 0.81: 3 of 4 on one concept)")
-    g("--high-bits", type=float, help="generalization heads have concept entropy at least this (unset: two thirds)")
+    g("--min-cluster-size", type=int, help="HDBSCAN's smallest concept, in distinct picks (unset: "
+      "the picks per head)")
+    g("--min-samples", type=int, help="HDBSCAN's neighbours for a core point (unset: "
+                                      "--min-cluster-size)")
+    g("--cluster-names", help="JSON file {cluster id: attribute or 'other'} overriding the names "
+      "the analysis gave its clusters (ids as printed in roles/clusters.md)")
+    g("--descriptions", type=int, help="TextSpan descriptions per head (unset: a labelled pool's "
+      "fewest values of an attribute, else (and under --analysis paper) the paper's 20; capped "
+      "with a warning where the images or TextSpan's rank fall short; typed: refused above that)")
+    g("--analyse-only", action="store_true", help="run the head analysis alone (roles.json, "
+      "roles.png, masks.png in --output and the cache), then stop")
+    g("--low-bits", type=float, help="attribute heads have concept entropy at most this (unset: a "
+      "third of log2(min(descriptions, concepts)), the most the picks can spread, but at least "
+      "0.81: 3 of 4 on one concept)")
+    g("--high-bits", type=float, help="generalization heads have concept entropy at least this "
+                                      "(unset: two thirds)")
     g = p.add_argument_group("optimisation").add_argument
     g("--epochs", type=int, help="training epochs, the warm-up epochs included")
     g("--batch-size", type=int, help="images per step (per process under torchrun)")
@@ -210,10 +223,13 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
     g("--workers", type=int, help="data-loading processes (unset: 4 on CUDA, 0 on CPU)")
     g("--eval-batch-size", type=int, help="images per evaluation batch")
     g("--log-every", type=int, help="a progress line every N steps")
-    g("--resume", action="store_true", help="continue the runs in --output from their last checkpoint")
+    g("--resume", action="store_true", help="continue the runs in --output from their last "
+                                            "checkpoint")
     g("--eval-only", action="store_true", help="evaluate the finished runs in --output again")
-    g("--max-epochs-per-call", type=int, help="stop after this many epochs (time-limited jobs); --resume continues")
-    g("--toy-scale", choices=("full", "miniature"), help="toy world size (miniature: the tests' seconds-long one)")
+    g("--max-epochs-per-call", type=int, help="stop after this many epochs (time-limited jobs); "
+                                              "--resume continues")
+    g("--toy-scale", choices=("full", "miniature"), help="toy world size (miniature: the tests' "
+                                                         "seconds-long one)")
     for action in p._actions:  # noqa: SLF001 -- argparse keeps no public list of its flags
         if action.help and action.dest != "help":
             action.help += default_help(action.dest, book)
@@ -250,10 +266,11 @@ def default_help(key: str, book: RecipeBook) -> str:
 def fusion_name(value: str) -> str:
     """--fusion's type: a mode of FUSION_MODES; the names of earlier versions get a one-line hint."""
     if value in OLD_FUSION_NAMES:
-        raise argparse.ArgumentTypeError(f"'{value}' is an old name: use {OLD_FUSION_NAMES[value]} (the rows are "
-                                         "now named by what they do)")
+        raise argparse.ArgumentTypeError(f"'{value}' is an old name: use {OLD_FUSION_NAMES[value]} "
+                                         "(the rows are now named by what they do)")
     if value not in FUSION_MODES:
-        raise argparse.ArgumentTypeError(f"invalid choice: '{value}' (choose from {', '.join(FUSION_MODES)})")
+        raise argparse.ArgumentTypeError(f"invalid choice: '{value}' (choose from "
+                                         f"{', '.join(FUSION_MODES)})")
     return value
 
 
@@ -320,8 +337,8 @@ def dataset_names(typed: List[str], protocol: str, source: Optional[str], book: 
 def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str, object]:
     """A new run: the flags + the trained dataset's recipe + the defaults -> every setting, explicit."""
     if not args.dataset:
-        raise TrainError("--dataset is required (e.g. --dataset toyworld, --dataset oxford_pets --root $DATA, "
-                         "--dataset all)")
+        raise TrainError("--dataset is required (e.g. --dataset toyworld, --dataset oxford_pets "
+                         "--root $DATA, --dataset all)")
     protocol = _default(args.protocol, book.defaults["protocol"])
     typed = typed_flags(args, protocol, args.source, book)
     names = typed["dataset"]
@@ -330,16 +347,17 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
     output = _default(args.output, os.path.join("runs", f"{protocol}-{'-'.join(folder)}"))
     own = [(data.own_dataset_name(n), os.path.abspath(n)) for n in args.dataset if data.is_own_data(n)]
     if len({name for name, _ in own}) < len(own):
-        raise TrainError(f"--dataset {' '.join(path for _, path in own)}: two have the same folder name; rename "
-                         "one (the name is used in tables and run folders)")
+        raise TrainError(f"--dataset {' '.join(path for _, path in own)}: two have the same folder "
+                         "name; rename one (the name is used in tables and run folders)")
     register_own_data(dict(own), output)
     toy = names == ["toyworld"]
     if "toyworld" in names and not toy:
         raise TrainError("--dataset toyworld runs on its own; give it alone")
     for flag in ("weights", "bpe", "head_width"):
         if toy and getattr(args, flag) is not None:  # it would be replaced by the toy world's own
-            raise TrainError(f"--{flag.replace('_', '-')}: the toy world brings its own model, BPE file and "
-                             f"head width (made in the cache); drop --{flag.replace('_', '-')}")
+            raise TrainError(f"--{flag.replace('_', '-')}: the toy world brings its own model, BPE "
+                             "file and head width (made in the cache); drop "
+                             f"--{flag.replace('_', '-')}")
     for name in names:
         if name != "toyworld" and data.get_spec(name).evaluation_only and protocol in ("base2novel", "fewshot"):
             # unknown: get_spec's
@@ -348,9 +366,11 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
     if protocol in ("cross", "dg"):
         source = data.dataset_key(_default(args.source, book.defaults["source"]))
         if data.get_spec(source).evaluation_only:
-            raise TrainError(f"--source {source}: a test set only; train on a dataset with training images")
+            raise TrainError(f"--source {source}: a test set only; train on a dataset with "
+                             "training images")
         if source in names:
-            raise TrainError(f"--dataset {source}: it is the --source; its test set is already the first column")
+            raise TrainError(f"--dataset {source}: it is the --source; its test set is already the "
+                             "first column")
     elif args.source:
         raise TrainError(f"--source is for --protocol cross or dg, not {protocol}")
     elif args.test_beta:
@@ -360,8 +380,8 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
     trained = source or names[0]
     # added to data.py, not here
     if trained not in book.recipes[protocol] and not data.get_spec(trained).own:
-        raise TrainError(f"--dataset {trained}: train.py has no {protocol} recipe for it; add it to RECIPES "
-                         "in train.py")
+        raise TrainError(f"--dataset {trained}: train.py has no {protocol} recipe for it; add it "
+                         "to RECIPES in train.py")
     # own data: the protocol's
     recipe = book.recipes[protocol].get(trained, book.protocol_recipes[protocol])
     defaults = dict(book.defaults, **book.toy_defaults) if toy else book.defaults
@@ -376,11 +396,13 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
     roles = settings["roles"]
     for choice in roles:
         if choice not in ("analyse", *ROLE_ABLATIONS) and not os.path.isfile(choice):
-            raise TrainError(f"--roles {choice}: no such file; give a roles JSON written by the head analysis, "
-                             f"'analyse', {' or '.join(repr(r) for r in ROLE_ABLATIONS)}")
+            raise TrainError(f"--roles {choice}: no such file; give a roles JSON written by the "
+                             "head analysis, 'analyse', "
+                             f"{' or '.join(repr(r) for r in ROLE_ABLATIONS)}")
     if sum(choice not in ROLE_ABLATIONS for choice in roles) > 1:
-        raise TrainError(f"--roles {' '.join(roles)}: give at most one of 'analyse' or a roles file (both make the "
-                         "DeAR row); add the ablations all-mixed / all-generalization beside it")
+        raise TrainError(f"--roles {' '.join(roles)}: give at most one of 'analyse' or a roles "
+                         "file (both make the DeAR row); add the ablations all-mixed / "
+                         "all-generalization beside it")
     ablations = settings["ablations"]
     if ablations and "dear" not in settings["method"]:
         raise TrainError(f"--ablations {' '.join(ablations)}: each is a DeAR row; "
@@ -527,8 +549,8 @@ def validate_settings(settings: dict) -> None:
     except (IndexError, KeyError, ValueError, AttributeError, TypeError):
         well_formed = False
     if not well_formed:
-        raise TrainError(f"--template {template!r}: expected a prompt with one '{{}}' for the class name, "
-                         "e.g. 'a photo of a {}, a kind of flower.'")
+        raise TrainError(f"--template {template!r}: expected a prompt with one '{{}}' for the "
+                         f"class name, e.g. 'a photo of a {{}}, a kind of flower.'")
     pick_device(settings["device"])  # an unknown or absent device stops here
 
 
@@ -536,8 +558,8 @@ def settings_from_run_folder(args: argparse.Namespace, book: RecipeBook) -> Dict
     """--resume / --eval-only: the run folder's saved settings; a flag that would change what is
     computed is refused (it would silently mix two experiments in one folder)."""
     if args.resume and args.eval_only:
-        raise TrainError("--resume and --eval-only: give one (--resume finishes the runs, --eval-only "
-                         "evaluates the finished runs again)")
+        raise TrainError("--resume and --eval-only: give one (--resume finishes the runs, "
+                         "--eval-only evaluates the finished runs again)")
     if not args.output:
         raise TrainError("--resume and --eval-only need --output, the run folder to continue")
     if args.analyse_only:
@@ -552,21 +574,23 @@ def settings_from_run_folder(args: argparse.Namespace, book: RecipeBook) -> Dict
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
         raise TrainError(f"{path}: unreadable ({type(error).__name__}); the run folder is damaged") from None
     if saved_file.get("format") != RUN_FORMAT:  # what a folder means changed: refused, not misread
-        raise TrainError(f"{path}: a run folder of an earlier train.py ({saved_file.get('format') or 'format 1'}; "
-                         f"this one reads {RUN_FORMAT}: one cached head analysis per model, Dassl's warm-up "
-                         "recount, renamed fusion rows, the analysis' preset and sentence encoder); finish "
-                         "it with that version, or start a new run")
+        raise TrainError(f"{path}: a run folder of an earlier train.py "
+                         f"({saved_file.get('format') or 'format 1'}; this one reads {RUN_FORMAT}: "
+                         "one cached head analysis per model, Dassl's warm-up recount, renamed "
+                         "fusion rows, the analysis' preset and sentence encoder); finish it with "
+                         "that version, or start a new run")
     if not isinstance(saved, dict) or set(saved) != set(SETTING_KEYS) or not isinstance(saved["fingerprints"], dict) \
             or not isinstance(saved["dataset_paths"], dict):
-        raise TrainError(f"{path}: not the settings of this train.py (damaged, or made by another version); "
-                         "start a new run with another --output")
+        raise TrainError(f"{path}: not the settings of this train.py (damaged, or made by another "
+                         "version); start a new run with another --output")
     register_own_data(saved["dataset_paths"], args.output)  # your own data, found and checked again
     for key, value in typed_flags(args, saved["protocol"], saved["source"], book).items():
         if key in RUN_CONTROL:
             saved[key] = value
         elif saved.get(key) != value:
             raise TrainError(f"--{key.replace('_', '-')} cannot change in a saved run (it holds "
-                             f"{saved.get(key)!r}); drop it, or start a new run with another --output")
+                             f"{saved.get(key)!r}); drop it, or start a new run with another "
+                             "--output")
     # a limit of an earlier call is not this one's
     saved["max_epochs_per_call"] = args.max_epochs_per_call
     return saved
@@ -579,8 +603,8 @@ def analysis_pool_of(value: str):
     name, _, split = value.partition(":")
     name = data.dataset_key(name)
     if split not in ("train", "val", "test"):
-        raise TrainError(f"--analysis-pool {value}: expected 'train' or DATASET:SPLIT with SPLIT train, val or "
-                         "test (e.g. imagenet:test, ImageNet's validation images)")
+        raise TrainError(f"--analysis-pool {value}: expected 'train' or DATASET:SPLIT with SPLIT "
+                         "train, val or test (e.g. imagenet:test, ImageNet's validation images)")
     # (an unknown name: data.py's one line)
     if data.get_spec(name).evaluation_only and split != "test":
         raise TrainError(f"--analysis-pool {value}: {name} is a test set only; use {name}:test")
@@ -935,8 +959,8 @@ def load_role_file(path: str) -> dear.RoleMap:
     except dear.DeARError:
         raise  # already one line, naming the file
     except (AttributeError, TypeError, ValueError, KeyError, RecursionError) as error:
-        raise TrainError(f"{path}: not a DeAR role file ({type(error).__name__}); give a roles JSON "
-                         "written by the head analysis") from None
+        raise TrainError(f"{path}: not a DeAR role file ({type(error).__name__}); give a roles "
+                         "JSON written by the head analysis") from None
 
 
 # TextSpan's general description pool (yossigandelsman/clip_text_span, MIT), the one its authors'
@@ -1060,8 +1084,9 @@ def textspan_pool_file() -> str:
     try:
         return clip_model.download(TEXTSPAN_POOL_URL, TEXTSPAN_POOL_SHA256, what="TextSpan's description pool")
     except clip_model.CLIPError:
-        raise TrainError(f"--bank textspan: cannot download {TEXTSPAN_POOL_URL}; without network, put that file "
-                         f"(SHA-256 {TEXTSPAN_POOL_SHA256[:16]}...) at {cached}, or give its path as --bank PATH") \
+        raise TrainError(f"--bank textspan: cannot download {TEXTSPAN_POOL_URL}; without network, "
+                         f"put that file (SHA-256 {TEXTSPAN_POOL_SHA256[:16]}...) at {cached}, or "
+                         "give its path as --bank PATH") \
             from None
 
 
@@ -1196,7 +1221,8 @@ def cluster_names_of(path: Optional[str], attributes: List[str]) -> Optional[Dic
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
     except (OSError, ValueError) as error:
-        raise TrainError(f"--cluster-names {path}: unreadable ({type(error).__name__}); give a JSON object such "
+        raise TrainError(f"--cluster-names {path}: unreadable ({type(error).__name__}); give a "
+                         "JSON object such "
                          'as {"3": "colour", "7": "other"}') from None
     allowed = list(attributes) + ["other"]
     if not isinstance(raw, dict) or not all(str(k).isdigit() and v in allowed for k, v in raw.items()):
@@ -1224,10 +1250,12 @@ def clusters_table(role_map: dear.RoleMap, labels: Dict[str, str], encoder: dict
     if role_map.concepts != "clusters":
         return "\n".join(lines + [f"The pool's labels: {', '.join(sorted(set(picks.values())))}.", ""])
     lines += [f"Embedded by {encoder_line(encoder)}.", "",
-              f"HDBSCAN over the {len(picks)} distinct picks of all heads; a name is a core attribute or other.",
+              f"HDBSCAN over the {len(picks)} distinct picks of all heads; a name is a core "
+              "attribute or other.",
               "", *md_table("cluster", ["name", "size", "its most central phrases"],
                             {str(c.id): [c.name, str(c.size), "; ".join(c.central)] for c in role_map.clusters}),
-              "", f"In no cluster (noise, each a concept of its own): {list(picks.values()).count(dear.NOISE)} picks."]
+              "", "In no cluster (noise, each a concept of its own): "
+                  f"{list(picks.values()).count(dear.NOISE)} picks."]
     if all(labels.get(text) is not None for text in picks):
         found = [c if c != dear.NOISE else f"noise {text}" for text, c in picks.items()]
         truth = [labels[text] for text in picks]
@@ -1235,8 +1263,9 @@ def clusters_table(role_map: dear.RoleMap, labels: Dict[str, str], encoder: dict
         pure = sum(Counter(t for c2, t in clustered if c2 == c).most_common(1)[0][1] for c in {c for c, _ in clustered})
         per_concept = {t: len({c for c, t2 in clustered if t2 == t}) for t in sorted(set(truth))}
         purity = f"{pure / len(clustered):.2f}" if clustered else "- (no pick in a cluster)"
-        lines += ["", f"Against the labels: adjusted Rand index {adjusted_rand_index(found, truth):.2f}, "
-                  f"purity {purity} (clustered picks); clusters per concept: "
+        lines += ["", "Against the labels: adjusted Rand index "
+                  f"{adjusted_rand_index(found, truth):.2f}, purity {purity} (clustered picks); "
+                  "clusters per concept: "
                   + ", ".join(f"{t} {n}" for t, n in per_concept.items()) + "."]
     return "\n".join(lines + [""])
 
@@ -1272,8 +1301,8 @@ def check_model_fit(settings, clip, attributes: List[str]) -> None:
         role_map_for(role_file_of(settings), clip, attributes, None)
     # memory grows with (77 + K)^2: a typo, not a setting
     if settings["text_tokens"] > clip.context_length:
-        raise TrainError(f"--text-tokens {settings['text_tokens']}: expected at most the model's context "
-                         f"length ({clip.context_length})")
+        raise TrainError(f"--text-tokens {settings['text_tokens']}: expected at most the model's "
+                         f"context length ({clip.context_length})")
     try:  # J counts in both towers
         dear.check_first_layer(first_layer(settings, clip), min(len(clip.visual.transformer.resblocks),
                                                                 len(clip.transformer.resblocks)))
@@ -1287,8 +1316,8 @@ def input_fingerprints(settings, weights: str, tokenizer) -> dict:
     --resume / --eval-only: each must be the saved one (the files may have moved, not changed)."""
     role_file = role_file_of(settings)
     if role_file is not None and not os.path.isfile(role_file):  # resumed after the file was moved
-        raise TrainError(f"--roles {role_file}: no such file; put it back (the run folder keeps a copy, "
-                         "roles_file.json)")
+        raise TrainError(f"--roles {role_file}: no such file; put it back (the run folder keeps a "
+                         "copy, roles_file.json)")
     named = clip_model._MODELS.get(weights)  # noqa: SLF001 -- the published checksums
     fingerprints = dict(weights=named.split("/")[-2] if named else sha256(weights), bpe=sha256(tokenizer.bpe_path),
                         roles_file=sha256(role_file) if role_file else None)
@@ -1297,9 +1326,9 @@ def input_fingerprints(settings, weights: str, tokenizer) -> dict:
         now, then = fingerprints[key], (settings["fingerprints"] or {}).get(key)
         if (settings["resume"] or settings["eval_only"]) and now != then:
             kept = f" (a copy is {os.path.join(settings['output'], 'roles_file.json')})" if key == "roles_file" else ""
-            raise TrainError(f"{flag}: not the file this run was made with (SHA-256 {str(now)[:12]}... now, "
-                             f"{str(then)[:12]}... then); resume with the original file{kept}, or start a "
-                             "new run with another --output")
+            raise TrainError(f"{flag}: not the file this run was made with (SHA-256 "
+                             f"{str(now)[:12]}... now, {str(then)[:12]}... then); resume with the "
+                             f"original file{kept}, or start a new run with another --output")
     return fingerprints
 
 
@@ -1340,7 +1369,8 @@ def analysis_cache(fingerprint: str, pool: str, analyse: Callable[[str], None], 
     entry = os.path.join(root, fingerprint[:16])  # 64 bits of the SHA-256 name the folder
     if runtime.main:
         if reason := unwritable_reason(root):
-            raise TrainError(f"{root}: the head-analysis cache {reason}; set $CLIP_CACHE_DIR to a writable folder")
+            raise TrainError(f"{root}: the head-analysis cache {reason}; set $CLIP_CACHE_DIR to a "
+                             "writable folder")
         os.makedirs(root, exist_ok=True)  # the lock file lives beside the entries
         if runtime.world > 1:
             bound = format_time(MAIN_WORK_TIMEOUT.total_seconds())
@@ -1369,8 +1399,8 @@ def role_copy(settings, dataset: str, checked: bool = False) -> str:
     --resume / --eval-only read (never the cache's), refused unless its SHA-256 is the run's."""
     path, records = os.path.join(settings["output"], dataset, "roles", "roles.json"), settings["role_maps"] or {}
     if checked and (dataset not in records or not os.path.isfile(path) or sha256(path) != records[dataset]["sha256"]):
-        raise TrainError(f"{path}: missing or not the role map this run was made with; the run folder is "
-                         "damaged, start a new run with another --output")
+        raise TrainError(f"{path}: missing or not the role map this run was made with; the run "
+                         "folder is damaged, start a new run with another --output")
     return path
 
 
@@ -1483,8 +1513,8 @@ def check_output_folder(output: str) -> None:
     if reason := unwritable_reason(output):  # tried by writing, before any data is read
         raise TrainError(f"--output {output}: {reason}; choose another --output")
     if os.path.exists(os.path.join(output, "settings.json")):
-        raise TrainError(f"{output}: already holds a run; continue it with --resume, evaluate it with "
-                         "--eval-only, or choose another --output")
+        raise TrainError(f"{output}: already holds a run; continue it with --resume, evaluate it "
+                         "with --eval-only, or choose another --output")
 
 
 def lock_run_folder(output: str, stack: contextlib.ExitStack) -> None:
@@ -1502,8 +1532,9 @@ def lock_run_folder(output: str, stack: contextlib.ExitStack) -> None:
         handle.seek(0)
         holder = handle.read().strip()  # the pid its holder wrote
         handle.close()
-        raise TrainError(f"{output}: in use by another train.py process{f' (pid {holder})' if holder else ''}; "
-                         "wait for it to end, or choose another --output") from None
+        raise TrainError(f"{output}: in use by another train.py "
+                         f"process{f' (pid {holder})' if holder else ''}; wait for it to end, or "
+                         "choose another --output") from None
     # ours now: our pid, for the next caller's message ("a+": writes go to the end)
     handle.truncate(0)
     handle.write(f"{os.getpid()}\n")
@@ -1570,11 +1601,12 @@ def load_run_file(path: str, expected: dict) -> Optional[dict]:
     except Exception as error:  # noqa: BLE001 -- any unreadable file gets the same advice
         advice = "delete it and --resume evaluates that run again" if results else \
             "delete it to restart that run from scratch"
-        raise TrainError(f"{path}: unreadable {'results' if results else 'checkpoint'} ({type(error).__name__}); "
-                         f"{advice}") from None
+        raise TrainError(f"{path}: unreadable {'results' if results else 'checkpoint'} "
+                         f"({type(error).__name__}); {advice}") from None
     if found["settings"] != expected:
-        raise TrainError(f"{path}: made with other settings than this run's ({differences(found['settings'], expected)}"
-                         "): the folder mixes two runs; start again with another --output")
+        raise TrainError(f"{path}: made with other settings than this run's "
+                         f"({differences(found['settings'], expected)}): the folder mixes two "
+                         "runs; start again with another --output")
     return found
 
 
@@ -1587,8 +1619,9 @@ def save_checkpoint(path: str, settings: dict, epoch: int, model, optimizer, sca
         try:
             torch.save(state, temporary)
         except RuntimeError as error:  # torch's file writer reports a full disk this way
-            raise TrainError(f"{path}: cannot write the checkpoint ({' '.join(str(error).split())[:100]}); "
-                             "free disk space, then continue with --resume") from None
+            raise TrainError(f"{path}: cannot write the checkpoint "
+                             f"({' '.join(str(error).split())[:100]}); free disk space, then "
+                             "continue with --resume") from None
 
     clip_model.atomic_write(path, write)  # a run killed mid-save keeps the previous epoch's
 
@@ -1713,9 +1746,9 @@ class Progress:
             mean_of = {key: value / sums["images"] for key, value in sums.items()}
             branch = f" branch {mean_of['branch']:.4f}" if "branch" in losses else ""  # branch-ce's
             self.runtime.log(
-                f"[{self.label}] epoch {epoch + 1}/{self.settings['epochs']} step {step}/{steps_per_epoch} "
-                f"loss {mean_of['total']:.4f} (ce {mean_of['ce']:.4f} reg {mean_of['reg']:.4f} "
-                f"fusion {mean_of['fusion']:.4f}{branch}) "
+                f"[{self.label}] epoch {epoch + 1}/{self.settings['epochs']} step "
+                f"{step}/{steps_per_epoch} loss {mean_of['total']:.4f} (ce {mean_of['ce']:.4f} reg "
+                f"{mean_of['reg']:.4f} fusion {mean_of['fusion']:.4f}{branch}) "
                 f"acc {100 * mean_of['correct']:.1f}% lr {lr:.2e} "
                 f"{rate:.1f} img/s, {format_time(left)} left")
 
@@ -1846,9 +1879,10 @@ def markdown(summary: dict, settings) -> str:
     shots = settings["shots"]
     shots = "shots " + ", ".join(map(str, shots)) if settings["protocol"] == "fewshot" else f"{shots[0]} shots"
     lines = [f"# {title}", "",
-             f"Accuracy (%), mean over seeds {', '.join(map(str, settings['seeds']))}; {settings['weights']}; {shots}. "
-             "Zero-shot CLIP does not train: one run serves every seed. ± = standard deviation over seeds; "
-             "- = no number (the linear probe has no classifier for unseen classes).", ""]
+             f"Accuracy (%), mean over seeds {', '.join(map(str, settings['seeds']))}; "
+             f"{settings['weights']}; {shots}. Zero-shot CLIP does not train: one run serves every "
+             "seed. ± = standard deviation over seeds; - = no number (the linear probe has no "
+             "classifier for unseen classes).", ""]
     for name, table in summary["tables"].items():
         spreads = table.get("spread", {})  # ± only where seeds differ
         cells = {row_label(row): ["-" if v is None else f"{v:.2f}" + (f" ± {d:.2f}" if d else "")
@@ -1856,16 +1890,16 @@ def markdown(summary: dict, settings) -> str:
                  for row, values in table["rows"].items()}
         lines += [f"## {name}", "", *md_table("Method", table["columns"], cells), ""]
     names = {"fused": "fused", "class": "class branch alone", "clip": "CLIP"}
-    lines.append("Logits per test set (fused = DeAR's fusion with the weights learned on the training classes; "
-                 "class branch alone = MMRL's rule for classes not trained):")
+    lines.append("Logits per test set (fused = DeAR's fusion with the weights learned on the "
+                 "training classes; class branch alone = MMRL's rule for classes not trained):")
     for row, used in summary.get("logits", {}).items():
         if used:
             lines.append(f"- {row_label(row)}: " + ", ".join(f"{test} {names.get(kind, kind)}"
                                                              for test, kind in used.items()))
     fallen = [name for name, record in (settings.get("role_maps") or {}).items() if record.get("class_branch_only")]
     if fallen:  # dear.falls_back_to_class_branch: both DeAR rows are then the class branch's
-        lines.append(f"- The head analysis of {', '.join(fallen)} names no attribute head: DeAR falls back to the "
-                     "class branch alone there.")
+        lines.append(f"- The head analysis of {', '.join(fallen)} names no attribute head: DeAR "
+                     "falls back to the class branch alone there.")
     if summary.get("test_beta"):  # cross and dg: the beta DeAR was tested at, per test set
         rule = ("MMRL++'s per target (trainers/config.py, task CD; the trained set and a target "
                 "it does not name: the training beta)" if settings["test_beta"] == "per-target"
@@ -1907,11 +1941,12 @@ def retrieval_summary(results: List[dict], attributes: List[str], k: int):
         cells = {{"class": "class feature", "frozen CLIP": "frozen CLIP"}.get(name, f"{name} token"):
                  ["blind" if v == "blind" else f"{v[0]:.1f} ± {v[1]:.1f}" for v in values.values()]
                  for name, values in summary[row].items()}
-        lines += [f"## {row_label(row)}: precision@{k} (%) of same-value retrieval, mean ± sd over {len(tables)} "
-                  "seeds", "", *md_table("ranked by", [f"same {a}" for a in attributes], cells), ""]
-    text = ("# Attribute-conditioned retrieval\n\nGallery: the test split; each test image queries the others "
-            "by one feature (cosine); a hit is a neighbour with the query's value. Chance = the value's share "
-            "of the test images. A blind token cannot read the image and ranks nothing.\n\n" + "\n".join(lines))
+        lines += [f"## {row_label(row)}: precision@{k} (%) of same-value retrieval, mean ± sd over "
+                  f"{len(tables)} seeds", "", *md_table("ranked by", [f"same {a}" for a in attributes], cells), ""]
+    text = ("# Attribute-conditioned retrieval\n\nGallery: the test split; each test image queries "
+            "the others by one feature (cosine); a hit is a neighbour with the query's value. "
+            "Chance = the value's share of the test images. A blind token cannot read the image "
+            "and ranks nothing.\n\n" + "\n".join(lines))
     return summary, text
 
 
