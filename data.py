@@ -98,24 +98,58 @@ class DatasetSpec:
 # Rows 2-11: base-to-novel, few-shot, cross-dataset; ImageNet: the source of cross-dataset and
 # domain generalization, whose targets are the variants.
 DATASETS: dict[str, DatasetSpec] = {spec.name: spec for spec in [
-    #           name               folder                  reader              image_dir                                  split_file                              template
-    DatasetSpec("imagenet",        "imagenet",             "imagenet",         "images",                                  None,                                   "a photo of a {}."),
-    DatasetSpec("caltech101",      "caltech-101",          "split_json",       "101_ObjectCategories",                    "split_zhou_Caltech101.json",           "a photo of a {}."),
-    DatasetSpec("oxford_pets",     "oxford_pets",          "split_json",       "images",                                  "split_zhou_OxfordPets.json",           "a photo of a {}, a type of pet."),
-    DatasetSpec("stanford_cars",   "stanford_cars",        "split_json",       "",                                        "split_zhou_StanfordCars.json",         "a photo of a {}."),
-    DatasetSpec("oxford_flowers",  "oxford_flowers",       "split_json",       "jpg",                                     "split_zhou_OxfordFlowers.json",        "a photo of a {}, a type of flower."),
-    DatasetSpec("food101",         "food-101",             "split_json",       "images",                                  "split_zhou_Food101.json",              "a photo of {}, a type of food."),
-    DatasetSpec("fgvc_aircraft",   "fgvc_aircraft",        "fgvc_aircraft",    "images",                                  None,                                   "a photo of a {}, a type of aircraft."),
-    DatasetSpec("sun397",          "sun397",               "split_json",       "SUN397",                                  "split_zhou_SUN397.json",               "a photo of a {}."),
-    DatasetSpec("dtd",             "dtd",                  "split_json",       "images",                                  "split_zhou_DescribableTextures.json",  "{} texture."),
-    DatasetSpec("eurosat",         "eurosat",              "split_json",       "2750",                                    "split_zhou_EuroSAT.json",              "a centered satellite photo of {}."),
-    DatasetSpec("ucf101",          "ucf101",               "split_json",       "UCF-101-midframes",                       "split_zhou_UCF101.json",               "a photo of a person doing {}."),
-    DatasetSpec("imagenet_v2",     "imagenetv2",           "imagenet_variant", "imagenetv2-matched-frequency-format-val", None,                                   "a photo of a {}."),
-    DatasetSpec("imagenet_sketch", "imagenet-sketch",      "imagenet_variant", "images",                                  None,                                   "a photo of a {}."),
-    DatasetSpec("imagenet_a",      "imagenet-adversarial", "imagenet_variant", "imagenet-a",                              None,                                   "a photo of a {}."),
-    DatasetSpec("imagenet_r",      "imagenet-rendition",   "imagenet_variant", "imagenet-r",                              None,                                   "a photo of a {}."),
+    #           name               folder                  reader
+    #           image_dir                                  split_file
+    #           template
+    DatasetSpec("imagenet",        "imagenet",             "imagenet",
+                "images",                                  None,
+                "a photo of a {}."),
+    DatasetSpec("caltech101",      "caltech-101",          "split_json",
+                "101_ObjectCategories",                    "split_zhou_Caltech101.json",
+                "a photo of a {}."),
+    DatasetSpec("oxford_pets",     "oxford_pets",          "split_json",
+                "images",                                  "split_zhou_OxfordPets.json",
+                "a photo of a {}, a type of pet."),
+    DatasetSpec("stanford_cars",   "stanford_cars",        "split_json",
+                "",                                        "split_zhou_StanfordCars.json",
+                "a photo of a {}."),
+    DatasetSpec("oxford_flowers",  "oxford_flowers",       "split_json",
+                "jpg",                                     "split_zhou_OxfordFlowers.json",
+                "a photo of a {}, a type of flower."),
+    DatasetSpec("food101",         "food-101",             "split_json",
+                "images",                                  "split_zhou_Food101.json",
+                "a photo of {}, a type of food."),
+    DatasetSpec("fgvc_aircraft",   "fgvc_aircraft",        "fgvc_aircraft",
+                "images",                                  None,
+                "a photo of a {}, a type of aircraft."),
+    DatasetSpec("sun397",          "sun397",               "split_json",
+                "SUN397",                                  "split_zhou_SUN397.json",
+                "a photo of a {}."),
+    DatasetSpec("dtd",             "dtd",                  "split_json",
+                "images",                                  "split_zhou_DescribableTextures.json",
+                "{} texture."),
+    DatasetSpec("eurosat",         "eurosat",              "split_json",
+                "2750",                                    "split_zhou_EuroSAT.json",
+                "a centered satellite photo of {}."),
+    DatasetSpec("ucf101",          "ucf101",               "split_json",
+                "UCF-101-midframes",                       "split_zhou_UCF101.json",
+                "a photo of a person doing {}."),
+    DatasetSpec("imagenet_v2",     "imagenetv2",           "imagenet_variant",
+                "imagenetv2-matched-frequency-format-val", None,
+                "a photo of a {}."),
+    DatasetSpec("imagenet_sketch", "imagenet-sketch",      "imagenet_variant",
+                "images",                                  None,
+                "a photo of a {}."),
+    DatasetSpec("imagenet_a",      "imagenet-adversarial", "imagenet_variant",
+                "imagenet-a",                              None,
+                "a photo of a {}."),
+    DatasetSpec("imagenet_r",      "imagenet-rendition",   "imagenet_variant",
+                "imagenet-r",                              None,
+                "a photo of a {}."),
     # The project's own toy world (toyworld/task.py writes it in this layout; not a CoOp dataset).
-    DatasetSpec("toyworld",        "toyworld",             "split_json",       "images",                                  "split_toyworld.json",                  "a photo of a {}."),
+    DatasetSpec("toyworld",        "toyworld",             "split_json",
+                "images",                                  "split_toyworld.json",
+                "a photo of a {}."),
 ]}
 
 SUBSAMPLE_CHOICES = ("all", "base", "new", "novel")  # CoOp says "new"; "novel" is the same
@@ -239,7 +273,8 @@ def _read_json_split(split_path: str) -> dict:
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise DatasetError(f"{split_path}: not a valid JSON split file ({type(e).__name__}: "
                            f"{' '.join(str(e).split())[:100]}); {again}") from None
-    if not isinstance(raw, dict) or not all(isinstance(raw.get(k), list) for k in ("train", "val", "test")):
+    if not isinstance(raw, dict) or not all(isinstance(raw.get(k), list)
+                                            for k in ("train", "val", "test")):
         raise DatasetError(f"{split_path}: expected a JSON object with lists 'train', 'val' and "
                            f"'test'; {again}")
     return raw
@@ -252,15 +287,19 @@ def _items_of_split(raw: dict, image_root: str, split_path: str) -> tuple:
             # what every error here names
             where = f"{split_path}: entry {position} of '{split_name}'"
             if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
-                    and not os.path.isabs(entry[0]) and type(entry[1]) is int and isinstance(entry[2], str)):
+                    and not os.path.isabs(entry[0]) and type(entry[1]) is int
+                    and isinstance(entry[2], str)):
                 raise DatasetError(f"{where} is {repr(entry)[:100]}; expected "
                                    "[relative_image_path, label, classname]")
-            items.append(Item(_image_path(image_root, entry[0], where), entry[1], clean_classname(entry[2])))
+            items.append(Item(_image_path(image_root, entry[0], where), entry[1],
+                              clean_classname(entry[2])))
     _check_split(splits, split_path)  # now, not when a DataLoader worker meets the file mid-epoch
-    classnames = _classnames_from_items(splits["train"] + splits["val"] + splits["test"], split_path)
+    classnames = _classnames_from_items(splits["train"] + splits["val"] + splits["test"],
+                                        split_path)
     return splits["train"], splits["val"], splits["test"], classnames
 
-def _read_class_folders(image_root: str, label_of: dict[str, int], classnames: list[str], what: str) -> list[Item]:
+def _read_class_folders(image_root: str, label_of: dict[str, int], classnames: list[str],
+                        what: str) -> list[Item]:
     """Items of image_root/<folder>/<image>, every folder a class of label_of."""
     _require(image_root, what, os.path.isdir)
     items = []
@@ -284,7 +323,8 @@ def read_imagenet(spec: DatasetSpec, dataset_dir: str) -> tuple:
     _require(path, "classnames.txt (ImageNet's class list, one '<wnid> <name>' per line, linked "
                    "from CoOp's DATASETS.md; the variants hold a copy of it)")
     with open(path, encoding="utf-8") as f:
-        for line_number, (wnid, _, name) in enumerate((line.strip().partition(" ") for line in f), start=1):
+        for line_number, (wnid, _, name) in enumerate((line.strip().partition(" ") for line in f),
+                                                      start=1):
             if wnid and (not name.strip() or wnid in names):
                 raise DatasetError(f"{path}: line {line_number} is {wnid + ' ' + name!r}; expected "
                                    f"'<wnid> <class name>' with each wnid once")
@@ -292,8 +332,10 @@ def read_imagenet(spec: DatasetSpec, dataset_dir: str) -> tuple:
                 names[wnid] = clean_classname(name.strip())
     image_root = os.path.join(dataset_dir, spec.image_dir)
     if not spec.evaluation_only:
-        label_of, classnames = {wnid: label for label, wnid in enumerate(names)}, list(names.values())
-        train = _read_class_folders(os.path.join(image_root, "train"), label_of, classnames, "training image folder")
+        label_of, classnames = {wnid: label
+                                for label, wnid in enumerate(names)}, list(names.values())
+        train = _read_class_folders(os.path.join(image_root, "train"), label_of, classnames,
+                                    "training image folder")
         test = _read_class_folders(os.path.join(image_root, "val"), label_of, classnames,
                                    "validation image folder (the val images sorted into <wnid>/ "
                                    "folders)")
@@ -315,33 +357,39 @@ def read_imagenet(spec: DatasetSpec, dataset_dir: str) -> tuple:
     # 1000) ImageNet's index space; -A and -R hold 200, so a model trained on ImageNet classifies
     # among those 200 names, as CoOp, CoCoOp, MaPLe and PromptSRC report it.
     kept = [wnid for wnid in wnids if wnid in present]
-    label_of = {folder: kept.index(wnid) for folder, wnid in wnid_of_folder.items() if wnid in names}
+    label_of = {folder: kept.index(wnid) for folder, wnid in wnid_of_folder.items()
+                if wnid in names}
     test = _read_class_folders(image_root, label_of, [names[wnid] for wnid in kept], "image folder")
     if not test:
-        raise DatasetError(f"{image_root}: no images found; expected one folder of images per class")
+        raise DatasetError(f"{image_root}: no images found; expected one folder of images per "
+                           "class")
     return [], [], test, [names[wnid] for wnid in kept]
 
 def read_fgvc_aircraft(spec: DatasetSpec, dataset_dir: str) -> tuple:
     """The archive's data/ folder: variants.txt (one per line, label order), and per split
     images_variant_<split>.txt ("<image id> <variant>": "1025794 Cessna 172") -> images/<id>.jpg."""
-    variants_path, image_root = os.path.join(dataset_dir, "variants.txt"), os.path.join(dataset_dir, spec.image_dir)
+    variants_path, image_root = (os.path.join(dataset_dir, "variants.txt"),
+                                 os.path.join(dataset_dir, spec.image_dir))
     _require(variants_path, "FGVC-Aircraft class list (variants.txt, from the archive's data/ "
                             "folder)")
     _require(image_root, "image folder", os.path.isdir)
     with open(variants_path, encoding="utf-8") as f:
-        label_of = {variant: label for label, variant in enumerate(line.strip() for line in f if line.strip())}
+        label_of = {variant: label
+                    for label, variant in enumerate(line.strip() for line in f if line.strip())}
     splits: dict[str, list[Item]] = {"train": [], "val": [], "test": []}
     for split_name, items in splits.items():
         list_path = os.path.join(dataset_dir, f"images_variant_{split_name}.txt")
         _require(list_path, "FGVC-Aircraft image list (from the archive's data/ folder)")
         with open(list_path, encoding="utf-8") as f:
-            for line_number, (image_id, _, variant) in enumerate((line.strip().partition(" ") for line in f), 1):
+            for line_number, (image_id, _, variant) in enumerate((line.strip().partition(" ")
+                                                                   for line in f), 1):
                 if image_id and variant not in label_of:
                     raise DatasetError(f"{list_path}: line {line_number} is "
                                        f"{image_id + ' ' + variant!r}; expected '<image id> "
                                        f"<variant>' with a variant listed in {variants_path}")
                 if image_id:
-                    path = _image_path(image_root, image_id + ".jpg", f"{list_path}: line {line_number}")
+                    path = _image_path(image_root, image_id + ".jpg",
+                                       f"{list_path}: line {line_number}")
                     items.append(Item(path, label_of[variant], clean_classname(variant)))
         _check_split({split_name: items}, list_path)  # the missing image named with its list
     # and no image in two lists
@@ -382,7 +430,8 @@ def own_dataset(path: str, split_fallback_dir: str | None = None) -> DatasetSpec
             raise DatasetError(f"{path}: split file not found; expected a JSON file in CoOp's "
                                "format, "
                                f'{{"train"|"val"|"test": [[path, label, classname], ...]}}')
-        spec = DatasetSpec(name, os.path.dirname(path), "split_json", "", os.path.basename(path), OWN_TEMPLATE)
+        spec = DatasetSpec(name, os.path.dirname(path), "split_json", "", os.path.basename(path),
+                           OWN_TEMPLATE)
     elif os.path.isdir(path):
         spec = DatasetSpec(name, path, "image_folder", "", f"split_{name}.json", OWN_TEMPLATE,
                            split_fallback_dir and os.path.abspath(split_fallback_dir))
@@ -412,7 +461,8 @@ def draw_image_folder_split(folder: str) -> dict:
                            "ImageFolder layout)")
     folder_of_name: dict[str, str] = {}
     for class_folder in classes:
-        if (other := folder_of_name.setdefault(clean_classname(class_folder), class_folder)) != class_folder:
+        if (other := folder_of_name.setdefault(clean_classname(class_folder),
+                                               class_folder)) != class_folder:
             raise DatasetError(f"{folder}: class folders {other!r} and {class_folder!r} both give "
                                f"the class name {clean_classname(class_folder)!r} (underscores "
                                "become spaces); rename one")
@@ -435,7 +485,8 @@ def draw_image_folder_split(folder: str) -> dict:
                                "images or remove the folder")
         rng.shuffle(images)  # then round(50%) train, round(20%) val, the rest test
         entries = [[f"{class_folder}/{relative}", label, class_folder] for relative in images]
-        for part, (start, stop) in zip(split, ((0, n_train), (n_train, n_train + n_val), (n_train + n_val, n))):
+        for part, (start, stop) in zip(split, ((0, n_train), (n_train, n_train + n_val),
+                                               (n_train + n_val, n))):
             split[part] += entries[start:stop]
     if skipped:  # said once for the whole folder, not once per file
         _warn(f"{folder}: skipped {skipped} non-image file{'s' * (skipped != 1)} (only "
@@ -468,7 +519,8 @@ def read_image_folder(spec: DatasetSpec, dataset_dir: str) -> tuple:
           "each call")
     return _items_of_split(raw, dataset_dir, wanted)
 
-READERS = {"split_json": read_split_json, "imagenet": read_imagenet, "imagenet_variant": read_imagenet,
+READERS = {"split_json": read_split_json, "imagenet": read_imagenet,
+           "imagenet_variant": read_imagenet,
            "fgvc_aircraft": read_fgvc_aircraft, "image_folder": read_image_folder}
 
 
@@ -551,7 +603,8 @@ def _by_label(items: list[Item]) -> dict[int, list[Item]]:
 
 def _draw(by_label: dict[int, list[Item]], num_shots: int, rng: random.Random) -> list[Item]:
     return [item for pool in by_label.values() for item in  # fewer than K: K draws with repeats
-            (rng.sample(pool, num_shots) if len(pool) >= num_shots else rng.choices(pool, k=num_shots))]
+            (rng.sample(pool, num_shots) if len(pool) >= num_shots
+             else rng.choices(pool, k=num_shots))]
 
 def sample_few_shot(items: list[Item], num_shots: int, rng: random.Random) -> list[Item]:
     """K images per class as Dassl's generate_fewshot_dataset draws them (Dassl.pytorch,
@@ -629,7 +682,8 @@ def _read_fewshot_cache(cache_path: str, fingerprint: str, parts: list[str]) -> 
         elif cached.get("fingerprint") != fingerprint:
             reason = "was drawn from a different split (fingerprint mismatch)"
         elif cached.get("content") != _fingerprint({part: cached.get(part) for part in parts}):
-            reason = "was edited after it was written (its lists do not match its content fingerprint)"
+            reason = ("was edited after it was written (its lists do not match its content "
+                      "fingerprint)")
         else:
             return cached
     _warn(f"{cache_path}: few-shot cache {reason}; rebuilding it")
@@ -639,7 +693,8 @@ def _write_json_atomically(path: str, header: dict, lists: dict[str, list[list]]
     """{**header, **lists} as JSON, one entry per line, through a temporary file and os.replace:
     data.py's own small copy of clip_model.atomic_write, on purpose (data.py stands alone)."""
     fields = [f"  {json.dumps(key)}: {json.dumps(value)}" for key, value in header.items()]
-    fields += [f"  {json.dumps(key)}: [\n" + ",\n".join(f"    {json.dumps(e)}" for e in entries) + "\n  ]"
+    fields += [f"  {json.dumps(key)}: [\n" + ",\n".join(f"    {json.dumps(e)}"
+                                                        for e in entries) + "\n  ]"
                for key, entries in lists.items()]
     os.makedirs(os.path.dirname(path), exist_ok=True)
     temporary = f"{path}.{os.getpid()}.tmp"  # in the same folder, so that the rename is atomic
@@ -699,7 +754,8 @@ def subsample_classes(classnames: list[str], splits: list[list[Item]], subsample
     selected = range(n_base) if subsample == "base" else range(n_base, len(classnames))
     new_label = {old: new for new, old in enumerate(selected)}
     return [classnames[old] for old in selected], [
-        [replace(item, label=new_label[item.label]) for item in items if item.label in new_label] for items in splits]
+        [replace(item, label=new_label[item.label]) for item in items if item.label in new_label]
+        for items in splits]
 
 def _check_selection(spec: DatasetSpec, num_shots: int | None, seed: int, subsample: str) -> None:
     if subsample not in SUBSAMPLE_CHOICES:
@@ -748,7 +804,8 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 def train_transform(size: int = 224) -> T.Compose:
     """CoOp's / MMRL's augmentation: random resized crop (scale 0.5-1, bicubic), flip, CLIP's normalisation."""
-    return T.Compose([T.RandomResizedCrop(size, scale=(0.5, 1.0), interpolation=T.InterpolationMode.BICUBIC),
+    return T.Compose([T.RandomResizedCrop(size, scale=(0.5, 1.0),
+                                          interpolation=T.InterpolationMode.BICUBIC),
                       T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(CLIP_MEAN, CLIP_STD)])
 
 def test_transform(size: int = 224) -> T.Compose:
@@ -820,7 +877,8 @@ def main(argv: list[str] | None = None) -> int:
                         "PATH/<class>/<image> or a split file in CoOp's format")
     parser.add_argument("--shots", type=int, default=None, help="K images per class (default: all)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the few-shot draw")
-    parser.add_argument("--subsample", default="all", choices=SUBSAMPLE_CHOICES, help="which classes to keep")
+    parser.add_argument("--subsample", default="all", choices=SUBSAMPLE_CHOICES,
+                        help="which classes to keep")
     args = parser.parse_args(argv)
     # data.py's own warning format, on purpose (it stands alone): one line each, no source line.
     warnings.formatwarning = lambda message, category, *rest: f"warning: {message}\n"
@@ -846,7 +904,8 @@ def main(argv: list[str] | None = None) -> int:
         counts = Counter(item.label for item in getattr(d, split_name)).values()
         per_class = f"{min(counts)}-{max(counts)} per class" if counts else "empty"
         print(f"  {split_name:<9} {len(getattr(d, split_name)):>6} images ({per_class})")
-    print(f"  template  {d.template!r}" + (f"\n  prompt    {d.prompts[0]!r}" if d.classnames else ""))
+    print(f"  template  {d.template!r}" + (f"\n  prompt    {d.prompts[0]!r}" if d.classnames
+                                           else ""))
     return 0
 
 if __name__ == "__main__":

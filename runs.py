@@ -72,7 +72,8 @@ SETTING_KEYS = ("dataset dataset_paths template protocol source method roles abl
                 "concepts sentence_encoder min_cluster_size min_samples cluster_names descriptions "
                 "low_bits high_bits epochs "
                 "batch_size lr warmup_epochs warmup_lr weight_decay augment device amp workers "
-                "eval_batch_size log_every max_epochs_per_call toy_scale fingerprints role_maps").split()
+                "eval_batch_size log_every max_epochs_per_call toy_scale fingerprints "
+                "role_maps").split()
 # Flags that say how to run, not what to compute: they may change on --resume / --eval-only.
 RUN_CONTROL = {"output", "resume", "eval_only", "device", "workers", "log_every", "eval_batch_size",
                "max_epochs_per_call", "amp", "root", "weights", "bpe"}  # (and the files' places)
@@ -139,7 +140,8 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
     g("--ablations", nargs="+", choices=(*ABLATIONS, "all"), metavar="NAME",
       help="the paper's ablations, each a DeAR row with one change: "
       + "; ".join(f"{name} = {what}" for name, what in ABLATIONS.items()) + "; all = every one")
-    g("--fusion", nargs="+", type=fusion_name, metavar="{" + ",".join(FUSION_MODES) + "}", help="DeAR's scoring, "
+    g("--fusion", nargs="+", type=fusion_name, metavar="{" + ",".join(FUSION_MODES) + "}",
+      help="DeAR's scoring, "
       "one row each from the same model: fused-everywhere = fused logits on every test set; "
       "class-on-unseen = the class branch alone on classes not trained (MMRL's rule); the role "
       "ablations use the first")
@@ -215,7 +217,8 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
     g("--epochs", type=int, help="training epochs, the warm-up epochs included")
     g("--batch-size", type=int, help="images per step (per process under torchrun)")
     g("--lr", type=float, help="AdamW learning rate after the warm-up (cosine decay)")
-    g("--warmup-epochs", type=int, help=f"epochs at a constant {book.warmup_lr:g} before the cosine")
+    g("--warmup-epochs", type=int,
+      help=f"epochs at a constant {book.warmup_lr:g} before the cosine")
     g("--augment", choices=("on", "off"), help="random resized crop + flip for training")
     g = p.add_argument_group("running").add_argument
     g("--device", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
@@ -253,7 +256,8 @@ def default_help(key: str, book: RecipeBook) -> str:
         per_protocol = []
         for protocols in (("base2novel",), ("fewshot",), ("cross", "dg")):
             usual = getattr(book.protocol_recipes[protocols[0]], key)
-            others = [f"{name}: {shown(getattr(r, key))}" for name, r in book.recipes[protocols[0]].items()
+            others = [f"{name}: {shown(getattr(r, key))}"
+                      for name, r in book.recipes[protocols[0]].items()
                       if getattr(r, key) != usual]
             exceptions = f" ({', '.join(others)})" if others else ""
             per_protocol.append(f"{', '.join(protocols)} {shown(usual)}{exceptions}")
@@ -296,7 +300,8 @@ def resolve_settings(args: argparse.Namespace, book: RecipeBook) -> Dict[str, ob
     The files' places and SHA-256 are added once found (train.open_inputs), then never changed."""
     fresh = not (args.resume or args.eval_only)
     settings = settings_from_flags(args, book) if fresh else settings_from_run_folder(args, book)
-    settings.update(resume=bool(args.resume), eval_only=bool(args.eval_only), analyse_only=bool(args.analyse_only))
+    settings.update(resume=bool(args.resume), eval_only=bool(args.eval_only),
+                    analyse_only=bool(args.analyse_only))
     validate_settings(settings)
     # loading processes help on CUDA; on CPU they compete with the model
     if settings["workers"] is None:
@@ -314,19 +319,24 @@ def _unique(values: list) -> list:
     return list(dict.fromkeys("analyse" if v == "analyze" else v for v in values))
 
 
-def typed_flags(args: argparse.Namespace, protocol: str, source: Optional[str], book: RecipeBook) -> dict:
+def typed_flags(args: argparse.Namespace, protocol: str, source: Optional[str],
+                book: RecipeBook) -> dict:
     """The flags typed (a typed 0 or "" too), in the form settings.json stores them (--augment off
     -> False, --dataset all -> the names, each list without repeats): new and resumed runs alike."""
     stored_as = dict.fromkeys(("roles", "method", "seeds", "shots", "fusion"), _unique)
     stored_as["ablations"] = lambda v: list(ABLATIONS) if "all" in v else _unique(v)
-    stored_as.update(dataset=lambda v: dataset_names(v, protocol, source, book), source=data.dataset_key,
+    stored_as.update(dataset=lambda v: dataset_names(v, protocol, source, book),
+                     source=data.dataset_key,
                      augment=lambda v: v == "on")
     return {key: stored_as.get(key, lambda v: v)(value) for key, value in vars(args).items()
-            if value is not None and value is not False and key not in ("resume", "eval_only", "analyse_only")}
+            if value is not None and value is not False
+            and key not in ("resume", "eval_only", "analyse_only")}
 
 
-def dataset_names(typed: List[str], protocol: str, source: Optional[str], book: RecipeBook) -> List[str]:
-    names = [data.own_dataset_name(n) if data.is_own_data(n) else data.dataset_key(n) for n in typed]
+def dataset_names(typed: List[str], protocol: str, source: Optional[str],
+                  book: RecipeBook) -> List[str]:
+    names = [data.own_dataset_name(n) if data.is_own_data(n) else data.dataset_key(n)
+             for n in typed]
     if names == ["all"]:  # cross and dg: one training on the source, tested on all fourteen targets
         source = data.dataset_key(_default(source, book.defaults["source"]))
         names = book.paper_datasets if protocol in ("base2novel", "fewshot") else \
@@ -345,7 +355,8 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
     # no paths in a folder name
     folder = [data.own_dataset_name(n) if data.is_own_data(n) else n for n in args.dataset]
     output = _default(args.output, os.path.join("runs", f"{protocol}-{'-'.join(folder)}"))
-    own = [(data.own_dataset_name(n), os.path.abspath(n)) for n in args.dataset if data.is_own_data(n)]
+    own = [(data.own_dataset_name(n), os.path.abspath(n)) for n in args.dataset
+           if data.is_own_data(n)]
     if len({name for name, _ in own}) < len(own):
         raise TrainError(f"--dataset {' '.join(path for _, path in own)}: two have the same folder "
                          "name; rename one (the name is used in tables and run folders)")
@@ -359,7 +370,8 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
                              "file and head width (made in the cache); drop "
                              f"--{flag.replace('_', '-')}")
     for name in names:
-        if name != "toyworld" and data.get_spec(name).evaluation_only and protocol in ("base2novel", "fewshot"):
+        if (name != "toyworld" and data.get_spec(name).evaluation_only
+                and protocol in ("base2novel", "fewshot")):
             # unknown: get_spec's
             raise TrainError(f"--dataset {name} is a test set only; use it with --protocol dg")
     source = None
@@ -389,7 +401,8 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
     # rule, e.g. descriptions -> dear.analysis_picks, head_width -> the file's); fingerprints
     # (SHA-256 of the weights, BPE and roles files) and role_maps are added by train.open_inputs and
     # train.run.
-    settings = {key: copy.copy(typed[key] if key in typed else getattr(recipe, key, defaults.get(key)))
+    settings = {key: copy.copy(typed[key] if key in typed
+                               else getattr(recipe, key, defaults.get(key)))
                 for key in SETTING_KEYS}  # (copied: no list shared with the book)
     resolve_text_tokens(settings, len(book.attributes(toy)))
     settings.update(analysis_preset(settings["analysis"], toy, settings["root"], typed))
@@ -412,10 +425,12 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
         raise TrainError(f"--ablations {changed[0]}: it changes the DeAR row, which --roles "
                          f"{' '.join(roles)} does not make; add analyse (or a roles file) "
                          "to --roles")
-    shots = list(typed.get("shots", book.fewshot_shots if protocol == "fewshot" else [recipe.shots]))
+    shots = list(typed.get("shots", book.fewshot_shots if protocol == "fewshot"
+                           else [recipe.shots]))
     if protocol != "fewshot" and len(shots) > 1:
         raise TrainError("--shots takes several values only with --protocol fewshot")
-    settings.update(dataset_paths=dict(own), source=source, shots=shots, output=output, warmup_lr=book.warmup_lr,
+    settings.update(dataset_paths=dict(own), source=source, shots=shots, output=output,
+                    warmup_lr=book.warmup_lr,
                     # toy: its own
                     weight_decay=book.weight_decay, weights=None if toy else settings["weights"])
     if source is None:  # no target: DeAR is tested at the training beta
@@ -514,19 +529,25 @@ def validate_settings(settings: dict) -> None:
     # (key, least value, None or "auto" allowed): dear.check_first_layer checks J's top once the
     # model is read
     for key, least, optional in (("epochs", 1, 0), ("batch_size", 1, 0), ("eval_batch_size", 1, 0),
-                                 ("log_every", 1, 0), ("analysis_images", 1, 0), ("warmup_epochs", 0, 0),
+                                 ("log_every", 1, 0), ("analysis_images", 1, 0),
+                                 ("warmup_epochs", 0, 0),
                                  ("text_tokens", 0, 0), ("head_width", 1, 1), ("workers", 0, 1),
-                                 ("max_epochs_per_call", 1, 1), ("descriptions", 1, 1), ("first_layer", 1, 1),
+                                 ("max_epochs_per_call", 1, 1), ("descriptions", 1, 1),
+                                 ("first_layer", 1, 1),
                                  ("min_cluster_size", 2, 1), ("min_samples", 1, 1)):
-        if not (optional and settings[key] in (None, "auto") or is_int(settings[key]) and settings[key] >= least):
-            refuse(key, f"expected an integer >= {least}" if least != 1 else "expected a positive integer")
-    if not settings["seeds"] or not all(is_int(s) and 0 <= s <= MAX_SEED for s in settings["seeds"]):
+        if not (optional and settings[key] in (None, "auto") or is_int(settings[key])
+                and settings[key] >= least):
+            refuse(key, f"expected an integer >= {least}" if least != 1
+                   else "expected a positive integer")
+    if not settings["seeds"] or not all(is_int(s) and 0 <= s <= MAX_SEED
+                                        for s in settings["seeds"]):
         refuse("seeds", f"expected integers from 0 to {MAX_SEED}")
     if not settings["shots"] or not all(is_int(k) and k >= 1 for k in settings["shots"]):
         refuse("shots", "expected positive integers")
     # an inf lr trains on NaN; a NaN weight is not even valid JSON
     weight = "expected a finite weight >= 0"
-    for key, expected in (("lr", "expected a positive, finite learning rate"), ("lambda_reg", weight),
+    for key, expected in (("lr", "expected a positive, finite learning rate"),
+                          ("lambda_reg", weight),
                           ("lambda_fusion", weight)):
         value = settings[key]
         finite = isinstance(value, (int, float)) and math.isfinite(value)
@@ -536,7 +557,8 @@ def validate_settings(settings: dict) -> None:
     for key, check, values in (("beta", dear.check_beta, [settings["beta"]]),
                                ("low_bits", dear.check_thresholds, [settings["low_bits"], None]),
                                ("high_bits", dear.check_thresholds, [None, settings["high_bits"]]),
-                               ("low_bits", dear.check_thresholds, [settings["low_bits"], settings["high_bits"]])):
+                               ("low_bits", dear.check_thresholds,
+                                [settings["low_bits"], settings["high_bits"]])):
         try:
             check(*values)
         except dear.DeARError as error:
@@ -570,16 +592,19 @@ def settings_from_run_folder(args: argparse.Namespace, book: RecipeBook) -> Dict
             saved_file = json.load(f)
         saved = saved_file["settings"]
     except FileNotFoundError:
-        raise TrainError(f"{path}: not found; --output must be a run folder made by train.py") from None
+        raise TrainError(f"{path}: not found; --output must be a run folder made by "
+                         "train.py") from None
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
-        raise TrainError(f"{path}: unreadable ({type(error).__name__}); the run folder is damaged") from None
+        raise TrainError(f"{path}: unreadable ({type(error).__name__}); the run folder is "
+                         "damaged") from None
     if saved_file.get("format") != RUN_FORMAT:  # what a folder means changed: refused, not misread
         raise TrainError(f"{path}: a run folder of an earlier train.py "
                          f"({saved_file.get('format') or 'format 1'}; this one reads {RUN_FORMAT}: "
                          "one cached head analysis per model, Dassl's warm-up recount, renamed "
                          "fusion rows, the analysis' preset and sentence encoder); finish it with "
                          "that version, or start a new run")
-    if not isinstance(saved, dict) or set(saved) != set(SETTING_KEYS) or not isinstance(saved["fingerprints"], dict) \
+    if not isinstance(saved, dict) or set(saved) != set(SETTING_KEYS) \
+            or not isinstance(saved["fingerprints"], dict) \
             or not isinstance(saved["dataset_paths"], dict):
         raise TrainError(f"{path}: not the settings of this train.py (damaged, or made by another "
                          "version); start a new run with another --output")
@@ -613,7 +638,8 @@ def analysis_pool_of(value: str):
 
 def role_file_of(settings) -> Optional[str]:
     """The --roles choice that is a file, if any (at most one per call)."""
-    return next((choice for choice in settings["roles"] if choice not in ("analyse", *ROLE_ABLATIONS)), None)
+    return next((choice for choice in settings["roles"]
+                 if choice not in ("analyse", *ROLE_ABLATIONS)), None)
 
 
 # ------------------------------------------------------------------------------------------
@@ -649,12 +675,14 @@ def pick_device(name: str) -> torch.device:
     except (RuntimeError, TypeError):
         device = None  # e.g. "gpu": refused below, in one line
     # torch knows more device types (meta, xla, hpu, ...) than this script drives.
-    if device is None or device.type not in ("cpu", "cuda", "mps") or (device.type != "cuda" and device.index):
+    if (device is None or device.type not in ("cpu", "cuda", "mps")
+            or (device.type != "cuda" and device.index)):
         raise TrainError(f"--device {name}: not a device; use auto, cpu, cuda, cuda:N or mps")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device.type == "cuda" and (device.index or 0) >= count:
-        raise TrainError(f"--device {name}: this machine has " + (f"{count} CUDA devices (cuda:0 to cuda:{count - 1})"
-                         if count else "no CUDA device; use --device auto or cpu"))
+        raise TrainError(f"--device {name}: this machine has "
+                         + (f"{count} CUDA devices (cuda:0 to cuda:{count - 1})"
+                            if count else "no CUDA device; use --device auto or cpu"))
     if device.type == "mps" and not mps:
         raise TrainError(f"--device {name}: MPS is not available here; use --device auto or cpu")
     return device
@@ -854,7 +882,8 @@ class Job:
         return " / ".join(parts + ([f"{self.shots} shots"] if self.shots is not None else []))
 
 
-ROW_LABELS = {"zeroshot": "CLIP (zero-shot)", "linear-probe": "Linear probe (frozen image features)", "dear": "DeAR",
+ROW_LABELS = {"zeroshot": "CLIP (zero-shot)",
+              "linear-probe": "Linear probe (frozen image features)", "dear": "DeAR",
               "dear-all-mixed": "DeAR, all heads mixed (no mask)",
               "dear-all-generalization": "DeAR, all heads generalization",
               "dear-no-attribute-tokens": "DeAR, no attribute tokens (class branch, text tokens)",
@@ -895,13 +924,15 @@ def plan_jobs(settings) -> List[Job]:
     jobs, out = [], settings["output"]  # in order: zero-shot, then the trained rows
     for dataset in trained_datasets(settings):
         if "zeroshot" in settings["method"]:
-            jobs.append(Job(dataset, "zeroshot", None, None, None, os.path.join(out, dataset, "zeroshot")))
+            jobs.append(Job(dataset, "zeroshot", None, None, None,
+                            os.path.join(out, dataset, "zeroshot")))
         rows = [("linear-probe", None, None)] if "linear-probe" in settings["method"] else []
         rows += dear_rows(settings) if "dear" in settings["method"] else []
         for row, roles, ablation in rows:  # one run per shots x seed
             for shots in settings["shots"]:
                 for seed in settings["seeds"]:
-                    leaf = f"seed{seed}" if settings["protocol"] != "fewshot" else f"shots{shots}-seed{seed}"
+                    leaf = (f"seed{seed}" if settings["protocol"] != "fewshot"
+                            else f"shots{shots}-seed{seed}")
                     folder = os.path.join(out, dataset, row, leaf)
                     jobs.append(Job(dataset, row, roles, seed, shots, folder, ablation))
     return jobs
@@ -966,7 +997,8 @@ def load_role_file(path: str) -> dear.RoleMap:
 # TextSpan's general description pool (yossigandelsman/clip_text_span, MIT), the one its authors'
 # analysis of ViT heads reads: fetched once into the cache like CLIP's weights, checked by SHA-256.
 TEXTSPAN_POOL_URL = ("https://raw.githubusercontent.com/yossigandelsman/clip_text_span/"
-                     "49f70f31bb13437a870ff8de340626b225500a22/text_descriptions/image_descriptions_general.txt")
+                     "49f70f31bb13437a870ff8de340626b225500a22/text_descriptions/"
+                     "image_descriptions_general.txt")
 TEXTSPAN_POOL_SHA256 = "39c6bf3e788684d9e0e8afa902c13aae1ee8eafefdbab94ba923fd05b9038630"
 
 
@@ -982,7 +1014,8 @@ def description_pool(choice: str, project_bank: list, log: Callable[[str], None]
     else:
         path = textspan_pool_file() if choice == "textspan" else choice
         try:
-            pool, digest = [tuple(entry) for entry in dear.read_descriptions(path, log)], sha256(path)
+            pool, digest = [tuple(entry)
+                            for entry in dear.read_descriptions(path, log)], sha256(path)
         except dear.DeARError as error:
             raise TrainError(f"--bank {error}") from None
     # the project's: of its entries
@@ -1082,7 +1115,8 @@ def textspan_pool_file() -> str:
     to put it."""
     cached = os.path.join(clip_model.default_cache_dir(), os.path.basename(TEXTSPAN_POOL_URL))
     try:
-        return clip_model.download(TEXTSPAN_POOL_URL, TEXTSPAN_POOL_SHA256, what="TextSpan's description pool")
+        return clip_model.download(TEXTSPAN_POOL_URL, TEXTSPAN_POOL_SHA256,
+                                   what="TextSpan's description pool")
     except clip_model.CLIPError:
         raise TrainError(f"--bank textspan: cannot download {TEXTSPAN_POOL_URL}; without network, "
                          f"put that file (SHA-256 {TEXTSPAN_POOL_SHA256[:16]}...) at {cached}, or "
@@ -1225,7 +1259,8 @@ def cluster_names_of(path: Optional[str], attributes: List[str]) -> Optional[Dic
                          "JSON object such "
                          'as {"3": "colour", "7": "other"}') from None
     allowed = list(attributes) + ["other"]
-    if not isinstance(raw, dict) or not all(str(k).isdigit() and v in allowed for k, v in raw.items()):
+    if not isinstance(raw, dict) or not all(str(k).isdigit() and v in allowed
+                                            for k, v in raw.items()):
         raise TrainError(f"--cluster-names {path}: expected {{cluster id: name}} with names from "
                          f"{', '.join(allowed)}, e.g. {{\"3\": \"{allowed[0]}\"}}")
     return {int(k): v for k, v in raw.items()}
@@ -1236,7 +1271,8 @@ def adjusted_rand_index(a: list, b: list) -> float:
     about 0: as alike as chance)."""
     def pairs(counts) -> float:
         return sum(c * (c - 1) / 2 for c in counts)
-    both, rows, cols = pairs(Counter(zip(a, b)).values()), pairs(Counter(a).values()), pairs(Counter(b).values())
+    both, rows, cols = (pairs(Counter(zip(a, b)).values()), pairs(Counter(a).values()),
+                        pairs(Counter(b).values()))
     expected, top = rows * cols / max(pairs([len(a)]), 1), (rows + cols) / 2
     return 1.0 if top == expected else (both - expected) / (top - expected)
 
@@ -1245,22 +1281,26 @@ def clusters_table(role_map: dear.RoleMap, labels: Dict[str, str], encoder: dict
     """clusters.md: the concepts of an analysis and the encoder that embedded them; where the picks
     have labels ({text: label}: scoring_labels), how the clusters agree with them over the distinct
     picks (noise picks each their own cluster, as in the entropy)."""
-    picks = dict(zip((t for h in role_map.heads for t in h.descriptions), (c for h in role_map.heads for c in h.concepts)))
+    picks = dict(zip((t for h in role_map.heads for t in h.descriptions),
+                     (c for h in role_map.heads for c in h.concepts)))
     lines = [f"# Concepts of the head analysis: {role_map.concepts}", ""]
     if role_map.concepts != "clusters":
-        return "\n".join(lines + [f"The pool's labels: {', '.join(sorted(set(picks.values())))}.", ""])
+        return "\n".join(lines + [f"The pool's labels: {', '.join(sorted(set(picks.values())))}.",
+                                  ""])
     lines += [f"Embedded by {encoder_line(encoder)}.", "",
               f"HDBSCAN over the {len(picks)} distinct picks of all heads; a name is a core "
               "attribute or other.",
               "", *md_table("cluster", ["name", "size", "its most central phrases"],
-                            {str(c.id): [c.name, str(c.size), "; ".join(c.central)] for c in role_map.clusters}),
+                            {str(c.id): [c.name, str(c.size), "; ".join(c.central)]
+                             for c in role_map.clusters}),
               "", "In no cluster (noise, each a concept of its own): "
                   f"{list(picks.values()).count(dear.NOISE)} picks."]
     if all(labels.get(text) is not None for text in picks):
         found = [c if c != dear.NOISE else f"noise {text}" for text, c in picks.items()]
         truth = [labels[text] for text in picks]
         clustered = [(c, t) for c, t in zip(picks.values(), truth) if c != dear.NOISE]
-        pure = sum(Counter(t for c2, t in clustered if c2 == c).most_common(1)[0][1] for c in {c for c, _ in clustered})
+        pure = sum(Counter(t for c2, t in clustered if c2 == c).most_common(1)[0][1]
+                   for c in {c for c, _ in clustered})
         per_concept = {t: len({c for c, t2 in clustered if t2 == t}) for t in sorted(set(truth))}
         purity = f"{pure / len(clustered):.2f}" if clustered else "- (no pick in a cluster)"
         lines += ["", "Against the labels: adjusted Rand index "
@@ -1270,7 +1310,8 @@ def clusters_table(role_map: dear.RoleMap, labels: Dict[str, str], encoder: dict
     return "\n".join(lines + [""])
 
 
-def role_map_for(choice: str, clip, attributes: List[str], analysed: Optional[dear.RoleMap]) -> dear.RoleMap:
+def role_map_for(choice: str, clip, attributes: List[str],
+                 analysed: Optional[dear.RoleMap]) -> dear.RoleMap:
     """A RoleMap for --roles CHOICE: this call's analysis, an ablation, or a file (checked)."""
     depth, heads = len(clip.visual.transformer.resblocks), clip.visual.transformer.heads
     if choice == "analyse":
@@ -1290,7 +1331,8 @@ def role_map_for(choice: str, clip, attributes: List[str], analysed: Optional[de
 def first_layer(settings, clip) -> int:
     """The paper's 1-based J; "auto" = dear.default_first_layer."""
     auto = settings["first_layer"] == "auto"
-    return dear.default_first_layer(len(clip.visual.transformer.resblocks)) if auto else settings["first_layer"]
+    return (dear.default_first_layer(len(clip.visual.transformer.resblocks)) if auto
+            else settings["first_layer"])
 
 
 def check_model_fit(settings, clip, attributes: List[str]) -> None:
@@ -1304,7 +1346,8 @@ def check_model_fit(settings, clip, attributes: List[str]) -> None:
         raise TrainError(f"--text-tokens {settings['text_tokens']}: expected at most the model's "
                          f"context length ({clip.context_length})")
     try:  # J counts in both towers
-        dear.check_first_layer(first_layer(settings, clip), min(len(clip.visual.transformer.resblocks),
+        dear.check_first_layer(first_layer(settings, clip),
+                               min(len(clip.visual.transformer.resblocks),
                                                                 len(clip.transformer.resblocks)))
     except dear.DeARError as error:
         raise TrainError(f"--first-layer {settings['first_layer']}: {error}") from None
@@ -1319,13 +1362,15 @@ def input_fingerprints(settings, weights: str, tokenizer) -> dict:
         raise TrainError(f"--roles {role_file}: no such file; put it back (the run folder keeps a "
                          "copy, roles_file.json)")
     named = clip_model._MODELS.get(weights)  # noqa: SLF001 -- the published checksums
-    fingerprints = dict(weights=named.split("/")[-2] if named else sha256(weights), bpe=sha256(tokenizer.bpe_path),
+    fingerprints = dict(weights=named.split("/")[-2] if named else sha256(weights),
+                        bpe=sha256(tokenizer.bpe_path),
                         roles_file=sha256(role_file) if role_file else None)
     for key, flag in (("weights", f"--weights {weights}"), ("bpe", f"--bpe {tokenizer.bpe_path}"),
                       ("roles_file", f"--roles {role_file}")):
         now, then = fingerprints[key], (settings["fingerprints"] or {}).get(key)
         if (settings["resume"] or settings["eval_only"]) and now != then:
-            kept = f" (a copy is {os.path.join(settings['output'], 'roles_file.json')})" if key == "roles_file" else ""
+            kept = (f" (a copy is {os.path.join(settings['output'], 'roles_file.json')})"
+                    if key == "roles_file" else "")
             raise TrainError(f"{flag}: not the file this run was made with (SHA-256 "
                              f"{str(now)[:12]}... now, {str(then)[:12]}... then); resume with the "
                              f"original file{kept}, or start a new run with another --output")
@@ -1335,7 +1380,8 @@ def input_fingerprints(settings, weights: str, tokenizer) -> dict:
 sha256 = clip_model._sha256  # noqa: SLF001 -- one file hasher for the project (clip_model's)
 
 
-def analysis_fingerprint(settings, clip, items: list, bank: list, attributes: list, picks: int, rank: int,
+def analysis_fingerprint(settings, clip, items: list, bank: list, attributes: list, picks: int,
+                         rank: int,
                          concepts: dict, code: list) -> str:
     """SHA-256 of all a role map depends on: the weights' and BPE's SHA-256, the pool's images (path
     under --root and size: their bytes would mean reading every image), the description pool, where
@@ -1348,7 +1394,8 @@ def analysis_fingerprint(settings, clip, items: list, bank: list, attributes: li
     key = dict(
         weights=settings["fingerprints"]["weights"], bpe=settings["fingerprints"]["bpe"],
         heads=clip.visual.transformer.heads, layers=dear.analysed_layers(depth),
-        images=[[os.path.relpath(item.path, settings["root"]), os.path.getsize(item.path)] for item in items],
+        images=[[os.path.relpath(item.path, settings["root"]), os.path.getsize(item.path)]
+                for item in items],
         bank=[list(entry) for entry in bank], attributes=list(attributes), picks=picks,
         rank=rank, low_bits=settings["low_bits"], high_bits=settings["high_bits"],
         concepts=dict(concepts, encoder=encoder), code=source_fingerprint(code))
@@ -1362,7 +1409,8 @@ def source_fingerprint(code: list) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def analysis_cache(fingerprint: str, pool: str, analyse: Callable[[str], None], runtime: Runtime) -> str:
+def analysis_cache(fingerprint: str, pool: str, analyse: Callable[[str], None],
+                   runtime: Runtime) -> str:
     """-> <cache>/head-analysis/<fingerprint>/, made if missing by analyse(folder) into a temporary
     folder renamed whole, under a lock: a second process waits, then reuses it."""
     root = os.path.join(clip_model.default_cache_dir(), "head-analysis")
@@ -1397,8 +1445,10 @@ def analysis_cache(fingerprint: str, pool: str, analyse: Callable[[str], None], 
 def role_copy(settings, dataset: str, checked: bool = False) -> str:
     """The run folder's copy of a trained dataset's analysed role map; `checked`: the one
     --resume / --eval-only read (never the cache's), refused unless its SHA-256 is the run's."""
-    path, records = os.path.join(settings["output"], dataset, "roles", "roles.json"), settings["role_maps"] or {}
-    if checked and (dataset not in records or not os.path.isfile(path) or sha256(path) != records[dataset]["sha256"]):
+    path, records = (os.path.join(settings["output"], dataset, "roles", "roles.json"),
+                     settings["role_maps"] or {})
+    if checked and (dataset not in records or not os.path.isfile(path)
+                    or sha256(path) != records[dataset]["sha256"]):
         raise TrainError(f"{path}: missing or not the role map this run was made with; the run "
                          "folder is damaged, start a new run with another --output")
     return path
@@ -1411,11 +1461,14 @@ def copy_role_maps(settings, clip, records: dict) -> None:
         folder = os.path.dirname(role_copy(settings, dataset))  # <output>/<dataset>/roles/
         for name in sorted(os.listdir(record["cache"])):  # each file whole
             source = os.path.join(record["cache"], name)
-            clip_model.atomic_write(os.path.join(folder, name), lambda tmp: shutil.copyfile(source, tmp))
+            clip_model.atomic_write(os.path.join(folder, name),
+                                    lambda tmp: shutil.copyfile(source, tmp))
         role_map, J = load_role_file(role_copy(settings, dataset)), first_layer(settings, clip)
         image_tokens = 1 + clip.visual.grid_size**2  # CLS + the patch grid
-        masks = dear.build_role_masks(role_map, J, len(clip.visual.transformer.resblocks), image_tokens)
-        draw_role_masks(masks, image_tokens, role_map.attributes, J, os.path.join(folder, "masks.png"))
+        masks = dear.build_role_masks(role_map, J, len(clip.visual.transformer.resblocks),
+                                      image_tokens)
+        draw_role_masks(masks, image_tokens, role_map.attributes, J,
+                        os.path.join(folder, "masks.png"))
 
 
 # ------------------------------------------------------------------------------------------
@@ -1556,7 +1609,8 @@ def check_run_folder(settings, jobs: List[Job], stack: contextlib.ExitStack) -> 
         return
     lock_run_folder(settings["output"], stack)
     for job in jobs:
-        if load_run_file(os.path.join(job.folder, "results.json"), job_settings(settings, job)) is None \
+        if load_run_file(os.path.join(job.folder, "results.json"),
+                         job_settings(settings, job)) is None \
                 and job.row != "zeroshot":
             load_run_file(os.path.join(job.folder, "checkpoint.pt"), job_settings(settings, job))
 
@@ -1573,7 +1627,8 @@ def start_run_folder(settings, clip, world: int, stack: contextlib.ExitStack) ->
     copy_role_maps(settings, clip, settings["role_maps"] or {})  # --resume / --eval-only read these
     saved = {k: v for k, v in settings.items() if k not in ("resume", "eval_only", "analyse_only")}
     write_json(os.path.join(settings["output"], "settings.json"), dict(
-        format=RUN_FORMAT, settings=saved, torch=torch.__version__, python=platform.python_version(),
+        format=RUN_FORMAT, settings=saved, torch=torch.__version__,
+        python=platform.python_version(),
         command="python train.py " + " ".join(sys.argv[1:]), world_size=world))
 
 
@@ -1589,13 +1644,15 @@ def load_run_file(path: str, expected: dict) -> Optional[dict]:
             with open(path, encoding="utf-8") as f:
                 found = json.load(f)
             shaped = isinstance(found, dict) and isinstance(found.get("metrics"), dict) \
-                and all(isinstance(v, float) for v in found["metrics"].values()) and isinstance(found.get("job"), dict)
+                and all(isinstance(v, float) for v in found["metrics"].values()) \
+                and isinstance(found.get("job"), dict)
         else:
             # tensors and plain data, no code
             found = torch.load(path, map_location="cpu", weights_only=True)
             shaped = isinstance(found, dict) and found.get("format") == CHECKPOINT_FORMAT \
                 and isinstance(found.get("epoch"), int) \
-                and all(isinstance(found.get(key), dict) for key in ("learnable", "optimizer", "scaler"))
+                and all(isinstance(found.get(key), dict)
+                        for key in ("learnable", "optimizer", "scaler"))
         if not (shaped and isinstance(found.get("settings"), dict)):
             raise ValueError("wrong shape")  # not `assert`, which vanishes under python -O
     except Exception as error:  # noqa: BLE001 -- any unreadable file gets the same advice
@@ -1612,7 +1669,8 @@ def load_run_file(path: str, expected: dict) -> Optional[dict]:
 
 def save_checkpoint(path: str, settings: dict, epoch: int, model, optimizer, scaler) -> None:
     """Only the learnable tensors, the optimizer's and scaler's state and the run's settings."""
-    state = dict(format=CHECKPOINT_FORMAT, settings=settings, epoch=epoch, learnable=model.learnable_state_dict(),
+    state = dict(format=CHECKPOINT_FORMAT, settings=settings, epoch=epoch,
+                 learnable=model.learnable_state_dict(),
                  optimizer=optimizer.state_dict(), scaler=scaler.state_dict())
 
     def write(temporary: str) -> None:
@@ -1708,7 +1766,8 @@ def evaluation_record(job: Job, settings, model, accuracy: dict, logits: dict, b
 def differences(found: dict, expected: dict) -> str:
     """'lr 0.002 (expected 0.001), ...': what makes two settings dicts differ."""
     keys = [k for k in sorted(set(found) | set(expected)) if found.get(k) != expected.get(k)]
-    return ", ".join(f"{k} {str(found.get(k))[:40]} (expected {str(expected.get(k))[:40]})" for k in keys[:3])
+    return ", ".join(f"{k} {str(found.get(k))[:40]} (expected {str(expected.get(k))[:40]})"
+                     for k in keys[:3])
 
 
 def format_time(seconds: float) -> str:
@@ -1731,7 +1790,8 @@ class Progress:
         self.sums = dict.fromkeys(LOSS_TERMS + ("correct", "images"), 0.0)
         self.epoch_started = time.time()
 
-    def step(self, epoch: int, step: int, steps_per_epoch: int, lr: float, losses: dict, logits, labels) -> None:
+    def step(self, epoch: int, step: int, steps_per_epoch: int, lr: float, losses: dict, logits,
+             labels) -> None:
         sums, n = self.sums, len(labels)
         for key in LOSS_TERMS:
             sums[key] += losses[key].item() * n if key in losses else 0.0  # branch-ce's alone
@@ -1760,7 +1820,8 @@ class Progress:
 # mean novel accuracies, and the "Average" block's HM from the average base and novel over
 # datasets -- as CoCoOp, MaPLe and the DeAR paper compute it.
 
-DG_NAMES = {"imagenet": "ImageNet", "imagenet_v2": "-V2", "imagenet_sketch": "-Sketch", "imagenet_a": "-A",
+DG_NAMES = {"imagenet": "ImageNet", "imagenet_v2": "-V2", "imagenet_sketch": "-Sketch",
+            "imagenet_a": "-A",
             "imagenet_r": "-R"}  # the DG table's columns, as the paper names them
 
 
@@ -1788,7 +1849,8 @@ def md_table(corner: str, columns: List[str], rows: Dict[str, List[str]]) -> Lis
 
 
 def job_table(label: str, metrics: dict) -> str:
-    return "\n".join(md_table("run", list(metrics), {label: [f"{v:.2f}" for v in metrics.values()]})) + "\n"
+    return "\n".join(md_table("run", list(metrics),
+                              {label: [f"{v:.2f}" for v in metrics.values()]})) + "\n"
 
 
 def summarise(settings, results: List[dict]) -> dict:
@@ -1799,9 +1861,12 @@ def summarise(settings, results: List[dict]) -> dict:
             if any(res["job"]["row"] == job_row_mode[0] for res in results)}
     rows = list(spec)
 
-    def seed_values(dataset: str, row: str, metric: str, shots: Optional[int] = None) -> List[float]:
-        return [res.get("metrics_by_fusion", {}).get(spec[row][1], res["metrics"]).get(metric, math.nan)
-                for res in results if res["job"]["row"] == spec[row][0] and res["job"]["dataset"] == dataset
+    def seed_values(dataset: str, row: str, metric: str,
+                    shots: Optional[int] = None) -> List[float]:
+        return [res.get("metrics_by_fusion", {}).get(spec[row][1], res["metrics"])
+                .get(metric, math.nan)
+                for res in results if res["job"]["row"] == spec[row][0]
+                and res["job"]["dataset"] == dataset
                 # the row's fusion mode
                 and (shots is None or res["job"]["shots"] in (None, shots))]
 
@@ -1815,19 +1880,24 @@ def summarise(settings, results: List[dict]) -> dict:
     tables: Dict[str, dict] = {}
     if protocol in ("base2novel", "fewshot"):  # a table per dataset, after their average's
         b2n = protocol == "base2novel"
-        metrics = [("base", None), ("novel", None)] if b2n else [("all", k) for k in settings["shots"]]
-        columns = ["Base", "Novel", "HM"] if b2n else [f"{k} shot{'s' if k > 1 else ''}" for _, k in metrics]
+        metrics = [("base", None), ("novel", None)] if b2n else [("all", k)
+                                                                 for k in settings["shots"]]
+        columns = ["Base", "Novel", "HM"] if b2n else [f"{k} shot{'s' if k > 1 else ''}"
+                                                       for _, k in metrics]
         per = {d: {row: [cell(d, row, m, k) for m, k in metrics] for row in rows} for d in datasets}
         if len(datasets) > 1:  # base2novel: its HM below is of the average base and novel
             per = {f"Average over {len(datasets)} datasets": {
-                row: [mean([per[d][row][i] for d in datasets]) for i in range(len(metrics))] for row in rows}, **per}
+                row: [mean([per[d][row][i] for d in datasets]) for i in range(len(metrics))]
+                for row in rows}, **per}
         for name, values in per.items():
             tables[name] = dict(columns=columns, rows={row: v + [harmonic_mean(*v)] if b2n else v
                                                        for row, v in values.items()})
             # the spread over seeds of base, novel and each seed's own HM
             if b2n and name in datasets:
-                seeds = {row: (seed_values(name, row, "base"), seed_values(name, row, "novel")) for row in rows}
-                tables[name]["spread"] = {row: [spread(b), spread(n), spread(list(map(harmonic_mean, b, n)))]
+                seeds = {row: (seed_values(name, row, "base"), seed_values(name, row, "novel"))
+                         for row in rows}
+                tables[name]["spread"] = {row: [spread(b), spread(n),
+                                                spread(list(map(harmonic_mean, b, n)))]
                                           for row, (b, n) in seeds.items()}
     # cross and dg: one training on the source; other datasets and ImageNet's variants get a table
     # each
@@ -1877,7 +1947,8 @@ def markdown(summary: dict, settings) -> str:
     titles = dict(base2novel="Base-to-novel generalization", fewshot="Few-shot classification")
     title = titles.get(settings["protocol"], "Cross-dataset evaluation and domain generalization")
     shots = settings["shots"]
-    shots = "shots " + ", ".join(map(str, shots)) if settings["protocol"] == "fewshot" else f"{shots[0]} shots"
+    shots = ("shots " + ", ".join(map(str, shots)) if settings["protocol"] == "fewshot"
+             else f"{shots[0]} shots")
     lines = [f"# {title}", "",
              f"Accuracy (%), mean over seeds {', '.join(map(str, settings['seeds']))}; "
              f"{settings['weights']}; {shots}. Zero-shot CLIP does not train: one run serves every "
@@ -1896,7 +1967,8 @@ def markdown(summary: dict, settings) -> str:
         if used:
             lines.append(f"- {row_label(row)}: " + ", ".join(f"{test} {names.get(kind, kind)}"
                                                              for test, kind in used.items()))
-    fallen = [name for name, record in (settings.get("role_maps") or {}).items() if record.get("class_branch_only")]
+    fallen = [name for name, record in (settings.get("role_maps") or {}).items()
+              if record.get("class_branch_only")]
     if fallen:  # dear.falls_back_to_class_branch: both DeAR rows are then the class branch's
         lines.append(f"- The head analysis of {', '.join(fallen)} names no attribute head: DeAR "
                      "falls back to the class branch alone there.")
@@ -1933,16 +2005,19 @@ def retrieval_summary(results: List[dict], attributes: List[str], k: int):
     """Precision@k per (feature, attribute), mean and spread over a DeAR row's seeds -> (JSON, markdown)."""
     summary, lines = {}, []
     for row in dict.fromkeys(res["job"]["row"] for res in results if res.get("retrieval")):
-        tables = [res["retrieval"] for res in results if res["job"]["row"] == row and res.get("retrieval")]
+        tables = [res["retrieval"] for res in results if res["job"]["row"] == row
+                  and res.get("retrieval")]
         seeds = lambda name, a: [t[name][a] for t in tables]  # noqa: E731
         summary[row] = {name: {a: "blind" if "blind" in seeds(name, a) else
                                [100 * mean(seeds(name, a)), 100 * spread(seeds(name, a))]
                                for a in attributes} for name in tables[0]}
-        cells = {{"class": "class feature", "frozen CLIP": "frozen CLIP"}.get(name, f"{name} token"):
+        cells = {{"class": "class feature",
+                  "frozen CLIP": "frozen CLIP"}.get(name, f"{name} token"):
                  ["blind" if v == "blind" else f"{v[0]:.1f} ± {v[1]:.1f}" for v in values.values()]
                  for name, values in summary[row].items()}
-        lines += [f"## {row_label(row)}: precision@{k} (%) of same-value retrieval, mean ± sd over "
-                  f"{len(tables)} seeds", "", *md_table("ranked by", [f"same {a}" for a in attributes], cells), ""]
+        lines += [f"## {row_label(row)}: precision@{k} (%) of same-value retrieval, mean ± sd "
+                  f"over {len(tables)} seeds", "",
+                  *md_table("ranked by", [f"same {a}" for a in attributes], cells), ""]
     text = ("# Attribute-conditioned retrieval\n\nGallery: the test split; each test image queries "
             "the others by one feature (cosine); a hit is a neighbour with the query's value. "
             "Chance = the value's share of the test images. A blind token cannot read the image "
@@ -1950,7 +2025,8 @@ def retrieval_summary(results: List[dict], attributes: List[str], k: int):
     return summary, text
 
 
-def write_summaries(settings, results: List[dict], attributes: List[str], k: int, runtime: Runtime) -> None:
+def write_summaries(settings, results: List[dict], attributes: List[str], k: int,
+                    runtime: Runtime) -> None:
     """summary.json / .md (and, where a run measured retrieval, retrieval.json / .md), printed too."""
     summary = summarise(settings, results)
     files = dict(summary=(summary, markdown(summary, settings)))
@@ -1982,13 +2058,15 @@ def draw_heatmap(role_map: dear.RoleMap, path: str) -> None:
     # pixels
     cell_w, cell_h, left, top, layers, H = 58, 34, 96, 52, role_map.layers, role_map.num_heads
     legend = {f"attribute: {a}": ATTRIBUTE_COLOURS[i % len(ATTRIBUTE_COLOURS)] for i, a in
-              enumerate(role_map.attributes)} | {"generalization": GENERALIZATION_COLOUR, "mixed": MIXED_COLOUR}
+              enumerate(role_map.attributes)} | {"generalization": GENERALIZATION_COLOUR,
+                                                 "mixed": MIXED_COLOUR}
     # the legend: three per line
     height = top + len(layers) * cell_h + 30 + 18 * ((len(legend) + 2) // 3)
     # 560: the title's width
     image = Image.new("RGB", (max(left + H * cell_w + 10, 560), height), "white")
     draw = ImageDraw.Draw(image)
-    draw.text((8, 4), f"DeAR head roles; number = concept entropy (bits)\n{role_map.source}", fill="black")
+    draw.text((8, 4), f"DeAR head roles; number = concept entropy (bits)\n{role_map.source}",
+              fill="black")
     for head in range(H):
         draw.text((left + head * cell_w + cell_w // 2 - 8, top - 16), f"h{head}", fill="black")
     for row, layer in enumerate(layers):
@@ -1996,7 +2074,8 @@ def draw_heatmap(role_map: dear.RoleMap, path: str) -> None:
         draw.text((8, y + cell_h // 2 - 6), f"layer {layer + 1}", fill="black")
         for head in range(H):
             entry = role_map.role_of(layer, head)
-            colour = legend[f"attribute: {entry.attribute}" if entry.role == "attribute" else entry.role]
+            colour = legend[f"attribute: {entry.attribute}" if entry.role == "attribute"
+                            else entry.role]
             x = left + head * cell_w
             draw.rectangle([x, y, x + cell_w - 2, y + cell_h - 2], fill=colour)
             label = "" if entry.entropy is None else f"{entry.entropy:.2f}"
@@ -2014,7 +2093,8 @@ def draw_heatmap(role_map: dear.RoleMap, path: str) -> None:
     clip_model.atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))
 
 
-def draw_role_masks(masks: torch.Tensor, num_image_tokens: int, attributes: List[str], first_layer: int,
+def draw_role_masks(masks: torch.Tensor, num_image_tokens: int, attributes: List[str],
+                    first_layer: int,
                     path: str) -> None:
     """The folded masks (L, H, T, T): one small (1 + A) x (1 + A) grid per head, one row of grids
     per layer (1-based). White = may attend, black = may not."""
@@ -2028,9 +2108,13 @@ def draw_role_masks(masks: torch.Tensor, num_image_tokens: int, attributes: List
     width = max(left + H * (grid + gap), 470)  # wide enough for the two title lines
     image = Image.new("RGB", (width, top + layers * (grid + gap) + 20), "white")
     draw = ImageDraw.Draw(image)
-    draw.text((6, 6), "DeAR role masks: one grid per head, one row of grids per layer", fill="black")
-    draw.text((6, 20), "row = query, column = key, in the order CLS (standing for the image's", fill="black")
-    draw.text((6, 34), "tokens), " + ", ".join(attributes) + "; white = may attend, black = may not", fill="black")
+    draw.text((6, 6), "DeAR role masks: one grid per head, one row of grids per layer",
+              fill="black")
+    draw.text((6, 20), "row = query, column = key, in the order CLS (standing for the image's",
+              fill="black")
+    draw.text((6, 34),
+              "tokens), " + ", ".join(attributes) + "; white = may attend, black = may not",
+              fill="black")
     for head in range(H):
         draw.text((left + head * (grid + gap) + grid // 2 - 6, top - 14), f"h{head}", fill="black")
     for li in range(layers):
@@ -2041,12 +2125,15 @@ def draw_role_masks(masks: torch.Tensor, num_image_tokens: int, attributes: List
             x0 = left + head * (grid + gap)
             for r in range(1 + A):
                 for c in range(1 + A):
-                    draw.rectangle([x0 + c * cell, y0 + r * cell, x0 + (c + 1) * cell - 1, y0 + (r + 1) * cell - 1],
-                                   fill="white" if folded[r, c] == 0 else "black", outline=(150, 150, 150))
+                    draw.rectangle([x0 + c * cell, y0 + r * cell, x0 + (c + 1) * cell - 1,
+                                    y0 + (r + 1) * cell - 1],
+                                   fill="white" if folded[r, c] == 0 else "black",
+                                   outline=(150, 150, 150))
     clip_model.atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))
 
 
-def draw_retrieval(gallery: list, rankings: Dict[str, torch.Tensor], size: int, queries: int, shown: int,
+def draw_retrieval(gallery: list, rankings: Dict[str, torch.Tensor], size: int, queries: int,
+                   shown: int,
                    folder: str) -> None:
     """retrieval_<feature>.png in `folder`: per row, a test image then its `shown` nearest gallery
     images by that feature (rankings: {feature: (G, k) indices})."""
@@ -2056,12 +2143,15 @@ def draw_retrieval(gallery: list, rankings: Dict[str, torch.Tensor], size: int, 
     unnormalised = torchvision.transforms.Compose(data.test_transform(size).transforms[:-1])
     pictures = data.ImageDataset(gallery, unnormalised)
     for name, ranking in rankings.items():
-        tiles = [pictures[i][0] for q in range(min(queries, len(gallery))) for i in [q] + ranking[q, :shown].tolist()]
+        tiles = [pictures[i][0] for q in range(min(queries, len(gallery)))
+                 for i in [q] + ranking[q, :shown].tolist()]
         # small: enlarged
         tiles = F.interpolate(torch.stack(tiles), scale_factor=max(1, 96 // size), mode="nearest")
         clip_model.atomic_write(os.path.join(folder, f"retrieval_{name.replace(' ', '_')}.png"),
-                                lambda tmp: torchvision.utils.save_image(tiles, tmp, nrow=1 + shown, padding=2,
-                                                                         pad_value=1.0, format="PNG"))
+                                lambda tmp: torchvision.utils.save_image(tiles, tmp, nrow=1 + shown,
+                                                                         padding=2,
+                                                                         pad_value=1.0,
+                                                                         format="PNG"))
 
 
 # ------------------------------------------------------------------------------------------
@@ -2084,7 +2174,8 @@ def one_line_errors(call: Callable[[], int]) -> int:
         where = f"{error.filename}: " if error.filename else ""
         message = f"{where}{error.strerror or error}; fix it, then continue with --resume"
     except KeyboardInterrupt:
-        print("train.py: interrupted; the last finished epoch is saved: continue with --resume", file=sys.stderr)
+        print("train.py: interrupted; the last finished epoch is saved: continue with --resume",
+              file=sys.stderr)
         return 130
     print(f"train.py: error: {message}", file=sys.stderr)
     return 2
