@@ -38,7 +38,8 @@ from torchvision import transforms as T
 COOP_DATASETS_MD = "https://github.com/KaiyangZhou/CoOp/blob/main/DATASETS.md"
 
 class DatasetError(Exception):
-    """A bad dataset or argument, in one line: the path or flag at fault, what is wrong, what to do."""
+    """A bad dataset or argument, in one line: the path or flag at fault, what is wrong, what to
+    do."""
 
     def __init__(self, message: str):
         message = str(message)
@@ -189,7 +190,8 @@ def _image_path(image_root: str, relative_path: str, where: str) -> str:
     return path
 
 def _check_split(splits: dict[str, list[Item]], listed_in: str, on_disk: bool = True) -> None:
-    """Each image once, and (on_disk) every image on disk (one isfile each is fast, a crash mid-epoch is not)."""
+    """Each image once, and (on_disk) every image on disk (one isfile each is fast, a crash
+    mid-epoch is not)."""
     # normalised path -> its split: a repeat is drawn twice, or leaks the test set
     seen: dict[str, str] = {}
     for split_name, item in ((name, item) for name, items in splits.items() for item in items):
@@ -398,9 +400,10 @@ def read_fgvc_aircraft(spec: DatasetSpec, dataset_dir: str) -> tuple:
 
 
 # ---- Your own data: a folder of class folders, or a split file in CoOp's format --------------
-#   PATH/<class>/<image>  torchvision's ImageFolder layout (labels: the sorted folders), split once 50/20/30
-#                         per class and written as PATH/split_<name>.json, from then on the split (edit it,
-#                         or delete it to draw again); into split_fallback_dir if PATH is read-only.
+#   PATH/<class>/<image>  torchvision's ImageFolder layout (labels: the sorted folders), split once
+#                         50/20/30 per class and written as PATH/split_<name>.json, from then on the
+#                         split (edit it, or delete it to draw again); into split_fallback_dir if
+#                         PATH is read-only.
 #   PATH/<any>.json       a split in CoOp's format, paths relative to the file's folder.
 # The name (tables, run folders) is the folder's; the few-shot cache is PATH/split_fewshot/.
 
@@ -423,7 +426,8 @@ def is_own_data(value: str) -> bool:
 
 def own_dataset(path: str, split_fallback_dir: str | None = None) -> DatasetSpec:
     """Register your own data at PATH and return its row. Everything is checked now, before any
-    work; a folder's split is drawn (in memory) but written only when load_dataset first reads it."""
+    work; a folder's split is drawn (in memory) but written only when load_dataset first reads
+    it."""
     path, name = os.path.abspath(os.path.expanduser(str(path))), own_dataset_name(path)
     if path.lower().endswith(".json"):
         if not os.path.isfile(path):
@@ -803,7 +807,8 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 def train_transform(size: int = 224) -> T.Compose:
-    """CoOp's / MMRL's augmentation: random resized crop (scale 0.5-1, bicubic), flip, CLIP's normalisation."""
+    """CoOp's / MMRL's augmentation: random resized crop (scale 0.5-1, bicubic), flip, CLIP's
+    normalisation."""
     return T.Compose([T.RandomResizedCrop(size, scale=(0.5, 1.0),
                                           interpolation=T.InterpolationMode.BICUBIC),
                       T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(CLIP_MEAN, CLIP_STD)])

@@ -268,7 +268,8 @@ def default_help(key: str, book: RecipeBook) -> str:
 
 
 def fusion_name(value: str) -> str:
-    """--fusion's type: a mode of FUSION_MODES; the names of earlier versions get a one-line hint."""
+    """--fusion's type: a mode of FUSION_MODES; the names of earlier versions get a one-line
+    hint."""
     if value in OLD_FUSION_NAMES:
         raise argparse.ArgumentTypeError(f"'{value}' is an old name: use {OLD_FUSION_NAMES[value]} "
                                          "(the rows are now named by what they do)")
@@ -345,7 +346,8 @@ def dataset_names(typed: List[str], protocol: str, source: Optional[str],
 
 
 def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str, object]:
-    """A new run: the flags + the trained dataset's recipe + the defaults -> every setting, explicit."""
+    """A new run: the flags + the trained dataset's recipe + the defaults -> every setting,
+    explicit."""
     if not args.dataset:
         raise TrainError("--dataset is required (e.g. --dataset toyworld, --dataset oxford_pets "
                          "--root $DATA, --dataset all)")
@@ -984,7 +986,8 @@ def load_clip(weights: str, head_width: Optional[int], bpe: Optional[str], devic
 
 
 def load_role_file(path: str) -> dear.RoleMap:
-    """dear.RoleMap.load, with valid JSON of the wrong shape (a list, a string layer) one line too."""
+    """dear.RoleMap.load, with valid JSON of the wrong shape (a list, a string layer) one line
+    too."""
     try:
         return dear.RoleMap.load(path)
     except dear.DeARError:
@@ -1111,8 +1114,8 @@ def scoring_labels(choice: str, pool: list, project_bank: list) -> Dict[str, str
 
 
 def textspan_pool_file() -> str:
-    """TextSpan's pool in the cache (fetched once when the network allows), else one line saying where
-    to put it."""
+    """TextSpan's pool in the cache (fetched once when the network allows), else one line saying
+    where to put it."""
     cached = os.path.join(clip_model.default_cache_dir(), os.path.basename(TEXTSPAN_POOL_URL))
     try:
         return clip_model.download(TEXTSPAN_POOL_URL, TEXTSPAN_POOL_SHA256,
@@ -1248,7 +1251,8 @@ def encoder_line(encoder: dict) -> str:
 
 
 def cluster_names_of(path: Optional[str], attributes: List[str]) -> Optional[Dict[int, str]]:
-    """--cluster-names FILE -> {cluster id: an attribute or 'other'}, or one line naming the problem."""
+    """--cluster-names FILE -> {cluster id: an attribute or 'other'}, or one line naming the
+    problem."""
     if path is None:
         return None
     try:
@@ -2002,7 +2006,8 @@ def fusion_weights_markdown(alpha: dict) -> List[str]:
 
 
 def retrieval_summary(results: List[dict], attributes: List[str], k: int):
-    """Precision@k per (feature, attribute), mean and spread over a DeAR row's seeds -> (JSON, markdown)."""
+    """Precision@k per (feature, attribute), mean and spread over a DeAR row's seeds -> (JSON,
+    markdown)."""
     summary, lines = {}, []
     for row in dict.fromkeys(res["job"]["row"] for res in results if res.get("retrieval")):
         tables = [res["retrieval"] for res in results if res["job"]["row"] == row
@@ -2027,7 +2032,8 @@ def retrieval_summary(results: List[dict], attributes: List[str], k: int):
 
 def write_summaries(settings, results: List[dict], attributes: List[str], k: int,
                     runtime: Runtime) -> None:
-    """summary.json / .md (and, where a run measured retrieval, retrieval.json / .md), printed too."""
+    """summary.json / .md (and, where a run measured retrieval, retrieval.json / .md), printed
+    too."""
     summary = summarise(settings, results)
     files = dict(summary=(summary, markdown(summary, settings)))
     # the toy world: attribute-conditioned retrieval
