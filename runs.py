@@ -1947,8 +1947,8 @@ def fusion_weights(settings, results: List[dict]) -> dict:
 
 
 def markdown(summary: dict, settings) -> str:
-    # cross, dg:
     titles = dict(base2novel="Base-to-novel generalization", fewshot="Few-shot classification")
+    # cross, dg:
     title = titles.get(settings["protocol"], "Cross-dataset evaluation and domain generalization")
     shots = settings["shots"]
     shots = ("shots " + ", ".join(map(str, shots)) if settings["protocol"] == "fewshot"
