@@ -38,7 +38,8 @@ from torchvision import transforms as T
 COOP_DATASETS_MD = "https://github.com/KaiyangZhou/CoOp/blob/main/DATASETS.md"
 
 class DatasetError(Exception):
-    """A bad dataset or argument, in one line: the path or flag at fault, what is wrong, what to do."""
+    """A bad dataset or argument, in one line: the path or flag at fault, what is wrong, what to
+    do."""
 
     def __init__(self, message: str):
         message = str(message)
@@ -46,13 +47,15 @@ class DatasetError(Exception):
         # worker process 0.\nOriginal Traceback ...\ndata.DatasetError: <our line>"): keep our line.
         if message.startswith("Caught DatasetError") and "\nOriginal Traceback" in message:
             message = message.rstrip().rsplit("\n", 1)[-1].split("DatasetError: ", 1)[-1]
-        super().__init__(message.replace("\r", " ").replace("\n", " "))  # one line, whatever it quotes
+        # one line, whatever it quotes
+        super().__init__(message.replace("\r", " ").replace("\n", " "))
 
 class DatasetWarning(UserWarning):
     """Worth knowing, not worth stopping for (a rebuilt cache, a class with fewer than K images)."""
 
 def _warn(message: str) -> None:
-    warnings.warn(message, DatasetWarning, stacklevel=2)  # attributed to the caller of the function that warns
+    # attributed to the caller of the function that warns
+    warnings.warn(message, DatasetWarning, stacklevel=2)
 
 @dataclass(frozen=True, slots=True)
 class Item:
@@ -70,7 +73,8 @@ class DatasetSplits:  # what load_dataset and splits_from return; classnames[i] 
     classnames: list[str]
     template: str  # template.format(name) is a class's prompt
 
-    prompts = property(lambda self: [self.template.format(name) for name in self.classnames])  # in label order
+    # in label order
+    prompts = property(lambda self: [self.template.format(name) for name in self.classnames])
 
 
 # ---- The registry: one row per dataset -------------------------------------------------------
@@ -81,34 +85,72 @@ class DatasetSpec:
     folder: str  # under $DATA (CoOp's DATASETS.md); for your own data its absolute path
     reader: str  # the reader that understands the layout (READERS)
     image_dir: str  # the folder, inside `folder`, that image paths are relative to
-    split_file: str | None  # CoOp's split file inside `folder` (the other readers find their classes)
+    # CoOp's split file inside `folder` (the other readers find their classes)
+    split_file: str | None
     template: str  # CoOp's prompt (CUSTOM_TEMPLATES, trainers/coop.py); "{}" is the class name
-    split_fallback_dir: str | None = None  # your own data: where its split goes if `folder` is read-only
+    # your own data: where its split goes if `folder` is read-only
+    split_fallback_dir: str | None = None
 
-    own = property(lambda self: os.path.isabs(self.folder))  # your own data (own_dataset): an absolute folder
-    evaluation_only = property(lambda self: self.reader == "imagenet_variant")  # test sets of domain generalization
+    # your own data (own_dataset): an absolute folder
+    own = property(lambda self: os.path.isabs(self.folder))
+    # test sets of domain generalization
+    evaluation_only = property(lambda self: self.reader == "imagenet_variant")
 
-# Rows 2-11: base-to-novel, few-shot, cross-dataset; ImageNet: the source of cross-dataset and domain
-# generalization, whose targets are the variants.
+# Rows 2-11: base-to-novel, few-shot, cross-dataset; ImageNet: the source of cross-dataset and
+# domain generalization, whose targets are the variants.
 DATASETS: dict[str, DatasetSpec] = {spec.name: spec for spec in [
-    #           name               folder                  reader              image_dir                                  split_file                              template
-    DatasetSpec("imagenet",        "imagenet",             "imagenet",         "images",                                  None,                                   "a photo of a {}."),
-    DatasetSpec("caltech101",      "caltech-101",          "split_json",       "101_ObjectCategories",                    "split_zhou_Caltech101.json",           "a photo of a {}."),
-    DatasetSpec("oxford_pets",     "oxford_pets",          "split_json",       "images",                                  "split_zhou_OxfordPets.json",           "a photo of a {}, a type of pet."),
-    DatasetSpec("stanford_cars",   "stanford_cars",        "split_json",       "",                                        "split_zhou_StanfordCars.json",         "a photo of a {}."),
-    DatasetSpec("oxford_flowers",  "oxford_flowers",       "split_json",       "jpg",                                     "split_zhou_OxfordFlowers.json",        "a photo of a {}, a type of flower."),
-    DatasetSpec("food101",         "food-101",             "split_json",       "images",                                  "split_zhou_Food101.json",              "a photo of {}, a type of food."),
-    DatasetSpec("fgvc_aircraft",   "fgvc_aircraft",        "fgvc_aircraft",    "images",                                  None,                                   "a photo of a {}, a type of aircraft."),
-    DatasetSpec("sun397",          "sun397",               "split_json",       "SUN397",                                  "split_zhou_SUN397.json",               "a photo of a {}."),
-    DatasetSpec("dtd",             "dtd",                  "split_json",       "images",                                  "split_zhou_DescribableTextures.json",  "{} texture."),
-    DatasetSpec("eurosat",         "eurosat",              "split_json",       "2750",                                    "split_zhou_EuroSAT.json",              "a centered satellite photo of {}."),
-    DatasetSpec("ucf101",          "ucf101",               "split_json",       "UCF-101-midframes",                       "split_zhou_UCF101.json",               "a photo of a person doing {}."),
-    DatasetSpec("imagenet_v2",     "imagenetv2",           "imagenet_variant", "imagenetv2-matched-frequency-format-val", None,                                   "a photo of a {}."),
-    DatasetSpec("imagenet_sketch", "imagenet-sketch",      "imagenet_variant", "images",                                  None,                                   "a photo of a {}."),
-    DatasetSpec("imagenet_a",      "imagenet-adversarial", "imagenet_variant", "imagenet-a",                              None,                                   "a photo of a {}."),
-    DatasetSpec("imagenet_r",      "imagenet-rendition",   "imagenet_variant", "imagenet-r",                              None,                                   "a photo of a {}."),
+    #           name               folder                  reader
+    #           image_dir                                  split_file
+    #           template
+    DatasetSpec("imagenet",        "imagenet",             "imagenet",
+                "images",                                  None,
+                "a photo of a {}."),
+    DatasetSpec("caltech101",      "caltech-101",          "split_json",
+                "101_ObjectCategories",                    "split_zhou_Caltech101.json",
+                "a photo of a {}."),
+    DatasetSpec("oxford_pets",     "oxford_pets",          "split_json",
+                "images",                                  "split_zhou_OxfordPets.json",
+                "a photo of a {}, a type of pet."),
+    DatasetSpec("stanford_cars",   "stanford_cars",        "split_json",
+                "",                                        "split_zhou_StanfordCars.json",
+                "a photo of a {}."),
+    DatasetSpec("oxford_flowers",  "oxford_flowers",       "split_json",
+                "jpg",                                     "split_zhou_OxfordFlowers.json",
+                "a photo of a {}, a type of flower."),
+    DatasetSpec("food101",         "food-101",             "split_json",
+                "images",                                  "split_zhou_Food101.json",
+                "a photo of {}, a type of food."),
+    DatasetSpec("fgvc_aircraft",   "fgvc_aircraft",        "fgvc_aircraft",
+                "images",                                  None,
+                "a photo of a {}, a type of aircraft."),
+    DatasetSpec("sun397",          "sun397",               "split_json",
+                "SUN397",                                  "split_zhou_SUN397.json",
+                "a photo of a {}."),
+    DatasetSpec("dtd",             "dtd",                  "split_json",
+                "images",                                  "split_zhou_DescribableTextures.json",
+                "{} texture."),
+    DatasetSpec("eurosat",         "eurosat",              "split_json",
+                "2750",                                    "split_zhou_EuroSAT.json",
+                "a centered satellite photo of {}."),
+    DatasetSpec("ucf101",          "ucf101",               "split_json",
+                "UCF-101-midframes",                       "split_zhou_UCF101.json",
+                "a photo of a person doing {}."),
+    DatasetSpec("imagenet_v2",     "imagenetv2",           "imagenet_variant",
+                "imagenetv2-matched-frequency-format-val", None,
+                "a photo of a {}."),
+    DatasetSpec("imagenet_sketch", "imagenet-sketch",      "imagenet_variant",
+                "images",                                  None,
+                "a photo of a {}."),
+    DatasetSpec("imagenet_a",      "imagenet-adversarial", "imagenet_variant",
+                "imagenet-a",                              None,
+                "a photo of a {}."),
+    DatasetSpec("imagenet_r",      "imagenet-rendition",   "imagenet_variant",
+                "imagenet-r",                              None,
+                "a photo of a {}."),
     # The project's own toy world (toyworld/task.py writes it in this layout; not a CoOp dataset).
-    DatasetSpec("toyworld",        "toyworld",             "split_json",       "images",                                  "split_toyworld.json",                  "a photo of a {}."),
+    DatasetSpec("toyworld",        "toyworld",             "split_json",
+                "images",                                  "split_toyworld.json",
+                "a photo of a {}."),
 ]}
 
 SUBSAMPLE_CHOICES = ("all", "base", "new", "novel")  # CoOp says "new"; "novel" is the same
@@ -120,55 +162,64 @@ def dataset_key(name: str) -> str:
 
 def get_spec(name: str) -> DatasetSpec:
     """The registry row of `name`, or of your own data registered by own_dataset."""
-    spec = DATASETS.get(name) or DATASETS.get(dataset_key(name))  # own data: its folder's name, exactly
+    # own data: its folder's name, exactly
+    spec = DATASETS.get(name) or DATASETS.get(dataset_key(name))
     if spec is None:
-        raise DatasetError(f"unknown dataset {name!r}; expected one of: {', '.join(DATASETS)}, or the path of "
-                           f"your own data (a folder of class folders, or a split file)")
+        raise DatasetError(f"unknown dataset {name!r}; expected one of: {', '.join(DATASETS)}, or "
+                           "the path of your own data (a folder of class folders, or a split file)")
     return spec
 
 def clean_classname(name: str) -> str:
-    return name.replace("_", " ")  # CoOp's: "american_pit_bull_terrier" -> "american pit bull terrier"
+    # CoOp's: "american_pit_bull_terrier" -> "american pit bull terrier"
+    return name.replace("_", " ")
 
 
 # ---- Checks and listings shared by the readers -----------------------------------------------
 
 def _require(path: str, what: str, exists=os.path.isfile) -> None:
     if not exists(path):
-        raise DatasetError(f"{path}: {what} not found; put it there as CoOp's DATASETS.md ({COOP_DATASETS_MD}) "
-                           "describes")
+        raise DatasetError(f"{path}: {what} not found; put it there as CoOp's DATASETS.md "
+                           f"({COOP_DATASETS_MD}) describes")
 
 def _image_path(image_root: str, relative_path: str, where: str) -> str:
     """image_root/relative_path, refused if it leaves image_root: a split names its own images."""
     path = os.path.join(image_root, relative_path)  # "../x.jpg" would reach files elsewhere on disk
     if not os.path.normpath(path).startswith(os.path.normpath(image_root) + os.sep):
-        raise DatasetError(f"{where}: image path {relative_path!r} leaves the image folder {image_root}; "
-                           f"expected a path relative to it, without '..'")
+        raise DatasetError(f"{where}: image path {relative_path!r} leaves the image folder "
+                           f"{image_root}; expected a path relative to it, without '..'")
     return path
 
 def _check_split(splits: dict[str, list[Item]], listed_in: str, on_disk: bool = True) -> None:
-    """Each image once, and (on_disk) every image on disk (one isfile each is fast, a crash mid-epoch is not)."""
-    seen: dict[str, str] = {}  # normalised path -> its split: a repeat is drawn twice, or leaks the test set
+    """Each image once, and (on_disk) every image on disk (one isfile each is fast, a crash
+    mid-epoch is not)."""
+    # normalised path -> its split: a repeat is drawn twice, or leaks the test set
+    seen: dict[str, str] = {}
     for split_name, item in ((name, item) for name, items in splits.items() for item in items):
         key = os.path.normpath(item.path)
         if key in seen:
             raise DatasetError(f"{listed_in}: {item.path} is listed twice (in '{seen[key]}' and "
-                               f"'{split_name}'); expected each image once; remove the repeated entry")
+                               f"'{split_name}'); expected each image once; remove the repeated "
+                               "entry")
         seen[key] = split_name
-    missing = [path for path in seen if on_disk and not os.path.isfile(path)]  # all: the count says how bad
+    # all: the count says how bad
+    missing = [path for path in seen if on_disk and not os.path.isfile(path)]
     if missing:
-        raise DatasetError(f"{missing[0]}: image listed in {listed_in} not found ({len(missing)} of {len(seen)} "
-                           f"listed images are missing); expected the images where CoOp's DATASETS.md puts them")
+        raise DatasetError(f"{missing[0]}: image listed in {listed_in} not found ({len(missing)} "
+                           f"of {len(seen)} listed images are missing); expected the images where "
+                           "CoOp's DATASETS.md puts them")
 
 def _classnames_from_items(items: list[Item], source: str) -> list[str]:
     """The class list a split's items define: one name per label, labels 0..n-1."""
     name_of: dict[int, str] = {}
     for item in items:
         if name_of.setdefault(item.label, item.classname) != item.classname:
-            raise DatasetError(f"{source}: label {item.label} has two class names, {name_of[item.label]!r} "
-                               f"and {item.classname!r}; expected one name per label")
-    if sorted(name_of) != list(range(len(name_of))):  # a skipped label would shift every class after it
-        raise DatasetError(f"{source}: labels {str(sorted(name_of))[:80]} are not 0..{len(name_of) - 1}; "
-                           "expected consecutive labels")
+            raise DatasetError(f"{source}: label {item.label} has two class names, "
+                               f"{name_of[item.label]!r} and {item.classname!r}; expected one name "
+                               "per label")
+    # a skipped label would shift every class after it
+    if sorted(name_of) != list(range(len(name_of))):
+        raise DatasetError(f"{source}: labels {str(sorted(name_of))[:80]} are not "
+                           f"0..{len(name_of) - 1}; expected consecutive labels")
     return [name_of[label] for label in range(len(name_of))]
 
 def _subfolders(folder: str) -> list[str]:  # sorted; files beside them (README.txt) are ignored
@@ -206,23 +257,28 @@ def _image_files(folder: str, prefix: str = "") -> tuple[list[str], int]:
 def read_split_json(spec: DatasetSpec, dataset_dir: str) -> tuple:
     """CoOp's split_zhou_*.json, `{"train"|"val"|"test": [[relative_path, label, classname]]}`."""
     split_path = os.path.join(dataset_dir, spec.split_file)
-    image_root = os.path.join(dataset_dir, spec.image_dir)  # Stanford Cars: "" ("cars_train/..." paths)
+    # Stanford Cars: "" ("cars_train/..." paths)
+    image_root = os.path.join(dataset_dir, spec.image_dir)
     if not os.path.isfile(split_path):  # CoOp's DATASETS.md links each split file
-        raise DatasetError(f"{split_path}: split file not found; download {spec.split_file} from the link in "
-                           f"CoOp's DATASETS.md ({COOP_DATASETS_MD}) and put it there")
+        raise DatasetError(f"{split_path}: split file not found; download {spec.split_file} from "
+                           f"the link in CoOp's DATASETS.md ({COOP_DATASETS_MD}) and put it there")
     _require(image_root, "image folder", os.path.isdir)
     return _items_of_split(_read_json_split(split_path), image_root, split_path)
 
 def _read_json_split(split_path: str) -> dict:
-    again = f"download it again from CoOp's DATASETS.md ({COOP_DATASETS_MD})"  # what to do, for both errors
+    # what to do, for both errors
+    again = f"download it again from CoOp's DATASETS.md ({COOP_DATASETS_MD})"
     try:
         with open(split_path, encoding="utf-8") as f:
             raw = json.load(f)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # ValueError: also a 5,000-digit number
+    # ValueError: also a 5,000-digit number
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise DatasetError(f"{split_path}: not a valid JSON split file ({type(e).__name__}: "
                            f"{' '.join(str(e).split())[:100]}); {again}") from None
-    if not isinstance(raw, dict) or not all(isinstance(raw.get(k), list) for k in ("train", "val", "test")):
-        raise DatasetError(f"{split_path}: expected a JSON object with lists 'train', 'val' and 'test'; {again}")
+    if not isinstance(raw, dict) or not all(isinstance(raw.get(k), list)
+                                            for k in ("train", "val", "test")):
+        raise DatasetError(f"{split_path}: expected a JSON object with lists 'train', 'val' and "
+                           f"'test'; {again}")
     return raw
 
 def _items_of_split(raw: dict, image_root: str, split_path: str) -> tuple:
@@ -230,23 +286,30 @@ def _items_of_split(raw: dict, image_root: str, split_path: str) -> tuple:
     splits: dict[str, list[Item]] = {"train": [], "val": [], "test": []}
     for split_name, items in splits.items():
         for position, entry in enumerate(raw[split_name]):
-            where = f"{split_path}: entry {position} of '{split_name}'"  # what every error here names
+            # what every error here names
+            where = f"{split_path}: entry {position} of '{split_name}'"
             if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
-                    and not os.path.isabs(entry[0]) and type(entry[1]) is int and isinstance(entry[2], str)):
-                raise DatasetError(f"{where} is {repr(entry)[:100]}; expected [relative_image_path, label, classname]")
-            items.append(Item(_image_path(image_root, entry[0], where), entry[1], clean_classname(entry[2])))
+                    and not os.path.isabs(entry[0]) and type(entry[1]) is int
+                    and isinstance(entry[2], str)):
+                raise DatasetError(f"{where} is {repr(entry)[:100]}; expected "
+                                   "[relative_image_path, label, classname]")
+            items.append(Item(_image_path(image_root, entry[0], where), entry[1],
+                              clean_classname(entry[2])))
     _check_split(splits, split_path)  # now, not when a DataLoader worker meets the file mid-epoch
-    classnames = _classnames_from_items(splits["train"] + splits["val"] + splits["test"], split_path)
+    classnames = _classnames_from_items(splits["train"] + splits["val"] + splits["test"],
+                                        split_path)
     return splits["train"], splits["val"], splits["test"], classnames
 
-def _read_class_folders(image_root: str, label_of: dict[str, int], classnames: list[str], what: str) -> list[Item]:
+def _read_class_folders(image_root: str, label_of: dict[str, int], classnames: list[str],
+                        what: str) -> list[Item]:
     """Items of image_root/<folder>/<image>, every folder a class of label_of."""
     _require(image_root, what, os.path.isdir)
     items = []
     for folder in _subfolders(image_root):
         if folder not in label_of:
-            raise DatasetError(f"{os.path.join(image_root, folder)}: class folder not listed in the dataset's "
-                               "classnames.txt; expected only the classes classnames.txt names")
+            raise DatasetError(f"{os.path.join(image_root, folder)}: class folder not listed in "
+                               "the dataset's classnames.txt; expected only the classes "
+                               "classnames.txt names")
         label, class_folder = label_of[folder], os.path.join(image_root, folder)
         prefix, name = os.path.join(class_folder, ""), classnames[label]  # no join per image
         items += [Item(prefix + image, label, name) for image in _image_files(class_folder)[0]]
@@ -257,11 +320,13 @@ def read_imagenet(spec: DatasetSpec, dataset_dir: str) -> tuple:
     copy has CLIP's names), train from images/train/<wnid>/, test from images/val/<wnid>/, no
     validation split of its own. The variants (test sets only) hold a copy of classnames.txt and
     a folder per class: labelled as CoOp's imagenet_a.py / imagenet_r.py label them (below)."""
-    path, names = os.path.join(dataset_dir, "classnames.txt"), {}  # wnid -> cleaned name, in label order
-    _require(path, "classnames.txt (ImageNet's class list, one '<wnid> <name>' per line, linked from CoOp's "
-                   "DATASETS.md; the variants hold a copy of it)")
+    # wnid -> cleaned name, in label order
+    path, names = os.path.join(dataset_dir, "classnames.txt"), {}
+    _require(path, "classnames.txt (ImageNet's class list, one '<wnid> <name>' per line, linked "
+                   "from CoOp's DATASETS.md; the variants hold a copy of it)")
     with open(path, encoding="utf-8") as f:
-        for line_number, (wnid, _, name) in enumerate((line.strip().partition(" ") for line in f), start=1):
+        for line_number, (wnid, _, name) in enumerate((line.strip().partition(" ") for line in f),
+                                                      start=1):
             if wnid and (not name.strip() or wnid in names):
                 raise DatasetError(f"{path}: line {line_number} is {wnid + ' ' + name!r}; expected "
                                    f"'<wnid> <class name>' with each wnid once")
@@ -269,66 +334,85 @@ def read_imagenet(spec: DatasetSpec, dataset_dir: str) -> tuple:
                 names[wnid] = clean_classname(name.strip())
     image_root = os.path.join(dataset_dir, spec.image_dir)
     if not spec.evaluation_only:
-        label_of, classnames = {wnid: label for label, wnid in enumerate(names)}, list(names.values())
-        train = _read_class_folders(os.path.join(image_root, "train"), label_of, classnames, "training image folder")
+        label_of, classnames = {wnid: label
+                                for label, wnid in enumerate(names)}, list(names.values())
+        train = _read_class_folders(os.path.join(image_root, "train"), label_of, classnames,
+                                    "training image folder")
         test = _read_class_folders(os.path.join(image_root, "val"), label_of, classnames,
-                                   "validation image folder (the val images sorted into <wnid>/ folders)")
+                                   "validation image folder (the val images sorted into <wnid>/ "
+                                   "folders)")
         for part, items in (("train", train), ("val", test)):  # a half-extracted archive shows here
             if absent := sorted(set(label_of.values()) - {item.label for item in items}):
-                raise DatasetError(f"{os.path.join(image_root, part, list(names)[absent[0]])}: no images for this "
-                                   f"class ({len(absent)} of {len(names)} have none); expected a folder per class")
+                raise DatasetError(f"{os.path.join(image_root, part, list(names)[absent[0]])}: no "
+                                   f"images for this class ({len(absent)} of {len(names)} have "
+                                   "none); expected a folder per class")
         return train, None, test, classnames
     _require(image_root, "image folder", os.path.isdir)
-    wnids, v2 = list(names), spec.name == "imagenet_v2"  # -V2's folders are "0".."999": line i of classnames.txt
-    wnid_of_folder = {f: wnids[int(f)] if v2 and f.isdigit() and int(f) < len(wnids) else f  # others: wnids
-                      for f in _subfolders(image_root)}  # a folder of no class is named by _read_class_folders
+    # -V2's folders are "0".."999": line i of classnames.txt
+    wnids, v2 = list(names), spec.name == "imagenet_v2"
+    # others: wnids
+    wnid_of_folder = {f: wnids[int(f)] if v2 and f.isdigit() and int(f) < len(wnids) else f
+                      # a folder of no class is named by _read_class_folders
+                      for f in _subfolders(image_root)}
     present = set(wnid_of_folder.values())
     # The classes with a folder, in classnames.txt order, labelled 0..n-1: for -V2 and -Sketch (all
     # 1000) ImageNet's index space; -A and -R hold 200, so a model trained on ImageNet classifies
     # among those 200 names, as CoOp, CoCoOp, MaPLe and PromptSRC report it.
     kept = [wnid for wnid in wnids if wnid in present]
-    label_of = {folder: kept.index(wnid) for folder, wnid in wnid_of_folder.items() if wnid in names}
+    label_of = {folder: kept.index(wnid) for folder, wnid in wnid_of_folder.items()
+                if wnid in names}
     test = _read_class_folders(image_root, label_of, [names[wnid] for wnid in kept], "image folder")
     if not test:
-        raise DatasetError(f"{image_root}: no images found; expected one folder of images per class")
+        raise DatasetError(f"{image_root}: no images found; expected one folder of images per "
+                           "class")
     return [], [], test, [names[wnid] for wnid in kept]
 
 def read_fgvc_aircraft(spec: DatasetSpec, dataset_dir: str) -> tuple:
     """The archive's data/ folder: variants.txt (one per line, label order), and per split
     images_variant_<split>.txt ("<image id> <variant>": "1025794 Cessna 172") -> images/<id>.jpg."""
-    variants_path, image_root = os.path.join(dataset_dir, "variants.txt"), os.path.join(dataset_dir, spec.image_dir)
-    _require(variants_path, "FGVC-Aircraft class list (variants.txt, from the archive's data/ folder)")
+    variants_path, image_root = (os.path.join(dataset_dir, "variants.txt"),
+                                 os.path.join(dataset_dir, spec.image_dir))
+    _require(variants_path, "FGVC-Aircraft class list (variants.txt, from the archive's data/ "
+                            "folder)")
     _require(image_root, "image folder", os.path.isdir)
     with open(variants_path, encoding="utf-8") as f:
-        label_of = {variant: label for label, variant in enumerate(line.strip() for line in f if line.strip())}
+        label_of = {variant: label
+                    for label, variant in enumerate(line.strip() for line in f if line.strip())}
     splits: dict[str, list[Item]] = {"train": [], "val": [], "test": []}
     for split_name, items in splits.items():
         list_path = os.path.join(dataset_dir, f"images_variant_{split_name}.txt")
         _require(list_path, "FGVC-Aircraft image list (from the archive's data/ folder)")
         with open(list_path, encoding="utf-8") as f:
-            for line_number, (image_id, _, variant) in enumerate((line.strip().partition(" ") for line in f), 1):
+            for line_number, (image_id, _, variant) in enumerate((line.strip().partition(" ")
+                                                                   for line in f), 1):
                 if image_id and variant not in label_of:
-                    raise DatasetError(f"{list_path}: line {line_number} is {image_id + ' ' + variant!r}; expected "
-                                       f"'<image id> <variant>' with a variant listed in {variants_path}")
+                    raise DatasetError(f"{list_path}: line {line_number} is "
+                                       f"{image_id + ' ' + variant!r}; expected '<image id> "
+                                       f"<variant>' with a variant listed in {variants_path}")
                 if image_id:
-                    path = _image_path(image_root, image_id + ".jpg", f"{list_path}: line {line_number}")
+                    path = _image_path(image_root, image_id + ".jpg",
+                                       f"{list_path}: line {line_number}")
                     items.append(Item(path, label_of[variant], clean_classname(variant)))
         _check_split({split_name: items}, list_path)  # the missing image named with its list
-    _check_split(splits, f"the image lists in {dataset_dir}", on_disk=False)  # and no image in two lists
+    # and no image in two lists
+    _check_split(splits, f"the image lists in {dataset_dir}", on_disk=False)
     return splits["train"], splits["val"], splits["test"], [clean_classname(v) for v in label_of]
 
 
 # ---- Your own data: a folder of class folders, or a split file in CoOp's format --------------
-#   PATH/<class>/<image>  torchvision's ImageFolder layout (labels: the sorted folders), split once 50/20/30
-#                         per class and written as PATH/split_<name>.json, from then on the split (edit it,
-#                         or delete it to draw again); into split_fallback_dir if PATH is read-only.
+#   PATH/<class>/<image>  torchvision's ImageFolder layout (labels: the sorted folders), split once
+#                         50/20/30 per class and written as PATH/split_<name>.json, from then on the
+#                         split (edit it, or delete it to draw again); into split_fallback_dir if
+#                         PATH is read-only.
 #   PATH/<any>.json       a split in CoOp's format, paths relative to the file's folder.
 # The name (tables, run folders) is the folder's; the few-shot cache is PATH/split_fewshot/.
 
 OWN_TEMPLATE = "a photo of a {}."  # CoOp's generic template
-OWN_SPLIT_FRACTIONS = (0.5, 0.2)  # train, val per class; test gets the rest (CoOp's read_and_split_data)
+# train, val per class; test gets the rest (CoOp's read_and_split_data)
+OWN_SPLIT_FRACTIONS = (0.5, 0.2)
 OWN_SPLIT_SEED = 1  # our choice: one fixed seed, so the same folder always gives the same split
-_DRAWN_SPLITS: dict[str, dict] = {}  # folder -> its drawn split, so that checking and reading draw once
+# folder -> its drawn split, so that checking and reading draw once
+_DRAWN_SPLITS: dict[str, dict] = {}
 
 def own_dataset_name(path: str) -> str:  # the folder's name (a split file's: that of its folder)
     path = os.path.abspath(os.path.expanduser(str(path)))
@@ -342,25 +426,30 @@ def is_own_data(value: str) -> bool:
 
 def own_dataset(path: str, split_fallback_dir: str | None = None) -> DatasetSpec:
     """Register your own data at PATH and return its row. Everything is checked now, before any
-    work; a folder's split is drawn (in memory) but written only when load_dataset first reads it."""
+    work; a folder's split is drawn (in memory) but written only when load_dataset first reads
+    it."""
     path, name = os.path.abspath(os.path.expanduser(str(path))), own_dataset_name(path)
     if path.lower().endswith(".json"):
         if not os.path.isfile(path):
-            raise DatasetError(f"{path}: split file not found; expected a JSON file in CoOp's format, "
+            raise DatasetError(f"{path}: split file not found; expected a JSON file in CoOp's "
+                               "format, "
                                f'{{"train"|"val"|"test": [[path, label, classname], ...]}}')
-        spec = DatasetSpec(name, os.path.dirname(path), "split_json", "", os.path.basename(path), OWN_TEMPLATE)
+        spec = DatasetSpec(name, os.path.dirname(path), "split_json", "", os.path.basename(path),
+                           OWN_TEMPLATE)
     elif os.path.isdir(path):
         spec = DatasetSpec(name, path, "image_folder", "", f"split_{name}.json", OWN_TEMPLATE,
                            split_fallback_dir and os.path.abspath(split_fallback_dir))
     else:
-        raise DatasetError(f"{path}: not found; expected a folder of class folders (PATH/<class>/<image>) "
-                           f"or a split file in CoOp's format (.json)")
-    known = DATASETS.get(name) or DATASETS.get(dataset_key(name))  # a benchmark's name would shadow it
+        raise DatasetError(f"{path}: not found; expected a folder of class folders "
+                           "(PATH/<class>/<image>) or a split file in CoOp's format (.json)")
+    # a benchmark's name would shadow it
+    known = DATASETS.get(name) or DATASETS.get(dataset_key(name))
     if (known is not None and not known.own) or dataset_key(name) == "all":
-        raise DatasetError(f"{path}: its name {name!r} is that of a benchmark; rename the folder (the name "
-                           f"is used in tables and run folders)")
+        raise DatasetError(f"{path}: its name {name!r} is that of a benchmark; rename the folder "
+                           "(the name is used in tables and run folders)")
     if spec.reader == "image_folder" and _find_own_split(spec) is None:
-        _DRAWN_SPLITS[spec.folder] = draw_image_folder_split(spec.folder)  # every class and image checked as drawn
+        # every class and image checked as drawn
+        _DRAWN_SPLITS[spec.folder] = draw_image_folder_split(spec.folder)
     else:
         READERS[spec.reader](spec, spec.folder)
     DATASETS[name] = spec  # from now on get_spec / load_dataset know it by name
@@ -371,13 +460,16 @@ def draw_image_folder_split(folder: str) -> dict:
     CoOp's read_and_split_data (datasets/dtd.py) draws it; each part must get an image."""
     classes = [c for c in _subfolders(folder) if c != "split_fewshot"]  # our own cache is no class
     if len(classes) < 2:
-        raise DatasetError(f"{folder}: {len(classes)} class folder{'s' * (len(classes) != 1)}; expected at least "
-                           f"two, as PATH/<class name>/<image> (torchvision's ImageFolder layout)")
+        raise DatasetError(f"{folder}: {len(classes)} class folder{'s' * (len(classes) != 1)}; "
+                           "expected at least two, as PATH/<class name>/<image> (torchvision's "
+                           "ImageFolder layout)")
     folder_of_name: dict[str, str] = {}
     for class_folder in classes:
-        if (other := folder_of_name.setdefault(clean_classname(class_folder), class_folder)) != class_folder:
-            raise DatasetError(f"{folder}: class folders {other!r} and {class_folder!r} both give the class name "
-                               f"{clean_classname(class_folder)!r} (underscores become spaces); rename one")
+        if (other := folder_of_name.setdefault(clean_classname(class_folder),
+                                               class_folder)) != class_folder:
+            raise DatasetError(f"{folder}: class folders {other!r} and {class_folder!r} both give "
+                               f"the class name {clean_classname(class_folder)!r} (underscores "
+                               "become spaces); rename one")
     rng, skipped, split = random.Random(OWN_SPLIT_SEED), 0, {"train": [], "val": [], "test": []}
     for label, class_folder in enumerate(classes):
         images, skipped_here = _image_files(os.path.join(folder, class_folder))
@@ -391,16 +483,18 @@ def draw_image_folder_split(folder: str) -> dict:
         n = len(images)  # per class, so that every class is in every part
         n_train, n_val = round(n * OWN_SPLIT_FRACTIONS[0]), round(n * OWN_SPLIT_FRACTIONS[1])
         if min(n_train, n_val, n - n_train - n_val) < 1:
-            raise DatasetError(f"{os.path.join(folder, class_folder)}: class {clean_classname(class_folder)!r} has "
-                               f"{n} image{'s' * (n != 1)}; the 50/20/30 train/val/test split needs at least 4 "
-                               f"per class; add images or remove the folder")
+            raise DatasetError(f"{os.path.join(folder, class_folder)}: class "
+                               f"{clean_classname(class_folder)!r} has {n} image{'s' * (n != 1)}; "
+                               "the 50/20/30 train/val/test split needs at least 4 per class; add "
+                               "images or remove the folder")
         rng.shuffle(images)  # then round(50%) train, round(20%) val, the rest test
         entries = [[f"{class_folder}/{relative}", label, class_folder] for relative in images]
-        for part, (start, stop) in zip(split, ((0, n_train), (n_train, n_train + n_val), (n_train + n_val, n))):
+        for part, (start, stop) in zip(split, ((0, n_train), (n_train, n_train + n_val),
+                                               (n_train + n_val, n))):
             split[part] += entries[start:stop]
     if skipped:  # said once for the whole folder, not once per file
-        _warn(f"{folder}: skipped {skipped} non-image file{'s' * (skipped != 1)} (only {', '.join(IMAGE_EXTENSIONS)} "
-              "are read)")
+        _warn(f"{folder}: skipped {skipped} non-image file{'s' * (skipped != 1)} (only "
+              f"{', '.join(IMAGE_EXTENSIONS)} are read)")
     return split
 
 def _find_own_split(spec: DatasetSpec) -> str | None:  # in the data folder, else in the fallback
@@ -412,7 +506,8 @@ def read_image_folder(spec: DatasetSpec, dataset_dir: str) -> tuple:
     written (to the folder, else the fallback; if neither is writable, drawn again next time)."""
     if (split_path := _find_own_split(spec)) is not None:
         return _items_of_split(_read_json_split(split_path), dataset_dir, split_path)
-    raw = _DRAWN_SPLITS.get(dataset_dir) or draw_image_folder_split(dataset_dir)  # the same fixed-seed draw
+    # the same fixed-seed draw
+    raw = _DRAWN_SPLITS.get(dataset_dir) or draw_image_folder_split(dataset_dir)
     wanted = os.path.join(dataset_dir, spec.split_file)
     for folder in filter(None, (dataset_dir, spec.split_fallback_dir)):
         split_path = os.path.join(folder, spec.split_file)
@@ -424,10 +519,12 @@ def read_image_folder(spec: DatasetSpec, dataset_dir: str) -> tuple:
         if split_path != wanted:
             _warn(f"{wanted}: cannot write the split file ({reason}); wrote it to {split_path}")
         return _items_of_split(raw, dataset_dir, split_path)
-    _warn(f"{wanted}: cannot write the split file ({reason}); the same split is drawn again on each call")
+    _warn(f"{wanted}: cannot write the split file ({reason}); the same split is drawn again on "
+          "each call")
     return _items_of_split(raw, dataset_dir, wanted)
 
-READERS = {"split_json": read_split_json, "imagenet": read_imagenet, "imagenet_variant": read_imagenet,
+READERS = {"split_json": read_split_json, "imagenet": read_imagenet,
+           "imagenet_variant": read_imagenet,
            "fgvc_aircraft": read_fgvc_aircraft, "image_folder": read_image_folder}
 
 
@@ -510,7 +607,8 @@ def _by_label(items: list[Item]) -> dict[int, list[Item]]:
 
 def _draw(by_label: dict[int, list[Item]], num_shots: int, rng: random.Random) -> list[Item]:
     return [item for pool in by_label.values() for item in  # fewer than K: K draws with repeats
-            (rng.sample(pool, num_shots) if len(pool) >= num_shots else rng.choices(pool, k=num_shots))]
+            (rng.sample(pool, num_shots) if len(pool) >= num_shots
+             else rng.choices(pool, k=num_shots))]
 
 def sample_few_shot(items: list[Item], num_shots: int, rng: random.Random) -> list[Item]:
     """K images per class as Dassl's generate_fewshot_dataset draws them (Dassl.pytorch,
@@ -521,8 +619,10 @@ def sample_few_shot(items: list[Item], num_shots: int, rng: random.Random) -> li
 
 # The cache, split_fewshot/shot_{K}-seed_{seed}.json: as CoOp's pickle, every run of one (K, seed)
 # trains on the same images. JSON (readable; loading runs no code) with SHA-256s of the split it was
-# drawn from and of its own lists: another format, another split or an edit is redrawn, never trusted.
-FEWSHOT_CACHE_FORMAT = "dear-from-scratch few-shot split, version 3"  # 3: Dassl's draw (2 drew otherwise)
+# drawn from and of its own lists: another format, another split or an edit is redrawn, never
+# trusted.
+# 3: Dassl's draw (2 drew otherwise)
+FEWSHOT_CACHE_FORMAT = "dear-from-scratch few-shot split, version 3"
 
 def fewshot_cache_path(dataset_dir: str, num_shots: int, seed: int) -> str:
     return os.path.join(dataset_dir, "split_fewshot", f"shot_{num_shots}-seed_{seed}.json")
@@ -586,7 +686,8 @@ def _read_fewshot_cache(cache_path: str, fingerprint: str, parts: list[str]) -> 
         elif cached.get("fingerprint") != fingerprint:
             reason = "was drawn from a different split (fingerprint mismatch)"
         elif cached.get("content") != _fingerprint({part: cached.get(part) for part in parts}):
-            reason = "was edited after it was written (its lists do not match its content fingerprint)"
+            reason = ("was edited after it was written (its lists do not match its content "
+                      "fingerprint)")
         else:
             return cached
     _warn(f"{cache_path}: few-shot cache {reason}; rebuilding it")
@@ -596,7 +697,8 @@ def _write_json_atomically(path: str, header: dict, lists: dict[str, list[list]]
     """{**header, **lists} as JSON, one entry per line, through a temporary file and os.replace:
     data.py's own small copy of clip_model.atomic_write, on purpose (data.py stands alone)."""
     fields = [f"  {json.dumps(key)}: {json.dumps(value)}" for key, value in header.items()]
-    fields += [f"  {json.dumps(key)}: [\n" + ",\n".join(f"    {json.dumps(e)}" for e in entries) + "\n  ]"
+    fields += [f"  {json.dumps(key)}: [\n" + ",\n".join(f"    {json.dumps(e)}"
+                                                        for e in entries) + "\n  ]"
                for key, entries in lists.items()]
     os.makedirs(os.path.dirname(path), exist_ok=True)
     temporary = f"{path}.{os.getpid()}.tmp"  # in the same folder, so that the rename is atomic
@@ -652,16 +754,20 @@ def subsample_classes(classnames: list[str], splits: list[list[Item]], subsample
     if subsample == "all":
         return classnames, splits
     n_base = math.ceil(len(classnames) / 2)
-    selected = range(n_base) if subsample == "base" else range(n_base, len(classnames))  # labels are 0..n-1
+    # labels are 0..n-1
+    selected = range(n_base) if subsample == "base" else range(n_base, len(classnames))
     new_label = {old: new for new, old in enumerate(selected)}
     return [classnames[old] for old in selected], [
-        [replace(item, label=new_label[item.label]) for item in items if item.label in new_label] for items in splits]
+        [replace(item, label=new_label[item.label]) for item in items if item.label in new_label]
+        for items in splits]
 
 def _check_selection(spec: DatasetSpec, num_shots: int | None, seed: int, subsample: str) -> None:
     if subsample not in SUBSAMPLE_CHOICES:
-        raise DatasetError(f"subsample={subsample!r}: expected one of {', '.join(SUBSAMPLE_CHOICES)}")
+        raise DatasetError(f"subsample={subsample!r}: expected one of "
+                           f"{', '.join(SUBSAMPLE_CHOICES)}")
     if num_shots is not None and (type(num_shots) is not int or num_shots < 1):
-        raise DatasetError(f"num_shots={num_shots!r}: expected None (all training images) or an integer >= 1")
+        raise DatasetError(f"num_shots={num_shots!r}: expected None (all training images) or an "
+                           "integer >= 1")
     if type(seed) is not int:
         raise DatasetError(f"seed={seed!r}: expected an integer")
     if spec.evaluation_only and (num_shots is not None or subsample != "all"):
@@ -695,13 +801,16 @@ def load_dataset(name: str, root: str, num_shots: int | None = None, seed: int =
 
 # ---- Transforms and the torch Dataset -------------------------------------------------------
 
-# CLIP's statistics and test transform: data.py stands alone, so it keeps its own copy (as clip_model.py).
+# CLIP's statistics and test transform: data.py stands alone, so it keeps its own copy (as
+# clip_model.py).
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 def train_transform(size: int = 224) -> T.Compose:
-    """CoOp's / MMRL's augmentation: random resized crop (scale 0.5-1, bicubic), flip, CLIP's normalisation."""
-    return T.Compose([T.RandomResizedCrop(size, scale=(0.5, 1.0), interpolation=T.InterpolationMode.BICUBIC),
+    """CoOp's / MMRL's augmentation: random resized crop (scale 0.5-1, bicubic), flip, CLIP's
+    normalisation."""
+    return T.Compose([T.RandomResizedCrop(size, scale=(0.5, 1.0),
+                                          interpolation=T.InterpolationMode.BICUBIC),
                       T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(CLIP_MEAN, CLIP_STD)])
 
 def test_transform(size: int = 224) -> T.Compose:
@@ -766,13 +875,15 @@ class OneLineParser(argparse.ArgumentParser):  # also train.py's and the toy wor
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="data.py", description="Summarise a dataset (no --dataset: print the registry).")
+    parser = OneLineParser(prog="data.py", description="Summarise a dataset (no --dataset: print "
+                                                       "the registry).")
     parser.add_argument("--root", help="the $DATA folder of CoOp's DATASETS.md")
-    parser.add_argument("--dataset", help=f"one of: {', '.join(DATASETS)}; or your own data: PATH/<class>/<image> "
-                        "or a split file in CoOp's format")
+    parser.add_argument("--dataset", help=f"one of: {', '.join(DATASETS)}; or your own data: "
+                        "PATH/<class>/<image> or a split file in CoOp's format")
     parser.add_argument("--shots", type=int, default=None, help="K images per class (default: all)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the few-shot draw")
-    parser.add_argument("--subsample", default="all", choices=SUBSAMPLE_CHOICES, help="which classes to keep")
+    parser.add_argument("--subsample", default="all", choices=SUBSAMPLE_CHOICES,
+                        help="which classes to keep")
     args = parser.parse_args(argv)
     # data.py's own warning format, on purpose (it stands alone): one line each, no source line.
     warnings.formatwarning = lambda message, category, *rest: f"warning: {message}\n"
@@ -792,12 +903,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     shots = "all images" if args.shots is None else f"{args.shots} shots, seed {args.seed}"
     print(f"{d.name}  ({d.dataset_dir})  {shots}, subsample={args.subsample}")
-    print(f"  classes   {len(d.classnames)}: {', '.join(d.classnames[:5])}{', ...' * (len(d.classnames) > 5)}")
+    print(f"  classes   {len(d.classnames)}: "
+          f"{', '.join(d.classnames[:5])}{', ...' * (len(d.classnames) > 5)}")
     for split_name in ("train", "val", "test"):
         counts = Counter(item.label for item in getattr(d, split_name)).values()
         per_class = f"{min(counts)}-{max(counts)} per class" if counts else "empty"
         print(f"  {split_name:<9} {len(getattr(d, split_name)):>6} images ({per_class})")
-    print(f"  template  {d.template!r}" + (f"\n  prompt    {d.prompts[0]!r}" if d.classnames else ""))
+    print(f"  template  {d.template!r}" + (f"\n  prompt    {d.prompts[0]!r}" if d.classnames
+                                           else ""))
     return 0
 
 if __name__ == "__main__":

@@ -63,7 +63,8 @@ ANALYSES = ("project", "paper")
 SBERT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 SBERT_INSTALL = "pip install -r requirements-sbert.txt"
 TEST_BETAS = ("per-target", "trained")  # cross, dg: DeAR's beta on a target (train.beta_at_test)
-MAX_SEED = 2**32 - 1  # numpy's range; the per-epoch seeds are derived from it (seed * 100003 + epoch)
+# numpy's range; the per-epoch seeds are derived from it (seed * 100003 + epoch)
+MAX_SEED = 2**32 - 1
 # Every setting of a run, in settings.json's order.
 SETTING_KEYS = ("dataset dataset_paths template protocol source method roles ablations fusion "
                 "seeds shots root weights head_width bpe output first_layer beta test_beta tokens "
@@ -71,7 +72,8 @@ SETTING_KEYS = ("dataset dataset_paths template protocol source method roles abl
                 "concepts sentence_encoder min_cluster_size min_samples cluster_names descriptions "
                 "low_bits high_bits epochs "
                 "batch_size lr warmup_epochs warmup_lr weight_decay augment device amp workers "
-                "eval_batch_size log_every max_epochs_per_call toy_scale fingerprints role_maps").split()
+                "eval_batch_size log_every max_epochs_per_call toy_scale fingerprints "
+                "role_maps").split()
 # Flags that say how to run, not what to compute: they may change on --resume / --eval-only.
 RUN_CONTROL = {"output", "resume", "eval_only", "device", "workers", "log_every", "eval_batch_size",
                "max_epochs_per_call", "amp", "root", "weights", "bpe"}  # (and the files' places)
@@ -120,28 +122,34 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
     # Every default is None, so an unset flag is told apart from a typed one (--resume refuses
     # a typed change); "(default ...)" is added to each help line from the book. The parser is
     # data.py's (errors as one line, exit 2): the project's one copy.
-    p = data.OneLineParser(prog="train.py", description="DeAR on CLIP: train and evaluate on the paper's protocols. "
-                      "Unset DeAR and optimisation flags come from the trained dataset's recipe (RECIPES in train.py).")
+    p = data.OneLineParser(prog="train.py", description="DeAR on CLIP: train and evaluate on the "
+                      "paper's protocols. Unset DeAR and optimisation flags come from the trained "
+                      "dataset's recipe (RECIPES in train.py).")
     g = p.add_argument_group("what to run").add_argument
-    g("--dataset", nargs="+", help="data.py name(s); 'all' (the protocol's datasets); 'toyworld' (no downloads); or "
-      "the PATH of your own data, named by its folder: class folders PATH/<class>/<image> (split once 50/20/30 per "
-      "class into PATH/split_<name>.json) or a CoOp split file (paths relative to its folder)")
+    g("--dataset", nargs="+", help="data.py name(s); 'all' (the protocol's datasets); 'toyworld' "
+      "(no downloads); or the PATH of your own data, named by its folder: class folders "
+      "PATH/<class>/<image> (split once 50/20/30 per class into PATH/split_<name>.json) or a CoOp "
+      "split file (paths relative to its folder)")
     g("--protocol", choices=PROTOCOLS, help="base2novel | fewshot | cross | dg")
-    g("--method", nargs="+", choices=METHODS, help="table rows: zeroshot = CLIP with the dataset's template; "
-      "linear-probe = logistic regression on frozen image features (training classes only); dear = DeAR")
-    g("--roles", nargs="+", help="head roles: 'analyse' (concept entropy on --analysis-pool, cached per model and "
-      "pool), a roles JSON file, 'all-mixed' (no mask) or 'all-generalization'; one table row each")
+    g("--method", nargs="+", choices=METHODS, help="table rows: zeroshot = CLIP with the dataset's "
+      "template; linear-probe = logistic regression on frozen image features (training classes "
+      "only); dear = DeAR")
+    g("--roles", nargs="+", help="head roles: 'analyse' (concept entropy on --analysis-pool, "
+      "cached per model and pool), a roles JSON file, 'all-mixed' (no mask) or "
+      "'all-generalization'; one table row each")
     g("--ablations", nargs="+", choices=(*ABLATIONS, "all"), metavar="NAME",
       help="the paper's ablations, each a DeAR row with one change: "
       + "; ".join(f"{name} = {what}" for name, what in ABLATIONS.items()) + "; all = every one")
-    g("--fusion", nargs="+", type=fusion_name, metavar="{" + ",".join(FUSION_MODES) + "}", help="DeAR's scoring, "
-      "one row each from the same model: fused-everywhere = fused logits on every test set; class-on-unseen = the "
-      "class branch alone on classes not trained (MMRL's rule); the role ablations use the first")
+    g("--fusion", nargs="+", type=fusion_name, metavar="{" + ",".join(FUSION_MODES) + "}",
+      help="DeAR's scoring, "
+      "one row each from the same model: fused-everywhere = fused logits on every test set; "
+      "class-on-unseen = the class branch alone on classes not trained (MMRL's rule); the role "
+      "ablations use the first")
     g("--seeds", nargs="+", type=int, help="seeds; tables report the mean")
     g("--shots", nargs="+", type=int, help="shots per class")
     g("--source", help="training dataset of cross and dg")
-    g("--template", help="class prompt, '{}' for the class name, for every dataset (unset: each benchmark's CoOp "
-      f"template; your own data: {data.OWN_TEMPLATE!r})")
+    g("--template", help="class prompt, '{}' for the class name, for every dataset (unset: each "
+      f"benchmark's CoOp template; your own data: {data.OWN_TEMPLATE!r})")
     g = p.add_argument_group("where things are").add_argument
     g("--root", help="the $DATA folder in CoOp's layout (toyworld: made in the cache)")
     g("--weights", help="CLIP: ViT-B/32, ViT-B/16, ViT-L/14 or a checkpoint path")
@@ -150,8 +158,10 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
     g("--bpe", help="CLIP's BPE merges file (unset: $CLIP_BPE_PATH, the cache, or a download)")
     g("--output", help="run folder (unset: runs/<protocol>-<datasets>)")
     g = p.add_argument_group("DeAR").add_argument
-    g("--first-layer", type=int, help="J, the first layer with learnable tokens (1-based; auto: first of last four)")
-    g("--beta", type=float, help="weight of each layer's fresh tokens against the previous layer's, in [0, 1]")
+    g("--first-layer", type=int, help="J, the first layer with learnable tokens (1-based; auto: "
+                                      "first of last four)")
+    g("--beta", type=float, help="weight of each layer's fresh tokens against the previous "
+                                 "layer's, in [0, 1]")
     g("--test-beta", choices=TEST_BETAS, help="cross and dg: DeAR's beta on a target: "
       "per-target = MMRL++'s (trainers/config.py, task CD; a target it does not name: the "
       "training beta); trained = the training beta")
@@ -169,39 +179,46 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
       "ablation; not the paper's); paper = the paper's Sec. 3.2: TextSpan's pool (toyworld: its "
       "own bank, labels stripped), clusters of SBERT embeddings, 20 picks per head, ImageNet's "
       "validation images when ImageNet is under --root; a flag typed beside it wins")
-    g("--analysis-pool", help="head-analysis images: 'train' = the trained dataset's training split (base2novel: "
-      "base classes; never the few-shot draw), or DATASET:SPLIT, e.g. imagenet:test (TextSpan's pool)")
-    g("--analysis-images", type=int, help="at most this many pool images, spread evenly over its classes (fixed seed)")
-    g("--bank", help="the head analysis' description pool: 'project' (the project's labelled bank; toyworld: "
-      "its own), 'project-unlabelled' (the same, its labels stripped: they only score the "
-      "clusters), 'textspan' (TextSpan's general pool, 3,497 lines, downloaded once, "
+    g("--analysis-pool", help="head-analysis images: 'train' = the trained dataset's training "
+      "split (base2novel: base classes; never the few-shot draw), or DATASET:SPLIT, e.g. "
+      "imagenet:test (TextSpan's pool)")
+    g("--analysis-images", type=int, help="at most this many pool images, spread evenly over its "
+                                          "classes (fixed seed)")
+    g("--bank", help="the head analysis' description pool: 'project' (the project's labelled bank; "
+      "toyworld: its own), 'project-unlabelled' (the same, its labels stripped: they only score "
+      "the clusters), 'textspan' (TextSpan's general pool, 3,497 lines, downloaded once, "
       "SHA-256-checked) or a PATH: "
       "one description per line, '#' comments, 'text<TAB>concept' to label a line")
-    g("--concepts", choices=dear.CONCEPT_SOURCES, help="where the analysis' concepts come from: clusters (the "
-      "paper's: HDBSCAN over the picks' embeddings by --sentence-encoder) or labels (the pool's own; every line labelled) "
-      "(unset: labels where every line of the pool has one, else clusters)")
+    g("--concepts", choices=dear.CONCEPT_SOURCES, help="where the analysis' concepts come from: "
+      "clusters (the paper's: HDBSCAN over the picks' embeddings by --sentence-encoder) or labels "
+      "(the pool's own; every line labelled) (unset: labels where every line of the pool has one, "
+      "else clusters)")
     g("--sentence-encoder", type=sentence_encoder_name, metavar="clip|sbert[:NAME_OR_FOLDER]",
       help="what embeds the picks to cluster them: clip = CLIP's own text tower; sbert = SBERT "
       f"through sentence-transformers ({SBERT_INSTALL}), {SBERT_MODEL} unless a Hugging Face "
       "model name or a local model folder follows (offline: a folder)")
-    g("--min-cluster-size", type=int, help="HDBSCAN's smallest concept, in distinct picks (unset: the picks "
-      "per head)")
-    g("--min-samples", type=int, help="HDBSCAN's neighbours for a core point (unset: --min-cluster-size)")
-    g("--cluster-names", help="JSON file {cluster id: attribute or 'other'} overriding the names the analysis "
-      "gave its clusters (ids as printed in roles/clusters.md)")
-    g("--descriptions", type=int, help="TextSpan descriptions per head (unset: a labelled pool's fewest values of "
-      "an attribute, else (and under --analysis paper) the paper's 20; capped with a warning where the images or TextSpan's rank fall short; "
-      "typed: refused above that)")
-    g("--analyse-only", action="store_true", help="run the head analysis alone (roles.json, roles.png, masks.png "
-      "in --output and the cache), then stop")
-    g("--low-bits", type=float, help="attribute heads have concept entropy at most this (unset: a third of "
-      "log2(min(descriptions, concepts)), the most the picks can spread, but at least 0.81: 3 of 4 on one concept)")
-    g("--high-bits", type=float, help="generalization heads have concept entropy at least this (unset: two thirds)")
+    g("--min-cluster-size", type=int, help="HDBSCAN's smallest concept, in distinct picks (unset: "
+      "the picks per head)")
+    g("--min-samples", type=int, help="HDBSCAN's neighbours for a core point (unset: "
+                                      "--min-cluster-size)")
+    g("--cluster-names", help="JSON file {cluster id: attribute or 'other'} overriding the names "
+      "the analysis gave its clusters (ids as printed in roles/clusters.md)")
+    g("--descriptions", type=int, help="TextSpan descriptions per head (unset: a labelled pool's "
+      "fewest values of an attribute, else (and under --analysis paper) the paper's 20; capped "
+      "with a warning where the images or TextSpan's rank fall short; typed: refused above that)")
+    g("--analyse-only", action="store_true", help="run the head analysis alone (roles.json, "
+      "roles.png, masks.png in --output and the cache), then stop")
+    g("--low-bits", type=float, help="attribute heads have concept entropy at most this (unset: a "
+      "third of log2(min(descriptions, concepts)), the most the picks can spread, but at least "
+      "0.81: 3 of 4 on one concept)")
+    g("--high-bits", type=float, help="generalization heads have concept entropy at least this "
+                                      "(unset: two thirds)")
     g = p.add_argument_group("optimisation").add_argument
     g("--epochs", type=int, help="training epochs, the warm-up epochs included")
     g("--batch-size", type=int, help="images per step (per process under torchrun)")
     g("--lr", type=float, help="AdamW learning rate after the warm-up (cosine decay)")
-    g("--warmup-epochs", type=int, help=f"epochs at a constant {book.warmup_lr:g} before the cosine")
+    g("--warmup-epochs", type=int,
+      help=f"epochs at a constant {book.warmup_lr:g} before the cosine")
     g("--augment", choices=("on", "off"), help="random resized crop + flip for training")
     g = p.add_argument_group("running").add_argument
     g("--device", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
@@ -209,10 +226,13 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
     g("--workers", type=int, help="data-loading processes (unset: 4 on CUDA, 0 on CPU)")
     g("--eval-batch-size", type=int, help="images per evaluation batch")
     g("--log-every", type=int, help="a progress line every N steps")
-    g("--resume", action="store_true", help="continue the runs in --output from their last checkpoint")
+    g("--resume", action="store_true", help="continue the runs in --output from their last "
+                                            "checkpoint")
     g("--eval-only", action="store_true", help="evaluate the finished runs in --output again")
-    g("--max-epochs-per-call", type=int, help="stop after this many epochs (time-limited jobs); --resume continues")
-    g("--toy-scale", choices=("full", "miniature"), help="toy world size (miniature: the tests' seconds-long one)")
+    g("--max-epochs-per-call", type=int, help="stop after this many epochs (time-limited jobs); "
+                                              "--resume continues")
+    g("--toy-scale", choices=("full", "miniature"), help="toy world size (miniature: the tests' "
+                                                         "seconds-long one)")
     for action in p._actions:  # noqa: SLF001 -- argparse keeps no public list of its flags
         if action.help and action.dest != "help":
             action.help += default_help(action.dest, book)
@@ -231,11 +251,13 @@ def default_help(key: str, book: RecipeBook) -> str:
     parts = [shown(book.defaults[key])] if key in book.defaults else []
     if key in book.toy_defaults:
         parts.append(f"toyworld: {shown(book.toy_defaults[key])}")
-    if key in {f.name for f in fields(book.protocol_recipes["base2novel"])}:  # per protocol, then its exceptions
+    # per protocol, then its exceptions
+    if key in {f.name for f in fields(book.protocol_recipes["base2novel"])}:
         per_protocol = []
         for protocols in (("base2novel",), ("fewshot",), ("cross", "dg")):
             usual = getattr(book.protocol_recipes[protocols[0]], key)
-            others = [f"{name}: {shown(getattr(r, key))}" for name, r in book.recipes[protocols[0]].items()
+            others = [f"{name}: {shown(getattr(r, key))}"
+                      for name, r in book.recipes[protocols[0]].items()
                       if getattr(r, key) != usual]
             exceptions = f" ({', '.join(others)})" if others else ""
             per_protocol.append(f"{', '.join(protocols)} {shown(usual)}{exceptions}")
@@ -246,12 +268,14 @@ def default_help(key: str, book: RecipeBook) -> str:
 
 
 def fusion_name(value: str) -> str:
-    """--fusion's type: a mode of FUSION_MODES; the names of earlier versions get a one-line hint."""
+    """--fusion's type: a mode of FUSION_MODES; the names of earlier versions get a one-line
+    hint."""
     if value in OLD_FUSION_NAMES:
-        raise argparse.ArgumentTypeError(f"'{value}' is an old name: use {OLD_FUSION_NAMES[value]} (the rows are "
-                                         "now named by what they do)")
+        raise argparse.ArgumentTypeError(f"'{value}' is an old name: use {OLD_FUSION_NAMES[value]} "
+                                         "(the rows are now named by what they do)")
     if value not in FUSION_MODES:
-        raise argparse.ArgumentTypeError(f"invalid choice: '{value}' (choose from {', '.join(FUSION_MODES)})")
+        raise argparse.ArgumentTypeError(f"invalid choice: '{value}' (choose from "
+                                         f"{', '.join(FUSION_MODES)})")
     return value
 
 
@@ -277,9 +301,11 @@ def resolve_settings(args: argparse.Namespace, book: RecipeBook) -> Dict[str, ob
     The files' places and SHA-256 are added once found (train.open_inputs), then never changed."""
     fresh = not (args.resume or args.eval_only)
     settings = settings_from_flags(args, book) if fresh else settings_from_run_folder(args, book)
-    settings.update(resume=bool(args.resume), eval_only=bool(args.eval_only), analyse_only=bool(args.analyse_only))
+    settings.update(resume=bool(args.resume), eval_only=bool(args.eval_only),
+                    analyse_only=bool(args.analyse_only))
     validate_settings(settings)
-    if settings["workers"] is None:  # loading processes help on CUDA; on CPU they compete with the model
+    # loading processes help on CUDA; on CPU they compete with the model
+    if settings["workers"] is None:
         settings["workers"] = 4 if pick_device(settings["device"]).type == "cuda" else 0
     return settings
 
@@ -294,19 +320,24 @@ def _unique(values: list) -> list:
     return list(dict.fromkeys("analyse" if v == "analyze" else v for v in values))
 
 
-def typed_flags(args: argparse.Namespace, protocol: str, source: Optional[str], book: RecipeBook) -> dict:
+def typed_flags(args: argparse.Namespace, protocol: str, source: Optional[str],
+                book: RecipeBook) -> dict:
     """The flags typed (a typed 0 or "" too), in the form settings.json stores them (--augment off
     -> False, --dataset all -> the names, each list without repeats): new and resumed runs alike."""
     stored_as = dict.fromkeys(("roles", "method", "seeds", "shots", "fusion"), _unique)
     stored_as["ablations"] = lambda v: list(ABLATIONS) if "all" in v else _unique(v)
-    stored_as.update(dataset=lambda v: dataset_names(v, protocol, source, book), source=data.dataset_key,
+    stored_as.update(dataset=lambda v: dataset_names(v, protocol, source, book),
+                     source=data.dataset_key,
                      augment=lambda v: v == "on")
     return {key: stored_as.get(key, lambda v: v)(value) for key, value in vars(args).items()
-            if value is not None and value is not False and key not in ("resume", "eval_only", "analyse_only")}
+            if value is not None and value is not False
+            and key not in ("resume", "eval_only", "analyse_only")}
 
 
-def dataset_names(typed: List[str], protocol: str, source: Optional[str], book: RecipeBook) -> List[str]:
-    names = [data.own_dataset_name(n) if data.is_own_data(n) else data.dataset_key(n) for n in typed]
+def dataset_names(typed: List[str], protocol: str, source: Optional[str],
+                  book: RecipeBook) -> List[str]:
+    names = [data.own_dataset_name(n) if data.is_own_data(n) else data.dataset_key(n)
+             for n in typed]
     if names == ["all"]:  # cross and dg: one training on the source, tested on all fourteen targets
         source = data.dataset_key(_default(source, book.defaults["source"]))
         names = book.paper_datasets if protocol in ("base2novel", "fewshot") else \
@@ -315,37 +346,45 @@ def dataset_names(typed: List[str], protocol: str, source: Optional[str], book: 
 
 
 def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str, object]:
-    """A new run: the flags + the trained dataset's recipe + the defaults -> every setting, explicit."""
+    """A new run: the flags + the trained dataset's recipe + the defaults -> every setting,
+    explicit."""
     if not args.dataset:
-        raise TrainError("--dataset is required (e.g. --dataset toyworld, --dataset oxford_pets --root $DATA, "
-                         "--dataset all)")
+        raise TrainError("--dataset is required (e.g. --dataset toyworld, --dataset oxford_pets "
+                         "--root $DATA, --dataset all)")
     protocol = _default(args.protocol, book.defaults["protocol"])
     typed = typed_flags(args, protocol, args.source, book)
     names = typed["dataset"]
-    folder = [data.own_dataset_name(n) if data.is_own_data(n) else n for n in args.dataset]  # no paths in a folder name
+    # no paths in a folder name
+    folder = [data.own_dataset_name(n) if data.is_own_data(n) else n for n in args.dataset]
     output = _default(args.output, os.path.join("runs", f"{protocol}-{'-'.join(folder)}"))
-    own = [(data.own_dataset_name(n), os.path.abspath(n)) for n in args.dataset if data.is_own_data(n)]
+    own = [(data.own_dataset_name(n), os.path.abspath(n)) for n in args.dataset
+           if data.is_own_data(n)]
     if len({name for name, _ in own}) < len(own):
-        raise TrainError(f"--dataset {' '.join(path for _, path in own)}: two have the same folder name; rename "
-                         "one (the name is used in tables and run folders)")
+        raise TrainError(f"--dataset {' '.join(path for _, path in own)}: two have the same folder "
+                         "name; rename one (the name is used in tables and run folders)")
     register_own_data(dict(own), output)
     toy = names == ["toyworld"]
     if "toyworld" in names and not toy:
         raise TrainError("--dataset toyworld runs on its own; give it alone")
     for flag in ("weights", "bpe", "head_width"):
         if toy and getattr(args, flag) is not None:  # it would be replaced by the toy world's own
-            raise TrainError(f"--{flag.replace('_', '-')}: the toy world brings its own model, BPE file and "
-                             f"head width (made in the cache); drop --{flag.replace('_', '-')}")
+            raise TrainError(f"--{flag.replace('_', '-')}: the toy world brings its own model, BPE "
+                             "file and head width (made in the cache); drop "
+                             f"--{flag.replace('_', '-')}")
     for name in names:
-        if name != "toyworld" and data.get_spec(name).evaluation_only and protocol in ("base2novel", "fewshot"):
-            raise TrainError(f"--dataset {name} is a test set only; use it with --protocol dg")  # unknown: get_spec's
+        if (name != "toyworld" and data.get_spec(name).evaluation_only
+                and protocol in ("base2novel", "fewshot")):
+            # unknown: get_spec's
+            raise TrainError(f"--dataset {name} is a test set only; use it with --protocol dg")
     source = None
     if protocol in ("cross", "dg"):
         source = data.dataset_key(_default(args.source, book.defaults["source"]))
         if data.get_spec(source).evaluation_only:
-            raise TrainError(f"--source {source}: a test set only; train on a dataset with training images")
+            raise TrainError(f"--source {source}: a test set only; train on a dataset with "
+                             "training images")
         if source in names:
-            raise TrainError(f"--dataset {source}: it is the --source; its test set is already the first column")
+            raise TrainError(f"--dataset {source}: it is the --source; its test set is already the "
+                             "first column")
     elif args.source:
         raise TrainError(f"--source is for --protocol cross or dg, not {protocol}")
     elif args.test_beta:
@@ -353,26 +392,32 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
                          "dataset, at the training beta")
 
     trained = source or names[0]
-    if trained not in book.recipes[protocol] and not data.get_spec(trained).own:  # added to data.py, not here
-        raise TrainError(f"--dataset {trained}: train.py has no {protocol} recipe for it; add it to RECIPES "
-                         "in train.py")
-    recipe = book.recipes[protocol].get(trained, book.protocol_recipes[protocol])  # own data: the protocol's
+    # added to data.py, not here
+    if trained not in book.recipes[protocol] and not data.get_spec(trained).own:
+        raise TrainError(f"--dataset {trained}: train.py has no {protocol} recipe for it; add it "
+                         "to RECIPES in train.py")
+    # own data: the protocol's
+    recipe = book.recipes[protocol].get(trained, book.protocol_recipes[protocol])
     defaults = dict(book.defaults, **book.toy_defaults) if toy else book.defaults
-    # Each setting: typed, else the recipe's, else the default (else None: the later code's own rule,
-    # e.g. descriptions -> dear.analysis_picks, head_width -> the file's); fingerprints (SHA-256 of the
-    # weights, BPE and roles files) and role_maps are added by train.open_inputs and train.run.
-    settings = {key: copy.copy(typed[key] if key in typed else getattr(recipe, key, defaults.get(key)))
+    # Each setting: typed, else the recipe's, else the default (else None: the later code's own
+    # rule, e.g. descriptions -> dear.analysis_picks, head_width -> the file's); fingerprints
+    # (SHA-256 of the weights, BPE and roles files) and role_maps are added by train.open_inputs and
+    # train.run.
+    settings = {key: copy.copy(typed[key] if key in typed
+                               else getattr(recipe, key, defaults.get(key)))
                 for key in SETTING_KEYS}  # (copied: no list shared with the book)
     resolve_text_tokens(settings, len(book.attributes(toy)))
     settings.update(analysis_preset(settings["analysis"], toy, settings["root"], typed))
     roles = settings["roles"]
     for choice in roles:
         if choice not in ("analyse", *ROLE_ABLATIONS) and not os.path.isfile(choice):
-            raise TrainError(f"--roles {choice}: no such file; give a roles JSON written by the head analysis, "
-                             f"'analyse', {' or '.join(repr(r) for r in ROLE_ABLATIONS)}")
+            raise TrainError(f"--roles {choice}: no such file; give a roles JSON written by the "
+                             "head analysis, 'analyse', "
+                             f"{' or '.join(repr(r) for r in ROLE_ABLATIONS)}")
     if sum(choice not in ROLE_ABLATIONS for choice in roles) > 1:
-        raise TrainError(f"--roles {' '.join(roles)}: give at most one of 'analyse' or a roles file (both make the "
-                         "DeAR row); add the ablations all-mixed / all-generalization beside it")
+        raise TrainError(f"--roles {' '.join(roles)}: give at most one of 'analyse' or a roles "
+                         "file (both make the DeAR row); add the ablations all-mixed / "
+                         "all-generalization beside it")
     ablations = settings["ablations"]
     if ablations and "dear" not in settings["method"]:
         raise TrainError(f"--ablations {' '.join(ablations)}: each is a DeAR row; "
@@ -382,11 +427,14 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
         raise TrainError(f"--ablations {changed[0]}: it changes the DeAR row, which --roles "
                          f"{' '.join(roles)} does not make; add analyse (or a roles file) "
                          "to --roles")
-    shots = list(typed.get("shots", book.fewshot_shots if protocol == "fewshot" else [recipe.shots]))
+    shots = list(typed.get("shots", book.fewshot_shots if protocol == "fewshot"
+                           else [recipe.shots]))
     if protocol != "fewshot" and len(shots) > 1:
         raise TrainError("--shots takes several values only with --protocol fewshot")
-    settings.update(dataset_paths=dict(own), source=source, shots=shots, output=output, warmup_lr=book.warmup_lr,
-                    weight_decay=book.weight_decay, weights=None if toy else settings["weights"])  # toy: its own
+    settings.update(dataset_paths=dict(own), source=source, shots=shots, output=output,
+                    warmup_lr=book.warmup_lr,
+                    # toy: its own
+                    weight_decay=book.weight_decay, weights=None if toy else settings["weights"])
     if source is None:  # no target: DeAR is tested at the training beta
         settings["test_beta"] = None
     return settings
@@ -480,29 +528,39 @@ def validate_settings(settings: dict) -> None:
     def is_int(value) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
 
-    # (key, least value, None or "auto" allowed): dear.check_first_layer checks J's top once the model is read
+    # (key, least value, None or "auto" allowed): dear.check_first_layer checks J's top once the
+    # model is read
     for key, least, optional in (("epochs", 1, 0), ("batch_size", 1, 0), ("eval_batch_size", 1, 0),
-                                 ("log_every", 1, 0), ("analysis_images", 1, 0), ("warmup_epochs", 0, 0),
+                                 ("log_every", 1, 0), ("analysis_images", 1, 0),
+                                 ("warmup_epochs", 0, 0),
                                  ("text_tokens", 0, 0), ("head_width", 1, 1), ("workers", 0, 1),
-                                 ("max_epochs_per_call", 1, 1), ("descriptions", 1, 1), ("first_layer", 1, 1),
+                                 ("max_epochs_per_call", 1, 1), ("descriptions", 1, 1),
+                                 ("first_layer", 1, 1),
                                  ("min_cluster_size", 2, 1), ("min_samples", 1, 1)):
-        if not (optional and settings[key] in (None, "auto") or is_int(settings[key]) and settings[key] >= least):
-            refuse(key, f"expected an integer >= {least}" if least != 1 else "expected a positive integer")
-    if not settings["seeds"] or not all(is_int(s) and 0 <= s <= MAX_SEED for s in settings["seeds"]):
+        if not (optional and settings[key] in (None, "auto") or is_int(settings[key])
+                and settings[key] >= least):
+            refuse(key, f"expected an integer >= {least}" if least != 1
+                   else "expected a positive integer")
+    if not settings["seeds"] or not all(is_int(s) and 0 <= s <= MAX_SEED
+                                        for s in settings["seeds"]):
         refuse("seeds", f"expected integers from 0 to {MAX_SEED}")
     if not settings["shots"] or not all(is_int(k) and k >= 1 for k in settings["shots"]):
         refuse("shots", "expected positive integers")
-    weight = "expected a finite weight >= 0"  # an inf lr trains on NaN; a NaN weight is not even valid JSON
-    for key, expected in (("lr", "expected a positive, finite learning rate"), ("lambda_reg", weight),
+    # an inf lr trains on NaN; a NaN weight is not even valid JSON
+    weight = "expected a finite weight >= 0"
+    for key, expected in (("lr", "expected a positive, finite learning rate"),
+                          ("lambda_reg", weight),
                           ("lambda_fusion", weight)):
         value = settings[key]
         finite = isinstance(value, (int, float)) and math.isfinite(value)
         if not (finite and (value > 0 if key == "lr" else value >= 0)):
             refuse(key, expected)
-    for key, check, values in (("beta", dear.check_beta, [settings["beta"]]),  # dear.py's message, under the flag
+    # dear.py's message, under the flag
+    for key, check, values in (("beta", dear.check_beta, [settings["beta"]]),
                                ("low_bits", dear.check_thresholds, [settings["low_bits"], None]),
                                ("high_bits", dear.check_thresholds, [None, settings["high_bits"]]),
-                               ("low_bits", dear.check_thresholds, [settings["low_bits"], settings["high_bits"]])):
+                               ("low_bits", dear.check_thresholds,
+                                [settings["low_bits"], settings["high_bits"]])):
         try:
             check(*values)
         except dear.DeARError as error:
@@ -511,11 +569,12 @@ def validate_settings(settings: dict) -> None:
     template = settings["template"]
     try:
         well_formed = template is None or template.format("x") != template.format("y")
-    except (IndexError, KeyError, ValueError, AttributeError, TypeError):  # '{0}{1}', '{x}', '{', '{.x}', '{[a]}'
+    # '{0}{1}', '{x}', '{', '{.x}', '{[a]}'
+    except (IndexError, KeyError, ValueError, AttributeError, TypeError):
         well_formed = False
     if not well_formed:
-        raise TrainError(f"--template {template!r}: expected a prompt with one '{{}}' for the class name, "
-                         "e.g. 'a photo of a {}, a kind of flower.'")
+        raise TrainError(f"--template {template!r}: expected a prompt with one '{{}}' for the "
+                         f"class name, e.g. 'a photo of a {{}}, a kind of flower.'")
     pick_device(settings["device"])  # an unknown or absent device stops here
 
 
@@ -523,8 +582,8 @@ def settings_from_run_folder(args: argparse.Namespace, book: RecipeBook) -> Dict
     """--resume / --eval-only: the run folder's saved settings; a flag that would change what is
     computed is refused (it would silently mix two experiments in one folder)."""
     if args.resume and args.eval_only:
-        raise TrainError("--resume and --eval-only: give one (--resume finishes the runs, --eval-only "
-                         "evaluates the finished runs again)")
+        raise TrainError("--resume and --eval-only: give one (--resume finishes the runs, "
+                         "--eval-only evaluates the finished runs again)")
     if not args.output:
         raise TrainError("--resume and --eval-only need --output, the run folder to continue")
     if args.analyse_only:
@@ -535,26 +594,32 @@ def settings_from_run_folder(args: argparse.Namespace, book: RecipeBook) -> Dict
             saved_file = json.load(f)
         saved = saved_file["settings"]
     except FileNotFoundError:
-        raise TrainError(f"{path}: not found; --output must be a run folder made by train.py") from None
+        raise TrainError(f"{path}: not found; --output must be a run folder made by "
+                         "train.py") from None
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
-        raise TrainError(f"{path}: unreadable ({type(error).__name__}); the run folder is damaged") from None
+        raise TrainError(f"{path}: unreadable ({type(error).__name__}); the run folder is "
+                         "damaged") from None
     if saved_file.get("format") != RUN_FORMAT:  # what a folder means changed: refused, not misread
-        raise TrainError(f"{path}: a run folder of an earlier train.py ({saved_file.get('format') or 'format 1'}; "
-                         f"this one reads {RUN_FORMAT}: one cached head analysis per model, Dassl's warm-up "
-                         "recount, renamed fusion rows, the analysis' preset and sentence encoder); finish "
-                         "it with that version, or start a new run")
-    if not isinstance(saved, dict) or set(saved) != set(SETTING_KEYS) or not isinstance(saved["fingerprints"], dict) \
+        raise TrainError(f"{path}: a run folder of an earlier train.py "
+                         f"({saved_file.get('format') or 'format 1'}; this one reads {RUN_FORMAT}: "
+                         "one cached head analysis per model, Dassl's warm-up recount, renamed "
+                         "fusion rows, the analysis' preset and sentence encoder); finish it with "
+                         "that version, or start a new run")
+    if not isinstance(saved, dict) or set(saved) != set(SETTING_KEYS) \
+            or not isinstance(saved["fingerprints"], dict) \
             or not isinstance(saved["dataset_paths"], dict):
-        raise TrainError(f"{path}: not the settings of this train.py (damaged, or made by another version); "
-                         "start a new run with another --output")
+        raise TrainError(f"{path}: not the settings of this train.py (damaged, or made by another "
+                         "version); start a new run with another --output")
     register_own_data(saved["dataset_paths"], args.output)  # your own data, found and checked again
     for key, value in typed_flags(args, saved["protocol"], saved["source"], book).items():
         if key in RUN_CONTROL:
             saved[key] = value
         elif saved.get(key) != value:
             raise TrainError(f"--{key.replace('_', '-')} cannot change in a saved run (it holds "
-                             f"{saved.get(key)!r}); drop it, or start a new run with another --output")
-    saved["max_epochs_per_call"] = args.max_epochs_per_call  # a limit of an earlier call is not this one's
+                             f"{saved.get(key)!r}); drop it, or start a new run with another "
+                             "--output")
+    # a limit of an earlier call is not this one's
+    saved["max_epochs_per_call"] = args.max_epochs_per_call
     return saved
 
 
@@ -565,16 +630,18 @@ def analysis_pool_of(value: str):
     name, _, split = value.partition(":")
     name = data.dataset_key(name)
     if split not in ("train", "val", "test"):
-        raise TrainError(f"--analysis-pool {value}: expected 'train' or DATASET:SPLIT with SPLIT train, val or "
-                         "test (e.g. imagenet:test, ImageNet's validation images)")
-    if data.get_spec(name).evaluation_only and split != "test":  # (an unknown name: data.py's one line)
+        raise TrainError(f"--analysis-pool {value}: expected 'train' or DATASET:SPLIT with SPLIT "
+                         "train, val or test (e.g. imagenet:test, ImageNet's validation images)")
+    # (an unknown name: data.py's one line)
+    if data.get_spec(name).evaluation_only and split != "test":
         raise TrainError(f"--analysis-pool {value}: {name} is a test set only; use {name}:test")
     return name, split
 
 
 def role_file_of(settings) -> Optional[str]:
     """The --roles choice that is a file, if any (at most one per call)."""
-    return next((choice for choice in settings["roles"] if choice not in ("analyse", *ROLE_ABLATIONS)), None)
+    return next((choice for choice in settings["roles"]
+                 if choice not in ("analyse", *ROLE_ABLATIONS)), None)
 
 
 # ------------------------------------------------------------------------------------------
@@ -610,12 +677,14 @@ def pick_device(name: str) -> torch.device:
     except (RuntimeError, TypeError):
         device = None  # e.g. "gpu": refused below, in one line
     # torch knows more device types (meta, xla, hpu, ...) than this script drives.
-    if device is None or device.type not in ("cpu", "cuda", "mps") or (device.type != "cuda" and device.index):
+    if (device is None or device.type not in ("cpu", "cuda", "mps")
+            or (device.type != "cuda" and device.index)):
         raise TrainError(f"--device {name}: not a device; use auto, cpu, cuda, cuda:N or mps")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device.type == "cuda" and (device.index or 0) >= count:
-        raise TrainError(f"--device {name}: this machine has " + (f"{count} CUDA devices (cuda:0 to cuda:{count - 1})"
-                         if count else "no CUDA device; use --device auto or cpu"))
+        raise TrainError(f"--device {name}: this machine has "
+                         + (f"{count} CUDA devices (cuda:0 to cuda:{count - 1})"
+                            if count else "no CUDA device; use --device auto or cpu"))
     if device.type == "mps" and not mps:
         raise TrainError(f"--device {name}: MPS is not available here; use --device auto or cpu")
     return device
@@ -662,7 +731,8 @@ def setup_runtime(settings) -> Runtime:
         torch.cuda.set_device(device)
     waiting_group = None
     if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")  # gloo: CPU (and the tests)
+        # gloo: CPU (and the tests)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         waiting_group = dist.new_group(backend="gloo", timeout=MAIN_WORK_TIMEOUT)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     amp_dtype, precision = choose_precision(device.type, settings["amp"], capability)
@@ -814,7 +884,8 @@ class Job:
         return " / ".join(parts + ([f"{self.shots} shots"] if self.shots is not None else []))
 
 
-ROW_LABELS = {"zeroshot": "CLIP (zero-shot)", "linear-probe": "Linear probe (frozen image features)", "dear": "DeAR",
+ROW_LABELS = {"zeroshot": "CLIP (zero-shot)",
+              "linear-probe": "Linear probe (frozen image features)", "dear": "DeAR",
               "dear-all-mixed": "DeAR, all heads mixed (no mask)",
               "dear-all-generalization": "DeAR, all heads generalization",
               "dear-no-attribute-tokens": "DeAR, no attribute tokens (class branch, text tokens)",
@@ -827,7 +898,8 @@ FUSION_ROWS = {"fused-everywhere": ("-fused", ", fused on every test set"),
 
 
 def row_name(roles: str) -> str:
-    return "dear" if roles not in ROLE_ABLATIONS else f"dear-{roles}"  # analysed or a file: the DeAR row
+    # analysed or a file: the DeAR row
+    return "dear" if roles not in ROLE_ABLATIONS else f"dear-{roles}"
 
 
 def dear_rows(settings) -> List[tuple]:
@@ -844,7 +916,8 @@ def dear_rows(settings) -> List[tuple]:
 
 
 def trained_datasets(settings) -> List[str]:
-    return [settings["source"]] if settings["source"] else list(settings["dataset"])  # cross, dg: the source alone
+    # cross, dg: the source alone
+    return [settings["source"]] if settings["source"] else list(settings["dataset"])
 
 
 def plan_jobs(settings) -> List[Job]:
@@ -853,13 +926,15 @@ def plan_jobs(settings) -> List[Job]:
     jobs, out = [], settings["output"]  # in order: zero-shot, then the trained rows
     for dataset in trained_datasets(settings):
         if "zeroshot" in settings["method"]:
-            jobs.append(Job(dataset, "zeroshot", None, None, None, os.path.join(out, dataset, "zeroshot")))
+            jobs.append(Job(dataset, "zeroshot", None, None, None,
+                            os.path.join(out, dataset, "zeroshot")))
         rows = [("linear-probe", None, None)] if "linear-probe" in settings["method"] else []
         rows += dear_rows(settings) if "dear" in settings["method"] else []
         for row, roles, ablation in rows:  # one run per shots x seed
             for shots in settings["shots"]:
                 for seed in settings["seeds"]:
-                    leaf = f"seed{seed}" if settings["protocol"] != "fewshot" else f"shots{shots}-seed{seed}"
+                    leaf = (f"seed{seed}" if settings["protocol"] != "fewshot"
+                            else f"shots{shots}-seed{seed}")
                     folder = os.path.join(out, dataset, row, leaf)
                     jobs.append(Job(dataset, row, roles, seed, shots, folder, ablation))
     return jobs
@@ -885,7 +960,8 @@ def row_label(row: str) -> str:
 
 def job_settings(settings, job: Job) -> dict:
     """What decides a run's result: saved with it and compared on --resume."""
-    keep = {k: v for k, v in settings.items() if k not in RUN_CONTROL}  # how to run may change, not what
+    # how to run may change, not what
+    keep = {k: v for k, v in settings.items() if k not in RUN_CONTROL}
     return dict(keep, job=dict(dataset=job.dataset, row=job.row, roles=job.roles, seed=job.seed,
                                shots=job.shots, ablation=job.ablation))
 
@@ -897,30 +973,35 @@ def job_settings(settings, job: Job) -> dict:
 
 def load_clip(weights: str, head_width: Optional[int], bpe: Optional[str], device):
     """-> (frozen CLIP on the device, tokenizer), the tokenizer checked against the model."""
-    clip, _ = clip_model.load(weights, device=device, head_width=head_width)  # errors: clip_model's one line
+    # errors: clip_model's one line
+    clip, _ = clip_model.load(weights, device=device, head_width=head_width)
     tokenizer = clip_model.SimpleTokenizer(bpe)  # None: $CLIP_BPE_PATH, the cache, or a download
     try:
-        tokenizer.check_fits(clip, weights)  # clip_model's one check: ids past the table, or other words
+        # clip_model's one check: ids past the table, or other words
+        tokenizer.check_fits(clip, weights)
     except clip_model.CLIPError as error:
         raise TrainError(f"--bpe {error}") from None  # named by the flag it came from
-    return clip.eval().requires_grad_(False), tokenizer  # CLIP stays frozen: DeAR learns tokens only
+    # CLIP stays frozen: DeAR learns tokens only
+    return clip.eval().requires_grad_(False), tokenizer
 
 
 def load_role_file(path: str) -> dear.RoleMap:
-    """dear.RoleMap.load, with valid JSON of the wrong shape (a list, a string layer) one line too."""
+    """dear.RoleMap.load, with valid JSON of the wrong shape (a list, a string layer) one line
+    too."""
     try:
         return dear.RoleMap.load(path)
     except dear.DeARError:
         raise  # already one line, naming the file
     except (AttributeError, TypeError, ValueError, KeyError, RecursionError) as error:
-        raise TrainError(f"{path}: not a DeAR role file ({type(error).__name__}); give a roles JSON "
-                         "written by the head analysis") from None
+        raise TrainError(f"{path}: not a DeAR role file ({type(error).__name__}); give a roles "
+                         "JSON written by the head analysis") from None
 
 
 # TextSpan's general description pool (yossigandelsman/clip_text_span, MIT), the one its authors'
 # analysis of ViT heads reads: fetched once into the cache like CLIP's weights, checked by SHA-256.
 TEXTSPAN_POOL_URL = ("https://raw.githubusercontent.com/yossigandelsman/clip_text_span/"
-                     "49f70f31bb13437a870ff8de340626b225500a22/text_descriptions/image_descriptions_general.txt")
+                     "49f70f31bb13437a870ff8de340626b225500a22/text_descriptions/"
+                     "image_descriptions_general.txt")
 TEXTSPAN_POOL_SHA256 = "39c6bf3e788684d9e0e8afa902c13aae1ee8eafefdbab94ba923fd05b9038630"
 
 
@@ -936,10 +1017,12 @@ def description_pool(choice: str, project_bank: list, log: Callable[[str], None]
     else:
         path = textspan_pool_file() if choice == "textspan" else choice
         try:
-            pool, digest = [tuple(entry) for entry in dear.read_descriptions(path, log)], sha256(path)
+            pool, digest = [tuple(entry)
+                            for entry in dear.read_descriptions(path, log)], sha256(path)
         except dear.DeARError as error:
             raise TrainError(f"--bank {error}") from None
-    digest = digest or hashlib.sha256(json.dumps(pool).encode()).hexdigest()  # the project's: of its entries
+    # the project's: of its entries
+    digest = digest or hashlib.sha256(json.dumps(pool).encode()).hexdigest()
     return pool, dict(bank=choice, sha256=digest, descriptions=len(pool))
 
 
@@ -1031,14 +1114,16 @@ def scoring_labels(choice: str, pool: list, project_bank: list) -> Dict[str, str
 
 
 def textspan_pool_file() -> str:
-    """TextSpan's pool in the cache (fetched once when the network allows), else one line saying where
-    to put it."""
+    """TextSpan's pool in the cache (fetched once when the network allows), else one line saying
+    where to put it."""
     cached = os.path.join(clip_model.default_cache_dir(), os.path.basename(TEXTSPAN_POOL_URL))
     try:
-        return clip_model.download(TEXTSPAN_POOL_URL, TEXTSPAN_POOL_SHA256, what="TextSpan's description pool")
+        return clip_model.download(TEXTSPAN_POOL_URL, TEXTSPAN_POOL_SHA256,
+                                   what="TextSpan's description pool")
     except clip_model.CLIPError:
-        raise TrainError(f"--bank textspan: cannot download {TEXTSPAN_POOL_URL}; without network, put that file "
-                         f"(SHA-256 {TEXTSPAN_POOL_SHA256[:16]}...) at {cached}, or give its path as --bank PATH") \
+        raise TrainError(f"--bank textspan: cannot download {TEXTSPAN_POOL_URL}; without network, "
+                         f"put that file (SHA-256 {TEXTSPAN_POOL_SHA256[:16]}...) at {cached}, or "
+                         "give its path as --bank PATH") \
             from None
 
 
@@ -1166,17 +1251,20 @@ def encoder_line(encoder: dict) -> str:
 
 
 def cluster_names_of(path: Optional[str], attributes: List[str]) -> Optional[Dict[int, str]]:
-    """--cluster-names FILE -> {cluster id: an attribute or 'other'}, or one line naming the problem."""
+    """--cluster-names FILE -> {cluster id: an attribute or 'other'}, or one line naming the
+    problem."""
     if path is None:
         return None
     try:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
     except (OSError, ValueError) as error:
-        raise TrainError(f"--cluster-names {path}: unreadable ({type(error).__name__}); give a JSON object such "
+        raise TrainError(f"--cluster-names {path}: unreadable ({type(error).__name__}); give a "
+                         "JSON object such "
                          'as {"3": "colour", "7": "other"}') from None
     allowed = list(attributes) + ["other"]
-    if not isinstance(raw, dict) or not all(str(k).isdigit() and v in allowed for k, v in raw.items()):
+    if not isinstance(raw, dict) or not all(str(k).isdigit() and v in allowed
+                                            for k, v in raw.items()):
         raise TrainError(f"--cluster-names {path}: expected {{cluster id: name}} with names from "
                          f"{', '.join(allowed)}, e.g. {{\"3\": \"{allowed[0]}\"}}")
     return {int(k): v for k, v in raw.items()}
@@ -1187,7 +1275,8 @@ def adjusted_rand_index(a: list, b: list) -> float:
     about 0: as alike as chance)."""
     def pairs(counts) -> float:
         return sum(c * (c - 1) / 2 for c in counts)
-    both, rows, cols = pairs(Counter(zip(a, b)).values()), pairs(Counter(a).values()), pairs(Counter(b).values())
+    both, rows, cols = (pairs(Counter(zip(a, b)).values()), pairs(Counter(a).values()),
+                        pairs(Counter(b).values()))
     expected, top = rows * cols / max(pairs([len(a)]), 1), (rows + cols) / 2
     return 1.0 if top == expected else (both - expected) / (top - expected)
 
@@ -1196,35 +1285,44 @@ def clusters_table(role_map: dear.RoleMap, labels: Dict[str, str], encoder: dict
     """clusters.md: the concepts of an analysis and the encoder that embedded them; where the picks
     have labels ({text: label}: scoring_labels), how the clusters agree with them over the distinct
     picks (noise picks each their own cluster, as in the entropy)."""
-    picks = dict(zip((t for h in role_map.heads for t in h.descriptions), (c for h in role_map.heads for c in h.concepts)))
+    picks = dict(zip((t for h in role_map.heads for t in h.descriptions),
+                     (c for h in role_map.heads for c in h.concepts)))
     lines = [f"# Concepts of the head analysis: {role_map.concepts}", ""]
     if role_map.concepts != "clusters":
-        return "\n".join(lines + [f"The pool's labels: {', '.join(sorted(set(picks.values())))}.", ""])
+        return "\n".join(lines + [f"The pool's labels: {', '.join(sorted(set(picks.values())))}.",
+                                  ""])
     lines += [f"Embedded by {encoder_line(encoder)}.", "",
-              f"HDBSCAN over the {len(picks)} distinct picks of all heads; a name is a core attribute or other.",
+              f"HDBSCAN over the {len(picks)} distinct picks of all heads; a name is a core "
+              "attribute or other.",
               "", *md_table("cluster", ["name", "size", "its most central phrases"],
-                            {str(c.id): [c.name, str(c.size), "; ".join(c.central)] for c in role_map.clusters}),
-              "", f"In no cluster (noise, each a concept of its own): {list(picks.values()).count(dear.NOISE)} picks."]
+                            {str(c.id): [c.name, str(c.size), "; ".join(c.central)]
+                             for c in role_map.clusters}),
+              "", "In no cluster (noise, each a concept of its own): "
+                  f"{list(picks.values()).count(dear.NOISE)} picks."]
     if all(labels.get(text) is not None for text in picks):
         found = [c if c != dear.NOISE else f"noise {text}" for text, c in picks.items()]
         truth = [labels[text] for text in picks]
         clustered = [(c, t) for c, t in zip(picks.values(), truth) if c != dear.NOISE]
-        pure = sum(Counter(t for c2, t in clustered if c2 == c).most_common(1)[0][1] for c in {c for c, _ in clustered})
+        pure = sum(Counter(t for c2, t in clustered if c2 == c).most_common(1)[0][1]
+                   for c in {c for c, _ in clustered})
         per_concept = {t: len({c for c, t2 in clustered if t2 == t}) for t in sorted(set(truth))}
         purity = f"{pure / len(clustered):.2f}" if clustered else "- (no pick in a cluster)"
-        lines += ["", f"Against the labels: adjusted Rand index {adjusted_rand_index(found, truth):.2f}, "
-                  f"purity {purity} (clustered picks); clusters per concept: "
+        lines += ["", "Against the labels: adjusted Rand index "
+                  f"{adjusted_rand_index(found, truth):.2f}, purity {purity} (clustered picks); "
+                  "clusters per concept: "
                   + ", ".join(f"{t} {n}" for t, n in per_concept.items()) + "."]
     return "\n".join(lines + [""])
 
 
-def role_map_for(choice: str, clip, attributes: List[str], analysed: Optional[dear.RoleMap]) -> dear.RoleMap:
+def role_map_for(choice: str, clip, attributes: List[str],
+                 analysed: Optional[dear.RoleMap]) -> dear.RoleMap:
     """A RoleMap for --roles CHOICE: this call's analysis, an ablation, or a file (checked)."""
     depth, heads = len(clip.visual.transformer.resblocks), clip.visual.transformer.heads
     if choice == "analyse":
         return analysed  # measured by train.analysed_role_maps
     if choice in ROLE_ABLATIONS:
-        layers = range(depth - dear.analysed_layers(depth), depth)  # the analysed (last four) layers, 0-based
+        # the analysed (last four) layers, 0-based
+        layers = range(depth - dear.analysed_layers(depth), depth)
         return dear.RoleMap.uniform(choice.split("-", 1)[1], depth, heads, layers, attributes)
     try:  # dear.py's messages name arguments; say which flag the value came from
         role_map = load_role_file(choice)
@@ -1237,7 +1335,8 @@ def role_map_for(choice: str, clip, attributes: List[str], analysed: Optional[de
 def first_layer(settings, clip) -> int:
     """The paper's 1-based J; "auto" = dear.default_first_layer."""
     auto = settings["first_layer"] == "auto"
-    return dear.default_first_layer(len(clip.visual.transformer.resblocks)) if auto else settings["first_layer"]
+    return (dear.default_first_layer(len(clip.visual.transformer.resblocks)) if auto
+            else settings["first_layer"])
 
 
 def check_model_fit(settings, clip, attributes: List[str]) -> None:
@@ -1246,11 +1345,13 @@ def check_model_fit(settings, clip, attributes: List[str]) -> None:
         return
     if role_file_of(settings) is not None:  # a roles file made for another model stops here
         role_map_for(role_file_of(settings), clip, attributes, None)
-    if settings["text_tokens"] > clip.context_length:  # memory grows with (77 + K)^2: a typo, not a setting
-        raise TrainError(f"--text-tokens {settings['text_tokens']}: expected at most the model's context "
-                         f"length ({clip.context_length})")
+    # memory grows with (77 + K)^2: a typo, not a setting
+    if settings["text_tokens"] > clip.context_length:
+        raise TrainError(f"--text-tokens {settings['text_tokens']}: expected at most the model's "
+                         f"context length ({clip.context_length})")
     try:  # J counts in both towers
-        dear.check_first_layer(first_layer(settings, clip), min(len(clip.visual.transformer.resblocks),
+        dear.check_first_layer(first_layer(settings, clip),
+                               min(len(clip.visual.transformer.resblocks),
                                                                 len(clip.transformer.resblocks)))
     except dear.DeARError as error:
         raise TrainError(f"--first-layer {settings['first_layer']}: {error}") from None
@@ -1262,26 +1363,29 @@ def input_fingerprints(settings, weights: str, tokenizer) -> dict:
     --resume / --eval-only: each must be the saved one (the files may have moved, not changed)."""
     role_file = role_file_of(settings)
     if role_file is not None and not os.path.isfile(role_file):  # resumed after the file was moved
-        raise TrainError(f"--roles {role_file}: no such file; put it back (the run folder keeps a copy, "
-                         "roles_file.json)")
+        raise TrainError(f"--roles {role_file}: no such file; put it back (the run folder keeps a "
+                         "copy, roles_file.json)")
     named = clip_model._MODELS.get(weights)  # noqa: SLF001 -- the published checksums
-    fingerprints = dict(weights=named.split("/")[-2] if named else sha256(weights), bpe=sha256(tokenizer.bpe_path),
+    fingerprints = dict(weights=named.split("/")[-2] if named else sha256(weights),
+                        bpe=sha256(tokenizer.bpe_path),
                         roles_file=sha256(role_file) if role_file else None)
     for key, flag in (("weights", f"--weights {weights}"), ("bpe", f"--bpe {tokenizer.bpe_path}"),
                       ("roles_file", f"--roles {role_file}")):
         now, then = fingerprints[key], (settings["fingerprints"] or {}).get(key)
         if (settings["resume"] or settings["eval_only"]) and now != then:
-            kept = f" (a copy is {os.path.join(settings['output'], 'roles_file.json')})" if key == "roles_file" else ""
-            raise TrainError(f"{flag}: not the file this run was made with (SHA-256 {str(now)[:12]}... now, "
-                             f"{str(then)[:12]}... then); resume with the original file{kept}, or start a "
-                             "new run with another --output")
+            kept = (f" (a copy is {os.path.join(settings['output'], 'roles_file.json')})"
+                    if key == "roles_file" else "")
+            raise TrainError(f"{flag}: not the file this run was made with (SHA-256 "
+                             f"{str(now)[:12]}... now, {str(then)[:12]}... then); resume with the "
+                             f"original file{kept}, or start a new run with another --output")
     return fingerprints
 
 
 sha256 = clip_model._sha256  # noqa: SLF001 -- one file hasher for the project (clip_model's)
 
 
-def analysis_fingerprint(settings, clip, items: list, bank: list, attributes: list, picks: int, rank: int,
+def analysis_fingerprint(settings, clip, items: list, bank: list, attributes: list, picks: int,
+                         rank: int,
                          concepts: dict, code: list) -> str:
     """SHA-256 of all a role map depends on: the weights' and BPE's SHA-256, the pool's images (path
     under --root and size: their bytes would mean reading every image), the description pool, where
@@ -1294,11 +1398,13 @@ def analysis_fingerprint(settings, clip, items: list, bank: list, attributes: li
     key = dict(
         weights=settings["fingerprints"]["weights"], bpe=settings["fingerprints"]["bpe"],
         heads=clip.visual.transformer.heads, layers=dear.analysed_layers(depth),
-        images=[[os.path.relpath(item.path, settings["root"]), os.path.getsize(item.path)] for item in items],
+        images=[[os.path.relpath(item.path, settings["root"]), os.path.getsize(item.path)]
+                for item in items],
         bank=[list(entry) for entry in bank], attributes=list(attributes), picks=picks,
         rank=rank, low_bits=settings["low_bits"], high_bits=settings["high_bits"],
         concepts=dict(concepts, encoder=encoder), code=source_fingerprint(code))
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()  # sorted keys: one text per key
+    # sorted keys: one text per key
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
 def source_fingerprint(code: list) -> str:
@@ -1307,14 +1413,16 @@ def source_fingerprint(code: list) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def analysis_cache(fingerprint: str, pool: str, analyse: Callable[[str], None], runtime: Runtime) -> str:
+def analysis_cache(fingerprint: str, pool: str, analyse: Callable[[str], None],
+                   runtime: Runtime) -> str:
     """-> <cache>/head-analysis/<fingerprint>/, made if missing by analyse(folder) into a temporary
     folder renamed whole, under a lock: a second process waits, then reuses it."""
     root = os.path.join(clip_model.default_cache_dir(), "head-analysis")
     entry = os.path.join(root, fingerprint[:16])  # 64 bits of the SHA-256 name the folder
     if runtime.main:
         if reason := unwritable_reason(root):
-            raise TrainError(f"{root}: the head-analysis cache {reason}; set $CLIP_CACHE_DIR to a writable folder")
+            raise TrainError(f"{root}: the head-analysis cache {reason}; set $CLIP_CACHE_DIR to a "
+                             "writable folder")
         os.makedirs(root, exist_ok=True)  # the lock file lives beside the entries
         if runtime.world > 1:
             bound = format_time(MAIN_WORK_TIMEOUT.total_seconds())
@@ -1327,9 +1435,12 @@ def analysis_cache(fingerprint: str, pool: str, analyse: Callable[[str], None], 
                 runtime.log(f"head analysis: reusing the role map cached in {entry} ({pool})")
             else:
                 temporary = os.path.join(root, f".tmp-{os.getpid()}-{fingerprint[:16]}")
-                shutil.rmtree(temporary, ignore_errors=True)  # left by this pid's earlier killed call
-                analyse(temporary)  # roles.json, roles.txt, roles.png, analysis.json (toy: the causal check)
-                shutil.rmtree(entry, ignore_errors=True)  # an entry without roles.json is incomplete
+                # left by this pid's earlier killed call
+                shutil.rmtree(temporary, ignore_errors=True)
+                # roles.json, roles.txt, roles.png, analysis.json (toy: the causal check)
+                analyse(temporary)
+                # an entry without roles.json is incomplete
+                shutil.rmtree(entry, ignore_errors=True)
                 os.replace(temporary, entry)  # whole or not at all
     wait_for_main(runtime, "head analysis")  # the other processes then read what rank 0 wrote
     return entry  # its roles.json exists: complete
@@ -1338,10 +1449,12 @@ def analysis_cache(fingerprint: str, pool: str, analyse: Callable[[str], None], 
 def role_copy(settings, dataset: str, checked: bool = False) -> str:
     """The run folder's copy of a trained dataset's analysed role map; `checked`: the one
     --resume / --eval-only read (never the cache's), refused unless its SHA-256 is the run's."""
-    path, records = os.path.join(settings["output"], dataset, "roles", "roles.json"), settings["role_maps"] or {}
-    if checked and (dataset not in records or not os.path.isfile(path) or sha256(path) != records[dataset]["sha256"]):
-        raise TrainError(f"{path}: missing or not the role map this run was made with; the run folder is "
-                         "damaged, start a new run with another --output")
+    path, records = (os.path.join(settings["output"], dataset, "roles", "roles.json"),
+                     settings["role_maps"] or {})
+    if checked and (dataset not in records or not os.path.isfile(path)
+                    or sha256(path) != records[dataset]["sha256"]):
+        raise TrainError(f"{path}: missing or not the role map this run was made with; the run "
+                         "folder is damaged, start a new run with another --output")
     return path
 
 
@@ -1352,11 +1465,14 @@ def copy_role_maps(settings, clip, records: dict) -> None:
         folder = os.path.dirname(role_copy(settings, dataset))  # <output>/<dataset>/roles/
         for name in sorted(os.listdir(record["cache"])):  # each file whole
             source = os.path.join(record["cache"], name)
-            clip_model.atomic_write(os.path.join(folder, name), lambda tmp: shutil.copyfile(source, tmp))
+            clip_model.atomic_write(os.path.join(folder, name),
+                                    lambda tmp: shutil.copyfile(source, tmp))
         role_map, J = load_role_file(role_copy(settings, dataset)), first_layer(settings, clip)
         image_tokens = 1 + clip.visual.grid_size**2  # CLS + the patch grid
-        masks = dear.build_role_masks(role_map, J, len(clip.visual.transformer.resblocks), image_tokens)
-        draw_role_masks(masks, image_tokens, role_map.attributes, J, os.path.join(folder, "masks.png"))
+        masks = dear.build_role_masks(role_map, J, len(clip.visual.transformer.resblocks),
+                                      image_tokens)
+        draw_role_masks(masks, image_tokens, role_map.attributes, J,
+                        os.path.join(folder, "masks.png"))
 
 
 # ------------------------------------------------------------------------------------------
@@ -1367,7 +1483,8 @@ def copy_role_maps(settings, clip, records: dict) -> None:
 # this run, and one process at a time writes a folder.
 
 
-def write_text(path: str, text: str) -> None:  # whole or not at all, the file closed before the rename
+# whole or not at all, the file closed before the rename
+def write_text(path: str, text: str) -> None:
     clip_model.atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
@@ -1453,8 +1570,8 @@ def check_output_folder(output: str) -> None:
     if reason := unwritable_reason(output):  # tried by writing, before any data is read
         raise TrainError(f"--output {output}: {reason}; choose another --output")
     if os.path.exists(os.path.join(output, "settings.json")):
-        raise TrainError(f"{output}: already holds a run; continue it with --resume, evaluate it with "
-                         "--eval-only, or choose another --output")
+        raise TrainError(f"{output}: already holds a run; continue it with --resume, evaluate it "
+                         "with --eval-only, or choose another --output")
 
 
 def lock_run_folder(output: str, stack: contextlib.ExitStack) -> None:
@@ -1472,9 +1589,11 @@ def lock_run_folder(output: str, stack: contextlib.ExitStack) -> None:
         handle.seek(0)
         holder = handle.read().strip()  # the pid its holder wrote
         handle.close()
-        raise TrainError(f"{output}: in use by another train.py process{f' (pid {holder})' if holder else ''}; "
-                         "wait for it to end, or choose another --output") from None
-    handle.truncate(0)  # ours now: our pid, for the next caller's message ("a+": writes go to the end)
+        raise TrainError(f"{output}: in use by another train.py "
+                         f"process{f' (pid {holder})' if holder else ''}; wait for it to end, or "
+                         "choose another --output") from None
+    # ours now: our pid, for the next caller's message ("a+": writes go to the end)
+    handle.truncate(0)
     handle.write(f"{os.getpid()}\n")
     handle.flush()
     stack.callback(handle.close)  # closing the file releases the lock
@@ -1488,12 +1607,14 @@ def check_run_folder(settings, jobs: List[Job], stack: contextlib.ExitStack) -> 
     """Before any work: a fresh run's --output is usable; a resumed one is locked, cleaned, and
     every results.json and checkpoint in it was made with this run's settings."""
     if not (settings["resume"] or settings["eval_only"]):
-        return check_output_folder(settings["output"])  # a fresh run: its folder is made later, whole
+        # a fresh run: its folder is made later, whole
+        return check_output_folder(settings["output"])
     if int(os.environ.get("RANK", "0")) != 0:
         return
     lock_run_folder(settings["output"], stack)
     for job in jobs:
-        if load_run_file(os.path.join(job.folder, "results.json"), job_settings(settings, job)) is None \
+        if load_run_file(os.path.join(job.folder, "results.json"),
+                         job_settings(settings, job)) is None \
                 and job.row != "zeroshot":
             load_run_file(os.path.join(job.folder, "checkpoint.pt"), job_settings(settings, job))
 
@@ -1510,7 +1631,8 @@ def start_run_folder(settings, clip, world: int, stack: contextlib.ExitStack) ->
     copy_role_maps(settings, clip, settings["role_maps"] or {})  # --resume / --eval-only read these
     saved = {k: v for k, v in settings.items() if k not in ("resume", "eval_only", "analyse_only")}
     write_json(os.path.join(settings["output"], "settings.json"), dict(
-        format=RUN_FORMAT, settings=saved, torch=torch.__version__, python=platform.python_version(),
+        format=RUN_FORMAT, settings=saved, torch=torch.__version__,
+        python=platform.python_version(),
         command="python train.py " + " ".join(sys.argv[1:]), world_size=world))
 
 
@@ -1526,36 +1648,42 @@ def load_run_file(path: str, expected: dict) -> Optional[dict]:
             with open(path, encoding="utf-8") as f:
                 found = json.load(f)
             shaped = isinstance(found, dict) and isinstance(found.get("metrics"), dict) \
-                and all(isinstance(v, float) for v in found["metrics"].values()) and isinstance(found.get("job"), dict)
+                and all(isinstance(v, float) for v in found["metrics"].values()) \
+                and isinstance(found.get("job"), dict)
         else:
-            found = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data, no code
+            # tensors and plain data, no code
+            found = torch.load(path, map_location="cpu", weights_only=True)
             shaped = isinstance(found, dict) and found.get("format") == CHECKPOINT_FORMAT \
                 and isinstance(found.get("epoch"), int) \
-                and all(isinstance(found.get(key), dict) for key in ("learnable", "optimizer", "scaler"))
+                and all(isinstance(found.get(key), dict)
+                        for key in ("learnable", "optimizer", "scaler"))
         if not (shaped and isinstance(found.get("settings"), dict)):
             raise ValueError("wrong shape")  # not `assert`, which vanishes under python -O
     except Exception as error:  # noqa: BLE001 -- any unreadable file gets the same advice
         advice = "delete it and --resume evaluates that run again" if results else \
             "delete it to restart that run from scratch"
-        raise TrainError(f"{path}: unreadable {'results' if results else 'checkpoint'} ({type(error).__name__}); "
-                         f"{advice}") from None
+        raise TrainError(f"{path}: unreadable {'results' if results else 'checkpoint'} "
+                         f"({type(error).__name__}); {advice}") from None
     if found["settings"] != expected:
-        raise TrainError(f"{path}: made with other settings than this run's ({differences(found['settings'], expected)}"
-                         "): the folder mixes two runs; start again with another --output")
+        raise TrainError(f"{path}: made with other settings than this run's "
+                         f"({differences(found['settings'], expected)}): the folder mixes two "
+                         "runs; start again with another --output")
     return found
 
 
 def save_checkpoint(path: str, settings: dict, epoch: int, model, optimizer, scaler) -> None:
     """Only the learnable tensors, the optimizer's and scaler's state and the run's settings."""
-    state = dict(format=CHECKPOINT_FORMAT, settings=settings, epoch=epoch, learnable=model.learnable_state_dict(),
+    state = dict(format=CHECKPOINT_FORMAT, settings=settings, epoch=epoch,
+                 learnable=model.learnable_state_dict(),
                  optimizer=optimizer.state_dict(), scaler=scaler.state_dict())
 
     def write(temporary: str) -> None:
         try:
             torch.save(state, temporary)
         except RuntimeError as error:  # torch's file writer reports a full disk this way
-            raise TrainError(f"{path}: cannot write the checkpoint ({' '.join(str(error).split())[:100]}); "
-                             "free disk space, then continue with --resume") from None
+            raise TrainError(f"{path}: cannot write the checkpoint "
+                             f"({' '.join(str(error).split())[:100]}); free disk space, then "
+                             "continue with --resume") from None
 
     clip_model.atomic_write(path, write)  # a run killed mid-save keeps the previous epoch's
 
@@ -1642,7 +1770,8 @@ def evaluation_record(job: Job, settings, model, accuracy: dict, logits: dict, b
 def differences(found: dict, expected: dict) -> str:
     """'lr 0.002 (expected 0.001), ...': what makes two settings dicts differ."""
     keys = [k for k in sorted(set(found) | set(expected)) if found.get(k) != expected.get(k)]
-    return ", ".join(f"{k} {str(found.get(k))[:40]} (expected {str(expected.get(k))[:40]})" for k in keys[:3])
+    return ", ".join(f"{k} {str(found.get(k))[:40]} (expected {str(expected.get(k))[:40]})"
+                     for k in keys[:3])
 
 
 def format_time(seconds: float) -> str:
@@ -1665,22 +1794,25 @@ class Progress:
         self.sums = dict.fromkeys(LOSS_TERMS + ("correct", "images"), 0.0)
         self.epoch_started = time.time()
 
-    def step(self, epoch: int, step: int, steps_per_epoch: int, lr: float, losses: dict, logits, labels) -> None:
+    def step(self, epoch: int, step: int, steps_per_epoch: int, lr: float, losses: dict, logits,
+             labels) -> None:
         sums, n = self.sums, len(labels)
         for key in LOSS_TERMS:
             sums[key] += losses[key].item() * n if key in losses else 0.0  # branch-ce's alone
-        sums["correct"] += (logits.argmax(-1) == labels).sum().item()  # the fused logits' training accuracy
+        # the fused logits' training accuracy
+        sums["correct"] += (logits.argmax(-1) == labels).sum().item()
         sums["images"] += n
         self.done += 1  # steps done in this call
         if step % self.settings["log_every"] == 0 or step == steps_per_epoch:
             left = (time.time() - self.started) / self.done * (self.steps - self.done)
             rate = sums["images"] * self.runtime.world / max(time.time() - self.epoch_started, 1e-9)
-            mean_of = {key: value / sums["images"] for key, value in sums.items()}  # over the epoch's images so far
+            # over the epoch's images so far
+            mean_of = {key: value / sums["images"] for key, value in sums.items()}
             branch = f" branch {mean_of['branch']:.4f}" if "branch" in losses else ""  # branch-ce's
             self.runtime.log(
-                f"[{self.label}] epoch {epoch + 1}/{self.settings['epochs']} step {step}/{steps_per_epoch} "
-                f"loss {mean_of['total']:.4f} (ce {mean_of['ce']:.4f} reg {mean_of['reg']:.4f} "
-                f"fusion {mean_of['fusion']:.4f}{branch}) "
+                f"[{self.label}] epoch {epoch + 1}/{self.settings['epochs']} step "
+                f"{step}/{steps_per_epoch} loss {mean_of['total']:.4f} (ce {mean_of['ce']:.4f} reg "
+                f"{mean_of['reg']:.4f} fusion {mean_of['fusion']:.4f}{branch}) "
                 f"acc {100 * mean_of['correct']:.1f}% lr {lr:.2e} "
                 f"{rate:.1f} img/s, {format_time(left)} left")
 
@@ -1692,7 +1824,8 @@ class Progress:
 # mean novel accuracies, and the "Average" block's HM from the average base and novel over
 # datasets -- as CoCoOp, MaPLe and the DeAR paper compute it.
 
-DG_NAMES = {"imagenet": "ImageNet", "imagenet_v2": "-V2", "imagenet_sketch": "-Sketch", "imagenet_a": "-A",
+DG_NAMES = {"imagenet": "ImageNet", "imagenet_v2": "-V2", "imagenet_sketch": "-Sketch",
+            "imagenet_a": "-A",
             "imagenet_r": "-R"}  # the DG table's columns, as the paper names them
 
 
@@ -1720,7 +1853,8 @@ def md_table(corner: str, columns: List[str], rows: Dict[str, List[str]]) -> Lis
 
 
 def job_table(label: str, metrics: dict) -> str:
-    return "\n".join(md_table("run", list(metrics), {label: [f"{v:.2f}" for v in metrics.values()]})) + "\n"
+    return "\n".join(md_table("run", list(metrics),
+                              {label: [f"{v:.2f}" for v in metrics.values()]})) + "\n"
 
 
 def summarise(settings, results: List[dict]) -> dict:
@@ -1731,10 +1865,14 @@ def summarise(settings, results: List[dict]) -> dict:
             if any(res["job"]["row"] == job_row_mode[0] for res in results)}
     rows = list(spec)
 
-    def seed_values(dataset: str, row: str, metric: str, shots: Optional[int] = None) -> List[float]:
-        return [res.get("metrics_by_fusion", {}).get(spec[row][1], res["metrics"]).get(metric, math.nan)
-                for res in results if res["job"]["row"] == spec[row][0] and res["job"]["dataset"] == dataset
-                and (shots is None or res["job"]["shots"] in (None, shots))]  # the row's fusion mode
+    def seed_values(dataset: str, row: str, metric: str,
+                    shots: Optional[int] = None) -> List[float]:
+        return [res.get("metrics_by_fusion", {}).get(spec[row][1], res["metrics"])
+                .get(metric, math.nan)
+                for res in results if res["job"]["row"] == spec[row][0]
+                and res["job"]["dataset"] == dataset
+                # the row's fusion mode
+                and (shots is None or res["job"]["shots"] in (None, shots))]
 
     def cell(dataset: str, row: str, metric: str, shots: Optional[int] = None) -> float:
         return mean(seed_values(dataset, row, metric, shots))
@@ -1746,20 +1884,28 @@ def summarise(settings, results: List[dict]) -> dict:
     tables: Dict[str, dict] = {}
     if protocol in ("base2novel", "fewshot"):  # a table per dataset, after their average's
         b2n = protocol == "base2novel"
-        metrics = [("base", None), ("novel", None)] if b2n else [("all", k) for k in settings["shots"]]
-        columns = ["Base", "Novel", "HM"] if b2n else [f"{k} shot{'s' if k > 1 else ''}" for _, k in metrics]
+        metrics = [("base", None), ("novel", None)] if b2n else [("all", k)
+                                                                 for k in settings["shots"]]
+        columns = ["Base", "Novel", "HM"] if b2n else [f"{k} shot{'s' if k > 1 else ''}"
+                                                       for _, k in metrics]
         per = {d: {row: [cell(d, row, m, k) for m, k in metrics] for row in rows} for d in datasets}
         if len(datasets) > 1:  # base2novel: its HM below is of the average base and novel
             per = {f"Average over {len(datasets)} datasets": {
-                row: [mean([per[d][row][i] for d in datasets]) for i in range(len(metrics))] for row in rows}, **per}
+                row: [mean([per[d][row][i] for d in datasets]) for i in range(len(metrics))]
+                for row in rows}, **per}
         for name, values in per.items():
             tables[name] = dict(columns=columns, rows={row: v + [harmonic_mean(*v)] if b2n else v
                                                        for row, v in values.items()})
-            if b2n and name in datasets:  # the spread over seeds of base, novel and each seed's own HM
-                seeds = {row: (seed_values(name, row, "base"), seed_values(name, row, "novel")) for row in rows}
-                tables[name]["spread"] = {row: [spread(b), spread(n), spread(list(map(harmonic_mean, b, n)))]
+            # the spread over seeds of base, novel and each seed's own HM
+            if b2n and name in datasets:
+                seeds = {row: (seed_values(name, row, "base"), seed_values(name, row, "novel"))
+                         for row in rows}
+                tables[name]["spread"] = {row: [spread(b), spread(n),
+                                                spread(list(map(harmonic_mean, b, n)))]
                                           for row, (b, n) in seeds.items()}
-    else:  # cross and dg: one training on the source; other datasets and ImageNet's variants get a table each
+    # cross and dg: one training on the source; other datasets and ImageNet's variants get a table
+    # each
+    else:
         source = settings["source"]
         for title, dg in (("Cross-dataset evaluation", False), ("Domain generalization", True)):
             targets = [t for t in datasets if data.get_spec(t).evaluation_only == dg]
@@ -1768,7 +1914,8 @@ def summarise(settings, results: List[dict]) -> dict:
                 names = [DG_NAMES.get(n, n) if dg else n for n in [source] + targets]
                 tables[f"{title}: trained on {source}, tested on {len(targets)} targets"] = dict(
                     columns=[f"{names[0]} (source)"] + names[1:] + ["Average"],
-                    rows={row: v + [mean(v[1:])] for row, v in values.items()})  # the targets' average
+                    # the targets' average
+                    rows={row: v + [mean(v[1:])] for row, v in values.items()})
     for table in tables.values():  # an empty cell (nan) is stored as null
         for key in set(table) & {"rows", "spread"}:
             table[key] = {row: [None if math.isnan(v) else round(v, 2) for v in vals]
@@ -1800,14 +1947,17 @@ def fusion_weights(settings, results: List[dict]) -> dict:
 
 
 def markdown(summary: dict, settings) -> str:
-    titles = dict(base2novel="Base-to-novel generalization", fewshot="Few-shot classification")  # cross, dg:
+    titles = dict(base2novel="Base-to-novel generalization", fewshot="Few-shot classification")
+    # cross, dg:
     title = titles.get(settings["protocol"], "Cross-dataset evaluation and domain generalization")
     shots = settings["shots"]
-    shots = "shots " + ", ".join(map(str, shots)) if settings["protocol"] == "fewshot" else f"{shots[0]} shots"
+    shots = ("shots " + ", ".join(map(str, shots)) if settings["protocol"] == "fewshot"
+             else f"{shots[0]} shots")
     lines = [f"# {title}", "",
-             f"Accuracy (%), mean over seeds {', '.join(map(str, settings['seeds']))}; {settings['weights']}; {shots}. "
-             "Zero-shot CLIP does not train: one run serves every seed. ± = standard deviation over seeds; "
-             "- = no number (the linear probe has no classifier for unseen classes).", ""]
+             f"Accuracy (%), mean over seeds {', '.join(map(str, settings['seeds']))}; "
+             f"{settings['weights']}; {shots}. Zero-shot CLIP does not train: one run serves every "
+             "seed. ± = standard deviation over seeds; - = no number (the linear probe has no "
+             "classifier for unseen classes).", ""]
     for name, table in summary["tables"].items():
         spreads = table.get("spread", {})  # ± only where seeds differ
         cells = {row_label(row): ["-" if v is None else f"{v:.2f}" + (f" ± {d:.2f}" if d else "")
@@ -1815,16 +1965,17 @@ def markdown(summary: dict, settings) -> str:
                  for row, values in table["rows"].items()}
         lines += [f"## {name}", "", *md_table("Method", table["columns"], cells), ""]
     names = {"fused": "fused", "class": "class branch alone", "clip": "CLIP"}
-    lines.append("Logits per test set (fused = DeAR's fusion with the weights learned on the training classes; "
-                 "class branch alone = MMRL's rule for classes not trained):")
+    lines.append("Logits per test set (fused = DeAR's fusion with the weights learned on the "
+                 "training classes; class branch alone = MMRL's rule for classes not trained):")
     for row, used in summary.get("logits", {}).items():
         if used:
             lines.append(f"- {row_label(row)}: " + ", ".join(f"{test} {names.get(kind, kind)}"
                                                              for test, kind in used.items()))
-    fallen = [name for name, record in (settings.get("role_maps") or {}).items() if record.get("class_branch_only")]
+    fallen = [name for name, record in (settings.get("role_maps") or {}).items()
+              if record.get("class_branch_only")]
     if fallen:  # dear.falls_back_to_class_branch: both DeAR rows are then the class branch's
-        lines.append(f"- The head analysis of {', '.join(fallen)} names no attribute head: DeAR falls back to the "
-                     "class branch alone there.")
+        lines.append(f"- The head analysis of {', '.join(fallen)} names no attribute head: DeAR "
+                     "falls back to the class branch alone there.")
     if summary.get("test_beta"):  # cross and dg: the beta DeAR was tested at, per test set
         rule = ("MMRL++'s per target (trainers/config.py, task CD; the trained set and a target "
                 "it does not name: the training beta)" if settings["test_beta"] == "per-target"
@@ -1855,30 +2006,38 @@ def fusion_weights_markdown(alpha: dict) -> List[str]:
 
 
 def retrieval_summary(results: List[dict], attributes: List[str], k: int):
-    """Precision@k per (feature, attribute), mean and spread over a DeAR row's seeds -> (JSON, markdown)."""
+    """Precision@k per (feature, attribute), mean and spread over a DeAR row's seeds -> (JSON,
+    markdown)."""
     summary, lines = {}, []
     for row in dict.fromkeys(res["job"]["row"] for res in results if res.get("retrieval")):
-        tables = [res["retrieval"] for res in results if res["job"]["row"] == row and res.get("retrieval")]
+        tables = [res["retrieval"] for res in results if res["job"]["row"] == row
+                  and res.get("retrieval")]
         seeds = lambda name, a: [t[name][a] for t in tables]  # noqa: E731
         summary[row] = {name: {a: "blind" if "blind" in seeds(name, a) else
                                [100 * mean(seeds(name, a)), 100 * spread(seeds(name, a))]
                                for a in attributes} for name in tables[0]}
-        cells = {{"class": "class feature", "frozen CLIP": "frozen CLIP"}.get(name, f"{name} token"):
+        cells = {{"class": "class feature",
+                  "frozen CLIP": "frozen CLIP"}.get(name, f"{name} token"):
                  ["blind" if v == "blind" else f"{v[0]:.1f} ± {v[1]:.1f}" for v in values.values()]
                  for name, values in summary[row].items()}
-        lines += [f"## {row_label(row)}: precision@{k} (%) of same-value retrieval, mean ± sd over {len(tables)} "
-                  "seeds", "", *md_table("ranked by", [f"same {a}" for a in attributes], cells), ""]
-    text = ("# Attribute-conditioned retrieval\n\nGallery: the test split; each test image queries the others "
-            "by one feature (cosine); a hit is a neighbour with the query's value. Chance = the value's share "
-            "of the test images. A blind token cannot read the image and ranks nothing.\n\n" + "\n".join(lines))
+        lines += [f"## {row_label(row)}: precision@{k} (%) of same-value retrieval, mean ± sd "
+                  f"over {len(tables)} seeds", "",
+                  *md_table("ranked by", [f"same {a}" for a in attributes], cells), ""]
+    text = ("# Attribute-conditioned retrieval\n\nGallery: the test split; each test image queries "
+            "the others by one feature (cosine); a hit is a neighbour with the query's value. "
+            "Chance = the value's share of the test images. A blind token cannot read the image "
+            "and ranks nothing.\n\n" + "\n".join(lines))
     return summary, text
 
 
-def write_summaries(settings, results: List[dict], attributes: List[str], k: int, runtime: Runtime) -> None:
-    """summary.json / .md (and, where a run measured retrieval, retrieval.json / .md), printed too."""
+def write_summaries(settings, results: List[dict], attributes: List[str], k: int,
+                    runtime: Runtime) -> None:
+    """summary.json / .md (and, where a run measured retrieval, retrieval.json / .md), printed
+    too."""
     summary = summarise(settings, results)
     files = dict(summary=(summary, markdown(summary, settings)))
-    if any(res.get("retrieval") for res in results):  # the toy world: attribute-conditioned retrieval
+    # the toy world: attribute-conditioned retrieval
+    if any(res.get("retrieval") for res in results):
         files["retrieval"] = retrieval_summary(results, attributes, k)
     for name, (value, text) in files.items():
         if runtime.main:
@@ -1902,13 +2061,18 @@ def draw_heatmap(role_map: dear.RoleMap, path: str) -> None:
     concept entropy written in it, and a legend."""
     from PIL import Image, ImageDraw
 
-    cell_w, cell_h, left, top, layers, H = 58, 34, 96, 52, role_map.layers, role_map.num_heads  # pixels
+    # pixels
+    cell_w, cell_h, left, top, layers, H = 58, 34, 96, 52, role_map.layers, role_map.num_heads
     legend = {f"attribute: {a}": ATTRIBUTE_COLOURS[i % len(ATTRIBUTE_COLOURS)] for i, a in
-              enumerate(role_map.attributes)} | {"generalization": GENERALIZATION_COLOUR, "mixed": MIXED_COLOUR}
-    height = top + len(layers) * cell_h + 30 + 18 * ((len(legend) + 2) // 3)  # the legend: three per line
-    image = Image.new("RGB", (max(left + H * cell_w + 10, 560), height), "white")  # 560: the title's width
+              enumerate(role_map.attributes)} | {"generalization": GENERALIZATION_COLOUR,
+                                                 "mixed": MIXED_COLOUR}
+    # the legend: three per line
+    height = top + len(layers) * cell_h + 30 + 18 * ((len(legend) + 2) // 3)
+    # 560: the title's width
+    image = Image.new("RGB", (max(left + H * cell_w + 10, 560), height), "white")
     draw = ImageDraw.Draw(image)
-    draw.text((8, 4), f"DeAR head roles; number = concept entropy (bits)\n{role_map.source}", fill="black")
+    draw.text((8, 4), f"DeAR head roles; number = concept entropy (bits)\n{role_map.source}",
+              fill="black")
     for head in range(H):
         draw.text((left + head * cell_w + cell_w // 2 - 8, top - 16), f"h{head}", fill="black")
     for row, layer in enumerate(layers):
@@ -1916,12 +2080,15 @@ def draw_heatmap(role_map: dear.RoleMap, path: str) -> None:
         draw.text((8, y + cell_h // 2 - 6), f"layer {layer + 1}", fill="black")
         for head in range(H):
             entry = role_map.role_of(layer, head)
-            colour = legend[f"attribute: {entry.attribute}" if entry.role == "attribute" else entry.role]
+            colour = legend[f"attribute: {entry.attribute}" if entry.role == "attribute"
+                            else entry.role]
             x = left + head * cell_w
             draw.rectangle([x, y, x + cell_w - 2, y + cell_h - 2], fill=colour)
             label = "" if entry.entropy is None else f"{entry.entropy:.2f}"
-            if entry.role == "attribute" and role_map.concepts == "clusters":  # which cluster named it
-                label += "\ncl. " + dear.dominant_concept(entry.concepts).split()[-1]  # e.g. "cl. 3"
+            # which cluster named it
+            if entry.role == "attribute" and role_map.concepts == "clusters":
+                # e.g. "cl. 3"
+                label += "\ncl. " + dear.dominant_concept(entry.concepts).split()[-1]
             draw.text((x + 6, y + cell_h // 2 - 6 * label.count("\n") - 6), label,
                       fill="black" if sum(colour) > 450 else "white")
     y = top + len(layers) * cell_h + 12
@@ -1932,21 +2099,28 @@ def draw_heatmap(role_map: dear.RoleMap, path: str) -> None:
     clip_model.atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))
 
 
-def draw_role_masks(masks: torch.Tensor, num_image_tokens: int, attributes: List[str], first_layer: int,
+def draw_role_masks(masks: torch.Tensor, num_image_tokens: int, attributes: List[str],
+                    first_layer: int,
                     path: str) -> None:
     """The folded masks (L, H, T, T): one small (1 + A) x (1 + A) grid per head, one row of grids
     per layer (1-based). White = may attend, black = may not."""
     from PIL import Image, ImageDraw
 
     layers, H, A = masks.shape[0], masks.shape[1], len(attributes)
-    kept = [0, *range(num_image_tokens, masks.shape[-1])]  # the image tokens folded into the CLS row and column
-    cell, left, top, gap, grid = 9, 80, 62, 10, (1 + A) * 9  # pixels; a head's grid: CLS + A tokens square
+    # the image tokens folded into the CLS row and column
+    kept = [0, *range(num_image_tokens, masks.shape[-1])]
+    # pixels; a head's grid: CLS + A tokens square
+    cell, left, top, gap, grid = 9, 80, 62, 10, (1 + A) * 9
     width = max(left + H * (grid + gap), 470)  # wide enough for the two title lines
     image = Image.new("RGB", (width, top + layers * (grid + gap) + 20), "white")
     draw = ImageDraw.Draw(image)
-    draw.text((6, 6), "DeAR role masks: one grid per head, one row of grids per layer", fill="black")
-    draw.text((6, 20), "row = query, column = key, in the order CLS (standing for the image's", fill="black")
-    draw.text((6, 34), "tokens), " + ", ".join(attributes) + "; white = may attend, black = may not", fill="black")
+    draw.text((6, 6), "DeAR role masks: one grid per head, one row of grids per layer",
+              fill="black")
+    draw.text((6, 20), "row = query, column = key, in the order CLS (standing for the image's",
+              fill="black")
+    draw.text((6, 34),
+              "tokens), " + ", ".join(attributes) + "; white = may attend, black = may not",
+              fill="black")
     for head in range(H):
         draw.text((left + head * (grid + gap) + grid // 2 - 6, top - 14), f"h{head}", fill="black")
     for li in range(layers):
@@ -1957,25 +2131,33 @@ def draw_role_masks(masks: torch.Tensor, num_image_tokens: int, attributes: List
             x0 = left + head * (grid + gap)
             for r in range(1 + A):
                 for c in range(1 + A):
-                    draw.rectangle([x0 + c * cell, y0 + r * cell, x0 + (c + 1) * cell - 1, y0 + (r + 1) * cell - 1],
-                                   fill="white" if folded[r, c] == 0 else "black", outline=(150, 150, 150))
+                    draw.rectangle([x0 + c * cell, y0 + r * cell, x0 + (c + 1) * cell - 1,
+                                    y0 + (r + 1) * cell - 1],
+                                   fill="white" if folded[r, c] == 0 else "black",
+                                   outline=(150, 150, 150))
     clip_model.atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))
 
 
-def draw_retrieval(gallery: list, rankings: Dict[str, torch.Tensor], size: int, queries: int, shown: int,
+def draw_retrieval(gallery: list, rankings: Dict[str, torch.Tensor], size: int, queries: int,
+                   shown: int,
                    folder: str) -> None:
     """retrieval_<feature>.png in `folder`: per row, a test image then its `shown` nearest gallery
     images by that feature (rankings: {feature: (G, k) indices})."""
     import torchvision  # torch's own companion (requirements.txt): the picture grid
 
-    unnormalised = torchvision.transforms.Compose(data.test_transform(size).transforms[:-1])  # pixels in [0, 1]
+    # pixels in [0, 1]
+    unnormalised = torchvision.transforms.Compose(data.test_transform(size).transforms[:-1])
     pictures = data.ImageDataset(gallery, unnormalised)
     for name, ranking in rankings.items():
-        tiles = [pictures[i][0] for q in range(min(queries, len(gallery))) for i in [q] + ranking[q, :shown].tolist()]
-        tiles = F.interpolate(torch.stack(tiles), scale_factor=max(1, 96 // size), mode="nearest")  # small: enlarged
+        tiles = [pictures[i][0] for q in range(min(queries, len(gallery)))
+                 for i in [q] + ranking[q, :shown].tolist()]
+        # small: enlarged
+        tiles = F.interpolate(torch.stack(tiles), scale_factor=max(1, 96 // size), mode="nearest")
         clip_model.atomic_write(os.path.join(folder, f"retrieval_{name.replace(' ', '_')}.png"),
-                                lambda tmp: torchvision.utils.save_image(tiles, tmp, nrow=1 + shown, padding=2,
-                                                                         pad_value=1.0, format="PNG"))
+                                lambda tmp: torchvision.utils.save_image(tiles, tmp, nrow=1 + shown,
+                                                                         padding=2,
+                                                                         pad_value=1.0,
+                                                                         format="PNG"))
 
 
 # ------------------------------------------------------------------------------------------
@@ -1998,7 +2180,8 @@ def one_line_errors(call: Callable[[], int]) -> int:
         where = f"{error.filename}: " if error.filename else ""
         message = f"{where}{error.strerror or error}; fix it, then continue with --resume"
     except KeyboardInterrupt:
-        print("train.py: interrupted; the last finished epoch is saved: continue with --resume", file=sys.stderr)
+        print("train.py: interrupted; the last finished epoch is saved: continue with --resume",
+              file=sys.stderr)
         return 130
     print(f"train.py: error: {message}", file=sys.stderr)
     return 2
