@@ -1037,6 +1037,8 @@ def check_picks(num_descriptions: int, contributions: torch.Tensor,
     contributions (n, E) and the bank (T, E)."""
     analysis_picks(num_descriptions, len(text_embeddings), len(contributions), rank=rank,
                    default=num_descriptions, embed_dim=contributions.shape[1])
+
+
 def clustering_module():
     """clustering.py (HDBSCAN), imported only when the picks are clustered: dear.py runs without
     it, and without it clustering is one line saying what it needs."""
