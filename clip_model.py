@@ -50,7 +50,16 @@ class CLIPError(ValueError):
 
 
 # ---- 1. Building blocks -------------------------------------------------------------------
-# LayerNorm is torch's own: OpenAI subclasses it only to run it in fp32 inside an fp16 model.
+
+
+class LayerNorm(nn.LayerNorm):
+    """torch's LayerNorm, computed and returned in fp32 whatever comes in: what CUDA's autocast
+    does with it (and OpenAI's subclass, inside their fp16 model). The CPU's autocast would keep
+    it in bf16; so with this, a bf16 run on the CPU is a bf16 run on a GPU, op for op. In fp32 it
+    is torch's LayerNorm exactly (the same kernel on the same tensor)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.float())
 
 
 class QuickGELU(nn.Module):
@@ -74,13 +83,24 @@ class AttentionDetails(NamedTuple):
     head_outputs: torch.Tensor
 
 
+# How the attention is computed (MultiHeadAttention.kernel; set_attention sets a whole model's):
+#   "sdpa"      F.scaled_dot_product_attention: one fused kernel of torch's choosing (the caller
+#               may narrow the choice with torch.nn.attention.sdpa_kernel); the (B, H, N, N)
+#               matrix is never stored. The default.
+#   "explicit"  the maths written out below, every intermediate a tensor: slower and keeps the
+#               (B, H, N, N) weights for backward, but it is the reference, and it avoids a fused
+#               kernel that misbehaves on some GPU and torch build.
+ATTENTION_KERNELS = ("sdpa", "explicit")
+
+
 class MultiHeadAttention(nn.Module):
     """Self-attention with every head in plain sight. Not `nn.MultiheadAttention`, which splits
     the heads internally and takes one mask per sample: DeAR needs a mask per head (Sec. 3.3)
     and per-head outputs (Sec. 3.2). Its parameter names are kept: they are OpenAI's keys.
     attn_mask is additive (0 = may attend, -inf = may not), float, of shape (N, N) (all heads,
     e.g. the causal text mask), (H, N, N) (per head: DeAR's) or (B, H, N, N). A row all -inf
-    would make the softmax NaN; the mask builders never produce one."""
+    would make the softmax NaN; the mask builders never produce one. `kernel`: one of
+    ATTENTION_KERNELS; return_details always takes the explicit path (it returns the weights)."""
 
     def __init__(self, width: int, heads: int):
         super().__init__()
@@ -88,6 +108,7 @@ class MultiHeadAttention(nn.Module):
             raise CLIPError(f"width {width} does not split into heads={heads} equal heads; "
                             "pass a divisor of it")
         self.width, self.heads, self.head_dim = width, heads, width // heads
+        self.kernel = "sdpa"
         # q, k, v projections stacked as OpenAI stores them: rows [0:W] q, [W:2W] k, [2W:3W] v.
         self.in_proj_weight = nn.Parameter(torch.empty(3 * width, width))
         self.in_proj_bias = nn.Parameter(torch.zeros(3 * width))
@@ -102,11 +123,12 @@ class MultiHeadAttention(nn.Module):
         q, k, v = qkv.split(W, dim=-1)  # each (B, N, W)
         q, k, v = (t.view(B, N, H, D).transpose(1, 2) for t in (q, k, v))  # each (B, H, N, D)
         mask = self._checked_mask(attn_mask, B, N, q.dtype)  # None, or broadcasts to (B, H, N, N)
-        if return_details:  # the same maths spelled out, so that the weights can be returned
+        if return_details or self.kernel == "explicit":  # the maths spelled out
             scores = (q @ k.transpose(-2, -1)) * D**-0.5  # (B, H, N, N)
             if mask is not None:
                 scores = scores + mask  # each head its own mask
-            weights = scores.softmax(dim=-1)  # (B, H, N, N)
+            # in fp32 under any autocast, as CUDA's autocast and the fused kernels compute it
+            weights = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)  # (B, H, N, N)
             head_outputs = weights @ v  # (B, H, N, D)
         else:  # one fused kernel: the (B, H, N, N) matrix is never stored
             head_outputs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, N, D)
@@ -146,13 +168,13 @@ class ResidualAttentionBlock(nn.Module):
             choices = ", ".join(map(repr, ACTIVATIONS))
             raise CLIPError(f"activation={activation!r}; use one of {choices}")
         self.attn = MultiHeadAttention(width, heads)
-        self.ln_1 = nn.LayerNorm(width)
+        self.ln_1 = LayerNorm(width)
         self.mlp = nn.Sequential(OrderedDict([
             ("c_fc", nn.Linear(width, width * 4)),
             ("gelu", ACTIVATIONS[activation]()),
             ("c_proj", nn.Linear(width * 4, width)),
         ]))
-        self.ln_2 = nn.LayerNorm(width)
+        self.ln_2 = LayerNorm(width)
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), attn_mask)  # (B, N, W)
@@ -176,6 +198,17 @@ class Transformer(nn.Module):
         return x
 
 
+def set_attention(model: nn.Module, kernel: str) -> nn.Module:
+    """Every attention layer of `model` computes with `kernel` (one of ATTENTION_KERNELS); the
+    model is returned. The two give the same result up to rounding."""
+    if kernel not in ATTENTION_KERNELS:
+        raise CLIPError(f"attention kernel {kernel!r}: use one of {', '.join(ATTENTION_KERNELS)}")
+    for module in model.modules():
+        if isinstance(module, MultiHeadAttention):
+            module.kernel = kernel
+    return model
+
+
 # ---- 2. The two towers --------------------------------------------------------------------
 
 
@@ -197,9 +230,9 @@ class VisionTransformer(nn.Module):
         self.conv1 = nn.Conv2d(3, width, kernel_size=patch_size, stride=patch_size, bias=False)
         self.class_embedding = nn.Parameter(scale * torch.randn(width))
         self.positional_embedding = nn.Parameter(scale * torch.randn(self.grid_size**2 + 1, width))
-        self.ln_pre = nn.LayerNorm(width)
+        self.ln_pre = LayerNorm(width)
         self.transformer = Transformer(width, layers, heads, activation)
-        self.ln_post = nn.LayerNorm(width)
+        self.ln_post = LayerNorm(width)
         self.proj = nn.Parameter(scale * torch.randn(width, output_dim))
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
@@ -261,7 +294,7 @@ class CLIP(nn.Module):
                                        activation)
         self.token_embedding = nn.Embedding(vocab_size, transformer_width)  # (V, W)
         self.positional_embedding = nn.Parameter(torch.empty(context_length, transformer_width))
-        self.ln_final = nn.LayerNorm(transformer_width)
+        self.ln_final = LayerNorm(transformer_width)
         self.text_projection = nn.Parameter(torch.empty(transformer_width, embed_dim))  # (W, E)
         # The temperature is learned as a log so that it stays positive: s = exp(logit_scale).
         self.logit_scale = nn.Parameter(torch.ones([]) * torch.log(torch.tensor(1 / 0.07)))

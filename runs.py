@@ -21,6 +21,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import inspect
+import itertools
 import json
 import math
 import os
@@ -30,7 +31,7 @@ import shutil
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -72,11 +73,12 @@ SETTING_KEYS = ("dataset dataset_paths template protocol source method roles abl
                 "concepts sentence_encoder min_cluster_size min_samples cluster_names descriptions "
                 "low_bits high_bits epochs "
                 "batch_size lr warmup_epochs warmup_lr weight_decay augment device amp workers "
-                "eval_batch_size log_every max_epochs_per_call toy_scale fingerprints "
+                "eval_batch_size log_every max_epochs_per_call toy_scale attention fingerprints "
                 "role_maps").split()
 # Flags that say how to run, not what to compute: they may change on --resume / --eval-only.
 RUN_CONTROL = {"output", "resume", "eval_only", "device", "workers", "log_every", "eval_batch_size",
-               "max_epochs_per_call", "amp", "root", "weights", "bpe"}  # (and the files' places)
+               "max_epochs_per_call", "amp", "attention", "root", "weights",
+               "bpe"}  # (and the files' places)
 CHECKPOINT_FORMAT = "dear-from-scratch checkpoint, version 1"  # checked on load: not some other .pt
 # What a run folder means. Version 2: one cached head analysis per model and pool (copied to
 # <dataset>/roles/), Dassl's warm-up recount, the fusion rows named by what they do, the
@@ -87,9 +89,10 @@ CHECKPOINT_FORMAT = "dear-from-scratch checkpoint, version 1"  # checked on load
 # results.json; the analysis as a whole (--analysis) and its sentence encoder
 # (--sentence-encoder); each training image's augmentation drawn from its own generator, seeded
 # by (seed, epoch, image), whatever --workers (data.ImageDataset); Dassl's drop_last for the
-# training loader (a short last batch dropped unless it is a process's only one). An older folder
-# is refused on --resume / --eval-only.
-RUN_FORMAT = "dear-from-scratch run folder, version 4"
+# training loader (a short last batch dropped unless it is a process's only one). Version 5: the
+# attention kernel (--attention, a run-control setting); each run's history (log.txt,
+# metrics.jsonl, curves.png). An older folder is refused on --resume / --eval-only.
+RUN_FORMAT = "dear-from-scratch run folder, version 5"
 
 
 class TrainError(Exception):
@@ -223,6 +226,11 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
     g = p.add_argument_group("running").add_argument
     g("--device", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
     g("--amp", choices=("on", "off"), help="mixed precision by autocast, CUDA only")
+    g("--attention", choices=ATTENTION_CHOICES, help="the attention kernel: explicit = "
+      "clip_model's per-head maths (the reference; more memory); sdpa = torch's fused kernel of "
+      "its choice; efficient, cudnn, math = that fused kernel alone; auto = sdpa without a kernel "
+      "benchmarks/device_check.py found wrong on this GPU, cuDNN's only once it passed there "
+      "(docs/USAGE.md, 'Attention kernels')")
     g("--workers", type=int, help="data-loading processes (unset: 4 on CUDA, 0 on CPU)")
     g("--eval-batch-size", type=int, help="images per evaluation batch")
     g("--log-every", type=int, help="a progress line every N steps")
@@ -651,21 +659,44 @@ def role_file_of(settings) -> Optional[str]:
 
 @dataclass
 class Runtime:
-    """Where the tensors live and how many processes share the work, decided once per call."""
+    """Where the tensors live and how many processes share the work, decided once per call; and
+    where its lines go: printed, and kept in the call's log.txt and the current run's."""
     device: torch.device
     rank: int = 0
     world: int = 1
     amp_dtype: Optional[torch.dtype] = None  # autocast dtype on CUDA, None = fp32
     precision: str = "fp32"  # the precision and why (choose_precision), for the header
     waiting_group: Optional[object] = None  # under torchrun: the gloo group of wait_for_main
+    attention: str = "sdpa"  # the attention kernel: explicit, or sdpa (the backend torch runs)
+    attention_why: str = "sdpa"  # the same and why, for the header (attention_choice)
+    kernel: str = "sdpa"  # clip_model's: "sdpa" or "explicit"
+    backends: Optional[List[str]] = None  # the sdpa backends allowed (None: torch's choice)
+    call_log: Optional[object] = None  # <output>/log.txt, open while the run folder exists
+    run_log: Optional[object] = None  # the current run's <folder>/log.txt
+    pending: List[str] = field(default_factory=list)  # lines before the run folder existed
 
     @property
     def main(self) -> bool:  # rank 0 alone prints and writes files
         return self.rank == 0
 
     def log(self, line: str) -> None:
+        """A line for the reader: printed, and kept in the log files."""
         if self.main:
             print(line, flush=True)
+            self.keep(line)
+
+    def detail(self, line: str) -> None:
+        """A line for the log files alone: every progress line, the long tables."""
+        if self.main:
+            self.keep(line)
+
+    def keep(self, line: str) -> None:
+        if self.call_log is None:
+            self.pending.append(line)  # written once the run folder's log.txt opens
+        for log in (self.call_log, self.run_log):
+            if log is not None:
+                log.write(line + "\n")
+                log.flush()
 
 
 def pick_device(name: str) -> torch.device:
@@ -717,6 +748,10 @@ def choose_precision(device_type: str, amp: str, capability: Optional[Tuple[int,
     return torch.float16, f"fp16 autocast with a loss scaler ({where}: bf16 only emulated)"
 
 
+def precision_name(amp_dtype: Optional[torch.dtype]) -> str:
+    return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[amp_dtype]
+
+
 def setup_runtime(settings) -> Runtime:
     """One process, or one of several started by torchrun (which sets RANK and WORLD_SIZE):
     each then drives one device and DistributedDataParallel averages the gradients. A CUDA
@@ -736,8 +771,124 @@ def setup_runtime(settings) -> Runtime:
         waiting_group = dist.new_group(backend="gloo", timeout=MAIN_WORK_TIMEOUT)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     amp_dtype, precision = choose_precision(device.type, settings["amp"], capability)
+    if device.type == "cuda":  # fp32 means fp32: no TF32 in matmuls or cuDNN's convolutions
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        precision += "; TF32 off"
+    kernel, backends, why = attention_choice(settings["attention"], device)
+    attention = "explicit"
+    if kernel == "sdpa":  # which fused kernel that is, found by running it
+        attention = f"sdpa ({sdpa_kernel_used(device, amp_dtype, backends)})"
     # decided once: nothing below decides again
-    return Runtime(device, rank, world, amp_dtype, precision, waiting_group)
+    return Runtime(device, rank, world, amp_dtype, precision, waiting_group, attention,
+                   f"{attention}: --attention {settings['attention']}, {why}", kernel, backends)
+
+
+# The attention kernel (--attention). clip_model computes attention one of two ways: its own
+# explicit per-head maths, or torch's fused scaled_dot_product_attention ("sdpa"), which picks a
+# backend among those allowed: flash (no arbitrary mask: never DeAR's), memory-efficient, cuDNN,
+# math. A fused kernel can be wrong on a given GPU and torch build (cuDNN's attention has given
+# NaN gradients with a mask at some sequence lengths, pytorch/pytorch#196678), so under "auto" a
+# kernel that benchmarks/device_check.py found wrong on this GPU is not allowed, and cuDNN's only
+# once device_check passed it here (its verdicts: ATTENTION_RECORD in the cache).
+ATTENTION_CHOICES = ("auto", "explicit", "sdpa", "efficient", "cudnn", "math")
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                 "cudnn": "CUDNN_ATTENTION", "math": "MATH"}  # torch's SDPBackend names
+
+
+def attention_record() -> str:
+    """Where device_check.py keeps its verdict on each fused kernel, per GPU and torch build."""
+    return os.path.join(clip_model.default_cache_dir(), "device_check", "attention.json")
+
+
+def gpu_build(device: torch.device) -> str:
+    """This GPU and the software that decides its kernels, as a key of attention_record."""
+    return (f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
+            f"cuDNN {torch.backends.cudnn.version()}")
+
+
+def kernel_verdicts(device: torch.device) -> Dict[str, str]:
+    """device_check's verdicts on this GPU and build: {backend: "ok" | "wrong" | "unavailable"};
+    {} where it never ran."""
+    try:
+        with open(attention_record(), encoding="utf-8") as f:
+            return dict(json.load(f).get(gpu_build(device), {}))
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def attention_choice(choice: str, device: torch.device):
+    """--attention -> (clip_model's kernel, the sdpa backends allowed or None for torch's own
+    choice, the choice in a few words for the header)."""
+    if choice == "explicit":
+        return "explicit", None, "clip_model's per-head maths"
+    if choice in SDPA_BACKENDS:
+        return "sdpa", [SDPA_BACKENDS[choice]], f"torch's fused {choice} kernel alone"
+    if choice == "sdpa" or device.type != "cuda":
+        return "sdpa", None, "torch's choice of fused kernel"
+    verdicts = kernel_verdicts(device)  # auto on a GPU
+    wrong = [name for name, backend in SDPA_BACKENDS.items() if verdicts.get(backend) == "wrong"]
+    allowed = [backend for name, backend in SDPA_BACKENDS.items() if name not in wrong
+               and (name != "cudnn" or verdicts.get(backend) == "ok")]
+    excluded = [f"{name} (found wrong by device_check on this GPU)" for name in wrong]
+    if verdicts.get("CUDNN_ATTENTION") != "ok" and "cudnn" not in wrong:
+        excluded.append("cudnn (not yet passed by device_check on this GPU)")
+    return "sdpa", allowed, ("torch's choice of fused kernel"
+                             + (f", except {' and '.join(excluded)}" if excluded else ""))
+
+
+def sdpa_backends(backends: Optional[List[str]]):
+    """A context in which torch's fused attention picks among `backends` alone (None: all)."""
+    if backends is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # torch >= 2.3
+
+    return sdpa_kernel([getattr(SDPBackend, name) for name in backends])
+
+
+def sdpa_kernel_used(device: torch.device, dtype: Optional[torch.dtype],
+                     backends: Optional[List[str]]) -> str:
+    """Which backend torch's fused attention runs for a DeAR-shaped case on this device (ViT-B/16:
+    12 heads, 197 + 5 tokens, a generalization head's mask on every other head), found by
+    running it once as allowed, then each backend alone: the one that gives the same bits."""
+    import warnings
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 12, 202, 64, generator=generator).to(device, dtype or torch.float32)
+               for _ in range(3))
+    mask = torch.zeros(12, 202, 202)
+    mask[::2, :197, 197:] = mask[::2, 197:, :197] = float("-inf")
+    mask = mask.to(device, q.dtype)[None]  # (1, H, N, N)
+    with warnings.catch_warnings():  # a backend that cannot run says why in a warning
+        warnings.simplefilter("ignore")
+        with sdpa_backends(backends):
+            used = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        for name, backend in SDPA_BACKENDS.items():
+            try:
+                with sdpa_backends([backend]):
+                    if torch.equal(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), used):
+                        return name
+            except RuntimeError:  # this backend cannot run the case
+                continue
+    return "not found"
+
+
+@contextlib.contextmanager
+def cpu_threads(toy: bool):
+    """torch's CPU threads for this call -> (inside the block) a few words saying which: the toy
+    world's fixed toyworld.THREADS (its numbers then do not depend on the machine's cores), else
+    torch's default, left as it is (ViT-B/16's large matrices use every core). The caller's
+    count is restored after the block (the tests call train.main in their own process)."""
+    callers = torch.get_num_threads()
+    if not toy:
+        yield f"{callers} CPU threads (torch's default)"
+        return
+    import toyworld  # the project's own world: its one thread
+
+    torch.set_num_threads(toyworld.THREADS)
+    try:
+        yield f"{toyworld.THREADS} CPU thread (the toy world's, on every machine)"
+    finally:
+        torch.set_num_threads(callers)
 
 
 def end_runtime(runtime: Runtime) -> None:
@@ -1145,14 +1296,83 @@ def check_sentence_encoder(encoder: str) -> None:
                          f"(e.g. all-MiniLM-L6-v2's), or a model name such as {SBERT_MODEL}")
     if importlib.util.find_spec("sentence_transformers") is None:
         raise TrainError(f"{flag}: sentence-transformers is not installed; {SBERT_INSTALL}")
+    folder = model
     if not os.path.isabs(model):
-        from huggingface_hub.utils import validate_repo_id  # sentence-transformers' own dependency
+        from huggingface_hub import snapshot_download  # sentence-transformers' own dependency
+        from huggingface_hub.utils import validate_repo_id
 
         try:
             validate_repo_id(model)
         except ValueError:
             raise TrainError(f"{flag}: neither a model folder nor a Hugging Face model name "
                              f"(such as {SBERT_MODEL})") from None
+        try:  # a cached copy is opened now too; one not cached is fetched later, when needed
+            folder = snapshot_download(model, local_files_only=True)
+        except OSError:
+            return
+    if problem := model_folder_problem(folder):
+        raise TrainError(f"{flag}: {folder}: {problem}; fetch the model again, or give another "
+                         "folder")
+
+
+# The files a sentence-transformers model folder cannot do without: its tokenizer's (one of these
+# sets: a fast tokenizer's file, a WordPiece vocabulary, a BPE vocabulary and its merges, a
+# SentencePiece model) and a weights file.
+TOKENIZER_FILES = (("tokenizer.json",), ("vocab.txt",), ("vocab.json", "merges.txt"),
+                   ("spiece.model",), ("sentencepiece.bpe.model",))
+WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def model_folder_problem(folder: str) -> Optional[str]:
+    """What is wrong with a sentence-transformers model folder, read without loading the model
+    (no import, a fraction of a second) -> a short phrase, or None. Its JSON files parse; a
+    weights file is there and whole (a safetensors file's header fits it and accounts for every
+    byte; a .bin file's zip index is there); a tokenizer's files are there. A damaged download or
+    copy shows here, before any work, not as a traceback in the head analysis."""
+    import zipfile
+
+    for parent, _, names in os.walk(folder):
+        for name in sorted(n for n in names if n.endswith(".json")):
+            path = os.path.join(parent, name)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    json.load(f)
+            except (OSError, ValueError) as error:
+                return f"{os.path.relpath(path, folder)} is garbled ({type(error).__name__})"
+    if not any(all(os.path.isfile(os.path.join(folder, n)) for n in files)
+               for files in TOKENIZER_FILES):
+        return ("no tokenizer files (" + ", or ".join(" + ".join(files) for files in
+                                                      TOKENIZER_FILES[:3]) + ")")
+    weights = [n for n in WEIGHTS_FILES if os.path.isfile(os.path.join(folder, n))]
+    if not weights:
+        return f"no weights file ({' or '.join(WEIGHTS_FILES)})"
+    for name in weights:
+        path = os.path.join(folder, name)
+        if name.endswith(".safetensors"):
+            problem = safetensors_problem(path)
+        else:
+            problem = None if zipfile.is_zipfile(path) else "not a whole torch file"
+        if problem:
+            return f"{name} is {problem}"
+    return None
+
+
+def safetensors_problem(path: str) -> Optional[str]:
+    """A safetensors file read by its layout (8 bytes: the header's length; the header: JSON, each
+    tensor's byte range; then the bytes) -> 'cut short', 'garbled' or None."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        if size < 8 or length > size - 8:
+            return "cut short or garbled"
+        try:
+            header = json.loads(f.read(length))
+            ends = [entry["data_offsets"][1] for key, entry in header.items()
+                    if key != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "garbled"
+    end = 8 + length + max(ends, default=0)
+    return None if end == size else "cut short" if end > size else "garbled (extra bytes)"
 
 
 def sentence_encoder_record(encoder: str, log: Callable[[str], None]) -> dict:
@@ -1228,7 +1448,7 @@ def sbert_embedder(record: dict, device: torch.device) -> Callable[[List[str]], 
     transformers_logging.disable_progress_bar()  # no bar per model load in the run's log
     try:
         model = SentenceTransformer(record["folder"], device=str(device), local_files_only=True)
-    except (OSError, ValueError, KeyError, RuntimeError) as error:
+    except Exception as error:  # noqa: BLE001 -- transformers' and safetensors' errors, one line
         raise TrainError(f"--sentence-encoder sbert:{record['model']}: cannot load the model in "
                          f"{record['folder']} ({type(error).__name__}); give a "
                          "sentence-transformers model folder") from None
@@ -1390,12 +1610,18 @@ def analysis_fingerprint(settings, clip, items: list, bank: list, attributes: li
     """SHA-256 of all a role map depends on: the weights' and BPE's SHA-256, the pool's images (path
     under --root and size: their bytes would mean reading every image), the description pool, where
     the concepts come from (the source, the encoder by its files' SHA-256 and library versions, not
-    its folder's place; clustering settings, names), the analysis settings, and the source of the
+    its folder's place; clustering settings, names), the analysis settings, the source of the
     code that makes and writes the map (`code`: modules and functions; changed code must not reuse
-    a map)."""
+    a map), and the arithmetic it ran in (a GPU's name, torch's and cuDNN's versions; a CPU's
+    vector kernels and torch's version), which may move a near tie between two picks."""
     depth = len(clip.visual.transformer.resblocks)  # vision layers
     encoder = {k: v for k, v in concepts["encoder"].items() if k not in ("model", "folder")}
+    device = clip.visual.conv1.weight.device  # another device's arithmetic: another map, maybe
+    arithmetic = (gpu_build(device) if device.type == "cuda" else
+                  f"{device.type} ({torch.backends.cpu.get_cpu_capability()}), "
+                  f"torch {torch.__version__}")
     key = dict(
+        arithmetic=arithmetic,
         weights=settings["fingerprints"]["weights"], bpe=settings["fingerprints"]["bpe"],
         heads=clip.visual.transformer.heads, layers=dear.analysed_layers(depth),
         images=[[os.path.relpath(item.path, settings["root"]), os.path.getsize(item.path)]
@@ -1671,6 +1897,70 @@ def load_run_file(path: str, expected: dict) -> Optional[dict]:
     return found
 
 
+# Each run's history, beside its checkpoint: log.txt (every line printed for it, and every
+# progress line), metrics.jsonl (one JSON object per epoch: the loss terms, training accuracy,
+# lr, fusion weights, images/s, the share of time spent waiting for data, the gradient norm) and
+# curves.png drawn from it. Both files are appended to (--resume continues them); metrics.jsonl is
+# first cut back to the epochs of the checkpoint it resumes from. The call's own lines go to
+# <output>/log.txt.
+METRICS_FILE = "metrics.jsonl"
+
+
+@contextlib.contextmanager
+def run_log(runtime: Runtime, folder: str):
+    """Inside the block, the run's lines also go to <folder>/log.txt (appended)."""
+    if not runtime.main:
+        yield
+        return
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "log.txt"), "a", encoding="utf-8") as handle:
+        runtime.run_log = handle
+        try:
+            yield
+        finally:
+            runtime.run_log = None
+
+
+def open_call_log(runtime: Runtime, output: str, stack: contextlib.ExitStack) -> None:
+    """From here to the call's end its lines (and those printed before, kept) are appended to
+    <output>/log.txt."""
+    if not runtime.main:
+        return
+    handle = open(os.path.join(output, "log.txt"), "a", encoding="utf-8")
+    stack.callback(handle.close)
+    stack.callback(setattr, runtime, "call_log", None)
+    handle.write("".join(line + "\n" for line in runtime.pending))
+    runtime.pending.clear()
+    runtime.call_log = handle
+
+
+def append_metrics(path: str, record: dict) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record, allow_nan=False) + "\n")
+
+
+def read_metrics(path: str) -> List[dict]:
+    """metrics.jsonl's records (a last line cut short by a killed call is left out)."""
+    if not os.path.isfile(path):
+        return []
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                break
+    return records
+
+
+def trim_metrics(path: str, epochs: int) -> None:
+    """--resume: metrics.jsonl back to the records of the first `epochs` epochs, those of the
+    checkpoint it resumes from (a killed call may have written one more)."""
+    kept = [record for record in read_metrics(path) if record["epoch"] <= epochs]
+    if os.path.isfile(path):
+        write_text(path, "".join(json.dumps(record) + "\n" for record in kept))
+
+
 def save_checkpoint(path: str, settings: dict, epoch: int, model, optimizer, scaler) -> None:
     """Only the learnable tensors, the optimizer's and scaler's state and the run's settings."""
     state = dict(format=CHECKPOINT_FORMAT, settings=settings, epoch=epoch,
@@ -1693,6 +1983,7 @@ def resume_checkpoint(job: Job, settings, model, optimizer, scaler, runtime: Run
     scaler) -> the epoch it ends (0: none saved yet)."""
     path = os.path.join(job.folder, "checkpoint.pt")
     checkpoint = load_run_file(path, job_settings(settings, job))
+    trim_metrics(os.path.join(job.folder, METRICS_FILE), checkpoint["epoch"] if checkpoint else 0)
     if checkpoint is None:
         return 0
     model.load_learnable_state_dict(checkpoint["learnable"])
@@ -1704,22 +1995,32 @@ def resume_checkpoint(job: Job, settings, model, optimizer, scaler, runtime: Run
     return checkpoint["epoch"]
 
 
-def end_epoch(epoch: int, job: Job, settings, model: dear.DeAR, optimizer, scaler, progress,
+def end_epoch(job: Job, settings, model: dear.DeAR, optimizer, scaler, progress: Progress,
               runtime: Runtime) -> None:
-    """The checkpoint (rank 0 writes; every rank holds the same tokens) and the epoch's line."""
+    """An epoch's end, after its last read (so nothing non-finite is saved): its record appended to
+    the run's metrics.jsonl, its checkpoint (rank 0 writes; every rank holds the same tokens), its
+    line in the logs, and, at each quarter of the run, a line printed."""
+    epoch, epochs = progress.current + 1, settings["epochs"]
+    alpha = dict(zip(["class"] + model.attributes, model.fusion_weights().tolist()))
+    record = dict(progress.last, alpha=alpha, seconds=round(time.time() - progress.epoch_started, 3))
     if runtime.main:
-        path = os.path.join(job.folder, "checkpoint.pt")
-        expected = job_settings(settings, job)
-        save_checkpoint(path, expected, epoch + 1, model, optimizer, scaler)
-    alpha = ", ".join(f"{a:.2f}" for a in model.fusion_weights().tolist())
-    took = format_time(time.time() - progress.epoch_started)
-    runtime.log(f"[{job.label}] epoch {epoch + 1} done in {took}; "
-                f"fusion weights alpha (cls, {', '.join(model.attributes)}) = {alpha}; "
-                "checkpoint saved")
+        append_metrics(os.path.join(job.folder, METRICS_FILE), record)
+        save_checkpoint(os.path.join(job.folder, "checkpoint.pt"), job_settings(settings, job),
+                        epoch, model, optimizer, scaler)
+    weights = ", ".join(f"{name} {value:.2f}" for name, value in alpha.items())
+    runtime.detail(f"[{job.label}] epoch {epoch}/{epochs} done in "
+                   f"{format_time(record['seconds'])}; fusion weights alpha: {weights}; "
+                   "checkpoint saved")
+    if epoch in {math.ceil(epochs * quarter / 4) for quarter in range(1, 5)}:
+        runtime.log(f"[{job.label}] epoch {epoch}/{epochs}: {progress.summary()}")
 
 
 def finish_job(job: Job, settings, model: dear.DeAR, stop: int, runtime: Runtime):
-    """The trained model, or None where --max-epochs-per-call stopped the run first."""
+    """The trained model, or None where --max-epochs-per-call stopped the run first; either way
+    its curves so far drawn (curves.png) from metrics.jsonl."""
+    if runtime.main:
+        draw_curves(read_metrics(os.path.join(job.folder, METRICS_FILE)), job.label,
+                    settings["epochs"], os.path.join(job.folder, "curves.png"))
     if runtime.world > 1:
         dist.barrier()
     if stop < settings["epochs"]:
@@ -1728,6 +2029,12 @@ def finish_job(job: Job, settings, model: dear.DeAR, stop: int, runtime: Runtime
                     f"python train.py --output {settings['output']} --resume")
         return None
     return model
+
+
+def finished(job: Job, settings) -> bool:
+    """The run's results.json is there (an earlier call finished it) and the call does not
+    evaluate it again (--eval-only)."""
+    return os.path.isfile(os.path.join(job.folder, "results.json")) and not settings["eval_only"]
 
 
 def finished_checkpoint(job: Job, settings) -> dict:
@@ -1780,41 +2087,134 @@ def format_time(seconds: float) -> str:
 
 
 LOSS_TERMS = ("total", "ce", "reg", "fusion", "branch")  # dear.dear_loss's (branch: branch-ce's)
+# fp16: the loss scaler's skipped steps in a row that stop a run (our choice: its scale has then
+# halved 20 times, from 65,536 to 1/16; an overflow that survives that is no overflow).
+MAX_SKIPPED_IN_A_ROW = 20
+
+
+class Diverged(TrainError):
+    """A run met a non-finite loss or gradient: it stops, keeps its last finite checkpoint, and
+    the call goes on with its other runs (--resume continues it from that checkpoint)."""
+
+
+def gradient_norm(parameters: List[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of every gradient together, () on the device: non-finite if any entry is."""
+    norms = [torch.linalg.vector_norm(p.grad.float()) for p in parameters if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 
 class Progress:
-    """An epoch's running sums and its progress lines (every --log-every steps and at the epoch's
-    end): losses and training accuracy over the images seen so far, the speed, the time left."""
+    """One run's training, watched. Per step, on the device (no host sync): the loss terms' and
+    the training accuracy's running sums, the gradient norm, the time spent waiting for the
+    loader, and the guard against a non-finite step. Every --log-every steps and at each epoch's
+    end, one read of them all (the one host sync of those steps): the progress line, and the
+    guard's verdict. The first non-finite loss term or gradient stops the run (Diverged) at that
+    read, naming the step where it happened; under fp16 a non-finite gradient is the loss
+    scaler's to skip (it halves its scale), counted, and MAX_SKIPPED_IN_A_ROW in a row stop the
+    run the same way. Nothing non-finite reaches a checkpoint: end_epoch saves after the
+    epoch's last read."""
 
-    def __init__(self, label: str, settings, runtime: Runtime, steps: int):
-        self.label, self.settings, self.runtime, self.steps = label, settings, runtime, steps
-        self.started, self.done = time.time(), 0  # for the time left of this call
+    def __init__(self, job: Job, settings, runtime: Runtime, model: dear.DeAR, scaler,
+                 steps: int, steps_per_epoch: int):
+        self.job, self.settings, self.runtime, self.model = job, settings, runtime, model
+        self.fp16 = scaler.is_enabled()  # non-finite gradients: skipped steps, not a stop
+        self.steps, self.steps_per_epoch, self.done = steps, steps_per_epoch, 0
+        self.started = time.time()  # for the time left of this call
+        device = runtime.device
+        self.first_bad = torch.tensor(-1, device=device)  # the first non-finite step, or -1
+        self.bad_what = torch.zeros(len(LOSS_TERMS) + 2, dtype=torch.bool, device=device)
+        self.in_a_row = torch.tensor(0, device=device)  # fp16: skipped steps in a row
+        self.skipped = torch.tensor(0, device=device)  # fp16: skipped steps of this call
 
-    def start_epoch(self) -> None:
-        self.sums = dict.fromkeys(LOSS_TERMS + ("correct", "images"), 0.0)
-        self.epoch_started = time.time()
+    def epoch(self, epoch: int, loader):
+        """Epoch `epoch`'s batches as (step from 1, batch), timing the wait for each."""
+        self.current = epoch
+        self.epoch_started, self.waited, self.images = time.time(), 0.0, 0
+        # per loss term, then correct predictions, the finite gradient norms' sum and count
+        self.sums = torch.zeros(len(LOSS_TERMS) + 3, device=self.runtime.device)
+        batches = iter(loader)
+        for step in itertools.count(1):
+            asked = time.perf_counter()
+            batch = next(batches, None)
+            self.waited += time.perf_counter() - asked  # the loader's share of the step
+            if batch is None:
+                return
+            yield step, batch
 
-    def step(self, epoch: int, step: int, steps_per_epoch: int, lr: float, losses: dict, logits,
-             labels) -> None:
-        sums, n = self.sums, len(labels)
-        for key in LOSS_TERMS:
-            sums[key] += losses[key].item() * n if key in losses else 0.0  # branch-ce's alone
-        # the fused logits' training accuracy
-        sums["correct"] += (logits.argmax(-1) == labels).sum().item()
-        sums["images"] += n
-        self.done += 1  # steps done in this call
-        if step % self.settings["log_every"] == 0 or step == steps_per_epoch:
-            left = (time.time() - self.started) / self.done * (self.steps - self.done)
-            rate = sums["images"] * self.runtime.world / max(time.time() - self.epoch_started, 1e-9)
-            # over the epoch's images so far
-            mean_of = {key: value / sums["images"] for key, value in sums.items()}
-            branch = f" branch {mean_of['branch']:.4f}" if "branch" in losses else ""  # branch-ce's
-            self.runtime.log(
-                f"[{self.label}] epoch {epoch + 1}/{self.settings['epochs']} step "
-                f"{step}/{steps_per_epoch} loss {mean_of['total']:.4f} (ce {mean_of['ce']:.4f} reg "
-                f"{mean_of['reg']:.4f} fusion {mean_of['fusion']:.4f}{branch}) "
-                f"acc {100 * mean_of['correct']:.1f}% lr {lr:.2e} "
-                f"{rate:.1f} img/s, {format_time(left)} left")
+    def step(self, step: int, lr: float, losses: dict, logits: torch.Tensor,
+             labels: torch.Tensor) -> None:
+        """The step's numbers into the sums and the guard; at a logged step, the read."""
+        zero = torch.zeros((), device=self.runtime.device)
+        terms = torch.stack([losses.get(key, zero).detach().float() for key in LOSS_TERMS])
+        norm = gradient_norm(self.model.learnable_parameters())  # unscaled after scaler.step
+        n = len(labels)
+        correct = (logits.detach().argmax(-1) == labels).sum()
+        gradients_finite = torch.isfinite(norm)
+        finite_norm = torch.where(gradients_finite, norm, zero)  # fp16's skipped steps aside
+        self.sums += torch.cat([terms * n, correct[None], finite_norm[None],
+                                gradients_finite[None].float()])
+        self.images += n
+        self.done += 1
+        # The guard: which of the loss terms, the gradients, the scaler's skips went wrong.
+        self.in_a_row = (self.in_a_row + 1) * ~gradients_finite if self.fp16 else self.in_a_row
+        self.skipped = self.skipped + (~gradients_finite).long() if self.fp16 else self.skipped
+        wrong = torch.cat([~torch.isfinite(terms),
+                           (~gradients_finite if not self.fp16 else zero.bool())[None],
+                           (self.in_a_row >= MAX_SKIPPED_IN_A_ROW)[None]])
+        first = wrong.any() & (self.first_bad < 0)
+        global_step = self.current * self.steps_per_epoch + step
+        self.first_bad = torch.where(first, global_step, self.first_bad)
+        self.bad_what = torch.where(first, wrong, self.bad_what)
+        if step % self.settings["log_every"] == 0 or step == self.steps_per_epoch:
+            self.read(step, lr)
+
+    def read(self, step: int, lr: float) -> None:
+        """The one host sync of the last --log-every steps: the guard's verdict, then the line."""
+        values = torch.cat([self.sums, self.first_bad[None].float(), self.bad_what.float(),
+                            self.skipped[None].float()]).tolist()
+        sums, first_bad = values[:len(self.sums)], int(values[len(self.sums)])
+        bad_what = values[len(self.sums) + 1:-1]
+        self.skipped_steps = int(values[-1])
+        if first_bad >= 0:
+            raise Diverged(self.diverged(first_bad, bad_what))
+        elapsed = max(time.time() - self.epoch_started, 1e-9)
+        mean = {key: value / self.images for key, value in zip(LOSS_TERMS, sums)}
+        self.last = dict(epoch=self.current + 1, lr=lr, loss={k: mean[k] for k in LOSS_TERMS
+                                                            if k != "branch" or mean[k]},
+                         train_accuracy=100 * sums[-3] / self.images,
+                         gradient_norm=sums[-2] / max(sums[-1], 1),
+                         images_per_second=self.images * self.runtime.world / elapsed,
+                         data_wait=self.waited / elapsed, skipped_steps=self.skipped_steps)
+        left = (time.time() - self.started) / self.done * (self.steps - self.done)
+        self.runtime.detail(f"[{self.job.label}] epoch {self.current + 1}/"
+                            f"{self.settings['epochs']} step {step}/{self.steps_per_epoch} "
+                            + self.summary() + f", {format_time(left)} left")
+
+    def summary(self) -> str:
+        """The last read in a few words: losses, training accuracy, lr, speed, data wait."""
+        last = self.last
+        terms = " ".join(f"{key} {value:.4f}" for key, value in last["loss"].items()
+                         if key != "total")
+        skipped = f", {last['skipped_steps']} steps skipped by fp16's loss scaler" \
+            if self.fp16 and last["skipped_steps"] else ""
+        return (f"loss {last['loss']['total']:.4f} ({terms}) acc {last['train_accuracy']:.1f}% "
+                f"lr {last['lr']:.2e}, {last['images_per_second']:.1f} img/s "
+                f"(waiting for data {100 * last['data_wait']:.0f}%){skipped}")
+
+    def diverged(self, first_bad: int, bad_what: list) -> str:
+        """The one line a non-finite step gets: which run, where, what, in what arithmetic, what
+        was kept and what to try."""
+        epoch, step = divmod(first_bad - 1, self.steps_per_epoch)
+        terms = [key for key, bad in zip(LOSS_TERMS, bad_what) if bad]
+        what = [f"loss ({', '.join(terms)})"] if terms else []
+        what += ["gradients"] if bad_what[len(LOSS_TERMS)] else []
+        what = " and ".join(what) + " not finite"
+        if bad_what[len(LOSS_TERMS) + 1]:
+            what = f"{MAX_SKIPPED_IN_A_ROW} steps in a row skipped by fp16's loss scaler"
+        kept = f"epoch {epoch}'s checkpoint kept" if epoch else "no checkpoint yet"
+        return (f"[{self.job.label}] diverged at epoch {epoch + 1}, step {step + 1}: {what} "
+                f"({precision_name(self.runtime.amp_dtype)}, attention {self.runtime.attention}); "
+                f"{kept}; try --attention explicit or another --amp, then --resume")
 
 
 # ------------------------------------------------------------------------------------------
@@ -1958,12 +2358,23 @@ def markdown(summary: dict, settings) -> str:
              f"{settings['weights']}; {shots}. Zero-shot CLIP does not train: one run serves every "
              "seed. ± = standard deviation over seeds; - = no number (the linear probe has no "
              "classifier for unseen classes).", ""]
+    diverged = summary.get("diverged") or {}  # {job row: its diverged runs' lines}
+    job_rows = table_rows(settings)
+
+    def label(row: str) -> str:  # a row with diverged runs says so
+        runs_lost = len(diverged.get(job_rows.get(row, (row,))[0], []))
+        return row_label(row) + (f" ({runs_lost} run{'s' * (runs_lost > 1)} diverged, "
+                                 "not in the mean)" if runs_lost else "")
+
     for name, table in summary["tables"].items():
         spreads = table.get("spread", {})  # ± only where seeds differ
-        cells = {row_label(row): ["-" if v is None else f"{v:.2f}" + (f" ± {d:.2f}" if d else "")
-                                  for v, d in zip(values, spreads.get(row, [None] * len(values)))]
+        cells = {label(row): ["-" if v is None else f"{v:.2f}" + (f" ± {d:.2f}" if d else "")
+                              for v, d in zip(values, spreads.get(row, [None] * len(values)))]
                  for row, values in table["rows"].items()}
         lines += [f"## {name}", "", *md_table("Method", table["columns"], cells), ""]
+    lines += [f"Diverged (no number; --resume continues it from its last finite checkpoint): "
+              f"{line}" for lines_of_row in diverged.values() for line in lines_of_row]
+    lines += [""] if diverged else []
     names = {"fused": "fused", "class": "class branch alone", "clip": "CLIP"}
     lines.append("Logits per test set (fused = DeAR's fusion with the weights learned on the "
                  "training classes; class branch alone = MMRL's rule for classes not trained):")
@@ -2030,11 +2441,14 @@ def retrieval_summary(results: List[dict], attributes: List[str], k: int):
     return summary, text
 
 
-def write_summaries(settings, results: List[dict], attributes: List[str], k: int,
-                    runtime: Runtime) -> None:
+def write_summaries(settings, results: List[dict], diverged: List[dict], attributes: List[str],
+                    k: int, runtime: Runtime) -> None:
     """summary.json / .md (and, where a run measured retrieval, retrieval.json / .md), printed
-    too."""
+    too. A diverged run has no number: its row says so, and the means are over the others."""
     summary = summarise(settings, results)
+    summary["diverged"] = {record["job"]["row"]: [] for record in diverged}
+    for record in diverged:
+        summary["diverged"][record["job"]["row"]].append(record["diverged"])
     files = dict(summary=(summary, markdown(summary, settings)))
     # the toy world: attribute-conditioned retrieval
     if any(res.get("retrieval") for res in results):
@@ -2135,6 +2549,60 @@ def draw_role_masks(masks: torch.Tensor, num_image_tokens: int, attributes: List
                                     y0 + (r + 1) * cell - 1],
                                    fill="white" if folded[r, c] == 0 else "black",
                                    outline=(150, 150, 150))
+    clip_model.atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))
+
+
+def draw_curves(records: List[dict], title: str, epochs: int, path: str) -> None:
+    """curves.png from a run's metrics.jsonl, one point per epoch: the loss terms (left), the
+    training accuracy and the class branch's fusion weight alpha_cls, both in % (right). No
+    record (no epoch trained): no picture."""
+    from PIL import Image, ImageDraw
+
+    if not records:
+        return
+    width, height, plot_w, plot_h, top = 960, 430, 360, 290, 44  # pixels
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    draw.text((10, 8), f"{title}: training curves, one point per epoch (metrics.jsonl)",
+              fill="black")
+    x = [record["epoch"] for record in records]
+    losses = {key: [record["loss"].get(key) for record in records] for key in LOSS_TERMS
+              if any(key in record["loss"] for record in records)}
+    shares = {"training accuracy": [record["train_accuracy"] for record in records],
+              "alpha of the class branch": [100 * record["alpha"]["class"] for record in records]}
+    for panel, (name, series, low, high) in enumerate(
+            [("loss (mean over the epoch's images)", losses, 0.0, None), ("%", shares, 0, 100)]):
+        left = 70 + panel * 480
+        values = [v for ys in series.values() for v in ys if v is not None]
+        high = high if high is not None else max(max(values, default=1.0), 1e-6) * 1.05
+
+        def point(epoch: float, value: float) -> tuple:
+            return (left + (epoch - 1) / max(epochs - 1, 1) * plot_w,
+                    top + plot_h - (value - low) / (high - low) * plot_h)
+
+        draw.rectangle([left, top, left + plot_w, top + plot_h], outline="black")
+        for tick in range(5):  # the y axis: five values
+            value = low + (high - low) * tick / 4
+            y = point(1, value)[1]
+            draw.line([left - 4, y, left, y], fill="black")
+            draw.text((left - 46, y - 6), f"{value:.3g}", fill="black")
+        for epoch in sorted({1, epochs, *range(5, epochs, 5)}):  # the x axis
+            tick_x = point(epoch, low)[0]
+            draw.line([tick_x, top + plot_h, tick_x, top + plot_h + 4], fill="black")
+            draw.text((tick_x - 6, top + plot_h + 6), str(epoch), fill="black")
+        draw.text((left + plot_w // 2 - 16, top + plot_h + 20), "epoch", fill="black")
+        draw.text((left, top - 16), name, fill="black")
+        for index, (label, ys) in enumerate(series.items()):
+            colour = ATTRIBUTE_COLOURS[index % len(ATTRIBUTE_COLOURS)]
+            points = [point(e, v) for e, v in zip(x, ys) if v is not None]
+            if len(points) > 1:
+                draw.line(points, fill=colour, width=2)
+            for px, py in points:
+                draw.ellipse([px - 2, py - 2, px + 2, py + 2], fill=colour)
+            legend_y = top + plot_h + 40 + 16 * (index // 3)
+            legend_x = left + 125 * (index % 3)
+            draw.rectangle([legend_x, legend_y + 2, legend_x + 10, legend_y + 12], fill=colour)
+            draw.text((legend_x + 16, legend_y), label, fill="black")
     clip_model.atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))
 
 

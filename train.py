@@ -152,6 +152,7 @@ DEFAULTS = dict(
     sentence_encoder="clip",  # what embeds the picks to cluster them: CLIP's own text tower
     device="auto",  # cuda, then mps, then cpu
     amp="on",  # autocast on CUDA (CPU and MPS always run fp32)
+    attention="auto",  # torch's fused kernel, less any device_check found wrong (runs.py)
     eval_batch_size=64,  # images per evaluation batch
     log_every=20,  # steps between progress lines
     toy_scale="full",  # the toy world the README's table comes from
@@ -347,6 +348,7 @@ def open_inputs(settings, runtime: runs.Runtime, pool) -> Inputs:
         files = {key: found[key] if value is None else value for key, value in files.items()}
     clip, tokenizer = runs.load_clip(files["weights"], files["head_width"], files["bpe"],
                                      runtime.device)
+    clip_model.set_attention(clip, runtime.kernel)  # --attention: explicit or torch's fused
     files["bpe"] = tokenizer.bpe_path
     files["fingerprints"] = runs.input_fingerprints(settings, files["weights"], tokenizer)
     files["fingerprints"]["bank"] = record["sha256"]
@@ -409,12 +411,13 @@ def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap,
     # the loss's settings, an ablation's change included
     change = runs.ablate(job.ablation, role_map, inputs.attributes, settings["lambda_fusion"])
     lambda_fusion, branch_ce = change.lambda_fusion, change.branch_ce
-    progress = runs.Progress(job.label, settings, runtime, steps=(stop - start) * len(loader))
+    # the sums, the wait for data and the non-finite guard, read every --log-every steps
+    progress = runs.Progress(job, settings, runtime, model, scaler,
+                             steps=(stop - start) * len(loader), steps_per_epoch=len(loader))
     model.train()
     for epoch in range(start, stop):
         lr = start_epoch(epoch, job, settings, loader, optimizer)  # lr, order, seeds: epoch alone
-        progress.start_epoch()
-        for step, (images, labels) in enumerate(loader, 1):
+        for step, (images, labels) in progress.epoch(epoch, loader):
             images = images.to(runtime.device, non_blocking=True)
             labels = labels.to(runtime.device)
             with runs.autocast(runtime):
@@ -422,10 +425,10 @@ def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap,
                 losses = dear.dear_loss(output, labels, lambda_reg, lambda_fusion, branch_ce)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(losses["total"]).backward()
-            scaler.step(optimizer)
+            scaler.step(optimizer)  # fp16: skipped where a gradient overflowed
             scaler.update()
-            progress.step(epoch, step, len(loader), lr, losses, output.logits, labels)
-        runs.end_epoch(epoch, job, settings, model, optimizer, scaler, progress, runtime)
+            progress.step(step, lr, losses, output.logits, labels)  # a non-finite step: Diverged
+        runs.end_epoch(job, settings, model, optimizer, scaler, progress, runtime)  # checkpoint
     return runs.finish_job(job, settings, model, stop, runtime)  # None: stopped early
 
 
@@ -482,9 +485,10 @@ def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings, runtime: runs.
                 text = model.encode_text(model.prepare_classes(ids))
         items = eval_set.items[runtime.rank::runtime.world]
         kinds = ["clip"] if model is None else ["fused", "class"]
-        correct = [0] * len(kinds)
+        # per kind of logits its correct predictions, then images with a non-finite logit
+        counts = torch.zeros(len(kinds) + 1, dtype=torch.long, device=runtime.device)
         for images, labels in loader_of(items, settings, clip.visual.input_resolution):
-            images = images.to(runtime.device)
+            images, labels = images.to(runtime.device), labels.to(runtime.device)
             # The encoders under autocast; every score in fp32 (dear.cosine_logits, fused_logits).
             with runs.autocast(runtime):
                 if model is None:
@@ -494,9 +498,15 @@ def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings, runtime: runs.
                     features = torch.cat([f_cls[:, None], f_attr], dim=1)  # (B, 1 + A, E)
                     fused, branches = model.fused_logits(features, text)  # (B, C), (B, 1 + A, C)
                     scores = [fused, branches[:, 0]]  # (B, C) each
-            for i, logits in enumerate(scores):
-                correct[i] += (logits.argmax(dim=-1).cpu() == labels).sum().item()
-        *correct, total = runs.sum_over_processes(correct + [len(items)], runtime)
+            counts += torch.stack([(logits.argmax(dim=-1) == labels).sum() for logits in scores]
+                                  + [(~torch.isfinite(torch.stack(scores))).any(0).any(-1).sum()])
+        *correct, non_finite, total = runs.sum_over_processes(counts.tolist() + [len(items)],
+                                                              runtime)
+        if non_finite:  # an argmax over NaN is no prediction
+            raise runs.Diverged(f"test {eval_set.name}: {int(non_finite)} of {int(total)} images "
+                                f"got non-finite logits ({runs.precision_name(runtime.amp_dtype)}"
+                                f", attention {runtime.attention}); try --attention explicit "
+                                "or another --amp with --eval-only")
         return {kind: 100.0 * c / max(total, 1) for kind, c in zip(kinds, correct)}
 
 
@@ -819,7 +829,7 @@ def run_job(job: runs.Job, settings, inputs: Inputs, role_maps: dict, lists: Run
     """Train (or load) and evaluate one job, then write its results.json -> its results, or None
     if --max-epochs-per-call stopped it."""
     results_path = os.path.join(job.folder, "results.json")
-    if os.path.isfile(results_path) and not settings["eval_only"]:
+    if runs.finished(job, settings):
         with open(results_path, encoding="utf-8") as f:
             return json.load(f)  # finished in an earlier call (checked by runs.check_run_folder)
     model = None
@@ -848,8 +858,11 @@ def run_job(job: runs.Job, settings, inputs: Inputs, role_maps: dict, lists: Run
             beta = None
             if model is not None:  # MMRL++'s recipe: each cross/dg target at its own beta
                 beta = betas[eval_set.name] = beta_at_test(settings, eval_set)
-            accuracy[eval_set.name] = evaluate(model, inputs.clip, inputs.tokenizer, eval_set,
-                                               settings, runtime, beta)
+            try:
+                accuracy[eval_set.name] = evaluate(model, inputs.clip, inputs.tokenizer, eval_set,
+                                                   settings, runtime, beta)
+            except runs.Diverged as error:  # said with the run's name
+                raise runs.Diverged(f"[{job.label}] {error}") from None
             for mode in settings["fusion"]:
                 used = "clip" if model is None else dear.scoring_logits(mode, eval_set.trained)
                 logits[mode][eval_set.name] = used
@@ -866,6 +879,9 @@ def run_job(job: runs.Job, settings, inputs: Inputs, role_maps: dict, lists: Run
         table = runs.job_table(job.label, result["metrics"])
         runs.write_text(os.path.join(job.folder, "results.md"), table)
         runs.write_json(results_path, result)  # last: its presence marks the run complete
+    # the other processes wait for rank 0's retrieval check on the CPU-side group, never in the
+    # next run's DDP constructor (a collective whose timeout the check may outlast)
+    runs.wait_for_main(runtime, "retrieval check")
     return result
 
 
@@ -891,6 +907,9 @@ def run(args) -> int:
         pool = runs.read_pool(settings, attribute_tokens(settings["dataset"] == ["toyworld"]))
         runtime = runs.setup_runtime(settings)  # the device (and processes, under torchrun)
         stack.callback(runs.end_runtime, runtime)  # the processes' group left on every way out
+        stack.enter_context(runs.sdpa_backends(runtime.backends))  # --attention's fused kernels
+        # the toy world on one CPU thread (its numbers the same on every machine); else torch's
+        threads = stack.enter_context(runs.cpu_threads(settings["dataset"] == ["toyworld"]))
         inputs = open_inputs(settings, runtime, pool)  # CLIP, tokenizer, the toy world, checked
         # the files' places and SHA-256 complete the settings
         settings = dict(settings, **inputs.files)
@@ -905,6 +924,7 @@ def run(args) -> int:
             if runtime.main:
                 runs.check_output_folder(settings["output"])
                 runs.copy_role_maps(settings, inputs.clip, records)
+                runs.open_call_log(runtime, settings["output"], stack)
                 for dataset in records:
                     folder = os.path.dirname(runs.role_copy(settings, dataset))
                     runtime.log(f"train.py: head roles of {dataset} in {folder} "
@@ -914,28 +934,41 @@ def run(args) -> int:
             return 0
         if runtime.main and fresh:  # from here on the run folder exists
             runs.start_run_folder(settings, inputs.clip, runtime.world, stack)
+        runs.open_call_log(runtime, settings["output"], stack)  # <output>/log.txt, appended
         rows = ", ".join(dict.fromkeys(job.row for job in jobs))
         processes = f" x {runtime.world} processes" if runtime.world > 1 else ""
         runtime.log(f"train.py: {settings['protocol']} on {', '.join(settings['dataset'])}; "
                     f"{len(jobs)} runs ({rows}); device {runtime.device}{processes}, "
-                    f"{runtime.precision}; output {settings['output']}")
+                    f"{runtime.precision}, {threads}; output {settings['output']}")
+        runtime.log(f"train.py: attention {runtime.attention_why}")
         # one role map per (dataset, --roles) the jobs ask for
         pairs = dict.fromkeys((j.dataset, j.roles) for j in jobs if j.roles is not None)
         role_maps = {(dataset, roles): runs.role_map_for(roles, inputs.clip, inputs.attributes,
                                                          analysed.get(dataset))
                      for dataset, roles in pairs}
-        started, results = time.time(), []
+        started, results, diverged = time.time(), [], []
         for index, job in enumerate(jobs, 1):  # a run is done once its results.json is written
-            elapsed = runs.format_time(time.time() - started)
-            runtime.log(f"== run {index}/{len(jobs)}: {job.label} (elapsed {elapsed}) ==")
-            result = run_job(job, settings, inputs, role_maps, lists, runtime)
+            when = ("already finished" if runs.finished(job, settings) else
+                    f"elapsed {runs.format_time(time.time() - started)}")
+            runtime.log(f"== run {index}/{len(jobs)}: {job.label} ({when}) ==")
+            with runs.run_log(runtime, job.folder):  # its lines also in its folder's log.txt
+                try:
+                    result = run_job(job, settings, inputs, role_maps, lists, runtime)
+                except runs.Diverged as stop:  # that run stops at its last finite checkpoint
+                    runtime.log(f"train.py: {stop}")
+                    diverged.append(dict(job=dataclasses.asdict(job), diverged=str(stop)))
+                    continue
             if result is None:
                 return 0  # stopped by --max-epochs-per-call; resumable
             results.append(result)
         # the call's tables: after them the call is done
-        runs.write_summaries(settings, results, inputs.attributes, RETRIEVAL_K, runtime)
+        runs.write_summaries(settings, results, diverged, inputs.attributes, RETRIEVAL_K, runtime)
         runtime.log(f"train.py: done in {runs.format_time(time.time() - started)}; tables in "
                     f"{os.path.join(settings['output'], 'summary.md')}")
+    if diverged:  # the others finished; these continue from their last finite checkpoint
+        print(f"train.py: {len(diverged)} of {len(jobs)} runs diverged (above); the others' "
+              f"numbers are in the tables; continue with --resume", file=sys.stderr)
+        return 1
     return 0
 
 

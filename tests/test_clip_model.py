@@ -145,6 +145,52 @@ def test_fused_attention_equals_the_spelled_out_one_for_every_mask_shape(shape):
     assert_close(fused, spelled_out, 1e-5, f"mask {shape}")
 
 
+def test_the_explicit_kernel_never_calls_the_fused_one_and_gives_its_result(tiny_clip, monkeypatch):
+    """set_attention(model, "explicit"): every layer computes the maths itself (a fused kernel
+    that misbehaves on a GPU is then never called), to the fused kernel's result within rounding,
+    gradients included; an unknown kernel is one line."""
+    images = torch.randn(2, 3, TINY["image_resolution"], TINY["image_resolution"], requires_grad=True)
+    fused = tiny_clip.encode_image(images)
+    (fused_grad,) = torch.autograd.grad(fused.sum(), images)
+    monkeypatch.setattr(clip_model.F, "scaled_dot_product_attention",
+                        lambda *a, **k: pytest.fail("the fused kernel was called"))
+    assert clip_model.set_attention(tiny_clip, "explicit") is tiny_clip
+    assert {m.kernel for m in tiny_clip.modules() if isinstance(m, clip_model.MultiHeadAttention)} \
+        == {"explicit"}
+    explicit = tiny_clip.encode_image(images)
+    (explicit_grad,) = torch.autograd.grad(explicit.sum(), images)
+    assert_close(explicit, fused, 1e-5, "explicit against fused")
+    assert_close(explicit_grad, fused_grad, 1e-5, "their gradients")
+    with pytest.raises(clip_model.CLIPError, match="attention kernel 'flash': use one of sdpa, explicit"):
+        clip_model.set_attention(tiny_clip, "flash")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_layernorm_and_softmax_run_in_fp32_under_autocast_as_on_cuda(dtype):
+    """CUDA's autocast runs LayerNorm and softmax in fp32; the CPU's keeps a half input in half.
+    clip_model does both in fp32 itself, so a bf16 run on the CPU is a GPU's, op for op: the
+    LayerNorm of a half input is fp32 and equals fp32's LayerNorm of the same numbers; in fp32 it
+    is torch's own exactly; the explicit softmax is fp32 before it meets v."""
+    ln = perturb_(clip_model.LayerNorm(16))
+    x = torch.randn(4, 16)
+    assert torch.equal(ln(x), torch.nn.functional.layer_norm(x, (16,), ln.weight, ln.bias))
+    with torch.autocast("cpu", dtype=dtype):
+        out = ln(x.to(dtype))
+    assert out.dtype == torch.float32
+    assert torch.equal(out, torch.nn.functional.layer_norm(x.to(dtype).float(), (16,), ln.weight, ln.bias))
+    attention = clip_model.MultiHeadAttention(16, 2)
+    captured = {}
+    real_softmax = torch.Tensor.softmax
+
+    def softmax(self, *args, **kwargs):  # what dtype the softmax computes in
+        captured["dtype"] = kwargs.get("dtype", self.dtype)
+        return real_softmax(self, *args, **kwargs)
+    with pytest.MonkeyPatch.context() as patch, torch.autocast("cpu", dtype=dtype):
+        patch.setattr(torch.Tensor, "softmax", softmax)
+        attention(torch.randn(2, 5, 16).to(dtype), return_details=True)
+    assert captured["dtype"] == torch.float32
+
+
 def test_attention_rejects_a_mask_of_the_wrong_shape():
     ours, _ = _attention_pair()
     with pytest.raises(clip_model.CLIPError, match=r"attn_mask has shape \(3, 6, 6\)"):

@@ -203,10 +203,75 @@ def test_one_process_on_cuda_1_makes_it_current_and_reads_its_own_capability(mon
     monkeypatch.setattr(torch.cuda, "get_device_capability",
                         lambda device=None: (7, 0) if torch.device(device).index == 1 else (9, 0))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    runtime = runs.setup_runtime(dict(device="cuda:1", amp="on"))
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        runtime = runs.setup_runtime(dict(device="cuda:1", amp="on", attention="explicit"))
+        # fp32 means fp32 on a GPU: TF32 set off for matmuls and cuDNN's convolutions, and said
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     assert made_current == [torch.device("cuda", 1)]
     assert runtime.device == torch.device("cuda", 1) and runtime.amp_dtype == torch.float16
     assert "fp16" in runtime.precision and "7.0" in runtime.precision
+    assert runtime.precision.endswith("; TF32 off")
+    assert (runtime.kernel, runtime.attention) == ("explicit", "explicit")
+
+
+# ------------------------------------------------------------------------------------------
+# The attention kernel, a stated choice (--attention)
+# ------------------------------------------------------------------------------------------
+
+
+def test_each_attention_choice_gives_its_kernel_and_auto_drops_what_device_check_found_wrong(
+        monkeypatch, registry_and_cache):
+    """--attention -> (clip_model's kernel, the fused backends allowed): explicit, sdpa (torch's
+    choice), one backend alone; on a GPU, auto = torch's choice without a backend
+    device_check.py found wrong on this GPU and build, and cuDNN's only once it passed there."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert runs.attention_choice("explicit", gpu)[:2] == ("explicit", None)
+    assert runs.attention_choice("sdpa", gpu)[:2] == ("sdpa", None)
+    assert runs.attention_choice("efficient", cpu)[:2] == ("sdpa", ["EFFICIENT_ATTENTION"])
+    assert runs.attention_choice("cudnn", gpu)[:2] == ("sdpa", ["CUDNN_ATTENTION"])
+    assert runs.attention_choice("auto", cpu)[:2] == ("sdpa", None)  # the CPU: torch's own
+    monkeypatch.setattr(runs, "gpu_build", lambda device: "NVIDIA H200, torch 2.x, cuDNN 9")
+    never_checked = runs.attention_choice("auto", gpu)
+    assert never_checked[1] == ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"]
+    assert never_checked[2] == ("torch's choice of fused kernel, except cudnn (not yet passed by "
+                                "device_check on this GPU)")
+    record = Path(runs.attention_record())
+    record.parent.mkdir(parents=True)
+    verdicts = {"FLASH_ATTENTION": "unavailable", "EFFICIENT_ATTENTION": "wrong",
+                "CUDNN_ATTENTION": "ok", "MATH": "ok"}
+    record.write_text(json.dumps({"NVIDIA H200, torch 2.x, cuDNN 9": verdicts,
+                                  "another GPU": {"CUDNN_ATTENTION": "wrong"}}))
+    checked = runs.attention_choice("auto", gpu)
+    assert checked[1] == ["FLASH_ATTENTION", "CUDNN_ATTENTION", "MATH"]
+    assert checked[2] == ("torch's choice of fused kernel, except efficient (found wrong by "
+                          "device_check on this GPU)")
+    record.write_text("{ damaged")  # a damaged record: as if never checked
+    assert runs.attention_choice("auto", gpu)[1] == never_checked[1]
+
+
+def test_the_fused_kernel_torch_runs_is_found_by_running_it():
+    """sdpa_kernel_used: the backend whose output equals torch's own choice bit for bit (the
+    CPU's fused kernel here); allowed one backend, that one."""
+    cpu = torch.device("cpu")
+    assert runs.sdpa_kernel_used(cpu, None, ["MATH"]) == "math"
+    assert runs.sdpa_kernel_used(cpu, None, None) in runs.SDPA_BACKENDS
+    assert runs.sdpa_kernel_used(cpu, torch.bfloat16, ["MATH"]) == "math"
+
+
+def test_train_py_with_explicit_attention_never_calls_a_fused_kernel_and_says_so(
+        world, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(clip_model.F, "scaled_dot_product_attention",
+                        lambda *a, **k: pytest.fail("a fused attention kernel was called"))
+    capsys.readouterr()
+    assert train.main(common(world, tmp_path / "run", "--method", "zeroshot", "dear", "--roles",
+                             "all-mixed", "--attention", "explicit")) == 0
+    assert "train.py: attention explicit: --attention explicit, clip_model's per-head maths" \
+        in capsys.readouterr().out
+    assert runs.read_metrics(str(tmp_path / "run/dtd/dear-all-mixed/seed1/metrics.jsonl"))
 
 
 # ------------------------------------------------------------------------------------------
@@ -406,7 +471,7 @@ def test_two_processes_outlast_the_group_timeout_while_rank_0_analyses(world, tm
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "the other processes wait for it up to 2:00:00 (runs.MAIN_WORK_TIMEOUT)" in done.stdout
     assert "x 2 processes" in done.stdout and done.stdout.count("train.py: done") == 1
-    assert "step 3/3 " in done.stdout  # 12 images: 6 per process
+    assert "step 3/3 " in (out / "dtd/dear/seed1/log.txt").read_text()  # 12 images: 6 a process
     assert (out / "dtd/dear/seed1/results.json").is_file()
 
 

@@ -249,3 +249,72 @@ def test_an_unknown_missing_or_useless_encoder_is_one_line_before_any_work(tmp_p
     monkeypatch.setenv("DEAR_CACHE_DIR", str(tmp_path / "cache"))
     refused(capsys, toy(tmp_path / "run", *flags), message)
     assert not (tmp_path / "cache").exists() and no_network == []  # not even the toy world made
+
+
+def damaged_copy(folder: str, where: Path, damage: str) -> Path:
+    """A copy of the model folder (hard links: nothing copied) with one file damaged, as an
+    interrupted download or copy leaves it. A damaged file is replaced, never written through
+    its link (the original stays whole)."""
+    shutil.copytree(folder, where, copy_function=os.link)
+
+    def replace(name: str, content: bytes = None) -> None:
+        data = (where / name).read_bytes()
+        (where / name).unlink()
+        if content is not None:
+            (where / name).write_bytes(content(data))
+
+    if damage == "truncated weights":
+        replace("model.safetensors", lambda data: data[: len(data) // 3])
+    elif damage == "garbled weights header":
+        replace("model.safetensors", lambda data: data[:8] + b"\x00garbage" + data[17:])
+    elif damage == "garbled weights length":
+        replace("model.safetensors", lambda data: b"\xff" * 8 + data[8:])
+    elif damage == "no weights":
+        replace("model.safetensors")
+    elif damage == "garbled config":
+        replace("config.json", lambda data: data[: len(data) // 2])
+    elif damage == "garbled pooling config":
+        replace("1_Pooling/config.json", lambda data: b"{\"word_embedding_dimension\": ")
+    elif damage == "no tokenizer":
+        replace("tokenizer.json")
+    return where
+
+
+@pytest.mark.parametrize("damage, problem", [
+    ("truncated weights", "model.safetensors is cut short"),
+    ("garbled weights header", "model.safetensors is garbled"),
+    ("garbled weights length", "model.safetensors is cut short or garbled"),
+    ("no weights", "no weights file (model.safetensors or pytorch_model.bin)"),
+    ("garbled config", "config.json is garbled (JSONDecodeError)"),
+    ("garbled pooling config", "1_Pooling/config.json is garbled"),
+    ("no tokenizer", "no tokenizer files (tokenizer.json, or vocab.txt, or vocab.json + merges.txt)"),
+])
+def test_a_damaged_model_folder_is_one_line_before_any_work(sbert_folder, tmp_path, capsys,
+                                                             monkeypatch, no_network, damage,
+                                                             problem):
+    """Given as a folder, or found by name in the Hugging Face cache: opened during the cheap
+    checks, so a damaged file is one line naming the folder and what to do, exit status 2, no run
+    folder, nothing analysed (not even the toy world made), never a traceback from the library."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("DEAR_CACHE_DIR", str(tmp_path / "cache"))
+    flags = ["--analyse-only", "--bank", "project-unlabelled", "--concepts", "clusters"]
+    folder = damaged_copy(sbert_folder, tmp_path / "minilm", damage)
+    line = refused(capsys, toy(tmp_path / "run", *flags, "--sentence-encoder", f"sbert:{folder}"),
+                   problem)
+    assert line.endswith(f"--sentence-encoder sbert:{folder}: {folder}: {problem}"
+                         + line.split(problem, 1)[1])
+    assert line.endswith("; fetch the model again, or give another folder")
+    snapshot = tmp_path / "hub" / "models--sentence-transformers--all-MiniLM-L6-v2" / "snapshots"
+    damaged_copy(sbert_folder, snapshot / "0123abcd", damage)
+    (snapshot.parent / "refs").mkdir()
+    (snapshot.parent / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    refused(capsys, toy(tmp_path / "run", *flags, "--sentence-encoder", "sbert"),
+            f"{snapshot / '0123abcd'}: {problem}")
+    assert not (tmp_path / "cache").exists() and no_network == []
+
+
+def test_the_whole_model_folder_passes_the_check_and_each_check_reads_what_it_names(sbert_folder):
+    assert runs.model_folder_problem(sbert_folder) is None
+    assert runs.safetensors_problem(os.path.join(sbert_folder, "model.safetensors")) is None

@@ -145,7 +145,9 @@ def test_base2novel_from_the_command_line_writes_results_and_a_table_that_matche
     done = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "epoch 2/2" in done.stdout and "left" in done.stdout  # progress lines with time left
+    assert "epoch 2/2: loss" in done.stdout  # a progress line per quarter of a run
+    log = (out / "dtd" / "dear" / "seed1" / "log.txt").read_text()
+    assert "epoch 2/2 step 2/3 loss" in log and "left" in log  # every line in the run's log
 
     # One finished run per method x roles x seed (zero-shot once), each with its results.
     folders = ["dtd/zeroshot"] + [f"dtd/{row}/seed{s}" for row in ("dear", "dear-all-mixed") for s in (1, 2)]
@@ -1008,6 +1010,15 @@ def test_unusable_paths_and_files_are_refused_before_any_folder(world, tmp_path,
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     refused(common(world, out, *run, "--bpe", empty), capsys, "gives a vocabulary of 514 tokens", out)
+    # Damaged files: a checkpoint cut short (an interrupted download), a pool that is binary.
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(Path(world["weights"]).read_bytes()[:4000])
+    refused(common(world, out, *run, "--weights", truncated), capsys,
+            f"{truncated}: cannot be read as a checkpoint (truncated, corrupt or not a PyTorch file", out)
+    binary = tmp_path / "pool.txt.gz"
+    binary.write_bytes(gzip.compress(b"a photo of red\n" * 20))
+    refused(common(world, out, *run, "--bank", binary), capsys,
+            f"--bank {binary}: not UTF-8 text; save the pool as UTF-8", out)
 
 
 def test_toyworld_refuses_a_model_of_its_own_and_resume_refuses_eval_only(tmp_path, capsys, world, monkeypatch):
@@ -1713,3 +1724,94 @@ def test_each_ablation_makes_exactly_its_one_change_and_the_rows_follow(tiny_cli
         (f"dear-{name}", "analyse", name) for name in runs.ABLATIONS if name != "no-role-mask"]
     with pytest.raises(runs.TrainError, match="ablation 'no-such'"):
         runs.ablate("no-such", analysed, attributes, 0.3)
+
+
+# ------------------------------------------------------------------------------------------
+# A non-finite step: the run stops at its last finite checkpoint, the call goes on
+# ------------------------------------------------------------------------------------------
+
+
+def poisoned_loss(monkeypatch, at_call: int, what: str, every_call_from: bool = False):
+    """dear.dear_loss as train.py calls it, with the `at_call`-th call (1-based, over the whole
+    call's runs) made non-finite: the loss term ce NaN, or (what="gradient") a finite loss whose
+    gradient is NaN (0 * d sqrt(x)/dx at x = 0), as a fused attention kernel's backward gives it.
+    every_call_from: that call and every later one."""
+    real, calls = dear.dear_loss, []
+
+    def loss(output, labels, *args, **kwargs):
+        losses = real(output, labels, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == at_call or (every_call_from and len(calls) > at_call):
+            if what == "ce":
+                losses["ce"] = losses["ce"] * float("nan")
+                losses["total"] = losses["total"] + losses["ce"]
+            else:
+                alpha = output.alpha[0]
+                losses["total"] = losses["total"] + 0 * torch.sqrt(alpha - alpha.detach())
+        return losses
+    monkeypatch.setattr(train.dear, "dear_loss", loss)
+    return calls
+
+
+@pytest.mark.parametrize("what, said", [("ce", "loss (total, ce) and gradients not finite"),
+                                        ("gradient", "gradients not finite")])
+def test_a_non_finite_step_stops_its_run_at_its_last_finite_checkpoint_and_resume_continues(
+        world, tmp_path, monkeypatch, capsys, what, said):
+    """12 training images of 3 classes in batches of 4: 3 steps an epoch. The 5th step of seed
+    1 (epoch 2, step 2) goes non-finite: that run stops with one line, keeps epoch 1's checkpoint
+    (finite) and writes no results.json; seed 2 trains and is tabled alone; the call exits 1;
+    --resume trains seed 1 from epoch 1 to the end."""
+    out = tmp_path / "run"
+    argv = common(world, out, "--dataset", "dtd", "--method", "dear", "--roles", "all-mixed",
+                  "--seeds", "1", "2", "--shots", "4", "--epochs", "3", "--augment", "off")
+    with monkeypatch.context() as patch:
+        poisoned_loss(patch, at_call=5, what=what)
+        capsys.readouterr()
+        assert train.main(argv) == 1
+    printed, errors = capsys.readouterr()
+    seed1, seed2 = out / "dtd" / "dear-all-mixed" / "seed1", out / "dtd" / "dear-all-mixed" / "seed2"
+    line = next(l for l in printed.splitlines() if "diverged" in l)
+    assert line == ("train.py: [dtd / dear-all-mixed / seed 1 / 4 shots] diverged at epoch 2, step 2: "
+                    f"{said} (fp32, attention sdpa (flash)); epoch 1's checkpoint kept; "
+                    "try --attention explicit or another --amp, then --resume")
+    assert errors.strip().splitlines()[-1] == ("train.py: 1 of 2 runs diverged (above); the others' "
+                                               "numbers are in the tables; continue with --resume")
+    checkpoint = torch.load(seed1 / "checkpoint.pt", weights_only=True)
+    assert checkpoint["epoch"] == 1
+    assert all(torch.isfinite(t).all() for t in checkpoint["learnable"].values())
+    assert not (seed1 / "results.json").exists() and (seed2 / "results.json").is_file()
+    assert [r["epoch"] for r in runs.read_metrics(str(seed1 / "metrics.jsonl"))] == [1]
+    summary = (out / "summary.md").read_text()
+    assert "DeAR, all heads mixed (no mask) (1 run diverged, not in the mean)" in summary
+    assert read(out / "summary.json")["tables"]["dtd"]["rows"]["dear-all-mixed"][0] == \
+        round(read(seed2 / "results.json")["metrics"]["base"], 2)  # seed 2 alone
+    # The next call, without the poison, finishes seed 1 from its epoch-1 checkpoint.
+    capsys.readouterr()
+    assert train.main(["--output", str(out), "--resume"]) == 0
+    assert "resumed after epoch 1/3" in capsys.readouterr().out
+    assert torch.load(seed1 / "checkpoint.pt", weights_only=True)["epoch"] == 3
+    assert (seed1 / "results.json").is_file()
+    assert [r["epoch"] for r in runs.read_metrics(str(seed1 / "metrics.jsonl"))] == [1, 2, 3]
+
+
+def test_fp16s_skipped_steps_are_counted_and_too_many_in_a_row_stop_the_run(
+        world, tmp_path, monkeypatch, capsys):
+    """fp16 with its loss scaler (simulated on the CPU): a non-finite gradient is the scaler's to
+    skip, and is counted; MAX_SKIPPED_IN_A_ROW skips in a row stop the run as a NaN would."""
+    from test_devices import simulated
+
+    out = tmp_path / "run"
+    argv = common(world, out, "--dataset", "dtd", "--method", "dear", "--roles", "all-mixed",
+                  "--seeds", "1", "--shots", "4", "--epochs", "9", "--augment", "off")
+    simulated(monkeypatch, torch.float16)
+    poisoned_loss(monkeypatch, at_call=2, what="gradient")  # one skipped step: counted, goes on
+    capsys.readouterr()
+    assert train.main([*argv, "--output", str(tmp_path / "once")]) == 0
+    log = (tmp_path / "once" / "dtd" / "dear-all-mixed" / "seed1" / "log.txt").read_text()
+    assert "1 steps skipped by fp16's loss scaler" in log
+    poisoned_loss(monkeypatch, at_call=3, what="gradient", every_call_from=True)
+    assert train.main(argv) == 1
+    line = next(l for l in capsys.readouterr().out.splitlines() if "diverged" in l)
+    first = 3 + runs.MAX_SKIPPED_IN_A_ROW - 1  # the step where the 20th skip in a row came
+    assert (f"diverged at epoch {(first - 1) // 3 + 1}, step {(first - 1) % 3 + 1}: "
+            f"{runs.MAX_SKIPPED_IN_A_ROW} steps in a row skipped by fp16's loss scaler (fp16, ") in line

@@ -33,7 +33,14 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-__all__ = ["ToyAssets", "prepare", "causal_check", "SCALES"]
+__all__ = ["ToyAssets", "prepare", "causal_check", "SCALES", "THREADS"]
+
+# The toy world computes on one CPU thread, whatever the machine (train.py sets it for a toy run,
+# python -m toyworld for its checks; pretraining has its own count, pretrain.CONFIGS, also 1).
+# Its matrices are small: a second thread gains little on a quiet machine and costs several
+# times over beside one busy process, and with one thread the toy's numbers do not depend on
+# the number of cores (docs/MEASURED.md, "Threads").
+THREADS = 1
 
 # What each scale builds: a key of pretrain.CONFIGS and task.TaskConfig's fields. "full" is the
 # lab (its model is shipped; building it again takes ~11 minutes on 2 cores); "miniature" is

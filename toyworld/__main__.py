@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     problem = path_problem(args)
     if problem is None:
-        torch.set_num_threads(min(torch.get_num_threads(), 2))
+        torch.set_num_threads(toyworld.THREADS)  # the toy world's one thread: the same tables everywhere
         try:
             assets = toyworld.prepare(args.scale, args.cache_dir, rebuild=args.rebuild)
         except (clip_model.CLIPFileError, OSError) as error:
