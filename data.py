@@ -866,6 +866,68 @@ class ImageDataset(Dataset):
             return self.transform(image), item.label
 
 
+# ---- The few-shot training images, decoded once ---------------------------------------------
+# A few-shot training set is small (16 shots of 1,000 classes: 16,000 images) and read every
+# epoch. Decoding a photo and resampling it again each time costs a loading process about 3 ms an
+# image, about 350 images/s: tens of processes to feed one fast GPU (benchmarks/bench_loader.py).
+# Decoded once into memory as uint8, an epoch only crops, flips and normalises tensors: about
+# five times faster per process (docs/MEASURED.md, "The loader").
+
+CACHED_SIDE = 8 / 7  # with augmentation, each image is kept with its shorter side at 8/7 x size
+
+def decoded(item: Item, size: int, augment: bool) -> torch.Tensor:
+    """One image as it is kept, (3, h, w) uint8. Augmented: resized (bicubic) so that its
+    shorter side is CACHED_SIDE x size (256 for 224), the picture the random crop is then taken
+    from (our choice, as FFCV's loaders keep them: the crop's pixels come from that, not from
+    the full photo). Not augmented: the test transform's own resize and centre crop, so that the
+    tensors it gives are test_transform's, bit for bit."""
+    image = load_image(item.path)
+    if augment:
+        image = T.Resize(round(size * CACHED_SIDE), interpolation=T.InterpolationMode.BICUBIC)(image)
+    else:
+        image = T.CenterCrop(size)(T.Resize(size, interpolation=T.InterpolationMode.BICUBIC)(image))
+    return T.functional.pil_to_tensor(image)
+
+def normalised(image: torch.Tensor) -> torch.Tensor:
+    """uint8 (3, h, w) -> CLIP's normalised float, as ToTensor and Normalize compute it."""
+    return T.functional.normalize(image.float().div(255), CLIP_MEAN, CLIP_STD)
+
+class DecodedImages(ImageDataset):
+    """ImageDataset with every image decoded once, up front (`workers` processes), kept in memory
+    as uint8 (decoded(): 256 px on the shorter side for 224: 16,000 images take about 4 GB).
+    Augmented: train_transform's random resized crop (bicubic, antialiased) and flip, on the
+    kept tensor; not: the test transform's result exactly. The augmentation is seeded per image,
+    epoch and seed as ImageDataset's."""
+
+    def __init__(self, items: list[Item], size: int, augment: bool, seed: int | None = None,
+                 workers: int = 0):
+        crop = T.RandomResizedCrop(size, scale=(0.5, 1.0), antialias=True,
+                                   interpolation=T.InterpolationMode.BICUBIC)
+        transform = (T.Compose([crop, T.RandomHorizontalFlip(), normalised]) if augment
+                     else normalised)
+        super().__init__(items, transform, seed)
+        reader = _Decoder(self.items, size, augment)
+        self.images = list(torch.utils.data.DataLoader(reader, batch_size=None,
+                                                       num_workers=workers))
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if self.seed is None:
+            return self.transform(self.images[index]), self.items[index].label
+        with torch.random.fork_rng(devices=[]):  # as ImageDataset: the image's own generator
+            torch.default_generator.manual_seed(augmentation_seed(self.seed, self.epoch, index))
+            return self.transform(self.images[index]), self.items[index].label
+
+class _Decoder(Dataset):  # each item decoded, in the loading processes
+    def __init__(self, items: list[Item], size: int, augment: bool):
+        self.items, self.size, self.augment = items, size, augment
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return decoded(self.items[index], self.size, self.augment)
+
+
 # ---- Command line: a summary of one dataset, or the registry --------------------------------
 
 class OneLineParser(argparse.ArgumentParser):  # also train.py's and the toy world's parser

@@ -72,7 +72,8 @@ SETTING_KEYS = ("dataset dataset_paths template protocol source method roles abl
                 "text_tokens lambda_reg lambda_fusion analysis analysis_pool analysis_images bank "
                 "concepts sentence_encoder min_cluster_size min_samples cluster_names descriptions "
                 "low_bits high_bits epochs "
-                "batch_size lr warmup_epochs warmup_lr weight_decay augment device amp workers "
+                "batch_size lr warmup_epochs warmup_lr weight_decay augment image_cache device amp "
+                "workers "
                 "eval_batch_size log_every max_epochs_per_call toy_scale attention fingerprints "
                 "role_maps").split()
 # Flags that say how to run, not what to compute: they may change on --resume / --eval-only.
@@ -223,9 +224,14 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
     g("--warmup-epochs", type=int,
       help=f"epochs at a constant {book.warmup_lr:g} before the cosine")
     g("--augment", choices=("on", "off"), help="random resized crop + flip for training")
+    g("--image-cache", choices=("on", "off"), help="decode the few-shot training images once "
+      "and keep them in memory (uint8; 256 px on the shorter side for 224), a few times faster "
+      "to load each epoch; off: decode each photo every epoch, CoOp's crop from the full photo")
     g = p.add_argument_group("running").add_argument
     g("--device", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
-    g("--amp", choices=("on", "off"), help="mixed precision by autocast, CUDA only")
+    g("--amp", choices=AMP_CHOICES, help="mixed precision by autocast, CUDA only: on = fp16 with "
+      "a loss scaler (the lineage's; closest to fp32 as measured, docs/USAGE.md 'Precision'); "
+      "bf16 (compute capability 8.0 on); off = fp32")
     g("--attention", choices=ATTENTION_CHOICES, help="the attention kernel: explicit = "
       "clip_model's per-head maths (the reference; more memory); sdpa = torch's fused kernel of "
       "its choice; efficient, cudnn, math = that fused kernel alone; auto = sdpa without a kernel "
@@ -312,9 +318,6 @@ def resolve_settings(args: argparse.Namespace, book: RecipeBook) -> Dict[str, ob
     settings.update(resume=bool(args.resume), eval_only=bool(args.eval_only),
                     analyse_only=bool(args.analyse_only))
     validate_settings(settings)
-    # loading processes help on CUDA; on CPU they compete with the model
-    if settings["workers"] is None:
-        settings["workers"] = 4 if pick_device(settings["device"]).type == "cuda" else 0
     return settings
 
 
@@ -336,7 +339,7 @@ def typed_flags(args: argparse.Namespace, protocol: str, source: Optional[str],
     stored_as["ablations"] = lambda v: list(ABLATIONS) if "all" in v else _unique(v)
     stored_as.update(dataset=lambda v: dataset_names(v, protocol, source, book),
                      source=data.dataset_key,
-                     augment=lambda v: v == "on")
+                     augment=lambda v: v == "on", image_cache=lambda v: v == "on")
     return {key: stored_as.get(key, lambda v: v)(value) for key, value in vars(args).items()
             if value is not None and value is not False
             and key not in ("resume", "eval_only", "analyse_only")}
@@ -671,6 +674,8 @@ class Runtime:
     attention_why: str = "sdpa"  # the same and why, for the header (attention_choice)
     kernel: str = "sdpa"  # clip_model's: "sdpa" or "explicit"
     backends: Optional[List[str]] = None  # the sdpa backends allowed (None: torch's choice)
+    loaders: Dict[str, Tuple[int, int]] = field(default_factory=lambda: dict(
+        train=(0, PREFETCH), eval=(0, PREFETCH)))  # (workers, in flight): loader_plan's
     call_log: Optional[object] = None  # <output>/log.txt, open while the run folder exists
     run_log: Optional[object] = None  # the current run's <folder>/log.txt
     pending: List[str] = field(default_factory=list)  # lines before the run folder existed
@@ -731,21 +736,29 @@ def pick_device(name: str) -> torch.device:
 ANALYSIS_LOCK_TIMEOUT = datetime.timedelta(hours=1)  # another call analysing the same heads
 MAIN_WORK_TIMEOUT = datetime.timedelta(hours=2)  # the other processes, for rank 0's analysis
 BF16_CAPABILITY = (8, 0)  # CUDA compute capability with bf16 in hardware (Ampere and later)
+AMP_CHOICES = ("on", "off", "fp16", "bf16")  # on = fp16 (choose_precision)
 
 
 def choose_precision(device_type: str, amp: str, capability: Optional[Tuple[int, int]]):
-    """-> (the autocast dtype, None for fp32; the choice and why), from the run's own device:
-    bf16 from compute capability 8.0 on; below it fp16 with a loss scaler, where bf16 would only
-    be emulated (torch.cuda.is_bf16_supported() says yes there, and reads the current device).
-    Autocast on CUDA only: CPU and MPS run fp32."""
+    """-> (the autocast dtype, None for fp32; the choice and why), training and evaluation
+    alike. --amp on (the default): fp16 with a loss scaler, the lineage's (CoOp, MaPLe, MMRL run
+    CLIP in fp16), chosen by measurement: on the toy world it moves the logits about a tenth as
+    far as bf16 and changed no prediction where bf16 changed one (benchmarks/precision_table.py,
+    docs/USAGE.md "Precision"). --amp bf16: bf16 (no scaler), from compute capability 8.0, where
+    it is in hardware (below it emulated: refused). --amp off: fp32. Autocast on CUDA only: CPU
+    and MPS run fp32."""
     if device_type != "cuda":
         return None, f"fp32 (autocast on CUDA only; {device_type} runs fp32)"
     if amp == "off":
         return None, "fp32 (--amp off)"
     where = f"compute capability {capability[0]}.{capability[1]}"
-    if tuple(capability) >= BF16_CAPABILITY:
-        return torch.bfloat16, f"bf16 autocast ({where}: bf16 in hardware)"
-    return torch.float16, f"fp16 autocast with a loss scaler ({where}: bf16 only emulated)"
+    if amp == "bf16":
+        if tuple(capability) < BF16_CAPABILITY:
+            raise TrainError(f"--amp bf16: this GPU ({where}) has no bf16 in hardware; use "
+                             "--amp on (fp16 with a loss scaler) or --amp off")
+        return torch.bfloat16, f"bf16 autocast (--amp bf16; {where})"
+    return torch.float16, (f"fp16 autocast with a loss scaler (--amp {amp}: the lineage's, the "
+                           "closest to fp32 as measured), training and evaluation")
 
 
 def precision_name(amp_dtype: Optional[torch.dtype]) -> str:
@@ -870,6 +883,47 @@ def sdpa_kernel_used(device: torch.device, dtype: Optional[torch.dtype],
             except RuntimeError:  # this backend cannot run the case
                 continue
     return "not found"
+
+
+# The loaders' processes (--workers; unset: one per CPU core but one, at most MAX_WORKERS, on a
+# GPU; none on the CPU, where they would compete with the model) and the batches each keeps in
+# flight (torch's 2). Their batches travel through shared memory (/dev/shm), which a container
+# often caps at 64 MB; ViT-B/16's training batch of 32 images is 19 MB, an evaluation batch of 64
+# 39 MB. So the batches in flight are held to half of /dev/shm's free space: fewer in flight,
+# then fewer processes, down to none (the main process loads: no shared memory), said in a line.
+MAX_WORKERS = 16
+PREFETCH = 2
+
+
+def shared_memory_free() -> Optional[int]:
+    """/dev/shm's free bytes (None where there is no /dev/shm: macOS, Windows)."""
+    return shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on (a container's or taskset's limit, not the machine's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def loader_plan(settings, runtime: Runtime, size: int) -> Dict[str, Tuple[int, int]]:
+    """{"train", "eval": (workers, batches in flight per worker)} for images of size x size, that
+    fit the machine: --workers, else the default above; fewer where /dev/shm would overflow."""
+    requested = settings["workers"]
+    if requested is None:
+        requested = min(usable_cpus() - 1, MAX_WORKERS) if runtime.device.type == "cuda" else 0
+    free, plan, lowered = shared_memory_free(), {}, []
+    for name, batch in (("train", settings["batch_size"]), ("eval", settings["eval_batch_size"])):
+        workers, prefetch, batch_bytes = max(requested, 0), PREFETCH, batch * 3 * size * size * 4
+        while workers and free is not None and workers * prefetch * batch_bytes > free // 2:
+            prefetch, workers = (1, workers) if prefetch > 1 else (prefetch, workers - 1)
+        plan[name] = (workers, prefetch)
+        if (workers, prefetch) != (max(requested, 0), PREFETCH):
+            lowered.append(f"{name} {workers} workers x {prefetch} batch{'es' * (prefetch > 1)}"
+                           f" of {batch_bytes / 2**20:.0f} MB")
+    if lowered:
+        runtime.log(f"loader: {', '.join(lowered)} in flight, fewer than asked: /dev/shm has "
+                    f"{free / 2**20:.0f} MB free, and they may fill half of it")
+    return plan
 
 
 @contextlib.contextmanager

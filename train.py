@@ -151,7 +151,8 @@ DEFAULTS = dict(
     bank="project",  # the analysis' descriptions: the project's labelled bank (toyworld: its own)
     sentence_encoder="clip",  # what embeds the picks to cluster them: CLIP's own text tower
     device="auto",  # cuda, then mps, then cpu
-    amp="on",  # autocast on CUDA (CPU and MPS always run fp32)
+    amp="on",  # autocast on CUDA: fp16 with a loss scaler (runs.choose_precision; CPU: fp32)
+    image_cache=True,  # the few-shot training images decoded once (data.DecodedImages): ours
     attention="auto",  # torch's fused kernel, less any device_check found wrong (runs.py)
     eval_batch_size=64,  # images per evaluation batch
     log_every=20,  # steps between progress lines
@@ -278,11 +279,12 @@ def read_data(settings, jobs: List[runs.Job], datasets: Datasets) -> RunData:
     return RunData(train, test)
 
 
-def loader_of(items: list, settings, size: int) -> DataLoader:
+def loader_of(items: list, settings, size: int, runtime: runs.Runtime) -> DataLoader:
     """The test-transform loader of evaluation, features and the head analysis."""
     dataset = data.ImageDataset(items, data.test_transform(size))
-    return DataLoader(dataset, batch_size=settings["eval_batch_size"],
-                      num_workers=settings["workers"])
+    workers, in_flight = runtime.loaders["eval"]  # runs.loader_plan: what fits the machine
+    return DataLoader(dataset, batch_size=settings["eval_batch_size"], num_workers=workers,
+                      prefetch_factor=in_flight if workers else None)
 
 
 def analysis_images(items: List[data.Item], cap: int, seed: int) -> List[data.Item]:
@@ -487,7 +489,7 @@ def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings, runtime: runs.
         kinds = ["clip"] if model is None else ["fused", "class"]
         # per kind of logits its correct predictions, then images with a non-finite logit
         counts = torch.zeros(len(kinds) + 1, dtype=torch.long, device=runtime.device)
-        for images, labels in loader_of(items, settings, clip.visual.input_resolution):
+        for images, labels in loader_of(items, settings, clip.visual.input_resolution, runtime):
             images, labels = images.to(runtime.device), labels.to(runtime.device)
             # The encoders under autocast; every score in fp32 (dear.cosine_logits, fused_logits).
             with runs.autocast(runtime):
@@ -540,8 +542,12 @@ def training_loader(job: runs.Job, settings, split: data.DatasetSplits, clip,
     process: its order is a pure function of (seed, epoch), and each image's augmentation is
     drawn from its own generator seeded by (seed, epoch, image), whatever --workers: what makes
     --resume land on the same result as an unbroken run."""
-    transform = data.train_transform if settings["augment"] else data.test_transform
-    dataset = data.ImageDataset(split.train, transform(clip.visual.input_resolution), seed=job.seed)
+    size, workers, in_flight = clip.visual.input_resolution, *runtime.loaders["train"]
+    if settings["image_cache"]:  # decoded once (data.DecodedImages), by the loader's processes
+        dataset = data.DecodedImages(split.train, size, settings["augment"], job.seed, workers)
+    else:  # decoded (and resampled) again each epoch
+        transform = data.train_transform if settings["augment"] else data.test_transform
+        dataset = data.ImageDataset(split.train, transform(size), seed=job.seed)
     sampler = DistributedSampler(dataset, num_replicas=runtime.world, rank=runtime.rank,
                                  shuffle=True, seed=job.seed)
     # Dassl's rule (dassl/data/data_manager.py, build_data_loader): a short last batch is dropped,
@@ -552,8 +558,8 @@ def training_loader(job: runs.Job, settings, split: data.DatasetSplits, clip,
     # persistent_workers stays off: each epoch's workers get a fresh copy of the dataset, which
     # knows the epoch (start_epoch); persistent ones would keep the first epoch's.
     return DataLoader(dataset, batch_size=settings["batch_size"], sampler=sampler,
-                      num_workers=settings["workers"], pin_memory=runtime.device.type == "cuda",
-                      drop_last=drop_last)
+                      num_workers=workers, prefetch_factor=in_flight if workers else None,
+                      pin_memory=runtime.device.type == "cuda", drop_last=drop_last)
 
 
 def distributed(model: dear.DeAR, settings, runtime: runs.Runtime):
@@ -626,7 +632,7 @@ def run_head_analysis(settings, inputs: Inputs, items: list, pool: str, picks: i
     runtime.log(f"head analysis: concept entropy of every head of the last {layers} layers "
                 f"on {pool}; {picks} TextSpan picks per head "
                 "(done once per model and pool, then cached)")
-    batches = (images for images, _ in loader_of(items, settings, clip.visual.input_resolution))
+    batches = (images for images, _ in loader_of(items, settings, clip.visual.input_resolution, runtime))
     embed_texts = None  # CLIP's text tower: dear.py's own
     if encoder["name"] == "sbert":  # (labels need no encoder: read_pool refuses one)
         embed_texts = runs.sbert_embedder(encoder, runtime.device)
@@ -737,7 +743,7 @@ def analysed_role_maps(settings, inputs: Inputs, datasets: Datasets, runtime: ru
 def image_features(clip, items: list, settings, runtime: runs.Runtime):
     """Normalised frozen CLIP image embeddings (test transform) -> ((n, E), labels (n,))."""
     features, labels = [], []
-    for images, batch_labels in loader_of(items, settings, clip.visual.input_resolution):
+    for images, batch_labels in loader_of(items, settings, clip.visual.input_resolution, runtime):
         with runs.autocast(runtime):
             embedded = clip.encode_image(images.to(runtime.device)).float()  # (B, E)
             features.append(F.normalize(embedded, dim=-1).cpu())
@@ -799,7 +805,7 @@ def retrieval_check(model: dear.DeAR, job: runs.Job, settings, inputs: Inputs, l
     items = list({item.path: item for s in own for item in s.items}.values())  # each image once
     gallery = analysis_images(items, RETRIEVAL_GALLERY, seed=0)
     size = inputs.clip.visual.input_resolution
-    batches = loader_of(gallery, settings, size)
+    batches = loader_of(gallery, settings, size, runtime)
     parts = [dear.retrieval_features(model, x.to(runtime.device)) for x, _ in batches]
     # {feature name: (M, E)}, the whole gallery
     features = {name: torch.cat([p[name] for p in parts]).cpu() for name in parts[0]}
@@ -911,6 +917,8 @@ def run(args) -> int:
         # the toy world on one CPU thread (its numbers the same on every machine); else torch's
         threads = stack.enter_context(runs.cpu_threads(settings["dataset"] == ["toyworld"]))
         inputs = open_inputs(settings, runtime, pool)  # CLIP, tokenizer, the toy world, checked
+        # the loaders' processes and batches in flight: what the CPUs and /dev/shm allow
+        runtime.loaders = runs.loader_plan(settings, runtime, inputs.clip.visual.input_resolution)
         # the files' places and SHA-256 complete the settings
         settings = dict(settings, **inputs.files)
         datasets = Datasets(settings["root"], runtime.log)  # each read once, when first asked for

@@ -1205,3 +1205,40 @@ def test_command_line_shows_your_own_data_and_refuses_a_bad_folder_in_one_line(t
     run = subprocess.run([sys.executable, str(REPO / "data.py"), "--dataset", str(tmp_path / "one")],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "expected at least two" in run.stderr
+
+
+def photo_items(folder: Path, count: int = 6) -> list:
+    """JPEG photos of assorted sizes and aspect ratios, textured (a crop of a solid colour would
+    hide a misplaced crop)."""
+    generator = torch.Generator().manual_seed(0)
+    items = []
+    for index in range(count):
+        width, height = 40 + 9 * index, 70 - 5 * index
+        pixels = torch.randint(0, 256, (height, width, 3), generator=generator, dtype=torch.uint8)
+        path = folder / f"photo{index}.jpg"
+        Image.fromarray(pixels.numpy()).save(path, quality=90)
+        items.append(data.Item(str(path), index % 2, f"class {index % 2}"))
+    return items
+
+
+def test_images_decoded_once_are_the_test_transforms_bit_for_bit_and_augment_as_seeded(tmp_path):
+    """DecodedImages without augmentation gives test_transform's tensors exactly (the toy world's
+    numbers do not move); with it, random resized crops of the kept picture, seeded per image,
+    epoch and seed as ImageDataset's, the same whether 0 or 2 processes decoded."""
+    items = photo_items(tmp_path)
+    plain = data.ImageDataset(items, data.test_transform(32))
+    kept = data.DecodedImages(items, 32, augment=False)
+    for index in range(len(items)):
+        assert torch.equal(kept[index][0], plain[index][0]) and kept[index][1] == items[index].label
+    assert kept.images[0].dtype == torch.uint8 and kept.images[0].shape == (3, 32, 32)
+    augmented = data.DecodedImages(items, 32, augment=True, seed=1)
+    assert [min(image.shape[1:]) for image in augmented.images] == [round(32 * 8 / 7)] * len(items)
+    first, again, other = augmented[0][0], augmented[0][0], augmented[1][0]
+    assert first.shape == (3, 32, 32) and torch.equal(first, again) and not torch.equal(first, other)
+    augmented.set_epoch(1)
+    assert not torch.equal(augmented[0][0], first)
+    by_workers = data.DecodedImages(items, 32, augment=True, seed=1, workers=2)
+    assert all(torch.equal(a, b) for a, b in zip(by_workers.images, augmented.images))
+    # Normalised as CLIP expects: the same statistics as the plain train transform's tensors.
+    assert abs(float(augmented[2][0].mean()) - float(data.ImageDataset(
+        items, data.train_transform(32), seed=1)[2][0].mean())) < 0.3

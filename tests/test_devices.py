@@ -173,22 +173,28 @@ def test_evaluate_under_bf16_autocast_scores_as_fp32_does(tiny_clip, tmp_path):
 
 
 @pytest.mark.parametrize("device, amp, capability, dtype", [
-    ("cuda", "on", (7, 0), torch.float16),  # V100: bf16 only emulated
-    ("cuda", "on", (7, 5), torch.float16),  # T4
-    ("cuda", "on", (8, 0), torch.bfloat16),  # A100
-    ("cuda", "on", (8, 9), torch.bfloat16),  # L4, RTX 4090
-    ("cuda", "on", (9, 0), torch.bfloat16),  # H100, H200
+    ("cuda", "on", (7, 0), torch.float16),  # V100
+    ("cuda", "on", (9, 0), torch.float16),  # H100, H200: fp16 too, the measured default
+    ("cuda", "fp16", (8, 0), torch.float16),
+    ("cuda", "bf16", (8, 0), torch.bfloat16),  # A100
+    ("cuda", "bf16", (9, 0), torch.bfloat16),
     ("cuda", "off", (9, 0), None),
     ("cpu", "on", None, None),
+    ("cpu", "bf16", None, None),
     ("mps", "on", None, None),
 ])
-def test_the_precision_is_bf16_from_capability_8_else_fp16_and_says_why(device, amp, capability,
-                                                                         dtype):
+def test_the_precision_is_fp16_unless_asked_and_says_why(device, amp, capability, dtype):
     chosen, why = runs.choose_precision(device, amp, capability)
     assert chosen == dtype
     assert why.startswith({torch.float16: "fp16", torch.bfloat16: "bf16", None: "fp32"}[dtype])
-    if capability is not None and amp == "on":
-        assert f"compute capability {capability[0]}.{capability[1]}" in why
+    if dtype is not None:
+        assert f"--amp {amp}" in why and (dtype == torch.bfloat16 or "training and evaluation" in why)
+
+
+def test_bf16_on_a_gpu_without_it_in_hardware_is_refused_in_one_line():
+    with pytest.raises(runs.TrainError, match=r"--amp bf16: this GPU \(compute capability 7.5\) has "
+                                              "no bf16 in hardware; use --amp on"):
+        runs.choose_precision("cuda", "bf16", (7, 5))
 
 
 def test_one_process_on_cuda_1_makes_it_current_and_reads_its_own_capability(monkeypatch):
@@ -213,9 +219,11 @@ def test_one_process_on_cuda_1_makes_it_current_and_reads_its_own_capability(mon
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     assert made_current == [torch.device("cuda", 1)]
     assert runtime.device == torch.device("cuda", 1) and runtime.amp_dtype == torch.float16
-    assert "fp16" in runtime.precision and "7.0" in runtime.precision
     assert runtime.precision.endswith("; TF32 off")
     assert (runtime.kernel, runtime.attention) == ("explicit", "explicit")
+    # bf16 asked for: refused on cuda:1 (compute capability 7.0), whatever the current device
+    with pytest.raises(runs.TrainError, match=r"compute capability 7\.0"):
+        runs.setup_runtime(dict(device="cuda:1", amp="bf16", attention="explicit"))
 
 
 # ------------------------------------------------------------------------------------------
@@ -515,15 +523,17 @@ def test_the_analysis_lock_is_waited_for_at_most_its_bound_then_one_line_names_t
 # ------------------------------------------------------------------------------------------
 
 
-def loader_for(world, workers: int, batch_size: int = 4, images=None, world_size=1, rank=0):
+def loader_for(world, workers: int, batch_size: int = 4, images=None, world_size=1, rank=0,
+               image_cache=False):
     """train.py's training loader over the dtd images (or `images` of them, repeated), augmented."""
     split = data.load_dataset("dtd", world["root"])
     if images is not None:
         split.train = (split.train * 10)[:images]
     settings = dict(augment=True, batch_size=batch_size, workers=workers, warmup_epochs=1,
-                    warmup_lr=1e-5, lr=1e-3, epochs=3)
+                    warmup_lr=1e-5, lr=1e-3, epochs=3, image_cache=image_cache)
     job = runs.Job("dtd", "dear", "analyse", 1, 4, "unused")
-    runtime = runs.Runtime(torch.device("cpu"), rank=rank, world=world_size)
+    runtime = runs.Runtime(torch.device("cpu"), rank=rank, world=world_size,
+                           loaders=dict(train=(workers, 2), eval=(workers, 2)))
     clip = types.SimpleNamespace(visual=types.SimpleNamespace(input_resolution=32))
     return train.training_loader(job, settings, split, clip, runtime), job, settings
 
@@ -535,8 +545,10 @@ def epoch_batches(loader, job, settings, epoch: int):
     return list(loader), list(loader.sampler)
 
 
-def test_training_batches_are_bitwise_the_same_at_0_and_2_workers(world):
-    (serial, job, settings), (parallel, _, _) = loader_for(world, 0), loader_for(world, 2)
+@pytest.mark.parametrize("image_cache", [False, True])
+def test_training_batches_are_bitwise_the_same_at_0_and_2_workers(world, image_cache):
+    (serial, job, settings), (parallel, _, _) = (loader_for(world, 0, image_cache=image_cache),
+                                                 loader_for(world, 2, image_cache=image_cache))
     by_index = []  # per epoch, {image index: its augmented tensor}
     for epoch in (0, 1):
         (one, order), (two, _) = (epoch_batches(loader, job, settings, epoch)
@@ -549,6 +561,32 @@ def test_training_batches_are_bitwise_the_same_at_0_and_2_workers(world):
     same = [i for i, image in by_index[0].items() if i in by_index[1]
             and torch.equal(image, by_index[1][i])]
     assert not same, f"images {same} got the same augmentation in two epochs"
+
+
+def test_the_loaders_fit_the_cores_and_a_small_dev_shm_without_dying(world, monkeypatch):
+    """One process per core but one on a GPU (none on the CPU), and the batches in flight held to
+    half of /dev/shm's free space: with the common 64 MB /dev/shm, ViT-B/16's training batch of
+    32 (19 MB) keeps 1 worker x 1 batch and the evaluation batch of 64 (39 MB) none, said in a
+    line; a typed --workers too."""
+    gpu = runs.Runtime(torch.device("cuda", 0))
+    said = []
+    monkeypatch.setattr(runs.Runtime, "log", lambda self, line: said.append(line))
+    monkeypatch.setattr(runs, "usable_cpus", lambda: 16)
+    monkeypatch.setattr(runs, "shared_memory_free", lambda: 64 * 2**20)
+    settings = dict(workers=None, batch_size=32, eval_batch_size=64)
+    assert runs.loader_plan(settings, gpu, 224) == dict(train=(1, 1), eval=(0, 1))
+    assert said == ["loader: train 1 workers x 1 batch of 18 MB, eval 0 workers x 1 batch of "
+                    "37 MB in flight, fewer than asked: /dev/shm has 64 MB free, and they may "
+                    "fill half of it"]
+    monkeypatch.setattr(runs, "shared_memory_free", lambda: 64 * 2**30)  # room for everything
+    said.clear()
+    assert runs.loader_plan(settings, gpu, 224) == dict(train=(15, 2), eval=(15, 2))
+    assert runs.loader_plan(dict(settings, workers=3), gpu, 224)["train"] == (3, 2) and not said
+    cpu = runs.Runtime(torch.device("cpu"))
+    assert runs.loader_plan(settings, cpu, 224) == dict(train=(0, 2), eval=(0, 2))
+    batch = 4 * 3 * 32 * 32 * 4  # bytes: 4 images of 32 x 32
+    monkeypatch.setattr(runs, "shared_memory_free", lambda: 2 * 3 * batch)  # room for 2 x 1
+    assert runs.loader_plan(dict(settings, workers=2, batch_size=4), cpu, 32)["train"] == (2, 1)
 
 
 def test_each_image_draws_its_own_augmentation_from_seed_epoch_and_index(world):
