@@ -853,7 +853,7 @@ def sdpa_backends(backends: Optional[List[str]]):
     """A context in which torch's fused attention picks among `backends` alone (None: all)."""
     if backends is None:
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel  # torch >= 2.3
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([getattr(SDPBackend, name) for name in backends])
 
@@ -973,12 +973,9 @@ def autocast(runtime: Runtime):
 
 
 def grad_scaler(device: torch.device, enabled: bool):
-    """fp16's loss scaler on the run's device (disabled: every call passes through).
-    torch.amp.GradScaler(device) is torch >= 2.3, with a CPU one (the tests run it enabled); older
-    torch (requirements.txt allows 2.1) has the CUDA one alone, as torch.cuda.amp.GradScaler."""
-    if hasattr(torch.amp, "GradScaler"):
-        return torch.amp.GradScaler(device.type, enabled=enabled)
-    return torch.cuda.amp.GradScaler(enabled=enabled and device.type == "cuda")
+    """fp16's loss scaler on the run's device (disabled: every call passes through); the CPU has
+    one too (the tests run it enabled)."""
+    return torch.amp.GradScaler(device.type, enabled=enabled)
 
 
 def load_scaler_state(scaler, state: dict, log: Callable[[str], None]) -> None:

@@ -6,9 +6,11 @@ rate a GPU trains DeAR at, estimated from the step's FLOPs.
 
 It writes JPEGs at a typical photo size (500 x 375, ImageNet's most common; textured, quality
 90, about 100 KB each, so that decoding costs what a real photo costs), then times train.py's
-training loader over them (data.ImageDataset with train_transform(224): decode, random resized
-crop with bicubic resampling, flip, normalise; batches of 32) with each number of worker
-processes, after one untimed pass (the page cache warm, as from the second epoch on). The GPU
+training loader over them with each number of worker processes, after one untimed pass (the
+page cache warm, as from the second epoch on; batches of 32): each photo decoded every epoch
+(data.ImageDataset with train_transform(224): decode, random resized crop with bicubic
+resampling, flip, normalise), and decoded once (data.DecodedImages, train.py's default: the
+crop, flip and normalisation of a kept uint8 tensor; the decoding itself is not timed). The GPU
 side: device_check.step_flops, the FLOPs of one DeAR training step on ViT-B/16 at batch 32, over
 an H200's dense bf16 peak at a model FLOP utilisation of 40% (a good one for this step).
 """
@@ -48,8 +50,14 @@ def write_photos(folder: str, count: int) -> list:
     return items
 
 
-def images_per_second(items: list, workers: int, batch: int = 32) -> float:
-    dataset = data.ImageDataset(items, data.train_transform(224), seed=0)
+def images_per_second(items: list, workers: int, batch: int = 32, size: int = 224,
+                      cached: bool = False) -> float:
+    """train.py's training loader (augmented) over `items`: each photo decoded every epoch, or
+    (cached) decoded once up front (data.DecodedImages, not timed) -> images/s of an epoch."""
+    if cached:
+        dataset = data.DecodedImages(items, size, augment=True, seed=0, workers=workers)
+    else:
+        dataset = data.ImageDataset(items, data.train_transform(size), seed=0)
     loader = DataLoader(dataset, batch_size=batch, num_workers=workers, shuffle=False)
     for _ in loader:  # untimed: the page cache and the workers' start
         pass
@@ -78,10 +86,13 @@ def main(argv=None) -> int:
         size = sum(os.path.getsize(item.path) for item in items) / len(items) / 1024
         print(f"{len(items)} JPEGs of {PHOTO[0]} x {PHOTO[1]}, {size:.0f} KB each; "
               f"train_transform(224), batches of 32")
-        for workers in args.workers:
-            rate = images_per_second(items, workers)
-            per = f" ({rate / workers:.0f} per worker)" if workers else ""
-            print(f"  workers {workers}: {rate:.0f} images/s{per}", flush=True)
+        for cached in (False, True):
+            print("decoded once, kept in memory (data.DecodedImages):" if cached else
+                  "each photo decoded every epoch (data.ImageDataset):")
+            for workers in args.workers:
+                rate = images_per_second(items, workers, cached=cached)
+                per = f" ({rate / workers:.0f} per worker)" if workers else ""
+                print(f"  workers {workers}: {rate:.0f} images/s{per}", flush=True)
     for classes in (100, 1000):
         print(f"GPU, estimated: H200 at {UTILISATION:.0%} of its bf16 peak trains DeAR (ViT-B/16, "
               f"batch 32, {classes} classes) at {gpu_images_per_second(classes):,.0f} images/s")

@@ -57,8 +57,8 @@ full` trains on the full toy world too, slower. The toy run trains the toy recip
 epochs (--quick: 2, and only the zero-shot and DeAR rows), the CoOp-layout runs 5 epochs on 16
 shots (--quick: 3 on 4).
 
-A GPU machine without network: what to bring. The script needs torch (any version from 2.1
-on: it guards what older versions lack), torchvision, regex, numpy and pillow (the last two
+A GPU machine without network: what to bring. The script needs torch (any version from 2.4
+on, requirements.txt's floor), torchvision, regex, numpy and pillow (the last two
 come with torchvision). ftfy may be missing: the script then puts a stand-in on the path
 (it says so; these checks tokenize plain ASCII, which ftfy leaves as it is). open-clip-torch
 is only for check 5, which is skipped, with a line saying so, without it. Here, with network,
@@ -82,6 +82,7 @@ dependencies (open-clip-torch would pull in a second torch): `pip download regex
 
 import argparse
 import contextlib
+import io
 import json
 import math
 import os
@@ -162,6 +163,19 @@ class Report:
     def failed(self) -> bool:
         return any(row["status"] == "fail" for row in self.rows)
 
+    def verdict(self) -> str:
+        """"passed", "passed with N skipped (why)" or "FAILED (N of M)": never "all passed" over a
+        skipped row. A row of figures alone ("info") neither passes nor fails."""
+        failed = [row for row in self.rows if row["status"] == "fail"]
+        skipped = [row for row in self.rows if row["status"] == "skip"]
+        if failed:
+            return f"FAILED ({len(failed)} of {len(self.rows)} checks: " + \
+                "; ".join(row["check"] for row in failed) + ")"
+        if skipped:
+            return f"passed with {len(skipped)} skipped (" + \
+                "; ".join(f"{row['check']}: {row['figures'][:80]}" for row in skipped) + ")"
+        return "passed"
+
     def markdown(self) -> str:
         lines = ["| check | result | figures |", "|---|---|---|"]
         lines += [f"| {row['check']} | {row['status']} | {row['figures']} |" for row in self.rows]
@@ -216,20 +230,24 @@ def random_clip(config: dict, seed: int = 0) -> clip_model.CLIP:
 
 
 def autocast(device: torch.device, dtype):
-    """train.py's autocast, for any device (CPU autocast runs bf16, and fp16 on torch >= 2.4)."""
+    """train.py's autocast, for any device (the CPU's runs bf16 and fp16 alike)."""
     if dtype is None:
         return contextlib.nullcontext()
-    with warnings.catch_warnings():  # older torch warns and disables CPU fp16 autocast
-        warnings.simplefilter("ignore")
-        return torch.autocast(device.type, dtype=dtype)
+    return torch.autocast(device.type, dtype=dtype)
 
 
 def device_precision(device: torch.device):
-    """-> (train.py's autocast dtype on this device, why): runs.choose_precision, from the
-    device's own compute capability. On the CPU: bf16, the checks then simulate a GPU's."""
+    """-> (train.py's autocast dtype on this device, why): runs.choose_precision's default, fp16
+    with a loss scaler. On the CPU the checks simulate it (CPU autocast, clip_model's fp32
+    LayerNorm and softmax: CUDA's dtype flow)."""
     if device.type != "cuda":
-        return torch.bfloat16, "bf16 autocast (on the CPU: a simulation of a GPU's)"
+        return torch.float16, "fp16 autocast (on the CPU: a simulation of a GPU's)"
     return runs.choose_precision("cuda", "on", torch.cuda.get_device_capability(device))
+
+
+def has_bf16(device: torch.device) -> bool:
+    """bf16 in hardware (--amp bf16 is allowed): compute capability 8.0 on; the CPU simulates."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= runs.BF16_CAPABILITY
 
 
 def precision_name(dtype) -> str:
@@ -444,13 +462,45 @@ def relative_error(value, reference) -> float:
     return float((value - reference).abs().max() / reference.abs().max())
 
 
-def check_attention(report: Report, config: dict, device: torch.device, dtype) -> None:
-    name = f"3. fused attention with DeAR's masks, {precision_name(dtype)}"
+def check_attention(report: Report, config: dict, device: torch.device) -> None:
+    """Each backend against the explicit fp32 path in fp16 and bf16, the backend torch picks by
+    default in each; then, on a GPU, the verdicts (ok / wrong / unavailable per backend) kept
+    where train.py's --attention auto reads them (runs.attention_record)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    verdicts = {}
+    dtypes = [torch.float16] + ([torch.bfloat16] if has_bf16(device) else [])
+    for dtype in dtypes:
+        picked = runs.sdpa_kernel_used(device, dtype, None)
+        report.add(f"3. the kernel torch picks by default, {precision_name(dtype)}", "info",
+                   f"{picked} (found by running ViT-B/16's vision attention with DeAR's masks)",
+                   picked=picked)
+        for backend, (status, available) in attention_verdicts(report, config, device, dtype,
+                                                               SDPBackend, sdpa_kernel).items():
+            previous = verdicts.get(backend)
+            verdicts[backend] = ("wrong" if "wrong" in (status, previous) else
+                                 "ok" if "ok" in (status, previous) else "unavailable")
+    if device.type == "cuda":  # for --attention auto on this GPU and build
+        keep_verdicts(runs.gpu_build(device), verdicts)
+
+
+def keep_verdicts(build: str, verdicts: dict) -> None:
+    """{backend: ok | wrong | unavailable} for this GPU and build, added to runs.attention_record
+    (each GPU and build its own entry), where train.py's --attention auto reads them."""
+    path = runs.attention_record()
     try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-    except ImportError:  # torch < 2.3
-        report.add(name, "skip", "this torch has no torch.nn.attention.sdpa_kernel (torch >= 2.3)")
-        return
+        with open(path, encoding="utf-8") as f:
+            record = dict(json.load(f))
+    except (OSError, ValueError, TypeError):  # none yet, or damaged: started again
+        record = {}
+    record[build] = verdicts
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_file(path, json.dumps(record, indent=1))
+
+
+def attention_verdicts(report: Report, config: dict, device: torch.device, dtype, SDPBackend,
+                       sdpa_kernel) -> dict:
+    """One row per backend in `dtype` -> {backend: ("ok" | "wrong" | "unavailable", cases run)}."""
+    name = f"3. fused attention with DeAR's masks, {precision_name(dtype)}"
     cases = []
     for case, width, heads, mask in attention_cases(config):
         torch.manual_seed(0)
@@ -469,9 +519,11 @@ def check_attention(report: Report, config: dict, device: torch.device, dtype) -
     allowed = (f" (explicit path in {precision_name(dtype)}: up to {worst:.1e}; allowed {times:g}x "
                f"its error + {plus:g})")
     refusals = ("No available kernel", "No viable backend")  # torch's words: CUDA's, the CPU's
+    verdicts = {}
     for backend in ATTENTION_BACKENDS:
         if not hasattr(SDPBackend, backend):  # e.g. cuDNN's before torch 2.5
             report.add(f"{name}, {backend}", "skip", f"unavailable: no SDPBackend.{backend} here")
+            verdicts[backend] = ("unavailable", 0)
             continue
         figures, ok, ran = [], True, 0
         for case, attention, x, gradient, mask, reference, own in cases:
@@ -493,6 +545,8 @@ def check_attention(report: Report, config: dict, device: torch.device, dtype) -
         status = ("pass" if ok else "fail") if ran else "skip"
         report.add(f"{name}, {backend}", status, "; ".join(figures) + allowed, available=ran,
                    cases=len(cases))
+        verdicts[backend] = ({"pass": "ok", "fail": "wrong", "skip": "unavailable"}[status], ran)
+    return verdicts
 
 
 # ------------------------------------------------------------------------------------------
@@ -540,15 +594,13 @@ STEPS = 6  # per precision; GradScaler starts at 2^16 and halves its scale after
 
 
 def check_amp_steps(report: Report, clip, config: dict, device: torch.device, quick: bool) -> None:
-    """bf16 where train.py would choose it; fp16 with the loss scaler on every device (train.py's
-    path below compute capability 8.0, which a newer GPU never takes on its own)."""
-    dtypes = [torch.bfloat16, torch.float16]
-    for dtype in dtypes:
-        name = f"4. DeAR steps, autocast {str(dtype).replace('torch.', '')}" + (
-            " + grad scaler (forced)" if dtype == torch.float16 else "")
-        chosen, why = device_precision(device)
-        if dtype == torch.bfloat16 and chosen != torch.bfloat16:
-            report.add(name, "skip", f"train.py takes {why} here; the next row is its path")
+    """fp16 with the loss scaler (train.py's default), and bf16 (--amp bf16) where the GPU has it
+    in hardware."""
+    for dtype in (torch.float16, torch.bfloat16):
+        name = f"4. DeAR steps, autocast {precision_name(dtype)}" + (
+            " + grad scaler" if dtype == torch.float16 else "")
+        if not has_bf16(device) and dtype == torch.bfloat16:
+            report.add(name, "skip", "no bf16 in hardware on this GPU (--amp bf16 is refused)")
             continue
         frozen = {key: value.clone() for key, value in clip.state_dict().items()}
         model, step, _, last = build_step(clip, config, device, batch=4, classes=10 if quick else 100, dtype=dtype)
@@ -814,16 +866,19 @@ def check_train_py(report: Report, device: torch.device, quick: bool, toy_scale:
     if figures is not None:
         report.add(f"6. DDP step of DeAR, process group {backend}", True, figures)
 
-    # (d) fp16 with its loss scaler, forced whatever the device chooses (an H200 never takes
-    # that path; the CPU takes no autocast): a run stopped after one epoch at the device's own
-    # precision, then resumed in fp16 (train.py starts a fresh scaler, saying so).
-    name = f"6. resume into fp16 + loss scaler (forced), {device.type}"
+    # (d) A run stopped after one epoch in a precision without a loss scaler (bf16 where the GPU
+    # has it, else fp32; the CPU: fp32), resumed in fp16 with its scaler (train.py's default;
+    # forced on the CPU, which takes no autocast): train.py starts a fresh scaler, saying so.
+    first = "bf16" if device.type == "cuda" and has_bf16(device) else "off"
+    name = f"6. resume from --amp {first} into fp16 + loss scaler, {device.type}"
     fp16 = [*model_files, "--method", "dear", "--roles", "all-mixed", "--shots", "4",
             "--epochs", "2", "--batch-size", "4", "--device", str(device)]
-    folder, code, _ = train_py("fp16-resume", *fp16, "--max-epochs-per-call", "1")
+    folder, code, _ = train_py("fp16-resume", *fp16, "--amp", first, "--max-epochs-per-call", "1")
     if code == 0:
-        with forced_precision(torch.float16, "fp16 autocast with a loss scaler (forced)"):
-            _, code, written = train_py("fp16-resume", "--resume")
+        forced = (forced_precision(torch.float16, "fp16 autocast with a loss scaler (forced)")
+                  if device.type != "cuda" else contextlib.nullcontext())
+        with forced:
+            _, code, written = train_py("fp16-resume", "--resume", "--amp", "on")
     if code != 0:
         report.add(name, False, f"exit {code}: {tail('fp16-resume')}")
     else:
@@ -833,9 +888,8 @@ def check_train_py(report: Report, device: torch.device, quick: bool, toy_scale:
         finite = all(bool(torch.isfinite(t).all()) for t in checkpoint["learnable"].values())
         with open(os.path.join(logs, "fp16-resume.txt"), encoding="utf-8") as f:
             fresh = "a fresh scaler" in f.read()
-        own = device_precision(device)[1] if device.type == "cuda" else "fp32"
         report.add(name, written and checkpoint["epoch"] == 2 and scale > 0 and finite and fresh,
-                   f"epoch 1 at {own}, epoch 2 in fp16: exit 0, table written; "
+                   f"epoch 1 with --amp {first}, epoch 2 in fp16: exit 0, table written; "
                    f"{'a fresh scaler, said' if fresh else 'NO fresh scaler'}, its scale saved "
                    f"{scale:g}; learnable tensors {'finite' if finite else 'NOT finite'}",
                    scale=scale, finite=finite)
@@ -850,13 +904,124 @@ def check_train_py(report: Report, device: torch.device, quick: bool, toy_scale:
     pair = [*model_files, "--method", "dear", "--roles", "analyse", "--descriptions", "4",
             "--shots", "1", "--epochs", "1", "--batch-size", "3", "--device", device.type]
     folder, code, written = train_py("torchrun-2", *pair, launcher=torchrun(2))
-    with open(os.path.join(logs, "torchrun-2.txt"), encoding="utf-8", errors="replace") as f:
+    run_log = os.path.join(folder, "dtd", "dear", "seed1", "log.txt")  # every progress line
+    with open(run_log if os.path.isfile(run_log) else os.devnull, encoding="utf-8") as f:
         steps = "step 2/2 " in f.read()
     backend = "nccl" if device.type == "cuda" else "gloo"
     report.add(f"6. torchrun x 2 train.py on {device.type} ({backend}), the analysis on rank 0",
                code == 0 and written and steps,
                f"exit {code}, table written, 2 steps per process" if code == 0 and written and steps
                else f"exit {code}: {tail('torchrun-2')}")
+
+
+def check_nan_stop(report: Report, device: torch.device, scratch: str, logs: str) -> None:
+    """A NaN injected mid-run (the loss of the 5th step, in train.py's precision on the device):
+    the run stops at that step with one line, keeps its last finite checkpoint, writes no
+    results.json; the call exits 1; --resume (without the NaN) finishes it."""
+    import toyworld
+
+    assets = toyworld.prepare("miniature", log=lambda line: None)
+    folder = os.path.join(scratch, "nan")
+    argv = ["--dataset", "toyworld", "--toy-scale", "miniature", "--method", "dear", "--roles",
+            "all-mixed", "--seeds", "1", "--shots", "4", "--epochs", "3", "--batch-size", "4",
+            "--device", str(device), "--output", folder]
+    real, calls = dear.dear_loss, []
+
+    def poisoned(output, labels, *args, **kwargs):
+        losses = real(output, labels, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 5:
+            losses["total"] = losses["total"] * float("nan")
+        return losses
+
+    log_path = os.path.join(logs, "nan.txt")
+    with open(log_path, "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        train.dear.dear_loss = poisoned
+        try:
+            stopped = train.main(argv)
+        finally:
+            train.dear.dear_loss = real
+        resumed = train.main(["--output", folder, "--resume"])
+    with open(log_path, encoding="utf-8") as f:
+        line = next((l.strip() for l in f if "diverged at epoch" in l), "")
+    run = os.path.join(folder, "toyworld", "dear-all-mixed", "seed1")
+    steps = len(data.load_dataset("toyworld", assets.data_root, num_shots=4, subsample="base")
+                .train) // 4
+    epoch = 4 // steps + 1  # the epoch of the 5th step
+    ok = stopped == 1 and f"diverged at epoch {epoch}" in line and resumed == 0 \
+        and os.path.isfile(os.path.join(run, "results.json"))
+    report.add(f"6. a NaN at step 5 stops the run, {device.type}", ok,
+               f"exit {stopped}, then --resume exit {resumed}; {line[:150] or 'no diverged line'}")
+
+
+def check_loader(report: Report, device: torch.device, quick: bool, scratch: str) -> None:
+    """The real loader at 224 px (--quick: the tiny model's 32) with train.py's default processes
+    here (runs.loader_plan), over JPEGs of a photo's size: images/s of the loader alone, then a
+    short train.py run (a random ViT-B/16, or the tiny CLIP, on those photos as a CoOp dataset):
+    images/s of training including loading, and the share of each step spent waiting for data."""
+    from bench_loader import images_per_second, write_photos
+
+    config = TINY if quick else B16
+    size = config["image_resolution"]
+    photos = os.path.join(scratch, "photos")
+    os.makedirs(photos)
+    items = write_photos(photos, (64 if quick else 512) + 40)  # 10 classes; val, test: 20 each
+    settings = dict(workers=None, batch_size=32, eval_batch_size=64)
+    runtime = runs.Runtime(device)
+    workers, _ = runs.loader_plan(settings, runtime, size)["train"]
+    alone = {cached: images_per_second(items[:-40], workers, size=size, cached=cached)
+             for cached in (False, True)}
+    # The photos as a CoOp dataset ('dtd'); the model saved with a BPE file of its own.
+    root = os.path.join(scratch, "loader-data")
+    listed = [[os.path.relpath(i.path, photos), i.label, i.classname] for i in items]
+    split = {"train": listed[:-40], "val": listed[-40:-20], "test": listed[-20:]}
+    os.makedirs(os.path.join(root, "dtd"))
+    os.symlink(photos, os.path.join(root, "dtd", "images"))
+    with open(os.path.join(root, "dtd", "split_zhou_DescribableTextures.json"), "w") as f:
+        json.dump(split, f)
+    bpe = os.path.join(scratch, "bpe.txt")
+    with open(bpe, "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\nc l\ncl a\n")
+    vocab = clip_model.SimpleTokenizer(bpe).vocab_size
+    weights = os.path.join(scratch, "loader-clip.pt")
+    clip_model.save(random_clip(dict(config, vocab_size=vocab)), weights)
+    folder = os.path.join(scratch, "loader-run")
+    argv = ["--dataset", "dtd", "--root", root, "--weights", weights, "--bpe", bpe, "--method",
+            "dear", "--roles", "all-mixed", "--seeds", "1", "--shots", "16" if quick else "48",
+            "--epochs", "2", "--batch-size", "32", "--device", str(device), "--output", folder,
+            "--protocol", "fewshot", "--template", "a photo of a {}."]
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = train.main(argv)
+    metrics = runs.read_metrics(os.path.join(folder, "dtd", "dear-all-mixed",
+                                             f"shots{argv[argv.index('--shots') + 1]}-seed1",
+                                             runs.METRICS_FILE))
+    if code != 0 or not metrics:
+        report.add(f"9. the loader at {size} px", False, f"train.py exit {code}, no metrics")
+        return
+    last = metrics[-1]
+    report.add(f"9. the loader at {size} px, {workers} processes (train.py's default here)", "info",
+               f"loader alone: {alone[False]:,.0f} images/s decoding each epoch, "
+               f"{alone[True]:,.0f} decoded once (train.py's); training with it "
+               f"{last['images_per_second']:,.0f} images/s, waiting for data "
+               f"{100 * last['data_wait']:.0f}% of each step",
+               loader_images_per_s=alone[False], cached_loader_images_per_s=alone[True],
+               training_images_per_s=last["images_per_second"],
+               data_wait=last["data_wait"], workers=workers)
+
+
+def check_precision(report: Report, device: torch.device, quick: bool) -> None:
+    """benchmarks/precision_table.py on the device: the toy trained and scored in fp32, fp16 and
+    bf16 (2 epochs under --quick), the predictions and logits of fp32's run moved by each."""
+    from precision_table import measure
+
+    for row in measure(device, epochs=2 if quick else 20, log=lambda line: None):
+        changed = sum(row["changed"].values())
+        report.add(f"8. precision {row['precision']}, the toy world", "info",
+                   f"HM {row['hm_fused']:.2f} fused / {row['hm_class']:.2f} class-on-unseen; "
+                   f"{changed} predictions of 4 x 360 changed vs fp32; largest logit change "
+                   f"{row['max_logit_change']:.3f} (scale {row['toy_scale']:.1f}), "
+                   f"{row['max_logit_change_100']:.3f} (scale 100)", **row)
 
 
 def ddp_smoke(device: torch.device, backend: str) -> str:
@@ -989,7 +1154,7 @@ def main(argv=None) -> int:
         clip = random_clip(config).to(device)
     guarded(report, "2. scores", check_scores, report, device)
     guarded(report, "2. the full toy's predictions", check_toy_predictions, report, device, dtype)
-    guarded(report, "3. fused attention", check_attention, report, config, device, dtype)
+    guarded(report, "3. fused attention", check_attention, report, config, device)
     guarded(report, "4. DeAR steps", check_amp_steps, report, clip, config, device, args.quick)
     # The speed in train.py's precision: autocast on CUDA, fp32 on the CPU (as train.py runs there).
     seconds = guarded(report, "4. speed", check_speed, report, clip, config, device,
@@ -997,17 +1162,21 @@ def main(argv=None) -> int:
     del clip
     guarded(report, "5. ours vs open_clip", check_open_clip, report, config, device, dtype,
             args.quick)
+    logs = os.path.join(args.output, "logs")
     with tempfile.TemporaryDirectory(prefix="device_check-") as scratch:
         guarded(report, "6. train.py", check_train_py, report, device, args.quick, args.toy_scale,
-                scratch, os.path.join(args.output, "logs"))
-    if seconds:
-        guarded(report, "7. MFU", check_mfu, report, config, device, seconds, args.peak_tflops)
-    else:
-        report.add("7. MFU", False, "no step time (check 4 failed)")
+                scratch, logs)
+        guarded(report, "6. a NaN mid-run", check_nan_stop, report, device, scratch, logs)
+        if seconds:
+            guarded(report, "7. MFU", check_mfu, report, config, device, seconds, args.peak_tflops)
+        else:
+            report.add("7. MFU", False, "no step time (check 4 failed)")
+        guarded(report, "8. precision", check_precision, report, device, args.quick)
+        guarded(report, "9. the loader", check_loader, report, device, args.quick, scratch)
 
     elapsed = time.time() - started
-    title = (f"Device check: {'tiny CLIP (--quick)' if args.quick else 'ViT-B/16'}, {where}, torch {torch.__version__}, "
-             f"{elapsed:.0f} s; {'FAILED' if report.failed else 'all checks passed'}")
+    title = (f"Device check: {'tiny CLIP (--quick)' if args.quick else 'ViT-B/16'}, {where}, "
+             f"torch {torch.__version__}, {elapsed:.0f} s; {report.verdict()}")
     table = report.markdown()
     print("\n" + title + "\n\n" + table)
     os.makedirs(args.output, exist_ok=True)

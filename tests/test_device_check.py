@@ -30,29 +30,42 @@ def test_quick_mode_runs_every_check_on_the_cpu_and_writes_the_table_it_prints(t
                            "--peak-tflops", "0.2", "--output", str(out)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "all checks passed" in done.stdout
+    # The title says what was skipped, never "all passed" over it: the CPU has neither the
+    # memory-efficient nor cuDNN's fused attention, in fp16 and in bf16.
+    title = next(line for line in done.stdout.splitlines() if line.startswith("Device check:"))
+    assert "; passed with 4 skipped (3. fused attention with DeAR's masks, fp16, " \
+           "EFFICIENT_ATTENTION: " in title and "all" not in title
 
     record = json.loads((out / "device_check_cpu_quick.json").read_text())
     rows = record["checks"]
-    counts = {"1.": 2, "2.": 3, "3.": 4, "4.": 6, "5.": 1, "6.": 6, "7.": 1}
+    counts = {"1.": 2, "2.": 3, "3.": 10, "4.": 6, "5.": 1, "6.": 7, "7.": 1, "8.": 3, "9.": 1}
     assert [row["check"][:2] for row in rows] == [n for n, k in counts.items() for _ in range(k)]
     for row in rows:  # open_clip is a dev requirement, so nothing may be skipped here but a kernel
         unavailable = row["check"].startswith("3.") and row["values"].get("available") == 0
-        assert row["status"] == ("skip" if unavailable else "pass"), row
+        figures = row["check"].startswith(("3. the kernel", "8.", "9."))  # measured, not judged
+        assert row["status"] == ("skip" if unavailable else "info" if figures else "pass"), row
     assert rows[0]["values"]["image"] <= 1e-3 and rows[1]["values"]["difference"] <= 1e-3
     scores = {row["check"]: row["values"] for row in rows if row["check"].startswith("2. scores")}
     assert all(v["changed"] == 0 and v["rounded_changed"] > 30 for v in scores.values()), scores
-    attention = {row["check"].rsplit(", ", 1)[1]: row for row in rows
-                 if row["check"].startswith("3.")}
-    assert attention["MATH"]["values"]["available"] == 5  # the vision length and four text lengths
-    assert "unavailable" in attention["CUDNN_ATTENTION"]["figures"]  # no cuDNN on the CPU
+    for dtype in ("fp16", "bf16"):
+        attention = {row["check"].rsplit(", ", 1)[1]: row for row in rows
+                     if row["check"].startswith(f"3. fused attention with DeAR's masks, {dtype}")}
+        assert attention["MATH"]["values"]["available"] == 5  # the vision length, 4 text lengths
+        assert "unavailable" in attention["CUDNN_ATTENTION"]["figures"]  # no cuDNN on the CPU
+    picked = [row["values"]["picked"] for row in rows if row["check"].startswith("3. the kernel")]
+    assert len(picked) == 2 and set(picked) <= {"flash", "math"}
     steps = [row for row in rows if row["check"].startswith("4. DeAR steps")]
     assert not steps[0]["values"]["unmoved"] and not steps[1]["values"]["clip_changed"]
     resume = next(row for row in rows if row["check"].startswith("6. resume after"))
     assert resume["values"]["bit_identical"]
-    fp16 = next(row for row in rows if row["check"].startswith("6. resume into fp16"))
+    fp16 = next(row for row in rows if row["check"].startswith("6. resume from --amp off into fp16"))
     assert fp16["values"]["scale"] > 0 and fp16["values"]["finite"]
-    assert 0 < rows[-1]["values"]["mfu"] < 1  # from --peak-tflops
+    assert next(row for row in rows if row["check"].startswith("6. a NaN at step 5"))["status"] == "pass"
+    assert next(row for row in rows if row["check"].startswith("7."))["values"]["mfu"] < 1
+    precision = {row["values"]["precision"]: row["values"] for row in rows if row["check"].startswith("8.")}
+    assert precision["fp32"]["max_logit_change"] == 0 and precision["fp16"]["max_logit_change"] > 0
+    loader = rows[-1]["values"]
+    assert loader["training_images_per_s"] > 0 and 0 <= loader["data_wait"] < 1
     # The printed table is the Markdown file's table, line for line.
     table = (out / "device_check_cpu_quick.md").read_text().split("\n\n", 1)[1].strip()
     assert table in done.stdout
@@ -143,9 +156,26 @@ def test_the_attention_check_fails_a_kernel_that_drops_the_mask(monkeypatch):
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", maskless)
     report = device_check.Report()
-    device_check.check_attention(report, device_check.TINY, torch.device("cpu"), torch.bfloat16)
-    math_row = next(row for row in report.rows if row["check"].endswith("MATH"))
-    assert math_row["status"] == "fail" and math_row["figures"].count("FAIL") == 5
+    device_check.check_attention(report, device_check.TINY, torch.device("cpu"))
+    math_rows = [row for row in report.rows if row["check"].endswith("MATH")]
+    assert len(math_rows) == 2  # fp16 and bf16
+    assert all(row["status"] == "fail" and row["figures"].count("FAIL") == 5 for row in math_rows)
+
+
+def test_the_verdicts_are_kept_per_gpu_and_build_where_attention_auto_reads_them(
+        tmp_path, monkeypatch):
+    """device_check's verdicts on each fused kernel, kept per GPU and build; --attention auto on
+    that GPU then leaves a wrong kernel out and takes cuDNN's once it passed."""
+    monkeypatch.setenv("DEAR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(device_check.runs, "gpu_build", lambda device: "GPU A, torch x, cuDNN y")
+    device_check.keep_verdicts("GPU B, torch x, cuDNN y", {"CUDNN_ATTENTION": "wrong"})
+    device_check.keep_verdicts("GPU A, torch x, cuDNN y",
+                               {"EFFICIENT_ATTENTION": "wrong", "CUDNN_ATTENTION": "ok"})
+    gpu = torch.device("cuda", 0)
+    assert device_check.runs.kernel_verdicts(gpu) == {"EFFICIENT_ATTENTION": "wrong",
+                                                      "CUDNN_ATTENTION": "ok"}
+    assert device_check.runs.attention_choice("auto", gpu)[1] == ["FLASH_ATTENTION",
+                                                                 "CUDNN_ATTENTION", "MATH"]
 
 
 @pytest.mark.parametrize("name, peak", [

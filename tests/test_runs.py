@@ -1,5 +1,5 @@
 """Tests of runs.py, the run-folder harness, on its own: the summary tables' arithmetic (HM
-of the means, empty cells, the spread), the cache lock, the scaler of older torch. The
+of the means, empty cells, the spread), the cache lock. The
 harness's end-to-end guarantees (resume refusal, fingerprints, the folder lock, checkpoints,
 one-line errors) are tested through the command line in tests/test_train.py.
 
@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -72,10 +71,3 @@ def test_a_second_writer_of_a_cache_entry_waits_for_the_first(tmp_path):
         assert released.exists(), "the lock was taken while the first writer held it"
     holder.wait()
     assert len(lines) == 1 and "waiting for it" in lines[0]
-
-
-def test_grad_scaler_falls_back_to_the_name_older_torch_has(monkeypatch):
-    monkeypatch.delattr(torch.amp, "GradScaler", raising=False)
-    with pytest.warns(FutureWarning) if hasattr(torch.cuda.amp, "GradScaler") else pytest.raises(AttributeError):
-        scaler = runs.grad_scaler(torch.device("cpu"), enabled=False)
-        assert not scaler.is_enabled()
