@@ -550,6 +550,7 @@ class Listing:
     test: list[Item]
     classnames: list[str]
     pools: FewShotPools | None = None  # made by the first few-shot draw, read by every other one
+    short_said: bool = False  # its classes' shortfall said (by the first draw)
 
 @contextlib.contextmanager
 def _collector_paused():
@@ -710,13 +711,26 @@ def _write_json_atomically(path: str, header: dict, lists: dict[str, list[list]]
         if os.path.exists(temporary):
             os.remove(temporary)
 
-def _warn_short_classes(name: str, part: str, by_label: dict[int, list[Item]], k: int) -> None:
-    short = sorted((label, len(items)) for label, items in by_label.items() if len(items) < k)
-    if short:
-        listed = ", ".join(f"{by_label[label][0].classname!r} has {n}" for label, n in short[:5])
-        more = f", and {len(short) - 5} more" * (len(short) > 5)
-        _warn(f"{name} {part}: {len(short)} of {len(by_label)} classes have fewer than {k} images "
-              f"and repeat some to make {k}, as Dassl does ({listed}{more})")
+def _warn_short_classes(listing: Listing, shots: dict[str, int]) -> None:
+    """One line per dataset and call (the first draw of a listing says it): the parts whose
+    classes hold fewer images than the shots, which each draw repeats, as Dassl does."""
+    if listing.short_said:
+        return
+    listing.short_said = True
+    said = []
+    for part, k in shots.items():
+        by_label = listing.pools.by_label[part]
+        short = sorted((label, len(items)) for label, items in by_label.items() if len(items) < k)
+        if len(short) == len(by_label) and len({n for _, n in short}) == 1:
+            said.append(f"{part}: every class has fewer than {k} images ({short[0][1]} each)")
+        elif short:
+            listed = ", ".join(f"{by_label[label][0].classname!r} has {n}" for label, n in short[:5])
+            more = f", and {len(short) - 5} more" * (len(short) > 5)
+            said.append(f"{part}: {len(short)} of {len(by_label)} classes have fewer than {k} "
+                        f"images ({listed}{more})")
+    if said:
+        _warn(f"{listing.spec.name}: {'; '.join(said)}; each draw repeats some to make the "
+              "shots, as Dassl does")
 
 def few_shot_splits(listing: Listing, num_shots: int, seed: int,
                     log: Callable[[str], None] = _no_log) -> dict[str, list[Item]]:
@@ -724,8 +738,7 @@ def few_shot_splits(listing: Listing, num_shots: int, seed: int,
     before the base/novel subsample, one cache serves both halves."""
     pools, dataset_dir = _few_shot_pools(listing, log), listing.dataset_dir
     shots = {part: num_shots if part == "train" else min(num_shots, 4) for part in pools.by_label}
-    for part, k in shots.items():
-        _warn_short_classes(listing.spec.name, part, pools.by_label[part], k)
+    _warn_short_classes(listing, shots)
     cache_path = fewshot_cache_path(dataset_dir, num_shots, seed)
     lists = _read_fewshot_cache(cache_path, pools.fingerprint, list(shots))
     if lists is None:

@@ -457,9 +457,11 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
         for cluster in clusters:
             cluster.name = names[f"cluster {cluster.id}"]
         num_concepts = len(clusters) + found.count(NOISE)  # each unclustered pick: its own concept
+        named = ", ".join(f"{c.id} {c.name} ({c.size})" for c in clusters)
         log(f"  head analysis: {len(picked)} distinct picks in {len(clusters)} clusters "
-            f"({found.count(NOISE)} in none; HDBSCAN min_cluster_size {size}): "
-            + ", ".join(f"{c.id} {c.name} ({c.size})" for c in clusters))
+            f"({found.count(NOISE)} in none; HDBSCAN min_cluster_size {size})"
+            + (f": {named}" if clusters else "; with no cluster, every pick is a concept of its "
+               "own and no head is specialised"))
 
     # 3. Each head's concept entropy, then its role.
     analysed = []
@@ -1279,8 +1281,10 @@ def role_table(role_map: RoleMap) -> str:
         entropy = "" if entry.entropy is None else f" {entry.entropy:.2f}"
         return f"{tags[entry.role]}{entropy}".rjust(9)
 
-    lines = [f"Head roles ({m.source}); layers numbered as in the paper (1-based), heads 0-based; "
-             f"thresholds low={bits(m.low_bits)} high={bits(m.high_bits)} bits",
+    lines = [f"Head roles ({m.source})",
+             f"layers 1-based (the paper's), heads 0-based; A:col attribute head for colour, G "
+             f"generalization, M mixed, then the entropy; low {bits(m.low_bits)}, high "
+             f"{bits(m.high_bits)} bits",
              "layer | " + " ".join(f"{'h' + str(h):>9}" for h in range(m.num_heads))]
     for layer in m.layers:
         cells = [cell(m.role_of(layer, head)) for head in range(m.num_heads)]

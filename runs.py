@@ -484,11 +484,11 @@ def analysis_header(settings, concepts: str, toy: bool) -> List[str]:
     """The lines that open a head analysis: which analysis runs, each setting --analysis paper
     changed (or a typed flag kept), and what stays unlike the paper's; the default says it is not
     the paper's and how to get it."""
-    encoder = settings["sentence_encoder"] if concepts == "clusters" else "none (labels)"
+    encoder = f", --sentence-encoder {settings['sentence_encoder']}" if concepts == "clusters" \
+        else ""
     if settings["analysis"] != "paper":
-        return [f"head analysis: --analysis project (the default: the project's analysis, not the "
-                f"paper's; --analysis paper runs the paper's): --bank {settings['bank']}, concepts "
-                f"{concepts}, --sentence-encoder {encoder}, "
+        return [f"head analysis: --analysis project, the project's (not the paper's: --analysis "
+                f"paper): --bank {settings['bank']}, concepts {concepts}{encoder}, "
                 f"--analysis-pool {settings['analysis_pool']}"]
     preset = analysis_preset("paper", toy, settings["root"], {})
     if concepts != "clusters":  # typed labels: no encoder runs
@@ -496,17 +496,17 @@ def analysis_header(settings, concepts: str, toy: bool) -> List[str]:
     shown = [f"--{key.replace('_', '-')} {settings[key]}" + ("" if settings[key] == value else
              f" (typed; the paper's: {value})") for key, value in preset.items()]
     picks = settings["descriptions"]
-    paper_picks = f"{dear.PAPER_PICKS} picks per head (capped where a head's width allows fewer)"
-    typed = f"--descriptions {picks} (typed; the paper's: {dear.PAPER_PICKS})"
-    shown.append(paper_picks if picks is None else typed)
-    lines = ["head analysis: --analysis paper, the paper's Sec. 3.2: " + ", ".join(shown)]
+    shown.append(f"{dear.PAPER_PICKS} picks per head (capped where a head's width allows fewer)"
+                 if picks is None else
+                 f"--descriptions {picks} (typed; the paper's: {dear.PAPER_PICKS})")
+    lines = ["head analysis: --analysis paper, the paper's Sec. 3.2:"]
+    lines += [f"  {setting}" for setting in shown]
     if settings["analysis_pool"] == "train":
         where = "the toy world" if toy else "no ImageNet under --root"
-        lines.append(f"head analysis: {where}: the trained dataset's training images, not "
-                     "ImageNet's validation images (the paper's)")
-    kept = [d.format(**settings) for d in PAPER_DEPARTURES_KEPT]
-    return lines + ["head analysis: still the project's, not the paper's (docs/METHOD.md Sec. 3): "
-                    + "; ".join(kept)]
+        lines.append(f"  {where}: the trained dataset's training images, not ImageNet's "
+                     "validation images (the paper's)")
+    lines.append("head analysis: still the project's, not the paper's (docs/METHOD.md Sec. 3):")
+    return lines + [f"  {d.format(**settings)}" for d in PAPER_DEPARTURES_KEPT]
 
 
 def resolve_text_tokens(settings: dict, num_attributes: int) -> None:
@@ -1082,8 +1082,10 @@ class Job:
 
     @property
     def label(self) -> str:
+        """e.g. "oxford_pets / dear / seed 1"; the shots too where they vary (fewshot)."""
         parts = [self.dataset, self.row] + ([f"seed {self.seed}"] if self.seed is not None else [])
-        return " / ".join(parts + ([f"{self.shots} shots"] if self.shots is not None else []))
+        varies = os.path.basename(self.folder).startswith("shots")  # fewshot's leaf
+        return " / ".join(parts + ([f"{self.shots} shots"] if varies else []))
 
 
 ROW_LABELS = {"zeroshot": "CLIP (zero-shot)",
@@ -1097,6 +1099,18 @@ ROW_LABELS = {"zeroshot": "CLIP (zero-shot)",
 # The DeAR row once per --fusion mode; its table key and label say what the mode does.
 FUSION_ROWS = {"fused-everywhere": ("-fused", ", fused on every test set"),
                "class-on-unseen": ("-class-on-unseen", ", class branch alone on unseen classes")}
+
+
+# What a comparison row does by construction, said once in the header instead of a warning per
+# run (dear.branches_in_fusion's warning is for a map that leaves a token blind unasked).
+ROWS_SAID = {"dear-all-mixed": "dear-all-mixed: every head mixed, no mask (deep prompting)",
+             "dear-all-generalization": "dear-all-generalization: no head lets an attribute token "
+             "read the image, so the class branch alone scores (by construction, no warning)"}
+
+
+def rows_said(jobs: List[Job]) -> List[str]:
+    return [f"train.py: {ROWS_SAID[row]}" for row in dict.fromkeys(job.row for job in jobs)
+            if row in ROWS_SAID]
 
 
 def row_name(roles: str) -> str:
@@ -1173,11 +1187,23 @@ def job_settings(settings, job: Job) -> dict:
 # ------------------------------------------------------------------------------------------
 
 
+# Offline, the files a named model needs are named by the flags that take them, and the toy CLIP
+# (shipped, in OpenAI's formats) can stand in to try the flow on any data.
+OFFLINE = ("without network give the files: --weights PATH (OpenAI's ViT-B-16.pt) and --bpe PATH "
+           "(bpe_simple_vocab_16e6.txt.gz); or try the flow on the toy CLIP: --weights "
+           "toyworld/assets/full/clip.pt --bpe toyworld/assets/full/bpe.txt.gz")
+
+
 def load_clip(weights: str, head_width: Optional[int], bpe: Optional[str], device):
-    """-> (frozen CLIP on the device, tokenizer), the tokenizer checked against the model."""
-    # errors: clip_model's one line
-    clip, _ = clip_model.load(weights, device=device, head_width=head_width)
-    tokenizer = clip_model.SimpleTokenizer(bpe)  # None: $CLIP_BPE_PATH, the cache, or a download
+    """-> (frozen CLIP on the device, tokenizer), the tokenizer checked against the model. A file
+    that cannot be fetched: one line naming the flags that give it instead."""
+    try:
+        clip, _ = clip_model.load(weights, device=device, head_width=head_width)
+        tokenizer = clip_model.SimpleTokenizer(bpe)  # None: $CLIP_BPE_PATH, the cache, a download
+    except clip_model.CLIPFileError as error:
+        if "cannot download" not in str(error):
+            raise  # clip_model's one line names the file and what is wrong with it
+        raise TrainError(f"{str(error).split(';')[0]}; {OFFLINE}") from None
     try:
         # clip_model's one check: ids past the table, or other words
         tokenizer.check_fits(clip, weights)
@@ -1264,8 +1290,7 @@ def read_pool(settings, attributes: List[str]):
                           or dear.default_concepts(bank))
     check_pool(settings, bank, record["concepts"], attributes)
     check_encoder(settings, record["concepts"])
-    for line in analysis_header(settings, record["concepts"], toy):
-        print(line)
+    record["header"] = analysis_header(settings, record["concepts"], toy)  # train.run logs it
     return bank, record
 
 
@@ -1552,6 +1577,23 @@ def adjusted_rand_index(a: list, b: list) -> float:
     return 1.0 if top == expected else (both - expected) / (top - expected)
 
 
+def concepts_line(role_map: dear.RoleMap) -> str:
+    """The analysis' concepts in one line: the pool's labels, or the clusters found (and, where
+    none was, what that means for the roles)."""
+    concepts = [c for h in role_map.heads for c in h.concepts]
+    if role_map.concepts != "clusters":
+        return f"concepts: the pool's labels ({', '.join(sorted(set(concepts)))})"
+    picks = len({t for h in role_map.heads for t in h.descriptions})
+    noise = len({t for h in role_map.heads for t, c in zip(h.descriptions, h.concepts)
+                 if c == dear.NOISE})
+    if not role_map.clusters:
+        return (f"concepts: {picks} distinct picks in no cluster: each is a concept of its own, "
+                "so every head spreads over its picks (no attribute head); clusters.md")
+    named = ", ".join(f"{c.id} {c.name} ({c.size})" for c in role_map.clusters)
+    return (f"concepts: {picks} distinct picks, {len(role_map.clusters)} clusters ({noise} in "
+            f"none): {named}; clusters.md")
+
+
 def clusters_table(role_map: dear.RoleMap, labels: Dict[str, str], encoder: dict) -> str:
     """clusters.md: the concepts of an analysis and the encoder that embedded them; where the picks
     have labels ({text: label}: scoring_labels), how the clusters agree with them over the distinct
@@ -1749,7 +1791,7 @@ def copy_role_maps(settings, clip, records: dict) -> None:
         masks = dear.build_role_masks(role_map, J, len(clip.visual.transformer.resblocks),
                                       image_tokens)
         draw_role_masks(masks, image_tokens, role_map.attributes, J,
-                        os.path.join(folder, "masks.png"))
+                        os.path.join(folder, "masks.png"), role_map)
 
 
 # ------------------------------------------------------------------------------------------
@@ -2244,13 +2286,13 @@ class Progress:
     def summary(self) -> str:
         """The last read in a few words: losses, training accuracy, lr, speed, data wait."""
         last = self.last
-        terms = " ".join(f"{key} {value:.4f}" for key, value in last["loss"].items()
+        terms = " ".join(f"{key} {value:.3f}" for key, value in last["loss"].items()
                          if key != "total")
         skipped = f", {last['skipped_steps']} steps skipped by fp16's loss scaler" \
             if self.fp16 and last["skipped_steps"] else ""
-        return (f"loss {last['loss']['total']:.4f} ({terms}) acc {last['train_accuracy']:.1f}% "
-                f"lr {last['lr']:.2e}, {last['images_per_second']:.1f} img/s "
-                f"(waiting for data {100 * last['data_wait']:.0f}%){skipped}")
+        return (f"loss {last['loss']['total']:.3f} ({terms}) acc {last['train_accuracy']:.1f}% "
+                f"lr {last['lr']:.1e}, {last['images_per_second']:.0f} img/s "
+                f"(data wait {100 * last['data_wait']:.0f}%){skipped}")
 
     def diverged(self, first_bad: int, bad_what: list) -> str:
         """The one line a non-finite step gets: which run, where, what, in what arithmetic, what
@@ -2295,6 +2337,14 @@ def spread(values: List[float]) -> float:
     if len(values) < 2:
         return 0.0
     return math.sqrt(sum((v - mean(values)) ** 2 for v in values) / (len(values) - 1))
+
+
+def paragraph(text: str) -> List[str]:
+    """A paragraph of a markdown file in lines of at most 100 characters (it reads the same, and
+    prints without a line that runs off the screen)."""
+    import textwrap
+
+    return textwrap.wrap(text, width=100, break_long_words=False, break_on_hyphens=False)
 
 
 def md_table(corner: str, columns: List[str], rows: Dict[str, List[str]]) -> List[str]:
@@ -2405,10 +2455,10 @@ def markdown(summary: dict, settings) -> str:
     shots = ("shots " + ", ".join(map(str, shots)) if settings["protocol"] == "fewshot"
              else f"{shots[0]} shots")
     lines = [f"# {title}", "",
-             f"Accuracy (%), mean over seeds {', '.join(map(str, settings['seeds']))}; "
-             f"{settings['weights']}; {shots}. Zero-shot CLIP does not train: one run serves every "
-             "seed. ± = standard deviation over seeds; - = no number (the linear probe has no "
-             "classifier for unseen classes).", ""]
+             *paragraph(f"Accuracy (%), mean over seeds {', '.join(map(str, settings['seeds']))}; "
+                        f"{settings['weights']}; {shots}. Zero-shot CLIP does not train: one run "
+                        "serves every seed. ± = standard deviation over seeds; - = no number (the "
+                        "linear probe has no classifier for unseen classes)."), ""]
     diverged = summary.get("diverged") or {}  # {job row: its diverged runs' lines}
     job_rows = table_rows(settings)
 
@@ -2427,8 +2477,9 @@ def markdown(summary: dict, settings) -> str:
               f"{line}" for lines_of_row in diverged.values() for line in lines_of_row]
     lines += [""] if diverged else []
     names = {"fused": "fused", "class": "class branch alone", "clip": "CLIP"}
-    lines.append("Logits per test set (fused = DeAR's fusion with the weights learned on the "
-                 "training classes; class branch alone = MMRL's rule for classes not trained):")
+    lines += paragraph("Logits per test set (fused = DeAR's fusion with the weights learned on "
+                       "the training classes; class branch alone = MMRL's rule for classes not "
+                       "trained):")
     for row, used in summary.get("logits", {}).items():
         if used:
             lines.append(f"- {row_label(row)}: " + ", ".join(f"{test} {names.get(kind, kind)}"
@@ -2485,10 +2536,10 @@ def retrieval_summary(results: List[dict], attributes: List[str], k: int):
         lines += [f"## {row_label(row)}: precision@{k} (%) of same-value retrieval, mean ± sd "
                   f"over {len(tables)} seeds", "",
                   *md_table("ranked by", [f"same {a}" for a in attributes], cells), ""]
-    text = ("# Attribute-conditioned retrieval\n\nGallery: the test split; each test image queries "
-            "the others by one feature (cosine); a hit is a neighbour with the query's value. "
-            "Chance = the value's share of the test images. A blind token cannot read the image "
-            "and ranks nothing.\n\n" + "\n".join(lines))
+    text = "\n".join(["# Attribute-conditioned retrieval", "", *paragraph(
+        "Gallery: the test split; each test image queries the others by one feature (cosine); a "
+        "hit is a neighbour with the query's value. Chance = the value's share of the test "
+        "images. A blind token cannot read the image and ranks nothing."), "", *lines])
     return summary, text
 
 
@@ -2508,7 +2559,12 @@ def write_summaries(settings, results: List[dict], diverged: List[dict], attribu
         if runtime.main:
             write_json(os.path.join(settings["output"], f"{name}.json"), value)
             write_text(os.path.join(settings["output"], f"{name}.md"), text)
-        runtime.log("\n" + text)
+        if name == "summary":  # the tables, printed; retrieval's in its file (and the logs)
+            runtime.log("\n" + text)
+        else:
+            runtime.detail("\n" + text)
+            runtime.log(f"train.py: {name} tables in "
+                        f"{os.path.join(settings['output'], name + '.md')}")
 
 
 # ------------------------------------------------------------------------------------------
@@ -2565,41 +2621,48 @@ def draw_heatmap(role_map: dear.RoleMap, path: str) -> None:
 
 
 def draw_role_masks(masks: torch.Tensor, num_image_tokens: int, attributes: List[str],
-                    first_layer: int,
-                    path: str) -> None:
-    """The folded masks (L, H, T, T): one small (1 + A) x (1 + A) grid per head, one row of grids
-    per layer (1-based). White = may attend, black = may not."""
+                    first_layer: int, path: str, role_map: Optional[dear.RoleMap] = None) -> None:
+    """masks.png: the masks (L, H, T, T) folded to the image and the attribute tokens, one small
+    grid per head (row = query token, column = key token), one row of grids per layer (1-based),
+    each grid's head and role above it. White = may attend, black = may not."""
     from PIL import Image, ImageDraw
 
     layers, H, A = masks.shape[0], masks.shape[1], len(attributes)
-    # the image tokens folded into the CLS row and column
-    kept = [0, *range(num_image_tokens, masks.shape[-1])]
-    # pixels; a head's grid: CLS + A tokens square
-    cell, left, top, gap, grid = 9, 80, 62, 10, (1 + A) * 9
-    width = max(left + H * (grid + gap), 470)  # wide enough for the two title lines
-    image = Image.new("RGB", (width, top + layers * (grid + gap) + 20), "white")
+    kept = [0, *range(num_image_tokens, masks.shape[-1])]  # the image tokens folded into one
+    names = ["I"] + [a[0] for a in attributes]  # the tokens' initials, in mask order
+    cell, left, top, gap = 12, 84, 96, 22  # pixels
+    grid = (1 + A) * cell
+    width = max(left + H * (grid + gap), 640)
+    image = Image.new("RGB", (width, top + layers * (grid + gap + 12) + 10), "white")
     draw = ImageDraw.Draw(image)
-    draw.text((6, 6), "DeAR role masks: one grid per head, one row of grids per layer",
-              fill="black")
-    draw.text((6, 20), "row = query, column = key, in the order CLS (standing for the image's",
-              fill="black")
-    draw.text((6, 34),
-              "tokens), " + ", ".join(attributes) + "; white = may attend, black = may not",
-              fill="black")
-    for head in range(H):
-        draw.text((left + head * (grid + gap) + grid // 2 - 6, top - 14), f"h{head}", fill="black")
+    lines = ["DeAR role masks: one grid per head, one row of grids per layer (1-based)",
+             "row = query token, column = key token; white = may attend, black = may not",
+             "tokens: I = the image's (the class token and the patches, alike), then "
+             + ", ".join(f"{a[0]} = {a}" for a in attributes),
+             "above each grid: the head and its role (A:col = attribute head for colour, "
+             "G = generalization, M = mixed)"]
+    for row, text in enumerate(lines):
+        draw.text((6, 6 + 14 * row), text, fill="black")
     for li in range(layers):
-        y0 = top + li * (grid + gap)
+        y0 = top + li * (grid + gap + 12)
         draw.text((6, y0 + grid // 2 - 6), f"layer {first_layer + li}", fill="black")
         for head in range(H):
-            folded = masks[li, head][kept][:, kept]  # (1 + A, 1 + A)
             x0 = left + head * (grid + gap)
+            entry = role_map.role_of(first_layer - 1 + li, head) if role_map else None
+            tag = ("M" if entry is None else {"attribute": f"A:{(entry.attribute or '')[:3]}",
+                                              "generalization": "G", "mixed": "M"}[entry.role])
+            draw.text((x0, y0 - 12), f"h{head} {tag}" if role_map else f"h{head}", fill="black")
+            folded = masks[li, head][kept][:, kept]  # (1 + A, 1 + A)
             for r in range(1 + A):
                 for c in range(1 + A):
                     draw.rectangle([x0 + c * cell, y0 + r * cell, x0 + (c + 1) * cell - 1,
                                     y0 + (r + 1) * cell - 1],
                                    fill="white" if folded[r, c] == 0 else "black",
                                    outline=(150, 150, 150))
+            if head == 0:  # the tokens' initials: query rows at the left, key columns below
+                for index, name in enumerate(names):
+                    draw.text((x0 - 10, y0 + index * cell), name, fill=(90, 90, 90))
+                    draw.text((x0 + index * cell + 3, y0 + grid + 1), name, fill=(90, 90, 90))
     clip_model.atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))
 
 
@@ -2658,25 +2721,37 @@ def draw_curves(records: List[dict], title: str, epochs: int, path: str) -> None
 
 
 def draw_retrieval(gallery: list, rankings: Dict[str, torch.Tensor], size: int, queries: int,
-                   shown: int,
-                   folder: str) -> None:
-    """retrieval_<feature>.png in `folder`: per row, a test image then its `shown` nearest gallery
-    images by that feature (rankings: {feature: (G, k) indices})."""
-    import torchvision  # torch's own companion (requirements.txt): the picture grid
+                   shown: int, folder: str, label: str) -> None:
+    """retrieval_<feature>.png in `folder`, one per feature that ranks the gallery: a title
+    naming the feature, then per row a query test image (framed in red) and its `shown` nearest
+    gallery images by that feature's cosine, nearest first (rankings: {feature: (M, k)})."""
+    from PIL import Image, ImageDraw
 
-    # pixels in [0, 1]
-    unnormalised = torchvision.transforms.Compose(data.test_transform(size).transforms[:-1])
-    pictures = data.ImageDataset(gallery, unnormalised)
+    tile = max(size, 64)  # pixels: small images enlarged (nearest neighbour)
+    import torchvision  # the test transform's resize and centre crop, on a PIL image
+
+    pictures = data.ImageDataset(gallery, torchvision.transforms.Compose(
+        data.test_transform(size).transforms[:2]))
     for name, ranking in rankings.items():
-        tiles = [pictures[i][0] for q in range(min(queries, len(gallery)))
-                 for i in [q] + ranking[q, :shown].tolist()]
-        # small: enlarged
-        tiles = F.interpolate(torch.stack(tiles), scale_factor=max(1, 96 // size), mode="nearest")
+        feature = {"class": "the class feature", "frozen CLIP": "frozen CLIP's image feature"}.get(
+            name, f"the {name} token's feature")
+        rows = min(queries, len(gallery))
+        image = Image.new("RGB", (12 + (1 + shown) * (tile + 4) + 8, 56 + rows * (tile + 4)),
+                          "white")
+        draw = ImageDraw.Draw(image)
+        draw.text((8, 6), f"{label}: retrieval by {feature}", fill="black")
+        draw.text((8, 22), f"each row: a test image (red frame), then its {shown} nearest test "
+                  f"images by cosine, nearest first", fill="black")
+        for row in range(rows):
+            for column, index in enumerate([row] + ranking[row, :shown].tolist()):
+                x, y = 12 + column * (tile + 4), 44 + row * (tile + 4)
+                picture = pictures[index][0].resize((tile, tile), Image.NEAREST)
+                image.paste(picture, (x, y))
+                if column == 0:
+                    draw.rectangle([x - 2, y - 2, x + tile + 1, y + tile + 1], outline=(220, 30, 30),
+                                   width=2)
         clip_model.atomic_write(os.path.join(folder, f"retrieval_{name.replace(' ', '_')}.png"),
-                                lambda tmp: torchvision.utils.save_image(tiles, tmp, nrow=1 + shown,
-                                                                         padding=2,
-                                                                         pad_value=1.0,
-                                                                         format="PNG"))
+                                lambda tmp: image.save(tmp, format="PNG"))
 
 
 # ------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ import os
 import sys
 import time
 import types
+import warnings
 from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional
 
@@ -364,10 +365,15 @@ def build_dear(settings, inputs: Inputs, role_map: dear.RoleMap,
     recipe's beta, with an ablation's change (runs.ablate). Its learnable tokens come from torch's
     global generator: the caller seeds it."""
     change = runs.ablate(ablation, role_map, inputs.attributes, settings["lambda_fusion"])
-    return dear.DeAR(inputs.clip, change.role_map, change.attributes,
-                     first_layer=runs.first_layer(settings, inputs.clip),
-                     beta=settings["beta"], num_text_tokens=settings["text_tokens"],
-                     tokens=settings["tokens"], class_branch_fallback=change.class_branch_fallback)
+    with warnings.catch_warnings():  # what the header already said is not warned of per run
+        if change.role_map.source == "all-generalization":  # blind tokens, by construction
+            warnings.filterwarnings("ignore", message="DeAR: no head from layer")
+        warnings.filterwarnings("ignore", message="DeAR: the head analysis names no attribute")
+        return dear.DeAR(inputs.clip, change.role_map, change.attributes,
+                         first_layer=runs.first_layer(settings, inputs.clip),
+                         beta=settings["beta"], num_text_tokens=settings["text_tokens"],
+                         tokens=settings["tokens"],
+                         class_branch_fallback=change.class_branch_fallback)
 
 
 # ------------------------------------------------------------------------------------------
@@ -403,7 +409,7 @@ def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap,
     start = (runs.resume_checkpoint(job, settings, model, optimizer, scaler, runtime)
              if settings["resume"] else 0)
     stop = min(settings["epochs"], start + (settings["max_epochs_per_call"] or settings["epochs"]))
-    describe(job, model, runtime)
+    describe(job, model, split, runtime)
     if start >= settings["epochs"]:
         return model
     classes = class_prompts(model, inputs, split, runtime)  # the frozen text side up to J, once
@@ -517,15 +523,20 @@ def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings, runtime: runs.
 # ------------------------------------------------------------------------------------------
 
 
-def describe(job: runs.Job, model: dear.DeAR, runtime: runs.Runtime) -> None:
-    """The run's model in two lines: J, the fallback, the learnable parameters per component."""
-    alone = "; class branch alone (no attribute head)" if model.class_branch_only else ""
-    runtime.log(f"[{job.label}] attribute tokens from layer J={model.first_layer} (1-based)"
-                f"{alone}; {model.parameter_summary()}")
-    counts = model.parameter_counts()  # per component of the token construction
-    runtime.log(f"[{job.label}] learnable parameters, tokens {model.tokens}: "
+def describe(job: runs.Job, model: dear.DeAR, split: data.DatasetSplits,
+             runtime: runs.Runtime) -> None:
+    """The run in two lines: its data, J and the fallback; the learnable parameters per
+    component of the token construction (their shapes in the log files)."""
+    alone = "; the class branch alone (no attribute head)" if model.class_branch_only else ""
+    runtime.log(f"[{job.label}] {len(split.train)} training images, {len(split.classnames)} "
+                f"classes; attribute tokens from layer J={model.first_layer} (1-based){alone}")
+    counts = model.parameter_counts()
+    frozen = sum(p.numel() for p in model.clip.parameters())
+    runtime.log(f"[{job.label}] learnable ({model.tokens}): "
                 + " + ".join(f"{name} {n:,}" for name, n in counts.items())
-                + f" = {sum(counts.values()):,}")
+                + f" = {sum(counts.values()):,} ({100 * sum(counts.values()) / frozen:.2f}% of "
+                "CLIP)")
+    runtime.detail(f"[{job.label}] {model.parameter_summary()}")
 
 
 def class_prompts(model: dear.DeAR, inputs: Inputs, split: data.DatasetSplits,
@@ -553,8 +564,6 @@ def training_loader(job: runs.Job, settings, split: data.DatasetSplits, clip,
     # Dassl's rule (dassl/data/data_manager.py, build_data_loader): a short last batch is dropped,
     # unless it is the only one; per process (len(sampler)), so that no process has no step.
     drop_last = len(sampler) >= settings["batch_size"]
-    runtime.log(f"[{job.label}] {len(split.train)} training images, "
-                f"{len(split.classnames)} classes")
     # persistent_workers stays off: each epoch's workers get a fresh copy of the dataset, which
     # knows the epoch (start_epoch); persistent ones would keep the first epoch's.
     return DataLoader(dataset, batch_size=settings["batch_size"], sampler=sampler,
@@ -629,9 +638,8 @@ def run_head_analysis(settings, inputs: Inputs, items: list, pool: str, picks: i
     --sentence-encoder (runs.sentence_encoder_record); SBERT is loaded here, on a cache miss."""
     clip, started = inputs.clip, time.time()
     layers = dear.analysed_layers(len(clip.visual.transformer.resblocks))  # the last four
-    runtime.log(f"head analysis: concept entropy of every head of the last {layers} layers "
-                f"on {pool}; {picks} TextSpan picks per head "
-                "(done once per model and pool, then cached)")
+    runtime.log(f"head analysis: the last {layers} layers' heads, {picks} TextSpan picks each, "
+                f"on {pool} (cached after)")
     batches = (images for images, _ in loader_of(items, settings, clip.visual.input_resolution, runtime))
     embed_texts = None  # CLIP's text tower: dear.py's own
     if encoder["name"] == "sbert":  # (labels need no encoder: read_pool refuses one)
@@ -642,14 +650,17 @@ def run_head_analysis(settings, inputs: Inputs, items: list, pool: str, picks: i
         low_bits=settings["low_bits"], high_bits=settings["high_bits"],
         concepts=inputs.concepts, embed_texts=embed_texts,  # None: CLIP's text tower
         min_cluster_size=settings["min_cluster_size"], min_samples=settings["min_samples"],
-        cluster_names=inputs.cluster_names, log=runtime.log)
+        cluster_names=inputs.cluster_names, log=runtime.detail)  # its progress: the log files
     role_map.source = f"concept entropy ({inputs.concepts}) on {pool}"
     labels = runs.scoring_labels(settings["bank"], inputs.bank, runs.description_bank(inputs.toy))
     table, clusters = role_map.table(), runs.clusters_table(role_map, labels, encoder)
-    runtime.log(table + "\n" + clusters)
+    runtime.log(table)
+    runtime.log(runs.concepts_line(role_map))
+    runtime.detail(clusters)
     runs.draw_heatmap(role_map, os.path.join(folder, "roles.png"))
     runs.write_text(os.path.join(folder, "roles.txt"), table + "\n")
     runs.write_text(os.path.join(folder, "clusters.md"), clusters)
+    files = "roles.json, roles.txt, roles.png, clusters.md"
     if inputs.toy:
         # Toy world only: is concept entropy right? Mean-ablate each analysed head and see which
         # attribute's zero-shot accuracy falls (the ground truth is known here). On a CPU copy of
@@ -657,16 +668,16 @@ def run_head_analysis(settings, inputs: Inputs, items: list, pool: str, picks: i
         # device.
         import toyworld
 
-        runtime.log("[toyworld] causal check: mean-ablating every analysed head, "
-                    "zero-shot accuracy per attribute")
         cpu_clip = clip if clip.visual.conv1.weight.is_cpu else copy.deepcopy(clip).cpu()
         result = toyworld.causal_check(cpu_clip, inputs.tokenizer, role_map, role_map.attributes,
-                                       log=runtime.log)
+                                       log=runtime.log)  # its summary, two lines
         runs.write_text(os.path.join(folder, "causal_check.md"), result["table"] + "\n")
         runs.write_json(os.path.join(folder, "causal_check.json"), result)
-        runtime.log(result["table"])
+        runtime.detail(result["table"])
+        files += ", causal_check.md (per head)"
     role_map.save(os.path.join(folder, "roles.json"))
-    runtime.log(f"head analysis: done in {runs.format_time(time.time() - started)}")
+    runtime.log(f"head analysis: done in {runs.format_time(time.time() - started)}; in each run "
+                f"folder's <dataset>/roles/: {files}")
 
 
 def analysis_code(toy: bool) -> list:
@@ -715,7 +726,7 @@ def analysed_role_maps(settings, inputs: Inputs, datasets: Datasets, runtime: ru
                                                     inputs.attributes, picks, rank, concepts,
                                                     analysis_code(inputs.toy))
             took = time.time() - started
-            runtime.log(f"head analysis: pool {pool}, chosen and fingerprinted in {took:.1f} s")
+            runtime.detail(f"head analysis: pool {pool}, chosen and fingerprinted in {took:.1f} s")
             record = dict(fingerprint=fingerprint, pool=pool, images=len(items), picks=picks,
                           concepts=concepts)
 
@@ -812,9 +823,14 @@ def retrieval_check(model: dear.DeAR, job: runs.Job, settings, inputs: Inputs, l
     k = max(RETRIEVAL_K, RETRIEVAL_SHOWN)
     rankings = {name: dear.rank_gallery(f, f, k, same_images=True)
                 for name, f in features.items()}  # {name: (M, k)}
-    runs.draw_retrieval(gallery, rankings, size, RETRIEVAL_QUERIES, RETRIEVAL_SHOWN, job.folder)
-    runtime.log(f"[{job.label}] retrieval: {len(gallery)} test images "
-                f"ranked by {', '.join(rankings)}; pictures retrieval_*.png in {job.folder}")
+    # a picture per feature that scores: no token left out of the fusion (the class-branch
+    # fallback); the toy world still measures every token's precision below
+    fused = {a for a, used in zip(model.attributes, model.in_fusion[1:].tolist()) if used}
+    drawn = {name: r for name, r in rankings.items() if name not in model.attributes or name in fused}
+    runs.draw_retrieval(gallery, drawn, size, RETRIEVAL_QUERIES, RETRIEVAL_SHOWN, job.folder,
+                        job.label)
+    runtime.detail(f"[{job.label}] retrieval: {len(gallery)} test images "
+                   f"ranked by {', '.join(rankings)}; pictures retrieval_*.png in {job.folder}")
     if not inputs.toy:
         return None
     from toyworld.task import split_scenes  # the toy world knows every test image's attributes
@@ -875,8 +891,11 @@ def run_job(job: runs.Job, settings, inputs: Inputs, role_maps: dict, lists: Run
             scores = ", ".join(f"{v:.2f}% ({kind} logits)"
                                for kind, v in accuracy[eval_set.name].items())
             at = f", beta {beta:g}" if beta is not None else ""
-            runtime.log(f"[{job.label}] test {eval_set.name}: {scores} "
-                        f"({len(eval_set.items)} images, {len(eval_set.classnames)} classes{at})")
+            runtime.detail(f"[{job.label}] test {eval_set.name}: {scores} ({len(eval_set.items)}"
+                           f" images, {len(eval_set.classnames)} classes{at})")
+        runtime.log(f"[{job.label}] test: " + "; ".join(  # one line: every set, every kind
+            f"{name} " + " / ".join(f"{v:.2f}% {kind}" for kind, v in kinds.items())
+            for name, kinds in accuracy.items()))
         result = runs.evaluation_record(job, settings, model, accuracy, logits, betas)
     if runtime.main:
         # pictures in the run folder; the toy world's precision@10 in the result
@@ -916,6 +935,8 @@ def run(args) -> int:
         stack.enter_context(runs.sdpa_backends(runtime.backends))  # --attention's fused kernels
         # the toy world on one CPU thread (its numbers the same on every machine); else torch's
         threads = stack.enter_context(runs.cpu_threads(settings["dataset"] == ["toyworld"]))
+        for line in pool[1]["header"] if pool else []:  # which head analysis, and how it departs
+            runtime.log(line)
         inputs = open_inputs(settings, runtime, pool)  # CLIP, tokenizer, the toy world, checked
         # the loaders' processes and batches in flight: what the CPUs and /dev/shm allow
         runtime.loaders = runs.loader_plan(settings, runtime, inputs.clip.visual.input_resolution)
@@ -943,12 +964,14 @@ def run(args) -> int:
         if runtime.main and fresh:  # from here on the run folder exists
             runs.start_run_folder(settings, inputs.clip, runtime.world, stack)
         runs.open_call_log(runtime, settings["output"], stack)  # <output>/log.txt, appended
-        rows = ", ".join(dict.fromkeys(job.row for job in jobs))
         processes = f" x {runtime.world} processes" if runtime.world > 1 else ""
-        runtime.log(f"train.py: {settings['protocol']} on {', '.join(settings['dataset'])}; "
-                    f"{len(jobs)} runs ({rows}); device {runtime.device}{processes}, "
-                    f"{runtime.precision}, {threads}; output {settings['output']}")
+        runtime.log(f"train.py: {settings['protocol']} on {', '.join(settings['dataset'])}, "
+                    f"{len(jobs)} runs; output {settings['output']} (log.txt: every line)")
+        runtime.log(f"train.py: device {runtime.device}{processes}, {runtime.precision}, {threads}")
         runtime.log(f"train.py: attention {runtime.attention_why}")
+        runtime.log("train.py: rows " + ", ".join(dict.fromkeys(job.row for job in jobs)))
+        for line in runs.rows_said(jobs):  # what a comparison row does by construction, once
+            runtime.log(line)
         # one role map per (dataset, --roles) the jobs ask for
         pairs = dict.fromkeys((j.dataset, j.roles) for j in jobs if j.roles is not None)
         role_maps = {(dataset, roles): runs.role_map_for(roles, inputs.clip, inputs.attributes,

@@ -406,14 +406,14 @@ def test_few_shot_cache_survives_moving_the_data_root(pets_root, tmp_path_factor
 
 def test_class_with_fewer_than_k_images_repeats_some_as_dassl_does_and_says_so(tmp_path):
     write_split_dataset(tmp_path, "oxford_pets", train_counts=[2, 8, 8, 8, 8])
-    with pytest.warns(DatasetWarning, match=r"oxford_pets train: 1 of 5 classes have fewer than 4 images.*'abyssinian' has 2"):
+    with pytest.warns(DatasetWarning, match=r"oxford_pets: train: 1 of 5 classes have fewer than 4 images.*'abyssinian' has 2"):
         result = load_dataset("oxford_pets", tmp_path, num_shots=4)
     assert labels_of(result.train) == {label: 4 for label in range(5)}  # every class K, as Dassl's repeat=True
     short = [item for item in result.train if item.label == 0]
     assert len(set(short)) == 2  # its two images, drawn with repetition to make four
     with warnings.catch_warnings():  # the cache of a short class (repeats) is valid and reused
         warnings.simplefilter("error", DatasetWarning)
-        warnings.filterwarnings("ignore", "oxford_pets train", DatasetWarning)
+        warnings.filterwarnings("ignore", "oxford_pets: train", DatasetWarning)
         again = load_dataset("oxford_pets", tmp_path, num_shots=4)
     assert again.train == result.train
 

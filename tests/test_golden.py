@@ -93,9 +93,10 @@ def masked(text: str, output: str, cache: str) -> str:
 
 
 def structure(text: str, roles_may_move: bool) -> str:
-    """The lines with every number masked (and, where a head may change its role, the role cells
-    of the printed table)."""
+    """The lines with every number and the fused attention kernel torch picks on this CPU masked
+    (and, where a head may change its role, the role cells of the printed table)."""
     text = re.sub(r"\d+(\.\d+)?", "#", text)
+    text = re.sub(r"sdpa \(\w+\)", "sdpa (<the fused kernel torch picks here>)", text)
     if roles_may_move:
         text = re.sub(r"A:\w+|\b[GM]\b", "<role>", text)
     return text

@@ -1243,6 +1243,33 @@ def own_data(tmp_path_factory):
     return dict(folder=str(folder), split=str(tmp / "labelled" / "my_split.json"))
 
 
+def test_own_data_offline_names_the_flags_that_give_the_files_and_the_toy_clip_stands_in(
+        own_data, tmp_path, capsys, no_network, monkeypatch):
+    """--dataset PATH with no network and nothing cached: one line naming --weights and --bpe and
+    the toy CLIP's files, before any run folder; with those files the flow runs on the folder,
+    and its few images per class are one line (repeated to make the shots, as Dassl does)."""
+    monkeypatch.setenv("CLIP_CACHE_DIR", str(tmp_path / "empty-cache"))
+    out = tmp_path / "run"
+    line = refused(["--dataset", own_data["folder"], "--output", out], capsys,
+                   "CLIP ViT-B/16: cannot download", out)
+    assert line.endswith("without network give the files: --weights PATH (OpenAI's ViT-B-16.pt) and "
+                         "--bpe PATH (bpe_simple_vocab_16e6.txt.gz); or try the flow on the toy "
+                         "CLIP: --weights toyworld/assets/full/clip.pt --bpe "
+                         "toyworld/assets/full/bpe.txt.gz"), line
+    toy = REPO / "toyworld" / "assets" / "full"
+    capsys.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert train.main(["--dataset", own_data["folder"], "--output", str(out), "--weights",
+                           str(toy / "clip.pt"), "--bpe", str(toy / "bpe.txt.gz"), "--roles",
+                           "all-mixed", "--seeds", "1", "--epochs", "1", "--device", "cpu"]) == 0
+    shots = [str(w.message) for w in caught if "repeat" in str(w.message)]
+    assert shots == ["my_textures: train: every class has fewer than 16 images (5 each); val: every "
+                     "class has fewer than 4 images (2 each); each draw repeats some to make the "
+                     "shots, as Dassl does"], shots
+    assert (out / "summary.md").is_file()
+
+
 def test_own_image_folder_runs_base2novel_end_to_end_and_eval_only_reproduces_it(world, own_data, tmp_path):
     out = tmp_path / "run"
     args = common(world, out, "--dataset", own_data["folder"], "--seeds", "1", "--shots", "2", "--epochs", "1",
@@ -1815,3 +1842,37 @@ def test_fp16s_skipped_steps_are_counted_and_too_many_in_a_row_stop_the_run(
     first = 3 + runs.MAX_SKIPPED_IN_A_ROW - 1  # the step where the 20th skip in a row came
     assert (f"diverged at epoch {(first - 1) // 3 + 1}, step {(first - 1) % 3 + 1}: "
             f"{runs.MAX_SKIPPED_IN_A_ROW} steps in a row skipped by fp16's loss scaler (fp16, ") in line
+
+
+def test_each_run_keeps_its_log_metrics_and_curves_across_a_resume_and_eval_only(
+        stopped_run, tmp_path):
+    """log.txt (every line printed for the run, and every progress line), metrics.jsonl (one record
+    per epoch) and curves.png in the run's folder; the call's own log.txt in the output folder.
+    --resume appends; a record of an epoch past the checkpoint (a call killed between the two
+    writes) is cut first; --eval-only leaves the history as it was."""
+    out, _ = copy_run(stopped_run, tmp_path)
+    leaf = out / "dtd" / "dear" / "seed1"
+    assert [r["epoch"] for r in runs.read_metrics(str(leaf / "metrics.jsonl"))] == [1]
+    first = (leaf / "log.txt").read_text()
+    assert "epoch 1/2 step 3/3 loss" in first and "stopped after epoch 1/2" in first
+    with open(leaf / "metrics.jsonl", "a") as f:  # epoch 2's record, written before a kill
+        f.write(json.dumps(dict(runs.read_metrics(str(leaf / "metrics.jsonl"))[0], epoch=2)) + "\n")
+        f.write('{"epoch": 3, "lo')  # and a line cut short
+    assert train.main(["--output", str(out), "--resume"]) == 0
+    records = runs.read_metrics(str(leaf / "metrics.jsonl"))
+    assert [r["epoch"] for r in records] == [1, 2]
+    assert set(records[1]) >= {"epoch", "lr", "loss", "train_accuracy", "alpha", "images_per_second",
+                               "data_wait", "gradient_norm", "skipped_steps", "seconds"}
+    assert set(records[1]["loss"]) == {"total", "ce", "reg", "fusion"}
+    assert records[1]["alpha"]["class"] > 0 and 0 <= records[1]["data_wait"] <= 1
+    second = (leaf / "log.txt").read_text()
+    assert second.startswith(first) and "resumed after epoch 1/2" in second  # appended
+    assert "epoch 2/2 step 3/3 loss" in second and "test: base" in second
+    assert (leaf / "curves.png").stat().st_size > 1000
+    call_log = (out / "log.txt").read_text()
+    assert call_log.count("train.py: base2novel on dtd") == 2 and "train.py: done in" in call_log
+    assert "== run 1/2: dtd / zeroshot (already finished) ==" in call_log  # the resumed call's
+    kept = {name: (leaf / name).read_bytes() for name in ("metrics.jsonl", "curves.png")}
+    assert train.main(["--output", str(out), "--eval-only"]) == 0
+    assert {name: (leaf / name).read_bytes() for name in kept} == kept
+    assert (leaf / "log.txt").read_text().startswith(second)

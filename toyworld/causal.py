@@ -196,14 +196,39 @@ def causal_check(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer, r
               "direct_agreement_rate": _rate([row["direct"] for row in rows])[0], "groups": groups,
               "group_agreement_rate": group_rate, "groups_scored": groups_scored,
               "measure": measure, "min_drop": min_drop, "dominance": dominance}
+    result["constant_rates"] = _constant_rates(rows)
     result["table"] = causal_table(result, attributes)
-    named = sum(row["attribute"] == row["singled_out"] for row in rows if row["singled_out"])
-    log(f"causal check: ablation singles out {sum(bool(row['singled_out']) for row in rows)} heads, concept "
-        f"entropy names {named} of them for that attribute")
-    log(f"causal check: {len(rows)} heads and {len(groups)} groups ablated on {n_images} images; agreement "
-        f"{_percent(rate)} of {scored} scored heads ({_percent(result['direct_agreement_rate'])} by direct paths), "
-        f"{_percent(group_rate)} of {groups_scored} scored groups (by {measure})")
+    for line in summary_lines(result, n_images):
+        log(line)
     return result
+
+
+def _constant_rates(rows: list) -> dict:
+    """{role: the agreement of a map that gave every scored head that role}: the floor a real
+    agreement is to be read against (a map calling every head generalization agrees wherever
+    ablation singles nothing out)."""
+    scored = [row for row in rows if row["agrees"] is not None]
+    return {"generalization": (sum(row["singled_out"] is None for row in scored) / len(scored)
+                               if scored else None)}
+
+
+def summary_lines(result: dict, n_images: int) -> list:
+    """The check in a few lines: which heads ablation singles out and which concept entropy
+    names, and the agreement beside what calling every head generalization would score (said
+    plainly where every scored head has one role, where the agreement measures nothing)."""
+    rows = result["heads"]
+    singled = [row for row in rows if row["singled_out"]]
+    named = sum(row["attribute"] == row["singled_out"] for row in singled)
+    heads = ", ".join(f"{row['layer'] + 1}.{row['head']} {row['singled_out']}" for row in singled)
+    roles = {row["role"] for row in rows if row["agrees"] is not None}
+    constant = result["constant_rates"]["generalization"]
+    verdict = ("; every scored head has the same role, so this agreement says nothing about "
+               "concept entropy" if len(roles) == 1 else "")
+    return [f"causal check: {len(rows)} heads ablated on {n_images} images; ablation singles out "
+            f"{len(singled)} ({heads or 'none'}), concept entropy names {named} of them",
+            f"causal check: agreement {_percent(result['agreement_rate'])} of {result['scored']} "
+            f"scored heads; calling every head generalization would score {_percent(constant)}"
+            + verdict]
 
 
 # ---- 3. The table ------------------------------------------------------------------------
@@ -249,7 +274,9 @@ def causal_table(result: dict, attributes: Sequence[str]) -> str:
     lines.append("")
     lines.append(f"Agreement: {_percent(result['agreement_rate'])} of {result['scored']} scored heads "
                  f"({_percent(result['direct_agreement_rate'])} when only their direct paths are removed), "
-                 f"{_percent(result['group_agreement_rate'])} of {result['groups_scored']} scored groups. "
+                 f"{_percent(result['group_agreement_rate'])} of {result['groups_scored']} scored groups; "
+                 f"a map calling every head generalization would score "
+                 f"{_percent(result['constant_rates']['generalization'])} of the heads. "
                  f"Cells: accuracy points / nats of log-probability lost when the head is mean-ablated; its direct "
                  f"path alone: its term of the decomposed embedding set to its mean, what concept entropy reads. "
                  f"Attribute heads agree when their attribute is singled out, generalization heads when none "
