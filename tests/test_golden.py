@@ -88,7 +88,7 @@ def masked(text: str, output: str, cache: str) -> str:
     text = text.replace(output, "<output>").replace(cache, "<cache>").replace(REPO, "<repo>")
     text = re.sub(r"\d+:\d\d:\d\d", "<time>", text)
     text = re.sub(r"\d+(\.\d+)? img/s", "<speed>", text)
-    text = re.sub(r"waiting for data \d+%", "waiting for data <share>", text)
+    text = re.sub(r"data wait \d+%", "data wait <share>", text)
     return re.sub(r"in \d+\.\d+ s\b", "in <seconds>", text)
 
 
