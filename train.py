@@ -31,7 +31,6 @@ M the retrieval gallery's images and k the neighbours ranked per image (dear.ran
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import json
 import math
@@ -44,14 +43,13 @@ from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
-import clip_model
 import data
 import dear
-import runs
-from runs import TrainError
+from harness import (analysis, checks, cli, config, devices, errors, monitor, plan, reports,
+                     runfolder, sources)
+from harness.errors import TrainError
 
 # ------------------------------------------------------------------------------------------
 # 1. The recipes: every default, written once, with its source (docs/METHOD.md Sec. 7)
@@ -65,7 +63,7 @@ class Recipe:
     """How one protocol trains one dataset. Each field is the default of the flag of the same
     name; the defaults are MMRL++'s base-to-novel yaml (configs/trainers/MMRLpp/vit_b16.yaml)
     but for the three whose comment names another source (K, --text-tokens, is ours and no
-    field: runs.resolve_text_tokens)."""
+    field: config.resolve_text_tokens)."""
     epochs: int = 10  # training epochs, the warm-up epochs included
     batch_size: int = 4  # images per step (per process under torchrun)
     lr: float = 1e-3  # AdamW's learning rate after the warm-up, then cosine decay
@@ -139,20 +137,20 @@ DEFAULTS = dict(
     protocol="base2novel",  # the paper's main table
     method=["zeroshot", "dear"],  # CLIP as it is, and DeAR
     roles=["analyse"],  # DeAR's own head analysis: one role map per model and image pool, cached
-    ablations=[],  # the paper's ablations (runs.ABLATIONS), a row each: none unless asked
+    ablations=[],  # the paper's ablations (cli.ABLATIONS), a row each: none unless asked
     test_beta="per-target",  # cross and dg: each target at MMRL++'s beta (MMRLPP_CD_TEST_BETA)
-    fusion=list(runs.FUSION_MODES),  # both rules of scoring DeAR, one table row each
+    fusion=list(cli.FUSION_MODES),  # both rules of scoring DeAR, one table row each
     tokens="separate",  # each layer's own tokens (ours); shared = MMRL++'s (docs/METHOD.md Sec. 4)
     seeds=[1, 2, 3],  # CoOp's three seeds; the tables report the mean
     source="imagenet",  # what cross and dg train on (the paper's protocol)
     weights="ViT-B/16",  # the paper's backbone
     analysis_pool="train",  # the trained dataset's whole training split (base2novel: base classes)
-    analysis="project",  # the project's head analysis, not the paper's (runs.analysis_preset)
+    analysis="project",  # the project's head analysis, not the paper's (config.analysis_preset)
     analysis_images=2000,  # at most this many images of the pool for the head analysis
     bank="project",  # the analysis' descriptions: the project's labelled bank (toyworld: its own)
     sentence_encoder="clip",  # what embeds the picks to cluster them: CLIP's own text tower
     device="auto",  # cuda, then mps, then cpu
-    amp="on",  # autocast on CUDA: fp16 with a loss scaler (runs.choose_precision; CPU: fp32)
+    amp="on",  # autocast on CUDA: fp16 with a loss scaler (devices.choose_precision; CPU: fp32)
     image_cache=True,  # the few-shot training images decoded once (data.DecodedImages): ours
     attention="auto",  # torch's fused kernel, less any device_check found wrong (runs.py)
     eval_batch_size=64,  # images per evaluation batch
@@ -161,7 +159,7 @@ DEFAULTS = dict(
 )
 # The toy world shows more rows: the linear probe (how far the frozen features separate the classes)
 # and the two role ablations beside DeAR. It brings its own model (--weights refused).
-TOY_DEFAULTS = dict(method=list(runs.METHODS), roles=["all-mixed", "all-generalization", "analyse"])
+TOY_DEFAULTS = dict(method=list(cli.METHODS), roles=["all-mixed", "all-generalization", "analyse"])
 
 
 def attribute_tokens(toy: bool) -> List[str]:
@@ -173,14 +171,9 @@ def attribute_tokens(toy: bool) -> List[str]:
     return list(dear.CORE_ATTRIBUTES)
 
 
-# K (--text-tokens) is in no table: unset, dear.default_text_tokens (runs.resolve_text_tokens).
-BOOK = runs.RecipeBook(RECIPES, PROTOCOL_RECIPES, DEFAULTS, TOY_DEFAULTS, PAPER_DATASETS,
+# K (--text-tokens) is in no table: unset, dear.default_text_tokens (config.resolve_text_tokens).
+BOOK = cli.RecipeBook(RECIPES, PROTOCOL_RECIPES, DEFAULTS, TOY_DEFAULTS, PAPER_DATASETS,
                        DG_TARGETS, FEWSHOT_SHOTS, WARMUP_LR, WEIGHT_DECAY, attribute_tokens)
-ANALYSIS_SEED = 0  # the analysis pool's draw: fixed, so every run of a model draws the same images
-RETRIEVAL_GALLERY = 2000  # test images at most in the retrieval check (our choice: cost)
-RETRIEVAL_QUERIES = 4  # picture rows
-RETRIEVAL_SHOWN = 8  # neighbours shown
-RETRIEVAL_K = 10  # precision@K
 
 # ------------------------------------------------------------------------------------------
 # 2. Data: what each protocol trains on and tests on (docs/METHOD.md Sec. 6)
@@ -251,7 +244,7 @@ class RunData(NamedTuple):
     test: Dict[str, List[EvalSet]]  # trained dataset -> its protocol's test sets
 
 
-def check_datasets(settings, jobs: List[runs.Job]) -> None:
+def check_datasets(settings, jobs: List[plan.Job]) -> None:
     """Each dataset the call will read is under --root: a folder's presence costs nothing, so it is
     checked before anything is downloaded (CLIP's weights, TextSpan's pool, an SBERT model) or read.
     The toy world is made later, in the cache."""
@@ -260,15 +253,15 @@ def check_datasets(settings, jobs: List[runs.Job]) -> None:
     names = [job.dataset for job in jobs]  # the trained datasets (and their test sets)
     if not settings["analyse_only"]:
         names += settings["dataset"]  # cross, dg: the targets
-    pool, _ = runs.analysis_pool_of(settings["analysis_pool"])
+    pool, _ = config.analysis_pool_of(settings["analysis_pool"])
     fresh = not (settings["resume"] or settings["eval_only"])
-    if pool is not None and runs.analysing(settings) and fresh:
+    if pool is not None and sources.analysing(settings) and fresh:
         names.append(pool)
     for name in dict.fromkeys(names):
         data.dataset_folder(name, settings["root"])
 
 
-def read_data(settings, jobs: List[runs.Job], datasets: Datasets) -> RunData:
+def read_data(settings, jobs: List[plan.Job], datasets: Datasets) -> RunData:
     # Each training split is drawn once per (dataset, seed, shots): rows that differ only in
     # --roles share it.
     trained = sorted({job.dataset for job in jobs})
@@ -280,97 +273,23 @@ def read_data(settings, jobs: List[runs.Job], datasets: Datasets) -> RunData:
     return RunData(train, test)
 
 
-def loader_of(items: list, settings, size: int, runtime: runs.Runtime) -> DataLoader:
-    """The test-transform loader of evaluation, features and the head analysis."""
-    dataset = data.ImageDataset(items, data.test_transform(size))
-    workers, in_flight = runtime.loaders["eval"]  # runs.loader_plan: what fits the machine
-    return DataLoader(dataset, batch_size=settings["eval_batch_size"], num_workers=workers,
-                      prefetch_factor=in_flight if workers else None)
-
-
-def analysis_images(items: List[data.Item], cap: int, seed: int) -> List[data.Item]:
-    """At most `cap` images, evenly over the classes: each class's images in a seeded order, then
-    one per class in turn (the classes in a seeded order too: a cap below the class count samples
-    classes at random), never the head of a label-sorted list, which covers only a large
-    dataset's first classes."""
-    generator = torch.Generator().manual_seed(seed)
-    by_class = {}
-    for item in items:
-        by_class.setdefault(item.label, []).append(item)
-    groups = [group for _, group in sorted(by_class.items())]
-    orders = [torch.randperm(len(group), generator=generator) for group in groups]
-    longest = max(map(len, groups), default=0)
-    rounds, taken = 0, 0
-    while taken < cap and rounds < longest:  # rounds of one image per class that reach the cap
-        taken += sum(len(group) > rounds for group in groups)
-        rounds += 1
-    # Only those rounds' images are looked up (ImageNet: 2 of each class's ~1,281), round by round.
-    queues = [[group[i] for i in order[:rounds].tolist()] for group, order in zip(groups, orders)]
-    queues = [queues[i] for i in torch.randperm(len(queues), generator=generator).tolist()]
-    return [queue[depth] for depth in range(rounds) for queue in queues if depth < len(queue)][:cap]
-
-
 # ------------------------------------------------------------------------------------------
 # 3. Model: the frozen CLIP (or the toy world's), read once per call; DeAR on top, per run
 # ------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Inputs:
-    """What every run of a call shares, read once."""
-    clip: clip_model.CLIP
-    tokenizer: clip_model.SimpleTokenizer
-    attributes: List[str]  # one attribute token each
-    bank: List[tuple]  # the analysis' description pool (--bank): (text, concept or None, value)
-    concepts: str  # where the analysis' concepts come from: "clusters" or "labels" (--concepts)
-    cluster_names: Optional[Dict[int, str]]  # --cluster-names: {cluster id: name}
-    toy: bool  # the toy world: a causal check follows the head analysis (the ground truth is known)
-    files: dict  # root, weights, head_width, bpe, fingerprints: merged into the settings once
-
-
-def open_inputs(settings, runtime: runs.Runtime, pool) -> Inputs:
-    """Find and read the model, the BPE file and a --roles file, each checked against the settings
-    before any run folder is written. The toy world enters here, through toyworld.prepare, which
-    makes or reuses its model, BPE file and data in the cache."""
-    files = {key: settings[key] for key in ("root", "weights", "head_width", "bpe")}
-    toy = settings["dataset"] == ["toyworld"]
-    attributes = attribute_tokens(toy)
-    if pool is None:  # no analysis in this call: a resumed run keeps the pool's recorded SHA-256
-        pool = [], dict(concepts=None, sha256=(settings["fingerprints"] or {}).get("bank"))
-    bank, record = pool
-    cluster_names = runs.cluster_names_of(settings["cluster_names"], attributes)
-    if toy:
-        import toyworld  # the project's own world (toyworld/), only needed here
-
-        if runtime.world > 1:
-            raise TrainError("--dataset toyworld runs in one process; start it without torchrun")
-        assets = toyworld.prepare(settings["toy_scale"], log=runtime.log)
-        # A new run takes the cache's files; a resumed one keeps its own (their content is checked).
-        found = dict(root=assets.data_root, weights=assets.weights,
-                     head_width=assets.head_width, bpe=assets.bpe)
-        files = {key: found[key] if value is None else value for key, value in files.items()}
-    clip, tokenizer = runs.load_clip(files["weights"], files["head_width"], files["bpe"],
-                                     runtime.device)
-    clip_model.set_attention(clip, runtime.kernel)  # --attention: explicit or torch's fused
-    files["bpe"] = tokenizer.bpe_path
-    files["fingerprints"] = runs.input_fingerprints(settings, files["weights"], tokenizer)
-    files["fingerprints"]["bank"] = record["sha256"]
-    runs.check_model_fit(settings, clip, attributes)  # J, K and a roles file against this model
-    return Inputs(clip, tokenizer, attributes, bank, record["concepts"], cluster_names, toy, files)
-
-
-def build_dear(settings, inputs: Inputs, role_map: dear.RoleMap,
+def build_dear(settings, inputs: sources.Inputs, role_map: dear.RoleMap,
                ablation: Optional[str] = None) -> dear.DeAR:
     """DeAR on the frozen CLIP: the one place it is built (to train, and for --eval-only), at the
-    recipe's beta, with an ablation's change (runs.ablate). Its learnable tokens come from torch's
+    recipe's beta, with an ablation's change (plan.ablate). Its learnable tokens come from torch's
     global generator: the caller seeds it."""
-    change = runs.ablate(ablation, role_map, inputs.attributes, settings["lambda_fusion"])
+    change = plan.ablate(ablation, role_map, inputs.attributes, settings["lambda_fusion"])
     with warnings.catch_warnings():  # what the header already said is not warned of per run
         if change.role_map.source == "all-generalization":  # blind tokens, by construction
             warnings.filterwarnings("ignore", message="DeAR: no head from layer")
         warnings.filterwarnings("ignore", message="DeAR: the head analysis names no attribute")
         return dear.DeAR(inputs.clip, change.role_map, change.attributes,
-                         first_layer=runs.first_layer(settings, inputs.clip),
+                         first_layer=sources.first_layer(settings, inputs.clip),
                          beta=settings["beta"], num_text_tokens=settings["text_tokens"],
                          tokens=settings["tokens"],
                          class_branch_fallback=change.class_branch_fallback)
@@ -393,8 +312,8 @@ def learning_rate(settings, epoch: int) -> float:
     return 0.5 * settings["lr"] * (1 + math.cos(math.pi * (epoch - warmup) / settings["epochs"]))
 
 
-def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap,
-              split: data.DatasetSplits, runtime: runs.Runtime) -> Optional[dear.DeAR]:
+def train_job(job: plan.Job, settings, inputs: sources.Inputs, role_map: dear.RoleMap,
+              split: data.DatasetSplits, runtime: devices.Runtime) -> Optional[dear.DeAR]:
     """Train one DeAR run, a checkpoint at every epoch end -> the model (None if
     --max-epochs-per-call stopped it first). The loop is the paper's Sec. 3.4; several processes
     and the per-epoch seeds are the helpers of Sec. 6 below; resuming and checkpoints, runs.py's."""
@@ -404,9 +323,9 @@ def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap,
     optimizer = torch.optim.AdamW(model.learnable_parameters(), lr=settings["lr"],
                                   weight_decay=settings["weight_decay"])
     # the loss scaler: fp16 only; bf16 needs none
-    scaler = runs.grad_scaler(runtime.device, enabled=runtime.amp_dtype == torch.float16)
+    scaler = devices.grad_scaler(runtime.device, enabled=runtime.amp_dtype == torch.float16)
     # --resume: from the run's last checkpoint; the epochs [start, stop) of this call
-    start = (runs.resume_checkpoint(job, settings, model, optimizer, scaler, runtime)
+    start = (runfolder.resume_checkpoint(job, settings, model, optimizer, scaler, runtime)
              if settings["resume"] else 0)
     stop = min(settings["epochs"], start + (settings["max_epochs_per_call"] or settings["epochs"]))
     describe(job, model, split, runtime)
@@ -417,10 +336,10 @@ def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap,
     network = distributed(model, settings, runtime)  # DDP under torchrun, else the model itself
     lambda_reg = settings["lambda_reg"]
     # the loss's settings, an ablation's change included
-    change = runs.ablate(job.ablation, role_map, inputs.attributes, settings["lambda_fusion"])
+    change = plan.ablate(job.ablation, role_map, inputs.attributes, settings["lambda_fusion"])
     lambda_fusion, branch_ce = change.lambda_fusion, change.branch_ce
     # the sums, the wait for data and the non-finite guard, read every --log-every steps
-    progress = runs.Progress(job, settings, runtime, model, scaler,
+    progress = monitor.Progress(job, settings, runtime, model, scaler,
                              steps=(stop - start) * len(loader), steps_per_epoch=len(loader))
     model.train()
     for epoch in range(start, stop):
@@ -428,7 +347,7 @@ def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap,
         for step, (images, labels) in progress.epoch(epoch, loader):
             images = images.to(runtime.device, non_blocking=True)
             labels = labels.to(runtime.device)
-            with runs.autocast(runtime):
+            with devices.autocast(runtime):
                 output = network(images, classes, with_frozen=True)  # also frozen CLIP's, for L_reg
                 losses = dear.dear_loss(output, labels, lambda_reg, lambda_fusion, branch_ce)
             optimizer.zero_grad(set_to_none=True)
@@ -436,15 +355,15 @@ def train_job(job: runs.Job, settings, inputs: Inputs, role_map: dear.RoleMap,
             scaler.step(optimizer)  # fp16: skipped where a gradient overflowed
             scaler.update()
             progress.step(step, lr, losses, output.logits, labels)  # a non-finite step: Diverged
-        runs.end_epoch(job, settings, model, optimizer, scaler, progress, runtime)  # checkpoint
-    return runs.finish_job(job, settings, model, stop, runtime)  # None: stopped early
+        runfolder.end_epoch(job, settings, model, optimizer, scaler, progress, runtime)  # checkpoint
+    return runfolder.finish_job(job, settings, model, stop, runtime)  # None: stopped early
 
 
 # ------------------------------------------------------------------------------------------
 # 5. Evaluation: top-1 accuracy under each fusion rule
 # ------------------------------------------------------------------------------------------
 # DeAR gives two kinds of logits in one pass (fused, and the class branch alone); the fusion
-# mode (runs.FUSION_MODES) decides per test set which one is reported (dear.scoring_logits). Each
+# mode (cli.FUSION_MODES) decides per test set which one is reported (dear.scoring_logits). Each
 # test set is scored at its own beta (beta_at_test): MMRL++ tests each cross/dg target at its own.
 
 
@@ -476,7 +395,7 @@ def zero_shot_logits(clip, image_features: torch.Tensor, text_features: torch.Te
 
 
 @torch.no_grad()
-def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings, runtime: runs.Runtime,
+def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings, runtime: devices.Runtime,
              beta: Optional[float] = None) -> Dict[str, float]:
     """Top-1 accuracy (%) -> {"clip": acc} for zero-shot CLIP (model=None), or {"fused": acc,
     "class": acc} for DeAR (the class branch alone: s * cos(f_cls, t_c)), from one pass over the
@@ -485,7 +404,7 @@ def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings, runtime: runs.
     with beta_for_test(model, beta):
         prompts = [eval_set.template.format(name) for name in eval_set.classnames]
         ids = tokenizer.tokenize(prompts, clip.context_length, truncate=True).to(runtime.device)
-        with runs.autocast(runtime):  # the class prompts, once per test set
+        with devices.autocast(runtime):  # the class prompts, once per test set
             if model is None:
                 text = clip.encode_text(ids)  # (C, E)
             else:
@@ -495,10 +414,10 @@ def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings, runtime: runs.
         kinds = ["clip"] if model is None else ["fused", "class"]
         # per kind of logits its correct predictions, then images with a non-finite logit
         counts = torch.zeros(len(kinds) + 1, dtype=torch.long, device=runtime.device)
-        for images, labels in loader_of(items, settings, clip.visual.input_resolution, runtime):
+        for images, labels in devices.loader_of(items, settings, clip.visual.input_resolution, runtime):
             images, labels = images.to(runtime.device), labels.to(runtime.device)
             # The encoders under autocast; every score in fp32 (dear.cosine_logits, fused_logits).
-            with runs.autocast(runtime):
+            with devices.autocast(runtime):
                 if model is None:
                     scores = [zero_shot_logits(clip, clip.encode_image(images), text)]  # (B, C)
                 else:
@@ -508,11 +427,11 @@ def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings, runtime: runs.
                     scores = [fused, branches[:, 0]]  # (B, C) each
             counts += torch.stack([(logits.argmax(dim=-1) == labels).sum() for logits in scores]
                                   + [(~torch.isfinite(torch.stack(scores))).any(0).any(-1).sum()])
-        *correct, non_finite, total = runs.sum_over_processes(counts.tolist() + [len(items)],
+        *correct, non_finite, total = devices.sum_over_processes(counts.tolist() + [len(items)],
                                                               runtime)
         if non_finite:  # an argmax over NaN is no prediction
-            raise runs.Diverged(f"test {eval_set.name}: {int(non_finite)} of {int(total)} images "
-                                f"got non-finite logits ({runs.precision_name(runtime.amp_dtype)}"
+            raise monitor.Diverged(f"test {eval_set.name}: {int(non_finite)} of {int(total)} images "
+                                f"got non-finite logits ({devices.precision_name(runtime.amp_dtype)}"
                                 f", attention {runtime.attention}); try --attention explicit "
                                 "or another --amp with --eval-only")
         return {kind: 100.0 * c / max(total, 1) for kind, c in zip(kinds, correct)}
@@ -523,8 +442,8 @@ def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings, runtime: runs.
 # ------------------------------------------------------------------------------------------
 
 
-def describe(job: runs.Job, model: dear.DeAR, split: data.DatasetSplits,
-             runtime: runs.Runtime) -> None:
+def describe(job: plan.Job, model: dear.DeAR, split: data.DatasetSplits,
+             runtime: devices.Runtime) -> None:
     """The run in two lines: its data, J and the fallback; the learnable parameters per
     component of the token construction (their shapes in the log files)."""
     alone = "; the class branch alone (no attribute head)" if model.class_branch_only else ""
@@ -539,16 +458,16 @@ def describe(job: runs.Job, model: dear.DeAR, split: data.DatasetSplits,
     runtime.detail(f"[{job.label}] {model.parameter_summary()}")
 
 
-def class_prompts(model: dear.DeAR, inputs: Inputs, split: data.DatasetSplits,
-                  runtime: runs.Runtime):
+def class_prompts(model: dear.DeAR, inputs: sources.Inputs, split: data.DatasetSplits,
+                  runtime: devices.Runtime):
     """The class prompts' frozen text side, once per run (the text tokens enter at layer J)."""
     ids = inputs.tokenizer.tokenize(split.prompts, inputs.clip.context_length, truncate=True)
-    with runs.autocast(runtime):
+    with devices.autocast(runtime):
         return model.prepare_classes(ids.to(runtime.device))
 
 
-def training_loader(job: runs.Job, settings, split: data.DatasetSplits, clip,
-                    runtime: runs.Runtime):
+def training_loader(job: plan.Job, settings, split: data.DatasetSplits, clip,
+                    runtime: devices.Runtime):
     """The few-shot images, augmented unless --augment off. A DistributedSampler also in one
     process: its order is a pure function of (seed, epoch), and each image's augmentation is
     drawn from its own generator seeded by (seed, epoch, image), whatever --workers: what makes
@@ -571,7 +490,7 @@ def training_loader(job: runs.Job, settings, split: data.DatasetSplits, clip,
                       pin_memory=runtime.device.type == "cuda", drop_last=drop_last)
 
 
-def distributed(model: dear.DeAR, settings, runtime: runs.Runtime):
+def distributed(model: dear.DeAR, settings, runtime: devices.Runtime):
     """Under torchrun, the learnable tensors' gradients averaged over the processes (DDP)."""
     if runtime.world == 1:
         return model
@@ -589,7 +508,7 @@ def unused_learnables(model: dear.DeAR) -> List[str]:
     return []
 
 
-def start_epoch(epoch: int, job: runs.Job, settings, loader: DataLoader, optimizer) -> float:
+def start_epoch(epoch: int, job: plan.Job, settings, loader: DataLoader, optimizer) -> float:
     """Epoch `epoch`'s learning rate, set; its order, augmentation and randomness seeded by
     (seed, epoch) alone, so that an epoch replays identically after --resume -> the lr."""
     loader.sampler.set_epoch(epoch)
@@ -605,144 +524,9 @@ def start_epoch(epoch: int, job: runs.Job, settings, loader: DataLoader, optimiz
 # 7. The head analysis (paper Sec. 3.2): once per model and image pool, cached
 # ------------------------------------------------------------------------------------------
 # A role map belongs to the model and the images it was measured on, not to a run: computed once
-# per (weights, pool, bank, analysis settings), cached (runs.analysis_cache), reused by every run
+# per (weights, pool, bank, analysis settings), cached (analysis.analysis_cache), reused by every run
 # asking the same. Each run folder keeps a copy (<dataset>/roles/): --resume and --eval-only never
 # need the cache.
-
-
-def analysis_pool(settings, datasets: Datasets, dataset: str):
-    """The images `dataset`'s analysis reads (--analysis-pool, at most --analysis-images, evenly
-    over the classes) and a line naming them. 'train': the whole training split (shared with the
-    test sets' read), never a few-shot draw; in base2novel its base classes only, no novel image
-    before the test."""
-    name, split = runs.analysis_pool_of(settings["analysis_pool"])
-    if name is None:
-        subsample = "base" if settings["protocol"] == "base2novel" else "all"
-        items = datasets.splits(dataset, subsample=subsample).train
-        what = f"{dataset} train" + (" (base classes)" if subsample == "base" else "")
-    else:
-        items, what = getattr(datasets.splits(name), split), f"{name} {split}"
-    chosen = analysis_images(items, settings["analysis_images"], ANALYSIS_SEED)
-    if len(chosen) < 2:  # TextSpan measures variation across images
-        raise TrainError(f"--analysis-pool {settings['analysis_pool']}: {what} has "
-                         f"{len(chosen)} images; the head analysis needs at least 2 "
-                         "(choose another pool, e.g. imagenet:test)")
-    classes = len({item.label for item in chosen})
-    return chosen, f"{what}, {len(chosen)} of {len(items)} images, {classes} classes"
-
-
-def run_head_analysis(settings, inputs: Inputs, items: list, pool: str, picks: int, encoder: dict,
-                      folder: str, runtime: runs.Runtime) -> None:
-    """Concept entropy of every head of the last four layers -> roles.json, roles.txt, roles.png,
-    clusters.md in `folder` (and, in the toy world, the causal check). `encoder`: the record of
-    --sentence-encoder (runs.sentence_encoder_record); SBERT is loaded here, on a cache miss."""
-    clip, started = inputs.clip, time.time()
-    layers = dear.analysed_layers(len(clip.visual.transformer.resblocks))  # the last four
-    runtime.log(f"head analysis: the last {layers} layers' heads, {picks} TextSpan picks each, "
-                f"on {pool} (cached after)")
-    batches = (images for images, _ in loader_of(items, settings, clip.visual.input_resolution, runtime))
-    embed_texts = None  # CLIP's text tower: dear.py's own
-    if encoder["name"] == "sbert":  # (labels need no encoder: read_pool refuses one)
-        embed_texts = runs.sbert_embedder(encoder, runtime.device)
-    role_map = dear.analyze_heads(
-        clip, batches, inputs.tokenizer, inputs.bank, inputs.attributes,
-        num_layers=layers, num_descriptions=picks,  # rank: the head width
-        low_bits=settings["low_bits"], high_bits=settings["high_bits"],
-        concepts=inputs.concepts, embed_texts=embed_texts,  # None: CLIP's text tower
-        min_cluster_size=settings["min_cluster_size"], min_samples=settings["min_samples"],
-        cluster_names=inputs.cluster_names, log=runtime.detail)  # its progress: the log files
-    role_map.source = f"concept entropy ({inputs.concepts}) on {pool}"
-    labels = runs.scoring_labels(settings["bank"], inputs.bank, runs.description_bank(inputs.toy))
-    table, clusters = role_map.table(), runs.clusters_table(role_map, labels, encoder)
-    runtime.log(table)
-    runtime.log(runs.concepts_line(role_map))
-    runtime.detail(clusters)
-    runs.draw_heatmap(role_map, os.path.join(folder, "roles.png"))
-    runs.write_text(os.path.join(folder, "roles.txt"), table + "\n")
-    runs.write_text(os.path.join(folder, "clusters.md"), clusters)
-    files = "roles.json, roles.txt, roles.png, clusters.md"
-    if inputs.toy:
-        # Toy world only: is concept entropy right? Mean-ablate each analysed head and see which
-        # attribute's zero-shot accuracy falls (the ground truth is known here). On a CPU copy of
-        # the toy CLIP (1.6M parameters): the check draws on the CPU, the same table on every
-        # device.
-        import toyworld
-
-        cpu_clip = clip if clip.visual.conv1.weight.is_cpu else copy.deepcopy(clip).cpu()
-        result = toyworld.causal_check(cpu_clip, inputs.tokenizer, role_map, role_map.attributes,
-                                       log=runtime.log)  # its summary, two lines
-        runs.write_text(os.path.join(folder, "causal_check.md"), result["table"] + "\n")
-        runs.write_json(os.path.join(folder, "causal_check.json"), result)
-        runtime.detail(result["table"])
-        files += ", causal_check.md (per head)"
-    role_map.save(os.path.join(folder, "roles.json"))
-    runtime.log(f"head analysis: done in {runs.format_time(time.time() - started)}; in each run "
-                f"folder's <dataset>/roles/: {files}")
-
-
-def analysis_code(toy: bool) -> list:
-    """The code a cached role map comes from, the one list of it: its source is part of the cache
-    key (runs.analysis_fingerprint), so that a changed line never reuses a map made before. The
-    method (dear.py, clip_model.py, clustering.py: the HDBSCAN dear.py calls), the harness that
-    loads the encoder and writes the cached files (runs.py, run_head_analysis) and, in the toy
-    world, the causal check written beside the map. A module the analysis comes to call is added
-    here."""
-    import clustering  # dear.py imports it only where it clusters
-
-    code = [clip_model, dear, clustering, runs, run_head_analysis]
-    if toy:
-        from toyworld import causal
-
-        code.append(causal)
-    return code
-
-
-def analysed_role_maps(settings, inputs: Inputs, datasets: Datasets, runtime: runs.Runtime):
-    """{trained dataset: its analysed RoleMap}, {trained dataset: the map's record (fingerprint,
-    pool, images, picks, sha256, cache)}: a new run's from the cache (analysing what is missing);
-    --resume / --eval-only read the run folder's copies, checked against settings.json."""
-    maps, records, encoder = {}, {}, None
-    for dataset in runs.trained_datasets(settings) if runs.analysing(settings) else []:
-        if settings["resume"] or settings["eval_only"]:
-            path = runs.role_copy(settings, dataset, checked=True)
-            record = settings["role_maps"][dataset]
-        else:
-            started = time.time()
-            items, pool = analysis_pool(settings, datasets, dataset)
-            # TextSpan's rank, a head's width: 64 on ViT-B/16, 16 on the toy CLIP
-            rank = dear.textspan_rank(inputs.clip)
-            embed_dim = inputs.clip.visual.proj.shape[1]
-            default = runs.default_picks(settings, inputs.bank, inputs.attributes)
-            picks = dear.analysis_picks(settings["descriptions"], len(inputs.bank), len(items),
-                                        rank=rank, embed_dim=embed_dim, default=default)
-            if encoder is None:  # once per call; a named SBERT model is found (or fetched) here
-                encoder = runs.sentence_encoder_record(settings["sentence_encoder"], runtime.log)
-            # (clustering settings unset: the rule's)
-            concepts = dict(source=inputs.concepts, encoder=encoder, bank=settings["bank"],
-                            min_cluster_size=settings["min_cluster_size"],
-                            min_samples=settings["min_samples"],
-                            cluster_names=inputs.cluster_names)
-            fingerprint = runs.analysis_fingerprint(settings, inputs.clip, items, inputs.bank,
-                                                    inputs.attributes, picks, rank, concepts,
-                                                    analysis_code(inputs.toy))
-            took = time.time() - started
-            runtime.detail(f"head analysis: pool {pool}, chosen and fingerprinted in {took:.1f} s")
-            record = dict(fingerprint=fingerprint, pool=pool, images=len(items), picks=picks,
-                          concepts=concepts)
-
-            def analyse(folder: str) -> None:
-                run_head_analysis(settings, inputs, items, pool, picks, encoder, folder, runtime)
-                runs.write_json(os.path.join(folder, "analysis.json"), record)
-
-            entry = runs.analysis_cache(fingerprint, pool, analyse, runtime)
-            path = os.path.join(entry, "roles.json")
-            record.update(sha256=runs.sha256(path), cache=entry)
-        maps[dataset], records[dataset] = runs.load_role_file(path), record
-        record.setdefault("class_branch_only", dear.falls_back_to_class_branch(maps[dataset]))
-        if record["class_branch_only"]:
-            runtime.log(f"head analysis ({dataset}): no attribute head; "
-                        "DeAR falls back to the class branch alone")
-    return maps, records
 
 
 # ------------------------------------------------------------------------------------------
@@ -750,119 +534,23 @@ def analysed_role_maps(settings, inputs: Inputs, datasets: Datasets, runtime: ru
 # ------------------------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def image_features(clip, items: list, settings, runtime: runs.Runtime):
-    """Normalised frozen CLIP image embeddings (test transform) -> ((n, E), labels (n,))."""
-    features, labels = [], []
-    for images, batch_labels in loader_of(items, settings, clip.visual.input_resolution, runtime):
-        with runs.autocast(runtime):
-            embedded = clip.encode_image(images.to(runtime.device)).float()  # (B, E)
-            features.append(F.normalize(embedded, dim=-1).cpu())
-        labels.append(batch_labels)
-    return torch.cat(features), torch.cat(labels)
-
-
-def linear_probe(clip, split: data.DatasetSplits, eval_sets: List[EvalSet], settings,
-                 runtime) -> Dict[str, float]:
-    """CLIP's linear probe (Radford et al. 2021, Sec. 3.2): logistic regression on the frozen
-    image embeddings of the few-shot images DeAR trains on, its L2 strength picked on the
-    validation images: a ceiling for the base column, telling weak training from weak features.
-    No classifier for untrained classes: those sets get no number. -> {set name: top-1 %}"""
-    train_x, train_y = image_features(clip, split.train, settings, runtime)
-    if split.val:
-        val_x, val_y = image_features(clip, split.val, settings, runtime)
-    else:  # no validation images: picked on the training images
-        val_x, val_y = train_x, train_y
-
-    def fit(l2: float) -> torch.nn.Linear:
-        torch.manual_seed(0)
-        probe = torch.nn.Linear(train_x.shape[1], len(split.classnames))
-        optimizer = torch.optim.LBFGS(probe.parameters(), lr=1.0, max_iter=300,
-                                      line_search_fn="strong_wolfe")
-
-        def closure():
-            optimizer.zero_grad()
-            loss = F.cross_entropy(probe(train_x), train_y) + l2 * probe.weight.pow(2).sum()
-            loss.backward()
-            return loss
-
-        with torch.enable_grad():
-            optimizer.step(closure)
-        return probe
-
-    def accuracy(probe, x, y) -> float:
-        with torch.no_grad():
-            return 100.0 * (probe(x).argmax(dim=-1) == y).float().mean().item()
-
-    probes = {l2: fit(l2) for l2 in (1e-1, 1e-2, 1e-3, 1e-4)}
-    best = max(probes, key=lambda l2: accuracy(probes[l2], val_x, val_y))  # ties: the stronger L2
-    metrics = {s.name: accuracy(probes[best], *image_features(clip, s.items, settings, runtime))
-               for s in eval_sets if list(s.classnames) == list(split.classnames)}
-    runtime.log(f"linear probe: L2 {best:g} picked on {len(val_y)} validation images; "
-                + ", ".join(f"{name} {value:.2f}%" for name, value in metrics.items()))
-    return metrics
-
-
-@torch.no_grad()
-def retrieval_check(model: dear.DeAR, job: runs.Job, settings, inputs: Inputs, lists: RunData,
-                    runtime: runs.Runtime) -> Optional[dict]:
-    """The paper's check that an attribute token carries its attribute: the trained dataset's test
-    images ranked by each feature (each attribute token that can read the image, the class
-    feature, frozen CLIP) -> retrieval_<feature>.png in the run's folder. In the toy world, where
-    every image's attributes are known, also precision@10 of same-value retrieval: {feature:
-    {attribute: share}}, "blind" for a token that cannot read the image (None elsewhere)."""
-    names = ("base", "novel", "all", job.dataset)  # the trained dataset's own test split
-    own = [s for s in lists.test[job.dataset] if s.name in names]
-    items = list({item.path: item for s in own for item in s.items}.values())  # each image once
-    gallery = analysis_images(items, RETRIEVAL_GALLERY, seed=0)
-    size = inputs.clip.visual.input_resolution
-    batches = loader_of(gallery, settings, size, runtime)
-    parts = [dear.retrieval_features(model, x.to(runtime.device)) for x, _ in batches]
-    # {feature name: (M, E)}, the whole gallery
-    features = {name: torch.cat([p[name] for p in parts]).cpu() for name in parts[0]}
-    k = max(RETRIEVAL_K, RETRIEVAL_SHOWN)
-    rankings = {name: dear.rank_gallery(f, f, k, same_images=True)
-                for name, f in features.items()}  # {name: (M, k)}
-    # a picture per feature that scores: no token left out of the fusion (the class-branch
-    # fallback); the toy world still measures every token's precision below
-    fused = {a for a, used in zip(model.attributes, model.in_fusion[1:].tolist()) if used}
-    drawn = {name: r for name, r in rankings.items() if name not in model.attributes or name in fused}
-    runs.draw_retrieval(gallery, drawn, size, RETRIEVAL_QUERIES, RETRIEVAL_SHOWN, job.folder,
-                        job.label)
-    runtime.detail(f"[{job.label}] retrieval: {len(gallery)} test images "
-                   f"ranked by {', '.join(rankings)}; pictures retrieval_*.png in {job.folder}")
-    if not inputs.toy:
-        return None
-    from toyworld.task import split_scenes  # the toy world knows every test image's attributes
-
-    images_dir = os.path.join(settings["root"], "toyworld", "images")
-    by_path = split_scenes(settings["root"])
-    paths = [os.path.relpath(item.path, images_dir).replace(os.sep, "/") for item in gallery]
-    scenes = [by_path[path] for path in paths]
-    values = {a: [getattr(scene, a) for scene in scenes] for a in inputs.attributes}
-    return {name: {a: "blind" if name not in rankings else  # a blind token ranks nothing
-                   dear.precision_at_k(rankings[name][:, :RETRIEVAL_K], values[a], values[a])
-                   for a in inputs.attributes}
-            for name in ["class"] + model.attributes + ["frozen CLIP"]}  # no-attribute-tokens: none
-
-
-def run_job(job: runs.Job, settings, inputs: Inputs, role_maps: dict, lists: RunData,
-            runtime: runs.Runtime) -> Optional[dict]:
+def run_job(job: plan.Job, settings, inputs: sources.Inputs, role_maps: dict, lists: RunData,
+            runtime: devices.Runtime) -> Optional[dict]:
     """Train (or load) and evaluate one job, then write its results.json -> its results, or None
     if --max-epochs-per-call stopped it."""
     results_path = os.path.join(job.folder, "results.json")
-    if runs.finished(job, settings):
+    if runfolder.finished(job, settings):
         with open(results_path, encoding="utf-8") as f:
-            return json.load(f)  # finished in an earlier call (checked by runs.check_run_folder)
+            return json.load(f)  # finished in an earlier call (checked by runfolder.check_run_folder)
     model = None
     if job.row == "linear-probe":
         split = lists.train[job.dataset, job.seed, job.shots]
-        metrics = linear_probe(inputs.clip, split, lists.test[job.dataset], settings, runtime)
+        metrics = checks.linear_probe(inputs.clip, split, lists.test[job.dataset], settings, runtime)
         result = dict(job=dataclasses.asdict(job), metrics=metrics,
-                      settings=runs.job_settings(settings, job))
+                      settings=plan.job_settings(settings, job))
     else:
         if job.row != "zeroshot" and settings["eval_only"]:
-            checkpoint = runs.finished_checkpoint(job, settings)
+            checkpoint = runfolder.finished_checkpoint(job, settings)
             role_map = role_maps[job.dataset, job.roles]
             model = build_dear(settings, inputs, role_map, job.ablation).to(runtime.device)
             model.load_learnable_state_dict(checkpoint["learnable"])
@@ -883,8 +571,8 @@ def run_job(job: runs.Job, settings, inputs: Inputs, role_maps: dict, lists: Run
             try:
                 accuracy[eval_set.name] = evaluate(model, inputs.clip, inputs.tokenizer, eval_set,
                                                    settings, runtime, beta)
-            except runs.Diverged as error:  # said with the run's name
-                raise runs.Diverged(f"[{job.label}] {error}") from None
+            except monitor.Diverged as error:  # said with the run's name
+                raise monitor.Diverged(f"[{job.label}] {error}") from None
             for mode in settings["fusion"]:
                 used = "clip" if model is None else dear.scoring_logits(mode, eval_set.trained)
                 logits[mode][eval_set.name] = used
@@ -896,17 +584,17 @@ def run_job(job: runs.Job, settings, inputs: Inputs, role_maps: dict, lists: Run
         runtime.log(f"[{job.label}] test: " + "; ".join(  # one line: every set, every kind
             f"{name} " + " / ".join(f"{v:.2f}% {kind}" for kind, v in kinds.items())
             for name, kinds in accuracy.items()))
-        result = runs.evaluation_record(job, settings, model, accuracy, logits, betas)
+        result = reports.evaluation_record(job, settings, model, accuracy, logits, betas)
     if runtime.main:
         # pictures in the run folder; the toy world's precision@10 in the result
         if model is not None:
-            result["retrieval"] = retrieval_check(model, job, settings, inputs, lists, runtime)
-        table = runs.job_table(job.label, result["metrics"])
-        runs.write_text(os.path.join(job.folder, "results.md"), table)
-        runs.write_json(results_path, result)  # last: its presence marks the run complete
+            result["retrieval"] = checks.retrieval_check(model, job, settings, inputs, lists, runtime)
+        table = reports.job_table(job.label, result["metrics"])
+        runfolder.write_text(os.path.join(job.folder, "results.md"), table)
+        runfolder.write_json(results_path, result)  # last: its presence marks the run complete
     # the other processes wait for rank 0's retrieval check on the CPU-side group, never in the
     # next run's DDP constructor (a collective whose timeout the check may outlast)
-    runs.wait_for_main(runtime, "retrieval check")
+    devices.wait_for_main(runtime, "retrieval check")
     return result
 
 
@@ -916,76 +604,77 @@ def run_job(job: runs.Job, settings, inputs: Inputs, role_maps: dict, lists: Run
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = runs.build_parser(BOOK).parse_args(argv)
-    return runs.one_line_errors(lambda: run(args))  # a known error: one line, exit status 2
+    args = cli.build_parser(BOOK).parse_args(argv)
+    return errors.one_line_errors(lambda: run(args))  # a known error: one line, exit status 2
 
 
 def run(args) -> int:
-    settings = runs.resolve_settings(args, BOOK)  # flags (or the saved run) -> settings, checked
-    jobs = runs.plan_jobs(settings)
+    settings = config.resolve_settings(args, BOOK)  # flags (or the saved run) -> settings, checked
+    jobs = plan.plan_jobs(settings)
     fresh = not (settings["resume"] or settings["eval_only"])
     with contextlib.ExitStack() as stack:  # holds the run folder's lock until the call ends
         # fresh: usable; resumed: locked, every file checked
-        runs.check_run_folder(settings, jobs, stack)
+        runfolder.check_run_folder(settings, jobs, stack)
         check_datasets(settings, jobs)  # each dataset's folder is there, before any download
         # the analysis' descriptions, checked before any model is read
-        pool = runs.read_pool(settings, attribute_tokens(settings["dataset"] == ["toyworld"]))
-        runtime = runs.setup_runtime(settings)  # the device (and processes, under torchrun)
-        stack.callback(runs.end_runtime, runtime)  # the processes' group left on every way out
-        stack.enter_context(runs.sdpa_backends(runtime.backends))  # --attention's fused kernels
+        pool = sources.read_pool(settings, attribute_tokens(settings["dataset"] == ["toyworld"]))
+        runtime = devices.setup_runtime(settings)  # the device (and processes, under torchrun)
+        stack.callback(devices.end_runtime, runtime)  # the processes' group left on every way out
+        stack.enter_context(devices.sdpa_backends(runtime.backends))  # --attention's fused kernels
         # the toy world on one CPU thread (its numbers the same on every machine); else torch's
-        threads = stack.enter_context(runs.cpu_threads(settings["dataset"] == ["toyworld"]))
+        threads = stack.enter_context(devices.cpu_threads(settings["dataset"] == ["toyworld"]))
         for line in pool[1]["header"] if pool else []:  # which head analysis, and how it departs
             runtime.log(line)
-        inputs = open_inputs(settings, runtime, pool)  # CLIP, tokenizer, the toy world, checked
+        inputs = sources.open_inputs(settings, runtime, pool, attribute_tokens(
+            settings["dataset"] == ["toyworld"]))  # CLIP, tokenizer, the toy world, checked
         # the loaders' processes and batches in flight: what the CPUs and /dev/shm allow
-        runtime.loaders = runs.loader_plan(settings, runtime, inputs.clip.visual.input_resolution)
+        runtime.loaders = devices.loader_plan(settings, runtime, inputs.clip.visual.input_resolution)
         # the files' places and SHA-256 complete the settings
         settings = dict(settings, **inputs.files)
         datasets = Datasets(settings["root"], runtime.log)  # each read once, when first asked for
         lists = read_data(settings, jobs, datasets) if not settings["analyse_only"] else None
-        analysed, records = analysed_role_maps(settings, inputs, datasets, runtime)  # one per pool
+        analysed, records = analysis.analysed_role_maps(settings, inputs, datasets, runtime)  # one per pool
         del datasets  # the whole lists (ImageNet: 1.3M Items, 250 MB) are not needed past here
         if fresh:
             settings["role_maps"] = records or None
         settings = types.MappingProxyType(settings)  # read-only from here on
         if settings["analyse_only"]:
             if runtime.main:
-                runs.check_output_folder(settings["output"])
-                runs.copy_role_maps(settings, inputs.clip, records)
-                runs.open_call_log(runtime, settings["output"], stack)
+                runfolder.check_output_folder(settings["output"])
+                runfolder.copy_role_maps(settings, inputs.clip, records)
+                runfolder.open_call_log(runtime, settings["output"], stack)
                 for dataset in records:
-                    folder = os.path.dirname(runs.role_copy(settings, dataset))
+                    folder = os.path.dirname(runfolder.role_copy(settings, dataset))
                     runtime.log(f"train.py: head roles of {dataset} in {folder} "
                                 "(roles.json, roles.txt, roles.png, masks.png); "
                                 "train with them by leaving out --analyse-only "
                                 "(the cache is reused)")
             return 0
         if runtime.main and fresh:  # from here on the run folder exists
-            runs.start_run_folder(settings, inputs.clip, runtime.world, stack)
-        runs.open_call_log(runtime, settings["output"], stack)  # <output>/log.txt, appended
+            runfolder.start_run_folder(settings, inputs.clip, runtime.world, stack)
+        runfolder.open_call_log(runtime, settings["output"], stack)  # <output>/log.txt, appended
         processes = f" x {runtime.world} processes" if runtime.world > 1 else ""
         runtime.log(f"train.py: {settings['protocol']} on {', '.join(settings['dataset'])}, "
                     f"{len(jobs)} runs; output {settings['output']} (log.txt: every line)")
         runtime.log(f"train.py: device {runtime.device}{processes}, {runtime.precision}, {threads}")
         runtime.log(f"train.py: attention {runtime.attention_why}")
         runtime.log("train.py: rows " + ", ".join(dict.fromkeys(job.row for job in jobs)))
-        for line in runs.rows_said(jobs):  # what a comparison row does by construction, once
+        for line in plan.rows_said(jobs):  # what a comparison row does by construction, once
             runtime.log(line)
         # one role map per (dataset, --roles) the jobs ask for
         pairs = dict.fromkeys((j.dataset, j.roles) for j in jobs if j.roles is not None)
-        role_maps = {(dataset, roles): runs.role_map_for(roles, inputs.clip, inputs.attributes,
+        role_maps = {(dataset, roles): sources.role_map_for(roles, inputs.clip, inputs.attributes,
                                                          analysed.get(dataset))
                      for dataset, roles in pairs}
         started, results, diverged = time.time(), [], []
         for index, job in enumerate(jobs, 1):  # a run is done once its results.json is written
-            when = ("already finished" if runs.finished(job, settings) else
-                    f"elapsed {runs.format_time(time.time() - started)}")
+            when = ("already finished" if runfolder.finished(job, settings) else
+                    f"elapsed {devices.format_time(time.time() - started)}")
             runtime.log(f"== run {index}/{len(jobs)}: {job.label} ({when}) ==")
-            with runs.run_log(runtime, job.folder):  # its lines also in its folder's log.txt
+            with runfolder.run_log(runtime, job.folder):  # its lines also in its folder's log.txt
                 try:
                     result = run_job(job, settings, inputs, role_maps, lists, runtime)
-                except runs.Diverged as stop:  # that run stops at its last finite checkpoint
+                except monitor.Diverged as stop:  # that run stops at its last finite checkpoint
                     runtime.log(f"train.py: {stop}")
                     diverged.append(dict(job=dataclasses.asdict(job), diverged=str(stop)))
                     continue
@@ -993,8 +682,9 @@ def run(args) -> int:
                 return 0  # stopped by --max-epochs-per-call; resumable
             results.append(result)
         # the call's tables: after them the call is done
-        runs.write_summaries(settings, results, diverged, inputs.attributes, RETRIEVAL_K, runtime)
-        runtime.log(f"train.py: done in {runs.format_time(time.time() - started)}; tables in "
+        reports.write_summaries(settings, results, diverged, inputs.attributes, checks.RETRIEVAL_K,
+                                 runtime)
+        runtime.log(f"train.py: done in {devices.format_time(time.time() - started)}; tables in "
                     f"{os.path.join(settings['output'], 'summary.md')}")
     if diverged:  # the others finished; these continue from their last finite checkpoint
         print(f"train.py: {len(diverged)} of {len(jobs)} runs diverged (above); the others' "

@@ -133,7 +133,7 @@ def timed_call(argv: list) -> dict:
     """train.run(argv) up to train.train_job -> each phase's wall and CPU seconds, how many
     times each dataset was read, the peak memory and the memory held at the stop (MB)."""
     import data
-    import runs
+    from harness import cli
     import train
 
     seconds, cpu, readings, held = Counter(), Counter(), Counter(), []
@@ -162,7 +162,7 @@ def timed_call(argv: list) -> dict:
         setattr(train, phase, timed(phase, getattr(train, phase)))
     data.READERS.update({name: reader(function) for name, function in data.READERS.items()})
     train.train_job = stop
-    args = runs.build_parser(train.BOOK).parse_args(argv)
+    args = cli.build_parser(train.BOOK).parse_args(argv)
     started, cpu_started = time.perf_counter(), time.process_time()
     try:
         train.run(args)

@@ -3,7 +3,7 @@
 On a machine with a CUDA GPU it runs in about 2-5 minutes, prints one table (a pass/fail
 line per check, with its figures) and writes the same as JSON and Markdown in --output
 (default runs/device_check/; the train.py runs' output goes to its logs/). The exit status is
-1 if any check fails. train.py's precision is the device's own (runs.choose_precision: bf16
+1 if any check fails. train.py's precision is the device's own (devices.choose_precision: bf16
 from compute capability 8.0, fp16 with the loss scaler below it); on the CPU the checks that
 need autocast simulate bf16. Checks:
 
@@ -117,7 +117,7 @@ except ImportError:
 import clip_model  # noqa: E402
 import data  # noqa: E402
 import dear  # noqa: E402
-import runs  # noqa: E402
+from harness import devices, runfolder  # noqa: E402
 import train  # noqa: E402
 from bench_train_step import B16, class_prompts, mixed_roles  # noqa: E402
 
@@ -237,17 +237,17 @@ def autocast(device: torch.device, dtype):
 
 
 def device_precision(device: torch.device):
-    """-> (train.py's autocast dtype on this device, why): runs.choose_precision's default, fp16
+    """-> (train.py's autocast dtype on this device, why): devices.choose_precision's default, fp16
     with a loss scaler. On the CPU the checks simulate it (CPU autocast, clip_model's fp32
     LayerNorm and softmax: CUDA's dtype flow)."""
     if device.type != "cuda":
         return torch.float16, "fp16 autocast (on the CPU: a simulation of a GPU's)"
-    return runs.choose_precision("cuda", "on", torch.cuda.get_device_capability(device))
+    return devices.choose_precision("cuda", "on", torch.cuda.get_device_capability(device))
 
 
 def has_bf16(device: torch.device) -> bool:
     """bf16 in hardware (--amp bf16 is allowed): compute capability 8.0 on; the CPU simulates."""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= runs.BF16_CAPABILITY
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= devices.BF16_CAPABILITY
 
 
 def precision_name(dtype) -> str:
@@ -269,12 +269,12 @@ def no_tf32():
 def forced_precision(dtype, why: str):
     """train.py's precision, in this process, `dtype` whatever the device chooses (an H200 never
     takes the fp16 path on its own; the CPU takes no autocast at all)."""
-    chosen = runs.choose_precision
-    runs.choose_precision = lambda *args: (dtype, why)
+    chosen = devices.choose_precision
+    devices.choose_precision = lambda *args: (dtype, why)
     try:
         yield
     finally:
-        runs.choose_precision = chosen
+        devices.choose_precision = chosen
 
 
 def guarded(report: Report, name: str, check, *args):
@@ -465,12 +465,12 @@ def relative_error(value, reference) -> float:
 def check_attention(report: Report, config: dict, device: torch.device) -> None:
     """Each backend against the explicit fp32 path in fp16 and bf16, the backend torch picks by
     default in each; then, on a GPU, the verdicts (ok / wrong / unavailable per backend) kept
-    where train.py's --attention auto reads them (runs.attention_record)."""
+    where train.py's --attention auto reads them (devices.attention_record)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     verdicts = {}
     dtypes = [torch.float16] + ([torch.bfloat16] if has_bf16(device) else [])
     for dtype in dtypes:
-        picked = runs.sdpa_kernel_used(device, dtype, None)
+        picked = devices.sdpa_kernel_used(device, dtype, None)
         report.add(f"3. the kernel torch picks by default, {precision_name(dtype)}", "info",
                    f"{picked} (found by running ViT-B/16's vision attention with DeAR's masks)",
                    picked=picked)
@@ -480,13 +480,13 @@ def check_attention(report: Report, config: dict, device: torch.device) -> None:
             verdicts[backend] = ("wrong" if "wrong" in (status, previous) else
                                  "ok" if "ok" in (status, previous) else "unavailable")
     if device.type == "cuda":  # for --attention auto on this GPU and build
-        keep_verdicts(runs.gpu_build(device), verdicts)
+        keep_verdicts(devices.gpu_build(device), verdicts)
 
 
 def keep_verdicts(build: str, verdicts: dict) -> None:
-    """{backend: ok | wrong | unavailable} for this GPU and build, added to runs.attention_record
+    """{backend: ok | wrong | unavailable} for this GPU and build, added to devices.attention_record
     (each GPU and build its own entry), where train.py's --attention auto reads them."""
-    path = runs.attention_record()
+    path = devices.attention_record()
     try:
         with open(path, encoding="utf-8") as f:
             record = dict(json.load(f))
@@ -571,7 +571,7 @@ def build_step(clip, config: dict, device: torch.device, batch: int, classes: in
     with autocast(device, dtype):
         prepared = model.prepare_classes(prompts)  # once per class list, as in train.py
     optimizer = torch.optim.AdamW(model.learnable_parameters(), lr=1e-3)
-    scaler = runs.grad_scaler(device, enabled=dtype == torch.float16)  # train.py's
+    scaler = devices.grad_scaler(device, enabled=dtype == torch.float16)  # train.py's
     last = {"prompt_tokens": int(prompts.argmax(dim=-1).max()) + 1}  # DeAR cuts the prompts after the longest
 
     def step():
@@ -956,7 +956,7 @@ def check_nan_stop(report: Report, device: torch.device, scratch: str, logs: str
 
 def check_loader(report: Report, device: torch.device, quick: bool, scratch: str) -> None:
     """The real loader at 224 px (--quick: the tiny model's 32) with train.py's default processes
-    here (runs.loader_plan), over JPEGs of a photo's size: images/s of the loader alone, then a
+    here (devices.loader_plan), over JPEGs of a photo's size: images/s of the loader alone, then a
     short train.py run (a random ViT-B/16, or the tiny CLIP, on those photos as a CoOp dataset):
     images/s of training including loading, and the share of each step spent waiting for data."""
     from bench_loader import images_per_second, write_photos
@@ -967,8 +967,8 @@ def check_loader(report: Report, device: torch.device, quick: bool, scratch: str
     os.makedirs(photos)
     items = write_photos(photos, (64 if quick else 512) + 40)  # 10 classes; val, test: 20 each
     settings = dict(workers=None, batch_size=32, eval_batch_size=64)
-    runtime = runs.Runtime(device)
-    workers, _ = runs.loader_plan(settings, runtime, size)["train"]
+    runtime = devices.Runtime(device)
+    workers, _ = devices.loader_plan(settings, runtime, size)["train"]
     alone = {cached: images_per_second(items[:-40], workers, size=size, cached=cached)
              for cached in (False, True)}
     # The photos as a CoOp dataset ('dtd'); the model saved with a BPE file of its own.
@@ -993,9 +993,9 @@ def check_loader(report: Report, device: torch.device, quick: bool, scratch: str
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         code = train.main(argv)
-    metrics = runs.read_metrics(os.path.join(folder, "dtd", "dear-all-mixed",
+    metrics = runfolder.read_metrics(os.path.join(folder, "dtd", "dear-all-mixed",
                                              f"shots{argv[argv.index('--shots') + 1]}-seed1",
-                                             runs.METRICS_FILE))
+                                             runfolder.METRICS_FILE))
     if code != 0 or not metrics:
         report.add(f"9. the loader at {size} px", False, f"train.py exit {code}, no metrics")
         return
@@ -1139,7 +1139,7 @@ def main(argv=None) -> int:
         return 2
     started = time.time()
     config = TINY if args.quick else B16
-    # train.py's precision on this device (runs.choose_precision: bf16 from compute capability 8.0,
+    # train.py's precision on this device (devices.choose_precision: bf16 from compute capability 8.0,
     # else fp16 with the scaler); the CPU checks simulate bf16.
     dtype, why = device_precision(device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"

@@ -30,7 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import clip_model  # noqa: E402
 import data  # noqa: E402
-import runs  # noqa: E402
+from harness import devices  # noqa: E402
 import train  # noqa: E402
 
 PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -41,12 +41,12 @@ CLIP_SCALE = 100.0  # ViT-B/16's logit scale
 def forced_precision(dtype):
     """train.py's precision, in this process, `dtype` whatever the device would choose (the CPU
     chooses fp32; autocast then runs on the CPU)."""
-    chosen = runs.choose_precision
-    runs.choose_precision = lambda *args: (dtype, f"{runs.precision_name(dtype)} (forced)")
+    chosen = devices.choose_precision
+    devices.choose_precision = lambda *args: (dtype, f"{devices.precision_name(dtype)} (forced)")
     try:
         yield
     finally:
-        runs.choose_precision = chosen
+        devices.choose_precision = chosen
 
 
 def trained(folder: str, device: torch.device, dtype, epochs: int) -> dict:
@@ -54,7 +54,7 @@ def trained(folder: str, device: torch.device, dtype, epochs: int) -> dict:
     argv = ["--dataset", "toyworld", "--method", "dear", "--roles", "analyse", "--seeds", "1",
             "--epochs", str(epochs), "--device", str(device), "--output", folder]
     with forced_precision(dtype), contextlib.redirect_stdout(io.StringIO()):
-        assert train.main(argv) == 0, f"train.py failed in {runs.precision_name(dtype)}"
+        assert train.main(argv) == 0, f"train.py failed in {devices.precision_name(dtype)}"
     with open(os.path.join(folder, "toyworld", "dear", "seed1", "results.json"),
               encoding="utf-8") as f:
         return json.load(f)

@@ -27,7 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dear  # noqa: E402
-import runs  # noqa: E402
+from harness import devices, runfolder, reports  # noqa: E402
 import train  # noqa: E402
 
 RECIPE = train.RECIPES["base2novel"]["toyworld"]  # the toy's beta, lambda_fusion, epochs: one place
@@ -105,7 +105,7 @@ def ablation_table(summary: dict, seeds: str) -> list:
     columns = ["Base", "Novel", "HM", "alpha_cls", "the paper reports"]
     rows = {PAPER[row][0]: accuracy_cells(summary, row) + [alpha_cell(summary, row), PAPER[row][1]]
             for row in PAPER if row in summary["tables"]["toyworld"]["rows"]}
-    lines = runs.md_table("Row (--ablations)", columns, rows)
+    lines = reports.md_table("Row (--ablations)", columns, rows)
     lines[1] = lines[1][:-len("---:|")] + "---|"  # the words left-aligned
     title = f"## The paper's ablations on the toy world ({seeds}; fused logits on every test set)"
     return [title, "", *lines, ""]
@@ -132,7 +132,7 @@ def diagnosis_table(ablations: dict, measured: list, seeds: str, epochs: int) ->
             f"position 25); frozen CLIP: colour {frozen['colour'][0]:.1f}, "
             f"shape {frozen['shape'][0]:.1f}; alpha_cls = the class branch's learned weight; "
             "Base, Novel, HM with the fused logits.", "",
-            *runs.md_table("DeAR trained with", columns, rows), ""]
+            *reports.md_table("DeAR trained with", columns, rows), ""]
 
 
 def main(argv=None) -> int:
@@ -155,8 +155,8 @@ def main(argv=None) -> int:
     seeds = f"seeds {' '.join(args.seeds)}, mean ± sd"
     text = "\n".join(ablation_table(ablations["summary"], seeds)
                      + diagnosis_table(ablations, measured, seeds, epochs))
-    runs.write_text(os.path.join(args.output, "tables.md"), text)
-    print(f"\n{text}\ntoy_ablations.py: done in {runs.format_time(time.time() - started)}; "
+    runfolder.write_text(os.path.join(args.output, "tables.md"), text)
+    print(f"\n{text}\ntoy_ablations.py: done in {devices.format_time(time.time() - started)}; "
           f"tables in {os.path.join(args.output, 'tables.md')}")
     return 0
 

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dear  # noqa: E402
-import runs  # noqa: E402
+from harness import reports  # noqa: E402
 
 NOISE = dear.NOISE
 
@@ -205,8 +205,8 @@ def test_adjusted_rand_index_matches_scikit_learn():
     for n, k, j in ((30, 3, 4), (50, 7, 2), (12, 12, 3), (9, 1, 3), (20, 2, 2)):
         a = torch.randint(0, k, (n,), generator=generator).tolist()
         b = torch.randint(0, j, (n,), generator=generator).tolist()
-        assert runs.adjusted_rand_index(a, b) == pytest.approx(metrics.adjusted_rand_score(a, b), abs=1e-12)
-    assert runs.adjusted_rand_index([0, 0, 1, 1], [5, 5, 2, 2]) == 1.0
+        assert reports.adjusted_rand_index(a, b) == pytest.approx(metrics.adjusted_rand_score(a, b), abs=1e-12)
+    assert reports.adjusted_rand_index([0, 0, 1, 1], [5, 5, 2, 2]) == 1.0
 
 
 def test_clusters_md_lists_each_cluster_and_its_agreement_with_the_labels():
@@ -218,13 +218,13 @@ def test_clusters_md_lists_each_cluster_and_its_agreement_with_the_labels():
     role_map = dear.RoleMap(1, 2, ["colour"], heads, 0.8, 1.3, concepts="clusters", clusters=clusters)
     pool = [("red", "colour"), ("blue", "colour"), ("green", "colour"), ("round", "shape"), ("square", "shape"),
             ("dotted", "texture")]
-    text = runs.clusters_table(role_map, dict(pool), dict(name="clip"))
+    text = reports.clusters_table(role_map, dict(pool), dict(name="clip"))
     assert "Embedded by CLIP's text tower." in text
     assert "| 0 | colour | 3 | red; blue; green |" in text and "| 1 | other | 2 | square; dotted |" in text
     assert "In no cluster (noise, each a concept of its own): 1 picks." in text
     found = ["cluster 0"] * 3 + ["noise round", "cluster 1", "cluster 1"]  # red blue green round square dotted
     truth = ["colour"] * 3 + ["shape", "shape", "texture"]
-    assert f"adjusted Rand index {runs.adjusted_rand_index(found, truth):.2f}, purity 0.80" in text
+    assert f"adjusted Rand index {reports.adjusted_rand_index(found, truth):.2f}, purity 0.80" in text
     assert "clusters per concept: colour 1, shape 1, texture 1." in text
 
 

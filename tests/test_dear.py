@@ -21,7 +21,7 @@ import torch
 
 import clip_model
 import dear
-import runs
+from harness import pictures
 from conftest import TINY, assert_close
 from dear import DeAR, DeARError, HeadRole, RoleMap
 
@@ -296,7 +296,7 @@ def test_analysis_end_to_end_writes_json_table_and_heatmap(tiny_clip, tmp_path):
     table = result.table()
     assert "\n    2 |" in table and "\n    3 |" in table  # 1-based layer numbers
     picture = tmp_path / "roles.png"
-    runs.draw_heatmap(result, str(picture))
+    pictures.draw_heatmap(result, str(picture))
     from PIL import Image
 
     with Image.open(picture) as drawn:

@@ -167,14 +167,14 @@ def test_the_verdicts_are_kept_per_gpu_and_build_where_attention_auto_reads_them
     """device_check's verdicts on each fused kernel, kept per GPU and build; --attention auto on
     that GPU then leaves a wrong kernel out and takes cuDNN's once it passed."""
     monkeypatch.setenv("DEAR_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(device_check.runs, "gpu_build", lambda device: "GPU A, torch x, cuDNN y")
+    monkeypatch.setattr(device_check.devices, "gpu_build", lambda device: "GPU A, torch x, cuDNN y")
     device_check.keep_verdicts("GPU B, torch x, cuDNN y", {"CUDNN_ATTENTION": "wrong"})
     device_check.keep_verdicts("GPU A, torch x, cuDNN y",
                                {"EFFICIENT_ATTENTION": "wrong", "CUDNN_ATTENTION": "ok"})
     gpu = torch.device("cuda", 0)
-    assert device_check.runs.kernel_verdicts(gpu) == {"EFFICIENT_ATTENTION": "wrong",
+    assert device_check.devices.kernel_verdicts(gpu) == {"EFFICIENT_ATTENTION": "wrong",
                                                       "CUDNN_ATTENTION": "ok"}
-    assert device_check.runs.attention_choice("auto", gpu)[1] == ["FLASH_ATTENTION",
+    assert device_check.devices.attention_choice("auto", gpu)[1] == ["FLASH_ATTENTION",
                                                                  "CUDNN_ATTENTION", "MATH"]
 
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 import clip_model  # noqa: E402
 import data  # noqa: E402
 import dear  # noqa: E402
-import runs  # noqa: E402
+from harness import analysis, errors, cli, devices, plan, runfolder  # noqa: E402
 import train  # noqa: E402
 from conftest import perturb_  # noqa: E402
 from test_train import merges_for  # noqa: E402
@@ -160,9 +160,9 @@ def test_evaluate_under_bf16_autocast_scores_as_fp32_does(tiny_clip, tmp_path):
     settings = dict(eval_batch_size=64, workers=0)
     cpu = torch.device("cpu")
     for which in (None, model):
-        fp32 = train.evaluate(which, tiny_clip, tokenizer, eval_set, settings, runs.Runtime(cpu))
+        fp32 = train.evaluate(which, tiny_clip, tokenizer, eval_set, settings, devices.Runtime(cpu))
         bf16 = train.evaluate(which, tiny_clip, tokenizer, eval_set, settings,
-                              runs.Runtime(cpu, amp_dtype=torch.bfloat16))
+                              devices.Runtime(cpu, amp_dtype=torch.bfloat16))
         assert bf16 == fp32, f"{'DeAR' if which else 'zero-shot'}: bf16 {bf16}, fp32 {fp32}"
     assert fp32["fused"] == 100.0
 
@@ -184,7 +184,7 @@ def test_evaluate_under_bf16_autocast_scores_as_fp32_does(tiny_clip, tmp_path):
     ("mps", "on", None, None),
 ])
 def test_the_precision_is_fp16_unless_asked_and_says_why(device, amp, capability, dtype):
-    chosen, why = runs.choose_precision(device, amp, capability)
+    chosen, why = devices.choose_precision(device, amp, capability)
     assert chosen == dtype
     assert why.startswith({torch.float16: "fp16", torch.bfloat16: "bf16", None: "fp32"}[dtype])
     if dtype is not None:
@@ -192,9 +192,9 @@ def test_the_precision_is_fp16_unless_asked_and_says_why(device, amp, capability
 
 
 def test_bf16_on_a_gpu_without_it_in_hardware_is_refused_in_one_line():
-    with pytest.raises(runs.TrainError, match=r"--amp bf16: this GPU \(compute capability 7.5\) has "
+    with pytest.raises(errors.TrainError, match=r"--amp bf16: this GPU \(compute capability 7.5\) has "
                                               "no bf16 in hardware; use --amp on"):
-        runs.choose_precision("cuda", "bf16", (7, 5))
+        devices.choose_precision("cuda", "bf16", (7, 5))
 
 
 def test_one_process_on_cuda_1_makes_it_current_and_reads_its_own_capability(monkeypatch):
@@ -212,7 +212,7 @@ def test_one_process_on_cuda_1_makes_it_current_and_reads_its_own_capability(mon
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     try:
-        runtime = runs.setup_runtime(dict(device="cuda:1", amp="on", attention="explicit"))
+        runtime = devices.setup_runtime(dict(device="cuda:1", amp="on", attention="explicit"))
         # fp32 means fp32 on a GPU: TF32 set off for matmuls and cuDNN's convolutions, and said
         assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
     finally:
@@ -222,8 +222,8 @@ def test_one_process_on_cuda_1_makes_it_current_and_reads_its_own_capability(mon
     assert runtime.precision.endswith("; TF32 off")
     assert (runtime.kernel, runtime.attention) == ("explicit", "explicit")
     # bf16 asked for: refused on cuda:1 (compute capability 7.0), whatever the current device
-    with pytest.raises(runs.TrainError, match=r"compute capability 7\.0"):
-        runs.setup_runtime(dict(device="cuda:1", amp="bf16", attention="explicit"))
+    with pytest.raises(errors.TrainError, match=r"compute capability 7\.0"):
+        devices.setup_runtime(dict(device="cuda:1", amp="bf16", attention="explicit"))
 
 
 # ------------------------------------------------------------------------------------------
@@ -237,37 +237,37 @@ def test_each_attention_choice_gives_its_kernel_and_auto_drops_what_device_check
     choice), one backend alone; on a GPU, auto = torch's choice without a backend
     device_check.py found wrong on this GPU and build, and cuDNN's only once it passed there."""
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    assert runs.attention_choice("explicit", gpu)[:2] == ("explicit", None)
-    assert runs.attention_choice("sdpa", gpu)[:2] == ("sdpa", None)
-    assert runs.attention_choice("efficient", cpu)[:2] == ("sdpa", ["EFFICIENT_ATTENTION"])
-    assert runs.attention_choice("cudnn", gpu)[:2] == ("sdpa", ["CUDNN_ATTENTION"])
-    assert runs.attention_choice("auto", cpu)[:2] == ("sdpa", None)  # the CPU: torch's own
-    monkeypatch.setattr(runs, "gpu_build", lambda device: "NVIDIA H200, torch 2.x, cuDNN 9")
-    never_checked = runs.attention_choice("auto", gpu)
+    assert devices.attention_choice("explicit", gpu)[:2] == ("explicit", None)
+    assert devices.attention_choice("sdpa", gpu)[:2] == ("sdpa", None)
+    assert devices.attention_choice("efficient", cpu)[:2] == ("sdpa", ["EFFICIENT_ATTENTION"])
+    assert devices.attention_choice("cudnn", gpu)[:2] == ("sdpa", ["CUDNN_ATTENTION"])
+    assert devices.attention_choice("auto", cpu)[:2] == ("sdpa", None)  # the CPU: torch's own
+    monkeypatch.setattr(devices, "gpu_build", lambda device: "NVIDIA H200, torch 2.x, cuDNN 9")
+    never_checked = devices.attention_choice("auto", gpu)
     assert never_checked[1] == ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"]
     assert never_checked[2] == ("torch's choice of fused kernel, except cudnn (not yet passed by "
                                 "device_check on this GPU)")
-    record = Path(runs.attention_record())
+    record = Path(devices.attention_record())
     record.parent.mkdir(parents=True)
     verdicts = {"FLASH_ATTENTION": "unavailable", "EFFICIENT_ATTENTION": "wrong",
                 "CUDNN_ATTENTION": "ok", "MATH": "ok"}
     record.write_text(json.dumps({"NVIDIA H200, torch 2.x, cuDNN 9": verdicts,
                                   "another GPU": {"CUDNN_ATTENTION": "wrong"}}))
-    checked = runs.attention_choice("auto", gpu)
+    checked = devices.attention_choice("auto", gpu)
     assert checked[1] == ["FLASH_ATTENTION", "CUDNN_ATTENTION", "MATH"]
     assert checked[2] == ("torch's choice of fused kernel, except efficient (found wrong by "
                           "device_check on this GPU)")
     record.write_text("{ damaged")  # a damaged record: as if never checked
-    assert runs.attention_choice("auto", gpu)[1] == never_checked[1]
+    assert devices.attention_choice("auto", gpu)[1] == never_checked[1]
 
 
 def test_the_fused_kernel_torch_runs_is_found_by_running_it():
     """sdpa_kernel_used: the backend whose output equals torch's own choice bit for bit (the
     CPU's fused kernel here); allowed one backend, that one."""
     cpu = torch.device("cpu")
-    assert runs.sdpa_kernel_used(cpu, None, ["MATH"]) == "math"
-    assert runs.sdpa_kernel_used(cpu, None, None) in runs.SDPA_BACKENDS
-    assert runs.sdpa_kernel_used(cpu, torch.bfloat16, ["MATH"]) == "math"
+    assert devices.sdpa_kernel_used(cpu, None, ["MATH"]) == "math"
+    assert devices.sdpa_kernel_used(cpu, None, None) in cli.SDPA_BACKENDS
+    assert devices.sdpa_kernel_used(cpu, torch.bfloat16, ["MATH"]) == "math"
 
 
 def test_train_py_with_explicit_attention_never_calls_a_fused_kernel_and_says_so(
@@ -279,7 +279,7 @@ def test_train_py_with_explicit_attention_never_calls_a_fused_kernel_and_says_so
                              "all-mixed", "--attention", "explicit")) == 0
     assert "train.py: attention explicit: --attention explicit, clip_model's per-head maths" \
         in capsys.readouterr().out
-    assert runs.read_metrics(str(tmp_path / "run/dtd/dear-all-mixed/seed1/metrics.jsonl"))
+    assert runfolder.read_metrics(str(tmp_path / "run/dtd/dear-all-mixed/seed1/metrics.jsonl"))
 
 
 # ------------------------------------------------------------------------------------------
@@ -290,9 +290,9 @@ def test_train_py_with_explicit_attention_never_calls_a_fused_kernel_and_says_so
 def simulated(monkeypatch, dtype):
     """train.py's runtime on the CPU with autocast `dtype` (None: fp32), as a GPU would choose;
     fp16 gets train.py's loss scaler, enabled, on the CPU."""
-    real = runs.setup_runtime
+    real = devices.setup_runtime
     name = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    monkeypatch.setattr(runs, "setup_runtime", lambda settings: dataclasses.replace(
+    monkeypatch.setattr(devices, "setup_runtime", lambda settings: dataclasses.replace(
         real(settings), amp_dtype=dtype, precision=f"{name} (simulated on the CPU)"))
 
 
@@ -345,19 +345,19 @@ def free_port() -> int:
 def test_every_way_out_of_a_call_leaves_the_process_group(world, tmp_path, monkeypatch, way_out):
     """A real process group (gloo, one process) joined where setup_runtime joins torchrun's:
     gone after a finished call, each early return and an error mid-run."""
-    real = runs.setup_runtime
+    real = devices.setup_runtime
 
     def joined(settings):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                                 world_size=1)
         return dataclasses.replace(real(settings), waiting_group=dist.new_group(backend="gloo"))
 
-    monkeypatch.setattr(runs, "setup_runtime", joined)
+    monkeypatch.setattr(devices, "setup_runtime", joined)
     flags = {"done": [], "analyse-only": ["--analyse-only"], "error": [],
              "max-epochs-per-call": ["--max-epochs-per-call", "1"]}[way_out]
     if way_out == "error":  # an error after the group is joined (e.g. a corrupt test image)
         def broken(*args):
-            raise runs.TrainError("a test image is broken")
+            raise errors.TrainError("a test image is broken")
 
         monkeypatch.setattr(train, "evaluate", broken)
     try:
@@ -396,7 +396,7 @@ CONFIGURATIONS = [
     ("analysed roles", {}, "analysed", None),
     ("all heads mixed", {}, "all-mixed", None),
     ("all heads generalization", {}, "all-generalization", None),
-    *[(f"ablation {name}", {}, "analysed", name) for name in runs.ABLATIONS
+    *[(f"ablation {name}", {}, "analysed", name) for name in cli.ABLATIONS
       if name != "no-role-mask"],  # (the all-mixed row)
     ("blind branch", {}, "blind", None),
     ("class-branch fallback", {}, "fallback", None),
@@ -447,17 +447,18 @@ import datetime, sys, time
 sys.path.insert(0, {repo!r})
 import torch.distributed as dist
 import train
+from harness import analysis as harness_analysis
 
 joined = dist.init_process_group
 short = datetime.timedelta(seconds={timeout})
 dist.init_process_group = lambda *args, **kwargs: joined(*args, **dict(kwargs, timeout=short))
-analysis = train.run_head_analysis
+analysis = harness_analysis.run_head_analysis
 
 def slow(*args, **kwargs):
     time.sleep({sleep})  # rank 0 alone runs the analysis: longer than the group's timeout
     return analysis(*args, **kwargs)
 
-train.run_head_analysis = slow
+harness_analysis.run_head_analysis = slow
 sys.exit(train.main(sys.argv[1:]))
 """
 
@@ -477,7 +478,7 @@ def test_two_processes_outlast_the_group_timeout_while_rank_0_analyses(world, tm
     done = subprocess.run([*torchrun, str(driver), *args], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "the other processes wait for it up to 2:00:00 (runs.MAIN_WORK_TIMEOUT)" in done.stdout
+    assert "the other processes wait for it up to 2:00:00 (devices.MAIN_WORK_TIMEOUT)" in done.stdout
     assert "x 2 processes" in done.stdout and done.stdout.count("train.py: done") == 1
     assert "step 3/3 " in (out / "dtd/dear/seed1/log.txt").read_text()  # 12 images: 6 a process
     assert (out / "dtd/dear/seed1/results.json").is_file()
@@ -486,8 +487,8 @@ def test_two_processes_outlast_the_group_timeout_while_rank_0_analyses(world, tm
 HOLDER = """
 import sys, time
 sys.path.insert(0, {repo!r})
-import runs
-with runs.waiting_lock(sys.argv[1], "unused"):
+from harness import runfolder
+with runfolder.waiting_lock(sys.argv[1], "unused"):
     print("held", flush=True)
     time.sleep(20)
 """
@@ -496,8 +497,8 @@ with runs.waiting_lock(sys.argv[1], "unused"):
 @pytest.mark.skipif(sys.platform == "win32", reason="no file locks on this system")
 def test_the_analysis_lock_is_waited_for_at_most_its_bound_then_one_line_names_the_holder(
         world, tmp_path, monkeypatch, capsys, registry_and_cache):
-    monkeypatch.setattr(runs, "ANALYSIS_LOCK_TIMEOUT", datetime.timedelta(seconds=1))
-    monkeypatch.setattr(runs, "analysis_fingerprint", lambda *args: "f" * 64)
+    monkeypatch.setattr(analysis, "ANALYSIS_LOCK_TIMEOUT", datetime.timedelta(seconds=1))
+    monkeypatch.setattr(analysis, "analysis_fingerprint", lambda *args: "f" * 64)
     lock = registry_and_cache / "head-analysis" / ("f" * 16 + ".lock")
     lock.parent.mkdir(parents=True)
     holder = subprocess.Popen([sys.executable, "-c", HOLDER.format(repo=str(REPO)), str(lock)],
@@ -531,8 +532,8 @@ def loader_for(world, workers: int, batch_size: int = 4, images=None, world_size
         split.train = (split.train * 10)[:images]
     settings = dict(augment=True, batch_size=batch_size, workers=workers, warmup_epochs=1,
                     warmup_lr=1e-5, lr=1e-3, epochs=3, image_cache=image_cache)
-    job = runs.Job("dtd", "dear", "analyse", 1, 4, "unused")
-    runtime = runs.Runtime(torch.device("cpu"), rank=rank, world=world_size,
+    job = plan.Job("dtd", "dear", "analyse", 1, 4, "unused")
+    runtime = devices.Runtime(torch.device("cpu"), rank=rank, world=world_size,
                            loaders=dict(train=(workers, 2), eval=(workers, 2)))
     clip = types.SimpleNamespace(visual=types.SimpleNamespace(input_resolution=32))
     return train.training_loader(job, settings, split, clip, runtime), job, settings
@@ -568,25 +569,25 @@ def test_the_loaders_fit_the_cores_and_a_small_dev_shm_without_dying(world, monk
     half of /dev/shm's free space: with the common 64 MB /dev/shm, ViT-B/16's training batch of
     32 (19 MB) keeps 1 worker x 1 batch and the evaluation batch of 64 (39 MB) none, said in a
     line; a typed --workers too."""
-    gpu = runs.Runtime(torch.device("cuda", 0))
+    gpu = devices.Runtime(torch.device("cuda", 0))
     said = []
-    monkeypatch.setattr(runs.Runtime, "log", lambda self, line: said.append(line))
-    monkeypatch.setattr(runs, "usable_cpus", lambda: 16)
-    monkeypatch.setattr(runs, "shared_memory_free", lambda: 64 * 2**20)
+    monkeypatch.setattr(devices.Runtime, "log", lambda self, line: said.append(line))
+    monkeypatch.setattr(devices, "usable_cpus", lambda: 16)
+    monkeypatch.setattr(devices, "shared_memory_free", lambda: 64 * 2**20)
     settings = dict(workers=None, batch_size=32, eval_batch_size=64)
-    assert runs.loader_plan(settings, gpu, 224) == dict(train=(1, 1), eval=(0, 1))
+    assert devices.loader_plan(settings, gpu, 224) == dict(train=(1, 1), eval=(0, 1))
     assert said == ["loader: train 1 workers x 1 batch of 18 MB, eval 0 workers x 1 batch of "
                     "37 MB in flight, fewer than asked: /dev/shm has 64 MB free, and they may "
                     "fill half of it"]
-    monkeypatch.setattr(runs, "shared_memory_free", lambda: 64 * 2**30)  # room for everything
+    monkeypatch.setattr(devices, "shared_memory_free", lambda: 64 * 2**30)  # room for everything
     said.clear()
-    assert runs.loader_plan(settings, gpu, 224) == dict(train=(15, 2), eval=(15, 2))
-    assert runs.loader_plan(dict(settings, workers=3), gpu, 224)["train"] == (3, 2) and not said
-    cpu = runs.Runtime(torch.device("cpu"))
-    assert runs.loader_plan(settings, cpu, 224) == dict(train=(0, 2), eval=(0, 2))
+    assert devices.loader_plan(settings, gpu, 224) == dict(train=(15, 2), eval=(15, 2))
+    assert devices.loader_plan(dict(settings, workers=3), gpu, 224)["train"] == (3, 2) and not said
+    cpu = devices.Runtime(torch.device("cpu"))
+    assert devices.loader_plan(settings, cpu, 224) == dict(train=(0, 2), eval=(0, 2))
     batch = 4 * 3 * 32 * 32 * 4  # bytes: 4 images of 32 x 32
-    monkeypatch.setattr(runs, "shared_memory_free", lambda: 2 * 3 * batch)  # room for 2 x 1
-    assert runs.loader_plan(dict(settings, workers=2, batch_size=4), cpu, 32)["train"] == (2, 1)
+    monkeypatch.setattr(devices, "shared_memory_free", lambda: 2 * 3 * batch)  # room for 2 x 1
+    assert devices.loader_plan(dict(settings, workers=2, batch_size=4), cpu, 32)["train"] == (2, 1)
 
 
 def test_each_image_draws_its_own_augmentation_from_seed_epoch_and_index(world):

@@ -15,7 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import runs  # noqa: E402
+from harness import runfolder, reports  # noqa: E402
 
 
 def test_summary_leaves_the_linear_probe_novel_and_hm_empty_and_shows_the_spread():
@@ -24,16 +24,16 @@ def test_summary_leaves_the_linear_probe_novel_and_hm_empty_and_shows_the_spread
     results = [dict(job=dict(dataset="a", row="linear-probe", shots=16), metrics=dict(base=b)) for b in (80.0, 84.0)]
     results += [dict(job=dict(dataset="a", row="dear", shots=16), metrics=dict(base=b, novel=n))
                 for b, n in ((70.0, 50.0), (74.0, 54.0))]
-    table = runs.summarise(settings, results)["tables"]["a"]
+    table = reports.summarise(settings, results)["tables"]["a"]
     assert table["rows"]["linear-probe"] == [82.0, None, None]
     assert table["spread"]["linear-probe"][0] == round(4 / 2 ** 0.5, 2)
     assert table["spread"]["dear-class-on-unseen"][:2] == [round(4 / 2 ** 0.5, 2)] * 2
-    lines = runs.markdown(dict(tables={"a": table}), dict(settings, weights="w")).splitlines()
+    lines = reports.markdown(dict(tables={"a": table}), dict(settings, weights="w")).splitlines()
     assert "| Linear probe (frozen image features) | 82.00 ± 2.83 | - | - |" in lines
     assert not any("names no attribute head" in line for line in lines)
     fallen = dict(settings, weights="w", role_maps={"a": dict(class_branch_only=True)})
     assert "- The head analysis of a names no attribute head: DeAR falls back to the class branch alone there." \
-        in runs.markdown(dict(tables={"a": table}), fallen).splitlines()
+        in reports.markdown(dict(tables={"a": table}), fallen).splitlines()
 
 
 def test_a_datasets_hm_is_the_hm_of_its_mean_base_and_mean_novel_not_the_mean_of_per_seed_hms():
@@ -41,7 +41,7 @@ def test_a_datasets_hm_is_the_hm_of_its_mean_base_and_mean_novel_not_the_mean_of
                     fusion=["fused-everywhere"], seeds=[1, 2], shots=[16], test_beta=None)
     results = [dict(job=dict(dataset="a", row="dear", shots=16), metrics=dict(base=b, novel=n))
                for b, n in ((90.0, 10.0), (50.0, 50.0))]
-    table = runs.summarise(settings, results)["tables"]["a"]
+    table = reports.summarise(settings, results)["tables"]["a"]
     # mean base 70, mean novel 30: HM 42.0; the per-seed HMs 18 and 50 would average 34.0
     assert table["rows"]["dear-fused"] == [70.0, 30.0, 42.0]
 
@@ -51,7 +51,7 @@ def test_summary_takes_hm_of_the_averages_as_the_paper_does():
                     fusion=["class-on-unseen"], seeds=[1], shots=[16], test_beta=None)
     results = [dict(job=dict(dataset=d, row="dear", shots=16), metrics=dict(base=b, novel=n))
                for d, b, n in (("a", 90.0, 10.0), ("b", 50.0, 50.0))]
-    summary = runs.summarise(settings, results)
+    summary = reports.summarise(settings, results)
     average = summary["tables"]["Average over 2 datasets"]["rows"]["dear-class-on-unseen"]
     # base 70, novel 30: HM(70, 30) = 42.0, not the mean of the per-dataset HMs (18.0 and 50.0)
     assert average == [70.0, 30.0, 42.0]
@@ -67,7 +67,7 @@ def test_a_second_writer_of_a_cache_entry_waits_for_the_first(tmp_path):
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     lines = []
-    with runs.waiting_lock(str(path), "waiting for it", lines.append):
+    with runfolder.waiting_lock(str(path), "waiting for it", lines.append):
         assert released.exists(), "the lock was taken while the first writer held it"
     holder.wait()
     assert len(lines) == 1 and "waiting for it" in lines[0]

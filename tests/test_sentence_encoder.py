@@ -22,7 +22,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dear  # noqa: E402
-import runs  # noqa: E402
+from harness import cli, sources, analysis  # noqa: E402
 import train  # noqa: E402
 from conftest import closed_port  # noqa: E402
 
@@ -96,9 +96,11 @@ def test_the_paper_analysis_runs_on_the_toy_with_sbert_from_a_folder_offline(
     printed = capsys.readouterr().out
     assert no_network == []  # a folder: no call left this machine
     # The header names the analysis, each setting the preset gave, the encoder, what stays ours.
-    header = next(line for line in printed.splitlines() if "--analysis paper" in line)
-    for shown in ("--bank project-unlabelled", "--concepts clusters", "--analysis-pool train",
-                  f"--sentence-encoder sbert:{sbert_folder}", "20 picks per head"):
+    lines = printed.splitlines()
+    start = lines.index("head analysis: --analysis paper, the paper's Sec. 3.2:")
+    header = "\n".join(lines[start:start + 7])
+    for shown in ("  --bank project-unlabelled", "  --concepts clusters", "  --analysis-pool train",
+                  f"  --sentence-encoder sbert:{sbert_folder}", "  20 picks per head"):
         assert shown in header, shown
     assert "the toy world: the trained dataset's training images" in printed
     assert "still the project's, not the paper's" in printed and "min_cluster_size" in printed
@@ -133,8 +135,8 @@ def test_sbert_embeds_each_text_alone_as_sentence_transformers_does(sbert_folder
     from sentence_transformers import SentenceTransformer
     import torch
 
-    record = runs.sentence_encoder_record(f"sbert:{sbert_folder}", log=print)
-    embed = runs.sbert_embedder(record, torch.device("cpu"))
+    record = sources.sentence_encoder_record(f"sbert:{sbert_folder}", log=print)
+    embed = sources.sbert_embedder(record, torch.device("cpu"))
     texts = ["a red square", "something striped", "a small blue star on the left"]
     together = embed(texts)
     assert together.dtype == torch.float32 and together.shape == (3, 384)
@@ -169,7 +171,7 @@ def test_the_cache_misses_when_the_encoder_or_a_model_file_changes_and_a_named_m
     (hub / "refs" / "main").write_text("0123abcd")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     assert reused("c", "--sentence-encoder", "sbert")
-    record = runs.sentence_encoder_record(f"sbert:{runs.SBERT_MODEL}", log=print)
+    record = sources.sentence_encoder_record(f"sbert:{cli.SBERT_MODEL}", log=print)
     assert record["folder"] == str(hub / "snapshots" / "0123abcd")
     # One more file in a model folder: another model, another map.
     (hub / "snapshots" / "0123abcd" / "README.md").write_text("a note\n")
@@ -187,7 +189,7 @@ def test_the_cache_misses_when_the_encoder_or_a_model_file_changes_and_a_named_m
                         lambda *a, **k: pytest.fail("a fetch was tried with the hub out of reach"))
     line = refused(capsys, toy(tmp_path / "offline", "--analyse-only", *flags,
                                "--sentence-encoder", "sbert:all-MiniLM-L6-v2"), "cannot be reached")
-    assert line.endswith(f"--sentence-encoder sbert:{runs.SBERT_MODEL}: not in the Hugging Face cache "
+    assert line.endswith(f"--sentence-encoder sbert:{cli.SBERT_MODEL}: not in the Hugging Face cache "
                          f"and {constants.ENDPOINT} cannot be reached; without network, pass a model "
                          "folder: --sentence-encoder sbert:FOLDER (e.g. all-MiniLM-L6-v2's files, "
                          "copied from a machine that has them)")
@@ -195,22 +197,25 @@ def test_the_cache_misses_when_the_encoder_or_a_model_file_changes_and_a_named_m
 
 
 def test_the_code_fingerprint_changes_with_the_source_of_each_part_of_the_analysis(monkeypatch):
-    """train.analysis_code, the one list of the code a map comes from (the toy world's: with its
+    """analysis.analysis_code, the one list of the code a map comes from (the toy world's: with its
     causal check): one changed line in any part changes the fingerprint; unchanged, it stays."""
     import clip_model
     import clustering
     from toyworld import causal
 
-    code = train.analysis_code(toy=True)
-    assert code == [clip_model, dear, clustering, runs, train.run_head_analysis, causal]
-    assert train.analysis_code(toy=False) == code[:5]
-    before = runs.source_fingerprint(code)
-    assert runs.source_fingerprint(code) == before
-    getsource = runs.inspect.getsource
+    from harness import pictures, reports, runfolder
+
+    code = analysis.analysis_code(toy=True)
+    assert code == [clip_model, dear, clustering, sources, reports, pictures, runfolder, analysis,
+                    causal]
+    assert analysis.analysis_code(toy=False) == code[:-1]
+    before = analysis.source_fingerprint(code)
+    assert analysis.source_fingerprint(code) == before
+    getsource = analysis.inspect.getsource
     for part in code:
         with monkeypatch.context() as patch:
-            patch.setattr(runs.inspect, "getsource", lambda obj: getsource(obj) + "#" * (obj is part))
-            assert runs.source_fingerprint(code) != before, part
+            patch.setattr(analysis.inspect, "getsource", lambda obj: getsource(obj) + "#" * (obj is part))
+            assert analysis.source_fingerprint(code) != before, part
 
 
 # ------------------------------------------------------------------------------------------
@@ -228,7 +233,7 @@ def test_without_the_extra_the_paper_command_asks_for_it_in_one_line(tmp_path, c
     for encoder in ([], ["--sentence-encoder", f"sbert:{folder}"]):
         line = refused(capsys, toy(tmp_path / "run", "--analysis", "paper", *encoder),
                        "sentence-transformers is not installed; pip install -r requirements-sbert.txt")
-        assert line.startswith(f"train.py: error: --sentence-encoder sbert:{folder if encoder else runs.SBERT_MODEL}")
+        assert line.startswith(f"train.py: error: --sentence-encoder sbert:{folder if encoder else cli.SBERT_MODEL}")
     assert not (tmp_path / "cache").exists() and no_network == []
 
 
@@ -316,5 +321,5 @@ def test_a_damaged_model_folder_is_one_line_before_any_work(sbert_folder, tmp_pa
 
 
 def test_the_whole_model_folder_passes_the_check_and_each_check_reads_what_it_names(sbert_folder):
-    assert runs.model_folder_problem(sbert_folder) is None
-    assert runs.safetensors_problem(os.path.join(sbert_folder, "model.safetensors")) is None
+    assert sources.model_folder_problem(sbert_folder) is None
+    assert sources.safetensors_problem(os.path.join(sbert_folder, "model.safetensors")) is None

@@ -29,7 +29,8 @@ sys.path.insert(0, str(REPO))
 import clip_model  # noqa: E402
 import dear  # noqa: E402
 import train  # noqa: E402
-import runs  # noqa: E402
+from harness import (analysis, checks, cli, config, devices, errors, monitor, plan,  # noqa: E402
+                     reports, runfolder, sources)
 from conftest import no_network, perturb_  # noqa: E402,F401 -- a fixture
 
 
@@ -121,7 +122,7 @@ def common(world, output, *extra):
 
 def settings_of(argv):
     """The resolved settings of a command line, as train.main would make them."""
-    return runs.resolve_settings(runs.build_parser(train.BOOK).parse_args(argv), train.BOOK)
+    return config.resolve_settings(cli.build_parser(train.BOOK).parse_args(argv), train.BOOK)
 
 
 def read(path):
@@ -155,7 +156,7 @@ def test_base2novel_from_the_command_line_writes_results_and_a_table_that_matche
     for folder in folders[1:]:
         assert (out / folder / "checkpoint.pt").is_file()
     # One head analysis for both seeds, on the whole training split of the base classes.
-    assert done.stdout.count("head analysis: concept entropy") == 1
+    assert done.stdout.count("head analysis: the last") == 1
     for name in ("roles.json", "roles.txt", "roles.png", "masks.png", "analysis.json"):
         assert (out / "dtd" / "roles" / name).is_file(), name
     assert not list((out / "dtd" / "roles").glob("seed*"))
@@ -187,11 +188,11 @@ def test_base2novel_from_the_command_line_writes_results_and_a_table_that_matche
                                ("dear-all-mixed", "dear-all-mixed", "fused-everywhere")):
         metrics = [results[f"dtd/{job_row}/seed{s}"]["metrics_by_fusion"][mode] for s in (1, 2)]
         base, novel = sum(m["base"] for m in metrics) / 2, sum(m["novel"] for m in metrics) / 2
-        assert table["rows"][row] == [round(base, 2), round(novel, 2), round(runs.harmonic_mean(base, novel), 2)]
+        assert table["rows"][row] == [round(base, 2), round(novel, 2), round(reports.harmonic_mean(base, novel), 2)]
     assert table["rows"]["zeroshot"][:2] == [round(results["dtd/zeroshot"]["metrics"][k], 2) for k in ("base", "novel")]
     markdown = (out / "summary.md").read_text()
     for row, values in table["rows"].items():  # each cell: mean, then "± spread" when seeds differ
-        line = next(l for l in markdown.splitlines() if l.startswith(f"| {runs.row_label(row)} |"))
+        line = next(l for l in markdown.splitlines() if l.startswith(f"| {plan.row_label(row)} |"))
         cells = [x for v, d in zip(values, table["spread"][row]) for x in ([v, d] if d else [v])]
         assert [float(v) for v in re.findall(r"\d+\.\d\d", line)] == cells
     # The spread is the standard deviation of the two seeds' base accuracies.
@@ -218,12 +219,12 @@ def test_linear_probe_fits_the_training_classes_and_scores_only_sets_with_those_
         x[:, 1] = torch.randn(len(listed), generator=generator) * 3  # a large nuisance
         return x, labels
 
-    monkeypatch.setattr(train, "image_features", fake_features)
+    monkeypatch.setattr(checks, "image_features", fake_features)
     split = train.data.DatasetSplits("x", "", items(30), items(12, 100), items(30, 200), classes, "{}")
     same = train.EvalSet("base", items(60, 300), classes, "{}", True)
     other = train.EvalSet("novel", items(60, 400), ["d", "e", "f"], "{}", False)
     runtime = type("R", (), {"log": staticmethod(lambda line: None)})()
-    metrics = train.linear_probe(None, split, [same, other], {}, runtime)
+    metrics = checks.linear_probe(None, split, [same, other], {}, runtime)
     assert list(metrics) == ["base"]  # no classifier for unseen classes: no novel number
     assert metrics["base"] > 95.0
 
@@ -372,7 +373,7 @@ def test_fewshot_cross_and_dg_write_the_paper_shaped_tables(world, tmp_path, mon
         assert "| CLIP (zero-shot) |" in (out / "summary.md").read_text()
     # 'all' is the ten other datasets and the four variants, under either protocol's name.
     for protocol in ("cross", "dg"):
-        names = runs.dataset_names(["all"], protocol, None, train.BOOK)
+        names = config.dataset_names(["all"], protocol, None, train.BOOK)
         assert len(names) == 14 and "imagenet" not in names and set(train.DG_TARGETS) <= set(names)
 
 
@@ -415,7 +416,7 @@ def test_each_ablation_is_a_dear_run_with_one_change_and_a_row_of_its_own(world,
     assert train.main(common(world, out, "--dataset", "dtd", "--seeds", "1", "--shots", "4",
                              "--epochs", "1", "--roles", hand_made_roles(tmp_path),
                              "--ablations", "all")) == 0
-    assert read(out / "settings.json")["settings"]["ablations"] == list(runs.ABLATIONS)
+    assert read(out / "settings.json")["settings"]["ablations"] == list(cli.ABLATIONS)
     summary = read(out / "summary.json")
     assert list(summary["tables"]["dtd"]["rows"]) == [
         "zeroshot", "dear-fused", "dear-class-on-unseen", "dear-all-mixed",
@@ -453,7 +454,7 @@ def test_each_ablation_is_a_dear_run_with_one_change_and_a_row_of_its_own(world,
         assert summary["alpha"]["dtd"][row]["class"] == [round(alpha[0], 3), 0.0]
         absent = 1 + len(dear.CORE_ATTRIBUTES) - len(alpha)
         cells = [f"{a:.2f} ± 0.00" for a in alpha] + ["-"] * absent
-        assert f"| {runs.row_label(row)} | {' | '.join(cells)} |" in markdown
+        assert f"| {plan.row_label(row)} | {' | '.join(cells)} |" in markdown
     assert read(out / "dtd/dear-no-attribute-tokens/seed1/results.json")["alpha"] == {"class": 1.0}
     assert learnable(out / "dtd/dear-no-attribute-tokens/seed1")["vision_tokens"].shape[1] == 0
     # --resume refuses another list of ablations, and a checkpoint of another ablation.
@@ -472,7 +473,7 @@ def test_no_role_mask_is_the_row_of_all_heads_mixed_made_once():
         settings = dict(method=["dear"], roles=roles, ablations=["no-role-mask", "no-fusion-reg"],
                         protocol="base2novel", source=None, dataset=["dtd"], shots=[16], seeds=[1],
                         output="o")
-        assert [(j.row, j.roles, j.ablation) for j in runs.plan_jobs(settings)] == [
+        assert [(j.row, j.roles, j.ablation) for j in plan.plan_jobs(settings)] == [
             ("dear", "analyse", None), ("dear-all-mixed", "all-mixed", None),
             ("dear-no-fusion-reg", "analyse", "no-fusion-reg")]
 
@@ -503,7 +504,7 @@ def test_an_ablation_or_test_beta_that_cannot_apply_is_refused_before_any_folder
 def test_cross_and_dg_test_each_target_at_mmrlpps_beta_or_all_at_the_trained_one(
         world, tmp_path, monkeypatch, test_beta):
     seen = []  # (test set, DeAR's beta while it was scored); then the retrieval check's
-    real_evaluate, real_retrieval = train.evaluate, train.retrieval_check
+    real_evaluate, real_retrieval = train.evaluate, checks.retrieval_check
 
     def evaluate(model, clip, tokenizer, eval_set, settings, runtime, beta=None):
         assert model is None or model.beta == 0.2  # built at the training beta, never reassigned
@@ -515,7 +516,7 @@ def test_cross_and_dg_test_each_target_at_mmrlpps_beta_or_all_at_the_trained_one
         return real_retrieval(model, *rest)
 
     monkeypatch.setattr(train, "evaluate", evaluate)
-    monkeypatch.setattr(train, "retrieval_check", retrieval)
+    monkeypatch.setattr(checks, "retrieval_check", retrieval)
     out = tmp_path / test_beta
     assert train.main(common(world, out, "--protocol", "dg", "--dataset", "dtd", "imagenet_sketch",
                              "--seeds", "1", "--shots", "2", "--epochs", "1", "--roles",
@@ -552,7 +553,7 @@ def test_evaluate_scores_the_fused_and_the_class_branch_logits_and_each_set_gets
         model.attribute_proj.normal_(0, 1.0)
         model.vision_tokens.normal_(0, 1.0)
         model.fusion_logits.copy_(torch.tensor([-20.0, 1.0, 2.0, 3.0, 4.0, 5.0]))
-    settings, runtime = dict(eval_batch_size=3, workers=0), runs.Runtime(torch.device("cpu"))
+    settings, runtime = dict(eval_batch_size=3, workers=0), devices.Runtime(torch.device("cpu"))
     sets = {}
     for name, subsample, trained in (("base", "base", True), ("novel", "new", False)):
         d = data.load_dataset("dtd", world["root"], num_shots=None, subsample=subsample)
@@ -579,7 +580,7 @@ def test_evaluate_scores_the_fused_and_the_class_branch_logits_and_each_set_gets
 
 
 def plain_analysis_images(items, cap: int, seed: int) -> list:
-    """train.analysis_images as it was before: every class's whole seeded order built, then one
+    """analysis.analysis_images as it was before: every class's whole seeded order built, then one
     image per class in turn, round by round (the fast one only builds the rounds it needs)."""
     generator, by_class = torch.Generator().manual_seed(seed), {}
     for item in items:
@@ -598,20 +599,20 @@ def test_the_analysis_images_are_the_plain_round_robins_at_every_cap():
     random.Random(0).shuffle(items)  # the classes' images interleaved, labels out of order
     for cap in (0, 1, 4, 6, 7, 11, 12, 13, 16, 20, 29, 30, 100):
         for seed in (0, 3):
-            assert train.analysis_images(items, cap, seed) == plain_analysis_images(items, cap, seed), (cap, seed)
+            assert analysis.analysis_images(items, cap, seed) == plain_analysis_images(items, cap, seed), (cap, seed)
 
 
 def test_the_analysis_images_cover_every_class_evenly_and_follow_the_seed():
     items = [train.data.Item(f"c{label}/{i}.jpg", label, f"c{label}") for label in range(10) for i in range(8)]
-    chosen = train.analysis_images(items, 25, seed=1)
+    chosen = analysis.analysis_images(items, 25, seed=1)
     per_class = [sum(item.label == c for item in chosen) for c in range(10)]
     assert len(chosen) == 25 and max(per_class) - min(per_class) <= 1 and min(per_class) == 2
     assert len({item.path for item in chosen}) == 25
-    assert train.analysis_images(items, 25, seed=1) == chosen  # seeded
-    assert train.analysis_images(items, 25, seed=2) != chosen  # ... by the run's seed
-    few = train.analysis_images(items, 4, seed=1)
+    assert analysis.analysis_images(items, 25, seed=1) == chosen  # seeded
+    assert analysis.analysis_images(items, 25, seed=2) != chosen  # ... by the run's seed
+    few = analysis.analysis_images(items, 4, seed=1)
     assert len({item.label for item in few}) == 4  # a cap below the class count: one per class
-    assert sorted(train.analysis_images(items, 500, seed=3), key=lambda i: i.path) == sorted(items, key=lambda i: i.path)
+    assert sorted(analysis.analysis_images(items, 500, seed=3), key=lambda i: i.path) == sorted(items, key=lambda i: i.path)
 
 
 # ------------------------------------------------------------------------------------------
@@ -626,7 +627,7 @@ def test_one_cached_head_analysis_serves_every_protocol_that_asks_for_the_same_p
     first = tmp_path / "first"
     assert train.main(common(world, first, "--dataset", "dtd", *pool)) == 0
     out = capsys.readouterr().out
-    assert out.count("head analysis: concept entropy") == 1 and "reusing" not in out
+    assert out.count("head analysis: the last") == 1 and "reusing" not in out
     entries = [p for p in (analysis_cache / "head-analysis").iterdir() if p.is_dir()]
     assert len(entries) == 1 and (entries[0] / "roles.png").is_file()
     record = read(first / "settings.json")["settings"]["role_maps"]["dtd"]
@@ -649,7 +650,7 @@ def test_one_cached_head_analysis_serves_every_protocol_that_asks_for_the_same_p
     try:
         image.write_bytes(original + b"\0")
         assert train.main(common(world, tmp_path / "third", "--dataset", "dtd", *pool)) == 0
-        assert capsys.readouterr().out.count("head analysis: concept entropy") == 1
+        assert capsys.readouterr().out.count("head analysis: the last") == 1
     finally:
         image.write_bytes(original)
     assert len([p for p in (analysis_cache / "head-analysis").iterdir() if p.is_dir()]) == 2
@@ -699,7 +700,7 @@ def test_an_analysis_its_images_cannot_support_is_refused_before_any_work(world,
 
 def test_descriptions_past_the_bank_or_the_image_cap_stop_before_the_model_is_read(world, tmp_path, capsys,
                                                                                   monkeypatch):
-    monkeypatch.setattr(train, "open_inputs", lambda *args: pytest.fail("work began before the check"))
+    monkeypatch.setattr(sources, "open_inputs", lambda *args: pytest.fail("work began before the check"))
     out = tmp_path / "run"
     for flags, message in ((["--descriptions", "100000"], "TextSpan keeps 32 singular directions"),
                            (["--descriptions", "30", "--analysis-images", "29"], "the span of 29 images'")):
@@ -709,7 +710,7 @@ def test_descriptions_past_the_bank_or_the_image_cap_stop_before_the_model_is_re
 def test_a_run_folder_of_an_earlier_format_is_refused_in_one_line(stopped_run, tmp_path, capsys):
     out, _ = copy_run(stopped_run, tmp_path)
     saved = read(out / "settings.json")
-    assert saved["format"] == runs.RUN_FORMAT
+    assert saved["format"] == config.RUN_FORMAT
     del saved["format"]  # as every folder before this version
     (out / "settings.json").write_text(json.dumps(saved))
     for flag in ("--resume", "--eval-only"):
@@ -804,8 +805,9 @@ def test_toyworld_runs_end_to_end_from_an_empty_cache(tmp_path):
     assert "pretraining" in done.stdout.lower()  # nothing was cached: the toy CLIP was trained first
     assert (cache / "toyworld" / "miniature").is_dir()
     # One head analysis (and one causal check) for every seed: the role map belongs to the model.
-    assert done.stdout.count("head analysis: concept entropy") == 1
-    assert done.stdout.count("causal check: mean-ablating") == 1 and "reusing the role map" not in done.stdout
+    assert done.stdout.count("head analysis: the last") == 1
+    assert len(re.findall(r"causal check: \d+ heads ablated", done.stdout)) == 1
+    assert "reusing the role map" not in done.stdout
     assert re.search(r"head analysis: done in \d+:\d\d:\d\d", done.stdout)
 
     summary = read(out / "summary.json")
@@ -818,7 +820,9 @@ def test_toyworld_runs_end_to_end_from_an_empty_cache(tmp_path):
                   "| DeAR, class branch alone on unseen classes |"):
         assert label in markdown
     # All generalization: no attribute branch can read the image, so the class branch alone.
-    assert "left out of the fusion" in done.stdout + done.stderr
+    # The all-generalization row's blind tokens: said once in the header, no warning per run.
+    assert "dear-all-generalization: no head lets an attribute token read the image" in done.stdout
+    assert "left out of the fusion" not in done.stderr
     general = read(out / "toyworld/dear-all-generalization/seed1/results.json")["accuracy_by_logits"]
     assert general["base"]["fused"] == general["base"]["class"]
     # Attribute-conditioned retrieval: pictures per feature in every DeAR run folder; the
@@ -956,7 +960,7 @@ def test_help_shows_each_default_from_the_one_table_that_holds_it(monkeypatch, c
     monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps at the terminal's width
     monkeypatch.setitem(train.DEFAULTS, "log_every", 7)
     monkeypatch.setitem(train.RECIPES["cross"], "imagenet", train.Recipe(epochs=3, batch_size=32))
-    text = " ".join(runs.build_parser(train.BOOK).format_help().split())
+    text = " ".join(cli.build_parser(train.BOOK).format_help().split())
     assert "a progress line every N steps (default 7)" in text
     assert ("training epochs, the warm-up epochs included (default base2novel 10 (imagenet: 5, toyworld: 20); "
             "fewshot 100 (imagenet: 5, toyworld: 20); cross, dg 1 (imagenet: 3), from RECIPES)") in text
@@ -1249,8 +1253,12 @@ def test_own_data_offline_names_the_flags_that_give_the_files_and_the_toy_clip_s
     the toy CLIP's files, before any run folder; with those files the flow runs on the folder,
     and its few images per class are one line (repeated to make the shots, as Dassl does)."""
     monkeypatch.setenv("CLIP_CACHE_DIR", str(tmp_path / "empty-cache"))
+    import shutil
+
+    folder = tmp_path / "my_textures"  # a copy: the split it writes stays in this test
+    shutil.copytree(own_data["folder"], folder)
     out = tmp_path / "run"
-    line = refused(["--dataset", own_data["folder"], "--output", out], capsys,
+    line = refused(["--dataset", folder, "--output", out], capsys,
                    "CLIP ViT-B/16: cannot download", out)
     assert line.endswith("without network give the files: --weights PATH (OpenAI's ViT-B-16.pt) and "
                          "--bpe PATH (bpe_simple_vocab_16e6.txt.gz); or try the flow on the toy "
@@ -1260,7 +1268,7 @@ def test_own_data_offline_names_the_flags_that_give_the_files_and_the_toy_clip_s
     capsys.readouterr()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert train.main(["--dataset", own_data["folder"], "--output", str(out), "--weights",
+        assert train.main(["--dataset", str(folder), "--output", str(out), "--weights",
                            str(toy / "clip.pt"), "--bpe", str(toy / "bpe.txt.gz"), "--roles",
                            "all-mixed", "--seeds", "1", "--epochs", "1", "--device", "cpu"]) == 0
     shots = [str(w.message) for w in caught if "repeat" in str(w.message)]
@@ -1308,7 +1316,7 @@ def test_own_split_file_runs_fewshot_and_cross_with_its_template(world, own_data
     result = read(out / "imagenet/dear-all-generalization/seed1/results.json")
     assert set(result["metrics"]) == {"imagenet", "labelled", "dtd"}
 
-    unset = runs.settings_from_flags(runs.build_parser(train.BOOK).parse_args(["--dataset", own_data["split"], "dtd"]),
+    unset = config.settings_from_flags(cli.build_parser(train.BOOK).parse_args(["--dataset", own_data["split"], "dtd"]),
                                      train.BOOK)
     assert unset["output"] == os.path.join("runs", "base2novel-labelled-dtd")  # a name, not a path, in the folder
     recipe = train.Recipe()  # the default recipe, for each value not typed
@@ -1472,12 +1480,12 @@ def test_a_bad_pool_or_clustering_setting_is_one_line_before_any_work(world, tmp
 
 
 def test_analysis_paper_resolves_to_the_papers_settings_and_typed_flags_win(world, tmp_path):
-    paper = f"sbert:{runs.SBERT_MODEL}"
+    paper = f"sbert:{cli.SBERT_MODEL}"
     keys = ("analysis", "bank", "concepts", "sentence_encoder", "analysis_pool", "descriptions")
     # ImageNet under --root: its validation images, one map for the model.
     settings = settings_of(common(world, tmp_path / "a", "--dataset", "dtd", "--analysis", "paper"))
     assert [settings[k] for k in keys] == ["paper", "textspan", "clusters", paper, "imagenet:test", 6]
-    assert runs.default_picks(settings, dear.description_bank(), dear.CORE_ATTRIBUTES) == 20  # labelled: 16
+    assert sources.default_picks(settings, dear.description_bank(), dear.CORE_ATTRIBUTES) == 20  # labelled: 16
     # No ImageNet under --root: the trained dataset's training images, and the header says so.
     root = tmp_path / "data"
     root.mkdir()
@@ -1488,12 +1496,17 @@ def test_analysis_paper_resolves_to_the_papers_settings_and_typed_flags_win(worl
     argv.remove("6")
     settings = settings_of(argv)
     assert [settings[k] for k in keys] == ["paper", "textspan", "clusters", paper, "train", None]
-    header = runs.analysis_header(settings, "clusters", toy=False)
-    assert header[0] == ("head analysis: --analysis paper, the paper's Sec. 3.2: --bank textspan, --concepts "
-                         f"clusters, --sentence-encoder {paper}, --analysis-pool train, 20 picks per head "
-                         "(capped where a head's width allows fewer)")
-    assert header[1].startswith("head analysis: no ImageNet under --root: the trained dataset's training images")
-    assert "min_cluster_size = the picks per head" in header[2] and "at most 2000 images" in header[2]
+    header = config.analysis_header(settings, "clusters", toy=False)
+    assert header[:7] == ["head analysis: --analysis paper, the paper's Sec. 3.2:", "  --bank textspan",
+                          "  --concepts clusters", f"  --sentence-encoder {paper}",
+                          "  --analysis-pool train",
+                          "  20 picks per head (capped where a head's width allows fewer)",
+                          "  no ImageNet under --root: the trained dataset's training images, not "
+                          "ImageNet's validation images (the paper's)"]
+    assert header[7] == "head analysis: still the project's, not the paper's (docs/METHOD.md Sec. 3):"
+    assert "  HDBSCAN's min_cluster_size = the picks per head" in header
+    assert "  at most 2000 images" in header
+    assert max(map(len, header)) <= 160
     # The toy world: its own bank without labels (its tokenizer knows only toy words), its own images.
     settings = settings_of(["--dataset", "toyworld", "--analysis", "paper"])
     assert [settings[k] for k in keys] == ["paper", "project-unlabelled", "clusters", paper, "train", None]
@@ -1501,16 +1514,16 @@ def test_analysis_paper_resolves_to_the_papers_settings_and_typed_flags_win(worl
     settings = settings_of(common(world, tmp_path / "c", "--dataset", "dtd", "--analysis", "paper", "--bank",
                                   "project", "--concepts", "labels", "--analysis-pool", "train"))
     assert [settings[k] for k in keys] == ["paper", "project", "labels", "clip", "train", 6]
-    header = runs.analysis_header(settings, "labels", toy=False)[0]
-    assert "--bank project (typed; the paper's: textspan)" in header and "--sentence-encoder" not in header
+    header = config.analysis_header(settings, "labels", toy=False)
+    assert "  --bank project (typed; the paper's: textspan)" in header
+    assert not any("--sentence-encoder" in line for line in header)
     # The default: the project's analysis, and its header says it is not the paper's.
     settings = settings_of(common(world, tmp_path / "d", "--dataset", "dtd"))
     assert [settings[k] for k in keys] == ["project", "project", None, "clip", "train", 6]
-    assert runs.default_picks(settings, dear.description_bank(), dear.CORE_ATTRIBUTES) == 16
-    assert runs.analysis_header(settings, "labels", toy=False) == [
-        "head analysis: --analysis project (the default: the project's analysis, not the paper's; --analysis "
-        "paper runs the paper's): --bank project, concepts labels, --sentence-encoder none (labels), "
-        "--analysis-pool train"]
+    assert sources.default_picks(settings, dear.description_bank(), dear.CORE_ATTRIBUTES) == 16
+    assert config.analysis_header(settings, "labels", toy=False) == [
+        "head analysis: --analysis project, the project's (not the paper's: --analysis paper): --bank "
+        "project, concepts labels, --analysis-pool train"]
 
 
 def test_analysis_paper_offline_without_textspans_pool_is_one_line(world, tmp_path, capsys, monkeypatch,
@@ -1532,10 +1545,10 @@ def test_the_analysis_cache_misses_when_the_code_of_the_analysis_changes(world, 
     assert "reusing the role map" not in capsys.readouterr().out
     assert train.main(common(world, tmp_path / "b", *flags)) == 0
     assert "reusing the role map" in capsys.readouterr().out
-    getsource = runs.inspect.getsource
-    for index, part in enumerate(train.analysis_code(toy=False)):  # clip_model, dear, clustering, runs, the writer
+    getsource = analysis.inspect.getsource
+    for index, part in enumerate(analysis.analysis_code(toy=False)):  # clip_model, dear, clustering, runs, the writer
         with monkeypatch.context() as patch:
-            patch.setattr(runs.inspect, "getsource", lambda obj: getsource(obj) + "#" * (obj is part))
+            patch.setattr(analysis.inspect, "getsource", lambda obj: getsource(obj) + "#" * (obj is part))
             assert train.main(common(world, tmp_path / f"edited{index}", *flags)) == 0
         assert "reusing the role map" not in capsys.readouterr().out, part
 
@@ -1599,19 +1612,19 @@ def test_shared_reuses_the_analysis_reports_its_parameters_and_resume_refuses_ot
     separate, shared = tmp_path / "separate", tmp_path / "shared"
     assert train.main(common(world, separate, *run)) == 0
     printed = capsys.readouterr().out
-    assert printed.count("head analysis: concept entropy") == 1
-    assert "learnable parameters, tokens separate: vision_tokens 960 + text_tokens 512 + " \
+    assert printed.count("head analysis: the last") == 1
+    assert "learnable (separate): vision_tokens 960 + text_tokens 512 + " \
            "attribute_proj 2,048 + fusion_logits 6 = 3,526" in printed
     # Only --tokens changes: the analysis reads the frozen CLIP alone, so its cache serves both.
     assert train.main(common(world, shared, *run, "--tokens", "shared")) == 0
     printed = capsys.readouterr().out
     assert "head analysis: reusing the role map cached" in printed
-    assert "concept entropy" not in printed
+    assert "head analysis: the last" not in printed
     # J = 1 of a 3-layer vision and 2-layer text tower, widths 64, E = 32, A = K = 5:
     # 5 x 64 + (64 x 64 + 3 x 576) + (64 x 64 + 2 x 576) + (64 x 64 + 64 x 32) + 6
     components = dict(latent_tokens=320, vision_aligner=5_824, text_aligner=5_248,
                       attribute_proj_residual=6_144, fusion_logits=6)
-    assert "learnable parameters, tokens shared: latent_tokens 320 + vision_aligner 5,824 + " \
+    assert "learnable (shared): latent_tokens 320 + vision_aligner 5,824 + " \
            "text_aligner 5,248 + attribute_proj_residual 6,144 + fusion_logits 6 = 17,542" in printed
     result = read(shared / "dtd/dear/seed1/results.json")
     assert result["parameters"] == dict(tokens="shared", learnable=17_542, components=components)
@@ -1671,7 +1684,7 @@ def test_each_protocols_test_sets_are_marked_trained_exactly_where_the_classes_w
     assert marks("cross", "imagenet", "dtd") == {"imagenet": True, "dtd": False}
     (fewshot,) = train.evaluation_sets(settings_of(common(world, tmp_path / "u", "--protocol", "fewshot", "--dataset",
                                                           "dtd")), datasets, "dtd")
-    assert [dear.scoring_logits(mode, fewshot.trained) for mode in runs.FUSION_MODES] == ["fused", "fused"]
+    assert [dear.scoring_logits(mode, fewshot.trained) for mode in cli.FUSION_MODES] == ["fused", "fused"]
 
 
 def test_build_dear_keeps_the_recipes_beta_and_evaluate_scores_at_the_beta_it_is_given(world, tmp_path):
@@ -1683,7 +1696,7 @@ def test_build_dear_keeps_the_recipes_beta_and_evaluate_scores_at_the_beta_it_is
     assert settings["beta"] == train.RECIPES["base2novel"]["oxford_pets"].beta == 0.7
     clip, _ = clip_model.load(world["weights"], head_width=32)
     tokenizer = clip_model.SimpleTokenizer(world["bpe"])
-    inputs = train.Inputs(clip, tokenizer, list(dear.CORE_ATTRIBUTES), [], "labels", None, False, {})
+    inputs = sources.Inputs(clip, tokenizer, list(dear.CORE_ATTRIBUTES), [], "labels", None, False, {})
     roles = dear.RoleMap.uniform("mixed", 3, 2, range(3))
     torch.manual_seed(0)
     model = train.build_dear(settings, inputs, roles).eval()
@@ -1695,7 +1708,7 @@ def test_build_dear_keeps_the_recipes_beta_and_evaluate_scores_at_the_beta_it_is
     at_02.load_learnable_state_dict(model.learnable_state_dict())
     d = data.load_dataset("dtd", world["root"], num_shots=None, subsample="new")
     novel = train.EvalSet("novel", d.test, d.classnames, d.template, False)
-    options, runtime = dict(eval_batch_size=8, workers=0), runs.Runtime(torch.device("cpu"))
+    options, runtime = dict(eval_batch_size=8, workers=0), devices.Runtime(torch.device("cpu"))
     seen, encode_image = [], model.encode_image  # the beta each batch's image pass ran at
     model.encode_image = lambda images: (seen.append(model.beta), encode_image(images))[1]
     given = train.evaluate(model, clip, tokenizer, novel, options, runtime, beta=0.2)
@@ -1703,7 +1716,7 @@ def test_build_dear_keeps_the_recipes_beta_and_evaluate_scores_at_the_beta_it_is
     assert given == train.evaluate(at_02, clip, tokenizer, novel, options, runtime)
 
 
-# Each ablation's one change, as the fields of runs.Ablated it moves.
+# Each ablation's one change, as the fields of plan.Ablated it moves.
 ABLATION_CHANGES = {"no-role-mask": {"role_map"}, "no-attribute-tokens": {"role_map", "attributes"},
                     "no-fusion-reg": {"lambda_fusion"},
                     "mask-generalization-only": {"role_map", "class_branch_fallback"},
@@ -1719,38 +1732,38 @@ def measured_map() -> dear.RoleMap:
 
 
 def test_each_ablation_makes_exactly_its_one_change_and_the_rows_follow(tiny_clip, world, tmp_path):
-    assert set(ABLATION_CHANGES) == set(runs.ABLATIONS)
+    assert set(ABLATION_CHANGES) == set(cli.ABLATIONS)
     attributes, analysed = list(dear.CORE_ATTRIBUTES), measured_map()
-    plain = runs.ablate(None, analysed, attributes, 0.3)
+    plain = plan.ablate(None, analysed, attributes, 0.3)
     assert plain == (analysed, attributes, True, 0.3, False)
     for name, fields in ABLATION_CHANGES.items():
-        change = runs.ablate(name, analysed, attributes, 0.3)
-        moved = {f for f in runs.Ablated._fields if getattr(change, f) != getattr(plain, f)}
+        change = plan.ablate(name, analysed, attributes, 0.3)
+        moved = {f for f in plan.Ablated._fields if getattr(change, f) != getattr(plain, f)}
         assert moved == fields, name
     roles_of = lambda m: [(h.layer, h.head, h.role, h.attribute) for h in m.heads]  # noqa: E731
-    no_mask = runs.ablate("no-role-mask", analysed, attributes, 0.3).role_map
-    assert roles_of(no_mask) == roles_of(runs.role_map_for("all-mixed", tiny_clip, attributes, None))
-    none = runs.ablate("no-attribute-tokens", analysed, attributes, 0.3)
+    no_mask = plan.ablate("no-role-mask", analysed, attributes, 0.3).role_map
+    assert roles_of(no_mask) == roles_of(sources.role_map_for("all-mixed", tiny_clip, attributes, None))
+    none = plan.ablate("no-attribute-tokens", analysed, attributes, 0.3)
     assert none.attributes == [] and none.role_map.attributes == []
     assert {h.role for h in none.role_map.heads} == {"mixed"}
-    only = runs.ablate("mask-generalization-only", analysed, attributes, 0.3)
+    only = plan.ablate("mask-generalization-only", analysed, attributes, 0.3)
     assert [r[2] for r in roles_of(only.role_map)] == ["mixed" if r[2] == "attribute" else r[2]
                                                        for r in roles_of(analysed)]
-    assert runs.ablate("no-fusion-reg", analysed, attributes, 0.3).lambda_fusion == 0.0
-    assert runs.ablate("branch-ce", analysed, attributes, 0.3).branch_ce
+    assert plan.ablate("no-fusion-reg", analysed, attributes, 0.3).lambda_fusion == 0.0
+    assert plan.ablate("branch-ce", analysed, attributes, 0.3).branch_ce
     # Built: the map made by hand keeps every branch (without the switch it would fall back).
     settings = dict(first_layer="auto", beta=0.7, text_tokens=2, tokens="separate", lambda_fusion=0.3)
-    inputs = train.Inputs(tiny_clip, None, attributes, [], "labels", None, False, {})
+    inputs = sources.Inputs(tiny_clip, None, attributes, [], "labels", None, False, {})
     built = train.build_dear(settings, inputs, analysed, "mask-generalization-only")
     assert not built.class_branch_only and not dear.falls_back_to_class_branch(analysed)
     assert dear.falls_back_to_class_branch(built.role_map)  # measured, no attribute head left
     assert train.build_dear(settings, inputs, analysed, "no-attribute-tokens").attributes == []
     # The rows: no-role-mask is --roles all-mixed's row; each other one the DeAR row changed.
-    rows = runs.dear_rows(settings_of(common(world, tmp_path / "u", "--dataset", "dtd", "--ablations", "all")))
+    rows = plan.dear_rows(settings_of(common(world, tmp_path / "u", "--dataset", "dtd", "--ablations", "all")))
     assert rows == [("dear", "analyse", None), ("dear-all-mixed", "all-mixed", None)] + [
-        (f"dear-{name}", "analyse", name) for name in runs.ABLATIONS if name != "no-role-mask"]
-    with pytest.raises(runs.TrainError, match="ablation 'no-such'"):
-        runs.ablate("no-such", analysed, attributes, 0.3)
+        (f"dear-{name}", "analyse", name) for name in cli.ABLATIONS if name != "no-role-mask"]
+    with pytest.raises(errors.TrainError, match="ablation 'no-such'"):
+        plan.ablate("no-such", analysed, attributes, 0.3)
 
 
 # ------------------------------------------------------------------------------------------
@@ -1798,7 +1811,7 @@ def test_a_non_finite_step_stops_its_run_at_its_last_finite_checkpoint_and_resum
     printed, errors = capsys.readouterr()
     seed1, seed2 = out / "dtd" / "dear-all-mixed" / "seed1", out / "dtd" / "dear-all-mixed" / "seed2"
     line = next(l for l in printed.splitlines() if "diverged" in l)
-    assert line == ("train.py: [dtd / dear-all-mixed / seed 1 / 4 shots] diverged at epoch 2, step 2: "
+    assert line == ("train.py: [dtd / dear-all-mixed / seed 1] diverged at epoch 2, step 2: "
                     f"{said} (fp32, attention sdpa (flash)); epoch 1's checkpoint kept; "
                     "try --attention explicit or another --amp, then --resume")
     assert errors.strip().splitlines()[-1] == ("train.py: 1 of 2 runs diverged (above); the others' "
@@ -1807,7 +1820,7 @@ def test_a_non_finite_step_stops_its_run_at_its_last_finite_checkpoint_and_resum
     assert checkpoint["epoch"] == 1
     assert all(torch.isfinite(t).all() for t in checkpoint["learnable"].values())
     assert not (seed1 / "results.json").exists() and (seed2 / "results.json").is_file()
-    assert [r["epoch"] for r in runs.read_metrics(str(seed1 / "metrics.jsonl"))] == [1]
+    assert [r["epoch"] for r in runfolder.read_metrics(str(seed1 / "metrics.jsonl"))] == [1]
     summary = (out / "summary.md").read_text()
     assert "DeAR, all heads mixed (no mask) (1 run diverged, not in the mean)" in summary
     assert read(out / "summary.json")["tables"]["dtd"]["rows"]["dear-all-mixed"][0] == \
@@ -1818,7 +1831,7 @@ def test_a_non_finite_step_stops_its_run_at_its_last_finite_checkpoint_and_resum
     assert "resumed after epoch 1/3" in capsys.readouterr().out
     assert torch.load(seed1 / "checkpoint.pt", weights_only=True)["epoch"] == 3
     assert (seed1 / "results.json").is_file()
-    assert [r["epoch"] for r in runs.read_metrics(str(seed1 / "metrics.jsonl"))] == [1, 2, 3]
+    assert [r["epoch"] for r in runfolder.read_metrics(str(seed1 / "metrics.jsonl"))] == [1, 2, 3]
 
 
 def test_fp16s_skipped_steps_are_counted_and_too_many_in_a_row_stop_the_run(
@@ -1839,9 +1852,9 @@ def test_fp16s_skipped_steps_are_counted_and_too_many_in_a_row_stop_the_run(
     poisoned_loss(monkeypatch, at_call=3, what="gradient", every_call_from=True)
     assert train.main(argv) == 1
     line = next(l for l in capsys.readouterr().out.splitlines() if "diverged" in l)
-    first = 3 + runs.MAX_SKIPPED_IN_A_ROW - 1  # the step where the 20th skip in a row came
+    first = 3 + monitor.MAX_SKIPPED_IN_A_ROW - 1  # the step where the 20th skip in a row came
     assert (f"diverged at epoch {(first - 1) // 3 + 1}, step {(first - 1) % 3 + 1}: "
-            f"{runs.MAX_SKIPPED_IN_A_ROW} steps in a row skipped by fp16's loss scaler (fp16, ") in line
+            f"{monitor.MAX_SKIPPED_IN_A_ROW} steps in a row skipped by fp16's loss scaler (fp16, ") in line
 
 
 def test_each_run_keeps_its_log_metrics_and_curves_across_a_resume_and_eval_only(
@@ -1852,14 +1865,14 @@ def test_each_run_keeps_its_log_metrics_and_curves_across_a_resume_and_eval_only
     writes) is cut first; --eval-only leaves the history as it was."""
     out, _ = copy_run(stopped_run, tmp_path)
     leaf = out / "dtd" / "dear" / "seed1"
-    assert [r["epoch"] for r in runs.read_metrics(str(leaf / "metrics.jsonl"))] == [1]
+    assert [r["epoch"] for r in runfolder.read_metrics(str(leaf / "metrics.jsonl"))] == [1]
     first = (leaf / "log.txt").read_text()
     assert "epoch 1/2 step 3/3 loss" in first and "stopped after epoch 1/2" in first
     with open(leaf / "metrics.jsonl", "a") as f:  # epoch 2's record, written before a kill
-        f.write(json.dumps(dict(runs.read_metrics(str(leaf / "metrics.jsonl"))[0], epoch=2)) + "\n")
+        f.write(json.dumps(dict(runfolder.read_metrics(str(leaf / "metrics.jsonl"))[0], epoch=2)) + "\n")
         f.write('{"epoch": 3, "lo')  # and a line cut short
     assert train.main(["--output", str(out), "--resume"]) == 0
-    records = runs.read_metrics(str(leaf / "metrics.jsonl"))
+    records = runfolder.read_metrics(str(leaf / "metrics.jsonl"))
     assert [r["epoch"] for r in records] == [1, 2]
     assert set(records[1]) >= {"epoch", "lr", "loss", "train_accuracy", "alpha", "images_per_second",
                                "data_wait", "gradient_norm", "skipped_steps", "seconds"}

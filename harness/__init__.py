@@ -1,0 +1,22 @@
+"""harness -- what makes train.py's runs safe and repeatable, kept off the reading path.
+
+A student reads clip_model.py, dear.py (clustering.py) and data.py, then train.py; train.py calls
+this package for everything around the method and the loop, one concern per module:
+
+    cli.py        the command line: flags, choices, help, --recipes (imports no torch)
+    config.py     the parsed flags -> a run's settings, checked once (presets, K, ranges, resume)
+    devices.py    device, precision, attention kernel, threads, loaders, processes; Runtime
+    plan.py       a call's runs (Job), the table rows and their labels
+    sources.py    the files a call reads, checked first: CLIP, BPE, role files, description pools,
+                  the sentence encoder, fingerprints
+    monitor.py    one run's training watched: running sums, the wait for data, the non-finite guard
+    runfolder.py  the run folder: whole files, the lock, checkpoints, resuming, each run's history
+    analysis.py   the head analysis as train.py runs it: pool, fingerprint, cache
+    checks.py     the other rows and checks: the linear probe, attribute-conditioned retrieval
+    reports.py    results.json records, the paper-shaped tables, clusters.md
+    pictures.py   roles.png, masks.png, curves.png, retrieval_*.png
+    errors.py     TrainError and the one-line errors of train.py's main
+
+Imports run one way: train.py -> harness -> dear.py, data.py, clip_model.py, clustering.py; no
+module here imports train.py (train.py hands its tables over in a cli.RecipeBook).
+"""

@@ -1,0 +1,39 @@
+"""harness/errors.py -- the harness's one error, TrainError (bad input: one line naming the flag or
+file and what to do), and how train.py's main turns every known error into that one line, exit
+status 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import clip_model
+import data
+import dear
+
+
+class TrainError(Exception):
+    """Bad input to train.py: one line naming the flag or file and what to do."""
+
+
+def one_line_errors(call: Callable[[], int]) -> int:
+    """call() -> its exit status; a known error is one line on stderr and exit status 2, before
+    any work where the checks come first (and --resume continues after one that came later)."""
+    import warnings
+
+    # data.py's warnings (a class with fewer than K images, a rebuilt cache) as one line each.
+    warnings.formatwarning = lambda message, category, *rest: f"warning: {message}\n"
+    try:
+        return call()
+    except (TrainError, data.DatasetError, dear.DeARError, clip_model.CLIPError) as error:
+        message = str(error)
+    except OSError as error:  # a full disk, a folder made read-only mid-run: one line too
+        where = f"{error.filename}: " if error.filename else ""
+        message = f"{where}{error.strerror or error}; fix it, then continue with --resume"
+    except KeyboardInterrupt:
+        print("train.py: interrupted; the last finished epoch is saved: continue with --resume",
+              file=sys.stderr)
+        return 130
+    print(f"train.py: error: {message}", file=sys.stderr)
+    return 2

@@ -1,0 +1,177 @@
+"""harness/plan.py -- a call as a list of runs (Job: a table row x dataset x seed x shots, each
+with its folder), the table rows and their labels, and what decides a run's result
+(job_settings). Called by train.run, reports.py and folder.py.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Dict, List, NamedTuple, Optional
+
+import dear
+from .errors import TrainError
+from .cli import ABLATIONS, ROLE_ABLATIONS, ablation_roles
+from .config import RUN_CONTROL
+
+
+class Ablated(NamedTuple):
+    """What one DeAR run is built and trained from, after its ablation's change (if any)."""
+    role_map: dear.RoleMap  # DeAR's role map
+    attributes: List[str]  # DeAR's attribute tokens, one each
+    class_branch_fallback: bool  # DeAR's: a measured map without attribute heads -> class branch
+    lambda_fusion: float  # dear_loss's weight of the fusion regularisation
+    branch_ce: bool  # dear_loss's: + MMRL's CE per branch
+
+
+def ablate(name: Optional[str], role_map: dear.RoleMap, attributes: List[str],
+           lambda_fusion: float) -> Ablated:
+    """The one change of ablation `name` (None: none) to the DeAR row's role map, attribute tokens
+    and loss -> Ablated; train.build_dear and train.train_job read it, nothing else switches.
+
+      name                      the one change                                  where it acts
+      no-role-mask              every head of the analysed layers mixed         role map (the
+                                (deep prompting, no mask)                       all-mixed row)
+      no-attribute-tokens       A = 0: no attribute token; a uniform mixed      DeAR(attributes),
+                                map over the same layers (DeAR refuses a map    role map
+                                with attributes that A = 0 cannot hold)
+      no-fusion-reg             lambda_fusion = 0                               dear_loss
+      mask-generalization-only  attribute heads made mixed                      role map
+                                (dear.generalization_mask_only); a map made     DeAR(class_branch_
+                                by hand: no class-branch fallback               fallback=False)
+      branch-ce                 + MMRL's 0.7 CE(class) + 0.3 CE(attribute       dear_loss(branch_ce)
+                                branches), not the paper's loss
+    """
+    def uniform_mixed(attributes: List[str]) -> dear.RoleMap:  # over the map's own layers
+        return dear.RoleMap.uniform("mixed", role_map.vision_layers, role_map.num_heads,
+                                    role_map.layers, attributes)
+
+    change = Ablated(role_map, list(attributes), True, lambda_fusion, False)
+    if name is None:
+        return change
+    if name == "no-role-mask":
+        return change._replace(role_map=uniform_mixed(list(attributes)))
+    if name == "no-attribute-tokens":
+        return change._replace(role_map=uniform_mixed([]), attributes=[])
+    if name == "no-fusion-reg":
+        return change._replace(lambda_fusion=0.0)
+    if name == "mask-generalization-only":
+        return change._replace(role_map=dear.generalization_mask_only(role_map),
+                               class_branch_fallback=False)
+    if name == "branch-ce":
+        return change._replace(branch_ce=True)
+    raise TrainError(f"ablation {name!r}: use one of {', '.join(ABLATIONS)}")
+
+
+@dataclass
+class Job:
+    dataset: str  # the dataset trained on (the source, for cross and dg)
+    row: str  # "zeroshot", "linear-probe", "dear", "dear-all-mixed", "dear-all-generalization"
+    roles: Optional[str]  # "analyse", an ablation, or a roles file (None for zeroshot)
+    seed: Optional[int]  # None for zero-shot: it has no randomness, one run serves every seed
+    shots: Optional[int]  # None for zero-shot (it does not train)
+    folder: str  # <output>/<dataset>/<row>/<seed leaf>: checkpoint.pt, results.json, results.md
+    ablation: Optional[str] = None  # one of ABLATIONS (not no-role-mask: the --roles all-mixed row)
+
+    @property
+    def label(self) -> str:
+        """e.g. "oxford_pets / dear / seed 1"; the shots too where they vary (fewshot)."""
+        parts = [self.dataset, self.row] + ([f"seed {self.seed}"] if self.seed is not None else [])
+        varies = os.path.basename(self.folder).startswith("shots")  # fewshot's leaf
+        return " / ".join(parts + ([f"{self.shots} shots"] if varies else []))
+
+
+ROW_LABELS = {"zeroshot": "CLIP (zero-shot)",
+              "linear-probe": "Linear probe (frozen image features)", "dear": "DeAR",
+              "dear-all-mixed": "DeAR, all heads mixed (no mask)",
+              "dear-all-generalization": "DeAR, all heads generalization",
+              "dear-no-attribute-tokens": "DeAR, no attribute tokens (class branch, text tokens)",
+              "dear-no-fusion-reg": "DeAR, no fusion regularisation (lambda_fusion 0)",
+              "dear-mask-generalization-only": "DeAR, mask on the generalization heads only",
+              "dear-branch-ce": "DeAR + per-branch CE (MMRL's; not the paper's loss)"}
+
+
+# The DeAR row once per --fusion mode; its table key and label say what the mode does.
+FUSION_ROWS = {"fused-everywhere": ("-fused", ", fused on every test set"),
+               "class-on-unseen": ("-class-on-unseen", ", class branch alone on unseen classes")}
+
+
+# What a comparison row does by construction, said once in the header instead of a warning per
+# run (dear.branches_in_fusion's warning is for a map that leaves a token blind unasked).
+ROWS_SAID = {"dear-all-mixed": "dear-all-mixed: every head mixed, no mask (deep prompting)",
+             "dear-all-generalization": "dear-all-generalization: no head lets an attribute token "
+             "read the image, so the class branch alone scores (by construction, no warning)"}
+
+
+def rows_said(jobs: List[Job]) -> List[str]:
+    return [f"train.py: {ROWS_SAID[row]}" for row in dict.fromkeys(job.row for job in jobs)
+            if row in ROWS_SAID]
+
+
+def row_name(roles: str) -> str:
+    # analysed or a file: the DeAR row
+    return "dear" if roles not in ROLE_ABLATIONS else f"dear-{roles}"
+
+
+def dear_rows(settings) -> List[tuple]:
+    """(row, roles, ablation) of each DeAR row, in table order: each --roles choice, then each of
+    --ablations on the DeAR row's roles (no-role-mask is --roles all-mixed's row: made once)."""
+    rows = [(row_name(roles), roles, None) for roles in settings["roles"]]
+    source = next((r for r in settings["roles"] if r not in ROLE_ABLATIONS), None)  # analyse/file
+    for name in settings["ablations"]:
+        roles = ablation_roles(name)
+        row = row_name(roles) if roles is not None else f"dear-{name}"
+        if row not in [r for r, _, _ in rows]:
+            rows.append((row, roles, None) if roles is not None else (row, source, name))
+    return rows
+
+
+def trained_datasets(settings) -> List[str]:
+    # cross, dg: the source alone
+    return [settings["source"]] if settings["source"] else list(settings["dataset"])
+
+
+def plan_jobs(settings) -> List[Job]:
+    """Every run of the call, in order. Zero-shot depends on neither seed nor shots: one run
+    per dataset fills every seed's place in the tables."""
+    jobs, out = [], settings["output"]  # in order: zero-shot, then the trained rows
+    for dataset in trained_datasets(settings):
+        if "zeroshot" in settings["method"]:
+            jobs.append(Job(dataset, "zeroshot", None, None, None,
+                            os.path.join(out, dataset, "zeroshot")))
+        rows = [("linear-probe", None, None)] if "linear-probe" in settings["method"] else []
+        rows += dear_rows(settings) if "dear" in settings["method"] else []
+        for row, roles, ablation in rows:  # one run per shots x seed
+            for shots in settings["shots"]:
+                for seed in settings["seeds"]:
+                    leaf = (f"seed{seed}" if settings["protocol"] != "fewshot"
+                            else f"shots{shots}-seed{seed}")
+                    folder = os.path.join(out, dataset, row, leaf)
+                    jobs.append(Job(dataset, row, roles, seed, shots, folder, ablation))
+    return jobs
+
+
+def table_rows(settings) -> Dict[str, tuple]:
+    """{table row: (job row, fusion mode)}: zero-shot; the linear probe; the DeAR row once per
+    --fusion mode (its key ends in the mode's suffix); each ablation under the first mode."""
+    rows = {"zeroshot": ("zeroshot", None), "linear-probe": ("linear-probe", None)}
+    for row, roles, ablation in dear_rows(settings):
+        one_change = roles in ROLE_ABLATIONS or ablation is not None
+        for mode in settings["fusion"][:1] if one_change else settings["fusion"]:
+            rows[row + ("" if one_change else FUSION_ROWS[mode][0])] = (row, mode)
+    return rows
+
+
+def row_label(row: str) -> str:
+    for suffix, label in FUSION_ROWS.values():
+        if row.endswith(suffix):
+            return ROW_LABELS.get(row[: -len(suffix)], row[: -len(suffix)]) + label
+    return ROW_LABELS.get(row, row)  # a row without a label shows its key
+
+
+def job_settings(settings, job: Job) -> dict:
+    """What decides a run's result: saved with it and compared on --resume."""
+    # how to run may change, not what
+    keep = {k: v for k, v in settings.items() if k not in RUN_CONTROL}
+    return dict(keep, job=dict(dataset=job.dataset, row=job.row, roles=job.roles, seed=job.seed,
+                               shots=job.shots, ablation=job.ablation))
