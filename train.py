@@ -42,14 +42,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional
 
-import torch
-from torch.utils.data import DataLoader, DistributedSampler
-
-import data
-import dear
-from harness import (analysis, checks, cli, config, devices, errors, monitor, plan, reports,
-                     runfolder, sources)
-from harness.errors import TrainError
+from harness import cli  # the command line: argparse alone (no torch), for --help's sake
 
 # ------------------------------------------------------------------------------------------
 # 1. The recipes: every default, written once, with its source (docs/METHOD.md Sec. 7)
@@ -174,6 +167,20 @@ def attribute_tokens(toy: bool) -> List[str]:
 # K (--text-tokens) is in no table: unset, dear.default_text_tokens (config.resolve_text_tokens).
 BOOK = cli.RecipeBook(RECIPES, PROTOCOL_RECIPES, DEFAULTS, TOY_DEFAULTS, PAPER_DATASETS,
                        DG_TARGETS, FEWSHOT_SHOTS, WARMUP_LR, WEIGHT_DECAY, attribute_tokens)
+
+# --help and --recipes are answered here, before torch and the method are imported: in a moment,
+# not the seconds torch takes to load.
+if __name__ == "__main__":
+    cli.answer_at_once(sys.argv[1:], BOOK)
+
+import torch  # noqa: E402 -- below --help's answer, on purpose
+from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+
+import data  # noqa: E402
+import dear  # noqa: E402
+from harness import (analysis, checks, config, devices, errors, monitor, plan,  # noqa: E402
+                     reports, runfolder, sources)
+from harness.errors import TrainError  # noqa: E402
 
 # ------------------------------------------------------------------------------------------
 # 2. Data: what each protocol trains on and tests on (docs/METHOD.md Sec. 6)
@@ -604,6 +611,7 @@ def run_job(job: plan.Job, settings, inputs: sources.Inputs, role_maps: dict, li
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    cli.answer_at_once(sys.argv[1:] if argv is None else argv, BOOK)  # --help, --recipes
     args = cli.build_parser(BOOK).parse_args(argv)
     return errors.one_line_errors(lambda: run(args))  # a known error: one line, exit status 2
 

@@ -58,6 +58,7 @@ RUN = {
     "python data.py --dataset path/to/my_photos",  # on a folder of class folders made below
     "python benchmarks/toy_ablations.py --toy-scale miniature --seeds 1 --epochs 1 "
     "--output /tmp/abl",  # the toy ablation tables' path, seconds
+    "python benchmarks/bench_loader.py --images 400 --workers 0 1 2",  # seconds
 }
 
 # Not run on their own: a command of RUN that adds flags to them runs the same path and more
@@ -66,6 +67,7 @@ COVERED = {
     "python -m toyworld": "python -m toyworld --grid samples.png",
     "python -m toyworld --scale miniature": "python -m toyworld --scale miniature --causal --grid samples.png",
     "python -m toyworld --scale miniature --causal": "python -m toyworld --scale miniature --causal --grid samples.png",
+    "python benchmarks/bench_loader.py": "python benchmarks/bench_loader.py --images 400 --workers 0 1 2",
 }
 
 # Not run here, and why. (Anything naming $DATA needs the benchmark datasets: see not_run_reason.)
@@ -93,6 +95,10 @@ NOT_RUN = {
     "python benchmarks/device_check.py --device cpu --quick": "tests/test_device_check.py runs it",
     "python benchmarks/device_check.py": "needs a GPU",
     "python benchmarks/device_check.py --peak-tflops 312": "needs a GPU",
+    "python benchmarks/golden_spread.py": "about 3 minutes: the golden run 7 times, in subprocesses",
+    "python benchmarks/precision_table.py": "minutes: the toy trained in fp32, fp16 and bf16; "
+                                            "tests/test_device_check.py runs it in two epochs",
+    "python benchmarks/precision_table.py --device cuda": "needs a GPU",
 }
 
 

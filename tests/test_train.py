@@ -955,21 +955,51 @@ def test_a_dataset_without_a_recipe_is_refused_not_given_another_datasets(world,
 
 
 def test_help_shows_each_default_from_the_one_table_that_holds_it(monkeypatch, capsys):
-    """Defaults are written once (Recipe, RECIPES, DEFAULTS, TOY_DEFAULTS): the help text is
-    generated from them, so changing a table changes the help and the resolved setting alike."""
-    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps at the terminal's width
+    """Defaults are written once (Recipe, RECIPES, DEFAULTS, TOY_DEFAULTS): the help text and
+    --recipes are generated from them, so changing a table changes the help, the recipes' table
+    and the resolved setting alike."""
     monkeypatch.setitem(train.DEFAULTS, "log_every", 7)
     monkeypatch.setitem(train.RECIPES["cross"], "imagenet", train.Recipe(epochs=3, batch_size=32))
     text = " ".join(cli.build_parser(train.BOOK).format_help().split())
-    assert "a progress line every N steps (default 7)" in text
-    assert ("training epochs, the warm-up epochs included (default base2novel 10 (imagenet: 5, toyworld: 20); "
-            "fewshot 100 (imagenet: 5, toyworld: 20); cross, dg 1 (imagenet: 3), from RECIPES)") in text
+    assert "a progress line in log.txt every N steps (default 7)" in text
+    assert "training epochs, the warm-up's included (default 10; per dataset: --recipes)" in text
     assert "(default analyse; toyworld: all-mixed all-generalization analyse)" in text
     assert "every N steps (default 20)" not in text  # the old --log-every default is nowhere
+    table = cli.recipes_table(train.BOOK).splitlines()
+    cross = table.index("cross and dg:")
+    imagenet = next(line for line in table[cross:] if line.split()[:1] == ["imagenet"])
+    assert imagenet.split()[1:3] == ["3", "32"]  # epochs, batch_size: the table's
     settings = settings_of(["--dataset", "dtd", "--device", "cpu"])
     assert settings["log_every"] == 7 and settings["epochs"] == train.Recipe().epochs == 10
     assert settings_of((
         ["--dataset", "imagenet_sketch", "--protocol", "dg", "--device", "cpu"]))["epochs"] == 3
+
+
+HELP_ALONE = """
+import runpy, sys
+sys.argv = ["train.py", *sys.argv[1:]]
+try:
+    runpy.run_path("train.py", run_name="__main__")
+except SystemExit as stop:
+    assert stop.code in (0, None), stop.code
+print("torch imported:", "torch" in sys.modules, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("flag", ["--help", "--recipes"])
+def test_help_and_recipes_answer_without_importing_torch_in_under_120_lines(flag):
+    """python train.py --help (and --recipes) answers before torch is imported (a moment, not the
+    seconds torch takes), the help in under 120 lines, none past 120 columns."""
+    done = subprocess.run([sys.executable, "-c", HELP_ALONE, flag], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.strip().endswith("torch imported: False"), done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    if flag == "--help":
+        assert 60 < len(lines) < 120 and max(map(len, lines)) <= 120
+        assert lines[0] == "usage: python train.py --dataset NAME|all|toyworld|PATH [options]"
+    else:
+        assert lines[0].startswith("Recipes") and any(l.startswith("  oxford_pets") for l in lines)
 
 
 def test_each_protocol_trains_with_the_lineages_recipe_and_its_per_dataset_values():
