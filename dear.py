@@ -4,8 +4,9 @@ CVPR 2026) in the order it runs. Its sections ("section N" below; "paper Sec. N"
 1. TextSpan, then the records (Description, Cluster, HeadRole, RoleMap) the rest takes;
 2. concepts (the picks clustered); 3. concept entropy's head roles (paper Sec. 3.2; analyze_heads
 runs 1-3); 4. the role-based mask (paper Sec. 3.3); 5. the model and which logits score a test set;
-6. the losses (paper Sec. 3.4); 7. attribute-conditioned retrieval; 8. bookkeeping: the argument
-checks, RoleMap's checks, JSON file and table, DeAR's checkpoint tensors, the description pools.
+6. the losses (paper Sec. 3.4); 7. the paper's ablations (ablate: each one change); 8.
+attribute-conditioned retrieval; 9. bookkeeping: the argument checks, RoleMap's checks, JSON file
+and table, DeAR's checkpoint tensors, the description pools.
 
 The method in one page: tests/test_dear_reference.py, DeAR's forward pass one head at a time;
 this file batches it. It imports torch and clip_model.py: copy the two files together.
@@ -30,7 +31,7 @@ import json
 import math
 import warnings
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Union
 
@@ -70,7 +71,7 @@ def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
     order. contributions (n, E), one head's direct contributions to the image embeddings; the bank
     (T, E); rank: textspan_rank(clip) -> indices into the bank. Each pick is the text varying most
     across the images; it is then removed from the head and from the bank."""
-    check_picks(num_descriptions, contributions, text_embeddings, rank)  # section 8
+    check_picks(num_descriptions, contributions, text_embeddings, rank)  # section 9
     data = contributions.double()
     _, _, right = torch.linalg.svd(data, full_matrices=False)  # right: (min(n, E), E), raw data
     span = right[:rank]  # (r, E), r = min(rank, n, E): the authors' vh[:rank], mean included
@@ -127,7 +128,7 @@ class HeadRole:
 @dataclass
 class RoleMap:
     """The role of every head of the analysed vision layers, which the mask is built from. Its
-    checks, JSON file and table are bookkeeping, written out in section 8."""
+    checks, JSON file and table are bookkeeping, written out in section 9."""
     vision_layers: int  # depth of the vision tower it was made for
     num_heads: int  # heads per layer of that tower
     attributes: List[str]  # the attribute tokens' names, in token order
@@ -157,7 +158,7 @@ class RoleMap:
 
     def validate(self, vision_layers: Optional[int] = None, num_heads: Optional[int] = None,
                  attributes: Optional[Sequence[str]] = None) -> None:
-        """Complete, consistent, and (when the sizes are given) fits the model (section 8)."""
+        """Complete, consistent, and (when the sizes are given) fits the model (section 9)."""
         validate_role_map(self, vision_layers, num_heads, attributes)
 
     def to_json(self) -> dict:
@@ -168,7 +169,7 @@ class RoleMap:
 
     @classmethod
     def load(cls, path: str) -> RoleMap:
-        """Read a role file; every problem is one DeARError line that names the file (section 8)."""
+        """Read a role file; every problem is one DeARError line that names the file (section 9)."""
         return load_role_map(path)
 
     def table(self) -> str:
@@ -204,7 +205,7 @@ def hdbscan(points: torch.Tensor, min_cluster_size: int,
             min_samples: Optional[int] = None) -> torch.Tensor:
     """clustering.hdbscan, imported only here: (P, d) -> (P,) cluster ids, -1 = noise. Its
     ClusteringError comes back as DeARError; without clustering.py, one line says what it needs."""
-    clustering = clustering_module()  # section 8
+    clustering = clustering_module()  # section 9
     try:
         return clustering.hdbscan(points, min_cluster_size, min_samples)
     except clustering.ClusteringError as error:
@@ -329,7 +330,7 @@ def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequenc
     low, high = default_thresholds(max(len(c) for c in concepts_per_head), num_concepts)
     low_bits = low if low_bits is None else low_bits
     high_bits = high if high_bits is None else high_bits
-    check_thresholds(low_bits, high_bits)  # section 8
+    check_thresholds(low_bits, high_bits)  # section 9
     roles = []
     for entropy, pick_concepts in zip(entropies, concepts_per_head):
         if entropy <= low_bits:
@@ -363,7 +364,7 @@ def text_embeddings_of(texts: List[str], clip: clip_model.CLIP, tokenizer,
     """Texts in the clustering's space: embed_texts' (checked), or CLIP's text tower's."""
     if embed_texts is None:
         return encode_descriptions(clip, tokenizer, texts).cpu()
-    return checked_embeddings(embed_texts, texts)  # section 8
+    return checked_embeddings(embed_texts, texts)  # section 9
 
 
 def normalised_contributions(clip: clip_model.CLIP, image_batches, num_layers: int,
@@ -374,7 +375,7 @@ def normalised_contributions(clip: clip_model.CLIP, image_batches, num_layers: i
     device = clip.visual.conv1.weight.device
     batches = image_batches.split(64) if isinstance(image_batches, torch.Tensor) else image_batches
     for batch in batches:
-        check_image_batch(batch)  # section 8
+        check_image_batch(batch)  # section 9
         parts = clip_model.head_contributions(clip, batch.to(device), num_layers)
         norms = parts.total().norm(dim=-1)[:, None, None, None]  # (B, 1, 1, 1)
         per_image.append((parts.heads / norms).cpu())  # (B, L_a, H, E)
@@ -533,17 +534,6 @@ def blind_attributes(role_masks: torch.Tensor, num_image_tokens: int,
     return [a for a, can_read in zip(attributes, readable) if not can_read]
 
 
-def generalization_mask_only(role_map: RoleMap) -> RoleMap:
-    """The paper's ablation "the mask on the generalization heads only": every attribute head made
-    mixed, so every token reads the image through it. What the analysis measured stays; a map
-    made so has no attribute head, so its DeAR is built with class_branch_fallback=False."""
-    heads = [HeadRole(h.layer, h.head, "mixed" if h.role == "attribute" else h.role,
-                      entropy=h.entropy, descriptions=h.descriptions, concepts=h.concepts)
-             for h in role_map.heads]
-    return RoleMap(role_map.vision_layers, role_map.num_heads, list(role_map.attributes), heads,
-                   source=f"{role_map.source}; attribute heads made mixed")
-
-
 # ---- 5. The model (paper Sec. 3.3-3.4, METHOD.md Sec. 4) -----------------------------------------
 # DeAR is frozen CLIP plus learnable tokens from layer J on: in the vision tower A attribute tokens
 # follow the image's N tokens, each head under its role mask (section 4); in the text tower K tokens
@@ -690,7 +680,7 @@ class DeAR(nn.Module):
     Nothing before J learns: it runs without autograd, shared with the frozen pass, and once per
     class list on the text side (test_dear_reference.py checks these shortcuts). No attribute
     tokens (A = 0, the no-attribute-tokens ablation), a map with none and no mask:
-    DeAR(clip, RoleMap.uniform("mixed", depth, H, layers, attributes=[])) (as runs.ablate makes
+    DeAR(clip, RoleMap.uniform("mixed", depth, H, layers, attributes=[])) (as ablate makes
     it; a map with attributes refuses attributes=[]): frozen CLIP's image feature, the
     text tokens, alpha = (1,); under "shared" no vision aligner and no projection residual, the K
     latent tokens reach the text tower alone. num_text_tokens: K, default default_text_tokens.
@@ -885,7 +875,7 @@ class DeAR(nn.Module):
             fused = torch.einsum("bkc,k->bc", branch_logits, alpha)  # k: the branch
         return fused, branch_logits
 
-    # Bookkeeping (section 8): the checkpoint's tensors and the parameter counts.
+    # Bookkeeping (section 9): the checkpoint's tensors and the parameter counts.
     def learnable_state_dict(self) -> dict:
         """Only what training changes; a checkpoint needs nothing else (CLIP is frozen)."""
         return {name: t.detach().cpu().clone() for name, t in self.learnable_tensors().items()}
@@ -969,7 +959,82 @@ def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0,
     return losses
 
 
-# ---- 7. Attribute-conditioned retrieval (the paper's check that a token carries its attribute) --
+# ---- 7. The paper's ablations (its "Ablation Study"; METHOD.md Sec. 5) ---------------------------
+# Each ablation is the DeAR row with one change, made in ablate and nowhere else: what DeAR is
+# built from (role map, attribute tokens, the fallback) and what dear_loss reads (lambda_fusion,
+# branch_ce). branch-ce is ours, not the paper's, for the retrieval diagnosis (docs/TOYWORLD.md).
+ABLATIONS = {  # name -> what train.py's --ablations help says of it
+    "no-role-mask": "every head mixed: the tokens reach every head (the row of --roles all-mixed)",
+    "no-attribute-tokens": "no attribute token: the class branch and the text tokens alone",
+    "no-fusion-reg": "lambda_fusion = 0: nothing holds the fusion to the class branch",
+    "mask-generalization-only": "the analysed map with its attribute heads made mixed",
+    "branch-ce": "NOT the paper's loss: + MMRL's 0.7 CE(class) + 0.3 CE(attribute branches)",
+}
+
+
+class Ablated(NamedTuple):
+    """What one DeAR run is built and trained from, after its ablation's change (if any)."""
+    role_map: RoleMap  # DeAR's role map
+    attributes: List[str]  # DeAR's attribute tokens, one each
+    class_branch_fallback: bool  # DeAR's: a measured map without attribute heads -> class branch
+    lambda_fusion: float  # dear_loss's weight of the fusion regularisation
+    branch_ce: bool  # dear_loss's: + MMRL's CE per branch
+
+
+def generalization_mask_only(role_map: RoleMap) -> RoleMap:
+    """The paper's "mask on the generalization heads only": every attribute head made mixed, so
+    every token reads the image through it. Only the roles and the source change: each head's
+    entropy, picks and their concepts, the thresholds, the concept source and the clusters stay as
+    measured. Such a map has no attribute head on purpose: build its DeAR with
+    class_branch_fallback=False (ablate does)."""
+    heads = [replace(h, role="mixed", attribute=None) if h.role == "attribute" else replace(h)
+             for h in role_map.heads]
+    return replace(role_map, attributes=list(role_map.attributes), heads=heads,
+                   clusters=list(role_map.clusters),
+                   source=f"{role_map.source}; attribute heads made mixed")
+
+
+def ablate(name: Optional[str], role_map: RoleMap, attributes: List[str],
+           lambda_fusion: float) -> Ablated:
+    """The one change of ablation `name` (None: none) to the DeAR row's role map, attribute tokens
+    and loss -> Ablated; DeAR and dear_loss are built from it, nothing else switches.
+
+      name                      the one change                                  where it acts
+      no-role-mask              every head of the analysed layers mixed         role map (the
+                                (deep prompting, no mask)                       all-mixed row)
+      no-attribute-tokens       A = 0: no attribute token; a uniform mixed      DeAR(attributes),
+                                map over the same layers (DeAR refuses a map    role map
+                                with attributes that A = 0 cannot hold)
+      no-fusion-reg             lambda_fusion = 0                               dear_loss
+      mask-generalization-only  the analysed map with its attribute heads       role map,
+                                made mixed (generalization_mask_only); DeAR     DeAR(class_branch_
+                                without the fallback: the map has no            fallback=False)
+                                attribute head on purpose
+      branch-ce                 + MMRL's 0.7 CE(class) + 0.3 CE(attribute       dear_loss(branch_ce)
+                                branches), not the paper's loss
+    """
+    def uniform_mixed(attributes: List[str]) -> RoleMap:  # over the map's own layers
+        return RoleMap.uniform("mixed", role_map.vision_layers, role_map.num_heads,
+                               role_map.layers, attributes)
+
+    change = Ablated(role_map, list(attributes), True, lambda_fusion, False)
+    if name is None:
+        return change
+    if name == "no-role-mask":
+        return change._replace(role_map=uniform_mixed(list(attributes)))
+    if name == "no-attribute-tokens":
+        return change._replace(role_map=uniform_mixed([]), attributes=[])
+    if name == "no-fusion-reg":
+        return change._replace(lambda_fusion=0.0)
+    if name == "mask-generalization-only":
+        return change._replace(role_map=generalization_mask_only(role_map),
+                               class_branch_fallback=False)
+    if name == "branch-ce":
+        return change._replace(branch_ce=True)
+    raise DeARError(f"ablation {name!r}: use one of {', '.join(ABLATIONS)}")
+
+
+# ---- 8. Attribute-conditioned retrieval (the paper's check that a token carries its attribute) --
 @torch.no_grad()
 def retrieval_features(model: DeAR, images: torch.Tensor) -> dict:
     """images (B, 3, R, R) -> {"class", each attribute but the blind, "frozen CLIP": (B, E)},
@@ -1000,7 +1065,7 @@ def precision_at_k(ranking: torch.Tensor, query_values: Sequence,
     return sum(hits) / len(hits)
 
 
-# ---- 8. Bookkeeping, not the method: its argument checks; RoleMap's checks, JSON file and table;
+# ---- 9. Bookkeeping, not the method: its argument checks; RoleMap's checks, JSON file and table;
 # DeAR's checkpoint tensors; the description pools. Each check stands once, at a public function's
 # entry or here; runs.py (for train.py) calls the same ones before any work.
 def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *, rank: int,

@@ -1003,64 +1003,10 @@ def sum_over_processes(values: List[float], runtime: Runtime) -> List[float]:
 # ------------------------------------------------------------------------------------------
 # A call is a list of Jobs (a table row x dataset x seed x shots), each with its own folder.
 
-# The paper's ablation study ("Ablation Study"), each the DeAR row with one change, a row of its
-# own (docs/METHOD.md Sec. 5); branch-ce is ours, for the retrieval diagnosis (docs/TOYWORLD.md).
-# Name -> what --ablations' help says; ablate below applies each.
-ABLATIONS = {
-    "no-role-mask": "every head mixed: the tokens reach every head (the row of --roles all-mixed)",
-    "no-attribute-tokens": "no attribute token: the class branch and the text tokens alone",
-    "no-fusion-reg": "lambda_fusion = 0: nothing holds the fusion to the class branch",
-    "mask-generalization-only": "the analysed map with its attribute heads made mixed",
-    "branch-ce": "NOT the paper's loss: + MMRL's 0.7 CE(class) + 0.3 CE(attribute branches)",
-}
-
-
-class Ablated(NamedTuple):
-    """What one DeAR run is built and trained from, after its ablation's change (if any)."""
-    role_map: dear.RoleMap  # DeAR's role map
-    attributes: List[str]  # DeAR's attribute tokens, one each
-    class_branch_fallback: bool  # DeAR's: a measured map without attribute heads -> class branch
-    lambda_fusion: float  # dear_loss's weight of the fusion regularisation
-    branch_ce: bool  # dear_loss's: + MMRL's CE per branch
-
-
-def ablate(name: Optional[str], role_map: dear.RoleMap, attributes: List[str],
-           lambda_fusion: float) -> Ablated:
-    """The one change of ablation `name` (None: none) to the DeAR row's role map, attribute tokens
-    and loss -> Ablated; train.build_dear and train.train_job read it, nothing else switches.
-
-      name                      the one change                                  where it acts
-      no-role-mask              every head of the analysed layers mixed         role map (the
-                                (deep prompting, no mask)                       all-mixed row)
-      no-attribute-tokens       A = 0: no attribute token; a uniform mixed      DeAR(attributes),
-                                map over the same layers (DeAR refuses a map    role map
-                                with attributes that A = 0 cannot hold)
-      no-fusion-reg             lambda_fusion = 0                               dear_loss
-      mask-generalization-only  attribute heads made mixed                      role map
-                                (dear.generalization_mask_only); a map made     DeAR(class_branch_
-                                by hand: no class-branch fallback               fallback=False)
-      branch-ce                 + MMRL's 0.7 CE(class) + 0.3 CE(attribute       dear_loss(branch_ce)
-                                branches), not the paper's loss
-    """
-    def uniform_mixed(attributes: List[str]) -> dear.RoleMap:  # over the map's own layers
-        return dear.RoleMap.uniform("mixed", role_map.vision_layers, role_map.num_heads,
-                                    role_map.layers, attributes)
-
-    change = Ablated(role_map, list(attributes), True, lambda_fusion, False)
-    if name is None:
-        return change
-    if name == "no-role-mask":
-        return change._replace(role_map=uniform_mixed(list(attributes)))
-    if name == "no-attribute-tokens":
-        return change._replace(role_map=uniform_mixed([]), attributes=[])
-    if name == "no-fusion-reg":
-        return change._replace(lambda_fusion=0.0)
-    if name == "mask-generalization-only":
-        return change._replace(role_map=dear.generalization_mask_only(role_map),
-                               class_branch_fallback=False)
-    if name == "branch-ce":
-        return change._replace(branch_ce=True)
-    raise TrainError(f"ablation {name!r}: use one of {', '.join(ABLATIONS)}")
+# The paper's ablations are dear.py's (section 7); these names stay until train.py calls dear's.
+ABLATIONS = dear.ABLATIONS
+Ablated = dear.Ablated
+ablate = dear.ablate
 
 
 def ablation_roles(name: str) -> Optional[str]:

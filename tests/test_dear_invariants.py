@@ -418,10 +418,21 @@ def test_the_mask_on_generalization_heads_only_makes_each_attribute_head_mixed(t
     measured = role_map(MIXED_MAP)
     for head in measured.heads:  # measured (entropies): without attribute heads it would fall back
         head.entropy = 0.5 if head.role == "attribute" else 2.0
+        head.descriptions, head.concepts = [f"{head.role} {head.head}"], [f"cluster {head.layer}"]
+    measured.low_bits, measured.high_bits, measured.concepts = 0.81, 1.33, "clusters"
+    measured.clusters = [dear.Cluster(1, "colour", 4, ["red"])]
+    roles_before = [(h.role, h.attribute) for h in measured.heads]
     ablated = dear.generalization_mask_only(measured)
     expected = [{"attribute": "mixed"}.get(h.role, h.role) for h in measured.heads]
     assert [h.role for h in ablated.heads] == expected
     assert not any(h.attribute for h in ablated.heads)
+    # Only the roles and the source change: what was measured stays, the measured map untouched.
+    assert ablated.source == "analysis; attribute heads made mixed"
+    kept = ("vision_layers", "num_heads", "attributes", "low_bits", "high_bits", "concepts", "clusters")
+    assert [getattr(ablated, f) for f in kept] == [getattr(measured, f) for f in kept]
+    per_head = lambda m: [(h.layer, h.head, h.entropy, h.descriptions, h.concepts) for h in m.heads]  # noqa: E731
+    assert per_head(ablated) == per_head(measured)
+    assert [(h.role, h.attribute) for h in measured.heads] == roles_before
     before = make(tiny_deep_clip, MIXED_MAP)
     assert DeAR(tiny_deep_clip, ablated, ATTRIBUTES, first_layer=1).class_branch_only  # measured
     after = DeAR(tiny_deep_clip, ablated, ATTRIBUTES, first_layer=1, class_branch_fallback=False)
@@ -431,6 +442,31 @@ def test_the_mask_on_generalization_heads_only_makes_each_attribute_head_mixed(t
         assert not torch.isfinite(after.role_masks[layer, head]).all()
     for layer, head in [(1, 0), (2, 1), (2, 3)]:  # ... the attribute heads have none
         assert torch.isfinite(after.role_masks[layer, head]).all()
+
+
+def test_ablate_is_the_one_path_of_every_ablation_and_refuses_an_unknown_name(tiny_deep_clip):
+    """Each ablation's DeAR, built from what ablate returns, is the row with its one change."""
+    measured = role_map(MIXED_MAP)
+    for head in measured.heads:
+        head.entropy = 0.5 if head.role == "attribute" else 2.0
+
+    def built(name):
+        change = dear.ablate(name, measured, ATTRIBUTES, 0.1)
+        return change, DeAR(tiny_deep_clip, change.role_map, change.attributes, first_layer=1,
+                            num_text_tokens=2, class_branch_fallback=change.class_branch_fallback)
+
+    plain, row = built(None)
+    assert plain == (measured, ATTRIBUTES, True, 0.1, False) and (row.role_masks != 0).any()
+    no_mask, model = built("no-role-mask")
+    assert (model.role_masks == 0).all() and model.attributes == ATTRIBUTES  # every head mixed
+    assert no_mask.role_map.layers == measured.layers and no_mask.role_map.source == "all-mixed"
+    _, model = built("no-attribute-tokens")
+    assert model.attributes == [] and model.role_masks.shape[-1] == N_IMAGE
+    _, model = built("mask-generalization-only")
+    assert not model.class_branch_only and model.in_fusion.all()  # no fallback, every branch in
+    assert built("no-fusion-reg")[0].lambda_fusion == 0.0 and built("branch-ce")[0].branch_ce
+    with pytest.raises(DeARError, match="ablation 'no-mask': use one of no-role-mask, no-attribute"):
+        dear.ablate("no-mask", measured, ATTRIBUTES, 0.1)
 
 
 def test_branch_ce_adds_mmrls_per_branch_cross_entropy_of_the_branches_in_the_fusion(

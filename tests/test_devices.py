@@ -396,7 +396,7 @@ CONFIGURATIONS = [
     ("analysed roles", {}, "analysed", None),
     ("all heads mixed", {}, "all-mixed", None),
     ("all heads generalization", {}, "all-generalization", None),
-    *[(f"ablation {name}", {}, "analysed", name) for name in runs.ABLATIONS
+    *[(f"ablation {name}", {}, "analysed", name) for name in dear.ABLATIONS
       if name != "no-role-mask"],  # (the all-mixed row)
     ("blind branch", {}, "blind", None),
     ("class-branch fallback", {}, "fallback", None),

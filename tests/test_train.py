@@ -415,7 +415,7 @@ def test_each_ablation_is_a_dear_run_with_one_change_and_a_row_of_its_own(world,
     assert train.main(common(world, out, "--dataset", "dtd", "--seeds", "1", "--shots", "4",
                              "--epochs", "1", "--roles", hand_made_roles(tmp_path),
                              "--ablations", "all")) == 0
-    assert read(out / "settings.json")["settings"]["ablations"] == list(runs.ABLATIONS)
+    assert read(out / "settings.json")["settings"]["ablations"] == list(dear.ABLATIONS)
     summary = read(out / "summary.json")
     assert list(summary["tables"]["dtd"]["rows"]) == [
         "zeroshot", "dear-fused", "dear-class-on-unseen", "dear-all-mixed",
@@ -1703,7 +1703,7 @@ def test_build_dear_keeps_the_recipes_beta_and_evaluate_scores_at_the_beta_it_is
     assert given == train.evaluate(at_02, clip, tokenizer, novel, options, runtime)
 
 
-# Each ablation's one change, as the fields of runs.Ablated it moves.
+# Each ablation's one change, as the fields of dear.Ablated it moves (runs re-exports dear's).
 ABLATION_CHANGES = {"no-role-mask": {"role_map"}, "no-attribute-tokens": {"role_map", "attributes"},
                     "no-fusion-reg": {"lambda_fusion"},
                     "mask-generalization-only": {"role_map", "class_branch_fallback"},
@@ -1719,25 +1719,26 @@ def measured_map() -> dear.RoleMap:
 
 
 def test_each_ablation_makes_exactly_its_one_change_and_the_rows_follow(tiny_clip, world, tmp_path):
-    assert set(ABLATION_CHANGES) == set(runs.ABLATIONS)
+    assert set(ABLATION_CHANGES) == set(dear.ABLATIONS)
+    assert (runs.ABLATIONS, runs.Ablated, runs.ablate) == (dear.ABLATIONS, dear.Ablated, dear.ablate)
     attributes, analysed = list(dear.CORE_ATTRIBUTES), measured_map()
-    plain = runs.ablate(None, analysed, attributes, 0.3)
+    plain = dear.ablate(None, analysed, attributes, 0.3)
     assert plain == (analysed, attributes, True, 0.3, False)
     for name, fields in ABLATION_CHANGES.items():
-        change = runs.ablate(name, analysed, attributes, 0.3)
-        moved = {f for f in runs.Ablated._fields if getattr(change, f) != getattr(plain, f)}
+        change = dear.ablate(name, analysed, attributes, 0.3)
+        moved = {f for f in dear.Ablated._fields if getattr(change, f) != getattr(plain, f)}
         assert moved == fields, name
     roles_of = lambda m: [(h.layer, h.head, h.role, h.attribute) for h in m.heads]  # noqa: E731
-    no_mask = runs.ablate("no-role-mask", analysed, attributes, 0.3).role_map
+    no_mask = dear.ablate("no-role-mask", analysed, attributes, 0.3).role_map
     assert roles_of(no_mask) == roles_of(runs.role_map_for("all-mixed", tiny_clip, attributes, None))
-    none = runs.ablate("no-attribute-tokens", analysed, attributes, 0.3)
+    none = dear.ablate("no-attribute-tokens", analysed, attributes, 0.3)
     assert none.attributes == [] and none.role_map.attributes == []
     assert {h.role for h in none.role_map.heads} == {"mixed"}
-    only = runs.ablate("mask-generalization-only", analysed, attributes, 0.3)
+    only = dear.ablate("mask-generalization-only", analysed, attributes, 0.3)
     assert [r[2] for r in roles_of(only.role_map)] == ["mixed" if r[2] == "attribute" else r[2]
                                                        for r in roles_of(analysed)]
-    assert runs.ablate("no-fusion-reg", analysed, attributes, 0.3).lambda_fusion == 0.0
-    assert runs.ablate("branch-ce", analysed, attributes, 0.3).branch_ce
+    assert dear.ablate("no-fusion-reg", analysed, attributes, 0.3).lambda_fusion == 0.0
+    assert dear.ablate("branch-ce", analysed, attributes, 0.3).branch_ce
     # Built: the map made by hand keeps every branch (without the switch it would fall back).
     settings = dict(first_layer="auto", beta=0.7, text_tokens=2, tokens="separate", lambda_fusion=0.3)
     inputs = train.Inputs(tiny_clip, None, attributes, [], "labels", None, False, {})
@@ -1749,8 +1750,8 @@ def test_each_ablation_makes_exactly_its_one_change_and_the_rows_follow(tiny_cli
     rows = runs.dear_rows(settings_of(common(world, tmp_path / "u", "--dataset", "dtd", "--ablations", "all")))
     assert rows == [("dear", "analyse", None), ("dear-all-mixed", "all-mixed", None)] + [
         (f"dear-{name}", "analyse", name) for name in runs.ABLATIONS if name != "no-role-mask"]
-    with pytest.raises(runs.TrainError, match="ablation 'no-such'"):
-        runs.ablate("no-such", analysed, attributes, 0.3)
+    with pytest.raises(dear.DeARError, match="ablation 'no-such': use one of no-role-mask, "):
+        dear.ablate("no-such", analysed, attributes, 0.3)
 
 
 # ------------------------------------------------------------------------------------------
