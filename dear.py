@@ -71,7 +71,7 @@ def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
     order. contributions (n, E), one head's direct contributions to the image embeddings; the bank
     (T, E); rank: textspan_rank(clip) -> indices into the bank. Each pick is the text varying most
     across the images; it is then removed from the head and from the bank."""
-    check_picks(num_descriptions, contributions, text_embeddings, rank)  # section 9
+    check_picks(num_descriptions, contributions, text_embeddings, rank)  # section 10
     data = contributions.double()
     _, _, right = torch.linalg.svd(data, full_matrices=False)  # right: (min(n, E), E), raw data
     span = right[:rank]  # (r, E), r = min(rank, n, E): the authors' vh[:rank], mean included
@@ -128,7 +128,7 @@ class HeadRole:
 @dataclass
 class RoleMap:
     """The role of every head of the analysed vision layers, which the mask is built from. Its
-    checks, JSON file and table are bookkeeping, written out in section 9."""
+    checks, JSON file and table are bookkeeping, written out in section 10."""
     vision_layers: int  # depth of the vision tower it was made for
     num_heads: int  # heads per layer of that tower
     attributes: List[str]  # the attribute tokens' names, in token order
@@ -158,7 +158,7 @@ class RoleMap:
 
     def validate(self, vision_layers: Optional[int] = None, num_heads: Optional[int] = None,
                  attributes: Optional[Sequence[str]] = None) -> None:
-        """Complete, consistent, and (when the sizes are given) fits the model (section 9)."""
+        """Complete, consistent, and (when the sizes are given) fits the model (section 10)."""
         validate_role_map(self, vision_layers, num_heads, attributes)
 
     def to_json(self) -> dict:
@@ -169,7 +169,7 @@ class RoleMap:
 
     @classmethod
     def load(cls, path: str) -> RoleMap:
-        """Read a role file; every problem is one DeARError line that names the file (section 9)."""
+        """Read a role file; each problem is one DeARError line that names the file (section 10)."""
         return load_role_map(path)
 
     def table(self) -> str:
@@ -205,7 +205,7 @@ def hdbscan(points: torch.Tensor, min_cluster_size: int,
             min_samples: Optional[int] = None) -> torch.Tensor:
     """clustering.hdbscan, imported only here: (P, d) -> (P,) cluster ids, -1 = noise. Its
     ClusteringError comes back as DeARError; without clustering.py, one line says what it needs."""
-    clustering = clustering_module()  # section 9
+    clustering = clustering_module()  # section 10
     try:
         return clustering.hdbscan(points, min_cluster_size, min_samples)
     except clustering.ClusteringError as error:
@@ -330,7 +330,7 @@ def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequenc
     low, high = default_thresholds(max(len(c) for c in concepts_per_head), num_concepts)
     low_bits = low if low_bits is None else low_bits
     high_bits = high if high_bits is None else high_bits
-    check_thresholds(low_bits, high_bits)  # section 9
+    check_thresholds(low_bits, high_bits)  # section 10
     roles = []
     for entropy, pick_concepts in zip(entropies, concepts_per_head):
         if entropy <= low_bits:
@@ -364,7 +364,7 @@ def text_embeddings_of(texts: List[str], clip: clip_model.CLIP, tokenizer,
     """Texts in the clustering's space: embed_texts' (checked), or CLIP's text tower's."""
     if embed_texts is None:
         return encode_descriptions(clip, tokenizer, texts).cpu()
-    return checked_embeddings(embed_texts, texts)  # section 9
+    return checked_embeddings(embed_texts, texts)  # section 10
 
 
 def normalised_contributions(clip: clip_model.CLIP, image_batches, num_layers: int,
@@ -375,7 +375,7 @@ def normalised_contributions(clip: clip_model.CLIP, image_batches, num_layers: i
     device = clip.visual.conv1.weight.device
     batches = image_batches.split(64) if isinstance(image_batches, torch.Tensor) else image_batches
     for batch in batches:
-        check_image_batch(batch)  # section 9
+        check_image_batch(batch)  # section 10
         parts = clip_model.head_contributions(clip, batch.to(device), num_layers)
         norms = parts.total().norm(dim=-1)[:, None, None, None]  # (B, 1, 1, 1)
         per_image.append((parts.heads / norms).cpu())  # (B, L_a, H, E)
@@ -576,62 +576,42 @@ def branches_in_fusion(attributes: List[str], blind: List[str], class_branch_onl
     return torch.tensor([True] + [a not in left_out for a in attributes])
 
 
-# The token construction (METHOD.md Sec. 4): where each layer's fresh tokens p_l come from.
-#   separate (default, ours): every layer from J and each tower has its own learnable tokens, in
-#     its own width (DeAR.vision_tokens (L_v, A, W_v), DeAR.text_tokens (L_t, K, W_t)); the
-#     attribute tokens' projection is a learnable copy of proj.
-#   shared (MMRL++, yunncheng/MMRL trainers/mmrlpp.py and clip/model_mmrlpp.py): one set of K = A
-#     latent tokens of width R (the text tower's, 512 on ViT-B/16), mapped into each token layer of
-#     both towers by that tower's TowerAligner; the projection is proj, frozen, plus a learnable
-#     low-rank residual. The same tokens enter both towers.
-# Either way DeAR gets (L_v, A, W_v) and (L_t, K, W_t) tokens, mixed by beta, masked the same way.
+# The token construction (METHOD.md Sec. 4): where each layer's fresh tokens p_l come from. The
+# default, SeparateTokens below: each layer from J and each tower its own tokens. MMRL++'s,
+# SharedTokens (section 9): one set of latent tokens mapped into both towers. Either gives DeAR
+# each layer's vision tokens (L_v, A, W_v), text tokens (L_t, K, W_t) and the attribute tokens'
+# projection (W_v, E), which DeAR reads the same way.
 def default_text_tokens(tokens: str, num_attributes: int) -> int:
-    """K, the one default of it: 4 under "separate" (our choice); A under "shared", whose text
-    tower receives the vision tower's own latent tokens (MMRL++)."""
+    """K, the one rule of it: 4 under "separate" (our choice); under "shared" the text tower
+    receives the vision tower's latent tokens, one per attribute token, so K = A (MMRL++). A row
+    without attribute tokens (the no-attribute-tokens ablation) keeps its full row's K, the text
+    tokens still learning: train.py resolves K once per call from the world's A, before any
+    ablation; DeAR under "shared" with A = 0 takes that K as num_text_tokens (unset: refused)."""
     return TEXT_TOKENS if tokens == "separate" else num_attributes
 
 
-class TowerAligner(nn.Module):
-    """tokens="shared": one tower's map of the latent tokens into its L token layers (L_v or L_t,
-    the tower's layers from J on), MMRL++'s
-    Shared_Residual_Representation_Aligner (trainers/mmrlpp.py, one Residual_Aligner per layer):
-        p_l = z (W + a_l b_l)^T + bias_l
-    z (K, R) the latent tokens; W (W_tower, R) one linear map for every layer (torch's nn.Linear
-    initialisation, learned); a_l (W_tower, r) Kaiming-uniform and b_l (r, R) zero, layer l's
-    rank-r residual, so every layer starts from the same map; bias_l (W_tower,) each layer's own,
-    all starting from the linear's bias."""
+class SeparateTokens(nn.Module):
+    """tokens="separate" (the default, our choice): each layer from J and each tower its own tokens
+    in that tower's width (normal, std 0.02), and the attribute tokens' own projection, a learnable
+    copy of proj. vision: (L_v, A, W_v), text: (L_t, K, W_t), proj: CLIP's (W_v, E)."""
 
-    def __init__(self, latent_width: int, width: int, layers: int, rank: int):
+    def __init__(self, *, vision: Sequence[int], text: Sequence[int], proj: torch.Tensor):
         super().__init__()
-        linear = nn.Linear(latent_width, width)  # MMRL++'s fresh nn.Linear: its random start
-        self.weight = nn.Parameter(linear.weight.detach().clone())  # (W, R), shared by the layers
-        self.bias = nn.Parameter(linear.bias.detach().repeat(layers, 1))  # (L, W), a copy each
-        self.a = nn.Parameter(torch.empty(layers, width, rank))  # (L, W, r)
-        for a_l in self.a.data:  # Residual_Aligner's A: kaiming_uniform_(a=sqrt(5)) over fan-in r
-            nn.init.kaiming_uniform_(a_l, a=math.sqrt(5))
-        self.b = nn.Parameter(torch.zeros(layers, rank, latent_width))  # (L, r, R): B = 0
+        self.vision_tokens = nn.Parameter(torch.randn(*vision) * 0.02)  # (L_v, A, W_v)
+        self.text_tokens = nn.Parameter(torch.randn(*text) * 0.02)  # (L_t, K, W_t)
+        self.attribute_proj = nn.Parameter(proj.detach().clone())  # (W_v, E), starts as proj
 
-    def forward(self, latent: torch.Tensor) -> torch.Tensor:
-        """latent (K, R) -> every layer's tokens (L, K, W)."""
-        shared = latent @ self.weight.T  # (K, W): the map all layers share
-        low = torch.einsum("kr,lqr->lkq", latent, self.b)  # (L, K, r): z b_l^T
-        residual = torch.einsum("lkq,lwq->lkw", low, self.a)  # (L, K, W): z b_l^T a_l^T
-        return shared + residual + self.bias[:, None]  # (L, K, W)
+    def vision_layer_tokens(self) -> torch.Tensor:
+        """p_l, the fresh tokens of each vision layer from J on: (L_v, A, W_v)."""
+        return self.vision_tokens
 
+    def text_layer_tokens(self) -> torch.Tensor:
+        """p_l, the fresh tokens of each text layer from J on: (L_t, K, W_t)."""
+        return self.text_tokens
 
-class LowRankResidual(nn.Module):
-    """tokens="shared": the attribute projection's learnable part, a b with a (W_v, r)
-    Kaiming-uniform and b (r, E) zero (MMRL++'s VisionTransformer.A, .B in clip/model_mmrlpp.py:
-    proj + A @ B), so the projection starts as proj itself."""
-
-    def __init__(self, rows: int, cols: int, rank: int):
-        super().__init__()
-        self.a = nn.Parameter(torch.empty(rows, rank))  # (W_v, r)
-        nn.init.kaiming_uniform_(self.a, a=math.sqrt(5))
-        self.b = nn.Parameter(torch.zeros(rank, cols))  # (r, E)
-
-    def forward(self) -> torch.Tensor:
-        return self.a @ self.b  # (W_v, E)
+    def attribute_projection(self, proj: torch.Tensor) -> torch.Tensor:
+        """(W_v, E): the attribute tokens' own projection (CLIP's frozen proj is not read)."""
+        return self.attribute_proj
 
 
 def cosine_logits(features: torch.Tensor, text_features: torch.Tensor,
@@ -665,33 +645,19 @@ class DeAROutput:
 
 
 class DeAR(nn.Module):
-    """Frozen CLIP (in place, no copy) + the learnable pieces; attributes default to the map's, J to
-    the first analysed layer (L_v, L_t: each tower's layers from J on). tokens="separate" (default):
-      vision_tokens   (L_v, A, W_v)  one token per attribute, fresh at each layer (MMRL++ beta rule)
-      text_tokens     (L_t, K, W_t)  K tokens inserted after the start token
-      attribute_proj  (W_v, E)     attribute tokens -> embedding, init = visual.proj
-    tokens="shared" (MMRL++'s space; K = A, R = latent_width, default W_t):
-      latent_tokens            (K, R)  one token per attribute, for both towers
-      vision_aligner           TowerAligner: latent -> (L_v, A, W_v), each layer's tokens
-      text_aligner             TowerAligner: latent -> (L_t, K, W_t)
-      attribute_proj_residual  LowRankResidual: the projection is visual.proj (frozen) + a b
-    and either way
-      fusion_logits   (1 + A,)     alpha = softmax over the class branch and those reading the image
-    Nothing before J learns: it runs without autograd, shared with the frozen pass, and once per
-    class list on the text side (test_dear_reference.py checks these shortcuts). No attribute
-    tokens (A = 0, the no-attribute-tokens ablation), a map with none and no mask:
-    DeAR(clip, RoleMap.uniform("mixed", depth, H, layers, attributes=[])) (as ablate makes
-    it; a map with attributes refuses attributes=[]): frozen CLIP's image feature, the
-    text tokens, alpha = (1,); under "shared" no vision aligner and no projection residual, the K
-    latent tokens reach the text tower alone. num_text_tokens: K, default default_text_tokens.
-    beta = 0.5 is the toy world's, the library's choice for a small model; train.py passes the
-    recipe's (MMRL++'s 0.9 and its per-dataset values, METHOD.md Sec. 7).
-    class_branch_fallback=False keeps every branch of a measured map without attribute heads
-    (falls_back_to_class_branch): a map made so on purpose (generalization_mask_only)."""
-    # The learnable components of each construction: a tensor, or a module whose tensors all learn.
-    LEARNABLE = {"separate": ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits"),
-                 "shared": ("latent_tokens", "vision_aligner", "text_aligner",
-                            "attribute_proj_residual", "fusion_logits")}
+    """Frozen CLIP (in place, no copy) + learnable tokens from layer J on (paper Sec. 3.3-3.4);
+    attributes default to the map's, J to the first analysed layer. Learnable:
+      tokens         the token construction (tokens="separate": SeparateTokens, the default;
+                     "shared": MMRL++'s SharedTokens, section 9): each layer's vision tokens
+                     (L_v, A, W_v), text tokens (L_t, K, W_t) and the attribute projection (W_v, E)
+      fusion_logits  (1 + A,): alpha = softmax over the class branch and those reading the image
+    num_text_tokens: K, default default_text_tokens. beta = 0.5 is the library's choice for a
+    small model; train.py passes the recipe's (MMRL++'s 0.9 and its per-dataset values, METHOD.md
+    Sec. 7). class_branch_fallback=False keeps every branch of a measured map without attribute
+    heads, one made so on purpose (ablate's mask-generalization-only). Without attribute tokens
+    (A = 0, ablate's no-attribute-tokens): frozen CLIP's image feature, the text tokens, alpha =
+    (1,). Nothing before J learns: it runs without autograd, shared with the frozen pass, and once
+    per class list on the text side (test_dear_reference.py checks these shortcuts)."""
 
     def __init__(self, clip: clip_model.CLIP, role_map: RoleMap,
                  attributes: Optional[Sequence[str]] = None, first_layer: Optional[int] = None,
@@ -707,26 +673,19 @@ class DeAR(nn.Module):
         if num_text_tokens is None:
             num_text_tokens = default_text_tokens(tokens, len(attributes))
         self.clip = clip.eval().requires_grad_(False)  # frozen: only the tensors below learn
-        self.role_map, self.attributes, self.tokens = role_map, attributes, tokens
+        self.role_map, self.attributes, self.construction = role_map, attributes, tokens
         self.first_layer, self.beta, self.num_text_tokens = first_layer, beta, num_text_tokens
         L_v = depth - first_layer + 1  # vision layers from J on
         L_t = len(clip.transformer.resblocks) - first_layer + 1  # text layers from J on
         A, K = len(attributes), num_text_tokens
         W_v, W_t = clip.visual.transformer.width, clip.transformer.width
-        E = clip.visual.proj.shape[1]
 
-        # The learnable tensors (paper Sec. 3.3-3.4): each layer's tokens, the attribute
-        # projection, the fusion weights.
-        if tokens == "separate":  # each layer and tower its own tokens, in its own width
-            self.vision_tokens = nn.Parameter(torch.randn(L_v, A, W_v) * 0.02)
-            self.text_tokens = nn.Parameter(torch.randn(L_t, K, W_t) * 0.02)
-            self.attribute_proj = nn.Parameter(clip.visual.proj.detach().clone())  # (W_v, E)
-        else:  # MMRL++: one set of latent tokens (normal, std 0.02), mapped into both towers
-            R, r = W_t if latent_width is None else latent_width, SHARED_RESIDUAL_RANK
-            self.latent_tokens = nn.Parameter(torch.randn(K, R) * 0.02)  # (K, R), K = A
-            self.vision_aligner = TowerAligner(R, W_v, L_v, r) if A else None
-            self.text_aligner = TowerAligner(R, W_t, L_t, r)
-            self.attribute_proj_residual = LowRankResidual(W_v, E, SHARED_PROJ_RANK) if A else None
+        # The learnable tensors (paper Sec. 3.3-3.4): the tokens, their projection, the fusion.
+        sizes = dict(vision=(L_v, A, W_v), text=(L_t, K, W_t), proj=clip.visual.proj)
+        if tokens == "separate":
+            self.tokens = SeparateTokens(**sizes)
+        else:  # MMRL++'s latent tokens, mapped into both towers (section 9)
+            self.tokens = SharedTokens(**sizes, latent_width=latent_width)
         self.fusion_logits = nn.Parameter(initial_fusion_logits(cls_fusion_weight, A))  # (1 + A,)
 
         # Each head's role mask from J on (paper Sec. 3.3), built once from the role map.
@@ -742,43 +701,13 @@ class DeAR(nn.Module):
         self.register_buffer("in_fusion", in_fusion, persistent=False)  # (1 + A,) bool
 
     def learnable_tensors(self) -> Dict[str, nn.Parameter]:
-        """{name: tensor} of everything that learns (a component's own tensors as component.name);
-        under "separate" the four names of LEARNABLE["separate"], as checkpoints hold them."""
-        tensors = {}
-        for component in self.LEARNABLE[self.tokens]:
-            part = getattr(self, component)
-            if isinstance(part, nn.Parameter):
-                tensors[component] = part
-            elif part is not None:  # a module; None: not built (shared, A = 0)
-                tensors.update({f"{component}.{n}": p for n, p in part.named_parameters()})
-        return tensors
+        """{name: tensor} of everything that learns, as checkpoints hold them: the construction's
+        (separate: vision_tokens, text_tokens, attribute_proj; shared: latent_tokens, then each
+        module's as vision_aligner.weight, ...), then fusion_logits."""
+        return {**dict(self.tokens.named_parameters()), "fusion_logits": self.fusion_logits}
 
     def learnable_parameters(self) -> List[nn.Parameter]:
         return list(self.learnable_tensors().values())
-
-    def vision_layer_tokens(self) -> torch.Tensor:
-        """p_l, the fresh tokens of each vision layer from J on: (L_v, A, W_v)."""
-        if self.tokens == "separate":
-            return self.vision_tokens
-        if self.vision_aligner is None:  # shared, A = 0: no vision token
-            L_v, W_v = len(self.role_masks), self.clip.visual.transformer.width
-            return self.latent_tokens.new_zeros(L_v, 0, W_v)
-        return self.vision_aligner(self.latent_tokens)
-
-    def text_layer_tokens(self) -> torch.Tensor:
-        """p_l, the fresh tokens of each text layer from J on: (L_t, K, W_t)."""
-        if self.tokens == "separate":
-            return self.text_tokens
-        return self.text_aligner(self.latent_tokens)
-
-    def attribute_projection(self) -> torch.Tensor:
-        """(W_v, E), the attribute tokens' projection: learnable (separate), or proj frozen plus the
-        learnable residual (shared; MMRL++'s proj + A @ B)."""
-        if self.tokens == "separate":
-            return self.attribute_proj
-        proj = self.clip.visual.proj
-        residual = self.attribute_proj_residual
-        return proj if residual is None else proj + residual()
 
     def fusion_weights(self) -> torch.Tensor:
         """alpha = softmax(w) over the branches in the fusion, (1 + A,); alpha[0]: the class's."""
@@ -801,7 +730,7 @@ class DeAR(nn.Module):
                     plain = block(plain)
                 frozen = visual.to_embedding(plain[:, 0])  # (B, E)
         B, N, _ = x.shape
-        tokens, layer_tokens = None, self.vision_layer_tokens()  # (B, A, W_v); (L_v, A, W_v)
+        tokens, layer_tokens = None, self.tokens.vision_layer_tokens()  # (B, A, W_v); (L_v, A, W_v)
         for i, block in enumerate(after):
             fresh = layer_tokens[i].to(x.dtype).expand(B, -1, -1)  # (B, A, W_v)
             # MMRL++ rule: tokens entering layer l = beta * p_l + (1 - beta) * out_{l-1}.
@@ -810,7 +739,7 @@ class DeAR(nn.Module):
             sequence = block(sequence, self.role_masks[i])  # masked per head
             x, tokens = sequence[:, :N], sequence[:, N:]
         f_cls = visual.to_embedding(x[:, 0])  # (B, E): CLS through ln_post and the frozen proj
-        f_attr = visual.ln_post(tokens) @ self.attribute_projection()  # (B, A, E)
+        f_attr = visual.ln_post(tokens) @ self.tokens.attribute_projection(visual.proj)  # (B, A, E)
         return f_cls, f_attr, frozen
 
     @torch.no_grad()
@@ -839,7 +768,7 @@ class DeAR(nn.Module):
         C = len(x)
         mask = clip_model.causal_mask(x.shape[1] + K, x.device, x.dtype)  # (N + K, N + K)
         after = self.clip.transformer.resblocks[self.first_layer - 1:]
-        layer_tokens = self.text_layer_tokens()  # (L_t, K, W_t)
+        layer_tokens = self.tokens.text_layer_tokens()  # (L_t, K, W_t)
         fresh = layer_tokens[0].to(x.dtype).expand(C, -1, -1)  # (C, K, W_t)
         x = torch.cat([x[:, :1], fresh, x[:, 1:]], dim=1)  # (C, N + K, W_t): inserted at J
         for i, block in enumerate(after):
@@ -872,10 +801,10 @@ class DeAR(nn.Module):
         branch_logits = cosine_logits(features, text_features, scale)  # (B, 1 + A, C), fp32
         with torch.autocast(branch_logits.device.type, enabled=False):
             alpha = self.fusion_weights().float()  # (1 + A,)
-            fused = torch.einsum("bkc,k->bc", branch_logits, alpha)  # k: the branch
+            fused = torch.einsum("bac,a->bc", branch_logits, alpha)  # a: the 1 + A branches
         return fused, branch_logits
 
-    # Bookkeeping (section 9): the checkpoint's tensors and the parameter counts.
+    # Bookkeeping (section 10): the checkpoint's tensors and the parameter counts.
     def learnable_state_dict(self) -> dict:
         """Only what training changes; a checkpoint needs nothing else (CLIP is frozen)."""
         return {name: t.detach().cpu().clone() for name, t in self.learnable_tensors().items()}
@@ -884,7 +813,7 @@ class DeAR(nn.Module):
         load_learnable_tensors(self, state)
 
     def parameter_counts(self) -> Dict[str, int]:
-        """{component of LEARNABLE: its learnable parameters}, e.g. on ViT-B/16 at J = 9 under
+        """{component: its learnable parameters}, e.g. on ViT-B/16 at J = 9 under
         "shared": latent_tokens 2,560, vision_aligner 416,768, text_aligner 280,576,
         attribute_proj_residual 81,920, fusion_logits 6."""
         return component_parameter_counts(self)
@@ -1065,7 +994,93 @@ def precision_at_k(ranking: torch.Tensor, query_values: Sequence,
     return sum(hits) / len(hits)
 
 
-# ---- 9. Bookkeeping, not the method: its argument checks; RoleMap's checks, JSON file and table;
+# ---- 9. The other token construction: MMRL++'s shared space (tokens="shared", METHOD.md Sec. 4) --
+# MMRL++ (yunncheng/MMRL trainers/mmrlpp.py, clip/model_mmrlpp.py; configs/trainers/MMRLpp/
+# vit_b16.yaml) learns one set of latent tokens and maps it into the token layers of both towers.
+# SharedTokens gives DeAR what SeparateTokens (section 5) gives, so DeAR reads both the same way.
+class TowerAligner(nn.Module):
+    """One tower's map of the latent tokens into its L token layers (L_v or L_t, the tower's layers
+    from J on; W its width, W_v or W_t), MMRL++'s Shared_Residual_Representation_Aligner (one
+    Residual_Aligner per layer):  p_l = z (M + a_l b_l)^T + c_l.
+    z (K, W_z) the latent tokens; M (W, W_z) one linear map for every layer (torch's nn.Linear
+    initialisation, learned); a_l (W, Q) Kaiming-uniform and b_l (Q, W_z) zero, layer l's rank-Q
+    residual, so every layer starts from the same map; c_l (W,) each layer's own bias, all starting
+    from the linear's."""
+
+    def __init__(self, latent_width: int, width: int, layers: int, rank: int):
+        super().__init__()
+        linear = nn.Linear(latent_width, width)  # MMRL++'s fresh nn.Linear: its random start
+        self.weight = nn.Parameter(linear.weight.detach().clone())  # (W, W_z): M, shared by layers
+        self.bias = nn.Parameter(linear.bias.detach().repeat(layers, 1))  # (L, W): a copy each
+        self.a = nn.Parameter(torch.empty(layers, width, rank))  # (L, W, Q)
+        for a_l in self.a.data:  # Residual_Aligner's A: kaiming_uniform_(a=sqrt(5)) over fan-in Q
+            nn.init.kaiming_uniform_(a_l, a=math.sqrt(5))
+        self.b = nn.Parameter(torch.zeros(layers, rank, latent_width))  # (L, Q, W_z): B = 0
+
+    def forward(self, latent: torch.Tensor) -> torch.Tensor:
+        """latent (K, W_z) -> every layer's tokens (L, K, W)."""
+        shared = latent @ self.weight.T  # (K, W): the map all layers share
+        low = torch.einsum("kz,lqz->lkq", latent, self.b)  # (L, K, Q): z b_l^T
+        residual = torch.einsum("lkq,lwq->lkw", low, self.a)  # (L, K, W): z b_l^T a_l^T
+        return shared + residual + self.bias[:, None]  # (L, K, W)
+
+
+class LowRankResidual(nn.Module):
+    """The attribute projection's learnable part, a b with a (W_v, Q) Kaiming-uniform and b (Q, E)
+    zero (MMRL++'s VisionTransformer.A, .B in clip/model_mmrlpp.py: proj + A @ B), so the
+    projection starts as proj itself."""
+
+    def __init__(self, rows: int, cols: int, rank: int):
+        super().__init__()
+        self.a = nn.Parameter(torch.empty(rows, rank))  # (W_v, Q)
+        nn.init.kaiming_uniform_(self.a, a=math.sqrt(5))
+        self.b = nn.Parameter(torch.zeros(rank, cols))  # (Q, E)
+
+    def forward(self) -> torch.Tensor:
+        return self.a @ self.b  # (W_v, E)
+
+
+class SharedTokens(nn.Module):
+    """tokens="shared": latent tokens z (K, W_z) (normal, std 0.02; W_z = latent_width, default
+    W_t, 512 on ViT-B/16 as MMRL++'s) mapped into each token layer of the vision tower (W_z -> W_v)
+    and of the text tower (W_z -> W_t), one TowerAligner each: the same tokens enter both towers,
+    so K = A (default_text_tokens). The attribute projection is proj, frozen, plus a
+    LowRankResidual. A tensor is built only where it acts: without attribute tokens (A = 0) no
+    vision map and no residual (the latent tokens reach the text tower alone); without text
+    tokens (K = 0) no latent token and no text map. Same arguments as SeparateTokens."""
+
+    def __init__(self, *, vision: Sequence[int], text: Sequence[int], proj: torch.Tensor,
+                 latent_width: Optional[int] = None):
+        super().__init__()
+        (L_v, A, W_v), (L_t, K, W_t), E = vision, text, proj.shape[1]
+        W_z, Q = W_t if latent_width is None else latent_width, SHARED_RESIDUAL_RANK
+        self.latent_tokens = nn.Parameter(torch.randn(K, W_z) * 0.02) if K else None  # (K, W_z)
+        self.vision_aligner = TowerAligner(W_z, W_v, L_v, Q) if A else None
+        self.text_aligner = TowerAligner(W_z, W_t, L_t, Q) if K else None
+        self.attribute_proj_residual = LowRankResidual(W_v, E, SHARED_PROJ_RANK) if A else None
+        self.vision_shape, self.text_shape = tuple(vision), tuple(text)
+        self.register_buffer("empty", torch.zeros(0), persistent=False)  # empty tokens' device
+
+    def vision_layer_tokens(self) -> torch.Tensor:
+        """p_l, z through the vision tower's map of each layer: (L_v, A, W_v); A = 0: empty."""
+        if self.vision_aligner is None:
+            return self.empty.new_zeros(self.vision_shape)
+        return self.vision_aligner(self.latent_tokens)
+
+    def text_layer_tokens(self) -> torch.Tensor:
+        """p_l, z through the text tower's map of each layer: (L_t, K, W_t); K = 0: empty."""
+        if self.text_aligner is None:
+            return self.empty.new_zeros(self.text_shape)
+        return self.text_aligner(self.latent_tokens)
+
+    def attribute_projection(self, proj: torch.Tensor) -> torch.Tensor:
+        """(W_v, E): CLIP's frozen proj plus the learnable residual (MMRL++'s proj + A @ B)."""
+        if self.attribute_proj_residual is None:  # A = 0: nothing to project
+            return proj
+        return proj + self.attribute_proj_residual()
+
+
+# ---- 10. Bookkeeping, not the method: its argument checks; RoleMap's checks, JSON file and table;
 # DeAR's checkpoint tensors; the description pools. Each check stands once, at a public function's
 # entry or here; runs.py (for train.py) calls the same ones before any work.
 def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *, rank: int,
@@ -1181,10 +1196,14 @@ def check_thresholds(low_bits: Optional[float], high_bits: Optional[float]) -> N
 
 
 def check_tokens(tokens: str, num_attributes: int, num_text_tokens: Optional[int]) -> None:
-    """tokens is a construction; under "shared" K is A (A = 0, the no-attribute-tokens ablation:
-    the K latent tokens reach the text tower alone)."""
+    """tokens is a construction; under "shared" K is A, or with A = 0 (no-attribute-tokens) the
+    full row's K, given (default_text_tokens)."""
     if tokens not in TOKEN_CONSTRUCTIONS:
         raise DeARError(f"tokens={tokens!r}: use {' or '.join(TOKEN_CONSTRUCTIONS)}")
+    if tokens == "shared" and not num_attributes and num_text_tokens is None:
+        raise DeARError("tokens 'shared' without attribute tokens: give num_text_tokens, the "
+                        "latent tokens the text tower alone receives (the full row's K, "
+                        "default_text_tokens('shared', A), as train.py passes it)")
     if tokens == "shared" and num_attributes and num_text_tokens not in (None, num_attributes):
         raise DeARError(f"K = {num_text_tokens} text tokens: under tokens 'shared' the text tower "
                         f"receives the A = {num_attributes} tokens of the vision tower; leave K "
@@ -1228,7 +1247,7 @@ def load_learnable_tensors(model: DeAR, state: dict) -> None:
         target = tensors.get(name)
         if target is None:
             raise DeARError(f"checkpoint tensor {name} is not a learnable tensor of this model "
-                            f"(tokens {model.tokens!r}); it was made with other settings")
+                            f"(tokens {model.construction!r}); it was made with other settings")
         if tuple(value.shape) != tuple(target.shape):
             raise DeARError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, "
                             f"the model expects {tuple(target.shape)}; "
@@ -1237,7 +1256,7 @@ def load_learnable_tensors(model: DeAR, state: dict) -> None:
 
 
 def component_parameter_counts(model: DeAR) -> Dict[str, int]:
-    """DeAR.parameter_counts: {component of LEARNABLE: its learnable parameters}."""
+    """DeAR.parameter_counts: {component (a name's part before any "."): its parameters}."""
     counts = {}
     for name, tensor in model.learnable_tensors().items():
         component = name.split(".")[0]

@@ -532,7 +532,7 @@ def describe(job: runs.Job, model: dear.DeAR, split: data.DatasetSplits,
                 f"classes; attribute tokens from layer J={model.first_layer} (1-based){alone}")
     counts = model.parameter_counts()
     frozen = sum(p.numel() for p in model.clip.parameters())
-    runtime.log(f"[{job.label}] learnable ({model.tokens}): "
+    runtime.log(f"[{job.label}] learnable ({model.construction}): "
                 + " + ".join(f"{name} {n:,}" for name, n in counts.items())
                 + f" = {sum(counts.values()):,} ({100 * sum(counts.values()) / frozen:.2f}% of "
                 "CLIP)")

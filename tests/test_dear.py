@@ -65,8 +65,8 @@ def make_model(tiny_clip, spec=None, first_layer=2, **kwargs) -> DeAR:
     torch.manual_seed(5)
     model = DeAR(tiny_clip, role_map(spec or {}), ATTRIBUTES, first_layer=first_layer, **kwargs)
     with torch.no_grad():
-        model.vision_tokens.normal_(0, 1.0)  # large tokens: any leak would show
-        model.text_tokens.normal_(0, 1.0)
+        model.tokens.vision_tokens.normal_(0, 1.0)  # large tokens: any leak would show
+        model.tokens.text_tokens.normal_(0, 1.0)
     return model
 
 
@@ -81,7 +81,7 @@ def test_all_generalization_heads_give_the_frozen_class_feature_whatever_the_tok
     x = images()
     with torch.no_grad():
         f_cls, _, _ = model.encode_image(x)
-        model.vision_tokens.mul_(-3.0).add_(7.0)  # entirely different attribute tokens
+        model.tokens.vision_tokens.mul_(-3.0).add_(7.0)  # entirely different attribute tokens
         f_cls_other, _, _ = model.encode_image(x)
         frozen = tiny_clip.encode_image(x)
     assert torch.equal(f_cls, f_cls_other), "the class feature depends on the attribute tokens"
@@ -93,12 +93,12 @@ def test_no_gradient_reaches_attribute_tokens_when_every_head_is_generalization(
     model = make_model(tiny_clip, all_general, first_layer=1)
     f_cls, f_attr, _ = model.encode_image(images())
     f_cls.square().sum().backward()
-    assert model.vision_tokens.grad is None or model.vision_tokens.grad.abs().max() == 0
+    assert model.tokens.vision_tokens.grad is None or model.tokens.vision_tokens.grad.abs().max() == 0
     # Sanity check that the same test fails when heads are mixed:
     mixed = make_model(tiny_clip, {}, first_layer=1)
     f_cls, _, _ = mixed.encode_image(images())
     f_cls.square().sum().backward()
-    assert mixed.vision_tokens.grad.abs().max() > 0
+    assert mixed.tokens.vision_tokens.grad.abs().max() > 0
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -140,7 +140,7 @@ def test_an_attribute_head_carries_only_its_own_token_to_the_cls_token(tiny_clip
     model = make_model(tiny_clip, spec, first_layer=2)
     f_cls, _, _ = model.encode_image(images())
     f_cls.square().sum().backward()
-    grad = model.vision_tokens.grad.abs().sum(dim=(0, 2))  # (A,): over layers and channels
+    grad = model.tokens.vision_tokens.grad.abs().sum(dim=(0, 2))  # (A,): over layers and channels
     colour = ATTRIBUTES.index("colour")
     assert grad[colour] > 0
     others = [a for a in range(len(ATTRIBUTES)) if a != colour]
@@ -368,7 +368,7 @@ def test_learnable_state_round_trips(tiny_clip):
     state = model.learnable_state_dict()
     other = make_model(tiny_clip)
     with torch.no_grad():
-        other.vision_tokens.zero_()
+        other.tokens.vision_tokens.zero_()
     other.load_learnable_state_dict(state)
     assert all(torch.equal(a, b) for a, b in zip(model.learnable_parameters(), other.learnable_parameters()))
     with pytest.raises(DeARError, match="vision_tokens has shape"):
@@ -474,7 +474,7 @@ def test_deep_models_default_j_to_the_first_of_their_last_four_layers_and_take_t
     roles = RoleMap(6, HEADS, ["shape", "colour"], heads)
     model = DeAR(six, roles)  # no attributes, no first_layer
     assert model.first_layer == 3  # 1-based: layers 3-6 are the last four of six
-    assert model.attributes == ["shape", "colour"] and model.vision_tokens.shape[:2] == (4, 2)
+    assert model.attributes == ["shape", "colour"] and model.tokens.vision_tokens.shape[:2] == (4, 2)
     # ... and the caller's CLIP is frozen in place, as the docstring says.
     assert model.clip is six and not any(p.requires_grad for p in six.parameters()) and not six.training
     with pytest.raises(DeARError, match="leave DeAR's attributes out"):

@@ -51,9 +51,9 @@ def make(clip, spec=MIXED_MAP, J=1, beta=0.3, K=3) -> DeAR:
     torch.manual_seed(7)
     model = DeAR(clip, role_map(spec), ATTRIBUTES, first_layer=J, beta=beta, num_text_tokens=K)
     with torch.no_grad():
-        model.vision_tokens.normal_(0, 1.0)
-        model.text_tokens.normal_(0, 1.0)
-        model.attribute_proj.add_(torch.randn_like(model.attribute_proj) * 0.5)
+        model.tokens.vision_tokens.normal_(0, 1.0)
+        model.tokens.text_tokens.normal_(0, 1.0)
+        model.tokens.attribute_proj.add_(torch.randn_like(model.tokens.attribute_proj) * 0.5)
         model.fusion_logits.copy_(torch.randn_like(model.fusion_logits))
     return model
 
@@ -69,9 +69,9 @@ def test_the_self_regularisation_alone_trains_the_vision_and_the_text_tokens(tin
     reg = dear.self_regularization_loss(out.image_features[:, 0], out.frozen_image_features,
                                         out.text_features, out.frozen_text_features)
     reg.backward()
-    assert model.vision_tokens.grad is not None and model.vision_tokens.grad.abs().max() > 0, \
+    assert model.tokens.vision_tokens.grad is not None and model.tokens.vision_tokens.grad.abs().max() > 0, \
         "L_reg does not reach the vision tokens (the adapted class feature is detached?)"
-    assert model.text_tokens.grad is not None and model.text_tokens.grad.abs().max() > 0, \
+    assert model.tokens.text_tokens.grad is not None and model.tokens.text_tokens.grad.abs().max() > 0, \
         "L_reg does not reach the text tokens (the adapted text feature is detached?)"
 
 
@@ -121,14 +121,14 @@ def test_tokens_entering_each_layer_follow_the_beta_rule(tiny_deep_clip, beta):
     for hook in hooks + thooks:
         hook.remove()
     A, K = len(ATTRIBUTES), 3
-    assert_close(seen[("in", 0)][:, N_IMAGE:], model.vision_tokens[0].expand(3, A, -1), 1e-6, "vision, layer J")
+    assert_close(seen[("in", 0)][:, N_IMAGE:], model.tokens.vision_tokens[0].expand(3, A, -1), 1e-6, "vision, layer J")
     for layer in range(1, LAYERS):
-        expected = beta * model.vision_tokens[layer] + (1 - beta) * seen[("out", layer - 1)][:, N_IMAGE:]
+        expected = beta * model.tokens.vision_tokens[layer] + (1 - beta) * seen[("out", layer - 1)][:, N_IMAGE:]
         assert_close(seen[("in", layer)][:, N_IMAGE:], expected, 1e-6, f"vision tokens entering layer {layer}")
         assert_close(seen[("in", layer)][:, :N_IMAGE], seen[("out", layer - 1)][:, :N_IMAGE], 0, "image tokens")
-    assert_close(tseen[("in", 0)][:, 1:1 + K], model.text_tokens[0].expand(4, K, -1), 1e-6, "text, layer J")
+    assert_close(tseen[("in", 0)][:, 1:1 + K], model.tokens.text_tokens[0].expand(4, K, -1), 1e-6, "text, layer J")
     for layer in range(1, TINY_DEEP["transformer_layers"]):
-        expected = beta * model.text_tokens[layer] + (1 - beta) * tseen[("out", layer - 1)][:, 1:1 + K]
+        expected = beta * model.tokens.text_tokens[layer] + (1 - beta) * tseen[("out", layer - 1)][:, 1:1 + K]
         assert_close(tseen[("in", layer)][:, 1:1 + K], expected, 1e-6, f"text tokens entering layer {layer}")
         assert torch.equal(tseen[("in", layer)][:, 0], tseen[("out", layer - 1)][:, 0]), "start token moved"
 
@@ -137,8 +137,8 @@ def test_at_beta_zero_only_layer_js_tokens_matter(tiny_deep_clip):
     model = make(tiny_deep_clip, J=1, beta=0.0)
     out = model(images(), model.prepare_classes(prompts()), with_frozen=True)
     dear.dear_loss(out, torch.tensor([0, 3, 1]))["total"].backward()
-    assert model.vision_tokens.grad[0].abs().max() > 0 and model.text_tokens.grad[0].abs().max() > 0
-    assert model.vision_tokens.grad[1:].abs().max() == 0 and model.text_tokens.grad[1:].abs().max() == 0
+    assert model.tokens.vision_tokens.grad[0].abs().max() > 0 and model.tokens.text_tokens.grad[0].abs().max() > 0
+    assert model.tokens.vision_tokens.grad[1:].abs().max() == 0 and model.tokens.text_tokens.grad[1:].abs().max() == 0
 
 
 # ------------------------------------------------------------------------------------------
@@ -290,8 +290,8 @@ def test_isolation_holds_within_a_layer_not_across_layers(tiny_deep_clip):
     # heads of layer 2 wrote into the image tokens that layer 3's heads read.
     f_cls, _, _ = model.encode_image(images())
     f_cls.square().sum().backward()
-    assert model.vision_tokens.grad[0].abs().max() > 0
-    assert model.vision_tokens.grad[1].abs().max() == 0  # layer 3's own tokens: no way in
+    assert model.tokens.vision_tokens.grad[0].abs().max() > 0
+    assert model.tokens.vision_tokens.grad[1].abs().max() == 0  # layer 3's own tokens: no way in
 
 
 def test_a_branch_that_cannot_read_the_image_is_left_out_of_the_fusion(tiny_deep_clip):
@@ -358,10 +358,10 @@ def test_the_fusion_starts_at_cls_fusion_weight_and_shares_the_rest_evenly(tiny_
 def test_the_attribute_projection_starts_as_a_copy_of_clips_proj(tiny_deep_clip):
     model = DeAR(tiny_deep_clip, role_map(MIXED_MAP), ATTRIBUTES, first_layer=1)
     proj = tiny_deep_clip.visual.proj
-    assert torch.equal(model.attribute_proj, proj) and model.attribute_proj.data_ptr() != proj.data_ptr()
+    assert torch.equal(model.tokens.attribute_proj, proj) and model.tokens.attribute_proj.data_ptr() != proj.data_ptr()
     with torch.no_grad():
-        model.attribute_proj.add_(1.0)
-    assert not torch.equal(model.attribute_proj, proj)  # training it leaves CLIP's own alone
+        model.tokens.attribute_proj.add_(1.0)
+    assert not torch.equal(model.tokens.attribute_proj, proj)  # training it leaves CLIP's own alone
 
 
 def test_a_role_map_with_a_head_of_a_layer_missing_or_twice_is_refused():
@@ -398,7 +398,7 @@ def test_without_attribute_tokens_the_image_side_is_frozen_clip_and_the_logits_t
     model = DeAR(tiny_deep_clip, no_tokens, attributes=[], first_layer=1, beta=0.3,
                  num_text_tokens=3)
     with torch.no_grad():
-        model.text_tokens.normal_(0, 1.0)
+        model.tokens.text_tokens.normal_(0, 1.0)
         model.fusion_logits.normal_(0, 1.0)
     labels = torch.tensor([0, 3, 1])
     out = model(images(), model.prepare_classes(prompts()), with_frozen=True)
@@ -411,7 +411,7 @@ def test_without_attribute_tokens_the_image_side_is_frozen_clip_and_the_logits_t
     class_ce = F.cross_entropy(out.branch_logits[:, 0], labels)
     assert_close(losses["branch"], class_ce, 1e-6, "a class branch alone: its own per-branch CE")
     losses["total"].backward()
-    assert model.text_tokens.grad.abs().max() > 0 and model.vision_tokens.numel() == 0
+    assert model.tokens.text_tokens.grad.abs().max() > 0 and model.tokens.vision_tokens.numel() == 0
 
 
 def test_the_mask_on_generalization_heads_only_makes_each_attribute_head_mixed(tiny_deep_clip):

@@ -422,6 +422,7 @@ def test_every_learnable_tensor_gets_a_gradient_or_ddp_is_told(tiny_clip, name, 
                     lambda_fusion=0.1, tokens="separate")
     settings.update(changed)
     inputs = types.SimpleNamespace(clip=tiny_clip, attributes=["colour", "shape"])
+    runs.resolve_text_tokens(settings, len(inputs.attributes))  # K as train.py resolves it
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # blind tokens, the fallback

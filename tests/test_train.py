@@ -549,8 +549,8 @@ def test_evaluate_scores_the_fused_and_the_class_branch_logits_and_each_set_gets
     torch.manual_seed(0)
     model = dear.DeAR(clip, roles, first_layer=2, beta=0.3).eval()
     with torch.no_grad():  # attribute branches decisive (alpha_cls ~ 0) and unlike the class branch
-        model.attribute_proj.normal_(0, 1.0)
-        model.vision_tokens.normal_(0, 1.0)
+        model.tokens.attribute_proj.normal_(0, 1.0)
+        model.tokens.vision_tokens.normal_(0, 1.0)
         model.fusion_logits.copy_(torch.tensor([-20.0, 1.0, 2.0, 3.0, 4.0, 5.0]))
     settings, runtime = dict(eval_batch_size=3, workers=0), runs.Runtime(torch.device("cpu"))
     sets = {}
@@ -1689,7 +1689,7 @@ def test_build_dear_keeps_the_recipes_beta_and_evaluate_scores_at_the_beta_it_is
     model = train.build_dear(settings, inputs, roles).eval()
     assert model.beta == 0.7
     with torch.no_grad():
-        for tensor in (model.vision_tokens, model.text_tokens):
+        for tensor in (model.tokens.vision_tokens, model.tokens.text_tokens):
             tensor.normal_(0, 3.0)
     at_02 = train.build_dear(dict(settings, beta=0.2), inputs, roles).eval()
     at_02.load_learnable_state_dict(model.learnable_state_dict())
