@@ -183,7 +183,8 @@ class RoleMap:
 # with HDBSCAN, and each cluster is a concept. A labelled bank's labels can stand in for the
 # clusters (concepts="labels"): the control that the toy laboratory measures the clusters against.
 # HDBSCAN itself is written out in clustering.py, a tool the method calls. Below, "concept source"
-# is "clusters" or "labels", and a head's "pick concepts" name the concept of each of its picks.
+# is "clusters" or "labels", and a head's "pick concepts" name the concept of each of its picks;
+# find_concepts, at the end of this section, gives them from either source, named, as one record.
 NOISE = "noise"  # the concept of a pick that HDBSCAN leaves in no cluster
 CENTRAL_SHOWN = 5  # phrases shown per cluster (its most central ones)
 
@@ -260,6 +261,46 @@ def name_by_anchors(centres: torch.Tensor, anchors: torch.Tensor,
     return names
 
 
+class Concepts(NamedTuple):
+    """The picks' concepts, from one source (find_concepts): what concept entropy and roles read."""
+    of: List[str]  # each distinct pick's concept: its label, "cluster k" or NOISE
+    names: Dict[str, str]  # each concept's name: a core attribute, or not (a label: itself)
+    count: int  # K, the concepts a pick can fall on: the bank's labels, or clusters + noise picks
+    clusters: List[Cluster]  # the clusters found, named (none for labels)
+
+
+def find_concepts(source: str, bank: Sequence[Description], picked: Sequence[int],
+                  attributes: Sequence[str], embed: Callable[[List[str]], torch.Tensor],
+                  min_cluster_size: int, min_samples: Optional[int] = None,
+                  cluster_names: Optional[Dict[int, str]] = None,
+                  log: Callable[[str], None] = print) -> Concepts:
+    """The concepts of the distinct picks (picked: (P,) bank indices). source "labels" (the
+    control): each pick's label, named by itself, K = the bank's distinct labels. "clusters" (the
+    paper's): HDBSCAN over the picks, embedded by embed (texts -> (P, d)); each cluster named by its
+    phrases' most common label in a labelled bank, else by the attribute whose name (embedded the
+    same way) is mutually nearest; cluster_names ({id: name}) overrides any; K = clusters + picks
+    in none (each a concept of its own)."""
+    if source == "labels":
+        labels = {entry.concept for entry in bank}
+        return Concepts([bank[i].concept for i in picked], {c: c for c in labels}, len(labels), [])
+    texts = [bank[i].text for i in picked]
+    found, clusters, centres = cluster_picks(texts, embed(texts), min_cluster_size, min_samples)
+    if all(bank[i].concept is not None for i in picked):  # a labelled bank: labels name them
+        names = name_by_labels(found, [bank[i].concept for i in picked], attributes)
+    else:  # without labels: the attributes' own names, in the same encoder's space
+        names = name_by_anchors(centres, embed(list(attributes)), attributes)  # anchors (A, d)
+    names.update({f"cluster {k}": name for k, name in (cluster_names or {}).items()})  # the user's
+    names[NOISE] = NOISE
+    for cluster in clusters:
+        cluster.name = names[f"cluster {cluster.id}"]
+    named = ", ".join(f"{c.id} {c.name} ({c.size})" for c in clusters)
+    log(f"  head analysis: {len(picked)} distinct picks in {len(clusters)} clusters "
+        f"({found.count(NOISE)} in none; HDBSCAN min_cluster_size {min_cluster_size})"
+        + (f": {named}" if clusters else "; with no cluster, every pick is a concept of its "
+           "own and no head is specialised"))
+    return Concepts(found, names, len(clusters) + found.count(NOISE), clusters)
+
+
 # ---- 3. Roles: entropy -> attribute / generalization / mixed (paper Sec. 3.2, METHOD.md Sec. 3) --
 # A head whose picks fall on one concept is a specialist (low entropy): an attribute head if that
 # concept is a core attribute. A head whose picks spread over many concepts is general (high
@@ -286,8 +327,9 @@ def dominant_concept(pick_concepts: Sequence[str]) -> str:
 def default_picks(bank: Sequence[Description], attributes: Sequence[str]) -> int:
     """Picks per head, the one default of it (our rule; METHOD.md Sec. 3). A labelled bank: the
     fewest values of a core attribute, as a pure specialist has nothing left to explain once its
-    values are picked (ours: 16). A pool without labels tells nothing of its values: the paper's
-    20."""
+    values are picked. The toy bank: colour 8, shape 6, texture 4, position 4 values -> 4 picks;
+    the project's bank: shape's 16 words are the fewest -> 16. A pool without labels tells
+    nothing of its values: the paper's 20."""
     bank = [Description(*entry) for entry in bank]
     if any(entry.concept is None for entry in bank):
         return PAPER_PICKS
@@ -304,7 +346,10 @@ def default_picks(bank: Sequence[Description], attributes: Sequence[str]) -> int
 
 def default_thresholds(num_picks: int, num_concepts: int):
     """(low_bits, high_bits), our rule (METHOD.md Sec. 3), in absolute bits: thirds of the
-    entropies that the picks of one head can take over these concepts."""
+    entropies that the picks of one head can take over these concepts. The toy: N = 4 picks over
+    K = 7 concepts spread over at most log2(4) = 2 bits, thirds 0.67 and 1.33; the floor raises
+    low to 0.81 (3 of 4 picks on one concept): 0.81 and 1.33 bits. The project's bank: N = 16,
+    K = 12 -> thirds of log2(12) = 3.58 bits, 1.19 and 2.39, the floor unused."""
     top = math.log2(max(1, min(num_picks, num_concepts)))  # the most bits: picks spread evenly
     low, high = top / 3, 2 * top / 3  # under a third: specialised; over two thirds: spread
     # The floor: a head with 3 of every 4 picks on one concept (0.81 bits) counts as specialised.
@@ -317,31 +362,21 @@ def default_thresholds(num_picks: int, num_concepts: int):
     return low, high
 
 
-def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequence[str]],
-                 attributes: Sequence[str], low_bits: Optional[float] = None,
-                 high_bits: Optional[float] = None, num_concepts: Optional[int] = None,
-                 names: Optional[Dict[str, str]] = None):
-    """Heads -> ([(role, attribute or None)], low_bits, high_bits); the thresholds are
-    default_thresholds(picks, concepts) unless given (num_concepts: default the distinct concepts
-    the heads' picks name). H <= low: an attribute head for its dominant concept if that is
-    (names: is named) a core attribute, else (e.g. "style": no token) generalization; H >= high:
-    generalization; between: mixed."""
-    num_concepts = num_concepts or len({c for head in concepts_per_head for c in head})
-    low, high = default_thresholds(max(len(c) for c in concepts_per_head), num_concepts)
-    low_bits = low if low_bits is None else low_bits
-    high_bits = high if high_bits is None else high_bits
+def assign_roles(entropies: Sequence[float], dominants: Sequence[str],
+                 attributes: Sequence[str], low_bits: float, high_bits: float):
+    """Heads -> [(role, attribute or None)]: each head's entropy and its dominant concept's name.
+    H <= low: an attribute head for that concept if it is a core attribute, else (e.g. "style":
+    no token) generalization; H >= high: generalization; between: mixed."""
     check_thresholds(low_bits, high_bits)  # section 10
     roles = []
-    for entropy, pick_concepts in zip(entropies, concepts_per_head):
-        if entropy <= low_bits:
-            dominant = dominant_concept(pick_concepts)
-            name = (names or {}).get(dominant, dominant)
-            roles.append(("attribute", name) if name in attributes else ("generalization", None))
-        elif entropy >= high_bits:
+    for entropy, dominant in zip(entropies, dominants):
+        if entropy <= low_bits and dominant in attributes:
+            roles.append(("attribute", dominant))
+        elif entropy <= low_bits or entropy >= high_bits:  # a specialist with no token, or spread
             roles.append(("generalization", None))
         else:
             roles.append(("mixed", None))
-    return roles, low_bits, high_bits
+    return roles
 
 
 def analysed_layers(depth: int) -> int:
@@ -403,8 +438,9 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
     head of the last L_a layers: its direct contributions (over each embedding's norm, as
     TextSpan does) and TextSpan's picks; then the concepts (concepts="clusters": the picks
     clustered, embedded by embed_texts, default CLIP's text tower; "labels": the bank's; default:
-    default_concepts(bank)), each head's concept entropy and role. cluster_names: {cluster id:
-    name} overrides the names the clusters are given."""
+    default_concepts(bank); find_concepts), each head's concept entropy and role (low_bits,
+    high_bits: default default_thresholds). cluster_names: {cluster id: name} overrides the names
+    the clusters are given."""
     bank = [Description(*entry) for entry in bank] if bank is not None else description_bank()
     source = default_concepts(bank) if concepts is None else concepts  # "clusters" or "labels"
     check_concepts(source, bank)
@@ -430,53 +466,35 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
                                   rank))
         log(f"  head analysis: layer {first + li + 1} (index {first + li}) done")
 
-    # 2. The concepts: each distinct picked phrase's (a phrase picked by several heads counts
-    #    once), from the clusters of all heads' picks or from the bank's labels.
+    # 2. The concepts of the distinct picks (a phrase picked by several heads counts once), from
+    #    the bank's labels or from the clusters of all heads' picks, named.
     picked = list(dict.fromkeys(i for head_picks in picks for i in head_picks))  # (P,), in order
-    clusters, names = [], None
-    if source == "labels":
-        concept_of = {i: bank[i].concept for i in picked}
-        num_concepts = len({entry.concept for entry in bank})
-    else:
-        picked_texts = [bank[i].text for i in picked]
-        if embed_texts is None:
-            embedded = bank_embeddings[picked]  # (P, E)
-        else:
-            embedded = checked_embeddings(embed_texts, picked_texts)  # (P, d)
-        size = min_cluster_size
-        if size is None:
-            size = default_min_cluster_size(num_descriptions)
-        found, clusters, centres = cluster_picks(picked_texts, embedded, size, min_samples)
-        concept_of = dict(zip(picked, found))
-        if all(bank[i].concept is not None for i in picked):  # a labelled bank: labels name them
-            names = name_by_labels(found, [bank[i].concept for i in picked], attributes)
-        else:  # without labels: the attributes' own names, in the same encoder's space
-            anchors = text_embeddings_of(list(attributes), clip, tokenizer, embed_texts)  # (A, d)
-            names = name_by_anchors(centres, anchors, attributes)
-        for k, name in (cluster_names or {}).items():  # the user's word wins
-            names[f"cluster {k}"] = name
-        for cluster in clusters:
-            cluster.name = names[f"cluster {cluster.id}"]
-        num_concepts = len(clusters) + found.count(NOISE)  # each unclustered pick: its own concept
-        named = ", ".join(f"{c.id} {c.name} ({c.size})" for c in clusters)
-        log(f"  head analysis: {len(picked)} distinct picks in {len(clusters)} clusters "
-            f"({found.count(NOISE)} in none; HDBSCAN min_cluster_size {size})"
-            + (f": {named}" if clusters else "; with no cluster, every pick is a concept of its "
-               "own and no head is specialised"))
+    known = {entry.text: row for entry, row in zip(bank, bank_embeddings)}  # CLIP's, made above
 
-    # 3. Each head's concept entropy, then its role.
-    analysed = []
-    for index, head_picks in enumerate(picks):
-        pick_concepts = [concept_of[i] for i in head_picks]
-        analysed.append(HeadRole(first + index // H, index % H, "mixed", None,
-                                 concept_entropy(pick_concepts),
-                                 [bank[i].text for i in head_picks], pick_concepts))
-    roles, low, high = assign_roles([h.entropy for h in analysed], [h.concepts for h in analysed],
-                                    attributes, low_bits, high_bits, num_concepts, names)
-    for entry, (role, attribute) in zip(analysed, roles):
-        entry.role, entry.attribute = role, attribute
-    return RoleMap(depth, H, list(attributes), analysed, low, high, concepts=source,
-                   clusters=clusters)
+    def embed(texts: List[str]) -> torch.Tensor:  # (len(texts), d): the clustering's space
+        if embed_texts is None and all(text in known for text in texts):  # picks: encoded once
+            return torch.stack([known[text] for text in texts])
+        return text_embeddings_of(texts, clip, tokenizer, embed_texts)
+
+    if min_cluster_size is None:
+        min_cluster_size = default_min_cluster_size(num_descriptions)
+    found = find_concepts(source, bank, picked, attributes, embed, min_cluster_size, min_samples,
+                          cluster_names, log)
+    concept_of = dict(zip(picked, found.of))
+
+    # 3. Each head's concept entropy and dominant concept's name, then its role.
+    default_low, default_high = default_thresholds(num_descriptions, found.count)
+    low = default_low if low_bits is None else low_bits
+    high = default_high if high_bits is None else high_bits
+    head_concepts = [[concept_of[i] for i in head_picks] for head_picks in picks]
+    entropies = [concept_entropy(c) for c in head_concepts]
+    dominants = [found.names[dominant_concept(c)] for c in head_concepts]
+    roles = assign_roles(entropies, dominants, attributes, low, high)
+    heads = [HeadRole(first + k // H, k % H, role, attribute, entropies[k],
+                      [bank[i].text for i in picks[k]], head_concepts[k])
+             for k, (role, attribute) in enumerate(roles)]
+    return RoleMap(depth, H, list(attributes), heads, low, high, concepts=source,
+                   clusters=found.clusters)
 
 
 # ---- 4. The role-based attention mask (paper Sec. 3.3, METHOD.md Sec. 4) -------------------------

@@ -205,15 +205,17 @@ def test_concept_entropy_by_hand(concepts, bits):
 def test_roles_by_hand():
     entropies = [0.0, 0.2, 1.0, 1.5, 2.5, 3.0]
     concepts = [["colour"] * 8, ["style"] * 8, ["shape"], ["shape"], ["object"], ["object"]]
-    roles, low, high = dear.assign_roles(entropies, concepts, ATTRIBUTES, num_concepts=12)
+    low, high = dear.default_thresholds(8, 12)
     # 8 picks over 12 concepts spread at most log2(8) = 3 bits: thirds at 1 and 2 bits.
     assert (low, high) == pytest.approx((1.0, 2.0))
+    dominants = [dear.dominant_concept(c) for c in concepts]
+    roles = dear.assign_roles(entropies, dominants, ATTRIBUTES, low, high)
     assert roles == [("attribute", "colour"), ("generalization", None), ("attribute", "shape"), ("mixed", None),
                      ("generalization", None), ("generalization", None)]
-    roles, _, _ = dear.assign_roles(entropies, concepts, ATTRIBUTES, low_bits=0.5, high_bits=2.9)
+    roles = dear.assign_roles(entropies, dominants, ATTRIBUTES, low_bits=0.5, high_bits=2.9)
     assert roles[2] == ("mixed", None) and roles[4] == ("mixed", None)
     with pytest.raises(DeARError, match="low threshold"):
-        dear.assign_roles(entropies, concepts, ATTRIBUTES, low_bits=2.0, high_bits=1.0)
+        dear.assign_roles(entropies, dominants, ATTRIBUTES, low_bits=2.0, high_bits=1.0)
 
 
 def test_thresholds_are_thirds_of_what_the_picks_can_spread_with_three_picks_in_four_a_specialist():
@@ -226,13 +228,14 @@ def test_thresholds_are_thirds_of_what_the_picks_can_spread_with_three_picks_in_
     # background); 2 and 2 is mixed; 2, 1 and 1 a generalist.
     picks = [["position", "background", "position", "position"], ["shape", "colour", "shape", "colour"],
              ["shape", "colour", "texture", "shape"]]
-    roles, _, _ = dear.assign_roles([dear.concept_entropy(c) for c in picks], picks, ATTRIBUTES + ["position"],
-                                    num_concepts=7)
+    roles = dear.assign_roles([dear.concept_entropy(c) for c in picks], [dear.dominant_concept(c) for c in picks],
+                              ATTRIBUTES + ["position"], *dear.default_thresholds(4, 7))
     assert roles == [("attribute", "position"), ("mixed", None), ("generalization", None)]
     # Ten heads, none specialised (two concepts of three picks each): no attribute head is made.
     spread = [["colour", "colour", "shape"], ["shape", "texture", "shape"]] * 5
     entropies = [dear.concept_entropy(c) for c in spread]
-    roles, _, _ = dear.assign_roles(entropies, spread, ATTRIBUTES, num_concepts=7)
+    roles = dear.assign_roles(entropies, [dear.dominant_concept(c) for c in spread], ATTRIBUTES,
+                              *dear.default_thresholds(3, 7))
     assert {role for role, _ in roles} == {"mixed"}
 
 

@@ -226,8 +226,8 @@ def test_layers_the_map_does_not_cover_are_mixed(tiny_deep_clip):
 def test_a_concept_tie_goes_to_the_concept_found_first_not_last():
     assert dear.dominant_concept(["shape", "colour", "shape", "colour"]) == "shape"
     assert dear.dominant_concept(["colour", "shape", "colour", "shape"]) == "colour"
-    roles, _, _ = dear.assign_roles([0.0, 1.0, 2.0], [["shape", "colour", "shape", "colour"], ["object"], ["x"]],
-                                    ["colour", "shape"], low_bits=1.0, high_bits=1.5)
+    dominants = [dear.dominant_concept(c) for c in [["shape", "colour", "shape", "colour"], ["object"], ["x"]]]
+    roles = dear.assign_roles([0.0, 1.0, 2.0], dominants, ["colour", "shape"], low_bits=1.0, high_bits=1.5)
     assert roles[0] == ("attribute", "shape")
 
 
@@ -268,6 +268,12 @@ def test_a_head_writing_along_colour_descriptions_is_named_a_colour_head(tiny_de
     assert (planted.role, planted.attribute) == ("attribute", "colour")
     others = [h for h in result.heads if (h.layer, h.head) != (LAYERS - 1, 2)]
     assert all(h.entropy > 0 for h in others)
+    # The thresholds: 6 picks over the bank's 12 labels (not the few the heads name); one given,
+    # the other still the rule's.
+    assert (result.low_bits, result.high_bits) == pytest.approx(dear.default_thresholds(6, 12))
+    given = dear.analyze_heads(tiny_deep_clip, batches, tokenizer=None, bank=bank, num_layers=L,
+                               num_descriptions=6, rank=20, low_bits=0.25, log=lambda line: None)
+    assert (given.low_bits, given.high_bits) == pytest.approx((0.25, dear.default_thresholds(6, 12)[1]))
 
 
 # ------------------------------------------------------------------------------------------
@@ -341,12 +347,13 @@ def test_role_thresholds_are_thirds_of_the_possible_spread_and_a_head_on_one_tak
     # the high one generalization.
     entropies = [0.0, 0.2, 0.5, 1.0, 1.0, 1.5, 1.5, 2.0, 2.0, 2.5, 3.0, 3.0]
     concepts = [["colour"] * 8] * 5 + [["shape"] * 8] * 7
-    roles, low, high = dear.assign_roles(entropies, concepts, ATTRIBUTES, num_concepts=12)
+    low, high = dear.default_thresholds(8, 12)
     assert (low, high) == (1.0, 2.0)
+    roles = dear.assign_roles(entropies, [dear.dominant_concept(c) for c in concepts], ATTRIBUTES, low, high)
     assert roles == [("attribute", "colour")] * 5 + [("mixed", None)] * 2 + [("generalization", None)] * 5
     # Fewer concepts than picks: the spread is bounded by the concepts, log2(4) = 2 bits; low is not
     # a third of it (0.67) but 3 of 4 picks on one concept (0.81 bits), the least a specialist needs.
-    assert dear.assign_roles(entropies, concepts, ATTRIBUTES, num_concepts=4)[1:] == pytest.approx((0.811278, 4 / 3))
+    assert dear.default_thresholds(8, 4) == pytest.approx((0.811278, 4 / 3))
 
 
 def test_the_fusion_starts_at_cls_fusion_weight_and_shares_the_rest_evenly(tiny_deep_clip):
