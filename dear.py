@@ -2,11 +2,13 @@
 CVPR 2026) in the order it runs. Its sections ("section N" below; "paper Sec. N" is the paper's,
 "METHOD.md Sec. N" docs/METHOD.md's, which has the choices where the paper is silent):
 1. TextSpan, then the records (Description, Cluster, HeadRole, RoleMap) the rest takes;
-2. concepts (the picks clustered); 3. concept entropy's head roles (paper Sec. 3.2; analyze_heads
-runs 1-3); 4. the role-based mask (paper Sec. 3.3); 5. the model and which logits score a test set;
-6. the losses (paper Sec. 3.4); 7. the paper's ablations (ablate: each one change); 8.
-attribute-conditioned retrieval; 9. bookkeeping: the argument checks, RoleMap's checks, JSON file
-and table, DeAR's checkpoint tensors, the description pools.
+2. concepts (the picks clustered, or their labels: find_concepts); 3. concept entropy's head roles
+(paper Sec. 3.2; analyze_heads runs 1-3); 4. the role-based mask (paper Sec. 3.3); 5. the model,
+with its default token construction (SeparateTokens); 6. the losses (paper Sec. 3.4). After the
+method: 7. the paper's ablations (ablate: each one's change); 8. at test time, which logits score
+a test set, and attribute-conditioned retrieval; 9. MMRL++'s token construction (tokens="shared",
+SharedTokens); 10. bookkeeping: the argument checks, RoleMap's checks, JSON file and table,
+DeAR's checkpoint tensors, the description pools.
 
 The method in one page: tests/test_dear_reference.py, DeAR's forward pass one head at a time;
 this file batches it. It imports torch and clip_model.py: copy the two files together.
@@ -16,11 +18,13 @@ J; what is stored (`HeadRole.layer`) is 0-based.
 
 Shapes, the project's letters: B images in a batch; C classes; N tokens of a sequence (an image:
 1 + G*G, the class token and the patches; a text: its length); G the patch grid's side; R the
-image resolution; W the width of a tower's residual stream (W_v vision, W_t text); H heads; D a
-head's width; E the joint embedding's width; L_v and L_t the vision and the text tower's layers
-from J on; L_a the analysed layers (the vision tower's last four); A attribute tokens; K
-learnable text tokens; n images of the analysis; T descriptions in the bank; P distinct picks;
-d an encoder's width (clustering's points are the P picks).
+image resolution; W the width of a tower's residual stream (W_v vision, W_t text; W_z the latent
+tokens' under tokens="shared"); H heads; D a head's width; E the joint embedding's width; L_v
+and L_t the vision and the text tower's layers from J on; L_a the analysed layers (the vision
+tower's last four); A attribute tokens; K learnable text tokens; Q a low-rank term's rank
+(tokens="shared"); n images of the analysis; T descriptions in the bank; P distinct picks; d an
+encoder's width (clustering's points are the P picks). Einsum strings use the same letters in
+lower case.
 
 Try it on a random small CLIP:  python dear.py
 """
@@ -177,7 +181,7 @@ class RoleMap:
         return role_table(self)
 
 
-# ---- 2. Concepts: the heads' picks clustered without labels (paper Sec. 3.2, METHOD.md Sec. 3) --
+# ---- 2. Concepts: the heads' picks clustered, or their labels (paper Sec. 3.2, METHOD.md Sec. 3) -
 # The paper labels no description: the picks of every analysed head are embedded by a sentence
 # encoder (SBERT in the paper; CLIP's own text tower by default here, our choice) and clustered
 # with HDBSCAN, and each cluster is a concept. A labelled bank's labels can stand in for the
@@ -202,23 +206,12 @@ def default_min_cluster_size(num_picks: int) -> int:
     return max(2, num_picks)
 
 
-def hdbscan(points: torch.Tensor, min_cluster_size: int,
-            min_samples: Optional[int] = None) -> torch.Tensor:
-    """clustering.hdbscan, imported only here: (P, d) -> (P,) cluster ids, -1 = noise. Its
-    ClusteringError comes back as DeARError; without clustering.py, one line says what it needs."""
-    clustering = clustering_module()  # section 10
-    try:
-        return clustering.hdbscan(points, min_cluster_size, min_samples)
-    except clustering.ClusteringError as error:
-        raise DeARError(str(error)) from None
-
-
 def cluster_picks(texts: Sequence[str], embeddings: torch.Tensor, min_cluster_size: int,
                   min_samples: Optional[int] = None):
     """Distinct picked texts (P,) and their embeddings (P, d) -> (each text's concept, "cluster k"
     or NOISE; the clusters, named "other" until named; their unit means (clusters, d))."""
     points = F.normalize(embeddings.double(), dim=-1)  # (P, d), unit: Euclidean order = cosine's
-    ids = hdbscan(points, min_cluster_size, min_samples)  # (P,), -1 = noise
+    ids = hdbscan(points, min_cluster_size, min_samples)  # (P,), -1 = noise (section 10)
     clusters, centres = [], []
     for k in range(int(ids.max()) + 1 if len(ids) else 0):
         members = (ids == k).nonzero().flatten()  # (m,), the cluster's m picks
@@ -293,11 +286,7 @@ def find_concepts(source: str, bank: Sequence[Description], picked: Sequence[int
     names[NOISE] = NOISE
     for cluster in clusters:
         cluster.name = names[f"cluster {cluster.id}"]
-    named = ", ".join(f"{c.id} {c.name} ({c.size})" for c in clusters)
-    log(f"  head analysis: {len(picked)} distinct picks in {len(clusters)} clusters "
-        f"({found.count(NOISE)} in none; HDBSCAN min_cluster_size {min_cluster_size})"
-        + (f": {named}" if clusters else "; with no cluster, every pick is a concept of its "
-           "own and no head is specialised"))
+    log(clusters_line(found, clusters, min_cluster_size))  # section 10
     return Concepts(found, names, len(clusters) + found.count(NOISE), clusters)
 
 
@@ -394,14 +383,6 @@ def encode_descriptions(clip: clip_model.CLIP, tokenizer: clip_model.SimpleToken
     return torch.cat([F.normalize(clip.encode_text(b.to(device)), dim=-1) for b in batches])
 
 
-def text_embeddings_of(texts: List[str], clip: clip_model.CLIP, tokenizer,
-                       embed_texts) -> torch.Tensor:
-    """Texts in the clustering's space: embed_texts' (checked), or CLIP's text tower's."""
-    if embed_texts is None:
-        return encode_descriptions(clip, tokenizer, texts).cpu()
-    return checked_embeddings(embed_texts, texts)  # section 10
-
-
 def normalised_contributions(clip: clip_model.CLIP, image_batches, num_layers: int,
                              log: Callable[[str], None]) -> torch.Tensor:
     """Each image's direct head contributions over its embedding's norm (TextSpan) ->
@@ -472,9 +453,11 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
     known = {entry.text: row for entry, row in zip(bank, bank_embeddings)}  # CLIP's, made above
 
     def embed(texts: List[str]) -> torch.Tensor:  # (len(texts), d): the clustering's space
-        if embed_texts is None and all(text in known for text in texts):  # picks: encoded once
+        if embed_texts is not None:
+            return checked_embeddings(embed_texts, texts)  # section 10
+        if all(text in known for text in texts):  # the picks: their rows, encoded once
             return torch.stack([known[text] for text in texts])
-        return text_embeddings_of(texts, clip, tokenizer, embed_texts)
+        return encode_descriptions(clip, tokenizer, texts).cpu()  # the attributes' names
 
     if min_cluster_size is None:
         min_cluster_size = default_min_cluster_size(num_descriptions)
@@ -558,7 +541,7 @@ def blind_attributes(role_masks: torch.Tensor, num_image_tokens: int,
 # follow the start token. Each branch (the class token, each attribute token) scores the classes
 # by cosine with the prompts' features; the fused logits weigh the branches by alpha = softmax of
 # learnable logits (paper Eq. 6-7). First what DeAR's constructor reads (J, which branches enter
-# the fusion, alpha's start), then the token construction, then the model and its scoring rule.
+# the fusion, alpha's start), then the default token construction, then the model.
 def default_first_layer(depth: int) -> int:
     """The paper's J (1-based), the one default of it: the first analysed layer (9 of 12 for
     ViT-B/16); train.py's --first-layer auto is this."""
@@ -582,15 +565,8 @@ def branches_in_fusion(attributes: List[str], blind: List[str], class_branch_onl
                        first_layer: int) -> torch.Tensor:
     """(1 + A,) bool: the class branch, and the attribute branches that can read the image (none on
     the fallback to the class branch, our choice: METHOD.md Sec. 3); warns of what is left out."""
+    warn_left_out(blind, class_branch_only, first_layer)  # section 10
     left_out = attributes if class_branch_only else blind
-    if class_branch_only:
-        warnings.warn("DeAR: the head analysis names no attribute head (no head is specialised "
-                      "enough); falling back to the class branch alone "
-                      "(the attribute branches leave the fusion)")
-    elif blind:
-        plural = "s" if len(blind) > 1 else ""
-        warnings.warn(f"DeAR: no head from layer J={first_layer} lets the {', '.join(blind)} "
-                      f"token{plural} read the image; left out of the fusion (a per-class bias)")
     return torch.tensor([True] + [a not in left_out for a in attributes])
 
 
@@ -635,9 +611,8 @@ class SeparateTokens(nn.Module):
 def cosine_logits(features: torch.Tensor, text_features: torch.Tensor,
                   scale: torch.Tensor) -> torch.Tensor:
     """(..., E) image features, (C, E) text features -> s * cos, (..., C), in fp32 with autocast
-    off: the scores that decide a prediction or enter a loss are never rounded to bf16, where a
-    logit between 16 and 32 moves in steps of 0.125 and two close classes swap (the encoders
-    before it may run under autocast; METHOD.md Sec. 5)."""
+    off, whatever the encoders ran in: in bf16 a logit between 16 and 32 moves in steps of 0.125
+    and two close classes swap (METHOD.md Sec. 5)."""
     with torch.autocast(features.device.type, enabled=False):
         image = F.normalize(features.float(), dim=-1)  # (..., E)
         text = F.normalize(text_features.float(), dim=-1)  # (C, E)
@@ -840,20 +815,6 @@ class DeAR(nn.Module):
         return parameter_summary(self)
 
 
-def scoring_logits(fusion: str, trained: bool) -> str:
-    """Which of DeAR's logits score a test set, "fused" or "class" (the class branch alone), under
-    each fusion rule (METHOD.md Sec. 5: the paper does not say which its tables use).
-    trained: the test classes are the trained ones, in the trained domain (a base split).
-      fused-everywhere: the fused logits on every test set (weights learned on the trained classes);
-      class-on-unseen:  fused where trained, the class branch alone on classes not trained (novel
-                        classes, other datasets, variants): MMRL's code."""
-    if fusion == "fused-everywhere":
-        return "fused"
-    if fusion == "class-on-unseen":
-        return "fused" if trained else "class"
-    raise DeARError(f"fusion={fusion!r}: use fused-everywhere or class-on-unseen")
-
-
 # ---- 6. The losses (paper Sec. 3.4, METHOD.md Sec. 5) --------------------------------------------
 # CE on the fused logits, plus L_reg, which keeps the class feature and the class texts near plain
 # CLIP's, plus L_fusion, which keeps the class branch's weight from vanishing (dear_loss).
@@ -944,14 +905,15 @@ def generalization_mask_only(role_map: RoleMap) -> RoleMap:
 def ablate(name: Optional[str], role_map: RoleMap, attributes: List[str],
            lambda_fusion: float) -> Ablated:
     """The one change of ablation `name` (None: none) to the DeAR row's role map, attribute tokens
-    and loss -> Ablated; DeAR and dear_loss are built from it, nothing else switches.
+    and loss -> Ablated; DeAR is built and dear_loss called from it, nothing else switches.
 
       name                      the one change                                  where it acts
       no-role-mask              every head of the analysed layers mixed         role map (the
                                 (deep prompting, no mask)                       all-mixed row)
       no-attribute-tokens       A = 0: no attribute token; a uniform mixed      DeAR(attributes),
                                 map over the same layers (DeAR refuses a map    role map
-                                with attributes that A = 0 cannot hold)
+                                with attributes that A = 0 cannot hold); the
+                                text tokens stay (K: default_text_tokens)
       no-fusion-reg             lambda_fusion = 0                               dear_loss
       mask-generalization-only  the analysed map with its attribute heads       role map,
                                 made mixed (generalization_mask_only); DeAR     DeAR(class_branch_
@@ -981,7 +943,22 @@ def ablate(name: Optional[str], role_map: RoleMap, attributes: List[str],
     raise DeARError(f"ablation {name!r}: use one of {', '.join(ABLATIONS)}")
 
 
-# ---- 8. Attribute-conditioned retrieval (the paper's check that a token carries its attribute) --
+# ---- 8. At test time: the logits that score a test set (METHOD.md Sec. 5); retrieval -------------
+def scoring_logits(fusion: str, trained: bool) -> str:
+    """Which of DeAR's logits score a test set, "fused" or "class" (the class branch alone), under
+    each fusion rule (METHOD.md Sec. 5: the paper does not say which its tables use).
+    trained: the test classes are the trained ones, in the trained domain (a base split).
+      fused-everywhere: the fused logits on every test set (weights learned on the trained classes);
+      class-on-unseen:  fused where trained, the class branch alone on classes not trained (novel
+                        classes, other datasets, variants): MMRL's code."""
+    if fusion == "fused-everywhere":
+        return "fused"
+    if fusion == "class-on-unseen":
+        return "fused" if trained else "class"
+    raise DeARError(f"fusion={fusion!r}: use fused-everywhere or class-on-unseen")
+
+
+# The paper's check that a token carries its attribute: rank images by one token's feature.
 @torch.no_grad()
 def retrieval_features(model: DeAR, images: torch.Tensor) -> dict:
     """images (B, 3, R, R) -> {"class", each attribute but the blind, "frozen CLIP": (B, E)},
@@ -1154,6 +1131,26 @@ def clustering_module():
     return clustering
 
 
+def hdbscan(points: torch.Tensor, min_cluster_size: int,
+            min_samples: Optional[int] = None) -> torch.Tensor:
+    """clustering.hdbscan, imported only here: (P, d) -> (P,) cluster ids, -1 = noise. Its
+    ClusteringError comes back as DeARError; without clustering.py, one line says what it needs."""
+    clustering = clustering_module()
+    try:
+        return clustering.hdbscan(points, min_cluster_size, min_samples)
+    except clustering.ClusteringError as error:
+        raise DeARError(str(error)) from None
+
+
+def clusters_line(found: List[str], clusters: List[Cluster], min_cluster_size: int) -> str:
+    """find_concepts' log line: the distinct picks, and each cluster's id, name and size."""
+    named = ", ".join(f"{c.id} {c.name} ({c.size})" for c in clusters)
+    return (f"  head analysis: {len(found)} distinct picks in {len(clusters)} clusters "
+            f"({found.count(NOISE)} in none; HDBSCAN min_cluster_size {min_cluster_size})"
+            + (f": {named}" if clusters else "; with no cluster, every pick is a concept of its "
+               "own and no head is specialised"))
+
+
 def check_image_batch(batch) -> None:
     if not isinstance(batch, torch.Tensor) or batch.dim() != 4:
         shape = f" of shape {tuple(batch.shape)}" if isinstance(batch, torch.Tensor) else ""
@@ -1245,6 +1242,18 @@ def check_model_settings(clip: clip_model.CLIP, role_map: RoleMap, attributes: L
     if not 0.0 < cls_fusion_weight < 1.0:
         raise DeARError(f"cls_fusion_weight={cls_fusion_weight} must be in (0, 1)")
     role_map.validate(depth_v, clip.visual.transformer.heads, attributes)
+
+
+def warn_left_out(blind: List[str], class_branch_only: bool, first_layer: int) -> None:
+    """branches_in_fusion's warning: the fallback to the class branch, or the blind branches."""
+    if class_branch_only:
+        warnings.warn("DeAR: the head analysis names no attribute head (no head is specialised "
+                      "enough); falling back to the class branch alone "
+                      "(the attribute branches leave the fusion)")
+    elif blind:
+        plural = "s" if len(blind) > 1 else ""
+        warnings.warn(f"DeAR: no head from layer J={first_layer} lets the {', '.join(blind)} "
+                      f"token{plural} read the image; left out of the fusion (a per-class bias)")
 
 
 def check_prepared(classes) -> None:
