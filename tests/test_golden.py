@@ -89,6 +89,7 @@ def masked(text: str, output: str, cache: str) -> str:
     text = re.sub(r"\d+:\d\d:\d\d", "<time>", text)
     text = re.sub(r"\d+(\.\d+)? img/s", "<speed>", text)
     text = re.sub(r"waiting for data \d+%", "waiting for data <share>", text)
+    text = re.sub(r"data wait \d+%", "data wait <share>", text)  # the share of a step spent waiting
     return re.sub(r"in \d+\.\d+ s\b", "in <seconds>", text)
 
 
