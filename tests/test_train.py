@@ -1720,7 +1720,7 @@ def measured_map() -> dear.RoleMap:
 
 def test_each_ablation_makes_exactly_its_one_change_and_the_rows_follow(tiny_clip, world, tmp_path):
     assert set(ABLATION_CHANGES) == set(dear.ABLATIONS)
-    assert (runs.ABLATIONS, runs.Ablated, runs.ablate) == (dear.ABLATIONS, dear.Ablated, dear.ablate)
+    assert runs.ABLATIONS is dear.ABLATIONS and runs.Ablated is dear.Ablated and runs.ablate is dear.ablate
     attributes, analysed = list(dear.CORE_ATTRIBUTES), measured_map()
     plain = dear.ablate(None, analysed, attributes, 0.3)
     assert plain == (analysed, attributes, True, 0.3, False)
