@@ -2,10 +2,13 @@
 CVPR 2026) in the order it runs. Its sections ("section N" below; "paper Sec. N" is the paper's,
 "METHOD.md Sec. N" docs/METHOD.md's, which has the choices where the paper is silent):
 1. TextSpan, then the records (Description, Cluster, HeadRole, RoleMap) the rest takes;
-2. concepts (the picks clustered); 3. concept entropy's head roles (paper Sec. 3.2; analyze_heads
-runs 1-3); 4. the role-based mask (paper Sec. 3.3); 5. the model and which logits score a test set;
-6. the losses (paper Sec. 3.4); 7. attribute-conditioned retrieval; 8. bookkeeping: the argument
-checks, RoleMap's checks, JSON file and table, DeAR's checkpoint tensors, the description pools.
+2. concepts (the picks clustered, or their labels: find_concepts); 3. concept entropy's head roles
+(paper Sec. 3.2; analyze_heads runs 1-3); 4. the role-based mask (paper Sec. 3.3); 5. the model,
+with its default token construction (SeparateTokens); 6. the losses (paper Sec. 3.4). After the
+method: 7. the paper's ablations (ablate: each one's change); 8. at test time, which logits score
+a test set, and attribute-conditioned retrieval; 9. MMRL++'s token construction (tokens="shared",
+SharedTokens); 10. bookkeeping: the argument checks, RoleMap's checks, JSON file and table,
+DeAR's checkpoint tensors, the description pools.
 
 The method in one page: tests/test_dear_reference.py, DeAR's forward pass one head at a time;
 this file batches it. It imports torch and clip_model.py: copy the two files together.
@@ -15,11 +18,13 @@ J; what is stored (`HeadRole.layer`) is 0-based.
 
 Shapes, the project's letters: B images in a batch; C classes; N tokens of a sequence (an image:
 1 + G*G, the class token and the patches; a text: its length); G the patch grid's side; R the
-image resolution; W the width of a tower's residual stream (W_v vision, W_t text); H heads; D a
-head's width; E the joint embedding's width; L_v and L_t the vision and the text tower's layers
-from J on; L_a the analysed layers (the vision tower's last four); A attribute tokens; K
-learnable text tokens; n images of the analysis; T descriptions in the bank; P distinct picks;
-d an encoder's width (clustering's points are the P picks).
+image resolution; W the width of a tower's residual stream (W_v vision, W_t text; W_z the latent
+tokens' under tokens="shared"); H heads; D a head's width; E the joint embedding's width; L_v
+and L_t the vision and the text tower's layers from J on; L_a the analysed layers (the vision
+tower's last four); A attribute tokens; K learnable text tokens; Q a low-rank term's rank
+(tokens="shared"); n images of the analysis; T descriptions in the bank; P distinct picks; d an
+encoder's width (clustering's points are the P picks). Einsum strings use the same letters in
+lower case.
 
 Try it on a random small CLIP:  python dear.py
 """
@@ -30,7 +35,7 @@ import json
 import math
 import warnings
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Union
 
@@ -70,7 +75,7 @@ def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
     order. contributions (n, E), one head's direct contributions to the image embeddings; the bank
     (T, E); rank: textspan_rank(clip) -> indices into the bank. Each pick is the text varying most
     across the images; it is then removed from the head and from the bank."""
-    check_picks(num_descriptions, contributions, text_embeddings, rank)  # section 8
+    check_picks(num_descriptions, contributions, text_embeddings, rank)  # section 10
     data = contributions.double()
     _, _, right = torch.linalg.svd(data, full_matrices=False)  # right: (min(n, E), E), raw data
     span = right[:rank]  # (r, E), r = min(rank, n, E): the authors' vh[:rank], mean included
@@ -127,7 +132,7 @@ class HeadRole:
 @dataclass
 class RoleMap:
     """The role of every head of the analysed vision layers, which the mask is built from. Its
-    checks, JSON file and table are bookkeeping, written out in section 8."""
+    checks, JSON file and table are bookkeeping, written out in section 10."""
     vision_layers: int  # depth of the vision tower it was made for
     num_heads: int  # heads per layer of that tower
     attributes: List[str]  # the attribute tokens' names, in token order
@@ -157,7 +162,7 @@ class RoleMap:
 
     def validate(self, vision_layers: Optional[int] = None, num_heads: Optional[int] = None,
                  attributes: Optional[Sequence[str]] = None) -> None:
-        """Complete, consistent, and (when the sizes are given) fits the model (section 8)."""
+        """Complete, consistent, and (when the sizes are given) fits the model (section 10)."""
         validate_role_map(self, vision_layers, num_heads, attributes)
 
     def to_json(self) -> dict:
@@ -168,7 +173,7 @@ class RoleMap:
 
     @classmethod
     def load(cls, path: str) -> RoleMap:
-        """Read a role file; every problem is one DeARError line that names the file (section 8)."""
+        """Read a role file; each problem is one DeARError line that names the file (section 10)."""
         return load_role_map(path)
 
     def table(self) -> str:
@@ -176,13 +181,14 @@ class RoleMap:
         return role_table(self)
 
 
-# ---- 2. Concepts: the heads' picks clustered without labels (paper Sec. 3.2, METHOD.md Sec. 3) --
+# ---- 2. Concepts: the heads' picks clustered, or their labels (paper Sec. 3.2, METHOD.md Sec. 3) -
 # The paper labels no description: the picks of every analysed head are embedded by a sentence
 # encoder (SBERT in the paper; CLIP's own text tower by default here, our choice) and clustered
 # with HDBSCAN, and each cluster is a concept. A labelled bank's labels can stand in for the
 # clusters (concepts="labels"): the control that the toy laboratory measures the clusters against.
 # HDBSCAN itself is written out in clustering.py, a tool the method calls. Below, "concept source"
-# is "clusters" or "labels", and a head's "pick concepts" name the concept of each of its picks.
+# is "clusters" or "labels", and a head's "pick concepts" name the concept of each of its picks;
+# find_concepts, at the end of this section, gives them from either source, named, as one record.
 NOISE = "noise"  # the concept of a pick that HDBSCAN leaves in no cluster
 CENTRAL_SHOWN = 5  # phrases shown per cluster (its most central ones)
 
@@ -200,23 +206,12 @@ def default_min_cluster_size(num_picks: int) -> int:
     return max(2, num_picks)
 
 
-def hdbscan(points: torch.Tensor, min_cluster_size: int,
-            min_samples: Optional[int] = None) -> torch.Tensor:
-    """clustering.hdbscan, imported only here: (P, d) -> (P,) cluster ids, -1 = noise. Its
-    ClusteringError comes back as DeARError; without clustering.py, one line says what it needs."""
-    clustering = clustering_module()  # section 8
-    try:
-        return clustering.hdbscan(points, min_cluster_size, min_samples)
-    except clustering.ClusteringError as error:
-        raise DeARError(str(error)) from None
-
-
 def cluster_picks(texts: Sequence[str], embeddings: torch.Tensor, min_cluster_size: int,
                   min_samples: Optional[int] = None):
     """Distinct picked texts (P,) and their embeddings (P, d) -> (each text's concept, "cluster k"
     or NOISE; the clusters, named "other" until named; their unit means (clusters, d))."""
     points = F.normalize(embeddings.double(), dim=-1)  # (P, d), unit: Euclidean order = cosine's
-    ids = hdbscan(points, min_cluster_size, min_samples)  # (P,), -1 = noise
+    ids = hdbscan(points, min_cluster_size, min_samples)  # (P,), -1 = noise (section 10)
     clusters, centres = [], []
     for k in range(int(ids.max()) + 1 if len(ids) else 0):
         members = (ids == k).nonzero().flatten()  # (m,), the cluster's m picks
@@ -259,6 +254,42 @@ def name_by_anchors(centres: torch.Tensor, anchors: torch.Tensor,
     return names
 
 
+class Concepts(NamedTuple):
+    """The picks' concepts, from one source (find_concepts): what concept entropy and roles read."""
+    of: List[str]  # each distinct pick's concept: its label, "cluster k" or NOISE
+    names: Dict[str, str]  # each concept's name: a core attribute, or not (a label: itself)
+    count: int  # K, the concepts a pick can fall on: the bank's labels, or clusters + noise picks
+    clusters: List[Cluster]  # the clusters found, named (none for labels)
+
+
+def find_concepts(source: str, bank: Sequence[Description], picked: Sequence[int],
+                  attributes: Sequence[str], embed: Callable[[List[str]], torch.Tensor],
+                  min_cluster_size: int, min_samples: Optional[int] = None,
+                  cluster_names: Optional[Dict[int, str]] = None,
+                  log: Callable[[str], None] = print) -> Concepts:
+    """The concepts of the distinct picks (picked: (P,) bank indices). source "labels" (the
+    control): each pick's label, named by itself, K = the bank's distinct labels. "clusters" (the
+    paper's): HDBSCAN over the picks, embedded by embed (texts -> (P, d)); each cluster named by its
+    phrases' most common label in a labelled bank, else by the attribute whose name (embedded the
+    same way) is mutually nearest; cluster_names ({id: name}) overrides any; K = clusters + picks
+    in none (each a concept of its own)."""
+    if source == "labels":
+        labels = {entry.concept for entry in bank}
+        return Concepts([bank[i].concept for i in picked], {c: c for c in labels}, len(labels), [])
+    texts = [bank[i].text for i in picked]
+    found, clusters, centres = cluster_picks(texts, embed(texts), min_cluster_size, min_samples)
+    if all(bank[i].concept is not None for i in picked):  # a labelled bank: labels name them
+        names = name_by_labels(found, [bank[i].concept for i in picked], attributes)
+    else:  # without labels: the attributes' own names, in the same encoder's space
+        names = name_by_anchors(centres, embed(list(attributes)), attributes)  # anchors (A, d)
+    names.update({f"cluster {k}": name for k, name in (cluster_names or {}).items()})  # the user's
+    names[NOISE] = NOISE
+    for cluster in clusters:
+        cluster.name = names[f"cluster {cluster.id}"]
+    log(clusters_line(found, clusters, min_cluster_size))  # section 10
+    return Concepts(found, names, len(clusters) + found.count(NOISE), clusters)
+
+
 # ---- 3. Roles: entropy -> attribute / generalization / mixed (paper Sec. 3.2, METHOD.md Sec. 3) --
 # A head whose picks fall on one concept is a specialist (low entropy): an attribute head if that
 # concept is a core attribute. A head whose picks spread over many concepts is general (high
@@ -285,8 +316,9 @@ def dominant_concept(pick_concepts: Sequence[str]) -> str:
 def default_picks(bank: Sequence[Description], attributes: Sequence[str]) -> int:
     """Picks per head, the one default of it (our rule; METHOD.md Sec. 3). A labelled bank: the
     fewest values of a core attribute, as a pure specialist has nothing left to explain once its
-    values are picked (ours: 16). A pool without labels tells nothing of its values: the paper's
-    20."""
+    values are picked. The toy bank: colour 8, shape 6, texture 4, position 4 values -> 4 picks;
+    the project's bank: shape's 16 words are the fewest -> 16. A pool without labels tells
+    nothing of its values: the paper's 20."""
     bank = [Description(*entry) for entry in bank]
     if any(entry.concept is None for entry in bank):
         return PAPER_PICKS
@@ -303,7 +335,10 @@ def default_picks(bank: Sequence[Description], attributes: Sequence[str]) -> int
 
 def default_thresholds(num_picks: int, num_concepts: int):
     """(low_bits, high_bits), our rule (METHOD.md Sec. 3), in absolute bits: thirds of the
-    entropies that the picks of one head can take over these concepts."""
+    entropies that the picks of one head can take over these concepts. The toy: N = 4 picks over
+    K = 7 concepts spread over at most log2(4) = 2 bits, thirds 0.67 and 1.33; the floor raises
+    low to 0.81 (3 of 4 picks on one concept): 0.81 and 1.33 bits. The project's bank: N = 16,
+    K = 12 -> thirds of log2(12) = 3.58 bits, 1.19 and 2.39, the floor unused."""
     top = math.log2(max(1, min(num_picks, num_concepts)))  # the most bits: picks spread evenly
     low, high = top / 3, 2 * top / 3  # under a third: specialised; over two thirds: spread
     # The floor: a head with 3 of every 4 picks on one concept (0.81 bits) counts as specialised.
@@ -316,31 +351,21 @@ def default_thresholds(num_picks: int, num_concepts: int):
     return low, high
 
 
-def assign_roles(entropies: Sequence[float], concepts_per_head: Sequence[Sequence[str]],
-                 attributes: Sequence[str], low_bits: Optional[float] = None,
-                 high_bits: Optional[float] = None, num_concepts: Optional[int] = None,
-                 names: Optional[Dict[str, str]] = None):
-    """Heads -> ([(role, attribute or None)], low_bits, high_bits); the thresholds are
-    default_thresholds(picks, concepts) unless given (num_concepts: default the distinct concepts
-    the heads' picks name). H <= low: an attribute head for its dominant concept if that is
-    (names: is named) a core attribute, else (e.g. "style": no token) generalization; H >= high:
-    generalization; between: mixed."""
-    num_concepts = num_concepts or len({c for head in concepts_per_head for c in head})
-    low, high = default_thresholds(max(len(c) for c in concepts_per_head), num_concepts)
-    low_bits = low if low_bits is None else low_bits
-    high_bits = high if high_bits is None else high_bits
-    check_thresholds(low_bits, high_bits)  # section 8
+def assign_roles(entropies: Sequence[float], dominants: Sequence[str],
+                 attributes: Sequence[str], low_bits: float, high_bits: float):
+    """Heads -> [(role, attribute or None)]: each head's entropy and its dominant concept's name.
+    H <= low: an attribute head for that concept if it is a core attribute, else (e.g. "style":
+    no token) generalization; H >= high: generalization; between: mixed."""
+    check_thresholds(low_bits, high_bits)  # section 10
     roles = []
-    for entropy, pick_concepts in zip(entropies, concepts_per_head):
-        if entropy <= low_bits:
-            dominant = dominant_concept(pick_concepts)
-            name = (names or {}).get(dominant, dominant)
-            roles.append(("attribute", name) if name in attributes else ("generalization", None))
-        elif entropy >= high_bits:
+    for entropy, dominant in zip(entropies, dominants):
+        if entropy <= low_bits and dominant in attributes:
+            roles.append(("attribute", dominant))
+        elif entropy <= low_bits or entropy >= high_bits:  # a specialist with no token, or spread
             roles.append(("generalization", None))
         else:
             roles.append(("mixed", None))
-    return roles, low_bits, high_bits
+    return roles
 
 
 def analysed_layers(depth: int) -> int:
@@ -358,14 +383,6 @@ def encode_descriptions(clip: clip_model.CLIP, tokenizer: clip_model.SimpleToken
     return torch.cat([F.normalize(clip.encode_text(b.to(device)), dim=-1) for b in batches])
 
 
-def text_embeddings_of(texts: List[str], clip: clip_model.CLIP, tokenizer,
-                       embed_texts) -> torch.Tensor:
-    """Texts in the clustering's space: embed_texts' (checked), or CLIP's text tower's."""
-    if embed_texts is None:
-        return encode_descriptions(clip, tokenizer, texts).cpu()
-    return checked_embeddings(embed_texts, texts)  # section 8
-
-
 def normalised_contributions(clip: clip_model.CLIP, image_batches, num_layers: int,
                              log: Callable[[str], None]) -> torch.Tensor:
     """Each image's direct head contributions over its embedding's norm (TextSpan) ->
@@ -374,7 +391,7 @@ def normalised_contributions(clip: clip_model.CLIP, image_batches, num_layers: i
     device = clip.visual.conv1.weight.device
     batches = image_batches.split(64) if isinstance(image_batches, torch.Tensor) else image_batches
     for batch in batches:
-        check_image_batch(batch)  # section 8
+        check_image_batch(batch)  # section 10
         parts = clip_model.head_contributions(clip, batch.to(device), num_layers)
         norms = parts.total().norm(dim=-1)[:, None, None, None]  # (B, 1, 1, 1)
         per_image.append((parts.heads / norms).cpu())  # (B, L_a, H, E)
@@ -402,8 +419,9 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
     head of the last L_a layers: its direct contributions (over each embedding's norm, as
     TextSpan does) and TextSpan's picks; then the concepts (concepts="clusters": the picks
     clustered, embedded by embed_texts, default CLIP's text tower; "labels": the bank's; default:
-    default_concepts(bank)), each head's concept entropy and role. cluster_names: {cluster id:
-    name} overrides the names the clusters are given."""
+    default_concepts(bank); find_concepts), each head's concept entropy and role (low_bits,
+    high_bits: default default_thresholds). cluster_names: {cluster id: name} overrides the names
+    the clusters are given."""
     bank = [Description(*entry) for entry in bank] if bank is not None else description_bank()
     source = default_concepts(bank) if concepts is None else concepts  # "clusters" or "labels"
     check_concepts(source, bank)
@@ -429,53 +447,37 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
                                   rank))
         log(f"  head analysis: layer {first + li + 1} (index {first + li}) done")
 
-    # 2. The concepts: each distinct picked phrase's (a phrase picked by several heads counts
-    #    once), from the clusters of all heads' picks or from the bank's labels.
+    # 2. The concepts of the distinct picks (a phrase picked by several heads counts once), from
+    #    the bank's labels or from the clusters of all heads' picks, named.
     picked = list(dict.fromkeys(i for head_picks in picks for i in head_picks))  # (P,), in order
-    clusters, names = [], None
-    if source == "labels":
-        concept_of = {i: bank[i].concept for i in picked}
-        num_concepts = len({entry.concept for entry in bank})
-    else:
-        picked_texts = [bank[i].text for i in picked]
-        if embed_texts is None:
-            embedded = bank_embeddings[picked]  # (P, E)
-        else:
-            embedded = checked_embeddings(embed_texts, picked_texts)  # (P, d)
-        size = min_cluster_size
-        if size is None:
-            size = default_min_cluster_size(num_descriptions)
-        found, clusters, centres = cluster_picks(picked_texts, embedded, size, min_samples)
-        concept_of = dict(zip(picked, found))
-        if all(bank[i].concept is not None for i in picked):  # a labelled bank: labels name them
-            names = name_by_labels(found, [bank[i].concept for i in picked], attributes)
-        else:  # without labels: the attributes' own names, in the same encoder's space
-            anchors = text_embeddings_of(list(attributes), clip, tokenizer, embed_texts)  # (A, d)
-            names = name_by_anchors(centres, anchors, attributes)
-        for k, name in (cluster_names or {}).items():  # the user's word wins
-            names[f"cluster {k}"] = name
-        for cluster in clusters:
-            cluster.name = names[f"cluster {cluster.id}"]
-        num_concepts = len(clusters) + found.count(NOISE)  # each unclustered pick: its own concept
-        named = ", ".join(f"{c.id} {c.name} ({c.size})" for c in clusters)
-        log(f"  head analysis: {len(picked)} distinct picks in {len(clusters)} clusters "
-            f"({found.count(NOISE)} in none; HDBSCAN min_cluster_size {size})"
-            + (f": {named}" if clusters else "; with no cluster, every pick is a concept of its "
-               "own and no head is specialised"))
+    known = {entry.text: row for entry, row in zip(bank, bank_embeddings)}  # CLIP's, made above
 
-    # 3. Each head's concept entropy, then its role.
-    analysed = []
-    for index, head_picks in enumerate(picks):
-        pick_concepts = [concept_of[i] for i in head_picks]
-        analysed.append(HeadRole(first + index // H, index % H, "mixed", None,
-                                 concept_entropy(pick_concepts),
-                                 [bank[i].text for i in head_picks], pick_concepts))
-    roles, low, high = assign_roles([h.entropy for h in analysed], [h.concepts for h in analysed],
-                                    attributes, low_bits, high_bits, num_concepts, names)
-    for entry, (role, attribute) in zip(analysed, roles):
-        entry.role, entry.attribute = role, attribute
-    return RoleMap(depth, H, list(attributes), analysed, low, high, concepts=source,
-                   clusters=clusters)
+    def embed(texts: List[str]) -> torch.Tensor:  # (len(texts), d): the clustering's space
+        if embed_texts is not None:
+            return checked_embeddings(embed_texts, texts)  # section 10
+        if all(text in known for text in texts):  # the picks: their rows, encoded once
+            return torch.stack([known[text] for text in texts])
+        return encode_descriptions(clip, tokenizer, texts).cpu()  # the attributes' names
+
+    if min_cluster_size is None:
+        min_cluster_size = default_min_cluster_size(num_descriptions)
+    found = find_concepts(source, bank, picked, attributes, embed, min_cluster_size, min_samples,
+                          cluster_names, log)
+    concept_of = dict(zip(picked, found.of))
+
+    # 3. Each head's concept entropy and dominant concept's name, then its role.
+    default_low, default_high = default_thresholds(num_descriptions, found.count)
+    low = default_low if low_bits is None else low_bits
+    high = default_high if high_bits is None else high_bits
+    head_concepts = [[concept_of[i] for i in head_picks] for head_picks in picks]
+    entropies = [concept_entropy(c) for c in head_concepts]
+    dominants = [found.names[dominant_concept(c)] for c in head_concepts]
+    roles = assign_roles(entropies, dominants, attributes, low, high)
+    heads = [HeadRole(first + k // H, k % H, role, attribute, entropies[k],
+                      [bank[i].text for i in picks[k]], head_concepts[k])
+             for k, (role, attribute) in enumerate(roles)]
+    return RoleMap(depth, H, list(attributes), heads, low, high, concepts=source,
+                   clusters=found.clusters)
 
 
 # ---- 4. The role-based attention mask (paper Sec. 3.3, METHOD.md Sec. 4) -------------------------
@@ -533,24 +535,13 @@ def blind_attributes(role_masks: torch.Tensor, num_image_tokens: int,
     return [a for a, can_read in zip(attributes, readable) if not can_read]
 
 
-def generalization_mask_only(role_map: RoleMap) -> RoleMap:
-    """The paper's ablation "the mask on the generalization heads only": every attribute head made
-    mixed, so every token reads the image through it. What the analysis measured stays; a map
-    made so has no attribute head, so its DeAR is built with class_branch_fallback=False."""
-    heads = [HeadRole(h.layer, h.head, "mixed" if h.role == "attribute" else h.role,
-                      entropy=h.entropy, descriptions=h.descriptions, concepts=h.concepts)
-             for h in role_map.heads]
-    return RoleMap(role_map.vision_layers, role_map.num_heads, list(role_map.attributes), heads,
-                   source=f"{role_map.source}; attribute heads made mixed")
-
-
 # ---- 5. The model (paper Sec. 3.3-3.4, METHOD.md Sec. 4) -----------------------------------------
 # DeAR is frozen CLIP plus learnable tokens from layer J on: in the vision tower A attribute tokens
 # follow the image's N tokens, each head under its role mask (section 4); in the text tower K tokens
 # follow the start token. Each branch (the class token, each attribute token) scores the classes
 # by cosine with the prompts' features; the fused logits weigh the branches by alpha = softmax of
 # learnable logits (paper Eq. 6-7). First what DeAR's constructor reads (J, which branches enter
-# the fusion, alpha's start), then the token construction, then the model and its scoring rule.
+# the fusion, alpha's start), then the default token construction, then the model.
 def default_first_layer(depth: int) -> int:
     """The paper's J (1-based), the one default of it: the first analysed layer (9 of 12 for
     ViT-B/16); train.py's --first-layer auto is this."""
@@ -574,82 +565,54 @@ def branches_in_fusion(attributes: List[str], blind: List[str], class_branch_onl
                        first_layer: int) -> torch.Tensor:
     """(1 + A,) bool: the class branch, and the attribute branches that can read the image (none on
     the fallback to the class branch, our choice: METHOD.md Sec. 3); warns of what is left out."""
+    warn_left_out(blind, class_branch_only, first_layer)  # section 10
     left_out = attributes if class_branch_only else blind
-    if class_branch_only:
-        warnings.warn("DeAR: the head analysis names no attribute head (no head is specialised "
-                      "enough); falling back to the class branch alone "
-                      "(the attribute branches leave the fusion)")
-    elif blind:
-        plural = "s" if len(blind) > 1 else ""
-        warnings.warn(f"DeAR: no head from layer J={first_layer} lets the {', '.join(blind)} "
-                      f"token{plural} read the image; left out of the fusion (a per-class bias)")
     return torch.tensor([True] + [a not in left_out for a in attributes])
 
 
-# The token construction (METHOD.md Sec. 4): where each layer's fresh tokens p_l come from.
-#   separate (default, ours): every layer from J and each tower has its own learnable tokens, in
-#     its own width (DeAR.vision_tokens (L_v, A, W_v), DeAR.text_tokens (L_t, K, W_t)); the
-#     attribute tokens' projection is a learnable copy of proj.
-#   shared (MMRL++, yunncheng/MMRL trainers/mmrlpp.py and clip/model_mmrlpp.py): one set of K = A
-#     latent tokens of width R (the text tower's, 512 on ViT-B/16), mapped into each token layer of
-#     both towers by that tower's TowerAligner; the projection is proj, frozen, plus a learnable
-#     low-rank residual. The same tokens enter both towers.
-# Either way DeAR gets (L_v, A, W_v) and (L_t, K, W_t) tokens, mixed by beta, masked the same way.
+# The token construction (METHOD.md Sec. 4): where each layer's fresh tokens p_l come from. The
+# default, SeparateTokens below: each layer from J and each tower its own tokens. MMRL++'s,
+# SharedTokens (section 9): one set of latent tokens mapped into both towers. Either gives DeAR
+# each layer's vision tokens (L_v, A, W_v), text tokens (L_t, K, W_t) and the attribute tokens'
+# projection (W_v, E), which DeAR reads the same way.
 def default_text_tokens(tokens: str, num_attributes: int) -> int:
-    """K, the one default of it: 4 under "separate" (our choice); A under "shared", whose text
-    tower receives the vision tower's own latent tokens (MMRL++)."""
+    """K, the one rule of it: 4 under "separate" (our choice); under "shared" the text tower
+    receives the vision tower's latent tokens, one per attribute token, so K = A (MMRL++). A row
+    without attribute tokens (the no-attribute-tokens ablation) keeps its full row's K, the text
+    tokens still learning: train.py resolves K once per call from the world's A, before any
+    ablation; DeAR under "shared" with A = 0 takes that K as num_text_tokens (unset: refused)."""
     return TEXT_TOKENS if tokens == "separate" else num_attributes
 
 
-class TowerAligner(nn.Module):
-    """tokens="shared": one tower's map of the latent tokens into its L token layers (L_v or L_t,
-    the tower's layers from J on), MMRL++'s
-    Shared_Residual_Representation_Aligner (trainers/mmrlpp.py, one Residual_Aligner per layer):
-        p_l = z (W + a_l b_l)^T + bias_l
-    z (K, R) the latent tokens; W (W_tower, R) one linear map for every layer (torch's nn.Linear
-    initialisation, learned); a_l (W_tower, r) Kaiming-uniform and b_l (r, R) zero, layer l's
-    rank-r residual, so every layer starts from the same map; bias_l (W_tower,) each layer's own,
-    all starting from the linear's bias."""
+class SeparateTokens(nn.Module):
+    """tokens="separate" (the default, our choice): each layer from J and each tower its own tokens
+    in that tower's width (normal, std 0.02), and the attribute tokens' own projection, a learnable
+    copy of proj. vision: (L_v, A, W_v), text: (L_t, K, W_t), proj: CLIP's (W_v, E)."""
 
-    def __init__(self, latent_width: int, width: int, layers: int, rank: int):
+    def __init__(self, *, vision: Sequence[int], text: Sequence[int], proj: torch.Tensor):
         super().__init__()
-        linear = nn.Linear(latent_width, width)  # MMRL++'s fresh nn.Linear: its random start
-        self.weight = nn.Parameter(linear.weight.detach().clone())  # (W, R), shared by the layers
-        self.bias = nn.Parameter(linear.bias.detach().repeat(layers, 1))  # (L, W), a copy each
-        self.a = nn.Parameter(torch.empty(layers, width, rank))  # (L, W, r)
-        for a_l in self.a.data:  # Residual_Aligner's A: kaiming_uniform_(a=sqrt(5)) over fan-in r
-            nn.init.kaiming_uniform_(a_l, a=math.sqrt(5))
-        self.b = nn.Parameter(torch.zeros(layers, rank, latent_width))  # (L, r, R): B = 0
+        self.vision_tokens = nn.Parameter(torch.randn(*vision) * 0.02)  # (L_v, A, W_v)
+        self.text_tokens = nn.Parameter(torch.randn(*text) * 0.02)  # (L_t, K, W_t)
+        self.attribute_proj = nn.Parameter(proj.detach().clone())  # (W_v, E), starts as proj
 
-    def forward(self, latent: torch.Tensor) -> torch.Tensor:
-        """latent (K, R) -> every layer's tokens (L, K, W)."""
-        shared = latent @ self.weight.T  # (K, W): the map all layers share
-        low = torch.einsum("kr,lqr->lkq", latent, self.b)  # (L, K, r): z b_l^T
-        residual = torch.einsum("lkq,lwq->lkw", low, self.a)  # (L, K, W): z b_l^T a_l^T
-        return shared + residual + self.bias[:, None]  # (L, K, W)
+    def vision_layer_tokens(self) -> torch.Tensor:
+        """p_l, the fresh tokens of each vision layer from J on: (L_v, A, W_v)."""
+        return self.vision_tokens
 
+    def text_layer_tokens(self) -> torch.Tensor:
+        """p_l, the fresh tokens of each text layer from J on: (L_t, K, W_t)."""
+        return self.text_tokens
 
-class LowRankResidual(nn.Module):
-    """tokens="shared": the attribute projection's learnable part, a b with a (W_v, r)
-    Kaiming-uniform and b (r, E) zero (MMRL++'s VisionTransformer.A, .B in clip/model_mmrlpp.py:
-    proj + A @ B), so the projection starts as proj itself."""
-
-    def __init__(self, rows: int, cols: int, rank: int):
-        super().__init__()
-        self.a = nn.Parameter(torch.empty(rows, rank))  # (W_v, r)
-        nn.init.kaiming_uniform_(self.a, a=math.sqrt(5))
-        self.b = nn.Parameter(torch.zeros(rank, cols))  # (r, E)
-
-    def forward(self) -> torch.Tensor:
-        return self.a @ self.b  # (W_v, E)
+    def attribute_projection(self, proj: torch.Tensor) -> torch.Tensor:
+        """(W_v, E): the attribute tokens' own projection (CLIP's frozen proj is not read)."""
+        return self.attribute_proj
 
 
 def cosine_logits(features: torch.Tensor, text_features: torch.Tensor,
                   scale: torch.Tensor) -> torch.Tensor:
     """(..., E) image features, (C, E) text features -> s * cos, (..., C), in fp32 with autocast
-    off: the scores that decide a prediction or enter a loss are never rounded to bf16, where a
-    logit between 16 and 32 moves in steps of 0.125 and two close classes swap (the encoders
-    before it may run under autocast; METHOD.md Sec. 5)."""
+    off, whatever the encoders ran in: in bf16 a logit between 16 and 32 moves in steps of 0.125
+    and two close classes swap (METHOD.md Sec. 5)."""
     with torch.autocast(features.device.type, enabled=False):
         image = F.normalize(features.float(), dim=-1)  # (..., E)
         text = F.normalize(text_features.float(), dim=-1)  # (C, E)
@@ -675,33 +638,19 @@ class DeAROutput:
 
 
 class DeAR(nn.Module):
-    """Frozen CLIP (in place, no copy) + the learnable pieces; attributes default to the map's, J to
-    the first analysed layer (L_v, L_t: each tower's layers from J on). tokens="separate" (default):
-      vision_tokens   (L_v, A, W_v)  one token per attribute, fresh at each layer (MMRL++ beta rule)
-      text_tokens     (L_t, K, W_t)  K tokens inserted after the start token
-      attribute_proj  (W_v, E)     attribute tokens -> embedding, init = visual.proj
-    tokens="shared" (MMRL++'s space; K = A, R = latent_width, default W_t):
-      latent_tokens            (K, R)  one token per attribute, for both towers
-      vision_aligner           TowerAligner: latent -> (L_v, A, W_v), each layer's tokens
-      text_aligner             TowerAligner: latent -> (L_t, K, W_t)
-      attribute_proj_residual  LowRankResidual: the projection is visual.proj (frozen) + a b
-    and either way
-      fusion_logits   (1 + A,)     alpha = softmax over the class branch and those reading the image
-    Nothing before J learns: it runs without autograd, shared with the frozen pass, and once per
-    class list on the text side (test_dear_reference.py checks these shortcuts). No attribute
-    tokens (A = 0, the no-attribute-tokens ablation), a map with none and no mask:
-    DeAR(clip, RoleMap.uniform("mixed", depth, H, layers, attributes=[])) (as runs.ablate makes
-    it; a map with attributes refuses attributes=[]): frozen CLIP's image feature, the
-    text tokens, alpha = (1,); under "shared" no vision aligner and no projection residual, the K
-    latent tokens reach the text tower alone. num_text_tokens: K, default default_text_tokens.
-    beta = 0.5 is the toy world's, the library's choice for a small model; train.py passes the
-    recipe's (MMRL++'s 0.9 and its per-dataset values, METHOD.md Sec. 7).
-    class_branch_fallback=False keeps every branch of a measured map without attribute heads
-    (falls_back_to_class_branch): a map made so on purpose (generalization_mask_only)."""
-    # The learnable components of each construction: a tensor, or a module whose tensors all learn.
-    LEARNABLE = {"separate": ("vision_tokens", "text_tokens", "attribute_proj", "fusion_logits"),
-                 "shared": ("latent_tokens", "vision_aligner", "text_aligner",
-                            "attribute_proj_residual", "fusion_logits")}
+    """Frozen CLIP (in place, no copy) + learnable tokens from layer J on (paper Sec. 3.3-3.4);
+    attributes default to the map's, J to the first analysed layer. Learnable:
+      tokens         the token construction (tokens="separate": SeparateTokens, the default;
+                     "shared": MMRL++'s SharedTokens, section 9): each layer's vision tokens
+                     (L_v, A, W_v), text tokens (L_t, K, W_t) and the attribute projection (W_v, E)
+      fusion_logits  (1 + A,): alpha = softmax over the class branch and those reading the image
+    num_text_tokens: K, default default_text_tokens. beta = 0.5 is the library's choice for a
+    small model; train.py passes the recipe's (MMRL++'s 0.9 and its per-dataset values, METHOD.md
+    Sec. 7). class_branch_fallback=False keeps every branch of a measured map without attribute
+    heads, one made so on purpose (ablate's mask-generalization-only). Without attribute tokens
+    (A = 0, ablate's no-attribute-tokens): frozen CLIP's image feature, the text tokens, alpha =
+    (1,). Nothing before J learns: it runs without autograd, shared with the frozen pass, and once
+    per class list on the text side (test_dear_reference.py checks these shortcuts)."""
 
     def __init__(self, clip: clip_model.CLIP, role_map: RoleMap,
                  attributes: Optional[Sequence[str]] = None, first_layer: Optional[int] = None,
@@ -717,26 +666,19 @@ class DeAR(nn.Module):
         if num_text_tokens is None:
             num_text_tokens = default_text_tokens(tokens, len(attributes))
         self.clip = clip.eval().requires_grad_(False)  # frozen: only the tensors below learn
-        self.role_map, self.attributes, self.tokens = role_map, attributes, tokens
+        self.role_map, self.attributes, self.construction = role_map, attributes, tokens
         self.first_layer, self.beta, self.num_text_tokens = first_layer, beta, num_text_tokens
         L_v = depth - first_layer + 1  # vision layers from J on
         L_t = len(clip.transformer.resblocks) - first_layer + 1  # text layers from J on
         A, K = len(attributes), num_text_tokens
         W_v, W_t = clip.visual.transformer.width, clip.transformer.width
-        E = clip.visual.proj.shape[1]
 
-        # The learnable tensors (paper Sec. 3.3-3.4): each layer's tokens, the attribute
-        # projection, the fusion weights.
-        if tokens == "separate":  # each layer and tower its own tokens, in its own width
-            self.vision_tokens = nn.Parameter(torch.randn(L_v, A, W_v) * 0.02)
-            self.text_tokens = nn.Parameter(torch.randn(L_t, K, W_t) * 0.02)
-            self.attribute_proj = nn.Parameter(clip.visual.proj.detach().clone())  # (W_v, E)
-        else:  # MMRL++: one set of latent tokens (normal, std 0.02), mapped into both towers
-            R, r = W_t if latent_width is None else latent_width, SHARED_RESIDUAL_RANK
-            self.latent_tokens = nn.Parameter(torch.randn(K, R) * 0.02)  # (K, R), K = A
-            self.vision_aligner = TowerAligner(R, W_v, L_v, r) if A else None
-            self.text_aligner = TowerAligner(R, W_t, L_t, r)
-            self.attribute_proj_residual = LowRankResidual(W_v, E, SHARED_PROJ_RANK) if A else None
+        # The learnable tensors (paper Sec. 3.3-3.4): the tokens, their projection, the fusion.
+        sizes = dict(vision=(L_v, A, W_v), text=(L_t, K, W_t), proj=clip.visual.proj)
+        if tokens == "separate":
+            self.tokens = SeparateTokens(**sizes)
+        else:  # MMRL++'s latent tokens, mapped into both towers (section 9)
+            self.tokens = SharedTokens(**sizes, latent_width=latent_width)
         self.fusion_logits = nn.Parameter(initial_fusion_logits(cls_fusion_weight, A))  # (1 + A,)
 
         # Each head's role mask from J on (paper Sec. 3.3), built once from the role map.
@@ -752,43 +694,13 @@ class DeAR(nn.Module):
         self.register_buffer("in_fusion", in_fusion, persistent=False)  # (1 + A,) bool
 
     def learnable_tensors(self) -> Dict[str, nn.Parameter]:
-        """{name: tensor} of everything that learns (a component's own tensors as component.name);
-        under "separate" the four names of LEARNABLE["separate"], as checkpoints hold them."""
-        tensors = {}
-        for component in self.LEARNABLE[self.tokens]:
-            part = getattr(self, component)
-            if isinstance(part, nn.Parameter):
-                tensors[component] = part
-            elif part is not None:  # a module; None: not built (shared, A = 0)
-                tensors.update({f"{component}.{n}": p for n, p in part.named_parameters()})
-        return tensors
+        """{name: tensor} of everything that learns, as checkpoints hold them: the construction's
+        (separate: vision_tokens, text_tokens, attribute_proj; shared: latent_tokens, then each
+        module's as vision_aligner.weight, ...), then fusion_logits."""
+        return {**dict(self.tokens.named_parameters()), "fusion_logits": self.fusion_logits}
 
     def learnable_parameters(self) -> List[nn.Parameter]:
         return list(self.learnable_tensors().values())
-
-    def vision_layer_tokens(self) -> torch.Tensor:
-        """p_l, the fresh tokens of each vision layer from J on: (L_v, A, W_v)."""
-        if self.tokens == "separate":
-            return self.vision_tokens
-        if self.vision_aligner is None:  # shared, A = 0: no vision token
-            L_v, W_v = len(self.role_masks), self.clip.visual.transformer.width
-            return self.latent_tokens.new_zeros(L_v, 0, W_v)
-        return self.vision_aligner(self.latent_tokens)
-
-    def text_layer_tokens(self) -> torch.Tensor:
-        """p_l, the fresh tokens of each text layer from J on: (L_t, K, W_t)."""
-        if self.tokens == "separate":
-            return self.text_tokens
-        return self.text_aligner(self.latent_tokens)
-
-    def attribute_projection(self) -> torch.Tensor:
-        """(W_v, E), the attribute tokens' projection: learnable (separate), or proj frozen plus the
-        learnable residual (shared; MMRL++'s proj + A @ B)."""
-        if self.tokens == "separate":
-            return self.attribute_proj
-        proj = self.clip.visual.proj
-        residual = self.attribute_proj_residual
-        return proj if residual is None else proj + residual()
 
     def fusion_weights(self) -> torch.Tensor:
         """alpha = softmax(w) over the branches in the fusion, (1 + A,); alpha[0]: the class's."""
@@ -811,7 +723,7 @@ class DeAR(nn.Module):
                     plain = block(plain)
                 frozen = visual.to_embedding(plain[:, 0])  # (B, E)
         B, N, _ = x.shape
-        tokens, layer_tokens = None, self.vision_layer_tokens()  # (B, A, W_v); (L_v, A, W_v)
+        tokens, layer_tokens = None, self.tokens.vision_layer_tokens()  # (B, A, W_v); (L_v, A, W_v)
         for i, block in enumerate(after):
             fresh = layer_tokens[i].to(x.dtype).expand(B, -1, -1)  # (B, A, W_v)
             # MMRL++ rule: tokens entering layer l = beta * p_l + (1 - beta) * out_{l-1}.
@@ -820,7 +732,7 @@ class DeAR(nn.Module):
             sequence = block(sequence, self.role_masks[i])  # masked per head
             x, tokens = sequence[:, :N], sequence[:, N:]
         f_cls = visual.to_embedding(x[:, 0])  # (B, E): CLS through ln_post and the frozen proj
-        f_attr = visual.ln_post(tokens) @ self.attribute_projection()  # (B, A, E)
+        f_attr = visual.ln_post(tokens) @ self.tokens.attribute_projection(visual.proj)  # (B, A, E)
         return f_cls, f_attr, frozen
 
     @torch.no_grad()
@@ -849,7 +761,7 @@ class DeAR(nn.Module):
         C = len(x)
         mask = clip_model.causal_mask(x.shape[1] + K, x.device, x.dtype)  # (N + K, N + K)
         after = self.clip.transformer.resblocks[self.first_layer - 1:]
-        layer_tokens = self.text_layer_tokens()  # (L_t, K, W_t)
+        layer_tokens = self.tokens.text_layer_tokens()  # (L_t, K, W_t)
         fresh = layer_tokens[0].to(x.dtype).expand(C, -1, -1)  # (C, K, W_t)
         x = torch.cat([x[:, :1], fresh, x[:, 1:]], dim=1)  # (C, N + K, W_t): inserted at J
         for i, block in enumerate(after):
@@ -882,10 +794,10 @@ class DeAR(nn.Module):
         branch_logits = cosine_logits(features, text_features, scale)  # (B, 1 + A, C), fp32
         with torch.autocast(branch_logits.device.type, enabled=False):
             alpha = self.fusion_weights().float()  # (1 + A,)
-            fused = torch.einsum("bkc,k->bc", branch_logits, alpha)  # k: the branch
+            fused = torch.einsum("bac,a->bc", branch_logits, alpha)  # a: the 1 + A branches
         return fused, branch_logits
 
-    # Bookkeeping (section 8): the checkpoint's tensors and the parameter counts.
+    # Bookkeeping (section 10): the checkpoint's tensors and the parameter counts.
     def learnable_state_dict(self) -> dict:
         """Only what training changes; a checkpoint needs nothing else (CLIP is frozen)."""
         return {name: t.detach().cpu().clone() for name, t in self.learnable_tensors().items()}
@@ -894,27 +806,13 @@ class DeAR(nn.Module):
         load_learnable_tensors(self, state)
 
     def parameter_counts(self) -> Dict[str, int]:
-        """{component of LEARNABLE: its learnable parameters}, e.g. on ViT-B/16 at J = 9 under
+        """{component: its learnable parameters}, e.g. on ViT-B/16 at J = 9 under
         "shared": latent_tokens 2,560, vision_aligner 416,768, text_aligner 280,576,
         attribute_proj_residual 81,920, fusion_logits 6."""
         return component_parameter_counts(self)
 
     def parameter_summary(self) -> str:
         return parameter_summary(self)
-
-
-def scoring_logits(fusion: str, trained: bool) -> str:
-    """Which of DeAR's logits score a test set, "fused" or "class" (the class branch alone), under
-    each fusion rule (METHOD.md Sec. 5: the paper does not say which its tables use).
-    trained: the test classes are the trained ones, in the trained domain (a base split).
-      fused-everywhere: the fused logits on every test set (weights learned on the trained classes);
-      class-on-unseen:  fused where trained, the class branch alone on classes not trained (novel
-                        classes, other datasets, variants): MMRL's code."""
-    if fusion == "fused-everywhere":
-        return "fused"
-    if fusion == "class-on-unseen":
-        return "fused" if trained else "class"
-    raise DeARError(f"fusion={fusion!r}: use fused-everywhere or class-on-unseen")
 
 
 # ---- 6. The losses (paper Sec. 3.4, METHOD.md Sec. 5) --------------------------------------------
@@ -969,7 +867,98 @@ def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0,
     return losses
 
 
-# ---- 7. Attribute-conditioned retrieval (the paper's check that a token carries its attribute) --
+# ---- 7. The paper's ablations (its "Ablation Study"; METHOD.md Sec. 5) ---------------------------
+# Each ablation is the DeAR row with one change, made in ablate and nowhere else: what DeAR is
+# built from (role map, attribute tokens, the fallback) and what dear_loss reads (lambda_fusion,
+# branch_ce). branch-ce is ours, not the paper's, for the retrieval diagnosis (docs/TOYWORLD.md).
+ABLATIONS = {  # name -> what train.py's --ablations help says of it
+    "no-role-mask": "every head mixed: the tokens reach every head (the row of --roles all-mixed)",
+    "no-attribute-tokens": "no attribute token: the class branch and the text tokens alone",
+    "no-fusion-reg": "lambda_fusion = 0: nothing holds the fusion to the class branch",
+    "mask-generalization-only": "the analysed map with its attribute heads made mixed",
+    "branch-ce": "NOT the paper's loss: + MMRL's 0.7 CE(class) + 0.3 CE(attribute branches)",
+}
+
+
+class Ablated(NamedTuple):
+    """What one DeAR run is built and trained from, after its ablation's change (if any)."""
+    role_map: RoleMap  # DeAR's role map
+    attributes: List[str]  # DeAR's attribute tokens, one each
+    class_branch_fallback: bool  # DeAR's: a measured map without attribute heads -> class branch
+    lambda_fusion: float  # dear_loss's weight of the fusion regularisation
+    branch_ce: bool  # dear_loss's: + MMRL's CE per branch
+
+
+def generalization_mask_only(role_map: RoleMap) -> RoleMap:
+    """The paper's "mask on the generalization heads only": every attribute head made mixed, so
+    every token reads the image through it. Only the roles and the source change: each head's
+    entropy, picks and their concepts, the thresholds, the concept source and the clusters stay as
+    measured. Such a map has no attribute head on purpose: build its DeAR with
+    class_branch_fallback=False (ablate does)."""
+    heads = [replace(h, role="mixed", attribute=None) if h.role == "attribute" else replace(h)
+             for h in role_map.heads]
+    return replace(role_map, attributes=list(role_map.attributes), heads=heads,
+                   clusters=list(role_map.clusters),
+                   source=f"{role_map.source}; attribute heads made mixed")
+
+
+def ablate(name: Optional[str], role_map: RoleMap, attributes: List[str],
+           lambda_fusion: float) -> Ablated:
+    """The one change of ablation `name` (None: none) to the DeAR row's role map, attribute tokens
+    and loss -> Ablated; DeAR is built and dear_loss called from it, nothing else switches.
+
+      name                      the one change                                  where it acts
+      no-role-mask              every head of the analysed layers mixed         role map (the
+                                (deep prompting, no mask)                       all-mixed row)
+      no-attribute-tokens       A = 0: no attribute token; a uniform mixed      DeAR(attributes),
+                                map over the same layers (DeAR refuses a map    role map
+                                with attributes that A = 0 cannot hold); the
+                                text tokens stay (K: default_text_tokens)
+      no-fusion-reg             lambda_fusion = 0                               dear_loss
+      mask-generalization-only  the analysed map with its attribute heads       role map,
+                                made mixed (generalization_mask_only); DeAR     DeAR(class_branch_
+                                without the fallback: the map has no            fallback=False)
+                                attribute head on purpose
+      branch-ce                 + MMRL's 0.7 CE(class) + 0.3 CE(attribute       dear_loss(branch_ce)
+                                branches), not the paper's loss
+    """
+    def uniform_mixed(attributes: List[str]) -> RoleMap:  # over the map's own layers
+        return RoleMap.uniform("mixed", role_map.vision_layers, role_map.num_heads,
+                               role_map.layers, attributes)
+
+    change = Ablated(role_map, list(attributes), True, lambda_fusion, False)
+    if name is None:
+        return change
+    if name == "no-role-mask":
+        return change._replace(role_map=uniform_mixed(list(attributes)))
+    if name == "no-attribute-tokens":
+        return change._replace(role_map=uniform_mixed([]), attributes=[])
+    if name == "no-fusion-reg":
+        return change._replace(lambda_fusion=0.0)
+    if name == "mask-generalization-only":
+        return change._replace(role_map=generalization_mask_only(role_map),
+                               class_branch_fallback=False)
+    if name == "branch-ce":
+        return change._replace(branch_ce=True)
+    raise DeARError(f"ablation {name!r}: use one of {', '.join(ABLATIONS)}")
+
+
+# ---- 8. At test time: the logits that score a test set (METHOD.md Sec. 5); retrieval -------------
+def scoring_logits(fusion: str, trained: bool) -> str:
+    """Which of DeAR's logits score a test set, "fused" or "class" (the class branch alone), under
+    each fusion rule (METHOD.md Sec. 5: the paper does not say which its tables use).
+    trained: the test classes are the trained ones, in the trained domain (a base split).
+      fused-everywhere: the fused logits on every test set (weights learned on the trained classes);
+      class-on-unseen:  fused where trained, the class branch alone on classes not trained (novel
+                        classes, other datasets, variants): MMRL's code."""
+    if fusion == "fused-everywhere":
+        return "fused"
+    if fusion == "class-on-unseen":
+        return "fused" if trained else "class"
+    raise DeARError(f"fusion={fusion!r}: use fused-everywhere or class-on-unseen")
+
+
+# The paper's check that a token carries its attribute: rank images by one token's feature.
 @torch.no_grad()
 def retrieval_features(model: DeAR, images: torch.Tensor) -> dict:
     """images (B, 3, R, R) -> {"class", each attribute but the blind, "frozen CLIP": (B, E)},
@@ -1000,7 +989,93 @@ def precision_at_k(ranking: torch.Tensor, query_values: Sequence,
     return sum(hits) / len(hits)
 
 
-# ---- 8. Bookkeeping, not the method: its argument checks; RoleMap's checks, JSON file and table;
+# ---- 9. The other token construction: MMRL++'s shared space (tokens="shared", METHOD.md Sec. 4) --
+# MMRL++ (yunncheng/MMRL trainers/mmrlpp.py, clip/model_mmrlpp.py; configs/trainers/MMRLpp/
+# vit_b16.yaml) learns one set of latent tokens and maps it into the token layers of both towers.
+# SharedTokens gives DeAR what SeparateTokens (section 5) gives, so DeAR reads both the same way.
+class TowerAligner(nn.Module):
+    """One tower's map of the latent tokens into its L token layers (L_v or L_t, the tower's layers
+    from J on; W its width, W_v or W_t), MMRL++'s Shared_Residual_Representation_Aligner (one
+    Residual_Aligner per layer):  p_l = z (M + a_l b_l)^T + c_l.
+    z (K, W_z) the latent tokens; M (W, W_z) one linear map for every layer (torch's nn.Linear
+    initialisation, learned); a_l (W, Q) Kaiming-uniform and b_l (Q, W_z) zero, layer l's rank-Q
+    residual, so every layer starts from the same map; c_l (W,) each layer's own bias, all starting
+    from the linear's."""
+
+    def __init__(self, latent_width: int, width: int, layers: int, rank: int):
+        super().__init__()
+        linear = nn.Linear(latent_width, width)  # MMRL++'s fresh nn.Linear: its random start
+        self.weight = nn.Parameter(linear.weight.detach().clone())  # (W, W_z): M, shared by layers
+        self.bias = nn.Parameter(linear.bias.detach().repeat(layers, 1))  # (L, W): a copy each
+        self.a = nn.Parameter(torch.empty(layers, width, rank))  # (L, W, Q)
+        for a_l in self.a.data:  # Residual_Aligner's A: kaiming_uniform_(a=sqrt(5)) over fan-in Q
+            nn.init.kaiming_uniform_(a_l, a=math.sqrt(5))
+        self.b = nn.Parameter(torch.zeros(layers, rank, latent_width))  # (L, Q, W_z): B = 0
+
+    def forward(self, latent: torch.Tensor) -> torch.Tensor:
+        """latent (K, W_z) -> every layer's tokens (L, K, W)."""
+        shared = latent @ self.weight.T  # (K, W): the map all layers share
+        low = torch.einsum("kz,lqz->lkq", latent, self.b)  # (L, K, Q): z b_l^T
+        residual = torch.einsum("lkq,lwq->lkw", low, self.a)  # (L, K, W): z b_l^T a_l^T
+        return shared + residual + self.bias[:, None]  # (L, K, W)
+
+
+class LowRankResidual(nn.Module):
+    """The attribute projection's learnable part, a b with a (W_v, Q) Kaiming-uniform and b (Q, E)
+    zero (MMRL++'s VisionTransformer.A, .B in clip/model_mmrlpp.py: proj + A @ B), so the
+    projection starts as proj itself."""
+
+    def __init__(self, rows: int, cols: int, rank: int):
+        super().__init__()
+        self.a = nn.Parameter(torch.empty(rows, rank))  # (W_v, Q)
+        nn.init.kaiming_uniform_(self.a, a=math.sqrt(5))
+        self.b = nn.Parameter(torch.zeros(rank, cols))  # (Q, E)
+
+    def forward(self) -> torch.Tensor:
+        return self.a @ self.b  # (W_v, E)
+
+
+class SharedTokens(nn.Module):
+    """tokens="shared": latent tokens z (K, W_z) (normal, std 0.02; W_z = latent_width, default
+    W_t, 512 on ViT-B/16 as MMRL++'s) mapped into each token layer of the vision tower (W_z -> W_v)
+    and of the text tower (W_z -> W_t), one TowerAligner each: the same tokens enter both towers,
+    so K = A (default_text_tokens). The attribute projection is proj, frozen, plus a
+    LowRankResidual. A tensor is built only where it acts: without attribute tokens (A = 0) no
+    vision map and no residual (the latent tokens reach the text tower alone); without text
+    tokens (K = 0) no latent token and no text map. Same arguments as SeparateTokens."""
+
+    def __init__(self, *, vision: Sequence[int], text: Sequence[int], proj: torch.Tensor,
+                 latent_width: Optional[int] = None):
+        super().__init__()
+        (L_v, A, W_v), (L_t, K, W_t), E = vision, text, proj.shape[1]
+        W_z, Q = W_t if latent_width is None else latent_width, SHARED_RESIDUAL_RANK
+        self.latent_tokens = nn.Parameter(torch.randn(K, W_z) * 0.02) if K else None  # (K, W_z)
+        self.vision_aligner = TowerAligner(W_z, W_v, L_v, Q) if A else None
+        self.text_aligner = TowerAligner(W_z, W_t, L_t, Q) if K else None
+        self.attribute_proj_residual = LowRankResidual(W_v, E, SHARED_PROJ_RANK) if A else None
+        self.vision_shape, self.text_shape = tuple(vision), tuple(text)
+        self.register_buffer("empty", torch.zeros(0), persistent=False)  # empty tokens' device
+
+    def vision_layer_tokens(self) -> torch.Tensor:
+        """p_l, z through the vision tower's map of each layer: (L_v, A, W_v); A = 0: empty."""
+        if self.vision_aligner is None:
+            return self.empty.new_zeros(self.vision_shape)
+        return self.vision_aligner(self.latent_tokens)
+
+    def text_layer_tokens(self) -> torch.Tensor:
+        """p_l, z through the text tower's map of each layer: (L_t, K, W_t); K = 0: empty."""
+        if self.text_aligner is None:
+            return self.empty.new_zeros(self.text_shape)
+        return self.text_aligner(self.latent_tokens)
+
+    def attribute_projection(self, proj: torch.Tensor) -> torch.Tensor:
+        """(W_v, E): CLIP's frozen proj plus the learnable residual (MMRL++'s proj + A @ B)."""
+        if self.attribute_proj_residual is None:  # A = 0: nothing to project
+            return proj
+        return proj + self.attribute_proj_residual()
+
+
+# ---- 10. Bookkeeping, not the method: its argument checks; RoleMap's checks, JSON file and table;
 # DeAR's checkpoint tensors; the description pools. Each check stands once, at a public function's
 # entry or here; runs.py (for train.py) calls the same ones before any work.
 def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *, rank: int,
@@ -1054,6 +1129,26 @@ def clustering_module():
                             f"copy clustering.py beside dear.py, or use concepts='labels' "
                             f"({error})") from None
     return clustering
+
+
+def hdbscan(points: torch.Tensor, min_cluster_size: int,
+            min_samples: Optional[int] = None) -> torch.Tensor:
+    """clustering.hdbscan, imported only here: (P, d) -> (P,) cluster ids, -1 = noise. Its
+    ClusteringError comes back as DeARError; without clustering.py, one line says what it needs."""
+    clustering = clustering_module()
+    try:
+        return clustering.hdbscan(points, min_cluster_size, min_samples)
+    except clustering.ClusteringError as error:
+        raise DeARError(str(error)) from None
+
+
+def clusters_line(found: List[str], clusters: List[Cluster], min_cluster_size: int) -> str:
+    """find_concepts' log line: the distinct picks, and each cluster's id, name and size."""
+    named = ", ".join(f"{c.id} {c.name} ({c.size})" for c in clusters)
+    return (f"  head analysis: {len(found)} distinct picks in {len(clusters)} clusters "
+            f"({found.count(NOISE)} in none; HDBSCAN min_cluster_size {min_cluster_size})"
+            + (f": {named}" if clusters else "; with no cluster, every pick is a concept of its "
+               "own and no head is specialised"))
 
 
 def check_image_batch(batch) -> None:
@@ -1116,10 +1211,14 @@ def check_thresholds(low_bits: Optional[float], high_bits: Optional[float]) -> N
 
 
 def check_tokens(tokens: str, num_attributes: int, num_text_tokens: Optional[int]) -> None:
-    """tokens is a construction; under "shared" K is A (A = 0, the no-attribute-tokens ablation:
-    the K latent tokens reach the text tower alone)."""
+    """tokens is a construction; under "shared" K is A, or with A = 0 (no-attribute-tokens) the
+    full row's K, given (default_text_tokens)."""
     if tokens not in TOKEN_CONSTRUCTIONS:
         raise DeARError(f"tokens={tokens!r}: use {' or '.join(TOKEN_CONSTRUCTIONS)}")
+    if tokens == "shared" and not num_attributes and num_text_tokens is None:
+        raise DeARError("tokens 'shared' without attribute tokens: give num_text_tokens, the "
+                        "latent tokens the text tower alone receives (the full row's K, "
+                        "default_text_tokens('shared', A), as train.py passes it)")
     if tokens == "shared" and num_attributes and num_text_tokens not in (None, num_attributes):
         raise DeARError(f"K = {num_text_tokens} text tokens: under tokens 'shared' the text tower "
                         f"receives the A = {num_attributes} tokens of the vision tower; leave K "
@@ -1145,6 +1244,18 @@ def check_model_settings(clip: clip_model.CLIP, role_map: RoleMap, attributes: L
     role_map.validate(depth_v, clip.visual.transformer.heads, attributes)
 
 
+def warn_left_out(blind: List[str], class_branch_only: bool, first_layer: int) -> None:
+    """branches_in_fusion's warning: the fallback to the class branch, or the blind branches."""
+    if class_branch_only:
+        warnings.warn("DeAR: the head analysis names no attribute head (no head is specialised "
+                      "enough); falling back to the class branch alone "
+                      "(the attribute branches leave the fusion)")
+    elif blind:
+        plural = "s" if len(blind) > 1 else ""
+        warnings.warn(f"DeAR: no head from layer J={first_layer} lets the {', '.join(blind)} "
+                      f"token{plural} read the image; left out of the fusion (a per-class bias)")
+
+
 def check_prepared(classes) -> None:
     """encode_text takes prepare_classes' record (a cheap type check, kept per call: a test
     asks for it)."""
@@ -1163,7 +1274,7 @@ def load_learnable_tensors(model: DeAR, state: dict) -> None:
         target = tensors.get(name)
         if target is None:
             raise DeARError(f"checkpoint tensor {name} is not a learnable tensor of this model "
-                            f"(tokens {model.tokens!r}); it was made with other settings")
+                            f"(tokens {model.construction!r}); it was made with other settings")
         if tuple(value.shape) != tuple(target.shape):
             raise DeARError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, "
                             f"the model expects {tuple(target.shape)}; "
@@ -1172,7 +1283,7 @@ def load_learnable_tensors(model: DeAR, state: dict) -> None:
 
 
 def component_parameter_counts(model: DeAR) -> Dict[str, int]:
-    """DeAR.parameter_counts: {component of LEARNABLE: its learnable parameters}."""
+    """DeAR.parameter_counts: {component (a name's part before any "."): its parameters}."""
     counts = {}
     for name, tensor in model.learnable_tensors().items():
         component = name.split(".")[0]

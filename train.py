@@ -288,9 +288,9 @@ def read_data(settings, jobs: List[plan.Job], datasets: Datasets) -> RunData:
 def build_dear(settings, inputs: sources.Inputs, role_map: dear.RoleMap,
                ablation: Optional[str] = None) -> dear.DeAR:
     """DeAR on the frozen CLIP: the one place it is built (to train, and for --eval-only), at the
-    recipe's beta, with an ablation's change (plan.ablate). Its learnable tokens come from torch's
+    recipe's beta, with an ablation's change (dear.ablate). Its learnable tokens come from torch's
     global generator: the caller seeds it."""
-    change = plan.ablate(ablation, role_map, inputs.attributes, settings["lambda_fusion"])
+    change = dear.ablate(ablation, role_map, inputs.attributes, settings["lambda_fusion"])
     with warnings.catch_warnings():  # what the header already said is not warned of per run
         if change.role_map.source == "all-generalization":  # blind tokens, by construction
             warnings.filterwarnings("ignore", message="DeAR: no head from layer")
@@ -343,7 +343,7 @@ def train_job(job: plan.Job, settings, inputs: sources.Inputs, role_map: dear.Ro
     network = distributed(model, settings, runtime)  # DDP under torchrun, else the model itself
     lambda_reg = settings["lambda_reg"]
     # the loss's settings, an ablation's change included
-    change = plan.ablate(job.ablation, role_map, inputs.attributes, settings["lambda_fusion"])
+    change = dear.ablate(job.ablation, role_map, inputs.attributes, settings["lambda_fusion"])
     lambda_fusion, branch_ce = change.lambda_fusion, change.branch_ce
     # the sums, the wait for data and the non-finite guard, read every --log-every steps
     progress = monitor.Progress(job, settings, runtime, model, scaler,
@@ -458,7 +458,7 @@ def describe(job: plan.Job, model: dear.DeAR, split: data.DatasetSplits,
                 f"classes; attribute tokens from layer J={model.first_layer} (1-based){alone}")
     counts = model.parameter_counts()
     frozen = sum(p.numel() for p in model.clip.parameters())
-    runtime.log(f"[{job.label}] learnable ({model.tokens}): "
+    runtime.log(f"[{job.label}] learnable ({model.construction}): "
                 + " + ".join(f"{name} {n:,}" for name, n in counts.items())
                 + f" = {sum(counts.values()):,} ({100 * sum(counts.values()) / frozen:.2f}% of "
                 "CLIP)")

@@ -42,17 +42,14 @@ METHODS = ("zeroshot", "linear-probe", "dear")
 #                      on classes not trained (novel classes, other datasets, variants): MMRL's code
 FUSION_MODES = ("fused-everywhere", "class-on-unseen")
 OLD_FUSION_NAMES = {"everywhere": "fused-everywhere", "adaptive": "class-on-unseen"}
-ROLE_ABLATIONS = ("all-mixed", "all-generalization")  # besides "analyse" and a roles file
-# The paper's ablation study ("Ablation Study"), each the DeAR row with one change, a row of its
-# own (docs/METHOD.md Sec. 5); branch-ce is ours, for the retrieval diagnosis (docs/TOYWORLD.md).
-# Name -> what --ablations' help says; ablate applies each.
-ABLATIONS = {
-    "no-role-mask": "every head mixed: the tokens reach every head (the row of --roles all-mixed)",
-    "no-attribute-tokens": "no attribute token: the class branch and the text tokens alone",
-    "no-fusion-reg": "lambda_fusion = 0: nothing holds the fusion to the class branch",
-    "mask-generalization-only": "the analysed map with its attribute heads made mixed",
-    "branch-ce": "NOT the paper's loss: + MMRL's 0.7 CE(class) + 0.3 CE(attribute branches)",
-}
+# --roles' fixed maps besides "analyse" and a roles file, each with the ablation it is: all-mixed
+# is the no-role-mask ablation's map (dear.ablate makes it; one row, whichever asks for it),
+# all-generalization a comparison of our own (every token blind).
+ROLE_ROWS = {"all-mixed": "no-role-mask", "all-generalization": None}
+ROLE_ABLATIONS = tuple(ROLE_ROWS)
+# The paper's ablations (--ablations), each the DeAR row with one change: dear.ABLATIONS names
+# them and says what each changes, dear.ablate makes the change.
+(ABLATIONS,) = project_constants("dear", "ABLATIONS")
 # The head analysis as a whole (--analysis): the project's (its labelled bank, checked on the toy
 # world against ablation) or the paper's Sec. 3.2 (config.analysis_preset; docs/METHOD.md
 # Sec. 3's table of departures).
@@ -76,9 +73,9 @@ SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
 
 
 def ablation_roles(name: str) -> Optional[str]:
-    """The --roles row an ablation is, where its one change is the role map alone and --roles
-    makes that map (made once, whichever asks); None: the DeAR row with the change."""
-    return "all-mixed" if name == "no-role-mask" else None
+    """The --roles row an ablation is, where --roles makes its map (ROLE_ROWS); None: the DeAR row
+    with the change."""
+    return next((roles for roles, ablation in ROLE_ROWS.items() if ablation == name), None)
 
 
 class RecipeBook(NamedTuple):

@@ -11,56 +11,8 @@ from typing import Dict, List, NamedTuple, Optional
 
 import dear
 from .errors import TrainError
-from .cli import ABLATIONS, ROLE_ABLATIONS, ablation_roles
+from .cli import ROLE_ABLATIONS, ROLE_ROWS, ablation_roles
 from .config import RUN_CONTROL
-
-
-class Ablated(NamedTuple):
-    """What one DeAR run is built and trained from, after its ablation's change (if any)."""
-    role_map: dear.RoleMap  # DeAR's role map
-    attributes: List[str]  # DeAR's attribute tokens, one each
-    class_branch_fallback: bool  # DeAR's: a measured map without attribute heads -> class branch
-    lambda_fusion: float  # dear_loss's weight of the fusion regularisation
-    branch_ce: bool  # dear_loss's: + MMRL's CE per branch
-
-
-def ablate(name: Optional[str], role_map: dear.RoleMap, attributes: List[str],
-           lambda_fusion: float) -> Ablated:
-    """The one change of ablation `name` (None: none) to the DeAR row's role map, attribute tokens
-    and loss -> Ablated; train.build_dear and train.train_job read it, nothing else switches.
-
-      name                      the one change                                  where it acts
-      no-role-mask              every head of the analysed layers mixed         role map (the
-                                (deep prompting, no mask)                       all-mixed row)
-      no-attribute-tokens       A = 0: no attribute token; a uniform mixed      DeAR(attributes),
-                                map over the same layers (DeAR refuses a map    role map
-                                with attributes that A = 0 cannot hold)
-      no-fusion-reg             lambda_fusion = 0                               dear_loss
-      mask-generalization-only  attribute heads made mixed                      role map
-                                (dear.generalization_mask_only); a map made     DeAR(class_branch_
-                                by hand: no class-branch fallback               fallback=False)
-      branch-ce                 + MMRL's 0.7 CE(class) + 0.3 CE(attribute       dear_loss(branch_ce)
-                                branches), not the paper's loss
-    """
-    def uniform_mixed(attributes: List[str]) -> dear.RoleMap:  # over the map's own layers
-        return dear.RoleMap.uniform("mixed", role_map.vision_layers, role_map.num_heads,
-                                    role_map.layers, attributes)
-
-    change = Ablated(role_map, list(attributes), True, lambda_fusion, False)
-    if name is None:
-        return change
-    if name == "no-role-mask":
-        return change._replace(role_map=uniform_mixed(list(attributes)))
-    if name == "no-attribute-tokens":
-        return change._replace(role_map=uniform_mixed([]), attributes=[])
-    if name == "no-fusion-reg":
-        return change._replace(lambda_fusion=0.0)
-    if name == "mask-generalization-only":
-        return change._replace(role_map=dear.generalization_mask_only(role_map),
-                               class_branch_fallback=False)
-    if name == "branch-ce":
-        return change._replace(branch_ce=True)
-    raise TrainError(f"ablation {name!r}: use one of {', '.join(ABLATIONS)}")
 
 
 @dataclass
@@ -71,7 +23,7 @@ class Job:
     seed: Optional[int]  # None for zero-shot: it has no randomness, one run serves every seed
     shots: Optional[int]  # None for zero-shot (it does not train)
     folder: str  # <output>/<dataset>/<row>/<seed leaf>: checkpoint.pt, results.json, results.md
-    ablation: Optional[str] = None  # one of ABLATIONS (not no-role-mask: the --roles all-mixed row)
+    ablation: Optional[str] = None  # one of dear.ABLATIONS: its one change, by dear.ablate
 
     @property
     def label(self) -> str:
@@ -115,14 +67,16 @@ def row_name(roles: str) -> str:
 
 def dear_rows(settings) -> List[tuple]:
     """(row, roles, ablation) of each DeAR row, in table order: each --roles choice, then each of
-    --ablations on the DeAR row's roles (no-role-mask is --roles all-mixed's row: made once)."""
-    rows = [(row_name(roles), roles, None) for roles in settings["roles"]]
+    --ablations on the DeAR row's roles. An ablation whose one change is a --roles map is that
+    row (made once, whichever asks: no-role-mask is all-mixed's); every ablation acts through
+    dear.ablate (train.build_dear)."""
+    rows = [(row_name(roles), roles, ROLE_ROWS.get(roles)) for roles in settings["roles"]]
     source = next((r for r in settings["roles"] if r not in ROLE_ABLATIONS), None)  # analyse/file
     for name in settings["ablations"]:
         roles = ablation_roles(name)
         row = row_name(roles) if roles is not None else f"dear-{name}"
         if row not in [r for r, _, _ in rows]:
-            rows.append((row, roles, None) if roles is not None else (row, source, name))
+            rows.append((row, roles if roles is not None else source, name))
     return rows
 
 

@@ -347,7 +347,7 @@ def evaluation_record(job: Job, settings, model, accuracy: dict, logits: dict, b
     if model is not None:
         alpha = dict(zip(["class"] + model.attributes, model.fusion_weights().tolist()))
         counts = model.parameter_counts()  # per component of the token construction
-        parameters = dict(tokens=model.tokens, learnable=sum(counts.values()), components=counts)
+        parameters = dict(tokens=model.construction, learnable=sum(counts.values()), components=counts)
     role_record = None
     if job.roles == "analyse":
         role_record = (settings["role_maps"] or {}).get(job.dataset)

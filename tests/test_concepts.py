@@ -45,10 +45,11 @@ def test_the_dominant_concept_is_never_noise_while_a_cluster_is_there():
 def test_roles_follow_the_names_of_the_clusters():
     heads = [["cluster 3"] * 3 + [NOISE], ["cluster 1"] * 3 + ["cluster 3"], [NOISE] * 4,
              ["cluster 1", "cluster 3", "cluster 1", "cluster 3"]]
-    names = {"cluster 3": "colour", "cluster 1": "other"}
-    roles, low, high = dear.assign_roles([dear.concept_entropy(h) for h in heads], heads, ["colour", "shape"],
-                                         num_concepts=6, names=names)
+    names = {"cluster 3": "colour", "cluster 1": "other", NOISE: NOISE}  # as find_concepts names them
+    low, high = dear.default_thresholds(4, 6)
     assert (low, high) == pytest.approx((0.811278, 4 / 3), abs=1e-6)
+    dominants = [names[dear.dominant_concept(h)] for h in heads]
+    roles = dear.assign_roles([dear.concept_entropy(h) for h in heads], dominants, ["colour", "shape"], low, high)
     # 3 of 4 on a colour cluster: a colour head; on an "other" cluster: no token, generalization.
     assert roles == [("attribute", "colour"), ("generalization", None), ("generalization", None), ("mixed", None)]
 
@@ -275,6 +276,43 @@ def test_the_thresholds_count_each_pick_in_no_cluster_as_a_concept_of_its_own(ti
     top = math.log2(6)
     assert (roles.low_bits, roles.high_bits) == pytest.approx((top / 3, 2 * top / 3))
     assert (roles.low_bits, roles.high_bits) == pytest.approx(dear.default_thresholds(6, 6))
+
+
+def test_without_an_encoder_the_picks_are_the_banks_clip_rows_and_only_the_anchors_are_encoded(
+        tiny_deep_clip, monkeypatch):
+    """embed_texts None (CLIP's text tower): the clustering reads the picks' rows of the bank's
+    embeddings, made once; only the attributes' names (the anchors of an unlabelled pool) are
+    encoded again."""
+    bank, embed_texts, _ = two_groups_and_four_loners()
+    rows = embed_texts([entry.text for entry in bank])  # (16, 32): the bank as "CLIP" embeds it
+    anchors = torch.eye(32)[20:25]  # each attribute's name, far from every phrase
+    encoded, clustered, picks = [], [], iter(PLAN)
+    monkeypatch.setattr(dear, "encode_descriptions", lambda clip, tok, texts:
+                        encoded.append(list(texts)) or (rows if len(texts) == 16 else anchors))
+    cluster_picks = dear.cluster_picks
+    monkeypatch.setattr(dear, "cluster_picks", lambda texts, points, *rest:
+                        clustered.append(points) or cluster_picks(texts, points, *rest))
+    monkeypatch.setattr(dear, "textspan", lambda *args: next(picks))
+    images = torch.randn(24, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    roles = dear.analyze_heads(tiny_deep_clip, images, None, bank, num_layers=3, num_descriptions=6,
+                               concepts="clusters", min_cluster_size=5, log=lambda line: None)
+    first_seen = list(dict.fromkeys(i for head in PLAN for i in head))
+    assert encoded == [[entry.text for entry in bank], list(dear.CORE_ATTRIBUTES)]
+    assert len(clustered) == 1 and torch.equal(clustered[0], rows[first_seen])
+    assert [c.size for c in roles.clusters] == [6, 6]
+
+
+def test_concepts_from_labels_count_every_label_of_the_bank_and_name_each_by_itself():
+    """K is what a pick could fall on: the bank's 3 labels, though the picks name one; no encoder
+    is asked and no cluster is made."""
+    bank = [dear.Description("a red thing", "colour"), dear.Description("a blue thing", "colour"),
+            dear.Description("a round thing", "shape"), dear.Description("a calm thing", "mood")]
+
+    def no_encoder(texts):
+        raise AssertionError("labels need no embedding")
+    found = dear.find_concepts("labels", bank, [1, 0], ["colour", "shape"], no_encoder, 2)
+    assert found == dear.Concepts(["colour", "colour"], {"colour": "colour", "shape": "shape", "mood": "mood"},
+                                  3, [])
 
 
 def test_each_distinct_pick_is_embedded_and_clustered_once(tiny_deep_clip, monkeypatch):

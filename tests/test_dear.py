@@ -65,8 +65,8 @@ def make_model(tiny_clip, spec=None, first_layer=2, **kwargs) -> DeAR:
     torch.manual_seed(5)
     model = DeAR(tiny_clip, role_map(spec or {}), ATTRIBUTES, first_layer=first_layer, **kwargs)
     with torch.no_grad():
-        model.vision_tokens.normal_(0, 1.0)  # large tokens: any leak would show
-        model.text_tokens.normal_(0, 1.0)
+        model.tokens.vision_tokens.normal_(0, 1.0)  # large tokens: any leak would show
+        model.tokens.text_tokens.normal_(0, 1.0)
     return model
 
 
@@ -81,7 +81,7 @@ def test_all_generalization_heads_give_the_frozen_class_feature_whatever_the_tok
     x = images()
     with torch.no_grad():
         f_cls, _, _ = model.encode_image(x)
-        model.vision_tokens.mul_(-3.0).add_(7.0)  # entirely different attribute tokens
+        model.tokens.vision_tokens.mul_(-3.0).add_(7.0)  # entirely different attribute tokens
         f_cls_other, _, _ = model.encode_image(x)
         frozen = tiny_clip.encode_image(x)
     assert torch.equal(f_cls, f_cls_other), "the class feature depends on the attribute tokens"
@@ -93,12 +93,12 @@ def test_no_gradient_reaches_attribute_tokens_when_every_head_is_generalization(
     model = make_model(tiny_clip, all_general, first_layer=1)
     f_cls, f_attr, _ = model.encode_image(images())
     f_cls.square().sum().backward()
-    assert model.vision_tokens.grad is None or model.vision_tokens.grad.abs().max() == 0
+    assert model.tokens.vision_tokens.grad is None or model.tokens.vision_tokens.grad.abs().max() == 0
     # Sanity check that the same test fails when heads are mixed:
     mixed = make_model(tiny_clip, {}, first_layer=1)
     f_cls, _, _ = mixed.encode_image(images())
     f_cls.square().sum().backward()
-    assert mixed.vision_tokens.grad.abs().max() > 0
+    assert mixed.tokens.vision_tokens.grad.abs().max() > 0
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -140,7 +140,7 @@ def test_an_attribute_head_carries_only_its_own_token_to_the_cls_token(tiny_clip
     model = make_model(tiny_clip, spec, first_layer=2)
     f_cls, _, _ = model.encode_image(images())
     f_cls.square().sum().backward()
-    grad = model.vision_tokens.grad.abs().sum(dim=(0, 2))  # (A,): over layers and channels
+    grad = model.tokens.vision_tokens.grad.abs().sum(dim=(0, 2))  # (A,): over layers and channels
     colour = ATTRIBUTES.index("colour")
     assert grad[colour] > 0
     others = [a for a in range(len(ATTRIBUTES)) if a != colour]
@@ -205,15 +205,17 @@ def test_concept_entropy_by_hand(concepts, bits):
 def test_roles_by_hand():
     entropies = [0.0, 0.2, 1.0, 1.5, 2.5, 3.0]
     concepts = [["colour"] * 8, ["style"] * 8, ["shape"], ["shape"], ["object"], ["object"]]
-    roles, low, high = dear.assign_roles(entropies, concepts, ATTRIBUTES, num_concepts=12)
+    low, high = dear.default_thresholds(8, 12)
     # 8 picks over 12 concepts spread at most log2(8) = 3 bits: thirds at 1 and 2 bits.
     assert (low, high) == pytest.approx((1.0, 2.0))
+    dominants = [dear.dominant_concept(c) for c in concepts]
+    roles = dear.assign_roles(entropies, dominants, ATTRIBUTES, low, high)
     assert roles == [("attribute", "colour"), ("generalization", None), ("attribute", "shape"), ("mixed", None),
                      ("generalization", None), ("generalization", None)]
-    roles, _, _ = dear.assign_roles(entropies, concepts, ATTRIBUTES, low_bits=0.5, high_bits=2.9)
+    roles = dear.assign_roles(entropies, dominants, ATTRIBUTES, low_bits=0.5, high_bits=2.9)
     assert roles[2] == ("mixed", None) and roles[4] == ("mixed", None)
     with pytest.raises(DeARError, match="low threshold"):
-        dear.assign_roles(entropies, concepts, ATTRIBUTES, low_bits=2.0, high_bits=1.0)
+        dear.assign_roles(entropies, dominants, ATTRIBUTES, low_bits=2.0, high_bits=1.0)
 
 
 def test_thresholds_are_thirds_of_what_the_picks_can_spread_with_three_picks_in_four_a_specialist():
@@ -226,13 +228,14 @@ def test_thresholds_are_thirds_of_what_the_picks_can_spread_with_three_picks_in_
     # background); 2 and 2 is mixed; 2, 1 and 1 a generalist.
     picks = [["position", "background", "position", "position"], ["shape", "colour", "shape", "colour"],
              ["shape", "colour", "texture", "shape"]]
-    roles, _, _ = dear.assign_roles([dear.concept_entropy(c) for c in picks], picks, ATTRIBUTES + ["position"],
-                                    num_concepts=7)
+    roles = dear.assign_roles([dear.concept_entropy(c) for c in picks], [dear.dominant_concept(c) for c in picks],
+                              ATTRIBUTES + ["position"], *dear.default_thresholds(4, 7))
     assert roles == [("attribute", "position"), ("mixed", None), ("generalization", None)]
     # Ten heads, none specialised (two concepts of three picks each): no attribute head is made.
     spread = [["colour", "colour", "shape"], ["shape", "texture", "shape"]] * 5
     entropies = [dear.concept_entropy(c) for c in spread]
-    roles, _, _ = dear.assign_roles(entropies, spread, ATTRIBUTES, num_concepts=7)
+    roles = dear.assign_roles(entropies, [dear.dominant_concept(c) for c in spread], ATTRIBUTES,
+                              *dear.default_thresholds(3, 7))
     assert {role for role, _ in roles} == {"mixed"}
 
 
@@ -368,7 +371,7 @@ def test_learnable_state_round_trips(tiny_clip):
     state = model.learnable_state_dict()
     other = make_model(tiny_clip)
     with torch.no_grad():
-        other.vision_tokens.zero_()
+        other.tokens.vision_tokens.zero_()
     other.load_learnable_state_dict(state)
     assert all(torch.equal(a, b) for a, b in zip(model.learnable_parameters(), other.learnable_parameters()))
     with pytest.raises(DeARError, match="vision_tokens has shape"):
@@ -474,7 +477,7 @@ def test_deep_models_default_j_to_the_first_of_their_last_four_layers_and_take_t
     roles = RoleMap(6, HEADS, ["shape", "colour"], heads)
     model = DeAR(six, roles)  # no attributes, no first_layer
     assert model.first_layer == 3  # 1-based: layers 3-6 are the last four of six
-    assert model.attributes == ["shape", "colour"] and model.vision_tokens.shape[:2] == (4, 2)
+    assert model.attributes == ["shape", "colour"] and model.tokens.vision_tokens.shape[:2] == (4, 2)
     # ... and the caller's CLIP is frozen in place, as the docstring says.
     assert model.clip is six and not any(p.requires_grad for p in six.parameters()) and not six.training
     with pytest.raises(DeARError, match="leave DeAR's attributes out"):

@@ -51,9 +51,9 @@ def make(clip, spec=MIXED_MAP, J=1, beta=0.3, K=3) -> DeAR:
     torch.manual_seed(7)
     model = DeAR(clip, role_map(spec), ATTRIBUTES, first_layer=J, beta=beta, num_text_tokens=K)
     with torch.no_grad():
-        model.vision_tokens.normal_(0, 1.0)
-        model.text_tokens.normal_(0, 1.0)
-        model.attribute_proj.add_(torch.randn_like(model.attribute_proj) * 0.5)
+        model.tokens.vision_tokens.normal_(0, 1.0)
+        model.tokens.text_tokens.normal_(0, 1.0)
+        model.tokens.attribute_proj.add_(torch.randn_like(model.tokens.attribute_proj) * 0.5)
         model.fusion_logits.copy_(torch.randn_like(model.fusion_logits))
     return model
 
@@ -69,9 +69,9 @@ def test_the_self_regularisation_alone_trains_the_vision_and_the_text_tokens(tin
     reg = dear.self_regularization_loss(out.image_features[:, 0], out.frozen_image_features,
                                         out.text_features, out.frozen_text_features)
     reg.backward()
-    assert model.vision_tokens.grad is not None and model.vision_tokens.grad.abs().max() > 0, \
+    assert model.tokens.vision_tokens.grad is not None and model.tokens.vision_tokens.grad.abs().max() > 0, \
         "L_reg does not reach the vision tokens (the adapted class feature is detached?)"
-    assert model.text_tokens.grad is not None and model.text_tokens.grad.abs().max() > 0, \
+    assert model.tokens.text_tokens.grad is not None and model.tokens.text_tokens.grad.abs().max() > 0, \
         "L_reg does not reach the text tokens (the adapted text feature is detached?)"
 
 
@@ -121,14 +121,14 @@ def test_tokens_entering_each_layer_follow_the_beta_rule(tiny_deep_clip, beta):
     for hook in hooks + thooks:
         hook.remove()
     A, K = len(ATTRIBUTES), 3
-    assert_close(seen[("in", 0)][:, N_IMAGE:], model.vision_tokens[0].expand(3, A, -1), 1e-6, "vision, layer J")
+    assert_close(seen[("in", 0)][:, N_IMAGE:], model.tokens.vision_tokens[0].expand(3, A, -1), 1e-6, "vision, layer J")
     for layer in range(1, LAYERS):
-        expected = beta * model.vision_tokens[layer] + (1 - beta) * seen[("out", layer - 1)][:, N_IMAGE:]
+        expected = beta * model.tokens.vision_tokens[layer] + (1 - beta) * seen[("out", layer - 1)][:, N_IMAGE:]
         assert_close(seen[("in", layer)][:, N_IMAGE:], expected, 1e-6, f"vision tokens entering layer {layer}")
         assert_close(seen[("in", layer)][:, :N_IMAGE], seen[("out", layer - 1)][:, :N_IMAGE], 0, "image tokens")
-    assert_close(tseen[("in", 0)][:, 1:1 + K], model.text_tokens[0].expand(4, K, -1), 1e-6, "text, layer J")
+    assert_close(tseen[("in", 0)][:, 1:1 + K], model.tokens.text_tokens[0].expand(4, K, -1), 1e-6, "text, layer J")
     for layer in range(1, TINY_DEEP["transformer_layers"]):
-        expected = beta * model.text_tokens[layer] + (1 - beta) * tseen[("out", layer - 1)][:, 1:1 + K]
+        expected = beta * model.tokens.text_tokens[layer] + (1 - beta) * tseen[("out", layer - 1)][:, 1:1 + K]
         assert_close(tseen[("in", layer)][:, 1:1 + K], expected, 1e-6, f"text tokens entering layer {layer}")
         assert torch.equal(tseen[("in", layer)][:, 0], tseen[("out", layer - 1)][:, 0]), "start token moved"
 
@@ -137,8 +137,8 @@ def test_at_beta_zero_only_layer_js_tokens_matter(tiny_deep_clip):
     model = make(tiny_deep_clip, J=1, beta=0.0)
     out = model(images(), model.prepare_classes(prompts()), with_frozen=True)
     dear.dear_loss(out, torch.tensor([0, 3, 1]))["total"].backward()
-    assert model.vision_tokens.grad[0].abs().max() > 0 and model.text_tokens.grad[0].abs().max() > 0
-    assert model.vision_tokens.grad[1:].abs().max() == 0 and model.text_tokens.grad[1:].abs().max() == 0
+    assert model.tokens.vision_tokens.grad[0].abs().max() > 0 and model.tokens.text_tokens.grad[0].abs().max() > 0
+    assert model.tokens.vision_tokens.grad[1:].abs().max() == 0 and model.tokens.text_tokens.grad[1:].abs().max() == 0
 
 
 # ------------------------------------------------------------------------------------------
@@ -226,8 +226,8 @@ def test_layers_the_map_does_not_cover_are_mixed(tiny_deep_clip):
 def test_a_concept_tie_goes_to_the_concept_found_first_not_last():
     assert dear.dominant_concept(["shape", "colour", "shape", "colour"]) == "shape"
     assert dear.dominant_concept(["colour", "shape", "colour", "shape"]) == "colour"
-    roles, _, _ = dear.assign_roles([0.0, 1.0, 2.0], [["shape", "colour", "shape", "colour"], ["object"], ["x"]],
-                                    ["colour", "shape"], low_bits=1.0, high_bits=1.5)
+    dominants = [dear.dominant_concept(c) for c in [["shape", "colour", "shape", "colour"], ["object"], ["x"]]]
+    roles = dear.assign_roles([0.0, 1.0, 2.0], dominants, ["colour", "shape"], low_bits=1.0, high_bits=1.5)
     assert roles[0] == ("attribute", "shape")
 
 
@@ -268,6 +268,12 @@ def test_a_head_writing_along_colour_descriptions_is_named_a_colour_head(tiny_de
     assert (planted.role, planted.attribute) == ("attribute", "colour")
     others = [h for h in result.heads if (h.layer, h.head) != (LAYERS - 1, 2)]
     assert all(h.entropy > 0 for h in others)
+    # The thresholds: 6 picks over the bank's 12 labels (not the few the heads name); one given,
+    # the other still the rule's.
+    assert (result.low_bits, result.high_bits) == pytest.approx(dear.default_thresholds(6, 12))
+    given = dear.analyze_heads(tiny_deep_clip, batches, tokenizer=None, bank=bank, num_layers=L,
+                               num_descriptions=6, rank=20, low_bits=0.25, log=lambda line: None)
+    assert (given.low_bits, given.high_bits) == pytest.approx((0.25, dear.default_thresholds(6, 12)[1]))
 
 
 # ------------------------------------------------------------------------------------------
@@ -290,8 +296,8 @@ def test_isolation_holds_within_a_layer_not_across_layers(tiny_deep_clip):
     # heads of layer 2 wrote into the image tokens that layer 3's heads read.
     f_cls, _, _ = model.encode_image(images())
     f_cls.square().sum().backward()
-    assert model.vision_tokens.grad[0].abs().max() > 0
-    assert model.vision_tokens.grad[1].abs().max() == 0  # layer 3's own tokens: no way in
+    assert model.tokens.vision_tokens.grad[0].abs().max() > 0
+    assert model.tokens.vision_tokens.grad[1].abs().max() == 0  # layer 3's own tokens: no way in
 
 
 def test_a_branch_that_cannot_read_the_image_is_left_out_of_the_fusion(tiny_deep_clip):
@@ -341,12 +347,13 @@ def test_role_thresholds_are_thirds_of_the_possible_spread_and_a_head_on_one_tak
     # the high one generalization.
     entropies = [0.0, 0.2, 0.5, 1.0, 1.0, 1.5, 1.5, 2.0, 2.0, 2.5, 3.0, 3.0]
     concepts = [["colour"] * 8] * 5 + [["shape"] * 8] * 7
-    roles, low, high = dear.assign_roles(entropies, concepts, ATTRIBUTES, num_concepts=12)
+    low, high = dear.default_thresholds(8, 12)
     assert (low, high) == (1.0, 2.0)
+    roles = dear.assign_roles(entropies, [dear.dominant_concept(c) for c in concepts], ATTRIBUTES, low, high)
     assert roles == [("attribute", "colour")] * 5 + [("mixed", None)] * 2 + [("generalization", None)] * 5
     # Fewer concepts than picks: the spread is bounded by the concepts, log2(4) = 2 bits; low is not
     # a third of it (0.67) but 3 of 4 picks on one concept (0.81 bits), the least a specialist needs.
-    assert dear.assign_roles(entropies, concepts, ATTRIBUTES, num_concepts=4)[1:] == pytest.approx((0.811278, 4 / 3))
+    assert dear.default_thresholds(8, 4) == pytest.approx((0.811278, 4 / 3))
 
 
 def test_the_fusion_starts_at_cls_fusion_weight_and_shares_the_rest_evenly(tiny_deep_clip):
@@ -358,10 +365,10 @@ def test_the_fusion_starts_at_cls_fusion_weight_and_shares_the_rest_evenly(tiny_
 def test_the_attribute_projection_starts_as_a_copy_of_clips_proj(tiny_deep_clip):
     model = DeAR(tiny_deep_clip, role_map(MIXED_MAP), ATTRIBUTES, first_layer=1)
     proj = tiny_deep_clip.visual.proj
-    assert torch.equal(model.attribute_proj, proj) and model.attribute_proj.data_ptr() != proj.data_ptr()
+    assert torch.equal(model.tokens.attribute_proj, proj) and model.tokens.attribute_proj.data_ptr() != proj.data_ptr()
     with torch.no_grad():
-        model.attribute_proj.add_(1.0)
-    assert not torch.equal(model.attribute_proj, proj)  # training it leaves CLIP's own alone
+        model.tokens.attribute_proj.add_(1.0)
+    assert not torch.equal(model.tokens.attribute_proj, proj)  # training it leaves CLIP's own alone
 
 
 def test_a_role_map_with_a_head_of_a_layer_missing_or_twice_is_refused():
@@ -398,7 +405,7 @@ def test_without_attribute_tokens_the_image_side_is_frozen_clip_and_the_logits_t
     model = DeAR(tiny_deep_clip, no_tokens, attributes=[], first_layer=1, beta=0.3,
                  num_text_tokens=3)
     with torch.no_grad():
-        model.text_tokens.normal_(0, 1.0)
+        model.tokens.text_tokens.normal_(0, 1.0)
         model.fusion_logits.normal_(0, 1.0)
     labels = torch.tensor([0, 3, 1])
     out = model(images(), model.prepare_classes(prompts()), with_frozen=True)
@@ -411,17 +418,28 @@ def test_without_attribute_tokens_the_image_side_is_frozen_clip_and_the_logits_t
     class_ce = F.cross_entropy(out.branch_logits[:, 0], labels)
     assert_close(losses["branch"], class_ce, 1e-6, "a class branch alone: its own per-branch CE")
     losses["total"].backward()
-    assert model.text_tokens.grad.abs().max() > 0 and model.vision_tokens.numel() == 0
+    assert model.tokens.text_tokens.grad.abs().max() > 0 and model.tokens.vision_tokens.numel() == 0
 
 
 def test_the_mask_on_generalization_heads_only_makes_each_attribute_head_mixed(tiny_deep_clip):
     measured = role_map(MIXED_MAP)
     for head in measured.heads:  # measured (entropies): without attribute heads it would fall back
         head.entropy = 0.5 if head.role == "attribute" else 2.0
+        head.descriptions, head.concepts = [f"{head.role} {head.head}"], [f"cluster {head.layer}"]
+    measured.low_bits, measured.high_bits, measured.concepts = 0.81, 1.33, "clusters"
+    measured.clusters = [dear.Cluster(1, "colour", 4, ["red"])]
+    roles_before = [(h.role, h.attribute) for h in measured.heads]
     ablated = dear.generalization_mask_only(measured)
     expected = [{"attribute": "mixed"}.get(h.role, h.role) for h in measured.heads]
     assert [h.role for h in ablated.heads] == expected
     assert not any(h.attribute for h in ablated.heads)
+    # Only the roles and the source change: what was measured stays, the measured map untouched.
+    assert ablated.source == "analysis; attribute heads made mixed"
+    kept = ("vision_layers", "num_heads", "attributes", "low_bits", "high_bits", "concepts", "clusters")
+    assert [getattr(ablated, f) for f in kept] == [getattr(measured, f) for f in kept]
+    per_head = lambda m: [(h.layer, h.head, h.entropy, h.descriptions, h.concepts) for h in m.heads]  # noqa: E731
+    assert per_head(ablated) == per_head(measured)
+    assert [(h.role, h.attribute) for h in measured.heads] == roles_before
     before = make(tiny_deep_clip, MIXED_MAP)
     assert DeAR(tiny_deep_clip, ablated, ATTRIBUTES, first_layer=1).class_branch_only  # measured
     after = DeAR(tiny_deep_clip, ablated, ATTRIBUTES, first_layer=1, class_branch_fallback=False)
@@ -431,6 +449,31 @@ def test_the_mask_on_generalization_heads_only_makes_each_attribute_head_mixed(t
         assert not torch.isfinite(after.role_masks[layer, head]).all()
     for layer, head in [(1, 0), (2, 1), (2, 3)]:  # ... the attribute heads have none
         assert torch.isfinite(after.role_masks[layer, head]).all()
+
+
+def test_ablate_is_the_one_path_of_every_ablation_and_refuses_an_unknown_name(tiny_deep_clip):
+    """Each ablation's DeAR, built from what ablate returns, is the row with its one change."""
+    measured = role_map(MIXED_MAP)
+    for head in measured.heads:
+        head.entropy = 0.5 if head.role == "attribute" else 2.0
+
+    def built(name):
+        change = dear.ablate(name, measured, ATTRIBUTES, 0.1)
+        return change, DeAR(tiny_deep_clip, change.role_map, change.attributes, first_layer=1,
+                            num_text_tokens=2, class_branch_fallback=change.class_branch_fallback)
+
+    plain, row = built(None)
+    assert plain == (measured, ATTRIBUTES, True, 0.1, False) and (row.role_masks != 0).any()
+    no_mask, model = built("no-role-mask")
+    assert (model.role_masks == 0).all() and model.attributes == ATTRIBUTES  # every head mixed
+    assert no_mask.role_map.layers == measured.layers and no_mask.role_map.source == "all-mixed"
+    _, model = built("no-attribute-tokens")
+    assert model.attributes == [] and model.role_masks.shape[-1] == N_IMAGE
+    _, model = built("mask-generalization-only")
+    assert not model.class_branch_only and model.in_fusion.all()  # no fallback, every branch in
+    assert built("no-fusion-reg")[0].lambda_fusion == 0.0 and built("branch-ce")[0].branch_ce
+    with pytest.raises(DeARError, match="ablation 'no-mask': use one of no-role-mask, no-attribute"):
+        dear.ablate("no-mask", measured, ATTRIBUTES, 0.1)
 
 
 def test_branch_ce_adds_mmrls_per_branch_cross_entropy_of_the_branches_in_the_fusion(

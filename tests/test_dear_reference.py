@@ -196,8 +196,8 @@ def shared_layer_tokens(latent, weight, a, b, bias) -> torch.Tensor:
 def reference_tensors(model: DeAR) -> dict:
     """What `reference` reads, from the model's learnable tensors (with their autograd graph):
     under "shared", each layer's tokens and the projection computed from the shared tensors."""
-    t = dict(model.named_parameters())
-    if model.tokens == "separate":
+    t = model.learnable_tensors()
+    if model.construction == "separate":
         return t
     def aligner(tower: str) -> list:
         return [t[f"{tower}_aligner.{n}"] for n in ("weight", "a", "b", "bias")]
@@ -232,9 +232,9 @@ def randomised(clip, J: int, tokens: str = "separate") -> DeAR:
         return randomised_shared(model)
     model = DeAR(clip, role_map(), ATTRIBUTES, first_layer=J, beta=BETA, num_text_tokens=K)
     with torch.no_grad():
-        model.vision_tokens.normal_(0, 1.0)
-        model.text_tokens.normal_(0, 1.0)
-        model.attribute_proj.add_(torch.randn_like(model.attribute_proj) * 0.05)  # ~ the size of proj itself
+        model.tokens.vision_tokens.normal_(0, 1.0)
+        model.tokens.text_tokens.normal_(0, 1.0)
+        model.tokens.attribute_proj.add_(torch.randn_like(model.tokens.attribute_proj) * 0.05)  # ~ the size of proj itself
         model.fusion_logits.copy_(torch.randn_like(model.fusion_logits))
     return model
 
@@ -243,13 +243,13 @@ def randomised_shared(model: DeAR) -> DeAR:
     """Every shared tensor away from its start (B = 0 would hide a residual applied wrongly), each
     layer's bias its own; tokens of about unit size, as the separate ones above."""
     with torch.no_grad():
-        model.latent_tokens.normal_(0, 1.0)
-        for aligner in (model.vision_aligner, model.text_aligner):
+        model.tokens.latent_tokens.normal_(0, 1.0)
+        for aligner in (model.tokens.vision_aligner, model.tokens.text_aligner):
             aligner.weight.mul_(8.0)  # torch's init is ~1/sqrt(R): mapped tokens of order 1
             aligner.a.normal_(0, 0.5)
             aligner.b.normal_(0, 0.5)
             aligner.bias.normal_(0, 0.5)
-        residual = model.attribute_proj_residual
+        residual = model.tokens.attribute_proj_residual
         residual.a.normal_(0, 0.05)
         residual.b.normal_(0, 0.05)  # a b of about the size of proj's entries
         model.fusion_logits.copy_(torch.randn_like(model.fusion_logits))
@@ -325,23 +325,23 @@ def test_at_the_start_every_layers_tokens_are_equal_and_the_projection_is_proj(t
     model = DeAR(tiny_deep_clip, role_map(), ATTRIBUTES, first_layer=1, beta=BETA, tokens="shared")
     with torch.no_grad():
         tensors = reference_tensors(model)
-        towers = (("vision", model.vision_layer_tokens()), ("text", model.text_layer_tokens()))
+        towers = (("vision", model.tokens.vision_layer_tokens()), ("text", model.tokens.text_layer_tokens()))
         for tower, ours in towers:
             theirs = tensors[f"{tower}_tokens"]
             assert ours.shape == (3, len(ATTRIBUTES), 128), tower
             assert_close(ours.double(), theirs, 1e-6, f"{tower}: the map at the start")
             for layer in range(1, len(ours)):  # B = 0 and one bias copied to every layer
                 assert torch.equal(ours[layer], ours[0]), f"{tower} layer {layer} differs"
-        assert torch.equal(model.attribute_projection(), tiny_deep_clip.visual.proj)  # B = 0: proj
-        assert model.latent_tokens.std().item() == pytest.approx(0.02, rel=0.25)  # MMRL++'s init
+        assert torch.equal(model.tokens.attribute_projection(tiny_deep_clip.visual.proj), tiny_deep_clip.visual.proj)  # B = 0
+        assert model.tokens.latent_tokens.std().item() == pytest.approx(0.02, rel=0.25)  # MMRL++'s init
 
 
 def test_one_layers_residual_moves_that_layers_tokens_only(tiny_deep_clip):
     model = randomised(tiny_deep_clip, 1, "shared")
     with torch.no_grad():
-        before_v, before_t = model.vision_layer_tokens().clone(), model.text_layer_tokens().clone()
-        model.vision_aligner.b[1] += 0.3  # layer 2's residual, vision tower
-        after_v, after_t = model.vision_layer_tokens(), model.text_layer_tokens()
+        before_v, before_t = model.tokens.vision_layer_tokens().clone(), model.tokens.text_layer_tokens().clone()
+        model.tokens.vision_aligner.b[1] += 0.3  # layer 2's residual, vision tower
+        after_v, after_t = model.tokens.vision_layer_tokens(), model.tokens.text_layer_tokens()
         expected = reference_tensors(model)["vision_tokens"]
         assert_close(after_v.double(), expected, 1e-5, "after the change")
     assert (after_v[1] - before_v[1]).abs().max() > 1e-2, "the changed layer did not move"
@@ -356,7 +356,7 @@ def test_changing_a_latent_token_moves_both_towers(tiny_deep_clip):
     classes = model.prepare_classes(prompts())
     with torch.no_grad():
         before = model(images, classes)
-        model.latent_tokens[1] += 0.5  # the colour token's latent
+        model.tokens.latent_tokens[1] += 0.5  # the colour token's latent
         after = model(images, classes)
     moved = (after.image_features[:, 2] - before.image_features[:, 2]).abs().max()
     assert moved > 1e-3, "vision tower"

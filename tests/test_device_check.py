@@ -107,7 +107,7 @@ def test_the_amp_check_fails_a_step_that_leaves_a_learnable_tensor_without_gradi
 
     def detached_text_tokens(*args, **kwargs):  # e.g. the text tokens cut off the graph
         model, step, images, last = build(*args, **kwargs)
-        model.text_tokens.requires_grad_(False)
+        model.tokens.text_tokens.requires_grad_(False)
         return model, step, images, last
 
     monkeypatch.setattr(device_check, "build_step", detached_text_tokens)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 import clip_model  # noqa: E402
 import data  # noqa: E402
 import dear  # noqa: E402
-from harness import analysis, errors, cli, devices, plan, runfolder  # noqa: E402
+from harness import analysis, cli, config, devices, errors, plan, runfolder  # noqa: E402
 import train  # noqa: E402
 from conftest import perturb_  # noqa: E402
 from test_train import merges_for  # noqa: E402
@@ -396,7 +396,7 @@ CONFIGURATIONS = [
     ("analysed roles", {}, "analysed", None),
     ("all heads mixed", {}, "all-mixed", None),
     ("all heads generalization", {}, "all-generalization", None),
-    *[(f"ablation {name}", {}, "analysed", name) for name in cli.ABLATIONS
+    *[(f"ablation {name}", {}, "analysed", name) for name in dear.ABLATIONS
       if name != "no-role-mask"],  # (the all-mixed row)
     ("blind branch", {}, "blind", None),
     ("class-branch fallback", {}, "fallback", None),
@@ -422,6 +422,7 @@ def test_every_learnable_tensor_gets_a_gradient_or_ddp_is_told(tiny_clip, name, 
                     lambda_fusion=0.1, tokens="separate")
     settings.update(changed)
     inputs = types.SimpleNamespace(clip=tiny_clip, attributes=["colour", "shape"])
+    config.resolve_text_tokens(settings, len(inputs.attributes))  # K as train.py resolves it
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # blind tokens, the fallback

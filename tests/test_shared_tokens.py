@@ -10,11 +10,15 @@ its sizes, no weights), what learns and what stays frozen, what the three specia
 checkpoint names, and the refusals.
 """
 
+import types
+
 import pytest
 import torch
 
 import clip_model
 import dear
+from harness import config
+import train
 from conftest import TINY_DEEP, assert_close
 from dear import DeAR, DeARError, HeadRole, RoleMap
 
@@ -115,7 +119,7 @@ def test_checkpoints_of_separate_keep_their_names_and_shared_ones_round_trip(tin
 
 def test_every_shared_tensor_learns_and_no_clip_weight_gets_a_gradient(tiny_deep_clip):
     model = shared(tiny_deep_clip, roles(["colour", "G", "M", "shape"]))
-    own = {name for name, _ in model.named_parameters() if not name.startswith("clip.")}
+    own = {name.removeprefix("tokens.") for name, _ in model.named_parameters() if not name.startswith("clip.")}
     assert set(model.learnable_tensors()) == own, "a learnable tensor is missing from the list"
     before = {name: t.clone() for name, t in model.learnable_state_dict().items()}
     optimizer = torch.optim.AdamW(model.learnable_parameters(), lr=1e-2)
@@ -139,13 +143,40 @@ def test_no_attribute_tokens_keeps_the_latent_tokens_for_the_text_tower_alone(ti
     mixed = RoleMap.uniform("mixed", 3, 4, [2], [])
     model = shared(tiny_deep_clip, mixed, [], num_text_tokens=3)  # A = 0: K is the run's, here 3
     assert list(model.parameter_counts()) == ["latent_tokens", "text_aligner", "fusion_logits"]
-    assert model.vision_aligner is None and model.attribute_proj_residual is None  # no vision map
+    assert model.tokens.vision_aligner is None and model.tokens.attribute_proj_residual is None  # no vision map
     out = model(images(), model.prepare_classes(prompts()), with_frozen=True)
     assert out.image_features.shape[1] == 1 and out.alpha.tolist() == [1.0]  # the class branch
     assert_close(out.image_features[:, 0], out.frozen_image_features, 1e-5, "frozen CLIP's image")
     assert (out.text_features - out.frozen_text_features).abs().max() > 1e-3  # the text tokens act
     dear.dear_loss(out, torch.tensor([0, 2]))["total"].backward()
-    assert model.latent_tokens.grad.abs().max() > 0  # ... and learn
+    assert model.tokens.latent_tokens.grad.abs().max() > 0  # ... and learn
+
+
+def test_without_attribute_tokens_python_and_train_py_give_the_same_K_and_nothing_acts_on_nothing(
+        tiny_deep_clip):
+    """The one K rule (dear.default_text_tokens): a shared row without attribute tokens keeps its
+    full row's K = A. train.py resolves K before the ablation; from Python it is passed (unset:
+    refused). With K = 0 too, no latent token and no map is built: only the fusion weight."""
+    analysed = roles(["colour", "G", "M", "shape"])
+    settings = dict(tokens="shared", text_tokens=None, beta=0.3, first_layer=2, lambda_fusion=0.1)
+    config.resolve_text_tokens(settings, len(ATTRIBUTES))  # train.py's K, once per call
+    inputs = types.SimpleNamespace(clip=tiny_deep_clip, attributes=ATTRIBUTES)
+    by_train = train.build_dear(settings, inputs, analysed, "no-attribute-tokens")
+    change = dear.ablate("no-attribute-tokens", analysed, ATTRIBUTES, 0.1)
+    by_python = DeAR(tiny_deep_clip, change.role_map, change.attributes, first_layer=2, beta=0.3,
+                     tokens="shared", num_text_tokens=dear.default_text_tokens("shared", 3))
+    assert by_train.num_text_tokens == by_python.num_text_tokens == 3
+    aligner = [f"text_aligner.{n}" for n in ("weight", "bias", "a", "b")]
+    assert list(by_train.learnable_tensors()) == list(by_python.learnable_tensors()) == \
+        ["latent_tokens", *aligner, "fusion_logits"]
+    with pytest.raises(DeARError, match="tokens 'shared' without attribute tokens: give num_text_tokens"):
+        DeAR(tiny_deep_clip, change.role_map, [], first_layer=2, tokens="shared")
+    empty = DeAR(tiny_deep_clip, change.role_map, [], first_layer=2, tokens="shared", num_text_tokens=0)
+    assert list(empty.learnable_tensors()) == ["fusion_logits"]
+    assert [name for name, _ in empty.tokens.named_parameters()] == []
+    out = empty(images(), empty.prepare_classes(prompts()), with_frozen=True)
+    assert_close(out.image_features[:, 0], out.frozen_image_features, 1e-5, "frozen CLIP's image")
+    assert_close(out.text_features, out.frozen_text_features, 1e-5, "frozen CLIP's text")
 
 
 def test_a_blind_token_exists_feeds_the_text_tower_and_leaves_the_fusion(tiny_deep_clip):
@@ -157,10 +188,10 @@ def test_a_blind_token_exists_feeds_the_text_tower_and_leaves_the_fusion(tiny_de
     classes = model.prepare_classes(prompts())
     out = model(images(), classes)
     assert out.alpha[3].item() == 0 and out.alpha[1].item() > 0  # texture's branch out, colour's in
-    assert model.vision_layer_tokens().shape[1] == 3  # the blind token is still in the vision tower
+    assert model.tokens.vision_layer_tokens().shape[1] == 3  # the blind token is still in the vision tower
     with torch.no_grad():
         text_before = model.encode_text(classes)
-        model.latent_tokens[2] += 0.5  # the texture token
+        model.tokens.latent_tokens[2] += 0.5  # the texture token
         assert (model.encode_text(classes) - text_before).abs().max() > 1e-4  # it feeds the text
     assert "texture" not in dear.retrieval_features(model, images())  # a blind token ranks nothing
 
@@ -171,7 +202,7 @@ def test_the_fallback_leaves_every_attribute_branch_out_of_the_fusion(tiny_deep_
     assert model.class_branch_only
     out = model(images(), model.prepare_classes(prompts()))
     assert out.alpha.tolist() == [1.0, 0.0, 0.0, 0.0]
-    assert model.latent_tokens.shape == (3, 128)  # the tokens still exist and reach both towers
+    assert model.tokens.latent_tokens.shape == (3, 128)  # the tokens still exist and reach both towers
 
 
 # ------------------------------------------------------------------------------------------

@@ -416,7 +416,7 @@ def test_each_ablation_is_a_dear_run_with_one_change_and_a_row_of_its_own(world,
     assert train.main(common(world, out, "--dataset", "dtd", "--seeds", "1", "--shots", "4",
                              "--epochs", "1", "--roles", hand_made_roles(tmp_path),
                              "--ablations", "all")) == 0
-    assert read(out / "settings.json")["settings"]["ablations"] == list(cli.ABLATIONS)
+    assert read(out / "settings.json")["settings"]["ablations"] == list(dear.ABLATIONS)
     summary = read(out / "summary.json")
     assert list(summary["tables"]["dtd"]["rows"]) == [
         "zeroshot", "dear-fused", "dear-class-on-unseen", "dear-all-mixed",
@@ -550,8 +550,8 @@ def test_evaluate_scores_the_fused_and_the_class_branch_logits_and_each_set_gets
     torch.manual_seed(0)
     model = dear.DeAR(clip, roles, first_layer=2, beta=0.3).eval()
     with torch.no_grad():  # attribute branches decisive (alpha_cls ~ 0) and unlike the class branch
-        model.attribute_proj.normal_(0, 1.0)
-        model.vision_tokens.normal_(0, 1.0)
+        model.tokens.attribute_proj.normal_(0, 1.0)
+        model.tokens.vision_tokens.normal_(0, 1.0)
         model.fusion_logits.copy_(torch.tensor([-20.0, 1.0, 2.0, 3.0, 4.0, 5.0]))
     settings, runtime = dict(eval_batch_size=3, workers=0), devices.Runtime(torch.device("cpu"))
     sets = {}
@@ -1732,7 +1732,7 @@ def test_build_dear_keeps_the_recipes_beta_and_evaluate_scores_at_the_beta_it_is
     model = train.build_dear(settings, inputs, roles).eval()
     assert model.beta == 0.7
     with torch.no_grad():
-        for tensor in (model.vision_tokens, model.text_tokens):
+        for tensor in (model.tokens.vision_tokens, model.tokens.text_tokens):
             tensor.normal_(0, 3.0)
     at_02 = train.build_dear(dict(settings, beta=0.2), inputs, roles).eval()
     at_02.load_learnable_state_dict(model.learnable_state_dict())
@@ -1746,7 +1746,7 @@ def test_build_dear_keeps_the_recipes_beta_and_evaluate_scores_at_the_beta_it_is
     assert given == train.evaluate(at_02, clip, tokenizer, novel, options, runtime)
 
 
-# Each ablation's one change, as the fields of plan.Ablated it moves.
+# Each ablation's one change, as the fields of dear.Ablated it moves.
 ABLATION_CHANGES = {"no-role-mask": {"role_map"}, "no-attribute-tokens": {"role_map", "attributes"},
                     "no-fusion-reg": {"lambda_fusion"},
                     "mask-generalization-only": {"role_map", "class_branch_fallback"},
@@ -1762,25 +1762,25 @@ def measured_map() -> dear.RoleMap:
 
 
 def test_each_ablation_makes_exactly_its_one_change_and_the_rows_follow(tiny_clip, world, tmp_path):
-    assert set(ABLATION_CHANGES) == set(cli.ABLATIONS)
+    assert set(ABLATION_CHANGES) == set(dear.ABLATIONS)
     attributes, analysed = list(dear.CORE_ATTRIBUTES), measured_map()
-    plain = plan.ablate(None, analysed, attributes, 0.3)
+    plain = dear.ablate(None, analysed, attributes, 0.3)
     assert plain == (analysed, attributes, True, 0.3, False)
     for name, fields in ABLATION_CHANGES.items():
-        change = plan.ablate(name, analysed, attributes, 0.3)
-        moved = {f for f in plan.Ablated._fields if getattr(change, f) != getattr(plain, f)}
+        change = dear.ablate(name, analysed, attributes, 0.3)
+        moved = {f for f in dear.Ablated._fields if getattr(change, f) != getattr(plain, f)}
         assert moved == fields, name
     roles_of = lambda m: [(h.layer, h.head, h.role, h.attribute) for h in m.heads]  # noqa: E731
-    no_mask = plan.ablate("no-role-mask", analysed, attributes, 0.3).role_map
+    no_mask = dear.ablate("no-role-mask", analysed, attributes, 0.3).role_map
     assert roles_of(no_mask) == roles_of(sources.role_map_for("all-mixed", tiny_clip, attributes, None))
-    none = plan.ablate("no-attribute-tokens", analysed, attributes, 0.3)
+    none = dear.ablate("no-attribute-tokens", analysed, attributes, 0.3)
     assert none.attributes == [] and none.role_map.attributes == []
     assert {h.role for h in none.role_map.heads} == {"mixed"}
-    only = plan.ablate("mask-generalization-only", analysed, attributes, 0.3)
+    only = dear.ablate("mask-generalization-only", analysed, attributes, 0.3)
     assert [r[2] for r in roles_of(only.role_map)] == ["mixed" if r[2] == "attribute" else r[2]
                                                        for r in roles_of(analysed)]
-    assert plan.ablate("no-fusion-reg", analysed, attributes, 0.3).lambda_fusion == 0.0
-    assert plan.ablate("branch-ce", analysed, attributes, 0.3).branch_ce
+    assert dear.ablate("no-fusion-reg", analysed, attributes, 0.3).lambda_fusion == 0.0
+    assert dear.ablate("branch-ce", analysed, attributes, 0.3).branch_ce
     # Built: the map made by hand keeps every branch (without the switch it would fall back).
     settings = dict(first_layer="auto", beta=0.7, text_tokens=2, tokens="separate", lambda_fusion=0.3)
     inputs = sources.Inputs(tiny_clip, None, attributes, [], "labels", None, False, {})
@@ -1791,9 +1791,9 @@ def test_each_ablation_makes_exactly_its_one_change_and_the_rows_follow(tiny_cli
     # The rows: no-role-mask is --roles all-mixed's row; each other one the DeAR row changed.
     rows = plan.dear_rows(settings_of(common(world, tmp_path / "u", "--dataset", "dtd", "--ablations", "all")))
     assert rows == [("dear", "analyse", None), ("dear-all-mixed", "all-mixed", None)] + [
-        (f"dear-{name}", "analyse", name) for name in cli.ABLATIONS if name != "no-role-mask"]
-    with pytest.raises(errors.TrainError, match="ablation 'no-such'"):
-        plan.ablate("no-such", analysed, attributes, 0.3)
+        (f"dear-{name}", "analyse", name) for name in dear.ABLATIONS if name != "no-role-mask"]
+    with pytest.raises(dear.DeARError, match="ablation 'no-such': use one of no-role-mask, "):
+        dear.ablate("no-such", analysed, attributes, 0.3)
 
 
 # ------------------------------------------------------------------------------------------
@@ -1838,13 +1838,13 @@ def test_a_non_finite_step_stops_its_run_at_its_last_finite_checkpoint_and_resum
         poisoned_loss(patch, at_call=5, what=what)
         capsys.readouterr()
         assert train.main(argv) == 1
-    printed, errors = capsys.readouterr()
+    printed, stderr = capsys.readouterr()
     seed1, seed2 = out / "dtd" / "dear-all-mixed" / "seed1", out / "dtd" / "dear-all-mixed" / "seed2"
     line = next(l for l in printed.splitlines() if "diverged" in l)
     assert line == ("train.py: [dtd / dear-all-mixed / seed 1] diverged at epoch 2, step 2: "
                     f"{said} (fp32, attention sdpa (flash)); epoch 1's checkpoint kept; "
                     "try --attention explicit or another --amp, then --resume")
-    assert errors.strip().splitlines()[-1] == ("train.py: 1 of 2 runs diverged (above); the others' "
+    assert stderr.strip().splitlines()[-1] == ("train.py: 1 of 2 runs diverged (above); the others' "
                                                "numbers are in the tables; continue with --resume")
     checkpoint = torch.load(seed1 / "checkpoint.pt", weights_only=True)
     assert checkpoint["epoch"] == 1
