@@ -37,7 +37,8 @@ import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Union
+from typing import (Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence,
+                    Tuple, Union)
 
 import torch
 import torch.nn as nn
@@ -75,12 +76,21 @@ def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
     order. contributions (n, E), one head's direct contributions to the image embeddings; the bank
     (T, E); rank: textspan_rank(clip) -> indices into the bank. Each pick is the text varying most
     across the images; it is then removed from the head and from the bank."""
+    return [pick for pick, _ in textspan_steps(contributions, text_embeddings, num_descriptions,
+                                               rank)]
+
+
+def textspan_steps(contributions: torch.Tensor, text_embeddings: torch.Tensor,
+                   num_descriptions: int, rank: int) -> Iterator[Tuple[int, float]]:
+    """textspan one pick at a time -> (bank index, the share of the head's variance across the
+    images that removing the pick's direction takes away). The shares add up to at most 1."""
     check_picks(num_descriptions, contributions, text_embeddings, rank)  # section 10
     data = contributions.double()
     _, _, right = torch.linalg.svd(data, full_matrices=False)  # right: (min(n, E), E), raw data
     span = right[:rank]  # (r, E), r = min(rank, n, E): the authors' vh[:rank], mean included
     bank = text_embeddings.double() @ span.T @ span  # (T, E): each text inside the head's span
     data = data - data.mean(dim=0, keepdim=True)  # (n, E), centred as the authors do (picks stay)
+    total = data.pow(2).sum().clamp_min(1e-300)  # the head's variance across images, times n - 1
     chosen: List[int] = []
     for _ in range(num_descriptions):
         spread = (data @ bank.T).std(dim=0)  # (T,): how much each text direction varies
@@ -88,9 +98,10 @@ def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
         best = int(spread.argmax())
         chosen.append(best)
         direction = bank[best] / bank[best].norm().clamp_min(1e-12)  # (E,), as the authors'
-        data = data - (data @ direction)[:, None] * direction[None]  # remove it from the head ...
+        along = data @ direction  # (n,): each image's contribution along the pick
+        yield best, float(along.pow(2).sum() / total)
+        data = data - along[:, None] * direction[None]  # remove it from the head ...
         bank = bank - (bank @ direction)[:, None] * direction[None]  # ... and from the bank
-    return chosen
 
 
 def textspan_rank(clip: clip_model.CLIP) -> int:

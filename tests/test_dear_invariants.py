@@ -202,6 +202,21 @@ def test_textspan_removes_each_chosen_direction_from_the_bank():
     assert dear.textspan(data, bank, num_descriptions=3, rank=80) == [0, 1, 3]
 
 
+
+def test_textspan_steps_give_each_picks_share_of_the_heads_variance():
+    """The walkthrough's numbers: each pick's share is the variance along its direction, taken out
+    in turn, so the planted strengths come back (5, 3, 1.5 and 0.6 squared, over their sum)."""
+    bank, data = _planted()
+    steps = list(dear.textspan_steps(data, bank, num_descriptions=4, rank=80))
+    assert [pick for pick, _ in steps] == dear.textspan(data, bank, num_descriptions=4, rank=80)
+    strengths = torch.tensor([5.0, 3.0, 1.5, 0.6]) ** 2
+    sample = data - data.mean(0)
+    for (pick, share), planted in zip(steps, strengths / strengths.sum()):
+        assert abs(share - float(planted)) < 0.06, (pick, share, float(planted))
+    assert 0.97 < sum(share for _, share in steps) <= 1.0  # the noise is the rest
+    first = F.normalize(bank[17], dim=0)  # the whole head's variance along the first pick, alone
+    assert steps[0][1] == pytest.approx(float((sample @ first).pow(2).sum() / sample.pow(2).sum()), rel=1e-3)
+
 # ------------------------------------------------------------------------------------------
 # Role maps: attribute order, uncovered layers, ties
 # ------------------------------------------------------------------------------------------

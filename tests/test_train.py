@@ -443,7 +443,7 @@ def test_each_ablation_is_a_dear_run_with_one_change_and_a_row_of_its_own(world,
     assert "## Learned fusion weights alpha (mean ± sd over seeds)" in markdown
     for row, model in models.items():
         folder = out / "dtd" / row / "seed1"
-        ablation = None if row in ("dear", "dear-all-mixed") else row[len("dear-"):]
+        ablation = {"dear": None, "dear-all-mixed": "no-role-mask"}.get(row, row[len("dear-"):])
         checkpoint = torch.load(folder / "checkpoint.pt", weights_only=True)
         assert checkpoint["settings"]["job"]["ablation"] == ablation
         result = read(folder / "results.json")
@@ -474,7 +474,7 @@ def test_no_role_mask_is_the_row_of_all_heads_mixed_made_once():
                         protocol="base2novel", source=None, dataset=["dtd"], shots=[16], seeds=[1],
                         output="o")
         assert [(j.row, j.roles, j.ablation) for j in plan.plan_jobs(settings)] == [
-            ("dear", "analyse", None), ("dear-all-mixed", "all-mixed", None),
+            ("dear", "analyse", None), ("dear-all-mixed", "all-mixed", "no-role-mask"),
             ("dear-no-fusion-reg", "analyse", "no-fusion-reg")]
 
 
@@ -1790,7 +1790,7 @@ def test_each_ablation_makes_exactly_its_one_change_and_the_rows_follow(tiny_cli
     assert train.build_dear(settings, inputs, analysed, "no-attribute-tokens").attributes == []
     # The rows: no-role-mask is --roles all-mixed's row; each other one the DeAR row changed.
     rows = plan.dear_rows(settings_of(common(world, tmp_path / "u", "--dataset", "dtd", "--ablations", "all")))
-    assert rows == [("dear", "analyse", None), ("dear-all-mixed", "all-mixed", None)] + [
+    assert rows == [("dear", "analyse", None), ("dear-all-mixed", "all-mixed", "no-role-mask")] + [
         (f"dear-{name}", "analyse", name) for name in dear.ABLATIONS if name != "no-role-mask"]
     with pytest.raises(dear.DeARError, match="ablation 'no-such': use one of no-role-mask, "):
         dear.ablate("no-such", analysed, attributes, 0.3)
