@@ -415,7 +415,7 @@ def normalised_contributions(clip: clip_model.CLIP, image_batches, num_layers: i
 @torch.no_grad()
 def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iterable[torch.Tensor]],
                   tokenizer: clip_model.SimpleTokenizer,
-                  bank: Optional[Sequence[Description]] = None,
+                  bank: Sequence[Description],
                   attributes: Sequence[str] = CORE_ATTRIBUTES, num_layers: Optional[int] = None,
                   num_descriptions: Optional[int] = None, rank: Optional[int] = None,
                   low_bits: Optional[float] = None, high_bits: Optional[float] = None,
@@ -425,7 +425,8 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
                   cluster_names: Optional[Dict[int, str]] = None,
                   log: Callable[[str], None] = print) -> RoleMap:
     """The head analysis (paper Sec. 3.2) -> RoleMap. image_batches: (n, 3, R, R) or an iterable of
-    (B, 3, R, R); bank: default the project's; num_layers: L_a, default analysed_layers;
+    (B, 3, R, R); bank: the descriptions TextSpan picks from (Description, or (text, concept,
+    value) triples; the project's: harness/bank.py); num_layers: L_a, default analysed_layers;
     num_descriptions: default default_picks(bank); rank: default textspan_rank(clip). For each
     head of the last L_a layers: its direct contributions (over each embedding's norm, as
     TextSpan does) and TextSpan's picks; then the concepts (concepts="clusters": the picks
@@ -433,7 +434,7 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
     default_concepts(bank); find_concepts), each head's concept entropy and role (low_bits,
     high_bits: default default_thresholds). cluster_names: {cluster id: name} overrides the names
     the clusters are given."""
-    bank = [Description(*entry) for entry in bank] if bank is not None else description_bank()
+    bank = [Description(*entry) for entry in bank]  # (text, concept, value) triples also do
     source = default_concepts(bank) if concepts is None else concepts  # "clusters" or "labels"
     check_concepts(source, bank)
     depth = len(clip.visual.transformer.resblocks)
@@ -1430,105 +1431,6 @@ def format_head_mask(mask: torch.Tensor, num_image_tokens: int, attributes: Sequ
     rows = [f"{name:>11} " + " ".join(f"{'#' if v == 0 else '.':>8}" for v in row)
             for name, row in zip(names, folded)]
     return "\n".join(["query \\ key " + " ".join(f"{n:>8}" for n in names)] + rows)
-
-
-def read_descriptions(path: str, log: Callable[[str], None] = print) -> List[Description]:
-    """A pool file: one description per line, blank lines and '#' comments skipped, a repeated
-    line kept once (with a count); 'text<TAB>concept' labels a line. Problems: one DeARError
-    naming the file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = [line.strip() for line in f]
-    except FileNotFoundError:
-        raise DeARError(f"{path}: no such description pool; "
-                        "give a text file, one description per line") from None
-    except UnicodeDecodeError:
-        raise DeARError(f"{path}: not UTF-8 text; save the pool as UTF-8") from None
-    except OSError as error:
-        raise DeARError(f"{path}: cannot read the description pool "
-                        f"({error.strerror or error})") from None
-    entries = [Description(*(part.strip() or None for part in line.split("\t", 1)))
-               for line in lines if line and not line.startswith("#")]
-    pool: Dict[str, Description] = {}
-    for entry in entries:
-        if entry.text is not None:
-            pool.setdefault(entry.text, entry)  # a repeated line: the first kept
-    if not pool:
-        raise DeARError(f"{path}: no descriptions in it (blank lines and '#' comments are skipped)")
-    if len(pool) < len(entries):
-        dropped = len(entries) - len(pool)
-        log(f"{path}: {len(pool)} distinct descriptions ({dropped} repeated lines dropped)")
-    return list(pool.values())
-
-
-def description_bank() -> List[Description]:
-    """Each word of a concept in each of its templates (its concept known by construction): 591
-    phrases, the 5 core attributes, then 7 concepts over which a head about none of them spreads
-    (high entropy). No phrase twice (tests/test_dear.py checks)."""
-    return [Description(template.format(word), concept, word)
-            for concept, (words, templates) in _BANK_WORDS.items()
-            for template in templates for word in words]
-
-
-_BANK_WORDS = {  # concept -> (words, templates): the five core attributes, then seven others
-    "colour": (
-        ["red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white",
-         "grey", "gold", "silver", "beige", "turquoise", "maroon", "navy blue", "teal", "violet",
-         "crimson"],
-        ["a bright {} colour", "an image dominated by the colour {}", "something coloured {}",
-         "a {} tint"]),
-    "shape": (
-        ["round", "square", "triangular", "rectangular", "oval", "cylindrical", "spherical",
-         "star-shaped", "heart-shaped", "hexagonal", "curved", "pointed", "elongated", "flat",
-         "cone-shaped", "spiral"],
-        ["a {} shape", "an object with a {} form", "a {} outline", "something {} in shape"]),
-    "texture": (
-        ["striped", "dotted", "checkered", "furry", "smooth", "rough", "fluffy", "woven", "scaly",
-         "wrinkled", "glossy", "matte", "grainy", "bumpy", "metallic", "wooden", "knitted",
-         "cracked", "porous", "velvety"],
-        ["a {} texture", "a {} surface", "a close-up of a {} pattern"]),
-    "object": (
-        ["bicycle", "car", "dog", "cat", "bird", "flower", "tree", "chair", "airplane", "boat",
-         "house", "cup", "guitar", "clock", "horse", "fish", "shoe", "book", "phone", "lamp",
-         "bottle", "apple", "pizza", "bridge", "train", "butterfly", "mushroom", "umbrella",
-         "laptop", "piano"],
-        ["a photo of a {}", "a picture of a {}", "a close-up of a {}"]),
-    "location": (
-        ["beach", "forest", "city street", "kitchen", "desert", "mountain top", "lake shore",
-         "snowy field", "office", "garden", "classroom", "stadium", "farm", "coral reef",
-         "highway", "river bank", "park", "living room", "harbour", "airport"],
-        ["a photo taken at a {}", "a scene in a {}", "the background is a {}"]),
-    "style": (
-        ["watercolour painting", "pencil sketch", "oil painting", "cartoon", "3D render",
-         "pixel art", "comic drawing", "mosaic", "embroidery", "origami model", "marble sculpture",
-         "graffiti", "tattoo", "low-poly model", "woodcut print"],
-        ["an image in the style of a {}", "a {} of something", "art made as a {}"]),
-    "count": (
-        ["one", "two", "three", "four", "five", "six", "seven", "a dozen", "many", "hundreds of"],
-        ["{} objects in the picture", "an image with {} things in it", "a group of {} items"]),
-    "lighting": (
-        ["bright sunlight", "dim light", "backlight", "neon light", "candlelight", "harsh shadows",
-         "soft light", "golden hour light", "flash", "overcast light", "studio lighting",
-         "moonlight"],
-        ["a photo taken with {}", "a scene lit by {}", "an image full of {}"]),
-    "mood": (
-        ["happy", "sad", "peaceful", "scary", "romantic", "energetic", "lonely", "nostalgic",
-         "dramatic", "playful", "calm", "mysterious"],
-        ["a {} mood", "a {} atmosphere", "a picture that feels {}"]),
-    "text": (
-        ["a sign with words", "a logo", "handwritten letters", "a newspaper page", "a street sign",
-         "a label with numbers", "a caption", "a book title", "a licence plate", "a price tag"],
-        ["an image containing {}", "a photo with {} in it", "a close-up of {}"]),
-    "viewpoint": (
-        ["an aerial view", "a close-up view", "a wide-angle view", "a side view",
-         "a top-down view", "a low-angle view", "a fisheye view", "a macro view",
-         "a panoramic view", "a rear view"],
-        ["a photo taken from {}", "{} of a scene", "a picture shot as {}"]),
-    "time": (
-        ["morning", "noon", "evening", "night", "winter", "summer", "autumn", "spring", "sunset",
-         "dawn"],
-        ["a photo taken in the {}", "a scene at {}", "an image from the {}"]),
-}
 
 
 if __name__ == "__main__":  # a small demonstration on a random CLIP (no weights needed)

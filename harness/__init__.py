@@ -9,6 +9,7 @@ this package for everything around the method and the loop, one concern per modu
     plan.py       a call's runs (Job), the table rows and their labels
     sources.py    the files a call reads, checked first: CLIP, BPE, role files, description pools,
                   the sentence encoder, fingerprints
+    bank.py       the project's labelled description bank and the pool-file reader (data)
     monitor.py    one run's training watched: running sums, the wait for data, the non-finite guard
     runfolder.py  the run folder: whole files, the lock, checkpoints, resuming, each run's history
     analysis.py   the head analysis as train.py runs it: pool, fingerprint, cache

@@ -1,4 +1,4 @@
-"""harness/py -- the files a call reads, each checked before any work: CLIP and its BPE
+"""harness/sources.py -- the files a call reads, each checked before any work: CLIP and its BPE
 file, a role file, the head analysis' description pool (the project's bank, TextSpan's pool,
 yours), the sentence encoder (SBERT: installed, its model folder whole, loaded), the clusters'
 names; the input files' fingerprints. Called by train.py and analysis.py.
@@ -19,6 +19,7 @@ import torch
 import clip_model
 import dear
 from . import devices
+from .bank import project_bank, read_descriptions
 from .errors import TrainError
 from .cli import ROLE_ABLATIONS, SBERT_INSTALL, SBERT_MODEL
 from .config import analysis_header, role_file_of
@@ -84,9 +85,8 @@ def description_pool(choice: str, project_bank: list, log: Callable[[str], None]
     else:
         path = textspan_pool_file() if choice == "textspan" else choice
         try:
-            pool, digest = [tuple(entry)
-                            for entry in dear.read_descriptions(path, log)], sha256(path)
-        except dear.DeARError as error:
+            pool, digest = [tuple(entry) for entry in read_descriptions(path, log)], sha256(path)
+        except TrainError as error:
             raise TrainError(f"--bank {error}") from None
     # the project's: of its entries
     digest = digest or hashlib.sha256(json.dumps(pool).encode()).hexdigest()
@@ -104,7 +104,7 @@ def description_bank(toy: bool) -> List[tuple]:
         from toyworld import world  # only the word lists: cheap, builds nothing
 
         return world.toy_bank()
-    return [tuple(entry) for entry in dear.description_bank()]
+    return [tuple(entry) for entry in project_bank()]
 
 
 def read_pool(settings, attributes: List[str]):

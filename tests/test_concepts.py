@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dear  # noqa: E402
 from harness import reports  # noqa: E402
-
+from harness.bank import project_bank, read_descriptions  # noqa: E402
+from harness.errors import TrainError  # noqa: E402
 NOISE = dear.NOISE
 
 
@@ -100,7 +101,7 @@ def planted_bank_and_encoder(bank):
 
 
 def test_clusters_that_recover_the_labels_give_the_labels_roles(tiny_deep_clip, monkeypatch):
-    bank = dear.description_bank()
+    bank = project_bank()
     by_concept = {}
     for index, entry in enumerate(bank):
         by_concept.setdefault(entry.concept, []).append(index)
@@ -166,7 +167,7 @@ def test_a_pool_file_skips_comments_and_blanks_keeps_the_first_of_a_repeat_and_r
     path.write_text("# my descriptions\n\nImage with a red color\ncolour\tignored?\nA striped shirt\ttexture\n"
                     "Image with a red color\n  A striped shirt  \n", encoding="utf-8")
     lines = []
-    pool = dear.read_descriptions(str(path), log=lines.append)
+    pool = read_descriptions(str(path), log=lines.append)
     assert pool == [dear.Description("Image with a red color"), dear.Description("colour", "ignored?"),
                     dear.Description("A striped shirt", "texture")]
     assert lines == [f"{path}: 3 distinct descriptions (2 repeated lines dropped)"]
@@ -181,14 +182,14 @@ def test_a_bad_pool_file_is_one_line_naming_it(tmp_path, content, message):
     path = tmp_path / "pool.txt"
     if content is not None:
         path.write_bytes(content)
-    with pytest.raises(dear.DeARError, match=message) as error:
-        dear.read_descriptions(str(path))
+    with pytest.raises(TrainError, match=message) as error:
+        read_descriptions(str(path))
     assert str(error.value).startswith(str(path)) and "\n" not in str(error.value)
 
 
 def test_the_picks_of_a_pool_without_labels_default_to_the_papers():
     assert dear.default_picks([dear.Description("a"), dear.Description("b")], ["colour"]) == dear.PAPER_PICKS
-    assert dear.default_picks(dear.description_bank(), dear.CORE_ATTRIBUTES) == 16  # labelled: fewest values
+    assert dear.default_picks(project_bank(), dear.CORE_ATTRIBUTES) == 16  # labelled: fewest values
 
 
 # ---- the record: roles.json and clusters.md -------------------------------------------------

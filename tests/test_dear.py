@@ -21,6 +21,7 @@ import torch
 
 import clip_model
 import dear
+from harness.bank import project_bank
 from harness import pictures
 from conftest import TINY, assert_close
 from dear import DeAR, DeARError, HeadRole, RoleMap
@@ -246,7 +247,7 @@ def test_default_picks_follow_the_fewest_values_of_an_attribute():
     bank += [(f"at {v}", "place", v) for v in ("left", "right")]  # not an attribute: no say
     assert dear.default_picks(bank, ["colour", "shape"]) == 3  # colour: 3 values
     assert dear.default_picks([b[:2] for b in bank], ["colour", "shape"]) == 5  # no values: each phrase its own
-    assert dear.default_picks(dear.description_bank(), ATTRIBUTES) == 16  # shape's 16 words
+    assert dear.default_picks(project_bank(), ATTRIBUTES) == 16  # shape's 16 words
     with pytest.raises(DeARError, match="no phrase of any attribute"):
         dear.default_picks(bank, ["texture"])
 
@@ -270,7 +271,7 @@ def test_dominant_concept_ties_go_to_the_first_found():
 
 
 def test_the_description_bank_is_large_labelled_and_unique():
-    bank = dear.description_bank()
+    bank = project_bank()
     concepts = {d.concept for d in bank}
     assert len(bank) >= 500 and len(concepts) >= 10
     assert set(dear.CORE_ATTRIBUTES) <= concepts
@@ -284,7 +285,7 @@ def test_analysis_end_to_end_writes_json_table_and_heatmap(tiny_clip, tmp_path):
     # The tiny model's vocabulary (600) is larger than this tokenizer's (517): ids fit.
     batches = [images(8, seed=s) for s in range(3)]
     lines = []
-    result = dear.analyze_heads(tiny_clip, batches, tokenizer, num_layers=2, num_descriptions=6,
+    result = dear.analyze_heads(tiny_clip, batches, tokenizer, project_bank(), num_layers=2, num_descriptions=6,
                                 log=lines.append)
     assert result.layers == [1, 2] and len(result.heads) == 2 * HEADS
     assert all(len(h.descriptions) == 6 and h.entropy is not None for h in result.heads)
@@ -489,7 +490,7 @@ def test_analyze_heads_takes_one_tensor_of_images_as_well_as_batches(tiny_clip, 
     bpe.write_text("#version: 0.2\nr e\nre d</w>\n")
     tokenizer = clip_model.SimpleTokenizer(str(bpe))
     batches = [images(8, seed=s) for s in range(2)]
-    quiet = dict(num_descriptions=6, log=lambda line: None)
+    quiet = dict(bank=project_bank(), num_descriptions=6, log=lambda line: None)
     from_batches = dear.analyze_heads(tiny_clip, batches, tokenizer, **quiet)
     from_tensor = dear.analyze_heads(tiny_clip, torch.cat(batches), tokenizer, **quiet)
     assert from_tensor == from_batches and from_tensor.layers == [0, 1, 2]  # all 3 layers (fewer than 4)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import dear
+from harness.bank import project_bank
 import clip_model
 from clip_model import HeadContributions
 from conftest import TINY_DEEP, assert_close
@@ -252,7 +253,7 @@ def test_a_concept_tie_goes_to_the_concept_found_first_not_last():
 
 
 def test_a_head_writing_along_colour_descriptions_is_named_a_colour_head(tiny_deep_clip, monkeypatch):
-    bank = dear.description_bank()
+    bank = project_bank()
     E, L, n = 48, 2, 120
     generator = torch.Generator().manual_seed(0)
     text = F.normalize(torch.randn(len(bank), E, generator=generator), dim=-1)  # a fake text encoder
@@ -345,11 +346,11 @@ def test_a_branch_that_cannot_read_the_image_is_left_out_of_the_fusion(tiny_deep
 def test_the_analysis_looks_at_the_last_four_layers_by_default(monkeypatch):
     torch.manual_seed(0)
     five = clip_model.CLIP(**dict(TINY_DEEP, vision_layers=5)).eval()  # deeper than four
-    bank = dear.description_bank()
+    bank = project_bank()
     generator = torch.Generator().manual_seed(1)
     texts = F.normalize(torch.randn(len(bank), TINY_DEEP["embed_dim"], generator=generator), dim=-1)
     monkeypatch.setattr(dear, "encode_descriptions", lambda clip, tokenizer, phrases: texts)
-    roles = dear.analyze_heads(five, images(8), tokenizer=None, num_descriptions=6, log=lambda line: None)
+    roles = dear.analyze_heads(five, images(8), None, bank, num_descriptions=6, log=lambda line: None)
     assert roles.layers == [1, 2, 3, 4]  # 0-based: the paper's layers 2-5 of 5
     assert roles.layers[0] == dear.default_first_layer(len(five.visual.transformer.resblocks)) - 1  # where J starts by default
     assert len(roles.heads) == 4 * HEADS

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import clip_model
 import dear
+from harness.bank import project_bank
 from conftest import TINY
 from dear import DeARError
 
@@ -154,14 +155,14 @@ def test_analyze_heads_checks_the_picks_before_it_encodes_a_text(tiny_clip, monk
     images = torch.randn(8, 3, R, R, generator=torch.Generator().manual_seed(0))
     quiet = dict(num_layers=2, log=lambda line: None)
     with pytest.raises(DeARError, match="--descriptions 9: .*rank <= 8"):  # tokenizer None: never reached
-        dear.analyze_heads(tiny_clip, images, tokenizer=None, num_descriptions=9, **quiet)
-    bank = dear.description_bank()
+        dear.analyze_heads(tiny_clip, images, None, project_bank(), num_descriptions=9, **quiet)
+    bank = project_bank()
     texts = F.normalize(torch.randn(len(bank), TINY["embed_dim"], generator=torch.Generator().manual_seed(1)), dim=-1)
     monkeypatch.setattr(dear, "encode_descriptions", lambda clip, tokenizer, phrases: texts)
     with pytest.warns(UserWarning, match="TextSpan makes 8 picks per head, not the default 16"):
-        roles = dear.analyze_heads(tiny_clip, images, tokenizer=None, **quiet)
+        roles = dear.analyze_heads(tiny_clip, images, None, bank, **quiet)
     assert all(len(h.descriptions) == 8 for h in roles.heads)
-    roles = dear.analyze_heads(tiny_clip, images, tokenizer=None, num_descriptions=8, **quiet)
+    roles = dear.analyze_heads(tiny_clip, images, None, bank, num_descriptions=8, **quiet)
     assert all(len(h.descriptions) == 8 for h in roles.heads)
 
 
@@ -183,11 +184,11 @@ def test_analyze_heads_takes_textspans_rank_from_the_heads_width(monkeypatch):
     torch.manual_seed(0)
     clip = clip_model.CLIP(**dict(TINY, vision_width=64, vision_heads=8)).eval()
     assert dear.textspan_rank(clip) == 8
-    R, bank = TINY["image_resolution"], dear.description_bank()
+    R, bank = TINY["image_resolution"], project_bank()
     images = torch.randn(40, 3, R, R, generator=torch.Generator().manual_seed(0))
     texts = F.normalize(torch.randn(len(bank), TINY["embed_dim"], generator=torch.Generator().manual_seed(1)), dim=-1)
     monkeypatch.setattr(dear, "encode_descriptions", lambda clip, tokenizer, phrases: texts)
-    roles = dear.analyze_heads(clip, images, tokenizer=None, num_layers=2, num_descriptions=6, log=lambda line: None)
+    roles = dear.analyze_heads(clip, images, None, bank, num_layers=2, num_descriptions=6, log=lambda line: None)
     parts = clip_model.head_contributions(clip, images, 2)
     contributions = parts.heads / parts.total().norm(dim=-1)[:, None, None, None]  # (n, L, H, E)
     by_rank = {rank: [[bank[i].text for i in dear.textspan(contributions[:, h.layer - 1, h.head], texts, 6, rank)]

@@ -28,6 +28,7 @@ sys.path.insert(0, str(REPO))
 
 import clip_model  # noqa: E402
 import dear  # noqa: E402
+from harness.bank import project_bank  # noqa: E402
 import train  # noqa: E402
 from harness import (analysis, checks, cli, config, devices, errors, monitor, plan,  # noqa: E402
                      reports, runfolder, sources)
@@ -1515,7 +1516,7 @@ def test_analysis_paper_resolves_to_the_papers_settings_and_typed_flags_win(worl
     # ImageNet under --root: its validation images, one map for the model.
     settings = settings_of(common(world, tmp_path / "a", "--dataset", "dtd", "--analysis", "paper"))
     assert [settings[k] for k in keys] == ["paper", "textspan", "clusters", paper, "imagenet:test", 6]
-    assert sources.default_picks(settings, dear.description_bank(), dear.CORE_ATTRIBUTES) == 20  # labelled: 16
+    assert sources.default_picks(settings, project_bank(), dear.CORE_ATTRIBUTES) == 20  # labelled: 16
     # No ImageNet under --root: the trained dataset's training images, and the header says so.
     root = tmp_path / "data"
     root.mkdir()
@@ -1550,7 +1551,7 @@ def test_analysis_paper_resolves_to_the_papers_settings_and_typed_flags_win(worl
     # The default: the project's analysis, and its header says it is not the paper's.
     settings = settings_of(common(world, tmp_path / "d", "--dataset", "dtd"))
     assert [settings[k] for k in keys] == ["project", "project", None, "clip", "train", 6]
-    assert sources.default_picks(settings, dear.description_bank(), dear.CORE_ATTRIBUTES) == 16
+    assert sources.default_picks(settings, project_bank(), dear.CORE_ATTRIBUTES) == 16
     assert config.analysis_header(settings, "labels", toy=False) == [
         "head analysis: --analysis project, the project's (not the paper's: --analysis paper): --bank "
         "project, concepts labels, --analysis-pool train"]

@@ -273,7 +273,7 @@ def attribute_prompts(attribute: str, prefix: str = "a photo of a") -> list[str]
 
 
 # ---- 5. The description bank (for the head analysis, docs/METHOD.md Sec. 3) --------------
-# dear.description_bank() speaks about real photos, in words that mean nothing to the toy CLIP.
+# harness/bank.py's project_bank() speaks about real photos, in words that mean nothing to the toy CLIP.
 # This bank is built from one concept's words and a few templates per phrase, so its concept is
 # known by construction; size and background are non-core concepts, and "scene" phrases name
 # several attributes at once, so a head that mixes everything has somewhere to spread.
