@@ -55,8 +55,9 @@ class CLIPError(ValueError):
 class LayerNorm(nn.LayerNorm):
     """torch's LayerNorm, computed and returned in fp32 whatever comes in: what CUDA's autocast
     does with it (and OpenAI's subclass, inside their fp16 model). The CPU's autocast would keep
-    it in bf16; so with this, a bf16 run on the CPU is a bf16 run on a GPU, op for op. In fp32 it
-    is torch's LayerNorm exactly (the same kernel on the same tensor)."""
+    it in bf16; so with this, a half-precision run on the CPU has a GPU run's dtypes, op for op
+    (not its kernels' summation order). In fp32 it is torch's LayerNorm exactly (the same kernel
+    on the same tensor)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x.float())

@@ -3,8 +3,9 @@ the clustering that DeAR's head analysis runs on the heads' picked descriptions 
 section 2, cluster_picks; paper Sec. 3.2: the picks clustered, each cluster a concept).
 
 It holds one function, hdbscan(points, min_cluster_size, min_samples) -> each point's cluster id
-(-1: noise), and its two union-find helpers. It follows sklearn.cluster.HDBSCAN step by step and
-gives the same partition, ties included (tests/test_hdbscan.py checks it against scikit-learn).
+(-1: noise), and two helpers: a union-find root and the points under a tree node. It follows
+sklearn.cluster.HDBSCAN step by step and gives the same partition, ties included
+(tests/test_hdbscan.py checks it against scikit-learn).
 It stands alone: torch and numpy only (numpy's argsort decides the ties as scikit-learn's does).
 Bad input raises ClusteringError (a ValueError), one line; dear.py re-raises it as DeARError.
 Copy it beside dear.py to cluster; without it dear.py runs everything but the clustering.

@@ -8,7 +8,7 @@ with its default token construction (SeparateTokens); 6. the losses (paper Sec. 
 method: 7. the paper's ablations (ablate: each one's change); 8. at test time, which logits score
 a test set, and attribute-conditioned retrieval; 9. MMRL++'s token construction (tokens="shared",
 SharedTokens); 10. bookkeeping: the argument checks, RoleMap's checks, JSON file and table,
-DeAR's checkpoint tensors, the description pools.
+DeAR's checkpoint tensors. (The project's description bank is data: harness/bank.py.)
 
 The method in one page: tests/test_dear_reference.py, DeAR's forward pass one head at a time;
 this file batches it. It imports torch and clip_model.py: copy the two files together.
@@ -1088,8 +1088,8 @@ class SharedTokens(nn.Module):
 
 
 # ---- 10. Bookkeeping, not the method: its argument checks; RoleMap's checks, JSON file and table;
-# DeAR's checkpoint tensors; the description pools. Each check stands once, at a public function's
-# entry or here; runs.py (for train.py) calls the same ones before any work.
+# DeAR's checkpoint tensors. Each check stands once, at a public function's entry or here; the
+# harness (for train.py) calls the same ones before any work.
 def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *, rank: int,
                    default: int, embed_dim: Optional[int] = None) -> int:
     """TextSpan's picks per head (the one check of it): `requested` (--descriptions) or `default`

@@ -13,12 +13,13 @@ Protocols: base2novel (train on the base half of the classes; Base, Novel, HM), 
 shots of every class), cross and dg (one training on ImageNet, tested on the ten other datasets
 and on ImageNet-V2, -Sketch, -A, -R). How it fits: clip_model.py is CLIP, data.py reads CoOp's
 layout, dear.py is the method; this file reads top to bottom like nanoGPT's train.py: 1. the
-recipes, 2. data, 3. the model, 4. the training loop, 5. evaluation, then what surrounds them:
-6. what the loop calls (the class prompts, the loader, several processes, the per-epoch seeds),
-7. the head analysis (run once per model, before training), 8. the other rows and checks, one
-job end to end, and main. The run folder's harness (flags and settings, their checks, the
-ablations' one function, the analysis' description pool, fingerprints, the lock, checkpoints and
-resuming, tables, pictures) is runs.py. A run folder holds per dataset / row / seed a
+recipes, 2. data, 3. the model, 4. the training loop, 5. evaluation, 6. what the loop calls (the
+class prompts, the loader, several processes, the per-epoch seeds), 7. one run end to end, and
+main. What surrounds them is the harness/ package, which this file calls and which never imports
+it: the flags and settings (cli, config), devices and precision (devices), the runs of a call
+(plan), the input files (sources, bank), the head analysis and its cache (analysis), the linear
+probe and the retrieval check (checks), watching a run (monitor), the run folder (runfolder),
+tables and pictures (reports, pictures). A run folder holds per dataset / row / seed a
 checkpoint.pt and results.json (a run is complete once it exists), per trained dataset the head
 roles it used (<dataset>/roles/), and at the top settings.json, summary.json and summary.md.
 Layers count from 1, as in the paper (J = 9).
@@ -48,15 +49,15 @@ from harness import cli  # the command line: argparse alone (no torch), for --he
 # 1. The recipes: every default, written once, with its source (docs/METHOD.md Sec. 7)
 # ------------------------------------------------------------------------------------------
 # Where the paper is silent: MMRL++ (yunncheng/MMRL), DeAR's nearest relative;
-# runs.py makes flags of these.
+# harness/cli.py makes flags of these.
 
 
 @dataclass(frozen=True)
 class Recipe:
     """How one protocol trains one dataset. Each field is the default of the flag of the same
     name; the defaults are MMRL++'s base-to-novel yaml (configs/trainers/MMRLpp/vit_b16.yaml)
-    but for the three whose comment names another source (K, --text-tokens, is ours and no
-    field: config.resolve_text_tokens)."""
+    but for those whose comment names another source (K, --text-tokens, is ours and no field:
+    config.resolve_text_tokens)."""
     epochs: int = 10  # training epochs, the warm-up epochs included
     batch_size: int = 4  # images per step (per process under torchrun)
     lr: float = 1e-3  # AdamW's learning rate after the warm-up, then cosine decay
@@ -145,7 +146,7 @@ DEFAULTS = dict(
     device="auto",  # cuda, then mps, then cpu
     amp="on",  # autocast on CUDA: fp16 with a loss scaler (devices.choose_precision; CPU: fp32)
     image_cache=True,  # the few-shot training images decoded once (data.DecodedImages): ours
-    attention="auto",  # torch's fused kernel, less any device_check found wrong (runs.py)
+    attention="auto",  # torch's fused kernel, less any device_check found wrong (devices.py)
     eval_batch_size=64,  # images per evaluation batch
     log_every=20,  # steps between progress lines
     toy_scale="full",  # the toy world the README's table comes from
@@ -323,7 +324,8 @@ def train_job(job: plan.Job, settings, inputs: sources.Inputs, role_map: dear.Ro
               split: data.DatasetSplits, runtime: devices.Runtime) -> Optional[dear.DeAR]:
     """Train one DeAR run, a checkpoint at every epoch end -> the model (None if
     --max-epochs-per-call stopped it first). The loop is the paper's Sec. 3.4; several processes
-    and the per-epoch seeds are the helpers of Sec. 6 below; resuming and checkpoints, runs.py's."""
+    and the per-epoch seeds are the helpers of section 6 below; resuming and checkpoints,
+    harness/runfolder.py's."""
     torch.manual_seed(job.seed)  # the learnable tokens' initialisation
     model = build_dear(settings, inputs, role_map, job.ablation).to(runtime.device)
     # the tokens and fusion weights alone
@@ -528,16 +530,7 @@ def start_epoch(epoch: int, job: plan.Job, settings, loader: DataLoader, optimiz
 
 
 # ------------------------------------------------------------------------------------------
-# 7. The head analysis (paper Sec. 3.2): once per model and image pool, cached
-# ------------------------------------------------------------------------------------------
-# A role map belongs to the model and the images it was measured on, not to a run: computed once
-# per (weights, pool, bank, analysis settings), cached (analysis.analysis_cache), reused by every run
-# asking the same. Each run folder keeps a copy (<dataset>/roles/): --resume and --eval-only never
-# need the cache.
-
-
-# ------------------------------------------------------------------------------------------
-# 8. The other rows and checks: the linear probe, retrieval; one job end to end
+# 7. One run end to end: DeAR trained (or loaded), each test set scored, the retrieval check
 # ------------------------------------------------------------------------------------------
 
 
@@ -641,7 +634,10 @@ def run(args) -> int:
         settings = dict(settings, **inputs.files)
         datasets = Datasets(settings["root"], runtime.log)  # each read once, when first asked for
         lists = read_data(settings, jobs, datasets) if not settings["analyse_only"] else None
-        analysed, records = analysis.analysed_role_maps(settings, inputs, datasets, runtime)  # one per pool
+        # The head analysis (paper Sec. 3.2): a role map belongs to the model and the images it was
+        # measured on, not to a run: once per (weights, pool, bank, analysis settings), cached,
+        # reused by every run asking the same; each run folder keeps a copy (<dataset>/roles/).
+        analysed, records = analysis.analysed_role_maps(settings, inputs, datasets, runtime)
         del datasets  # the whole lists (ImageNet: 1.3M Items, 250 MB) are not needed past here
         if fresh:
             settings["role_maps"] = records or None

@@ -3,9 +3,9 @@
 On a machine with a CUDA GPU it runs in about 2-5 minutes, prints one table (a pass/fail
 line per check, with its figures) and writes the same as JSON and Markdown in --output
 (default runs/device_check/; the train.py runs' output goes to its logs/). The exit status is
-1 if any check fails. train.py's precision is the device's own (devices.choose_precision: bf16
-from compute capability 8.0, fp16 with the loss scaler below it); on the CPU the checks that
-need autocast simulate bf16. Checks:
+1 if any check fails. train.py's precision on CUDA is fp16 autocast with a loss scaler
+(devices.choose_precision; --amp bf16 from compute capability 8.0); the checks run both half
+precisions, and on the CPU the checks that need autocast simulate them. Checks:
 
   1. parity      random ViT-B/16 (fp32, TF32 off): image and text features on the device
                  against the CPU (max abs difference <= 1e-3), and the per-head
@@ -37,9 +37,9 @@ need autocast simulate bf16. Checks:
                  TOLERANCE_POINTS_* below say why); a stop after one epoch and a --resume must
                  end with the same tensors as the unbroken run (bitwise on the CPU; on a GPU
                  within 1e-3); a DistributedDataParallel step of DeAR over NCCL (gloo on the
-                 CPU) in a process group of one; a run stopped at the device's precision and
-                 resumed in fp16 with a fresh loss scaler (forced: a newer GPU never takes that
-                 path); train.py in 2 processes for 2 steps, rank 0 analysing the heads alone,
+                 CPU) in a process group of one; a run stopped in a precision without a loss
+                 scaler (bf16 where the GPU has it, else fp32) and resumed in fp16, train.py's
+                 default, with a fresh loss scaler; train.py in 2 processes for 2 steps, rank 0 analysing the heads alone,
                  over NCCL with 2 GPUs (with one, the row says NCCL across processes was not
                  checked) and over gloo on the CPU;
   7. MFU         the model FLOP utilisation of the training step at batch 32: FLOPs counted
@@ -1139,8 +1139,8 @@ def main(argv=None) -> int:
         return 2
     started = time.time()
     config = TINY if args.quick else B16
-    # train.py's precision on this device (devices.choose_precision: bf16 from compute capability 8.0,
-    # else fp16 with the scaler); the CPU checks simulate bf16.
+    # train.py's precision on this device (devices.choose_precision: fp16 with the loss scaler
+    # unless --amp bf16); the CPU checks simulate it.
     dtype, why = device_precision(device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     print(f"device check: {'tiny CLIP' if args.quick else 'ViT-B/16'}, {where}, torch {torch.__version__}, "

@@ -151,7 +151,8 @@ def run_head_analysis(settings, inputs: sources.Inputs, items: list, pool: str, 
     layers = dear.analysed_layers(len(clip.visual.transformer.resblocks))  # the last four
     runtime.log(f"head analysis: the last {layers} layers' heads, {picks} TextSpan picks each, "
                 f"on {pool} (cached after)")
-    batches = (images for images, _ in devices.loader_of(items, settings, clip.visual.input_resolution, runtime))
+    size = clip.visual.input_resolution
+    batches = (images for images, _ in devices.loader_of(items, settings, size, runtime))
     embed_texts = None  # CLIP's text tower: dear.py's own
     if encoder["name"] == "sbert":  # (labels need no encoder: read_pool refuses one)
         embed_texts = sources.sbert_embedder(encoder, runtime.device)

@@ -1,8 +1,8 @@
-"""harness/bank.py -- the head analysis' description pools as data: the project's labelled bank (591
-phrases over the 5 core attributes and 7 other concepts, --bank project, the default on real
-data) and the reader of a pool file (one description per line, --bank PATH, TextSpan's pool).
-dear.analyze_heads takes any list of dear.Description; sources.py chooses which. Imports dear
-only for its Description record.
+"""harness/bank.py -- the head analysis' description pools as data: the project's labelled
+bank (591 phrases over the 5 core attributes and 7 other concepts; --bank project, the default
+on real data) and the reader of a pool file (one description per line; --bank PATH, TextSpan's
+pool). dear.analyze_heads takes any list of dear.Description; sources.py chooses which. Imports
+dear only for its Description record.
 """
 
 from __future__ import annotations

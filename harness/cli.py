@@ -62,8 +62,8 @@ TEST_BETAS = ("per-target", "trained")  # cross, dg: DeAR's beta on a target (tr
 AMP_CHOICES = ("on", "off", "fp16", "bf16")  # on = fp16 (devices.choose_precision)
 # The attention kernel (--attention). clip_model computes attention one of two ways: its own
 # explicit per-head maths, or torch's fused scaled_dot_product_attention ("sdpa"), which picks a
-# backend among those allowed: flash (no arbitrary mask: never DeAR's), memory-efficient, cuDNN,
-# math. A fused kernel can be wrong on a given GPU and torch build (cuDNN's attention has given
+# backend among those allowed: flash (on CUDA no arbitrary mask: never DeAR's there),
+# memory-efficient, cuDNN, math. A fused kernel can be wrong on a given GPU and torch build (cuDNN's attention has given
 # NaN gradients with a mask at some sequence lengths, pytorch/pytorch#196678), so under "auto" a
 # kernel that benchmarks/device_check.py found wrong on this GPU is not allowed, and cuDNN's only
 # once device_check passed it there (its verdicts: devices.attention_record).
@@ -181,7 +181,7 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
       "once, into memory (off: every epoch, CoOp's crop of the full photo)")
     g = p.add_argument_group("running").add_argument
     g("--device", metavar="DEVICE", help="auto (cuda, mps, cpu), cpu, cuda, cuda:N or mps")
-    g("--amp", choices=AMP_CHOICES, metavar="HOW", help="CUDA's autocast: on (fp16 with a loss "
+    g("--amp", choices=AMP_CHOICES, metavar="HOW", help="CUDA's autocast: on = fp16 (with a loss "
       "scaler), bf16, off (fp32)")
     g("--attention", choices=ATTENTION_CHOICES, metavar="KERNEL", help="auto, explicit, sdpa, "
       "efficient, cudnn, math (docs/USAGE.md, 'Attention kernels')")

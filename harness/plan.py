@@ -1,6 +1,6 @@
 """harness/plan.py -- a call as a list of runs (Job: a table row x dataset x seed x shots, each
 with its folder), the table rows and their labels, and what decides a run's result
-(job_settings). Called by train.run, reports.py and folder.py.
+(job_settings). Called by train.run, reports.py and runfolder.py.
 """
 
 from __future__ import annotations
@@ -18,8 +18,11 @@ from .config import RUN_CONTROL
 @dataclass
 class Job:
     dataset: str  # the dataset trained on (the source, for cross and dg)
-    row: str  # "zeroshot", "linear-probe", "dear", "dear-all-mixed", "dear-all-generalization"
-    roles: Optional[str]  # "analyse", an ablation, or a roles file (None for zeroshot)
+    # "zeroshot", "linear-probe", "dear", "dear-<roles>" (a --roles map: dear-all-mixed, ...),
+    # "dear-<ablation>" (dear-no-fusion-reg, ...): plan.row_name
+    row: str
+    # DeAR's map: "analyse", "all-mixed", "all-generalization" or a roles file (None: no DeAR)
+    roles: Optional[str]
     seed: Optional[int]  # None for zero-shot: it has no randomness, one run serves every seed
     shots: Optional[int]  # None for zero-shot (it does not train)
     folder: str  # <output>/<dataset>/<row>/<seed leaf>: checkpoint.pt, results.json, results.md

@@ -70,11 +70,11 @@ def summarise(settings, results: List[dict]) -> dict:
 
     def seed_values(dataset: str, row: str, metric: str,
                     shots: Optional[int] = None) -> List[float]:
+        # each seed's number under the row's fusion mode (spec[row][1])
         return [res.get("metrics_by_fusion", {}).get(spec[row][1], res["metrics"])
                 .get(metric, math.nan)
                 for res in results if res["job"]["row"] == spec[row][0]
                 and res["job"]["dataset"] == dataset
-                # the row's fusion mode
                 and (shots is None or res["job"]["shots"] in (None, shots))]
 
     def cell(dataset: str, row: str, metric: str, shots: Optional[int] = None) -> float:

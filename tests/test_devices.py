@@ -1,5 +1,7 @@
 """Tests of what a GPU run and several processes do differently from one CPU process, on the CPU:
-scores in fp32 under autocast (CPU autocast follows the same dtype rules as CUDA's), the
+scores in fp32 under autocast (CPU autocast casts the same matrix products as CUDA's; CUDA's
+also keeps LayerNorm and softmax in fp32, which clip_model.LayerNorm and the explicit attention
+do themselves, so that the CPU simulation's dtype flow is CUDA's), the
 precision chosen from the run's own device, resume across precisions (an enabled CPU loss
 scaler), the process group left on every way out, DDP told of every learnable tensor without a
 gradient, rank 0's head analysis outlasting the process group's timeout (gloo, 2 processes),

@@ -1,5 +1,5 @@
-"""Tests of runs.py, the run-folder harness, on its own: the summary tables' arithmetic (HM
-of the means, empty cells, the spread), the cache lock. The
+"""Tests of the harness's reports.py and runfolder.py on their own: the summary tables'
+arithmetic (HM of the means, empty cells, the spread), the cache lock. The
 harness's end-to-end guarantees (resume refusal, fingerprints, the folder lock, checkpoints,
 one-line errors) are tested through the command line in tests/test_train.py.
 

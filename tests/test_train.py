@@ -1570,14 +1570,14 @@ def test_analysis_paper_offline_without_textspans_pool_is_one_line(world, tmp_pa
 
 
 def test_the_analysis_cache_misses_when_the_code_of_the_analysis_changes(world, tmp_path, capsys, monkeypatch):
-    """A changed line in any of train.analysis_code's modules and functions makes another map."""
+    """A changed line in any of harness.analysis.analysis_code's modules makes another map."""
     flags = ["--dataset", "dtd", "--analyse-only"]
     assert train.main(common(world, tmp_path / "a", *flags)) == 0
     assert "reusing the role map" not in capsys.readouterr().out
     assert train.main(common(world, tmp_path / "b", *flags)) == 0
     assert "reusing the role map" in capsys.readouterr().out
     getsource = analysis.inspect.getsource
-    for index, part in enumerate(analysis.analysis_code(toy=False)):  # clip_model, dear, clustering, runs, the writer
+    for index, part in enumerate(analysis.analysis_code(toy=False)):  # the method's, the harness's
         with monkeypatch.context() as patch:
             patch.setattr(analysis.inspect, "getsource", lambda obj: getsource(obj) + "#" * (obj is part))
             assert train.main(common(world, tmp_path / f"edited{index}", *flags)) == 0

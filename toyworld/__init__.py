@@ -39,7 +39,7 @@ __all__ = ["ToyAssets", "prepare", "causal_check", "SCALES", "THREADS"]
 # python -m toyworld for its checks; pretraining has its own count, pretrain.CONFIGS, also 1).
 # Its matrices are small: a second thread gains little on a quiet machine and costs several
 # times over beside one busy process, and with one thread the toy's numbers do not depend on
-# the number of cores (docs/MEASURED.md, "Threads").
+# the number of cores (docs/MEASURED.md, "The quick start, and why the toy runs on one thread").
 THREADS = 1
 
 # What each scale builds: a key of pretrain.CONFIGS and task.TaskConfig's fields. "full" is the
