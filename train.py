@@ -453,17 +453,17 @@ def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings, runtime: devic
 
 def describe(job: plan.Job, model: dear.DeAR, split: data.DatasetSplits,
              runtime: devices.Runtime) -> None:
-    """The run in two lines: its data, J and the fallback; the learnable parameters per
-    component of the token construction (their shapes in the log files)."""
+    """The run in two lines: its data, J and the fallback; the learnable parameters (per
+    component of the token construction, and their shapes, in the log files)."""
     alone = "; the class branch alone (no attribute head)" if model.class_branch_only else ""
     runtime.log(f"[{job.label}] {len(split.train)} training images, {len(split.classnames)} "
                 f"classes; attribute tokens from layer J={model.first_layer} (1-based){alone}")
     counts = model.parameter_counts()
     frozen = sum(p.numel() for p in model.clip.parameters())
-    runtime.log(f"[{job.label}] learnable ({model.construction}): "
-                + " + ".join(f"{name} {n:,}" for name, n in counts.items())
-                + f" = {sum(counts.values()):,} ({100 * sum(counts.values()) / frozen:.2f}% of "
-                "CLIP)")
+    runtime.log(f"[{job.label}] learnable ({model.construction} tokens): "
+                f"{sum(counts.values()):,} ({100 * sum(counts.values()) / frozen:.2f}% of CLIP)")
+    runtime.detail(f"[{job.label}] learnable: "
+                   + " + ".join(f"{name} {n:,}" for name, n in counts.items()))
     runtime.detail(f"[{job.label}] {model.parameter_summary()}")
 
 

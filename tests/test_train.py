@@ -1644,8 +1644,9 @@ def test_shared_reuses_the_analysis_reports_its_parameters_and_resume_refuses_ot
     assert train.main(common(world, separate, *run)) == 0
     printed = capsys.readouterr().out
     assert printed.count("head analysis: the last") == 1
-    assert "learnable (separate): vision_tokens 960 + text_tokens 512 + " \
-           "attribute_proj 2,048 + fusion_logits 6 = 3,526" in printed
+    assert "learnable (separate tokens): 3,526 (" in printed  # per component: in the log files
+    assert "learnable: vision_tokens 960 + text_tokens 512 + attribute_proj 2,048 + " \
+           "fusion_logits 6" in (separate / "log.txt").read_text()
     # Only --tokens changes: the analysis reads the frozen CLIP alone, so its cache serves both.
     assert train.main(common(world, shared, *run, "--tokens", "shared")) == 0
     printed = capsys.readouterr().out
@@ -1655,8 +1656,9 @@ def test_shared_reuses_the_analysis_reports_its_parameters_and_resume_refuses_ot
     # 5 x 64 + (64 x 64 + 3 x 576) + (64 x 64 + 2 x 576) + (64 x 64 + 64 x 32) + 6
     components = dict(latent_tokens=320, vision_aligner=5_824, text_aligner=5_248,
                       attribute_proj_residual=6_144, fusion_logits=6)
-    assert "learnable (shared): latent_tokens 320 + vision_aligner 5,824 + " \
-           "text_aligner 5,248 + attribute_proj_residual 6,144 + fusion_logits 6 = 17,542" in printed
+    assert "learnable (shared tokens): 17,542 (" in printed
+    assert "learnable: latent_tokens 320 + vision_aligner 5,824 + text_aligner 5,248 + " \
+           "attribute_proj_residual 6,144 + fusion_logits 6" in (shared / "log.txt").read_text()
     result = read(shared / "dtd/dear/seed1/results.json")
     assert result["parameters"] == dict(tokens="shared", learnable=17_542, components=components)
     assert read(separate / "dtd/dear/seed1/results.json")["parameters"]["components"] == dict(
