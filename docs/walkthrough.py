@@ -19,6 +19,8 @@ tokens; K text tokens; C classes; M the retrieval gallery's images.
 """
 
 # %% Setup: the shipped toy CLIP, its tokenizer and the task, on one CPU thread
+# The imports, this page's recorder (step, show, picture: what each step prints and draws, kept
+# for docs/walkthrough.md), then the toy world: its CLIP, tokenizer, bank and task.
 import argparse
 import io
 import json
@@ -414,9 +416,9 @@ lines = ["# DeAR, step by step, on the toy world", "",
          f"{torch.__version__.split('+')[0]}, one CPU thread). Run it, then read `dear.py`.", ""]
 for number, cell in enumerate(cells):
     title, *body = cell.rstrip().splitlines()
-    prose = [line[2:] for line in body if line.startswith("# ")]
-    code = [line.replace("  # noqa: E402", "") for line in body
-            if not line.startswith(("# ", "step("))]
+    lead = next((i for i, line in enumerate(body) if not line.startswith("# ")), len(body))
+    prose = [line[2:] for line in body[:lead]]  # the comment block under the title
+    code = [line.replace("  # noqa: E402", "") for line in body[lead:] if not line.startswith("step(")]
     record = PAGE["steps"][number]
     lines += [f"## {title}", "", " ".join(prose), "", "```python", *code, "```", "",
               "```text", *record["printed"], "```", ""]
