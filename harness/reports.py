@@ -156,11 +156,12 @@ def markdown(summary: dict, settings) -> str:
     shots = settings["shots"]
     shots = ("shots " + ", ".join(map(str, shots)) if settings["protocol"] == "fewshot"
              else f"{shots[0]} shots")
-    lines = [f"# {title}", "",
+    # the weights' path on a line of its own: no prose wraps around it, whatever the folder's name
+    lines = [f"# {title}", "", f"CLIP weights: {settings['weights']}", "",
              *paragraph(f"Accuracy (%), mean over seeds {', '.join(map(str, settings['seeds']))}; "
-                        f"{settings['weights']}; {shots}. Zero-shot CLIP does not train: one run "
-                        "serves every seed. ± = standard deviation over seeds; - = no number (the "
-                        "linear probe has no classifier for unseen classes)."), ""]
+                        f"{shots}. Zero-shot CLIP does not train: one run serves every seed. ± = "
+                        "standard deviation over seeds; - = no number (the linear probe has no "
+                        "classifier for unseen classes)."), ""]
     diverged = summary.get("diverged") or {}  # {job row: its diverged runs' lines}
     job_rows = table_rows(settings)
 

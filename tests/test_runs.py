@@ -36,6 +36,19 @@ def test_summary_leaves_the_linear_probe_novel_and_hm_empty_and_shows_the_spread
         in reports.markdown(dict(tables={"a": table}), fallen).splitlines()
 
 
+def test_the_summary_reads_the_same_wherever_the_weights_lie_but_for_their_own_line():
+    # A clone at a longer path once moved the prose's line breaks, and the golden test failed.
+    settings = dict(protocol="base2novel", dataset=["a"], roles=["analyse"], ablations=[],
+                    fusion=["fused-everywhere"], seeds=[1], shots=[2], test_beta=None)
+    run = dict(job=dict(dataset="a", row="dear", shots=2), metrics=dict(base=70.0, novel=30.0))
+    summary = reports.summarise(settings, [run])
+    short, long = "/w/clip.pt", "/a/much/longer/folder/than/the/recording/machines/clone/clip.pt"
+    texts = [reports.markdown(summary, dict(settings, weights=path)).splitlines()
+             for path in (short, long)]
+    assert [line.replace(long, short) for line in texts[1]] == texts[0]
+    assert f"CLIP weights: {long}" in texts[1]
+
+
 def test_a_datasets_hm_is_the_hm_of_its_mean_base_and_mean_novel_not_the_mean_of_per_seed_hms():
     settings = dict(protocol="base2novel", dataset=["a"], roles=["analyse"], ablations=[],
                     fusion=["fused-everywhere"], seeds=[1, 2], shots=[16], test_beta=None)
