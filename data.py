@@ -28,7 +28,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from PIL import Image
@@ -550,7 +550,7 @@ class Listing:
     test: list[Item]
     classnames: list[str]
     pools: FewShotPools | None = None  # made by the first few-shot draw, read by every other one
-    short_said: bool = False  # its classes' shortfall said (by the first draw)
+    short_said: set[int] = field(default_factory=set)  # the shot counts whose shortfall was said
 
 @contextlib.contextmanager
 def _collector_paused():
@@ -712,11 +712,11 @@ def _write_json_atomically(path: str, header: dict, lists: dict[str, list[list]]
             os.remove(temporary)
 
 def _warn_short_classes(listing: Listing, shots: dict[str, int]) -> None:
-    """One line per dataset and call (the first draw of a listing says it): the parts whose
-    classes hold fewer images than the shots, which each draw repeats, as Dassl does."""
-    if listing.short_said:
+    """One line per dataset and shot count in a call (the first draw at that count says it): the
+    parts whose classes hold fewer images than the shots, which each draw repeats, as Dassl does."""
+    if shots["train"] in listing.short_said:
         return
-    listing.short_said = True
+    listing.short_said.add(shots["train"])
     said = []
     for part, k in shots.items():
         by_label = listing.pools.by_label[part]
@@ -869,14 +869,18 @@ class ImageDataset(Dataset):
     def __len__(self) -> int:
         return len(self.items)
 
+    def image(self, index: int):
+        """The index-th image, before the transform: opened here, in the loading process, so that a
+        bad file fails on its own line."""
+        return load_image(self.items[index].path)
+
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        item = self.items[index]  # opened here, in the worker: a bad file fails on its own line
-        image = load_image(item.path)
+        image, label = self.image(index), self.items[index].label
         if self.seed is None:
-            return self.transform(image), item.label
+            return self.transform(image), label
         with torch.random.fork_rng(devices=[]):  # the CPU generator alone, restored after
             torch.default_generator.manual_seed(augmentation_seed(self.seed, self.epoch, index))
-            return self.transform(image), item.label
+            return self.transform(image), label
 
 
 # ---- The few-shot training images, decoded once ---------------------------------------------
@@ -888,18 +892,17 @@ class ImageDataset(Dataset):
 
 CACHED_SIDE = 8 / 7  # with augmentation, each image is kept with its shorter side at 8/7 x size
 
-def decoded(item: Item, size: int, augment: bool) -> torch.Tensor:
-    """One image as it is kept, (3, h, w) uint8. Augmented: resized (bicubic) so that its
+def kept_transform(size: int, augment: bool) -> T.Compose:
+    """A photo as it is kept, PIL -> (3, h, w) uint8. Augmented: resized (bicubic) so that its
     shorter side is CACHED_SIDE x size (256 for 224), the picture the random crop is then taken
     from (our choice, as FFCV's loaders keep them: the crop's pixels come from that, not from
     the full photo). Not augmented: the test transform's own resize and centre crop, so that the
     tensors it gives are test_transform's, bit for bit."""
-    image = load_image(item.path)
     if augment:
-        image = T.Resize(round(size * CACHED_SIDE), interpolation=T.InterpolationMode.BICUBIC)(image)
+        resize = [T.Resize(round(size * CACHED_SIDE), interpolation=T.InterpolationMode.BICUBIC)]
     else:
-        image = T.CenterCrop(size)(T.Resize(size, interpolation=T.InterpolationMode.BICUBIC)(image))
-    return T.functional.pil_to_tensor(image)
+        resize = test_transform(size).transforms[:2]  # its resize and centre crop
+    return T.Compose([*resize, T.PILToTensor()])
 
 def normalised(image: torch.Tensor) -> torch.Tensor:
     """uint8 (3, h, w) -> CLIP's normalised float, as ToTensor and Normalize compute it."""
@@ -907,7 +910,7 @@ def normalised(image: torch.Tensor) -> torch.Tensor:
 
 class DecodedImages(ImageDataset):
     """ImageDataset with every image decoded once, up front (`workers` processes), kept in memory
-    as uint8 (decoded(): 256 px on the shorter side for 224: 16,000 images take about 4 GB).
+    as uint8 (kept_transform: 256 px on the shorter side for 224: 16,000 take about 4 GB).
     Augmented: train_transform's random resized crop (bicubic, antialiased) and flip, on the
     kept tensor; not: the test transform's result exactly. The augmentation is seeded per image,
     epoch and seed as ImageDataset's."""
@@ -919,26 +922,14 @@ class DecodedImages(ImageDataset):
         transform = (T.Compose([crop, T.RandomHorizontalFlip(), normalised]) if augment
                      else normalised)
         super().__init__(items, transform, seed)
-        reader = _Decoder(self.items, size, augment)
-        self.images = list(torch.utils.data.DataLoader(reader, batch_size=None,
-                                                       num_workers=workers))
+        reader = ImageDataset(self.items, kept_transform(size, augment))  # decoded in `workers`
+        # A loading process hands each tensor over in shared memory, one file (and descriptor)
+        # each: copied out, 16,000 of them fill neither /dev/shm nor the open-file limit.
+        self.images = [image.clone() for image, _ in torch.utils.data.DataLoader(
+            reader, batch_size=None, num_workers=workers)]
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        if self.seed is None:
-            return self.transform(self.images[index]), self.items[index].label
-        with torch.random.fork_rng(devices=[]):  # as ImageDataset: the image's own generator
-            torch.default_generator.manual_seed(augmentation_seed(self.seed, self.epoch, index))
-            return self.transform(self.images[index]), self.items[index].label
-
-class _Decoder(Dataset):  # each item decoded, in the loading processes
-    def __init__(self, items: list[Item], size: int, augment: bool):
-        self.items, self.size, self.augment = items, size, augment
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return decoded(self.items[index], self.size, self.augment)
+    def image(self, index: int) -> torch.Tensor:  # the kept tensor, in place of the file
+        return self.images[index]
 
 
 # ---- Command line: a summary of one dataset, or the registry --------------------------------

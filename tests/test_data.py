@@ -394,6 +394,19 @@ def test_failed_cache_write_leaves_no_partial_file_and_the_run_goes_on(pets_root
     assert sorted(os.listdir(folder)) == ["shot_2-seed_1.json"]  # no temp file, no half-written cache
 
 
+def test_one_listings_shortfall_is_said_once_per_shot_count_and_the_first_count_hides_no_other(
+        tmp_path):
+    # the few-shot protocol draws 1, 2, 4, 8 and 16 shots from one listing, fewest first
+    write_split_dataset(tmp_path, "oxford_pets", train_counts=[2, 8, 8, 8, 8])
+    listing = data.read_listing("oxford_pets", str(tmp_path))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", DatasetWarning)
+        for shots, seed in ((1, 1), (4, 1), (4, 2), (8, 1)):
+            data.splits_from(listing, num_shots=shots, seed=seed)
+    lines = [str(w.message) for w in said if issubclass(w.category, DatasetWarning)]
+    assert [re.search(r"fewer than (\d+) images", line).group(1) for line in lines] == ["4", "8"]
+
+
 def test_few_shot_cache_survives_moving_the_data_root(pets_root, tmp_path_factory, monkeypatch):
     first = load_dataset("oxford_pets", pets_root, num_shots=2)
     moved = tmp_path_factory.mktemp("moved") / "data"
@@ -1239,6 +1252,8 @@ def test_images_decoded_once_are_the_test_transforms_bit_for_bit_and_augment_as_
     assert not torch.equal(augmented[0][0], first)
     by_workers = data.DecodedImages(items, 32, augment=True, seed=1, workers=2)
     assert all(torch.equal(a, b) for a, b in zip(by_workers.images, augmented.images))
+    # copied out of the loading processes' shared memory: thousands would fill /dev/shm
+    assert not any(image.is_shared() for image in by_workers.images)
     # Normalised as CLIP expects: the same statistics as the plain train transform's tensors.
     assert abs(float(augmented[2][0].mean()) - float(data.ImageDataset(
         items, data.train_transform(32), seed=1)[2][0].mean())) < 0.3
