@@ -56,11 +56,21 @@ def perturb_(model: torch.nn.Module, scale: float = 0.05, seed: int = 0) -> torc
 
 
 @pytest.fixture(autouse=True)
-def no_bpe_file_from_the_environment(monkeypatch):
+def no_bpe_file_or_cache_from_the_environment(monkeypatch):
     """$CLIP_BPE_PATH / $DEAR_BPE_PATH, which a user may well have set, would decide which merges
-    file a test's tokenizer finds; each test starts from none, as on CI, and sets its own."""
-    for name in ("CLIP_BPE_PATH", "DEAR_BPE_PATH"):
+    file a test's tokenizer finds, and $CLIP_CACHE_DIR (which wins over $DEAR_CACHE_DIR) where its
+    files land; each test starts from none, as on CI, and sets its own."""
+    for name in ("CLIP_BPE_PATH", "DEAR_BPE_PATH", "CLIP_CACHE_DIR"):
         monkeypatch.delenv(name, raising=False)
+
+
+def subprocess_env(cache, **extra) -> dict:
+    """The environment of a test's child process: the user's, without their cache, BPE file or
+    PYTHONPATH; `cache` as its cache and the tests' thread count; then `extra`."""
+    dropped = ("DEAR_CACHE_DIR", "CLIP_BPE_PATH", "DEAR_BPE_PATH", "PYTHONPATH")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
+    env.update(CLIP_CACHE_DIR=str(cache), OMP_NUM_THREADS=str(TEST_THREADS), **extra)
+    return env
 
 
 @pytest.fixture

@@ -21,11 +21,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import device_check  # noqa: E402
+from conftest import subprocess_env  # noqa: E402
 
 
 def test_quick_mode_runs_every_check_on_the_cpu_and_writes_the_table_it_prints(tmp_path):
     out = tmp_path / "table"
-    env = dict(os.environ, CLIP_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    env = subprocess_env(tmp_path / "cache")
     done = subprocess.run([sys.executable, "benchmarks/device_check.py", "--device", "cpu", "--quick",
                            "--peak-tflops", "0.2", "--output", str(out)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)

@@ -46,7 +46,6 @@ CLASSES = ["banded", "blotchy", "braided", "bubbly", "cracked"]  # 3 base, 2 nov
 def registry_and_cache(tmp_path, monkeypatch):
     """The shipped dataset registry and an empty analysis cache for each test."""
     monkeypatch.setattr(train.data, "DATASETS", dict(train.data.DATASETS))
-    monkeypatch.delenv("CLIP_CACHE_DIR", raising=False)
     monkeypatch.setenv("DEAR_CACHE_DIR", str(tmp_path / "cache"))
     return tmp_path / "cache"
 

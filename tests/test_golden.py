@@ -123,13 +123,13 @@ def assert_close(actual, expected, where: str, tolerance: float) -> None:
 def assert_results(found: dict, expected: dict) -> None:
     """Each run folder's numbers: exact here; elsewhere zero-shot exactly, trained within
     TOLERANCE."""
+    assert sorted(found) == sorted(expected)
     if exact_here():
         for folder in expected:
             for key, value in expected[folder].items():
                 assert_close(found[folder][key], value, f"{folder}.{key}",
                              1e-6 if key in CLOSE else 0.0)
         return
-    assert sorted(found) == sorted(expected)
     for folder in expected:
         zero_shot = "/zeroshot" in folder
         for key, value in expected[folder].items():
@@ -186,7 +186,6 @@ def record(name: str, text: str) -> None:
 def test_fixed_toy_runs_print_and_write_what_they_wrote_when_recorded(run, tmp_path, capsys,
                                                                        monkeypatch):
     output, cache = str(tmp_path / "out"), str(tmp_path / "cache")
-    monkeypatch.delenv("CLIP_CACHE_DIR", raising=False)
     monkeypatch.setenv("DEAR_CACHE_DIR", cache)
     capsys.readouterr()
     assert train.main([*RUNS[run], "--output", output]) == 0
@@ -230,7 +229,7 @@ def test_fixed_toy_runs_print_and_write_what_they_wrote_when_recorded(run, tmp_p
             assert_results(found, json.load(f))
 
 
-def test_the_loose_comparison_still_fails_a_changed_number_or_role(monkeypatch):
+def test_the_loose_comparison_still_fails_a_changed_number_or_role(monkeypatch, tmp_path):
     """What another machine compares still catches a real change: a trained number moved beyond
     the tolerance, a changed zero-shot number, a head that changed its role, a changed word."""
     monkeypatch.setattr(f"{__name__}.ELSEWHERE", True)
@@ -252,6 +251,30 @@ def test_the_loose_comparison_still_fails_a_changed_number_or_role(monkeypatch):
     assert near_a_threshold(roles) == []
     assert near_a_threshold({**roles, "heads": [dict(head, entropy=0.81 + ROUNDING / 2)]})
     assert near_a_threshold({**roles, "heads": [dict(head, entropy=0.81)]}) == []  # on it: a count
+    steady, moving = tmp_path / "steady.json", tmp_path / "moving.json"
+    steady.write_text(json.dumps(roles))  # far from both thresholds: its role must stay
+    generalization = dict(head, role="generalization", attribute=None)
+    with pytest.raises(AssertionError):
+        assert_roles(json.dumps({**roles, "heads": [generalization]}), str(steady))
+    near = dict(head, entropy=0.81 + ROUNDING / 2)  # within rounding of low: either side is fine
+    other = {"layer": 3, "head": 1, "role": "mixed", "attribute": None, "entropy": 1.0}
+    moving.write_text(json.dumps({**roles, "heads": [near, other]}))
+    assert_roles(json.dumps({**roles, "heads": [dict(near, role="mixed", attribute=None),
+                                                 other]}), str(moving))
+    with pytest.raises(AssertionError):  # ... but the steady head beside it must not move
+        assert_roles(json.dumps({**roles, "heads": [near, dict(other, role="generalization")]}),
+                     str(moving))
     assert structure("A:col 0.81 | 12.5%", False) != structure("G 0.81 | 12.5%", False)
     assert structure("A:col 0.81 | 12.5%", True) == structure("G 0.93 | 12.4%", True)
     assert structure("agrees yes", False) != structure("agrees no", False)
+
+
+def test_the_tolerances_were_measured_on_the_golden_run_itself():
+    """benchmarks/golden_spread.py, which measured TOLERANCE's spread, reruns this very run."""
+    import importlib.util
+
+    path = os.path.join(REPO, "benchmarks", "golden_spread.py")
+    spec = importlib.util.spec_from_file_location("golden_spread", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.RUN == RUNS["ablations"]

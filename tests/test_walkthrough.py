@@ -2,11 +2,12 @@
 invariant it shows, so a broken step fails here), and the page in docs/ is the one it writes: the
 same steps, the same code, every picture there. About a minute on 2 cores."""
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from conftest import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,9 +21,7 @@ def skeleton(page: str) -> list:
 
 
 def test_the_walkthrough_runs_and_docs_holds_the_page_it_writes(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("DEAR_CACHE_DIR", "CLIP_BPE_PATH",
-                                                            "DEAR_BPE_PATH", "PYTHONPATH")}
-    env.update(CLIP_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    env = subprocess_env(tmp_path / "cache")
     done = subprocess.run([sys.executable, str(ROOT / "docs" / "walkthrough.py"), "--output",
                            str(tmp_path / "page")], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=900)
