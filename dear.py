@@ -66,6 +66,11 @@ class DeARError(ValueError):
     """Bad input (a role file, an attribute name, J, beta): one line naming it and what to do."""
 
 
+class LeftOutWarning(UserWarning):
+    """Attribute branches leave the fusion (blind tokens, or the fallback to the class branch): a
+    caller that has said so already silences this category, whatever the words."""
+
+
 # ---- 1. TextSpan: which descriptions explain a head (paper Sec. 3.2, METHOD.md Sec. 3) ----------
 # A head writes a direct contribution into each image's embedding (clip_model.head_contributions).
 # TextSpan names what it writes: from a bank of descriptions it picks, one at a time, the text
@@ -1261,11 +1266,12 @@ def warn_left_out(blind: List[str], class_branch_only: bool, first_layer: int) -
     if class_branch_only:
         warnings.warn("DeAR: the head analysis names no attribute head (no head is specialised "
                       "enough); falling back to the class branch alone "
-                      "(the attribute branches leave the fusion)")
+                      "(the attribute branches leave the fusion)", LeftOutWarning)
     elif blind:
         plural = "s" if len(blind) > 1 else ""
         warnings.warn(f"DeAR: no head from layer J={first_layer} lets the {', '.join(blind)} "
-                      f"token{plural} read the image; left out of the fusion (a per-class bias)")
+                      f"token{plural} read the image; left out of the fusion (a per-class bias)",
+                      LeftOutWarning)
 
 
 def check_prepared(classes) -> None:

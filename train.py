@@ -292,10 +292,12 @@ def build_dear(settings, inputs: sources.Inputs, role_map: dear.RoleMap,
     recipe's beta, with an ablation's change (dear.ablate). Its learnable tokens come from torch's
     global generator: the caller seeds it."""
     change = dear.ablate(ablation, role_map, inputs.attributes, settings["lambda_fusion"])
-    with warnings.catch_warnings():  # what the header already said is not warned of per run
-        if change.role_map.source == "all-generalization":  # blind tokens, by construction
-            warnings.filterwarnings("ignore", message="DeAR: no head from layer")
-        warnings.filterwarnings("ignore", message="DeAR: the head analysis names no attribute")
+    # the header already said so (blind tokens by construction, or the fallback): not per run
+    said = change.role_map.source == "all-generalization" or (
+        change.class_branch_fallback and dear.falls_back_to_class_branch(change.role_map))
+    with warnings.catch_warnings():
+        if said:
+            warnings.simplefilter("ignore", dear.LeftOutWarning)
         return dear.DeAR(inputs.clip, change.role_map, change.attributes,
                          first_layer=sources.first_layer(settings, inputs.clip),
                          beta=settings["beta"], num_text_tokens=settings["text_tokens"],
@@ -617,17 +619,18 @@ def run(args) -> int:
         # fresh: usable; resumed: locked, every file checked
         runfolder.check_run_folder(settings, jobs, stack)
         check_datasets(settings, jobs)  # each dataset's folder is there, before any download
-        # the analysis' descriptions, checked before any model is read
-        pool = sources.read_pool(settings, attribute_tokens(settings["dataset"] == ["toyworld"]))
+        toy = settings["dataset"] == ["toyworld"]
+        attributes = attribute_tokens(toy)
+        pool = sources.read_pool(settings, attributes)  # checked before any model is read
         runtime = devices.setup_runtime(settings)  # the device (and processes, under torchrun)
         stack.callback(devices.end_runtime, runtime)  # the processes' group left on every way out
         stack.enter_context(devices.sdpa_backends(runtime.backends))  # --attention's fused kernels
         # the toy world on one CPU thread (its numbers the same on every machine); else torch's
-        threads = stack.enter_context(devices.cpu_threads(settings["dataset"] == ["toyworld"]))
+        threads = stack.enter_context(devices.cpu_threads(toy))
         for line in pool[1]["header"] if pool else []:  # which head analysis, and how it departs
             runtime.log(line)
-        inputs = sources.open_inputs(settings, runtime, pool, attribute_tokens(
-            settings["dataset"] == ["toyworld"]))  # CLIP, tokenizer, the toy world, checked
+        # CLIP, tokenizer, the toy world, checked
+        inputs = sources.open_inputs(settings, runtime, pool, attributes)
         # the loaders' processes and batches in flight: what the CPUs and /dev/shm allow
         runtime.loaders = devices.loader_plan(settings, runtime, inputs.clip.visual.input_resolution)
         # the files' places and SHA-256 complete the settings

@@ -1763,6 +1763,33 @@ def measured_map() -> dear.RoleMap:
     return dear.RoleMap(3, 2, list(dear.CORE_ATTRIBUTES), heads, source="measured")
 
 
+def test_build_dear_warns_of_left_out_branches_only_where_the_header_has_not_said_so(tiny_clip):
+    """The header says a map blind by construction (all-generalization) and the fallback to the
+    class branch; a run warns (dear.LeftOutWarning) only of branches it has not said."""
+
+    attributes = list(dear.CORE_ATTRIBUTES)
+    settings = dict(first_layer="auto", beta=0.7, text_tokens=2, tokens="separate", lambda_fusion=0.3)
+    inputs = sources.Inputs(tiny_clip, None, attributes, [], "labels", None, False, {})
+
+    def warned(role_map, ablation=None) -> list:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train.build_dear(settings, inputs, role_map, ablation)
+        return [str(w.message) for w in caught if issubclass(w.category, dear.LeftOutWarning)]
+
+    def measured(colour_head: bool) -> dear.RoleMap:  # every other head a generalization head
+        heads = [dear.HeadRole(layer, head, "generalization", None, 3.0)
+                 for layer in range(3) for head in range(2)]
+        if colour_head:
+            heads[4] = dear.HeadRole(2, 0, "attribute", "colour", 0.1)
+        return dear.RoleMap(3, 2, attributes, heads, source="measured")
+
+    assert warned(sources.role_map_for("all-generalization", tiny_clip, attributes, None)) == []
+    assert warned(measured(colour_head=False)) == []  # the fallback to the class branch, said
+    blind = warned(measured(colour_head=True))  # colour's head alone: the other tokens are blind
+    assert len(blind) == 1 and "shape" in blind[0] and "colour" not in blind[0]
+
+
 def test_each_ablation_makes_exactly_its_one_change_and_the_rows_follow(tiny_clip, world, tmp_path):
     assert set(ABLATION_CHANGES) == set(dear.ABLATIONS)
     attributes, analysed = list(dear.CORE_ATTRIBUTES), measured_map()
