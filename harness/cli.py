@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import os
 from dataclasses import fields
 from typing import Callable, List, NamedTuple, Optional
@@ -16,13 +17,18 @@ from typing import Callable, List, NamedTuple, Optional
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@functools.lru_cache(maxsize=None)  # each module's source parsed once, however many names
+def top_level_assignments(module: str) -> dict:
+    with open(os.path.join(REPO, f"{module}.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    return {target.id: node.value for node in tree.body if isinstance(node, ast.Assign)
+            for target in node.targets if isinstance(target, ast.Name)}
+
+
 def project_constants(module: str, *names: str) -> tuple:
     """Top-level constants of one of the project's modules (dear, data, clip_model), read from
     its source, not imported (each imports torch): the module keeps the one definition."""
-    with open(os.path.join(REPO, f"{module}.py"), encoding="utf-8") as f:
-        tree = ast.parse(f.read())
-    found = {target.id: node.value for node in tree.body if isinstance(node, ast.Assign)
-             for target in node.targets if isinstance(target, ast.Name)}
+    found = top_level_assignments(module)
     return tuple(ast.literal_eval(found[name]) for name in names)
 
 

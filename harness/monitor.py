@@ -55,6 +55,8 @@ class Progress:
         self.steps, self.steps_per_epoch, self.done = steps, steps_per_epoch, 0
         self.started = time.time()  # for the time left of this call
         device = runtime.device
+        self.parameters = model.learnable_parameters()  # fixed for the run: listed once
+        self.zero = torch.zeros((), device=device)
         self.first_bad = torch.tensor(-1, device=device)  # the first non-finite step, or -1
         self.bad_what = torch.zeros(len(LOSS_TERMS) + 2, dtype=torch.bool, device=device)
         self.in_a_row = torch.tensor(0, device=device)  # fp16: skipped steps in a row
@@ -78,9 +80,9 @@ class Progress:
     def step(self, step: int, lr: float, losses: dict, logits: torch.Tensor,
              labels: torch.Tensor) -> None:
         """The step's numbers into the sums and the guard; at a logged step, the read."""
-        zero = torch.zeros((), device=self.runtime.device)
+        zero = self.zero
         terms = torch.stack([losses.get(key, zero).detach().float() for key in LOSS_TERMS])
-        norm = gradient_norm(self.model.learnable_parameters())  # unscaled after scaler.step
+        norm = gradient_norm(self.parameters)  # unscaled after scaler.step
         n = len(labels)
         correct = (logits.detach().argmax(-1) == labels).sum()
         gradients_finite = torch.isfinite(norm)

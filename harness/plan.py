@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, Optional
 
-import dear
-from .errors import TrainError
 from .cli import ROLE_ABLATIONS, ROLE_ROWS, ablation_roles
 from .config import RUN_CONTROL
 

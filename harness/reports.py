@@ -16,7 +16,7 @@ import dear
 from .devices import Runtime
 from .plan import Job, job_settings, row_label, table_rows
 from .sources import encoder_line
-from .runfolder import write_json, write_text
+from .runfolder import fusion_weights_by_branch, write_json, write_text
 
 
 DG_NAMES = {"imagenet": "ImageNet", "imagenet_v2": "-V2", "imagenet_sketch": "-Sketch",
@@ -346,7 +346,7 @@ def evaluation_record(job: Job, settings, model, accuracy: dict, logits: dict, b
     first = settings["fusion"][0]
     alpha = parameters = None
     if model is not None:
-        alpha = dict(zip(["class"] + model.attributes, model.fusion_weights().tolist()))
+        alpha = fusion_weights_by_branch(model)
         counts = model.parameter_counts()  # per component of the token construction
         parameters = dict(tokens=model.construction, learnable=sum(counts.values()), components=counts)
     role_record = None

@@ -321,13 +321,18 @@ def resume_checkpoint(job: Job, settings, model, optimizer, scaler, runtime: Run
     return checkpoint["epoch"]
 
 
+def fusion_weights_by_branch(model: dear.DeAR) -> dict:
+    """{"class": alpha_cls, attribute: its alpha, ...}: metrics.jsonl's and results.json's alpha."""
+    return dict(zip(["class"] + model.attributes, model.fusion_weights().tolist()))
+
+
 def end_epoch(job: Job, settings, model: dear.DeAR, optimizer, scaler, progress: Progress,
               runtime: Runtime) -> None:
     """An epoch's end, after its last read (so nothing non-finite is saved): its record appended to
     the run's metrics.jsonl, its checkpoint (rank 0 writes; every rank holds the same tokens), its
     line in the logs, and, at each quarter of the run, a line printed."""
     epoch, epochs = progress.current + 1, settings["epochs"]
-    alpha = dict(zip(["class"] + model.attributes, model.fusion_weights().tolist()))
+    alpha = fusion_weights_by_branch(model)
     record = dict(progress.last, alpha=alpha, seconds=round(time.time() - progress.epoch_started, 3))
     if runtime.main:
         append_metrics(os.path.join(job.folder, METRICS_FILE), record)

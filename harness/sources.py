@@ -125,7 +125,8 @@ def read_pool(settings, attributes: List[str]):
     record["concepts"] = (settings["concepts"]  # unset: the pool decides
                           or dear.default_concepts(bank))
     check_pool(settings, bank, record["concepts"], attributes)
-    check_encoder(settings, record["concepts"])
+    if settings["bank"] != "textspan":  # TextSpan's was checked above, before its download
+        check_encoder(settings, record["concepts"])
     record["header"] = analysis_header(settings, record["concepts"], toy)  # train.run logs it
     return bank, record
 
@@ -205,17 +206,15 @@ def check_sentence_encoder(encoder: str) -> None:
         raise TrainError(f"{flag}: sentence-transformers is not installed; {SBERT_INSTALL}")
     folder = model
     if not os.path.isabs(model):
-        from huggingface_hub import snapshot_download  # sentence-transformers' own dependency
-        from huggingface_hub.utils import validate_repo_id
+        from huggingface_hub.utils import validate_repo_id  # sentence-transformers' dependency
 
         try:
             validate_repo_id(model)
         except ValueError:
             raise TrainError(f"{flag}: neither a model folder nor a Hugging Face model name "
                              f"(such as {SBERT_MODEL})") from None
-        try:  # a cached copy is opened now too; one not cached is fetched later, when needed
-            folder = snapshot_download(model, local_files_only=True)
-        except OSError:
+        folder = cached_sbert_folder(model)  # a cached copy is opened now too
+        if folder is None:  # one not cached is fetched later, when needed
             return
     if problem := model_folder_problem(folder):
         raise TrainError(f"{flag}: {folder}: {problem}; fetch the model again, or give another "
@@ -303,16 +302,25 @@ def sentence_encoder_record(encoder: str, log: Callable[[str], None]) -> dict:
     return dict(name="sbert", model=model, folder=folder, files=files, **versions)
 
 
-def sbert_folder_of(name: str, log: Callable[[str], None]) -> str:
-    """A named SBERT model's folder: the Hugging Face cache's copy, found with local files only,
-    else fetched by sentence-transformers (the files its model needs) into that cache, once.
-    Offline, one line saying how to pass a folder instead."""
-    from huggingface_hub import constants, snapshot_download
+def cached_sbert_folder(name: str) -> Optional[str]:
+    """A named SBERT model's folder in the Hugging Face cache, found with local files only; None
+    where it is not there (never fetched here)."""
+    from huggingface_hub import snapshot_download
 
     try:
         return snapshot_download(name, local_files_only=True)
     except OSError:  # not in the cache (LocalEntryNotFoundError)
-        pass
+        return None
+
+
+def sbert_folder_of(name: str, log: Callable[[str], None]) -> str:
+    """A named SBERT model's folder: the Hugging Face cache's copy (cached_sbert_folder), else
+    fetched by sentence-transformers (the files its model needs) into that cache, once.
+    Offline, one line saying how to pass a folder instead."""
+    from huggingface_hub import constants, snapshot_download
+
+    if (folder := cached_sbert_folder(name)) is not None:
+        return folder
     flag = f"--sentence-encoder sbert:{name}"
     offline = (f"{flag}: not in the Hugging Face cache and {constants.ENDPOINT} cannot be "
                "reached; without network, pass a model folder: --sentence-encoder sbert:FOLDER "
@@ -324,7 +332,7 @@ def sbert_folder_of(name: str, log: Callable[[str], None]) -> str:
 
     try:
         SentenceTransformer(name, device="cpu")
-        return snapshot_download(name, local_files_only=True)
+        return snapshot_download(name, local_files_only=True)  # raises if it is still not there
     except Exception as error:  # noqa: BLE001 -- the hub's and transformers' errors, one line
         raise TrainError(f"{offline} ({type(error).__name__})") from None
 
