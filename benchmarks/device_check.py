@@ -120,6 +120,8 @@ import dear  # noqa: E402
 from harness import devices, runfolder  # noqa: E402
 import train  # noqa: E402
 from bench_train_step import B16, class_prompts, mixed_roles  # noqa: E402
+# train.py's precision forced (an H200 never takes the fp16 path on its own; the CPU no autocast)
+from precision_table import forced_precision, measure  # noqa: E402
 
 # --quick: a CLIP small enough that every check runs in seconds on a CPU, with the shapes
 # that matter kept (several heads, J inside the last four layers, a 1,000-class text side).
@@ -263,18 +265,6 @@ def no_tf32():
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
-@contextlib.contextmanager
-def forced_precision(dtype, why: str):
-    """train.py's precision, in this process, `dtype` whatever the device chooses (an H200 never
-    takes the fp16 path on its own; the CPU takes no autocast at all)."""
-    chosen = devices.choose_precision
-    devices.choose_precision = lambda *args: (dtype, why)
-    try:
-        yield
-    finally:
-        devices.choose_precision = chosen
 
 
 def guarded(report: Report, name: str, check, *args):
@@ -1013,8 +1003,6 @@ def check_loader(report: Report, device: torch.device, quick: bool, scratch: str
 def check_precision(report: Report, device: torch.device, quick: bool) -> None:
     """benchmarks/precision_table.py on the device: the toy trained and scored in fp32, fp16 and
     bf16 (2 epochs under --quick), the predictions and logits of fp32's run moved by each."""
-    from precision_table import measure
-
     for row in measure(device, epochs=2 if quick else 20, log=lambda line: None):
         changed = sum(row["changed"].values())
         report.add(f"8. precision {row['precision']}, the toy world", "info",

@@ -38,11 +38,12 @@ CLIP_SCALE = 100.0  # ViT-B/16's logit scale
 
 
 @contextlib.contextmanager
-def forced_precision(dtype):
+def forced_precision(dtype, why: str = None):
     """train.py's precision, in this process, `dtype` whatever the device would choose (the CPU
-    chooses fp32; autocast then runs on the CPU)."""
+    chooses fp32; autocast then runs on the CPU), said as `why` (default: "<name> (forced)")."""
     chosen = devices.choose_precision
-    devices.choose_precision = lambda *args: (dtype, f"{devices.precision_name(dtype)} (forced)")
+    said = why or f"{devices.precision_name(dtype)} (forced)"
+    devices.choose_precision = lambda *args: (dtype, said)
     try:
         yield
     finally:
@@ -121,8 +122,9 @@ def measure(device: torch.device, epochs: int = 20, log=print) -> list:
             if dtype is None:
                 reference = {scale: scores(folder, device, None, scale)
                              for scale in (toy_scale, CLIP_SCALE)}
-            moved = {scale: scores(fp32_folder, device, dtype, scale)
-                     for scale in (toy_scale, CLIP_SCALE)}
+            moved = reference if dtype is None else {  # fp32's own scores are the reference
+                scale: scores(fp32_folder, device, dtype, scale)
+                for scale in (toy_scale, CLIP_SCALE)}
             row["changed"] = {f"{kind} {column}": int((moved[toy_scale][column, kind].argmax(-1)
                                                         != reference[toy_scale][column, kind]
                                                         .argmax(-1)).sum())

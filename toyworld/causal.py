@@ -207,9 +207,9 @@ def _constant_rates(rows: list) -> dict:
     """{role: the agreement of a map that gave every scored head that role}: the floor a real
     agreement is to be read against (a map calling every head generalization agrees wherever
     ablation singles nothing out)."""
-    scored = [row for row in rows if row["agrees"] is not None]
-    return {"generalization": (sum(row["singled_out"] is None for row in scored) / len(scored)
-                               if scored else None)}
+    as_generalization = [{"agrees": None if row["agrees"] is None else row["singled_out"] is None}
+                         for row in rows]  # the heads scored, each as a generalization head
+    return {"generalization": _rate(as_generalization)[0]}
 
 
 def summary_lines(result: dict, n_images: int) -> list:
