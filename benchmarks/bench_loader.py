@@ -11,7 +11,7 @@ page cache warm, as from the second epoch on; batches of 32): each photo decoded
 (data.ImageDataset with train_transform(224): decode, random resized crop with bicubic
 resampling, flip, normalise), and decoded once (data.DecodedImages, train.py's default: the
 crop, flip and normalisation of a kept uint8 tensor; the decoding itself is not timed). The GPU
-side: device_check.step_flops, the FLOPs of one DeAR training step on ViT-B/16 at batch 32, over
+side: bench_train_step.step_flops, the FLOPs of one DeAR training step on ViT-B/16 at batch 32, over
 an H200's dense bf16 peak at a model FLOP utilisation of 40% (a good one for this step).
 """
 
@@ -29,9 +29,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import data  # noqa: E402
+from bench_train_step import B16, peak_tflops, step_flops  # noqa: E402
 
 PHOTO = (500, 375)  # pixels: ImageNet's most common size
-H200_BF16_TFLOPS, UTILISATION = 989.0, 0.4
+UTILISATION = 0.4
 
 
 def write_photos(folder: str, count: int) -> list:
@@ -68,11 +69,8 @@ def images_per_second(items: list, workers: int, batch: int = 32, size: int = 22
 
 
 def gpu_images_per_second(classes: int) -> float:
-    from device_check import step_flops  # noqa: E402
-    from bench_train_step import B16  # noqa: E402
-
     flops = step_flops(B16, batch=32, classes=classes, prompt_tokens=20)
-    return 32 / (flops / (H200_BF16_TFLOPS * 1e12 * UTILISATION))
+    return 32 / (flops / (peak_tflops("H200")[0] * 1e12 * UTILISATION))
 
 
 def main(argv=None) -> int:

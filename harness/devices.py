@@ -215,18 +215,21 @@ def sdpa_backends(backends: Optional[List[str]]):
 
 
 def sdpa_kernel_used(device: torch.device, dtype: Optional[torch.dtype],
-                     backends: Optional[List[str]]) -> str:
-    """Which backend torch's fused attention runs for a DeAR-shaped case on this device (ViT-B/16:
-    12 heads, 197 + 5 tokens, a generalization head's mask on every other head), found by
-    running it once as allowed, then each backend alone: the one that gives the same bits."""
+                     backends: Optional[List[str]], case: Optional[tuple] = None) -> str:
+    """Which backend torch's fused attention runs for `case` (q, k, v, mask), else a DeAR-shaped
+    case (ViT-B/16: 12 heads, 197 + 5 tokens, a generalization head's mask on every other head),
+    on this device, found by running it once as allowed, then each backend alone: the one that
+    gives the same bits."""
     import warnings
 
-    generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 12, 202, 64, generator=generator).to(device, dtype or torch.float32)
-               for _ in range(3))
-    mask = torch.zeros(12, 202, 202)
-    mask[::2, :197, 197:] = mask[::2, 197:, :197] = float("-inf")
-    mask = mask.to(device, q.dtype)[None]  # (1, H, N, N)
+    if case is None:
+        generator = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, 12, 202, 64, generator=generator).to(device, dtype or torch.float32)
+                   for _ in range(3))
+        mask = torch.zeros(12, 202, 202)
+        mask[::2, :197, 197:] = mask[::2, 197:, :197] = float("-inf")
+        case = q, k, v, mask.to(device, q.dtype)[None]  # mask (1, H, N, N)
+    q, k, v, mask = case
     with warnings.catch_warnings():  # a backend that cannot run says why in a warning
         warnings.simplefilter("ignore")
         with sdpa_backends(backends):

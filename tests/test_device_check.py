@@ -2,14 +2,14 @@
 
 No GPU here: the script runs as `--device cpu --quick` (every check, a tiny CLIP), so that it
 cannot rot between the rare moments a GPU is at hand; its checks are shown to fail on the
-bugs they are there for; its FLOP count, which the MFU rests on, is held against torch's own
-count of a real step; and the GPU table is looked up by name as a GPU reports it.
+bugs they are there for (pytorch issue 196678's among them); its FLOP count, which the MFU
+rests on, is held against torch's own count of a real step; and the GPU table is looked up by
+name as a GPU reports it.
 
     python -m pytest -q tests/test_device_check.py
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,53 +20,47 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import bench_train_step  # noqa: E402
 import device_check  # noqa: E402
 from conftest import subprocess_env  # noqa: E402
 
 
-def test_quick_mode_runs_every_check_on_the_cpu_and_writes_the_table_it_prints(tmp_path):
+def test_quick_mode_runs_every_check_on_the_cpu_quietly_and_writes_the_table_it_prints(tmp_path):
     out = tmp_path / "table"
     env = subprocess_env(tmp_path / "cache")
     done = subprocess.run([sys.executable, "benchmarks/device_check.py", "--device", "cpu", "--quick",
                            "--peak-tflops", "0.2", "--output", str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stderr == ""  # no warning leaks: every one is a finding or silenced at its cause
     # The title says what was skipped, never "all passed" over it: the CPU has neither the
-    # memory-efficient nor cuDNN's fused attention, in fp16 and in bf16.
+    # memory-efficient nor cuDNN's fused attention.
     title = next(line for line in done.stdout.splitlines() if line.startswith("Device check:"))
-    assert "; passed with 4 skipped (3. fused attention with DeAR's masks, fp16, " \
-           "EFFICIENT_ATTENTION: " in title and "all" not in title
+    assert "; passed with 2 skipped (3. fused attention, EFFICIENT_ATTENTION: " in title
+    assert "all" not in title
 
     record = json.loads((out / "device_check_cpu_quick.json").read_text())
     rows = record["checks"]
-    counts = {"1.": 2, "2.": 3, "3.": 10, "4.": 6, "5.": 1, "6.": 7, "7.": 1, "8.": 3, "9.": 1}
+    counts = {"1.": 2, "2.": 2, "3.": 5, "4.": 3, "5.": 4, "6.": 3}
     assert [row["check"][:2] for row in rows] == [n for n, k in counts.items() for _ in range(k)]
-    for row in rows:  # open_clip is a dev requirement, so nothing may be skipped here but a kernel
-        unavailable = row["check"].startswith("3.") and row["values"].get("available") == 0
-        figures = row["check"].startswith(("3. the kernel", "8.", "9."))  # measured, not judged
+    for row in rows:  # nothing may be skipped here but a kernel the CPU lacks
+        unavailable = row["check"].startswith("3. fused") and row["values"].get("available") == 0
+        figures = row["check"].startswith(("3. the kernel", "6."))  # measured, not judged (--quick)
         assert row["status"] == ("skip" if unavailable else "info" if figures else "pass"), row
     assert rows[0]["values"]["image"] <= 1e-3 and rows[1]["values"]["difference"] <= 1e-3
-    scores = {row["check"]: row["values"] for row in rows if row["check"].startswith("2. scores")}
-    assert all(v["changed"] == 0 and v["rounded_changed"] > 30 for v in scores.values()), scores
-    for dtype in ("fp16", "bf16"):
-        attention = {row["check"].rsplit(", ", 1)[1]: row for row in rows
-                     if row["check"].startswith(f"3. fused attention with DeAR's masks, {dtype}")}
-        assert attention["MATH"]["values"]["available"] == 5  # the vision length, 4 text lengths
-        assert "unavailable" in attention["CUDNN_ATTENTION"]["figures"]  # no cuDNN on the CPU
-    picked = [row["values"]["picked"] for row in rows if row["check"].startswith("3. the kernel")]
-    assert len(picked) == 2 and set(picked) <= {"flash", "math"}
+    assert all(row["values"]["changed"] == 0 and row["values"]["rounded_changed"] > 30 for row in rows[2:4])
+    attention = {row["check"].rsplit(", ", 1)[1]: row for row in rows if row["check"].startswith("3. fused")}
+    assert attention["MATH"]["values"]["available"] == 14  # 7 cases (2 of issue 196678), fp16 and bf16
+    assert "fp16 196678 192 out" in attention["FLASH_ATTENTION"]["figures"]
+    picked = rows[4]["values"]["picked"]  # what torch runs on DeAR's calls, with grad
+    assert set(picked) == {"fp16 vision 22", "fp16 text 28", "bf16 vision 22", "bf16 text 28"}
+    assert set(picked.values()) <= {"flash", "math"}
     steps = [row for row in rows if row["check"].startswith("4. DeAR steps")]
     assert not steps[0]["values"]["unmoved"] and not steps[1]["values"]["clip_changed"]
-    resume = next(row for row in rows if row["check"].startswith("6. resume after"))
-    assert resume["values"]["bit_identical"]
-    fp16 = next(row for row in rows if row["check"].startswith("6. resume from --amp off into fp16"))
-    assert fp16["values"]["scale"] > 0 and fp16["values"]["finite"]
-    assert next(row for row in rows if row["check"].startswith("6. a NaN at step 5"))["status"] == "pass"
-    assert next(row for row in rows if row["check"].startswith("7."))["values"]["mfu"] < 1
-    precision = {row["values"]["precision"]: row["values"] for row in rows if row["check"].startswith("8.")}
+    assert 0 < rows[11]["values"]["mfu"] < 1  # 4. speed and MFU, over the given peak
+    assert next(row for row in rows if row["check"].startswith("5. resume"))["values"]["bit_identical"]
+    precision = {row["values"]["precision"]: row["values"] for row in rows if row["check"].startswith("6.")}
     assert precision["fp32"]["max_logit_change"] == 0 and precision["fp16"]["max_logit_change"] > 0
-    loader = rows[-1]["values"]
-    assert loader["training_images_per_s"] > 0 and 0 <= loader["data_wait"] < 1
     # The printed table is the Markdown file's table, line for line.
     table = (out / "device_check_cpu_quick.md").read_text().split("\n\n", 1)[1].strip()
     assert table in done.stdout
@@ -78,13 +72,11 @@ def tiny_clip():
 
 
 def amp_rows(tiny_clip) -> list:
-    report = device_check.Report()
-    device_check.check_amp_steps(report, tiny_clip, device_check.TINY, torch.device("cpu"), quick=True)
-    return report.rows
+    return device_check.check_amp_steps(tiny_clip, device_check.TINY, torch.device("cpu"), quick=True)
 
 
 def test_the_amp_check_passes_a_good_step_and_fails_one_that_touches_clip(tiny_clip, monkeypatch):
-    assert [row["status"] for row in amp_rows(tiny_clip)] == ["pass", "pass"]
+    assert [row[1] for row in amp_rows(tiny_clip)] == ["pass", "pass"]
     build = device_check.build_step
 
     def touching_clip(clip, *args, **kwargs):  # an optimizer that also moves a CLIP weight
@@ -99,8 +91,8 @@ def test_the_amp_check_passes_a_good_step_and_fails_one_that_touches_clip(tiny_c
 
     monkeypatch.setattr(device_check, "build_step", touching_clip)
     rows = amp_rows(tiny_clip)
-    assert [row["status"] for row in rows] == ["fail", "fail"]
-    assert rows[0]["values"]["clip_changed"] == ["visual.proj"]
+    assert [row[1] for row in rows] == ["fail", "fail"]
+    assert rows[0][3]["clip_changed"] == ["visual.proj"]
 
 
 def test_the_amp_check_fails_a_step_that_leaves_a_learnable_tensor_without_gradient(tiny_clip, monkeypatch):
@@ -113,8 +105,8 @@ def test_the_amp_check_fails_a_step_that_leaves_a_learnable_tensor_without_gradi
 
     monkeypatch.setattr(device_check, "build_step", detached_text_tokens)
     rows = amp_rows(tiny_clip)
-    assert [row["status"] for row in rows] == ["fail", "fail"]
-    assert rows[0]["values"]["unmoved"] == ["text_tokens"] and "NOT finite" in rows[0]["figures"]
+    assert [row[1] for row in rows] == ["fail", "fail"]
+    assert rows[0][3]["unmoved"] == ["text_tokens"] and "NOT finite" in rows[0][2]
 
 
 def test_the_flop_count_of_a_step_equals_torchs_own_count_of_a_real_step(tiny_clip):
@@ -126,7 +118,7 @@ def test_the_flop_count_of_a_step_equals_torchs_own_count_of_a_real_step(tiny_cl
     step()
     with attention.sdpa_kernel(attention.SDPBackend.MATH), flop_counter.FlopCounterMode(display=False) as counter:
         step()
-    estimate = device_check.step_flops(device_check.TINY, 8, 20, last["prompt_tokens"])
+    estimate = bench_train_step.step_flops(device_check.TINY, 8, 20, last["prompt_tokens"])
     assert abs(estimate / counter.get_total_flops() - 1) < 0.01, (estimate, counter.get_total_flops())
 
 
@@ -138,29 +130,42 @@ def test_the_scores_check_fails_scores_rounded_to_the_autocast_precision(monkeyp
         alpha = self.fusion_weights().to(branches.dtype)
         return torch.einsum("bkc,k->bc", branches, alpha), branches
 
-    report = device_check.Report()
-    device_check.check_scores(report, torch.device("cpu"))
-    assert [row["status"] for row in report.rows] == ["pass", "pass"]
+    assert [row[1] for row in device_check.check_scores(torch.device("cpu"))] == ["pass", "pass"]
     monkeypatch.setattr(device_check.dear.DeAR, "fused_logits", inside_autocast)
-    report = device_check.Report()
-    device_check.check_scores(report, torch.device("cpu"))
-    assert [row["status"] for row in report.rows] == ["fail", "fail"]
-    assert all(row["values"]["changed"] > 30 for row in report.rows)
+    rows = device_check.check_scores(torch.device("cpu"))
+    assert [row[1] for row in rows] == ["fail", "fail"]
+    assert all(row[3]["changed"] > 30 for row in rows)
+
+
+def math_row(monkeypatch, kernel) -> tuple:
+    """check_attention's MATH row with torch's fused attention replaced by `kernel`."""
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", kernel)
+    rows = device_check.check_attention(device_check.TINY, torch.device("cpu"))
+    return next(row for row in rows if row[0].endswith("MATH"))
 
 
 def test_the_attention_check_fails_a_kernel_that_drops_the_mask(monkeypatch):
     """A fused kernel that ignored DeAR's per-head masks (and the causal one) in every case."""
     fused = torch.nn.functional.scaled_dot_product_attention
+    row = math_row(monkeypatch, lambda q, k, v, attn_mask=None, **kwargs: fused(q, k, v, **kwargs))
+    assert row[1] == "fail" and row[2].count("FAIL") == 14  # every case, fp16 and bf16
 
-    def maskless(q, k, v, attn_mask=None, **kwargs):
-        return fused(q, k, v, **kwargs)
 
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", maskless)
-    report = device_check.Report()
-    device_check.check_attention(report, device_check.TINY, torch.device("cpu"))
-    math_rows = [row for row in report.rows if row["check"].endswith("MATH")]
-    assert len(math_rows) == 2  # fp16 and bf16
-    assert all(row["status"] == "fail" and row["figures"].count("FAIL") == 5 for row in math_rows)
+def test_the_attention_check_sees_pytorch_issue_196678s_case(monkeypatch):
+    """A kernel wrong only where a row's logsumexp is below -88.7 (as cuDNN's in issue 196678: its
+    rows come out zero here) fails on the issue's inputs alone; random inputs never reach it."""
+    fused = torch.nn.functional.scaled_dot_product_attention
+
+    def underflowing(q, k, v, attn_mask=None, **kwargs):
+        scores = (q.float() @ k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5 + attn_mask.float()
+        low = scores.logsumexp(-1, keepdim=True) < -88.7  # (B, H, N, 1)
+        return fused(q, k, v, attn_mask=attn_mask, **kwargs).masked_fill(low, 0)
+
+    row = math_row(monkeypatch, underflowing)
+    cases = row[2].split(" (allowed")[0].split("; ")
+    failed = [case.split(" out")[0] for case in cases if case.endswith("FAIL")]
+    assert row[1] == "fail" and failed == ["fp16 196678 64", "bf16 196678 64", "fp16 196678 192",
+                                          "bf16 196678 192"]
 
 
 def test_the_verdicts_are_kept_per_gpu_and_build_where_attention_auto_reads_them(
@@ -184,10 +189,9 @@ def test_the_verdicts_are_kept_per_gpu_and_build_where_attention_auto_reads_them
     ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA L4", 121.0), ("NVIDIA L40S", 362.0),
     ("NVIDIA A10G", 70.0), ("NVIDIA GeForce RTX 4090", 165.0), ("NVIDIA Some Future GPU", None),
 ])
-def test_a_gpu_finds_its_peak_by_the_name_it_reports(monkeypatch, name, peak):
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    assert device_check.device_peak_tflops(torch.device("cuda"), None)[0] == peak
-    assert device_check.device_peak_tflops(torch.device("cuda"), 123.0) == (123.0, "--peak-tflops")
+def test_a_gpu_finds_its_peak_by_the_name_it_reports(name, peak):
+    assert bench_train_step.peak_tflops(name)[0] == peak
+    assert bench_train_step.peak_tflops(name, 123.0) == (123.0, "--peak-tflops")
 
 
 def test_a_check_that_breaks_fails_the_table_and_the_exit_status_and_the_others_still_run(tmp_path, monkeypatch):
@@ -197,25 +201,12 @@ def test_a_check_that_breaks_fails_the_table_and_the_exit_status_and_the_others_
         raise RuntimeError("Expected all tensors to be on the same device")
 
     monkeypatch.setattr(device_check, "check_parity", broken_parity)
-    checks = ("check_scores", "check_toy_predictions", "check_attention", "check_amp_steps",
-              "check_speed", "check_open_clip", "check_train_py", "check_mfu")
+    checks = ("check_scores", "check_attention", "check_amp_steps", "check_speed", "check_train_py",
+              "check_precision")
     for name in checks:
-        monkeypatch.setattr(device_check, name, lambda *args, name=name: ran.append(name))
+        monkeypatch.setattr(device_check, name, lambda *args, name=name: ran.append(name) or [])
     assert device_check.main(["--device", "cpu", "--quick", "--output", str(tmp_path)]) == 1
     record = json.loads((tmp_path / "device_check_cpu_quick.json").read_text())
     assert not record["passed"] and record["checks"][0]["status"] == "fail"
     assert "same device" in record["checks"][0]["figures"]
-    assert ran == list(checks[:-1])  # no step time, no MFU
-
-
-def test_without_ftfy_a_stand_in_serves_this_process_and_the_train_py_processes(tmp_path):
-    blocker = tmp_path / "no_ftfy"  # a machine without ftfy: importing it fails
-    blocker.mkdir()
-    (blocker / "ftfy.py").write_text("raise ImportError('No module named ftfy')\n")
-    probe = ("import device_check, clip_model, ftfy, subprocess, sys; print(ftfy.__doc__); "
-             "print(subprocess.run([sys.executable, '-c', 'import ftfy; print(ftfy.__doc__)'], "
-             "capture_output=True, text=True).stdout)")
-    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO / "benchmarks", capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(blocker)), timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.count("Written by benchmarks/device_check.py: ftfy is not installed.") == 2
+    assert ran == list(checks)
