@@ -8,6 +8,7 @@ that a slow moment of the machine hits both alike; the best round of each counts
     pip install -r requirements-dev.txt      # open-clip-torch is the reference
     python benchmarks/bench_clip.py                      # batch 8, CPU
     python benchmarks/bench_clip.py --device cuda --rounds 20
+    python benchmarks/bench_clip.py --batch 1 --rounds 1     # its code runs, in seconds
 
 Prints images/s for each and the ratio ours / open_clip (target on CPU: at least 1.0).
 """

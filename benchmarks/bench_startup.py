@@ -25,6 +25,7 @@ ImageNet.
 
     python benchmarks/bench_startup.py                       # 1% and 10% of ImageNet, minutes
     python benchmarks/bench_startup.py --fractions 0.01 --repeats 1      # about a minute
+    python benchmarks/bench_startup.py --quick     # 0.1%, once, a 100-image analysis: its code runs
 
 The folder (--folder, default the system's temporary folder) needs 4,000 inodes and about
 6 MB per 100,000 images (directory entries; hard links take no inode): checked first, and
@@ -133,7 +134,7 @@ def timed_call(argv: list) -> dict:
     """train.run(argv) up to train.train_job -> each phase's wall and CPU seconds, how many
     times each dataset was read, the peak memory and the memory held at the stop (MB)."""
     import data
-    from harness import cli
+    from harness import analysis, cli
     import train
 
     seconds, cpu, readings, held = Counter(), Counter(), Counter(), []
@@ -158,8 +159,8 @@ def timed_call(argv: list) -> dict:
         held.append(resident_mb())
         raise FirstStep
 
-    for phase in ("read_data", "analysed_role_maps"):
-        setattr(train, phase, timed(phase, getattr(train, phase)))
+    for module, phase in ((train, "read_data"), (analysis, "analysed_role_maps")):  # as train.py calls them
+        setattr(module, phase, timed(phase, getattr(module, phase)))
     data.READERS.update({name: reader(function) for name, function in data.READERS.items()})
     train.train_job = stop
     args = cli.build_parser(train.BOOK).parse_args(argv)
@@ -191,7 +192,7 @@ def run_call(argv: list, folder: str, show: bool) -> dict:
         return json.load(f)
 
 
-def measure(fraction: float, work: str, repeats: int, show: bool) -> tuple:
+def measure(fraction: float, work: str, repeats: int, show: bool, flags: list) -> tuple:
     """ImageNet at `fraction` in `work`, the head analysis once, then each call first and
     again, `repeats` times -> (training images, {call: its repeats' results})."""
     started = time.perf_counter()
@@ -203,7 +204,7 @@ def measure(fraction: float, work: str, repeats: int, show: bool) -> tuple:
     os.environ["CLIP_CACHE_DIR"] = os.path.join(work, "cache")  # the head-analysis cache: ours
     common = ["--root", data_root, "--weights", os.path.join(TOY, "clip.pt"), "--bpe",
               os.path.join(TOY, "bpe.txt.gz"), "--head-width", "16", "--method", "dear",
-              "--device", "cpu"]
+              "--device", "cpu", *flags]
 
     def call(name: str, *flags: str) -> dict:  # in a new run folder
         output = os.path.join(work, "runs", f"{name.split(',')[0]}-{time.monotonic_ns()}")
@@ -212,7 +213,7 @@ def measure(fraction: float, work: str, repeats: int, show: bool) -> tuple:
     analysis = call("cross, 3 seeds", "--analyse-only")
     took = analysis["seconds"]["total"]
     print(f"  head analysis with the toy CLIP, once per model and pool ({took:.1f} s; it reads "
-          "2,000 images whatever the dataset's size, and the calls below reuse it)", flush=True)
+          "--analysis-images images whatever the dataset's size, and the calls below reuse it)", flush=True)
     results = {f"{name}, {when}": [] for name in CALLS for when in ("first", "again")}
     for _ in range(repeats):
         for name in CALLS:
@@ -297,6 +298,8 @@ def main() -> None:
                         help="where the temporary dataset goes (default: the system's temporary "
                              "folder)")
     parser.add_argument("--show", action="store_true", help="print train.py's own lines too")
+    parser.add_argument("--quick", action="store_true",
+                        help="0.1%% of ImageNet, once, the analysis on 100 images (its code runs)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # a call: its argv, result file
     args = parser.parse_args()
     if args.child:
@@ -304,6 +307,8 @@ def main() -> None:
         with open(args.child[1], "w", encoding="utf-8") as f:
             json.dump(result, f)
         return
+    if args.quick:
+        args.fractions, args.repeats = [0.001], 1
     if not all(0 < fraction <= 1 for fraction in args.fractions):
         parser.error(f"--fractions {' '.join(map(str, args.fractions))}: expected shares in (0, 1]")
     if args.repeats < 1:
@@ -314,7 +319,8 @@ def main() -> None:
     for fraction in sorted(set(args.fractions)):  # one tree at a time: the disk holds one
         work = tempfile.mkdtemp(prefix="bench_startup-", dir=folder)  # JPEGs, links: one disk
         try:
-            images, results = measure(fraction, work, args.repeats, args.show)
+            quick = ["--analysis-images", "100"] * args.quick
+            images, results = measure(fraction, work, args.repeats, args.show, quick)
             measured[images] = results
         finally:
             shutil.rmtree(work, ignore_errors=True)

@@ -2,6 +2,7 @@
 measurement behind tests/test_golden.py's TOLERANCE.
 
     python benchmarks/golden_spread.py              # about 10 minutes on 2 cores
+    python benchmarks/golden_spread.py --quick      # the miniature toy, one variant: its code runs
 
 It runs the golden record's first run (tests/test_golden.py RUNS["ablations"]: zero-shot and
 every ablation row, 2 epochs on 2 shots of the full toy world) in fresh processes, each time
@@ -30,10 +31,11 @@ SCRIPT = ("import sys; sys.path.insert(0, {repo!r}); import toyworld; toyworld.T
           "import train; sys.exit(train.main({argv!r}))")
 
 
-def run(folder: str, cache: str, threads: int = 1, capability: str = None, seed: int = 1) -> dict:
+def run(folder: str, cache: str, threads: int = 1, capability: str = None, seed: int = 1,
+        extra: tuple = ()) -> dict:
     """One golden run -> {"results": {run folder: results.json}, "roles": roles.json's text}."""
     argv = [a if a != "1" or RUN[i - 1] != "--seeds" else str(seed) for i, a in enumerate(RUN)]
-    argv += ["--output", folder]
+    argv += ["--output", folder, *extra]
     env = dict(os.environ, DEAR_CACHE_DIR=cache)
     env.pop("CLIP_CACHE_DIR", None)
     env.pop("ATEN_CPU_CAPABILITY", None)
@@ -73,22 +75,24 @@ def largest_moves(found: dict, reference: dict) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.parse_args(argv)
+    parser.add_argument("--quick", action="store_true", help="the miniature toy world, one variant")
+    quick = parser.parse_args(argv).quick
     import torch
 
     own = torch.backends.cpu.get_cpu_capability().lower()
     variants = [("threads 2", dict(threads=2)), ("threads 3", dict(threads=3)),
                 ("kernels: default", dict(capability="default")),
                 ("kernels: avx2", dict(capability="avx2")),
-                ("seed 2", dict(seed=2)), ("seed 3", dict(seed=3))]
+                ("seed 2", dict(seed=2)), ("seed 3", dict(seed=3))][:1 if quick else None]
+    extra = ("--toy-scale", "miniature") if quick else ()
     with tempfile.TemporaryDirectory() as scratch:
         cache = os.path.join(scratch, "cache")
-        reference = run(os.path.join(scratch, "reference"), cache)
+        reference = run(os.path.join(scratch, "reference"), cache, extra=extra)
         print(f"reference: threads 1, kernels {own}, seed 1 (torch {torch.__version__})")
         print(f"{'variant':<18}{'accuracy':>10}{'alpha':>8}{'retrieval':>11}{'zero-shot':>11}"
               f"  roles.json")
         for index, (name, change) in enumerate(variants):
-            found = run(os.path.join(scratch, f"variant{index}"), cache, **change)
+            found = run(os.path.join(scratch, f"variant{index}"), cache, **change, extra=extra)
             moves = largest_moves(found["results"], reference["results"])
             same = "same" if found["roles"] == reference["roles"] else "DIFFERENT"
             print(f"{name:<18}{moves['accuracy']:>10.2f}{moves['alpha']:>8.4f}"

@@ -63,6 +63,12 @@ RUN = {
     "python benchmarks/toy_ablations.py --toy-scale miniature --seeds 1 --epochs 1 "
     "--output /tmp/abl",  # the toy ablation tables' path, seconds
     "python benchmarks/bench_loader.py --images 400 --workers 0 1 2",  # seconds
+    # Each benchmark's quick form (tiny sizes: its code runs, in seconds; its figures mean little):
+    "python benchmarks/bench_clip.py --batch 1 --rounds 1",
+    "python benchmarks/bench_train_step.py --tiny",
+    "python benchmarks/bench_startup.py --quick",
+    "python benchmarks/golden_spread.py --quick",
+    "python benchmarks/precision_table.py --toy-scale miniature --epochs 1",
 }
 
 # Not run on their own: a command of RUN that adds flags to them runs the same path and more
@@ -71,6 +77,12 @@ COVERED = {
     "python -m toyworld": "python -m toyworld --grid samples.png",
     "python -m toyworld --scale miniature": "python -m toyworld --scale miniature --causal",
     "python benchmarks/bench_loader.py": "python benchmarks/bench_loader.py --images 400 --workers 0 1 2",
+    "python benchmarks/bench_clip.py": "python benchmarks/bench_clip.py --batch 1 --rounds 1",
+    "python benchmarks/bench_train_step.py": "python benchmarks/bench_train_step.py --tiny",
+    "python benchmarks/bench_startup.py": "python benchmarks/bench_startup.py --quick",
+    "python benchmarks/golden_spread.py": "python benchmarks/golden_spread.py --quick",
+    "python benchmarks/precision_table.py":
+        "python benchmarks/precision_table.py --toy-scale miniature --epochs 1",
 }
 
 IN_ORDER = "run by test_the_readme_commands_run_in_the_order_written_from_a_fresh_copy"
@@ -83,14 +95,13 @@ NOT_RUN = {
     "python train.py --output runs/base2novel-oxford_pets --resume": "needs a run folder; tests/test_train.py resumes one",
     "python train.py --output runs/base2novel-oxford_pets --eval-only": "needs a run folder; tests/test_train.py evaluates one",
     "python clip_model.py --weights ViT-B/16 --image cat.jpg --texts \"a cat\" \"a dog\"": "downloads OpenAI's weights",
-    "python benchmarks/bench_clip.py": "minutes: ViT-B/16 on the CPU, and open-clip-torch",
     "python benchmarks/bench_clip.py --device cuda --rounds 20": "needs a GPU",
-    "python benchmarks/bench_train_step.py": "about a minute of ViT-B/16 on the CPU",
-    "python benchmarks/bench_train_step.py --device cuda": "needs a GPU",
-    "python benchmarks/bench_train_step.py --tokens shared": "about a minute of ViT-B/16 on the CPU",
+    "python benchmarks/bench_train_step.py --device cuda --amp fp16 --batch 32": "needs a GPU",
+    "python benchmarks/bench_train_step.py --tokens shared": "about a minute of ViT-B/16 on the CPU; "
+                                                             "--tiny runs the same code",
     "python benchmarks/toy_ablations.py": "half an hour (37 toy runs); the miniature one runs here",
-    "python benchmarks/bench_startup.py": "minutes: ImageNet's layout at 1% and 10% (hard links), train.py's start-up",
-    "python benchmarks/bench_startup.py --fractions 0.01 --repeats 1": "about a minute, mostly the head analysis",
+    "python benchmarks/bench_startup.py --fractions 0.01 --repeats 1": "about a minute, mostly the head "
+                                                                       "analysis; --quick runs the same code",
     "python -m pytest -q": "the test suite itself",
     "python docs/walkthrough.py": "tests/test_walkthrough.py runs it (with --output, into its folder)",
     "python docs/walkthrough.py --output DIR": "tests/test_walkthrough.py runs it",
@@ -105,10 +116,6 @@ NOT_RUN = {
     "python train.py --recipes": IN_ORDER,
     "python benchmarks/device_check.py --device cpu --quick": "tests/test_device_check.py runs it",
     "python benchmarks/device_check.py": "needs a GPU",
-    "python benchmarks/device_check.py --peak-tflops 312": "needs a GPU",
-    "python benchmarks/golden_spread.py": "about 3 minutes: the golden run 7 times, in subprocesses",
-    "python benchmarks/precision_table.py": "minutes: the toy trained in fp32, fp16 and bf16; "
-                                            "tests/test_device_check.py runs it in two epochs",
     "python benchmarks/precision_table.py --device cuda": "needs a GPU",
 }
 

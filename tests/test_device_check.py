@@ -29,7 +29,7 @@ def test_quick_mode_runs_every_check_on_the_cpu_quietly_and_writes_the_table_it_
     out = tmp_path / "table"
     env = subprocess_env(tmp_path / "cache")
     done = subprocess.run([sys.executable, "benchmarks/device_check.py", "--device", "cpu", "--quick",
-                           "--peak-tflops", "0.2", "--output", str(out)], cwd=REPO, env=env,
+                           "--output", str(out)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stderr == ""  # no warning leaks: every one is a finding or silenced at its cause
@@ -41,14 +41,14 @@ def test_quick_mode_runs_every_check_on_the_cpu_quietly_and_writes_the_table_it_
 
     record = json.loads((out / "device_check_cpu_quick.json").read_text())
     rows = record["checks"]
-    counts = {"1.": 2, "2.": 2, "3.": 5, "4.": 3, "5.": 4, "6.": 3}
+    counts = {"1.": 2, "2.": 2, "3.": 5, "4.": 2, "5.": 4, "6.": 3}
     assert [row["check"][:2] for row in rows] == [n for n, k in counts.items() for _ in range(k)]
     for row in rows:  # nothing may be skipped here but a kernel the CPU lacks
         unavailable = row["check"].startswith("3. fused") and row["values"].get("available") == 0
         figures = row["check"].startswith(("3. the kernel", "6."))  # measured, not judged (--quick)
         assert row["status"] == ("skip" if unavailable else "info" if figures else "pass"), row
     assert rows[0]["values"]["image"] <= 1e-3 and rows[1]["values"]["difference"] <= 1e-3
-    assert all(row["values"]["changed"] == 0 and row["values"]["rounded_changed"] > 30 for row in rows[2:4])
+    assert all(row["values"]["changed"] == 0 for row in rows[2:4])
     attention = {row["check"].rsplit(", ", 1)[1]: row for row in rows if row["check"].startswith("3. fused")}
     assert attention["MATH"]["values"]["available"] == 14  # 7 cases (2 of issue 196678), fp16 and bf16
     assert "fp16 196678 192 out" in attention["FLASH_ATTENTION"]["figures"]
@@ -57,7 +57,6 @@ def test_quick_mode_runs_every_check_on_the_cpu_quietly_and_writes_the_table_it_
     assert set(picked.values()) <= {"flash", "math"}
     steps = [row for row in rows if row["check"].startswith("4. DeAR steps")]
     assert not steps[0]["values"]["unmoved"] and not steps[1]["values"]["clip_changed"]
-    assert 0 < rows[11]["values"]["mfu"] < 1  # 4. speed and MFU, over the given peak
     assert next(row for row in rows if row["check"].startswith("5. resume"))["values"]["bit_identical"]
     precision = {row["values"]["precision"]: row["values"] for row in rows if row["check"].startswith("6.")}
     assert precision["fp32"]["max_logit_change"] == 0 and precision["fp16"]["max_logit_change"] > 0
@@ -201,8 +200,7 @@ def test_a_check_that_breaks_fails_the_table_and_the_exit_status_and_the_others_
         raise RuntimeError("Expected all tensors to be on the same device")
 
     monkeypatch.setattr(device_check, "check_parity", broken_parity)
-    checks = ("check_scores", "check_attention", "check_amp_steps", "check_speed", "check_train_py",
-              "check_precision")
+    checks = ("check_scores", "check_attention", "check_amp_steps", "check_train_py", "check_precision")
     for name in checks:
         monkeypatch.setattr(device_check, name, lambda *args, name=name: ran.append(name) or [])
     assert device_check.main(["--device", "cpu", "--quick", "--output", str(tmp_path)]) == 1
