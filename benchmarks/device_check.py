@@ -8,7 +8,7 @@ CPU autocast simulates them.
   1. parity     features on the device against the CPU in fp32 (TF32 off); the head decomposition
   2. scores     DeAR's scores under autocast: fp32, and fp32's predictions exactly
   3. attention  the kernel torch picks on DeAR's calls (with grad); each fused backend against the
-                explicit fp32 path: DeAR's masks, text lengths around 64, pytorch issue 196678's
+                explicit fp32 path: DeAR's masks, text lengths around 64, PyTorch issue 196678's
                 inputs; the verdicts kept for --attention auto (devices.attention_record)
   4. steps      DeAR steps in fp16 + loss scaler and in bf16: finite, learnables moved, CLIP not
   5. train.py   the toy world against the CPU; stop and --resume; torchrun x 2; NaN losses
@@ -139,7 +139,7 @@ def check_scores(device: torch.device) -> list:
 # 3. The fused attention kernels under DeAR's masks -------------------------------------------
 # Each backend, forced alone, against the explicit per-head path in fp32: its error (max abs
 # difference over the largest |value|, of the output and of the input's gradient) may be at most
-# twice the explicit path's own in the same precision, plus 1e-3. Pytorch issue 196678: cuDNN's
+# twice the explicit path's own in the same precision, plus 1e-3. PyTorch issue 196678: cuDNN's
 # kernel goes wrong where a row's logsumexp falls below about -88.7 (exp underflows in fp32),
 # masked, at lengths such as 64 and 192: here every raw score near -120 sqrt(D).
 TEXT_LENGTHS, TEXT_TOKENS = (63, 64, 65), 4  # around 64, a kernel's block size; and K

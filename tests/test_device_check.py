@@ -2,7 +2,7 @@
 
 No GPU here: the script runs as `--device cpu --quick` (every check, a tiny CLIP), so that it
 cannot rot between the rare moments a GPU is at hand; its checks are shown to fail on the
-bugs they are there for (pytorch issue 196678's among them); its FLOP count, which the MFU
+bugs they are there for (PyTorch issue 196678's among them); its FLOP count, which the MFU
 rests on, is held against torch's own count of a real step; and the GPU table is looked up by
 name as a GPU reports it.
 
