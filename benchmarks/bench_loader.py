@@ -11,8 +11,8 @@ page cache warm, as from the second epoch on; batches of 32): each photo decoded
 (data.ImageDataset with train_transform(224): decode, random resized crop with bicubic
 resampling, flip, normalise), and decoded once (data.DecodedImages, train.py's default: the
 crop, flip and normalisation of a kept uint8 tensor; the decoding itself is not timed). The GPU
-side: bench_train_step.step_flops, the FLOPs of one DeAR training step on ViT-B/16 at batch 32, over
-an H200's dense bf16 peak at a model FLOP utilisation of 40% (a good one for this step).
+side: bench_train_step.step_flops, the FLOPs of one DeAR training step on ViT-B/16 at batch
+32, over an H200's dense bf16 peak at a model FLOP utilisation of 40% (a good one for this step).
 """
 
 import argparse

@@ -159,7 +159,7 @@ def timed_call(argv: list) -> dict:
         held.append(resident_mb())
         raise FirstStep
 
-    for module, phase in ((train, "read_data"), (analysis, "analysed_role_maps")):  # as train.py calls them
+    for module, phase in ((train, "read_data"), (analysis, "analysed_role_maps")):  # train.py calls these
         setattr(module, phase, timed(phase, getattr(module, phase)))
     data.READERS.update({name: reader(function) for name, function in data.READERS.items()})
     train.train_job = stop
@@ -213,7 +213,8 @@ def measure(fraction: float, work: str, repeats: int, show: bool, flags: list) -
     analysis = call("cross, 3 seeds", "--analyse-only")
     took = analysis["seconds"]["total"]
     print(f"  head analysis with the toy CLIP, once per model and pool ({took:.1f} s; it reads "
-          "--analysis-images images whatever the dataset's size, and the calls below reuse it)", flush=True)
+          "--analysis-images images whatever the dataset's size; the calls below reuse it)",
+          flush=True)
     results = {f"{name}, {when}": [] for name in CALLS for when in ("first", "again")}
     for _ in range(repeats):
         for name in CALLS:

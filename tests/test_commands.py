@@ -100,8 +100,8 @@ NOT_RUN = {
     "python benchmarks/bench_train_step.py --tokens shared": "about a minute of ViT-B/16 on the CPU; "
                                                              "--tiny runs the same code",
     "python benchmarks/toy_ablations.py": "half an hour (37 toy runs); the miniature one runs here",
-    "python benchmarks/bench_startup.py --fractions 0.01 --repeats 1": "about a minute, mostly the head "
-                                                                       "analysis; --quick runs the same code",
+    "python benchmarks/bench_startup.py --fractions 0.01 --repeats 1":
+        "about a minute, mostly the head analysis; --quick runs the same code",
     "python -m pytest -q": "the test suite itself",
     "python docs/walkthrough.py": "tests/test_walkthrough.py runs it (with --output, into its folder)",
     "python docs/walkthrough.py --output DIR": "tests/test_walkthrough.py runs it",
