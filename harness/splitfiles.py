@@ -18,7 +18,7 @@ from PIL import Image
 
 import clip_model
 import data
-from data import (DATASETS, IMAGE_EXTENSIONS, DatasetError, DatasetSpec, Item, Listing,
+from data import (IMAGE_EXTENSIONS, DatasetError, DatasetSpec, Item, Listing,
                   _image_files, _image_path, _items_of_split, _read_json_split, _subfolders,
                   _warn, clean_classname, dataset_key)
 
@@ -39,17 +39,20 @@ OWN_SPLIT_SEED = 1  # our choice: one fixed seed, so the same folder always give
 # folder -> its drawn split, so that checking and reading draw once; -> where its split goes if
 # the folder is read-only
 _DRAWN_SPLITS: dict[str, dict] = {}
-_FALLBACK_DIRS: dict[str, str] = {}
+_FALLBACK_DIRS: dict[str, str | None] = {}
+
 
 def own_dataset_name(path: str) -> str:  # the folder's name (a split file's: that of its folder)
     path = os.path.abspath(os.path.expanduser(str(path)))
     return os.path.basename(os.path.dirname(path) if path.lower().endswith(".json") else path)
 
+
 def is_own_data(value: str) -> bool:
     """Whether a --dataset value is a path (not a registry name, nor train.py's "all")."""
-    value, names = str(value), (*DATASETS, "all")
+    value, names = str(value), (*data.DATASETS, "all")
     return value not in names and dataset_key(value) not in names and (
         "/" in value or os.sep in value or value.lower().endswith(".json") or os.path.exists(value))
+
 
 def own_dataset(path: str, split_fallback_dir: str | None = None) -> DatasetSpec:
     """Register your own data at PATH and return its row. Everything is checked now, before any
@@ -65,13 +68,12 @@ def own_dataset(path: str, split_fallback_dir: str | None = None) -> DatasetSpec
                            OWN_TEMPLATE)
     elif os.path.isdir(path):
         spec = DatasetSpec(name, path, "image_folder", "", f"split_{name}.json", OWN_TEMPLATE)
-        if split_fallback_dir:
-            _FALLBACK_DIRS[path] = os.path.abspath(split_fallback_dir)
+        _FALLBACK_DIRS[path] = split_fallback_dir and os.path.abspath(split_fallback_dir)
     else:
         raise DatasetError(f"{path}: not found; expected a folder of class folders "
                            "(PATH/<class>/<image>) or a split file in CoOp's format (.json)")
     # a benchmark's name would shadow it
-    known = DATASETS.get(name) or DATASETS.get(dataset_key(name))
+    known = data.DATASETS.get(name) or data.DATASETS.get(dataset_key(name))
     if (known is not None and not known.own) or dataset_key(name) == "all":
         raise DatasetError(f"{path}: its name {name!r} is that of a benchmark; rename the folder "
                            "(the name is used in tables and run folders)")
@@ -80,8 +82,9 @@ def own_dataset(path: str, split_fallback_dir: str | None = None) -> DatasetSpec
         _DRAWN_SPLITS[spec.folder] = draw_image_folder_split(spec.folder)
     else:
         data.READERS[spec.reader](spec, spec.folder)
-    DATASETS[name] = spec  # from now on get_spec / load_dataset know it by name
+    data.DATASETS[name] = spec  # from now on get_spec / load_dataset know it by name
     return spec
+
 
 def draw_image_folder_split(folder: str) -> dict:
     """PATH/<class>/<image> -> {"train"|"val"|"test": [[path, label, class folder], ...]}, drawn as
@@ -125,9 +128,11 @@ def draw_image_folder_split(folder: str) -> dict:
               f"{', '.join(IMAGE_EXTENSIONS)} are read)")
     return split
 
+
 def _find_own_split(spec: DatasetSpec) -> str | None:  # in the data folder, else in the fallback
     found = [os.path.join(f, spec.split_file) for f in (spec.folder, _FALLBACK_DIRS.get(spec.folder)) if f]
     return next((path for path in found if os.path.isfile(path)), None)
+
 
 def read_image_folder(spec: DatasetSpec, dataset_dir: str) -> tuple:
     """A folder of class folders: its split file if there is one, else the split drawn now and
@@ -165,6 +170,7 @@ def collector_paused():
         if enabled:
             gc.enable()
 
+
 def read_listing(name: str, root: str | None, log: Callable[[str], None]) -> Listing:
     """data.read_listing with the collector paused (ImageNet: 1.3M Items)."""
     with collector_paused():
@@ -178,6 +184,7 @@ def read_listing(name: str, root: str | None, log: Callable[[str], None]) -> Lis
 # 3: Dassl's draw (2 drew otherwise)
 FEWSHOT_CACHE_FORMAT = "dear-from-scratch few-shot split, version 3"
 
+
 def fewshot_cache_path(dataset_dir: str, num_shots: int, seed: int, own: bool = False) -> str:
     """$DATA/<folder>/split_fewshot/ (CoOp's place); your own data's in the project's cache
     (clip_model.default_cache_dir), by the folder's name and path: its folder holds only the
@@ -189,8 +196,10 @@ def fewshot_cache_path(dataset_dir: str, num_shots: int, seed: int, own: bool = 
                               f"{os.path.basename(dataset_dir)}-{key}")
     return os.path.join(folder, f"shot_{num_shots}-seed_{seed}.json")
 
+
 def _fingerprint(lists: dict) -> str:
     return hashlib.sha256(json.dumps(lists, sort_keys=True).encode()).hexdigest()
+
 
 def _relative(path: str, dataset_dir: str, prefix: str) -> str:
     """os.path.relpath(path, dataset_dir) with "/": the readers join every path onto the folder,
@@ -198,10 +207,12 @@ def _relative(path: str, dataset_dir: str, prefix: str) -> str:
     relative = path[len(prefix):] if path.startswith(prefix) else os.path.relpath(path, dataset_dir)
     return relative.replace(os.sep, "/")
 
+
 def _entries(items: list[Item], dataset_dir: str) -> list[list]:
     """[path under the dataset folder (which may move), label, class name] per item: the cache's."""
     prefix = os.path.join(dataset_dir, "")  # the folder and a separator
     return [[_relative(i.path, dataset_dir, prefix), i.label, i.classname] for i in items]
+
 
 def _fingerprint_of_items(parts: dict[str, list[Item]], dataset_dir: str,
                           chunk: int = 10_000) -> str:
@@ -217,20 +228,47 @@ def _fingerprint_of_items(parts: dict[str, list[Item]], dataset_dir: str,
     digest.update(b"}")
     return digest.hexdigest()
 
-def _few_shot_pools(listing: Listing, log: Callable[[str], None]) -> FewShotPools:
-    """The lists a draw reads (train; val where the dataset has its own) by class, and their
-    fingerprint: made once per listing, so that fifteen draws cost one pass over ImageNet."""
-    if listing.pools is None:
-        parts = {"train": listing.train, **({} if listing.val is None else {"val": listing.val})}
-        started = time.perf_counter()
-        with _collector_paused():
-            by_label = {part: _by_label(items) for part, items in parts.items()}
-            fingerprint = _fingerprint_of_items(parts, listing.dataset_dir)
-        log(f"{listing.spec.name}: {sum(map(len, parts.values())):,} {' + '.join(parts)} images "
-            f"grouped by class and fingerprinted for the few-shot cache in "
-            f"{time.perf_counter() - started:.1f} s")
-        listing.pools = FewShotPools(fingerprint, by_label)
-    return listing.pools
+
+def _read_fewshot_cache(cache_path: str, fingerprint: str, parts: list[str]) -> dict | None:
+    """The cache's content, or None (with a warning saying why) when it cannot be trusted."""
+    try:
+        with open(cache_path, encoding="utf-8") as f:
+            cached = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        reason = f"cannot be read as JSON ({type(e).__name__})"
+    else:
+        found = cached.get("format") if isinstance(cached, dict) else None
+        if found != FEWSHOT_CACHE_FORMAT:  # e.g. version 2, whose draw was not Dassl's
+            reason = f"is of another format ({found!r}), not {FEWSHOT_CACHE_FORMAT!r}"
+        elif cached.get("fingerprint") != fingerprint:
+            reason = "was drawn from a different split (fingerprint mismatch)"
+        elif cached.get("content") != _fingerprint({part: cached.get(part) for part in parts}):
+            reason = ("was edited after it was written (its lists do not match its content "
+                      "fingerprint)")
+        else:
+            return cached
+    _warn(f"{cache_path}: few-shot cache {reason}; rebuilding it")
+    return None
+
+
+def _write_json_atomically(path: str, header: dict, lists: dict[str, list[list]]) -> None:
+    """{**header, **lists} as JSON, one entry per line, through a temporary file and os.replace:
+    the entries one a line (clip_model.atomic_write writes what a callback writes)."""
+    fields = [f"  {json.dumps(key)}: {json.dumps(value)}" for key, value in header.items()]
+    fields += [f"  {json.dumps(key)}: [\n" + ",\n".join(f"    {json.dumps(e)}"
+                                                        for e in entries) + "\n  ]"
+               for key, entries in lists.items()]
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    temporary = f"{path}.{os.getpid()}.tmp"  # in the same folder, so that the rename is atomic
+    try:
+        with open(temporary, "w", encoding="utf-8") as f:
+            f.write("{\n" + ",\n".join(fields) + "\n}\n")
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
 
 
 def _listing_fingerprint(listing: Listing, log: Callable[[str], None]) -> str:
