@@ -296,7 +296,8 @@ def loader_plan(settings, runtime: Runtime, size: int) -> Dict[str, Tuple[int, i
     if lowered:
         part = f", {share / 2**20:.0f} MB for each of this node's {node} processes" * (node > 1)
         runtime.log(f"loader: {', '.join(lowered)} in flight, fewer than asked: /dev/shm has "
-                    f"{free / 2**20:.0f} MB free{part}, and they may fill half of it")
+                    f"{free / 2**20:.0f} MB free{part}, and they may fill half of it (a lone batch: all "
+                    "of it)")
     return plan
 
 
