@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from torchvision import transforms as T
 
 import data
-from .devices import LOADER_START
+from . import devices
 
 CACHED_SIDE = 8 / 7  # with augmentation, each image is kept with its shorter side at 8/7 x size
 
@@ -63,7 +63,7 @@ class DecodedImages(data.ImageDataset):
         # each: copied out as it arrives, then joined into one buffer (twice it for a moment).
         images = [image.clone() for image, _ in DataLoader(
             reader, batch_size=None, num_workers=workers,
-            multiprocessing_context=LOADER_START if workers else None)]
+            multiprocessing_context=devices.LOADER_START if workers else None)]
         self.shapes = torch.tensor([image.shape for image in images]).reshape(-1, 3)  # (n, 3)
         self.offsets = torch.tensor([0] + [image.numel() for image in images]).cumsum(0)  # (n+1,)
         self.buffer = torch.cat([torch.empty(0, dtype=torch.uint8),

@@ -621,6 +621,50 @@ def test_the_loader_plan_is_per_node_eight_processes_share_its_cores_and_dev_shm
                         "processes, and they may fill half of it (a lone batch: all of it)")
 
 
+FORKSERVER_LOADER = """
+import multiprocessing, os, resource, sys, types
+sys.path.insert(0, {repo!r})
+import torch
+from PIL import Image
+import data, train
+from harness import devices, plan
+
+if __name__ == "__main__":  # forkserver's workers import this file again
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, limit))
+    multiprocessing.set_start_method("forkserver")  # Python 3.14's default on Linux
+    multiprocessing.set_forkserver_preload(["train"])  # each worker starts with torch imported
+    devices.LOADER_START = "forkserver"  # then the dataset is pickled to each worker
+    items = []
+    for index in range({images}):
+        path = os.path.join({folder!r}, f"{{index}}.png")
+        Image.new("RGB", (6, 6), (index % 256, 7, 9)).save(path)
+        items.append(data.Item(path, index % 3, "class"))
+    split = types.SimpleNamespace(train=items)
+    settings = dict(augment=True, batch_size=500, image_cache=True)
+    runtime = devices.Runtime(torch.device("cpu"), loaders=dict(train=(2, 1), eval=(0, 2)))
+    clip = types.SimpleNamespace(visual=types.SimpleNamespace(input_resolution=8))
+    job = plan.Job("dtd", "dear", "analyse", 1, 4, "")
+    loader = train.training_loader(job, settings, split, clip, runtime)
+    for epoch in (0, 1):
+        loader.sampler.set_epoch(epoch)
+        print(epoch, sum(len(labels) for _, labels in loader), flush=True)
+"""
+
+
+def test_decoded_images_reach_forkserver_workers_under_an_open_file_limit_of_1024(tmp_path):
+    """3,000 decoded images, the training loader's 2 workers started by forkserver (which pickles
+    the dataset to each, in shared memory), `ulimit -n 1024`: two epochs load every image. One
+    buffer is one shared-memory file, where one tensor per image was 3,000 ("Too many open
+    files")."""
+    script = tmp_path / "loader.py"
+    script.write_text(FORKSERVER_LOADER.format(repo=str(REPO), images=3000, folder=str(tmp_path)))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == ["0 3000", "1 3000"]
+
+
 def test_each_image_draws_its_own_augmentation_from_seed_epoch_and_index(world):
     """One file at two indices: two crops; the same index again: the same crop; another epoch or
     seed: another crop; torch's global generator left as it was."""
