@@ -87,7 +87,7 @@ class DatasetSpec:
     split_file: str | None
     template: str  # CoOp's prompt (CUSTOM_TEMPLATES, trainers/coop.py); "{}" is the class name
 
-    # your own data (own_dataset): an absolute folder
+    # your own data (harness/splitfiles.own_dataset): an absolute folder
     own = property(lambda self: os.path.isabs(self.folder))
     # test sets of domain generalization
     evaluation_only = property(lambda self: self.reader == "imagenet_variant")
