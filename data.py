@@ -485,7 +485,8 @@ def _warn_short_classes(listing: Listing, shots: dict[str, int]) -> None:
         if len(short) == len(by_label) and len({n for _, n in short}) == 1:
             said.append(f"{part}: every class has fewer than {k} images ({short[0][1]} each)")
         elif short:
-            listed = ", ".join(f"{by_label[label][0].classname!r} has {n}" for label, n in short[:5])
+            listed = ", ".join(f"{by_label[label][0].classname!r} has {n}"
+                               for label, n in short[:5])
             more = f", and {len(short) - 5} more" * (len(short) > 5)
             said.append(f"{part}: {len(short)} of {len(by_label)} classes have fewer than {k} "
                         f"images ({listed}{more})")

@@ -278,26 +278,28 @@ def loader_plan(settings, runtime: Runtime, size: int) -> Dict[str, Tuple[int, i
     fit this process's part of the node: --workers, else the default above; fewer where its part
     of /dev/shm would overflow."""
     node = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)  # torchrun's processes here
-    requested = settings["workers"]
+    requested, gpu = settings["workers"], runtime.device.type == "cuda"
     if requested is None:
-        requested = min(usable_cpus() // node - 1, MAX_WORKERS) if runtime.device.type == "cuda" else 0
+        requested = min(usable_cpus() // node - 1, MAX_WORKERS) if gpu else 0
     free, plan, lowered = shared_memory_free(), {}, []
     share = None if free is None else free // node
     for name, batch in (("train", settings["batch_size"]), ("eval", settings["eval_batch_size"])):
         workers, prefetch, batch_bytes = max(requested, 0), PREFETCH, batch * 3 * size * size * 4
-        while workers and share is not None and (
-                workers * prefetch * batch_bytes > (share // 2 if workers * prefetch > 1 else share)):
+        in_flight = lambda: workers * prefetch * batch_bytes  # noqa: E731
+        while workers and share is not None and in_flight() > (share if in_flight() == batch_bytes
+                                                               else share // 2):
             prefetch, workers = (1, workers) if prefetch > 1 else (prefetch, workers - 1)
         plan[name] = (workers, prefetch)
         if (workers, prefetch) != (max(requested, 0), PREFETCH):
             lowered.append(f"{name} {workers} workers x {prefetch} batch{'es' * (prefetch > 1)}"
                            f" of {batch_bytes / 2**20:.0f} MB"
-                           + " (one batch is more than all of it: the main process loads)" * (not workers))
+                           + " (one batch is more than all of it: the main process loads)"
+                           * (not workers))
     if lowered:
         part = f", {share / 2**20:.0f} MB for each of this node's {node} processes" * (node > 1)
         runtime.log(f"loader: {', '.join(lowered)} in flight, fewer than asked: /dev/shm has "
-                    f"{free / 2**20:.0f} MB free{part}, and they may fill half of it (a lone batch: all "
-                    "of it)")
+                    f"{free / 2**20:.0f} MB free{part}, and they may fill half of it (a lone "
+                    "batch: all of it)")
     return plan
 
 
@@ -307,7 +309,8 @@ def loader(dataset, batch_size: int, runtime: Runtime, kind: str, **options) -> 
     its batches in flight, and on CUDA pinned memory, whose copies to the GPU can overlap."""
     workers, in_flight = runtime.loaders[kind]
     return DataLoader(dataset, batch_size=batch_size, num_workers=workers,
-                      prefetch_factor=in_flight if workers else None, persistent_workers=workers > 0,
+                      prefetch_factor=in_flight if workers else None,
+                      persistent_workers=workers > 0,
                       multiprocessing_context=LOADER_START if workers else None,
                       pin_memory=runtime.device.type == "cuda", **options)
 

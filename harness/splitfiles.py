@@ -130,7 +130,8 @@ def draw_image_folder_split(folder: str) -> dict:
 
 
 def _find_own_split(spec: DatasetSpec) -> str | None:  # in the data folder, else in the fallback
-    found = [os.path.join(f, spec.split_file) for f in (spec.folder, _FALLBACK_DIRS.get(spec.folder)) if f]
+    found = [os.path.join(f, spec.split_file)
+             for f in (spec.folder, _FALLBACK_DIRS.get(spec.folder)) if f]
     return next((path for path in found if os.path.isfile(path)), None)
 
 
@@ -277,8 +278,9 @@ def _listing_fingerprint(listing: Listing, log: Callable[[str], None]) -> str:
     if listing.fingerprint is None:
         started = time.perf_counter()
         with collector_paused():
-            parts = {"train": listing.train, **({} if listing.val is None else {"val": listing.val})}
             data.few_shot_pools(listing)
+            own_val = {} if listing.val is None else {"val": listing.val}  # as the pools'
+            parts = {"train": listing.train, **own_val}
             listing.fingerprint = _fingerprint_of_items(parts, listing.dataset_dir)
         log(f"{listing.spec.name}: {sum(map(len, parts.values())):,} {' + '.join(parts)} images "
             f"grouped by class and fingerprinted for the few-shot cache in "
@@ -291,7 +293,7 @@ def cached_draw(listing: Listing, num_shots: int, seed: int,
     """data.draw_few_shot kept on disk (train.py's draw, for data.splits_from): the cache's lists
     where it holds a valid one for this split, else the draw, written there."""
     dataset_dir, fingerprint = listing.dataset_dir, _listing_fingerprint(listing, log)
-    drawn = data.draw_few_shot(listing, num_shots, seed)  # milliseconds; it also warns of shortfalls
+    drawn = data.draw_few_shot(listing, num_shots, seed)  # milliseconds; it warns of shortfalls
     cache_path = fewshot_cache_path(dataset_dir, num_shots, seed, listing.spec.own)
     lists = _read_fewshot_cache(cache_path, fingerprint, list(drawn))
     if lists is None:
