@@ -12,6 +12,7 @@ faster per process (docs/MEASURED.md, "The loader").
 from __future__ import annotations
 
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader, DistributedSampler
 from torchvision import transforms as T
 
@@ -34,6 +35,21 @@ def kept_transform(size: int, augment: bool) -> T.Compose:
     return T.Compose([*resize, T.PILToTensor()])
 
 
+def kept_size(path: str, size: int, augment: bool) -> int:
+    """The bytes kept_transform gives for the photo at `path`, from its header: torchvision's
+    Resize(S) keeps int(S * long side / short side) on the long side (0 for a file that does not
+    open: its decoding names it)."""
+    if not augment:
+        return 3 * size * size
+    side = round(size * CACHED_SIDE)
+    try:
+        with Image.open(path) as image:
+            short, long = sorted(image.size)
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        return 0
+    return 3 * side * int(side * long / short)
+
+
 def normalised(image: torch.Tensor) -> torch.Tensor:
     """uint8 (3, h, w) -> CLIP's normalised float, as ToTensor and Normalize compute it."""
     return T.functional.normalize(image.float().div(255), data.CLIP_MEAN, data.CLIP_STD)
@@ -41,7 +57,7 @@ def normalised(image: torch.Tensor) -> torch.Tensor:
 
 class DecodedImages(data.ImageDataset):
     """ImageDataset with every image decoded once, up front (`workers` processes), kept in memory
-    as uint8 (kept_transform: 256 px on the shorter side for 224: 16,000 take about 3.8 GiB).
+    as uint8 (kept_transform: 256 px on the shorter side for 224: 16,000 take about 3.9 GiB).
     Augmented: train_transform's random resized crop (bicubic, antialiased) and flip, on the
     kept tensor; not: the test transform's result exactly. The augmentation is seeded per image,
     epoch and seed as ImageDataset's.
@@ -59,15 +75,20 @@ class DecodedImages(data.ImageDataset):
                      else normalised)
         super().__init__(items, transform, seed)
         reader = data.ImageDataset(self.items, kept_transform(size, augment))  # in `workers`
-        # A loading process hands each tensor over in shared memory, one file (and descriptor)
-        # each: copied out as it arrives, then joined into one buffer (twice it for a moment).
-        images = [image.clone() for image, _ in DataLoader(
-            reader, batch_size=None, num_workers=workers,
-            multiprocessing_context=devices.LOADER_START if workers else None)]
-        self.shapes = torch.tensor([image.shape for image in images]).reshape(-1, 3)  # (n, 3)
-        self.offsets = torch.tensor([0] + [image.numel() for image in images]).cumsum(0)  # (n+1,)
-        self.buffer = torch.cat([torch.empty(0, dtype=torch.uint8),
-                                 *(image.flatten() for image in images)])
+        # The buffer, sized from the files' headers, filled as the images arrive: each comes
+        # in a shared-memory file of its own, copied in at once (thousands held would fill
+        # /dev/shm and the open-file limit).
+        self.buffer = torch.empty(sum(kept_size(item.path, size, augment) for item in self.items),
+                                  dtype=torch.uint8)
+        shapes, offsets = [], [0]
+        start = devices.LOADER_START if workers else None
+        for image, _ in DataLoader(reader, batch_size=None, num_workers=workers,
+                                   multiprocessing_context=start):
+            self.buffer[offsets[-1]:offsets[-1] + image.numel()] = image.flatten()
+            shapes.append(image.shape)
+            offsets.append(offsets[-1] + image.numel())
+        self.shapes = torch.tensor(shapes).reshape(-1, 3)  # (n, 3)
+        self.offsets = torch.tensor(offsets)  # (n + 1,): image i is buffer[offsets[i]:offsets[i+1]]
 
     def image(self, index: int) -> torch.Tensor:  # the kept tensor, in place of the file
         start, stop = self.offsets[index:index + 2].tolist()
