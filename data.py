@@ -6,8 +6,8 @@ dataset read once (`read_listing`: ImageNet's 1.3M files in seconds) and what a 
 (`splits_from`: few-shot sampling, the images Dassl draws; the base/novel split), `load_dataset`
 (both at once), CLIP's transforms and a torch Dataset. $DATA as CoOp's DATASETS.md lays it out,
 without Dassl; imports nothing from the project, so it copies out alone (docs/METHOD.md Sec. 6).
-What train.py adds lives in the harness: your own folders' reader, the few-shot cache on disk,
-the decoded images (harness/owndata.py, harness/imagecache.py).
+What train.py adds lives in the harness: your own folders' reader and the few-shot cache on disk
+(harness/splitfiles.py), the decoded images (harness/imagecache.py).
 
     python data.py --root $DATA --dataset oxford_pets --shots 16
     python data.py            # prints the registry table
@@ -395,7 +395,8 @@ def read_fgvc_aircraft(spec: DatasetSpec, dataset_dir: str) -> tuple:
     return splits["train"], splits["val"], splits["test"], [clean_classname(v) for v in label_of]
 
 
-# The registry of readers: the harness adds your own data's ("image_folder", harness/owndata.py).
+# The registry of readers: the harness adds your own folders' ("image_folder",
+# harness/splitfiles.py).
 READERS = {"split_json": read_split_json, "imagenet": read_imagenet,
            "imagenet_variant": read_imagenet, "fgvc_aircraft": read_fgvc_aircraft}
 
@@ -417,7 +418,7 @@ class Listing:
     classnames: list[str]
     # part -> label -> its items: made by the first few-shot draw, read by every other one
     by_label: dict[str, dict[int, list[Item]]] | None = None
-    fingerprint: str | None = None  # of what the draws read: a draw cache's key, made once
+    fingerprint: str | None = None  # of what the draws read: a cache's key (the harness's)
     short_said: set[int] = field(default_factory=set)  # the shot counts whose shortfall was said
 
 def dataset_folder(name: str, root: str | None) -> str:
@@ -472,6 +473,7 @@ def _draw(by_label: dict[int, list[Item]], num_shots: int, rng: random.Random) -
     return [item for pool in by_label.values() for item in  # fewer than K: K draws with repeats
             (rng.sample(pool, num_shots) if len(pool) >= num_shots
              else rng.choices(pool, k=num_shots))]
+
 def _warn_short_classes(listing: Listing, shots: dict[str, int]) -> None:
     """One line per dataset and shot count in a call (the first draw at that count says it): the
     parts whose classes hold fewer images than the shots, which each draw repeats, as Dassl does."""
