@@ -665,6 +665,16 @@ def test_decoded_images_reach_forkserver_workers_under_an_open_file_limit_of_102
     assert done.stdout.split("\n")[:2] == ["0 3000", "1 3000"]
 
 
+def test_evaluation_loaders_pin_memory_on_cuda_and_every_loader_keeps_its_workers():
+    """pin_memory follows the device, evaluation's loaders too (they were never pinned); workers
+    start as devices.LOADER_START says and live across epochs."""
+    for device, pinned in ((torch.device("cuda", 0), True), (torch.device("cpu"), False)):
+        runtime = devices.Runtime(device, loaders=dict(train=(2, 1), eval=(2, 1)))
+        loader = devices.loader_of([], dict(eval_batch_size=4), 32, runtime)
+        assert loader.pin_memory == pinned and loader.persistent_workers
+        assert loader.multiprocessing_context.get_start_method() == devices.LOADER_START
+
+
 def test_each_image_draws_its_own_augmentation_from_seed_epoch_and_index(world):
     """One file at two indices: two crops; the same index again: the same crop; another epoch or
     seed: another crop; torch's global generator left as it was."""
