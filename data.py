@@ -1,23 +1,21 @@
 """
 data.py -- the benchmark datasets of prompt learning, read from CoOp's on-disk layout.
 
-The registry, the readers (CoOp's split files, ImageNet and its variants, FGVC-Aircraft, your
-own data), a dataset read once (`read_listing`: ImageNet's 1.3M files in seconds) and what a run
-takes from it (`splits_from`: few-shot sampling, the images Dassl draws, and its cache; the
-base/novel split), `load_dataset` (both at once), CLIP's transforms and a torch Dataset. $DATA
-as CoOp's DATASETS.md lays it out, without Dassl; imports nothing from the project, so it copies
-out alone (docs/METHOD.md Sec. 6).
+The registry, the readers (CoOp's split files, ImageNet and its variants, FGVC-Aircraft), a
+dataset read once (`read_listing`: ImageNet's 1.3M files in seconds) and what a run takes from it
+(`splits_from`: few-shot sampling, the images Dassl draws; the base/novel split), `load_dataset`
+(both at once), CLIP's transforms and a torch Dataset. $DATA as CoOp's DATASETS.md lays it out,
+without Dassl; imports nothing from the project, so it copies out alone (docs/METHOD.md Sec. 6).
+What train.py adds lives in the harness: your own folders' reader and the few-shot cache on disk
+(harness/splitfiles.py), the decoded images (harness/imagecache.py).
 
     python data.py --root $DATA --dataset oxford_pets --shots 16
-    python data.py --dataset path/to/my_photos   # your own data: PATH/<class>/<image>
     python data.py            # prints the registry table
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import hashlib
 import json
 import math
@@ -88,10 +86,8 @@ class DatasetSpec:
     # CoOp's split file inside `folder` (the other readers find their classes)
     split_file: str | None
     template: str  # CoOp's prompt (CUSTOM_TEMPLATES, trainers/coop.py); "{}" is the class name
-    # your own data: where its split goes if `folder` is read-only
-    split_fallback_dir: str | None = None
 
-    # your own data (own_dataset): an absolute folder
+    # your own data (harness/splitfiles.own_dataset): an absolute folder
     own = property(lambda self: os.path.isabs(self.folder))
     # test sets of domain generalization
     evaluation_only = property(lambda self: self.reader == "imagenet_variant")
@@ -399,133 +395,10 @@ def read_fgvc_aircraft(spec: DatasetSpec, dataset_dir: str) -> tuple:
     return splits["train"], splits["val"], splits["test"], [clean_classname(v) for v in label_of]
 
 
-# ---- Your own data: a folder of class folders, or a split file in CoOp's format --------------
-#   PATH/<class>/<image>  torchvision's ImageFolder layout (labels: the sorted folders), split once
-#                         50/20/30 per class and written as PATH/split_<name>.json, from then on the
-#                         split (edit it, or delete it to draw again); into split_fallback_dir if
-#                         PATH is read-only.
-#   PATH/<any>.json       a split in CoOp's format, paths relative to the file's folder.
-# The name (tables, run folders) is the folder's; the few-shot cache is PATH/split_fewshot/.
-
-OWN_TEMPLATE = "a photo of a {}."  # CoOp's generic template
-# train, val per class; test gets the rest (CoOp's read_and_split_data)
-OWN_SPLIT_FRACTIONS = (0.5, 0.2)
-OWN_SPLIT_SEED = 1  # our choice: one fixed seed, so the same folder always gives the same split
-# folder -> its drawn split, so that checking and reading draw once
-_DRAWN_SPLITS: dict[str, dict] = {}
-
-def own_dataset_name(path: str) -> str:  # the folder's name (a split file's: that of its folder)
-    path = os.path.abspath(os.path.expanduser(str(path)))
-    return os.path.basename(os.path.dirname(path) if path.lower().endswith(".json") else path)
-
-def is_own_data(value: str) -> bool:
-    """Whether a --dataset value is a path (not a registry name, nor train.py's "all")."""
-    value, names = str(value), (*DATASETS, "all")
-    return value not in names and dataset_key(value) not in names and (
-        "/" in value or os.sep in value or value.lower().endswith(".json") or os.path.exists(value))
-
-def own_dataset(path: str, split_fallback_dir: str | None = None) -> DatasetSpec:
-    """Register your own data at PATH and return its row. Everything is checked now, before any
-    work; a folder's split is drawn (in memory) but written only when load_dataset first reads
-    it."""
-    path, name = os.path.abspath(os.path.expanduser(str(path))), own_dataset_name(path)
-    if path.lower().endswith(".json"):
-        if not os.path.isfile(path):
-            raise DatasetError(f"{path}: split file not found; expected a JSON file in CoOp's "
-                               "format, "
-                               f'{{"train"|"val"|"test": [[path, label, classname], ...]}}')
-        spec = DatasetSpec(name, os.path.dirname(path), "split_json", "", os.path.basename(path),
-                           OWN_TEMPLATE)
-    elif os.path.isdir(path):
-        spec = DatasetSpec(name, path, "image_folder", "", f"split_{name}.json", OWN_TEMPLATE,
-                           split_fallback_dir and os.path.abspath(split_fallback_dir))
-    else:
-        raise DatasetError(f"{path}: not found; expected a folder of class folders "
-                           "(PATH/<class>/<image>) or a split file in CoOp's format (.json)")
-    # a benchmark's name would shadow it
-    known = DATASETS.get(name) or DATASETS.get(dataset_key(name))
-    if (known is not None and not known.own) or dataset_key(name) == "all":
-        raise DatasetError(f"{path}: its name {name!r} is that of a benchmark; rename the folder "
-                           "(the name is used in tables and run folders)")
-    if spec.reader == "image_folder" and _find_own_split(spec) is None:
-        # every class and image checked as drawn
-        _DRAWN_SPLITS[spec.folder] = draw_image_folder_split(spec.folder)
-    else:
-        READERS[spec.reader](spec, spec.folder)
-    DATASETS[name] = spec  # from now on get_spec / load_dataset know it by name
-    return spec
-
-def draw_image_folder_split(folder: str) -> dict:
-    """PATH/<class>/<image> -> {"train"|"val"|"test": [[path, label, class folder], ...]}, drawn as
-    CoOp's read_and_split_data (datasets/dtd.py) draws it; each part must get an image."""
-    classes = [c for c in _subfolders(folder) if c != "split_fewshot"]  # our own cache is no class
-    if len(classes) < 2:
-        raise DatasetError(f"{folder}: {len(classes)} class folder{'s' * (len(classes) != 1)}; "
-                           "expected at least two, as PATH/<class name>/<image> (torchvision's "
-                           "ImageFolder layout)")
-    folder_of_name: dict[str, str] = {}
-    for class_folder in classes:
-        if (other := folder_of_name.setdefault(clean_classname(class_folder),
-                                               class_folder)) != class_folder:
-            raise DatasetError(f"{folder}: class folders {other!r} and {class_folder!r} both give "
-                               f"the class name {clean_classname(class_folder)!r} (underscores "
-                               "become spaces); rename one")
-    rng, skipped, split = random.Random(OWN_SPLIT_SEED), 0, {"train": [], "val": [], "test": []}
-    for label, class_folder in enumerate(classes):
-        images, skipped_here = _image_files(os.path.join(folder, class_folder))
-        skipped += skipped_here
-        for path in (os.path.join(folder, class_folder, relative) for relative in images):
-            try:  # opening the header finds a file that only looks like an image
-                Image.open(path).close()
-            except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-                raise DatasetError(f"{path}: cannot be read as an image ({type(e).__name__}); "
-                                   f"replace it or move it out of the data folder") from None
-        n = len(images)  # per class, so that every class is in every part
-        n_train, n_val = round(n * OWN_SPLIT_FRACTIONS[0]), round(n * OWN_SPLIT_FRACTIONS[1])
-        if min(n_train, n_val, n - n_train - n_val) < 1:
-            raise DatasetError(f"{os.path.join(folder, class_folder)}: class "
-                               f"{clean_classname(class_folder)!r} has {n} image{'s' * (n != 1)}; "
-                               "the 50/20/30 train/val/test split needs at least 4 per class; add "
-                               "images or remove the folder")
-        rng.shuffle(images)  # then round(50%) train, round(20%) val, the rest test
-        entries = [[f"{class_folder}/{relative}", label, class_folder] for relative in images]
-        for part, (start, stop) in zip(split, ((0, n_train), (n_train, n_train + n_val),
-                                               (n_train + n_val, n))):
-            split[part] += entries[start:stop]
-    if skipped:  # said once for the whole folder, not once per file
-        _warn(f"{folder}: skipped {skipped} non-image file{'s' * (skipped != 1)} (only "
-              f"{', '.join(IMAGE_EXTENSIONS)} are read)")
-    return split
-
-def _find_own_split(spec: DatasetSpec) -> str | None:  # in the data folder, else in the fallback
-    found = [os.path.join(f, spec.split_file) for f in (spec.folder, spec.split_fallback_dir) if f]
-    return next((path for path in found if os.path.isfile(path)), None)
-
-def read_image_folder(spec: DatasetSpec, dataset_dir: str) -> tuple:
-    """A folder of class folders: its split file if there is one, else the split drawn now and
-    written (to the folder, else the fallback; if neither is writable, drawn again next time)."""
-    if (split_path := _find_own_split(spec)) is not None:
-        return _items_of_split(_read_json_split(split_path), dataset_dir, split_path)
-    # the same fixed-seed draw
-    raw = _DRAWN_SPLITS.get(dataset_dir) or draw_image_folder_split(dataset_dir)
-    wanted = os.path.join(dataset_dir, spec.split_file)
-    for folder in filter(None, (dataset_dir, spec.split_fallback_dir)):
-        split_path = os.path.join(folder, spec.split_file)
-        try:
-            _write_json_atomically(split_path, {}, raw)
-        except OSError as e:
-            reason = e.strerror or str(e)
-            continue
-        if split_path != wanted:
-            _warn(f"{wanted}: cannot write the split file ({reason}); wrote it to {split_path}")
-        return _items_of_split(raw, dataset_dir, split_path)
-    _warn(f"{wanted}: cannot write the split file ({reason}); the same split is drawn again on "
-          "each call")
-    return _items_of_split(raw, dataset_dir, wanted)
-
+# The registry of readers: the harness adds your own folders' ("image_folder",
+# harness/splitfiles.py).
 READERS = {"split_json": read_split_json, "imagenet": read_imagenet,
-           "imagenet_variant": read_imagenet,
-           "fgvc_aircraft": read_fgvc_aircraft, "image_folder": read_image_folder}
+           "imagenet_variant": read_imagenet, "fgvc_aircraft": read_fgvc_aircraft}
 
 
 # ---- One reading of a dataset, shared by all that a call takes from it -----------------------
@@ -534,36 +407,19 @@ def _no_log(line: str) -> None:  # the default: a library call prints nothing
     pass
 
 @dataclass
-class FewShotPools:
-    """What each few-shot draw of one listing reads, made once (_few_shot_pools)."""
-    fingerprint: str  # of the lists drawn from: the few-shot cache's key
-    by_label: dict[str, dict[int, list[Item]]]  # part -> label -> its items, in the listing's order
-
-@dataclass
 class Listing:
     """One dataset as its reader found it, every image listed and checked (read_listing): read
     once per call, then shared by every subset and few-shot draw of it (splits_from)."""
     spec: DatasetSpec
-    dataset_dir: str  # $DATA/<folder>: the split and the few-shot cache live here
+    dataset_dir: str  # $DATA/<folder>: the split lives here
     train: list[Item]
     val: list[Item] | None  # None: none of its own (ImageNet: CoOp validates on the test set)
     test: list[Item]
     classnames: list[str]
-    pools: FewShotPools | None = None  # made by the first few-shot draw, read by every other one
+    # part -> label -> its items: made by the first few-shot draw, read by every other one
+    by_label: dict[str, dict[int, list[Item]]] | None = None
+    fingerprint: str | None = None  # of what the draws read: a cache's key (the harness's)
     short_said: set[int] = field(default_factory=set)  # the shot counts whose shortfall was said
-
-@contextlib.contextmanager
-def _collector_paused():
-    """Python's cyclic garbage collector off while a million small objects are made: they form
-    no cycles, and each automatic collection would walk them all again (twice the time, measured
-    on 10% of ImageNet)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 def dataset_folder(name: str, root: str | None) -> str:
     """The folder of dataset `name` under `root` ($DATA; your own data: where own_dataset found
@@ -589,8 +445,7 @@ def read_listing(name: str, root: str | None, log: Callable[[str], None] = _no_l
     dataset_dir = dataset_folder(name, root)
     log(f"{spec.name}: reading {dataset_dir} (every image listed and checked)")
     started = time.perf_counter()
-    with _collector_paused():
-        train, val, test, classnames = READERS[spec.reader](spec, dataset_dir)
+    train, val, test, classnames = READERS[spec.reader](spec, dataset_dir)
     counts = " + ".join(f"{len(items):,} {part}" for part, items in
                         (("train", train), ("val", val or []), ("test", test)) if items)
     log(f"{spec.name}: {counts or 'no'} images, {len(classnames):,} classes, read in "
@@ -598,7 +453,7 @@ def read_listing(name: str, root: str | None, log: Callable[[str], None] = _no_l
     return Listing(spec, dataset_dir, train, val, test, classnames)
 
 
-# ---- Few-shot sampling and its cache ----------------------------------------------------------
+# ---- Few-shot sampling (Dassl's) ---------------------------------------------------------------
 
 def _by_label(items: list[Item]) -> dict[int, list[Item]]:
     by_label: dict[int, list[Item]] = {}  # classes in the order they first appear (Cars: unsorted)
@@ -606,110 +461,18 @@ def _by_label(items: list[Item]) -> dict[int, list[Item]]:
         by_label.setdefault(item.label, []).append(item)
     return by_label
 
+def few_shot_pools(listing: Listing) -> dict[str, dict[int, list[Item]]]:
+    """What a draw reads: train, and val where the dataset has its own, by class; made once per
+    listing, so that fifteen draws cost one pass over ImageNet."""
+    if listing.by_label is None:
+        parts = {"train": listing.train, **({} if listing.val is None else {"val": listing.val})}
+        listing.by_label = {part: _by_label(items) for part, items in parts.items()}
+    return listing.by_label
+
 def _draw(by_label: dict[int, list[Item]], num_shots: int, rng: random.Random) -> list[Item]:
     return [item for pool in by_label.values() for item in  # fewer than K: K draws with repeats
             (rng.sample(pool, num_shots) if len(pool) >= num_shots
              else rng.choices(pool, k=num_shots))]
-
-def sample_few_shot(items: list[Item], num_shots: int, rng: random.Random) -> list[Item]:
-    """K images per class as Dassl's generate_fewshot_dataset draws them (Dassl.pytorch,
-    dassl/data/datasets/base_dataset.py; CoOp, CoCoOp, MaPLe, PromptSRC and MMRL use it), so that
-    a seed trains on the papers' images; rng = random.Random(seed) is Dassl's random.seed(seed);
-    repeat=True: a class with fewer than K images gives K draws with repeats."""
-    return _draw(_by_label(items), num_shots, rng)
-
-# The cache, split_fewshot/shot_{K}-seed_{seed}.json: as CoOp's pickle, every run of one (K, seed)
-# trains on the same images. JSON (readable; loading runs no code) with SHA-256s of the split it was
-# drawn from and of its own lists: another format, another split or an edit is redrawn, never
-# trusted.
-# 3: Dassl's draw (2 drew otherwise)
-FEWSHOT_CACHE_FORMAT = "dear-from-scratch few-shot split, version 3"
-
-def fewshot_cache_path(dataset_dir: str, num_shots: int, seed: int) -> str:
-    return os.path.join(dataset_dir, "split_fewshot", f"shot_{num_shots}-seed_{seed}.json")
-
-def _fingerprint(lists: dict) -> str:
-    return hashlib.sha256(json.dumps(lists, sort_keys=True).encode()).hexdigest()
-
-def _relative(path: str, dataset_dir: str, prefix: str) -> str:
-    """os.path.relpath(path, dataset_dir) with "/": the readers join every path onto the folder,
-    so the prefix is cut off (relpath itself costs seconds over ImageNet's 1.28M paths)."""
-    relative = path[len(prefix):] if path.startswith(prefix) else os.path.relpath(path, dataset_dir)
-    return relative.replace(os.sep, "/")
-
-def _entries(items: list[Item], dataset_dir: str) -> list[list]:
-    """[path under the dataset folder (which may move), label, class name] per item: the cache's."""
-    prefix = os.path.join(dataset_dir, "")  # the folder and a separator
-    return [[_relative(i.path, dataset_dir, prefix), i.label, i.classname] for i in items]
-
-def _fingerprint_of_items(parts: dict[str, list[Item]], dataset_dir: str,
-                          chunk: int = 10_000) -> str:
-    """_fingerprint({part: _entries(items)}), byte for byte, without all the entries at once: the
-    JSON text is hashed `chunk` entries at a time (ImageNet's 1.28M as lists: about 300 MB)."""
-    digest = hashlib.sha256(b"{")
-    for i, (part, items) in enumerate(sorted(parts.items())):  # json.dumps(sort_keys=True)'s order
-        digest.update(f"{', ' * (i > 0)}{json.dumps(part)}: [".encode())
-        for start in range(0, len(items), chunk):
-            text = json.dumps(_entries(items[start:start + chunk], dataset_dir))[1:-1]  # no [ ]
-            digest.update(f"{', ' * (start > 0)}{text}".encode())
-        digest.update(b"]")
-    digest.update(b"}")
-    return digest.hexdigest()
-
-def _few_shot_pools(listing: Listing, log: Callable[[str], None]) -> FewShotPools:
-    """The lists a draw reads (train; val where the dataset has its own) by class, and their
-    fingerprint: made once per listing, so that fifteen draws cost one pass over ImageNet."""
-    if listing.pools is None:
-        parts = {"train": listing.train, **({} if listing.val is None else {"val": listing.val})}
-        started = time.perf_counter()
-        with _collector_paused():
-            by_label = {part: _by_label(items) for part, items in parts.items()}
-            fingerprint = _fingerprint_of_items(parts, listing.dataset_dir)
-        log(f"{listing.spec.name}: {sum(map(len, parts.values())):,} {' + '.join(parts)} images "
-            f"grouped by class and fingerprinted for the few-shot cache in "
-            f"{time.perf_counter() - started:.1f} s")
-        listing.pools = FewShotPools(fingerprint, by_label)
-    return listing.pools
-
-def _read_fewshot_cache(cache_path: str, fingerprint: str, parts: list[str]) -> dict | None:
-    """The cache's content, or None (with a warning saying why) when it cannot be trusted."""
-    try:
-        with open(cache_path, encoding="utf-8") as f:
-            cached = json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        reason = f"cannot be read as JSON ({type(e).__name__})"
-    else:
-        found = cached.get("format") if isinstance(cached, dict) else None
-        if found != FEWSHOT_CACHE_FORMAT:  # e.g. version 2, whose draw was not Dassl's
-            reason = f"is of another format ({found!r}), not {FEWSHOT_CACHE_FORMAT!r}"
-        elif cached.get("fingerprint") != fingerprint:
-            reason = "was drawn from a different split (fingerprint mismatch)"
-        elif cached.get("content") != _fingerprint({part: cached.get(part) for part in parts}):
-            reason = ("was edited after it was written (its lists do not match its content "
-                      "fingerprint)")
-        else:
-            return cached
-    _warn(f"{cache_path}: few-shot cache {reason}; rebuilding it")
-    return None
-
-def _write_json_atomically(path: str, header: dict, lists: dict[str, list[list]]) -> None:
-    """{**header, **lists} as JSON, one entry per line, through a temporary file and os.replace:
-    data.py's own small copy of clip_model.atomic_write, on purpose (data.py stands alone)."""
-    fields = [f"  {json.dumps(key)}: {json.dumps(value)}" for key, value in header.items()]
-    fields += [f"  {json.dumps(key)}: [\n" + ",\n".join(f"    {json.dumps(e)}"
-                                                        for e in entries) + "\n  ]"
-               for key, entries in lists.items()]
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    temporary = f"{path}.{os.getpid()}.tmp"  # in the same folder, so that the rename is atomic
-    try:
-        with open(temporary, "w", encoding="utf-8") as f:
-            f.write("{\n" + ",\n".join(fields) + "\n}\n")
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
 
 def _warn_short_classes(listing: Listing, shots: dict[str, int]) -> None:
     """One line per dataset and shot count in a call (the first draw at that count says it): the
@@ -719,12 +482,13 @@ def _warn_short_classes(listing: Listing, shots: dict[str, int]) -> None:
     listing.short_said.add(shots["train"])
     said = []
     for part, k in shots.items():
-        by_label = listing.pools.by_label[part]
+        by_label = listing.by_label[part]
         short = sorted((label, len(items)) for label, items in by_label.items() if len(items) < k)
         if len(short) == len(by_label) and len({n for _, n in short}) == 1:
             said.append(f"{part}: every class has fewer than {k} images ({short[0][1]} each)")
         elif short:
-            listed = ", ".join(f"{by_label[label][0].classname!r} has {n}" for label, n in short[:5])
+            listed = ", ".join(f"{by_label[label][0].classname!r} has {n}"
+                               for label, n in short[:5])
             more = f", and {len(short) - 5} more" * (len(short) > 5)
             said.append(f"{part}: {len(short)} of {len(by_label)} classes have fewer than {k} "
                         f"images ({listed}{more})")
@@ -732,31 +496,16 @@ def _warn_short_classes(listing: Listing, shots: dict[str, int]) -> None:
         _warn(f"{listing.spec.name}: {'; '.join(said)}; each draw repeats some to make the "
               "shots, as Dassl does")
 
-def few_shot_splits(listing: Listing, num_shots: int, seed: int,
-                    log: Callable[[str], None] = _no_log) -> dict[str, list[Item]]:
-    """K per class for train, min(K, 4) for val (CoOp): the cache's, else drawn and cached. Drawn
-    before the base/novel subsample, one cache serves both halves."""
-    pools, dataset_dir = _few_shot_pools(listing, log), listing.dataset_dir
-    shots = {part: num_shots if part == "train" else min(num_shots, 4) for part in pools.by_label}
+def draw_few_shot(listing: Listing, num_shots: int, seed: int) -> dict[str, list[Item]]:
+    """K images per class for train, min(K, 4) for val, as Dassl's generate_fewshot_dataset draws
+    them (Dassl.pytorch, dassl/data/datasets/base_dataset.py; CoOp, CoCoOp, MaPLe, PromptSRC and
+    MMRL use it), so that a seed trains on the papers' images: one random.Random(seed) stream,
+    train then val (Dassl's random.seed(seed)); a class with fewer than K gives K with repeats."""
+    by_label = few_shot_pools(listing)
+    shots = {part: num_shots if part == "train" else min(num_shots, 4) for part in by_label}
     _warn_short_classes(listing, shots)
-    cache_path = fewshot_cache_path(dataset_dir, num_shots, seed)
-    lists = _read_fewshot_cache(cache_path, pools.fingerprint, list(shots))
-    if lists is None:
-        rng = random.Random(seed)  # one stream, train then val, as after Dassl's random.seed(seed)
-        sampled = {part: _draw(pools.by_label[part], k, rng) for part, k in shots.items()}
-        lists = {part: _entries(items, dataset_dir) for part, items in sampled.items()}
-        header = {"format": FEWSHOT_CACHE_FORMAT, "dataset": listing.spec.name,
-                  "num_shots": num_shots, "seed": seed, "fingerprint": pools.fingerprint,
-                  "content": _fingerprint(lists)}
-        try:
-            _write_json_atomically(cache_path, header, lists)
-        except OSError as e:
-            _warn(f"{cache_path}: cannot write the few-shot cache ({e.strerror or e}); continuing "
-                  "without it")
-    # Items made anew from the entries, drawn or read alike: none of the listing's (ImageNet: 1.3M,
-    # 250 MB) stays alive with the draws, which the run keeps to its end.
-    return {part: [Item(_image_path(dataset_dir, path, cache_path), label, name)
-                   for path, label, name in lists[part]] for part in shots}
+    rng = random.Random(seed)
+    return {part: _draw(by_label[part], k, rng) for part, k in shots.items()}
 
 
 # ---- Base/novel split (CoOp's OxfordPets.subsample_classes) and the entry points ------------
@@ -788,15 +537,16 @@ def _check_selection(spec: DatasetSpec, num_shots: int | None, seed: int, subsam
                            f"num_shots=None and subsample='all'")
 
 def splits_from(listing: Listing, num_shots: int | None = None, seed: int = 1,
-                subsample: str = "all", log: Callable[[str], None] = _no_log) -> DatasetSplits:
+                subsample: str = "all", draw: Callable = draw_few_shot) -> DatasetSplits:
     """The splits of a listing. num_shots: None (every training image) or K >= 1 per class (val:
-    min(K, 4)), drawn with `seed` and cached; subsample: "all", "base", "new"/"novel". The
-    variants are test sets only (num_shots=None, subsample="all"). One-line DatasetError."""
+    min(K, 4)), drawn with `seed` by draw(listing, num_shots, seed) (draw_few_shot; the harness
+    passes one that caches); subsample: "all", "base", "new"/"novel". The variants are test sets
+    only (num_shots=None, subsample="all"). One-line DatasetError."""
     subsample = str(subsample).lower()
     _check_selection(listing.spec, num_shots, seed, subsample)
     train, val, test = listing.train, listing.val, listing.test
     if num_shots is not None:
-        sampled = few_shot_splits(listing, num_shots, seed, log)
+        sampled = draw(listing, num_shots, seed)
         train, val = sampled["train"], sampled.get("val")
     val = test if val is None else val  # ImageNet: CoOp validates on the test set
     classnames, (train, val, test) = subsample_classes(listing.classnames, [train, val, test],
@@ -809,7 +559,7 @@ def load_dataset(name: str, root: str, num_shots: int | None = None, seed: int =
     """Dataset `name` from `root` ($DATA): read_listing, then splits_from (see both). A caller
     taking several subsets or draws of one dataset reads it once and calls splits_from."""
     _check_selection(get_spec(name), num_shots, seed, str(subsample).lower())  # before the reading
-    return splits_from(read_listing(name, root, log), num_shots, seed, subsample, log)
+    return splits_from(read_listing(name, root, log), num_shots, seed, subsample)
 
 
 # ---- Transforms and the torch Dataset -------------------------------------------------------
@@ -853,18 +603,17 @@ def augmentation_seed(seed: int, epoch: int, index: int) -> int:
 class ImageDataset(Dataset):
     """Items as a torch Dataset of (image tensor (3, size, size), label). With a `seed`, each
     image's random transform (train_transform's crop and flip) draws from a generator of its own,
-    seeded by (seed, epoch, index) (set_epoch before each epoch): the same augmentation whichever
-    DataLoader worker, or the main process, loads the image, so the stream does not depend on
-    the number of workers. torchvision's transforms draw from torch's global generator: it is
-    forked around each image and left as it was. Without a seed: the global generator, as is."""
+    seeded by (seed, epoch, index), where the index asked for is an image's number (epoch 0) or
+    an (epoch, number) pair, as a sampler that knows the epoch gives it: the same augmentation
+    whichever DataLoader worker, or the main process, loads the image, so the stream depends
+    neither on the number of workers nor on how long they live. torchvision's transforms draw
+    from torch's global generator: it is forked around each image and left as it was. Without a
+    seed: the global generator, as is."""
 
     def __init__(self, items: list[Item], transform=None, seed: int | None = None):
         self.items = list(items)
         self.transform = transform if transform is not None else test_transform()
-        self.seed, self.epoch = seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch  # a worker gets its copy of the dataset when an iterator is made
+        self.seed = seed
 
     def __len__(self) -> int:
         return len(self.items)
@@ -874,78 +623,25 @@ class ImageDataset(Dataset):
         bad file fails on its own line."""
         return load_image(self.items[index].path)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, index: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
+        epoch, index = index if isinstance(index, tuple) else (0, index)
         image, label = self.image(index), self.items[index].label
         if self.seed is None:
             return self.transform(image), label
         with torch.random.fork_rng(devices=[]):  # the CPU generator alone, restored after
-            torch.default_generator.manual_seed(augmentation_seed(self.seed, self.epoch, index))
+            torch.default_generator.manual_seed(augmentation_seed(self.seed, epoch, index))
             return self.transform(image), label
-
-
-# ---- The few-shot training images, decoded once ---------------------------------------------
-# A few-shot training set is small (16 shots of 1,000 classes: 16,000 images) and read every
-# epoch. Decoding a photo and resampling it again each time costs a loading process about 3 ms an
-# image, about 350 images/s: tens of processes to feed one fast GPU (benchmarks/bench_loader.py).
-# Decoded once into memory as uint8, an epoch only crops, flips and normalises tensors: about
-# five times faster per process (docs/MEASURED.md, "The loader").
-
-CACHED_SIDE = 8 / 7  # with augmentation, each image is kept with its shorter side at 8/7 x size
-
-def kept_transform(size: int, augment: bool) -> T.Compose:
-    """A photo as it is kept, PIL -> (3, h, w) uint8. Augmented: resized (bicubic) so that its
-    shorter side is CACHED_SIDE x size (256 for 224), the picture the random crop is then taken
-    from (our choice, as FFCV's loaders keep them: the crop's pixels come from that, not from
-    the full photo). Not augmented: the test transform's own resize and centre crop, so that the
-    tensors it gives are test_transform's, bit for bit."""
-    if augment:
-        resize = [T.Resize(round(size * CACHED_SIDE), interpolation=T.InterpolationMode.BICUBIC)]
-    else:
-        resize = test_transform(size).transforms[:2]  # its resize and centre crop
-    return T.Compose([*resize, T.PILToTensor()])
-
-def normalised(image: torch.Tensor) -> torch.Tensor:
-    """uint8 (3, h, w) -> CLIP's normalised float, as ToTensor and Normalize compute it."""
-    return T.functional.normalize(image.float().div(255), CLIP_MEAN, CLIP_STD)
-
-class DecodedImages(ImageDataset):
-    """ImageDataset with every image decoded once, up front (`workers` processes), kept in memory
-    as uint8 (kept_transform: 256 px on the shorter side for 224: 16,000 take about 4 GB).
-    Augmented: train_transform's random resized crop (bicubic, antialiased) and flip, on the
-    kept tensor; not: the test transform's result exactly. The augmentation is seeded per image,
-    epoch and seed as ImageDataset's."""
-
-    def __init__(self, items: list[Item], size: int, augment: bool, seed: int | None = None,
-                 workers: int = 0):
-        crop = T.RandomResizedCrop(size, scale=(0.5, 1.0), antialias=True,
-                                   interpolation=T.InterpolationMode.BICUBIC)
-        transform = (T.Compose([crop, T.RandomHorizontalFlip(), normalised]) if augment
-                     else normalised)
-        super().__init__(items, transform, seed)
-        reader = ImageDataset(self.items, kept_transform(size, augment))  # decoded in `workers`
-        # A loading process hands each tensor over in shared memory, one file (and descriptor)
-        # each: copied out, 16,000 of them fill neither /dev/shm nor the open-file limit.
-        self.images = [image.clone() for image, _ in torch.utils.data.DataLoader(
-            reader, batch_size=None, num_workers=workers)]
-
-    def image(self, index: int) -> torch.Tensor:  # the kept tensor, in place of the file
-        return self.images[index]
 
 
 # ---- Command line: a summary of one dataset, or the registry --------------------------------
 
-class OneLineParser(argparse.ArgumentParser):  # also train.py's and the toy world's parser
-    """An error as one line, not the whole usage (--help has it); exit status 2, as argparse's."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="data.py", description="Summarise a dataset (no --dataset: print "
-                                                       "the registry).")
+    parser = argparse.ArgumentParser(prog="data.py", description="Summarise a dataset (no "
+                                     "--dataset: print the registry).")
+    # an error as one line, not the whole usage (--help has it); exit status 2, as argparse's
+    parser.error = lambda message: parser.exit(2, f"data.py: error: {message} (see --help)\n")
     parser.add_argument("--root", help="the $DATA folder of CoOp's DATASETS.md")
-    parser.add_argument("--dataset", help=f"one of: {', '.join(DATASETS)}; or your own data: "
-                        "PATH/<class>/<image> or a split file in CoOp's format")
+    parser.add_argument("--dataset", help=f"one of: {', '.join(DATASETS)}")
     parser.add_argument("--shots", type=int, default=None, help="K images per class (default: all)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the few-shot draw")
     parser.add_argument("--subsample", default="all", choices=SUBSAMPLE_CHOICES,
@@ -958,12 +654,10 @@ def main(argv: list[str] | None = None) -> int:
         for spec in DATASETS.values():
             print(f"{spec.name:<16} {spec.folder + '/':<22} {spec.reader:<17} {spec.template!r}")
         return 0
-    own = is_own_data(args.dataset)
-    if args.root is None and not own:
-        parser.error("--root is required with --dataset (unless it is the path of your own data)")
+    if args.root is None:
+        parser.error("--root is required with --dataset")
     try:
-        name = own_dataset(args.dataset).name if own else args.dataset
-        d = load_dataset(name, args.root, args.shots, args.seed, args.subsample, log=print)
+        d = load_dataset(args.dataset, args.root, args.shots, args.seed, args.subsample, log=print)
     except DatasetError as e:
         print(f"data.py: error: {e}", file=sys.stderr)
         return 2

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -145,7 +146,7 @@ DEFAULTS = dict(
     sentence_encoder="clip",  # what embeds the picks to cluster them: CLIP's own text tower
     device="auto",  # cuda, then mps, then cpu
     amp="on",  # autocast on CUDA: fp16 with a loss scaler (devices.choose_precision; CPU: fp32)
-    image_cache=True,  # the few-shot training images decoded once (data.DecodedImages): ours
+    image_cache=True,  # the few-shot training images decoded once (imagecache.DecodedImages): ours
     attention="auto",  # torch's fused kernel, less any device_check found wrong (devices.py)
     eval_batch_size=64,  # images per evaluation batch
     log_every=20,  # steps between progress lines
@@ -175,12 +176,12 @@ if __name__ == "__main__":
     cli.answer_at_once(sys.argv[1:], BOOK)
 
 import torch  # noqa: E402 -- below --help's answer, on purpose
-from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
 import data  # noqa: E402
 import dear  # noqa: E402
-from harness import (analysis, checks, config, devices, errors, monitor, plan,  # noqa: E402
-                     reports, runfolder, sources)
+from harness import (analysis, checks, config, devices, errors, imagecache, monitor,  # noqa: E402
+                     plan, reports, runfolder, sources, splitfiles)
 from harness.errors import TrainError  # noqa: E402
 
 # ------------------------------------------------------------------------------------------
@@ -208,8 +209,9 @@ class Datasets:
 
     def splits(self, name: str, **selection) -> data.DatasetSplits:  # num_shots, seed, subsample
         if name not in self.listings:
-            self.listings[name] = data.read_listing(name, self.root, self.log)
-        return data.splits_from(self.listings[name], log=self.log, **selection)
+            self.listings[name] = splitfiles.read_listing(name, self.root, self.log)
+        draw = functools.partial(splitfiles.cached_draw, log=self.log)  # the few-shot cache's
+        return data.splits_from(self.listings[name], draw=draw, **selection)
 
 
 def training_split(settings, datasets: Datasets, dataset: str, seed: int,
@@ -479,26 +481,24 @@ def class_prompts(model: dear.DeAR, inputs: sources.Inputs, split: data.DatasetS
 
 def training_loader(job: plan.Job, settings, split: data.DatasetSplits, clip,
                     runtime: devices.Runtime):
-    """The few-shot images, augmented unless --augment off. A DistributedSampler also in one
-    process: its order is a pure function of (seed, epoch), and each image's augmentation is
-    drawn from its own generator seeded by (seed, epoch, image), whatever --workers: what makes
-    --resume land on the same result as an unbroken run."""
-    size, workers, in_flight = clip.visual.input_resolution, *runtime.loaders["train"]
-    if settings["image_cache"]:  # decoded once (data.DecodedImages), by the loader's processes
-        dataset = data.DecodedImages(split.train, size, settings["augment"], job.seed, workers)
+    """The few-shot images, augmented unless --augment off. A DistributedSampler (EpochSampler)
+    also in one process: its order is a pure function of (seed, epoch), and each image's
+    augmentation is drawn from its own generator seeded by (seed, epoch, image), whatever
+    --workers: what makes --resume land on the same result as an unbroken run."""
+    size, workers = clip.visual.input_resolution, runtime.loaders["train"][0]
+    if settings["image_cache"]:  # decoded once (imagecache), by the loader's processes
+        dataset = imagecache.DecodedImages(split.train, size, settings["augment"], job.seed,
+                                           workers)
     else:  # decoded (and resampled) again each epoch
         transform = data.train_transform if settings["augment"] else data.test_transform
         dataset = data.ImageDataset(split.train, transform(size), seed=job.seed)
-    sampler = DistributedSampler(dataset, num_replicas=runtime.world, rank=runtime.rank,
-                                 shuffle=True, seed=job.seed)
+    sampler = imagecache.EpochSampler(dataset, num_replicas=runtime.world, rank=runtime.rank,
+                                      shuffle=True, seed=job.seed)
     # Dassl's rule (dassl/data/data_manager.py, build_data_loader): a short last batch is dropped,
     # unless it is the only one; per process (len(sampler)), so that no process has no step.
     drop_last = len(sampler) >= settings["batch_size"]
-    # persistent_workers stays off: each epoch's workers get a fresh copy of the dataset, which
-    # knows the epoch (start_epoch); persistent ones would keep the first epoch's.
-    return DataLoader(dataset, batch_size=settings["batch_size"], sampler=sampler,
-                      num_workers=workers, prefetch_factor=in_flight if workers else None,
-                      pin_memory=runtime.device.type == "cuda", drop_last=drop_last)
+    return devices.loader(dataset, settings["batch_size"], runtime, "train", sampler=sampler,
+                          drop_last=drop_last)
 
 
 def distributed(model: dear.DeAR, settings, runtime: devices.Runtime):
@@ -522,8 +522,7 @@ def unused_learnables(model: dear.DeAR) -> List[str]:
 def start_epoch(epoch: int, job: plan.Job, settings, loader: DataLoader, optimizer) -> float:
     """Epoch `epoch`'s learning rate, set; its order, augmentation and randomness seeded by
     (seed, epoch) alone, so that an epoch replays identically after --resume -> the lr."""
-    loader.sampler.set_epoch(epoch)
-    loader.dataset.set_epoch(epoch)  # before the epoch's iterator (and its workers) is made
+    loader.sampler.set_epoch(epoch)  # the sampler hands each image's number on with the epoch
     torch.manual_seed(job.seed * 100_003 + epoch)
     lr = learning_rate(settings, epoch)
     for group in optimizer.param_groups:

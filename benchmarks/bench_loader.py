@@ -9,7 +9,7 @@ It writes JPEGs at a typical photo size (500 x 375, ImageNet's most common; text
 training loader over them with each number of worker processes, after one untimed pass (the
 page cache warm, as from the second epoch on; batches of 32): each photo decoded every epoch
 (data.ImageDataset with train_transform(224): decode, random resized crop with bicubic
-resampling, flip, normalise), and decoded once (data.DecodedImages, train.py's default: the
+resampling, flip, normalise), and decoded once (imagecache.DecodedImages, train.py's default: the
 crop, flip and normalisation of a kept uint8 tensor; the decoding itself is not timed). The GPU
 side: bench_train_step.step_flops, the FLOPs of one DeAR training step on ViT-B/16 at batch
 32, over an H200's dense bf16 peak at a model FLOP utilisation of 40% (a good one for this step).
@@ -30,6 +30,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import data  # noqa: E402
 from bench_train_step import B16, peak_tflops, step_flops  # noqa: E402
+from harness import imagecache  # noqa: E402
 
 PHOTO = (500, 375)  # pixels: ImageNet's most common size
 UTILISATION = 0.4
@@ -54,9 +55,9 @@ def write_photos(folder: str, count: int) -> list:
 def images_per_second(items: list, workers: int, batch: int = 32, size: int = 224,
                       cached: bool = False) -> float:
     """train.py's training loader (augmented) over `items`: each photo decoded every epoch, or
-    (cached) decoded once up front (data.DecodedImages, not timed) -> images/s of an epoch."""
+    (cached) decoded once up front (imagecache.DecodedImages, not timed) -> images/s of an epoch."""
     if cached:
-        dataset = data.DecodedImages(items, size, augment=True, seed=0, workers=workers)
+        dataset = imagecache.DecodedImages(items, size, augment=True, seed=0, workers=workers)
     else:
         dataset = data.ImageDataset(items, data.train_transform(size), seed=0)
     loader = DataLoader(dataset, batch_size=batch, num_workers=workers, shuffle=False)
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
         print(f"{len(items)} JPEGs of {PHOTO[0]} x {PHOTO[1]}, {size:.0f} KB each; "
               f"train_transform(224), batches of 32")
         for cached in (False, True):
-            print("decoded once, kept in memory (data.DecodedImages):" if cached else
+            print("decoded once, kept in memory (imagecache.DecodedImages):" if cached else
                   "each photo decoded every epoch (data.ImageDataset):")
             for workers in args.workers:
                 rate = images_per_second(items, workers, cached=cached)

@@ -26,7 +26,7 @@ def top_level_assignments(module: str) -> dict:
 
 
 def project_constants(module: str, *names: str) -> tuple:
-    """Top-level constants of one of the project's modules (dear, data, clip_model), read from
+    """Top-level constants of one of the project's modules (dear, clip_model, ...), read from
     its source, not imported (each imports torch): the module keeps the one definition."""
     found = top_level_assignments(module)
     return tuple(ast.literal_eval(found[name]) for name in names)
@@ -34,7 +34,7 @@ def project_constants(module: str, *names: str) -> tuple:
 
 TEXT_TOKENS, TOKEN_CONSTRUCTIONS, CONCEPT_SOURCES = project_constants(
     "dear", "TEXT_TOKENS", "TOKEN_CONSTRUCTIONS", "CONCEPT_SOURCES")
-(OWN_TEMPLATE,) = project_constants("data", "OWN_TEMPLATE")
+(OWN_TEMPLATE,) = project_constants("harness/splitfiles", "OWN_TEMPLATE")
 (OPENAI_HEAD_WIDTH,) = project_constants("clip_model", "OPENAI_HEAD_WIDTH")
 
 # What a call can ask for.

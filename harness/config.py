@@ -18,6 +18,7 @@ import dear
 from .errors import TrainError
 from .cli import ABLATIONS, ROLE_ABLATIONS, RecipeBook, SBERT_MODEL, ablation_roles
 from .devices import pick_device
+from . import splitfiles
 
 
 # numpy's range; the per-epoch seeds are derived from it (seed * 100003 + epoch)
@@ -95,8 +96,8 @@ def typed_flags(args: argparse.Namespace, protocol: str, source: Optional[str],
 
 def dataset_names(typed: List[str], protocol: str, source: Optional[str],
                   book: RecipeBook) -> List[str]:
-    names = [data.own_dataset_name(n) if data.is_own_data(n) else data.dataset_key(n)
-             for n in typed]
+    own = splitfiles.is_own_data
+    names = [splitfiles.own_dataset_name(n) if own(n) else data.dataset_key(n) for n in typed]
     if names == ["all"]:  # cross and dg: one training on the source, tested on all fourteen targets
         source = data.dataset_key(_default(source, book.defaults["source"]))
         names = book.paper_datasets if protocol in ("base2novel", "fewshot") else \
@@ -114,10 +115,11 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
     typed = typed_flags(args, protocol, args.source, book)
     names = typed["dataset"]
     # no paths in a folder name
-    folder = [data.own_dataset_name(n) if data.is_own_data(n) else n for n in args.dataset]
+    folder = [splitfiles.own_dataset_name(n) if splitfiles.is_own_data(n) else n
+              for n in args.dataset]
     output = _default(args.output, os.path.join("runs", f"{protocol}-{'-'.join(folder)}"))
-    own = [(data.own_dataset_name(n), os.path.abspath(n)) for n in args.dataset
-           if data.is_own_data(n)]
+    own = [(splitfiles.own_dataset_name(n), os.path.abspath(n)) for n in args.dataset
+           if splitfiles.is_own_data(n)]
     if len({name for name, _ in own}) < len(own):
         raise TrainError(f"--dataset {' '.join(path for _, path in own)}: two have the same folder "
                          "name; rename one (the name is used in tables and run folders)")
@@ -273,7 +275,7 @@ def register_own_data(dataset_paths: Dict[str, str], output: str) -> None:
     """Your own data (--dataset PATH): registered in data.py under its folder's name, every file
     checked; a split drawn for a read-only folder goes to <output>/<name>/."""
     for name, path in dataset_paths.items():
-        data.own_dataset(path, split_fallback_dir=os.path.join(output, name))
+        splitfiles.own_dataset(path, split_fallback_dir=os.path.join(output, name))
 
 
 def validate_settings(settings: dict) -> None:

@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -246,14 +247,23 @@ def sdpa_kernel_used(device: torch.device, dtype: Optional[torch.dtype],
 
 # The loaders' processes (--workers; unset: one per CPU core but one, at most MAX_WORKERS, on a
 # GPU; none on the CPU, where they would compete with the model) and the batches each keeps in
-# flight (torch's 2). Their batches travel through shared memory (/dev/shm), which a container
-# often caps at 64 MB; ViT-B/16's training batch of 32 images is 19 MB, an evaluation batch of 64
-# 39 MB. So the batches in flight are held to half of /dev/shm's free space: fewer in flight,
+# flight (torch's 2). The plan is per node: torchrun's processes on it (LOCAL_WORLD_SIZE) share
+# its cores and /dev/shm, so each plans for its part. The batches travel through shared memory
+# (/dev/shm), which a container often caps at 64 MB; ViT-B/16's training batch of 32 images is
+# 19 MB, an evaluation batch of 64 39 MB. So the batches in flight are held to half of a
+# process's part of /dev/shm (a lone batch, one worker's one: to all of it): fewer in flight,
 # then fewer processes, down to none (the main process loads: no shared memory), said in a line.
 MAX_WORKERS = 16
 
 
 PREFETCH = 2
+
+
+# How the loaders' processes start, stated because Python 3.14 makes forkserver Linux's default:
+# fork on Linux (our choice), where a worker inherits the dataset (the decoded images: GBs)
+# copy-on-write, where forkserver and spawn would pickle it to each worker through /dev/shm;
+# spawn elsewhere (macOS: fork is unsafe beside its system frameworks).
+LOADER_START = "fork" if sys.platform.startswith("linux") else "spawn"
 
 
 def shared_memory_free() -> Optional[int]:
@@ -268,31 +278,50 @@ def usable_cpus() -> int:
 
 def loader_plan(settings, runtime: Runtime, size: int) -> Dict[str, Tuple[int, int]]:
     """{"train", "eval": (workers, batches in flight per worker)} for images of size x size, that
-    fit the machine: --workers, else the default above; fewer where /dev/shm would overflow."""
-    requested = settings["workers"]
+    fit this process's part of the node: --workers, else the default above; fewer where its part
+    of /dev/shm would overflow."""
+    node = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)  # torchrun's processes here
+    requested, gpu = settings["workers"], runtime.device.type == "cuda"
     if requested is None:
-        requested = min(usable_cpus() - 1, MAX_WORKERS) if runtime.device.type == "cuda" else 0
+        requested = min(usable_cpus() // node - 1, MAX_WORKERS) if gpu else 0
     free, plan, lowered = shared_memory_free(), {}, []
+    share = None if free is None else free // node
     for name, batch in (("train", settings["batch_size"]), ("eval", settings["eval_batch_size"])):
         workers, prefetch, batch_bytes = max(requested, 0), PREFETCH, batch * 3 * size * size * 4
-        while workers and free is not None and workers * prefetch * batch_bytes > free // 2:
+        in_flight = lambda: workers * prefetch * batch_bytes  # noqa: E731
+        while workers and share is not None and in_flight() > (share if in_flight() == batch_bytes
+                                                               else share // 2):
             prefetch, workers = (1, workers) if prefetch > 1 else (prefetch, workers - 1)
         plan[name] = (workers, prefetch)
         if (workers, prefetch) != (max(requested, 0), PREFETCH):
             lowered.append(f"{name} {workers} workers x {prefetch} batch{'es' * (prefetch > 1)}"
-                           f" of {batch_bytes / 2**20:.0f} MB")
+                           f" of {batch_bytes / 2**20:.0f} MB"
+                           + " (one batch is more than all of it: the main process loads)"
+                           * (not workers))
     if lowered:
+        part = f", {share / 2**20:.0f} MB for each of this node's {node} processes" * (node > 1)
         runtime.log(f"loader: {', '.join(lowered)} in flight, fewer than asked: /dev/shm has "
-                    f"{free / 2**20:.0f} MB free, and they may fill half of it")
+                    f"{free / 2**20:.0f} MB free{part}, and they may fill half of it (a lone "
+                    "batch: all of it)")
     return plan
+
+
+def loader(dataset, batch_size: int, runtime: Runtime, kind: str, **options) -> DataLoader:
+    """A DataLoader as loader_plan planned `kind` ("train" or "eval"): its workers started as
+    LOADER_START and kept across epochs (each image's epoch comes with it: imagecache.EpochSampler),
+    its batches in flight, and on CUDA pinned memory, whose copies to the GPU can overlap."""
+    workers, in_flight = runtime.loaders[kind]
+    return DataLoader(dataset, batch_size=batch_size, num_workers=workers,
+                      prefetch_factor=in_flight if workers else None,
+                      persistent_workers=workers > 0,
+                      multiprocessing_context=LOADER_START if workers else None,
+                      pin_memory=runtime.device.type == "cuda", **options)
 
 
 def loader_of(items: list, settings, size: int, runtime: Runtime) -> DataLoader:
     """The test-transform loader of evaluation, features and the head analysis."""
-    dataset = data.ImageDataset(items, data.test_transform(size))
-    workers, in_flight = runtime.loaders["eval"]  # loader_plan: what fits the machine
-    return DataLoader(dataset, batch_size=settings["eval_batch_size"], num_workers=workers,
-                      prefetch_factor=in_flight if workers else None)
+    return loader(data.ImageDataset(items, data.test_transform(size)), settings["eval_batch_size"],
+                  runtime, "eval")
 
 
 @contextlib.contextmanager

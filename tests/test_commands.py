@@ -59,7 +59,6 @@ RUN = {
     "python -m toyworld.task /tmp/toydata && python data.py --root /tmp/toydata --dataset toyworld --shots 16",
     "python -m toyworld --scale miniature --causal",
     "python -m toyworld --grid samples.png",  # the full world: the shipped model, seconds
-    "python data.py --dataset path/to/my_photos",  # on a folder of class folders made below
     "python benchmarks/toy_ablations.py --toy-scale miniature --seeds 1 --epochs 1 "
     "--output /tmp/abl",  # the toy ablation tables' path, seconds
     "python benchmarks/bench_loader.py --images 400 --workers 0 1 2",  # seconds
@@ -210,7 +209,7 @@ def test_the_readme_commands_run_in_the_order_written_from_a_fresh_copy(tmp_path
                             "pip install -r requirements.txt", "python train.py --dataset toyworld"]
     clone = fresh_copy(tmp_path / "clone")
     env = subprocess_env(tmp_path / "cache")
-    # the README's own photo folder, untouched (the other test's `data.py` wrote a split into it)
+    # the README's own photo folder, untouched by the other tests
     shutil.copytree(scratch / "my_photos", tmp_path / "my_photos")
     has_sbert = all(importlib.util.find_spec(name) for name in ("sentence_transformers",
                                                                  "all_minilm_l6_v2"))

@@ -13,6 +13,7 @@ import gzip
 import hashlib
 import io
 import json
+import functools
 import os
 import pickle
 import random
@@ -34,11 +35,18 @@ sys.path.insert(0, str(REPO))
 
 import data  # noqa: E402
 from data import DatasetError, DatasetWarning, ImageDataset, load_dataset  # noqa: E402
+from harness import imagecache, splitfiles  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def registry_as_shipped(monkeypatch):
     """Your own data registers itself in data.DATASETS: each test starts from the shipped registry."""
     monkeypatch.setattr(data, "DATASETS", dict(data.DATASETS))
+
+
+def cached_load(name, root, num_shots=None, seed=1, subsample="all") -> data.DatasetSplits:
+    """A dataset as train.py reads it: the listing, then the few-shot draw through the cache."""
+    listing = splitfiles.read_listing(name, root and str(root), lambda line: None)
+    return data.splits_from(listing, num_shots, seed, subsample, draw=splitfiles.cached_draw)
 
 
 # -----------------------------------------------------------------------------
@@ -352,44 +360,52 @@ def test_few_shot_draws_k_per_class_and_min_k_4_for_validation(pets_root, shots,
 
 
 def test_few_shot_same_seed_same_images_other_seed_other_images(pets_root):
-    first = load_dataset("oxford_pets", pets_root, num_shots=2, seed=1)
-    cache = Path(data.fewshot_cache_path(first.dataset_dir, 2, 1))
+    first = cached_load("oxford_pets", pets_root, num_shots=2, seed=1)
+    cache = Path(splitfiles.fewshot_cache_path(first.dataset_dir, 2, 1))
     cache.unlink()  # draw again from scratch, not from the cache
-    again = load_dataset("oxford_pets", pets_root, num_shots=2, seed=1)
-    other = load_dataset("oxford_pets", pets_root, num_shots=2, seed=2)
+    again = cached_load("oxford_pets", pets_root, num_shots=2, seed=1)
+    other = cached_load("oxford_pets", pets_root, num_shots=2, seed=2)
     assert again.train == first.train and again.val == first.val
     assert set(other.train) != set(first.train)
 
 
-def test_few_shot_cache_is_json_written_atomically_and_reused(pets_root, monkeypatch):
-    first = load_dataset("oxford_pets", pets_root, num_shots=4, seed=7)
+def another_draw_in_the_cache(root: Path, num_shots: int, seed: int) -> data.DatasetSplits:
+    """The (num_shots, seed) cache rewritten, still valid, to hold seed + 1's draw, which is
+    returned: a reading that gives it read the cache, one that gives seed's own drew anew."""
+    other = cached_load("oxford_pets", root, num_shots=num_shots, seed=seed + 1)
+    folder = root / "oxford_pets" / "split_fewshot"
+    stored = json.loads((folder / f"shot_{num_shots}-seed_{seed}.json").read_text())
+    drawn = json.loads((folder / f"shot_{num_shots}-seed_{seed + 1}.json").read_text())
+    stored.update({key: drawn[key] for key in ("train", "val", "content")})
+    (folder / f"shot_{num_shots}-seed_{seed}.json").write_text(json.dumps(stored))
+    return other
+
+
+def test_few_shot_cache_is_json_written_atomically_and_reused(pets_root):
+    first = cached_load("oxford_pets", pets_root, num_shots=4, seed=7)
     cache = pets_root / "oxford_pets" / "split_fewshot" / "shot_4-seed_7.json"
     stored = json.loads(cache.read_text())
     assert (stored["num_shots"], stored["seed"], stored["dataset"]) == (4, 7, "oxford_pets")
     assert [entry[0] for entry in stored["train"]] == [
         os.path.relpath(item.path, first.dataset_dir) for item in first.train]
     assert os.listdir(cache.parent) == [cache.name]  # no temp file left behind
-
-    def must_not_sample(*args, **kwargs):
-        raise AssertionError("the cache should have been reused")
-
-    monkeypatch.setattr(data, "sample_few_shot", must_not_sample)
+    other = another_draw_in_the_cache(pets_root, 4, 7)
     with warnings.catch_warnings():
         warnings.simplefilter("error", DatasetWarning)
-        second = load_dataset("oxford_pets", pets_root, num_shots=4, seed=7)
-    assert (second.train, second.val) == (first.train, first.val)
+        second = cached_load("oxford_pets", pets_root, num_shots=4, seed=7)
+    assert (second.train, second.val) == (other.train, other.val) != (first.train, first.val)
 
 
 def test_failed_cache_write_leaves_no_partial_file_and_the_run_goes_on(pets_root, monkeypatch):
-    load_dataset("oxford_pets", pets_root, num_shots=2, seed=1)
+    cached_load("oxford_pets", pets_root, num_shots=2, seed=1)
     folder = pets_root / "oxford_pets" / "split_fewshot"
 
     def replace_fails(source, target):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(data.os, "replace", replace_fails)
+    monkeypatch.setattr(splitfiles.os, "replace", replace_fails)
     with pytest.warns(DatasetWarning, match=r"shot_2-seed_2\.json: cannot write the few-shot cache"):
-        result = load_dataset("oxford_pets", pets_root, num_shots=2, seed=2)
+        result = cached_load("oxford_pets", pets_root, num_shots=2, seed=2)
     assert labels_of(result.train) == {label: 2 for label in range(5)}
     assert sorted(os.listdir(folder)) == ["shot_2-seed_1.json"]  # no temp file, no half-written cache
 
@@ -407,42 +423,42 @@ def test_one_listings_shortfall_is_said_once_per_shot_count_and_the_first_count_
     assert [re.search(r"fewer than (\d+) images", line).group(1) for line in lines] == ["4", "8"]
 
 
-def test_few_shot_cache_survives_moving_the_data_root(pets_root, tmp_path_factory, monkeypatch):
-    first = load_dataset("oxford_pets", pets_root, num_shots=2)
+def test_few_shot_cache_survives_moving_the_data_root(pets_root, tmp_path_factory):
+    cached_load("oxford_pets", pets_root, num_shots=2)
+    other = another_draw_in_the_cache(pets_root, 2, 1)
     moved = tmp_path_factory.mktemp("moved") / "data"
     pets_root.rename(moved)
-    monkeypatch.setattr(data, "sample_few_shot", lambda *a, **k: pytest.fail("cache not reused"))
-    second = load_dataset("oxford_pets", moved, num_shots=2)
+    second = cached_load("oxford_pets", moved, num_shots=2)
     assert [os.path.relpath(i.path, moved) for i in second.train] == [
-        os.path.relpath(i.path, pets_root) for i in first.train]
+        os.path.relpath(i.path, pets_root) for i in other.train]
 
 
 def test_class_with_fewer_than_k_images_repeats_some_as_dassl_does_and_says_so(tmp_path):
     write_split_dataset(tmp_path, "oxford_pets", train_counts=[2, 8, 8, 8, 8])
     with pytest.warns(DatasetWarning, match=r"oxford_pets: train: 1 of 5 classes have fewer than 4 images.*'abyssinian' has 2"):
-        result = load_dataset("oxford_pets", tmp_path, num_shots=4)
+        result = cached_load("oxford_pets", tmp_path, num_shots=4)
     assert labels_of(result.train) == {label: 4 for label in range(5)}  # every class K, as Dassl's repeat=True
     short = [item for item in result.train if item.label == 0]
     assert len(set(short)) == 2  # its two images, drawn with repetition to make four
     with warnings.catch_warnings():  # the cache of a short class (repeats) is valid and reused
         warnings.simplefilter("error", DatasetWarning)
         warnings.filterwarnings("ignore", "oxford_pets: train", DatasetWarning)
-        again = load_dataset("oxford_pets", tmp_path, num_shots=4)
+        again = cached_load("oxford_pets", tmp_path, num_shots=4)
     assert again.train == result.train
 
 
 def test_few_shot_cache_of_the_older_rule_is_redrawn_not_reused(pets_root):
-    fresh = load_dataset("oxford_pets", pets_root, num_shots=2)
-    cache = Path(data.fewshot_cache_path(fresh.dataset_dir, 2, 1))
+    fresh = cached_load("oxford_pets", pets_root, num_shots=2)
+    cache = Path(splitfiles.fewshot_cache_path(fresh.dataset_dir, 2, 1))
     stored = json.loads(cache.read_text())
     stored["format"] = "dear-from-scratch few-shot split, version 2"  # sorted labels, no repeats
     stored["train"] = stored["train"][2:] + stored["train"][:2]  # a different (older) draw
-    stored["content"] = data._fingerprint({"train": stored["train"], "val": stored["val"]})
+    stored["content"] = splitfiles._fingerprint({"train": stored["train"], "val": stored["val"]})
     cache.write_text(json.dumps(stored))
     with pytest.warns(DatasetWarning, match=r"of another format .*version 2.*rebuilding"):
-        rebuilt = load_dataset("oxford_pets", pets_root, num_shots=2)
+        rebuilt = cached_load("oxford_pets", pets_root, num_shots=2)
     assert rebuilt.train == fresh.train
-    assert json.loads(cache.read_text())["format"] == data.FEWSHOT_CACHE_FORMAT
+    assert json.loads(cache.read_text())["format"] == splitfiles.FEWSHOT_CACHE_FORMAT
 
 
 @pytest.mark.parametrize("corruption", [
@@ -452,11 +468,11 @@ def test_few_shot_cache_of_the_older_rule_is_redrawn_not_reused(pets_root):
     "",
 ])
 def test_corrupt_few_shot_cache_is_rebuilt_not_trusted(pets_root, corruption):
-    fresh = load_dataset("oxford_pets", pets_root, num_shots=2)
-    cache = Path(data.fewshot_cache_path(fresh.dataset_dir, 2, 1))
+    fresh = cached_load("oxford_pets", pets_root, num_shots=2)
+    cache = Path(splitfiles.fewshot_cache_path(fresh.dataset_dir, 2, 1))
     cache.write_text(corruption)
     with pytest.warns(DatasetWarning, match=r"shot_2-seed_1\.json: few-shot cache .*rebuilding it"):
-        rebuilt = load_dataset("oxford_pets", pets_root, num_shots=2)
+        rebuilt = cached_load("oxford_pets", pets_root, num_shots=2)
     assert (rebuilt.train, rebuilt.val) == (fresh.train, fresh.val)
     assert json.loads(cache.read_text())["fingerprint"]  # rewritten as a valid cache
 
@@ -464,13 +480,13 @@ def test_corrupt_few_shot_cache_is_rebuilt_not_trusted(pets_root, corruption):
 def edited_cache_is_rebuilt(pets_root, edit, warning: str) -> None:
     """Write a 2-shot cache, edit its JSON with edit(stored), read again: the edit is noticed
     (a DatasetWarning matching `warning`) and the draw is the fresh one, not the edited one."""
-    fresh = load_dataset("oxford_pets", pets_root, num_shots=2)
-    cache = Path(data.fewshot_cache_path(fresh.dataset_dir, 2, 1))
+    fresh = cached_load("oxford_pets", pets_root, num_shots=2)
+    cache = Path(splitfiles.fewshot_cache_path(fresh.dataset_dir, 2, 1))
     stored = json.loads(cache.read_text())
     edit(stored)
     cache.write_text(json.dumps(stored))
     with pytest.warns(DatasetWarning, match=warning):
-        rebuilt = load_dataset("oxford_pets", pets_root, num_shots=2)
+        rebuilt = cached_load("oxford_pets", pets_root, num_shots=2)
     assert rebuilt.train == fresh.train
 
 
@@ -499,19 +515,19 @@ def test_edited_few_shot_cache_is_rebuilt(pets_root, edit):
 
 
 def test_few_shot_cache_of_a_changed_split_is_rebuilt(pets_root):
-    load_dataset("oxford_pets", pets_root, num_shots=2)
+    cached_load("oxford_pets", pets_root, num_shots=2)
     split_path = pets_root / "oxford_pets" / "split_zhou_OxfordPets.json"
     split = json.loads(split_path.read_text())
     split["train"] = split["train"][1:]  # the split changed under the cache
     split_path.write_text(json.dumps(split))
     with pytest.warns(DatasetWarning, match="different split"):
-        result = load_dataset("oxford_pets", pets_root, num_shots=2)
-    every_train = {item.path for item in load_dataset("oxford_pets", pets_root).train}
+        result = cached_load("oxford_pets", pets_root, num_shots=2)
+    every_train = {item.path for item in cached_load("oxford_pets", pets_root).train}
     assert {item.path for item in result.train} <= every_train
 
 
 def test_imagenet_few_shot_samples_train_only_and_caches_it(imagenet_root):
-    result = load_dataset("imagenet", imagenet_root, num_shots=3, seed=1)
+    result = cached_load("imagenet", imagenet_root, num_shots=3, seed=1)
     assert labels_of(result.train) == {label: 3 for label in range(5)}
     assert result.val == result.test and len(result.test) == 10
     stored = json.loads((imagenet_root / "imagenet" / "split_fewshot" / "shot_3-seed_1.json").read_text())
@@ -562,7 +578,7 @@ def test_a_folder_that_cannot_be_listed_is_one_line_naming_it(imagenet_root, mon
 
     monkeypatch.setattr(os, "scandir", refusing_scandir)
     with pytest.raises(DatasetError) as error:
-        load_dataset("imagenet", imagenet_root)
+        cached_load("imagenet", imagenet_root)
     assert_one_line_naming(error, f"{blocked}: cannot list this folder (Permission denied)")
 
 
@@ -580,46 +596,48 @@ def test_the_split_fingerprint_is_the_one_existing_caches_hold(pets_root, imagen
     parts = {"train": listing.train, **({} if listing.val is None else {"val": listing.val})}
     assert len(parts) == (2 if name == "oxford_pets" else 1)  # ImageNet: no validation split of its own
     for chunk in (7, 10, 10_000):  # hashed a chunk of entries at a time: boundaries inside both lists
-        assert data._fingerprint_of_items(parts, listing.dataset_dir, chunk) == fingerprint_as_before(
+        assert splitfiles._fingerprint_of_items(parts, listing.dataset_dir, chunk) == fingerprint_as_before(
             parts, listing.dataset_dir)
 
 
 def test_one_listing_serves_every_subset_and_draw_and_is_fingerprinted_once(pets_root, monkeypatch):
     lines, readings, fingerprints = [], [], []
-    reader, fingerprint = data.READERS["split_json"], data._fingerprint_of_items
+    reader, fingerprint = data.READERS["split_json"], splitfiles._fingerprint_of_items
 
     def counted_reader(*args):
         readings.append(len(lines))  # how many lines were out when the reading began
         return reader(*args)
 
     monkeypatch.setitem(data.READERS, "split_json", counted_reader)
-    monkeypatch.setattr(data, "_fingerprint_of_items", lambda *a: fingerprints.append(a) or fingerprint(*a))
-    listing = data.read_listing("oxford_pets", pets_root, log=lines.append)
+    monkeypatch.setattr(splitfiles, "_fingerprint_of_items", lambda *a: fingerprints.append(a) or fingerprint(*a))
+    listing = splitfiles.read_listing("oxford_pets", pets_root, log=lines.append)
+    draw = functools.partial(splitfiles.cached_draw, log=lines.append)
     selections = [{}, dict(subsample="base"), dict(subsample="new"), dict(num_shots=2, seed=1),
                   dict(num_shots=2, seed=2, subsample="base"), dict(num_shots=4, seed=1, subsample="novel")]
-    splits = [data.splits_from(listing, log=lines.append, **selection) for selection in selections]
+    splits = [data.splits_from(listing, draw=draw, **selection) for selection in selections]
     assert readings == [1] and len(fingerprints) == 1  # read once, after a line saying so; hashed once
     assert lines[0] == f"oxford_pets: reading {pets_root / 'oxford_pets'} (every image listed and checked)"
     assert re.fullmatch(r"oxford_pets: 40 train \+ 30 val \+ 10 test images, 5 classes, read in \d+\.\d s", lines[1])
     assert re.fullmatch(r"oxford_pets: 70 train \+ val images grouped by class and fingerprinted for the "
                         r"few-shot cache in \d+\.\d s", lines[2]) and len(lines) == 3
     for selection, split in zip(selections, splits):  # what a reading of its own would give
-        assert split == load_dataset("oxford_pets", pets_root, **selection), selection
+        assert split == cached_load("oxford_pets", pets_root, **selection), selection
 
 
 def test_the_draws_hold_nothing_of_the_listing(imagenet_root):
     """A run keeps its draws to its end and lets the listing go (ImageNet: 1.3M Items, 250 MB):
-    no drawn item, nor its path, is one of the listing's own objects."""
+    no item train.py draws (through the cache), nor its path, is one of the listing's own
+    objects."""
     listing = data.read_listing("imagenet", imagenet_root)
     listed = {id(item) for item in listing.train} | {id(item.path) for item in listing.train}
     for _ in ("drawn", "read from the cache"):
-        drawn = data.splits_from(listing, num_shots=2, seed=1).train
+        drawn = data.splits_from(listing, num_shots=2, seed=1, draw=splitfiles.cached_draw).train
         assert len(drawn) == 10 and not listed & ({id(i) for i in drawn} | {id(i.path) for i in drawn})
 
 
 @pytest.mark.parametrize("change", ["add", "remove", "rename"])
 def test_a_changed_imagenet_class_folder_redraws_the_few_shot_cache(imagenet_root, change):
-    load_dataset("imagenet", imagenet_root, num_shots=3, seed=1)
+    cached_load("imagenet", imagenet_root, num_shots=3, seed=1)
     folder = imagenet_root / "imagenet" / "images" / "train" / IMAGENET_CLASSES[1][0]
     image = sorted(folder.iterdir())[0]
     if change == "add":
@@ -629,8 +647,8 @@ def test_a_changed_imagenet_class_folder_redraws_the_few_shot_cache(imagenet_roo
     else:  # the same count per class: only the names tell
         image.rename(folder / "n01443537_renamed.JPEG")
     with pytest.warns(DatasetWarning, match="drawn from a different split"):
-        redrawn = load_dataset("imagenet", imagenet_root, num_shots=3, seed=1)
-    assert {item.path for item in redrawn.train} <= {item.path for item in load_dataset("imagenet", imagenet_root).train}
+        redrawn = cached_load("imagenet", imagenet_root, num_shots=3, seed=1)
+    assert {item.path for item in redrawn.train} <= {item.path for item in cached_load("imagenet", imagenet_root).train}
     assert labels_of(redrawn.train) == {label: 3 for label in range(5)}
 
 
@@ -1049,9 +1067,9 @@ def test_few_shot_draws_equal_dassls_on_the_real_split_files(filename):
     classnames = data._classnames_from_items(full["train"] + full["val"] + full["test"], filename)
     for num_shots in (1, 4, 16):
         for seed in (1, 2, 3):
-            rng = random.Random(seed)  # as data.few_shot_splits: one stream, train then val
-            train = data.sample_few_shot(full["train"], num_shots, rng)
-            val = data.sample_few_shot(full["val"], min(num_shots, 4), rng)
+            listing = data.Listing(data.get_spec("dtd"), root, full["train"], full["val"], full["test"],
+                                   classnames)
+            train, val = data.draw_few_shot(listing, num_shots, seed).values()
             for subsample in ("all", "base", "new"):
                 _, (kept_train, kept_val) = data.subsample_classes(classnames, [train, val], subsample)
                 expected = coop_draw(split, num_shots, seed, subsample)
@@ -1071,12 +1089,12 @@ def write_image_folder(folder: Path, counts: dict) -> Path:
     return folder
 
 
-def test_image_folder_is_split_50_20_30_per_class_and_written_as_a_coop_split(tmp_path):
+def test_image_folder_is_split_50_20_30_per_class_and_written_as_a_coop_split(tmp_path, monkeypatch):
     folder = write_image_folder(tmp_path / "my_things", {"red_ball": 10, "cube": 7, "cone": 4})
     (folder / "cube" / "notes.txt").write_text("not an image")
     (folder / "cube" / "readme.md").write_text("not an image")
     with pytest.warns(DatasetWarning, match=r"my_things: skipped 2 non-image files"):
-        spec = data.own_dataset(str(folder))
+        spec = splitfiles.own_dataset(str(folder))
     assert (spec.name, spec.template) == ("my_things", "a photo of a {}.")
     assert not (folder / "split_my_things.json").exists()  # checked, not yet written
     result = load_dataset("my_things", None)
@@ -1087,7 +1105,7 @@ def test_image_folder_is_split_50_20_30_per_class_and_written_as_a_coop_split(tm
     written = json.loads((folder / "split_my_things.json").read_text())
     # CoOp's read_and_split_data (datasets/dtd.py) in our words: per sorted class folder, its
     # images shuffled, then round(50%) train, round(20%) val, the rest test; one fixed seed.
-    rng, expected = random.Random(data.OWN_SPLIT_SEED), {"train": [], "val": [], "test": []}
+    rng, expected = random.Random(splitfiles.OWN_SPLIT_SEED), {"train": [], "val": [], "test": []}
     for label, name in enumerate(["cone", "cube", "red_ball"]):
         images = sorted(p.name for p in (folder / name).glob("*.png"))
         rng.shuffle(images)
@@ -1102,20 +1120,23 @@ def test_image_folder_is_split_50_20_30_per_class_and_written_as_a_coop_split(tm
     # The file is the split from now on: an edit is what the next call reads.
     written["test"].append(written["train"].pop(0))
     (folder / "split_my_things.json").write_text(json.dumps(written))
-    data.own_dataset(str(folder))
+    splitfiles.own_dataset(str(folder))
     edited = load_dataset("my_things", None)
     assert len(edited.train) == 10 and len(edited.test) == 7
 
-    # Few-shot on it: cached in split_fewshot/, which is never taken for a class folder.
+    # Few-shot on it: cached in the project's cache; the folder holds the split file alone.
     (folder / "split_my_things.json").unlink()
     with pytest.warns(DatasetWarning, match="skipped 2"):
-        data.own_dataset(str(folder))
-    few = load_dataset("my_things", None, num_shots=2, seed=1)
-    assert (folder / "split_fewshot" / "shot_2-seed_1.json").is_file()
+        splitfiles.own_dataset(str(folder))
+    monkeypatch.setenv("CLIP_CACHE_DIR", str(tmp_path / "cache"))
+    before = sorted(folder.rglob("*"))
+    few = cached_load("my_things", None, num_shots=2, seed=1)
+    assert sorted(folder.rglob("*")) == sorted(before + [folder / "split_my_things.json"])
+    assert [p.name for p in (tmp_path / "cache" / "fewshot").rglob("*.json")] == ["shot_2-seed_1.json"]
     assert labels_of(few.train) == {0: 2, 1: 2, 2: 2}
     (folder / "split_my_things.json").unlink()
     with pytest.warns(DatasetWarning, match="skipped 2"):
-        data.own_dataset(str(folder))
+        splitfiles.own_dataset(str(folder))
     assert load_dataset("my_things", None) == result  # the same fixed seed draws the same split
 
 
@@ -1128,7 +1149,7 @@ def test_split_file_paths_are_relative_to_its_folder(tmp_path):
             write_image(folder / relative)
             split[part].append([relative, label, name])
     (folder / "labels.json").write_text(json.dumps(split))
-    spec = data.own_dataset(str(folder / "labels.json"))
+    spec = splitfiles.own_dataset(str(folder / "labels.json"))
     result = load_dataset(spec.name, "/nowhere")  # the root is not used for your own data
     assert (result.name, result.classnames) == ("field_photos", ["oak leaf", "pine"])
     assert result.train[0].path == str(folder / "pictures" / "oak_leaf" / "train.jpg")
@@ -1137,24 +1158,24 @@ def test_split_file_paths_are_relative_to_its_folder(tmp_path):
 def test_read_only_data_folder_writes_the_split_to_the_fallback_folder(tmp_path, monkeypatch):
     folder = write_image_folder(tmp_path / "ro_data", {"a": 4, "b": 4})
     fallback = tmp_path / "run" / "ro_data"
-    real_write = data._write_json_atomically
+    real_write = splitfiles._write_json_atomically
 
     def read_only(path, header, lists):
         if Path(path).parent == folder:
             raise PermissionError(13, "Permission denied", str(path))
         real_write(path, header, lists)
 
-    monkeypatch.setattr(data, "_write_json_atomically", read_only)
-    data.own_dataset(str(folder), split_fallback_dir=str(fallback))
+    monkeypatch.setattr(splitfiles, "_write_json_atomically", read_only)
+    splitfiles.own_dataset(str(folder), split_fallback_dir=str(fallback))
     with pytest.warns(DatasetWarning, match=r"split_ro_data\.json: cannot write the split file \(Permission denied\); wrote it to .*run"):
         first = load_dataset("ro_data", None)
     assert (fallback / "split_ro_data.json").is_file() and not (folder / "split_ro_data.json").exists()
     stored = json.loads((fallback / "split_ro_data.json").read_text())
     stored["val"], stored["test"] = stored["test"], stored["val"]  # the fallback copy is the one read
     (fallback / "split_ro_data.json").write_text(json.dumps(stored))
-    data.own_dataset(str(folder), split_fallback_dir=str(fallback))
+    splitfiles.own_dataset(str(folder), split_fallback_dir=str(fallback))
     assert load_dataset("ro_data", None).val == first.test
-    data.own_dataset(str(folder))  # no fallback (python data.py): the same split, drawn again, unwritten
+    splitfiles.own_dataset(str(folder))  # no fallback: the same split, drawn again, unwritten
     with pytest.warns(DatasetWarning, match="the same split is drawn again on each call"):
         assert load_dataset("ro_data", None) == first
 
@@ -1183,7 +1204,7 @@ def test_bad_image_folder_is_a_one_line_error_naming_it_and_writes_nothing(tmp_p
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DatasetWarning)
         with pytest.raises(DatasetError) as error:
-            data.own_dataset(str(folder))
+            splitfiles.own_dataset(str(folder))
     assert_one_line_naming(error, message)
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written
     assert "bad" not in data.DATASETS
@@ -1196,28 +1217,15 @@ def test_own_split_file_leaving_its_folder_or_named_like_a_benchmark_is_refused(
     (folder).mkdir()
     (folder / "split.json").write_text(json.dumps({"train": entries[:1], "val": [], "test": entries[1:]}))
     with pytest.raises(DatasetError) as error:
-        data.own_dataset(str(folder / "split.json"))
+        splitfiles.own_dataset(str(folder / "split.json"))
     assert_one_line_naming(error, "'../outside.jpg' leaves the image folder")
     write_image_folder(tmp_path / "dtd", {"a": 4, "b": 4})
     with pytest.raises(DatasetError) as error:
-        data.own_dataset(str(tmp_path / "dtd"))
+        splitfiles.own_dataset(str(tmp_path / "dtd"))
     assert_one_line_naming(error, "its name 'dtd' is that of a benchmark; rename the folder")
     with pytest.raises(DatasetError) as error:
-        data.own_dataset(str(tmp_path / "nowhere"))
+        splitfiles.own_dataset(str(tmp_path / "nowhere"))
     assert_one_line_naming(error, "nowhere: not found")
-
-
-def test_command_line_shows_your_own_data_and_refuses_a_bad_folder_in_one_line(tmp_path):
-    folder = write_image_folder(tmp_path / "my_photos", {"sea_lion": 5, "seal": 5})
-    run = subprocess.run([sys.executable, str(REPO / "data.py"), "--dataset", str(folder)],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    assert "my_photos" in run.stdout and "classes   2: sea lion, seal" in run.stdout
-    assert "'a photo of a {}.'" in run.stdout and (folder / "split_my_photos.json").is_file()
-    (tmp_path / "one" / "only").mkdir(parents=True)
-    run = subprocess.run([sys.executable, str(REPO / "data.py"), "--dataset", str(tmp_path / "one")],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "expected at least two" in run.stderr
 
 
 def photo_items(folder: Path, count: int = 6) -> list:
@@ -1237,23 +1245,27 @@ def photo_items(folder: Path, count: int = 6) -> list:
 def test_images_decoded_once_are_the_test_transforms_bit_for_bit_and_augment_as_seeded(tmp_path):
     """DecodedImages without augmentation gives test_transform's tensors exactly (the toy world's
     numbers do not move); with it, random resized crops of the kept picture, seeded per image,
-    epoch and seed as ImageDataset's, the same whether 0 or 2 processes decoded."""
+    epoch and seed as ImageDataset's, the same whether 0 or 2 processes decoded; every image in
+    one uint8 buffer."""
     items = photo_items(tmp_path)
     plain = data.ImageDataset(items, data.test_transform(32))
-    kept = data.DecodedImages(items, 32, augment=False)
+    kept = imagecache.DecodedImages(items, 32, augment=False)
     for index in range(len(items)):
         assert torch.equal(kept[index][0], plain[index][0]) and kept[index][1] == items[index].label
-    assert kept.images[0].dtype == torch.uint8 and kept.images[0].shape == (3, 32, 32)
-    augmented = data.DecodedImages(items, 32, augment=True, seed=1)
-    assert [min(image.shape[1:]) for image in augmented.images] == [round(32 * 8 / 7)] * len(items)
+    assert kept.buffer.dtype == torch.uint8 and kept.buffer.shape == (len(items) * 3 * 32 * 32,)
+    assert kept.image(1).shape == (3, 32, 32)
+    augmented = imagecache.DecodedImages(items, 32, augment=True, seed=1)
+    kept_images = [augmented.image(index) for index in range(len(items))]
+    assert [min(image.shape[1:]) for image in kept_images] == [round(32 * 8 / 7)] * len(items)
+    assert augmented.buffer.numel() == sum(image.numel() for image in kept_images)
     first, again, other = augmented[0][0], augmented[0][0], augmented[1][0]
     assert first.shape == (3, 32, 32) and torch.equal(first, again) and not torch.equal(first, other)
-    augmented.set_epoch(1)
-    assert not torch.equal(augmented[0][0], first)
-    by_workers = data.DecodedImages(items, 32, augment=True, seed=1, workers=2)
-    assert all(torch.equal(a, b) for a, b in zip(by_workers.images, augmented.images))
+    assert torch.equal(augmented[(0, 0)][0], first) and not torch.equal(augmented[(1, 0)][0], first)
+    by_workers = imagecache.DecodedImages(items, 32, augment=True, seed=1, workers=2)
+    assert torch.equal(by_workers.buffer, augmented.buffer)
+    assert torch.equal(by_workers.shapes, augmented.shapes)
     # copied out of the loading processes' shared memory: thousands would fill /dev/shm
-    assert not any(image.is_shared() for image in by_workers.images)
+    assert not by_workers.buffer.is_shared()
     # Normalised as CLIP expects: the same statistics as the plain train transform's tensors.
     assert abs(float(augmented[2][0].mean()) - float(data.ImageDataset(
         items, data.train_transform(32), seed=1)[2][0].mean())) < 0.3

@@ -545,7 +545,7 @@ def epoch_batches(loader, job, settings, epoch: int):
     """-> (the epoch's batches, the images' indices in their order)."""
     optimizer = types.SimpleNamespace(param_groups=[{}])
     train.start_epoch(epoch, job, settings, loader, optimizer)
-    return list(loader), list(loader.sampler)
+    return list(loader), [index for _, index in loader.sampler]  # the sampler's (epoch, index)
 
 
 @pytest.mark.parametrize("image_cache", [False, True])
@@ -568,19 +568,20 @@ def test_training_batches_are_bitwise_the_same_at_0_and_2_workers(world, image_c
 
 def test_the_loaders_fit_the_cores_and_a_small_dev_shm_without_dying(world, monkeypatch):
     """One process per core but one on a GPU (none on the CPU), and the batches in flight held to
-    half of /dev/shm's free space: with the common 64 MB /dev/shm, ViT-B/16's training batch of
-    32 (19 MB) keeps 1 worker x 1 batch and the evaluation batch of 64 (39 MB) none, said in a
-    line; a typed --workers too."""
+    half of /dev/shm's free space, a lone batch to all of it: with the common 64 MB /dev/shm,
+    ViT-B/16's training batch of 32 (18 MB) and evaluation batch of 64 (37 MB) keep one worker
+    with one batch each, said in a line; a typed --workers too."""
     gpu = devices.Runtime(torch.device("cuda", 0))
     said = []
     monkeypatch.setattr(devices.Runtime, "log", lambda self, line: said.append(line))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setattr(devices, "usable_cpus", lambda: 16)
     monkeypatch.setattr(devices, "shared_memory_free", lambda: 64 * 2**20)
     settings = dict(workers=None, batch_size=32, eval_batch_size=64)
-    assert devices.loader_plan(settings, gpu, 224) == dict(train=(1, 1), eval=(0, 1))
-    assert said == ["loader: train 1 workers x 1 batch of 18 MB, eval 0 workers x 1 batch of "
+    assert devices.loader_plan(settings, gpu, 224) == dict(train=(1, 1), eval=(1, 1))
+    assert said == ["loader: train 1 workers x 1 batch of 18 MB, eval 1 workers x 1 batch of "
                     "37 MB in flight, fewer than asked: /dev/shm has 64 MB free, and they may "
-                    "fill half of it"]
+                    "fill half of it (a lone batch: all of it)"]
     monkeypatch.setattr(devices, "shared_memory_free", lambda: 64 * 2**30)  # room for everything
     said.clear()
     assert devices.loader_plan(settings, gpu, 224) == dict(train=(15, 2), eval=(15, 2))
@@ -592,6 +593,88 @@ def test_the_loaders_fit_the_cores_and_a_small_dev_shm_without_dying(world, monk
     assert devices.loader_plan(dict(settings, workers=2, batch_size=4), cpu, 32)["train"] == (2, 1)
 
 
+def test_the_loader_plan_is_per_node_eight_processes_share_its_cores_and_dev_shm(monkeypatch):
+    """torchrun's 8 processes on a node of 96 cores and 2 GB of /dev/shm: each plans for its
+    eighth, so that together they start no more workers than the cores and fill at most half of
+    /dev/shm (each alone used to plan 16 workers x 2 batches: 128 workers, 4.7 GB); with 64 MB,
+    a batch fits no process's 8 MB: the main processes load, and the line says why."""
+    gpu, said = devices.Runtime(torch.device("cuda", 0)), []
+    monkeypatch.setattr(devices.Runtime, "log", lambda self, line: said.append(line))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(devices, "usable_cpus", lambda: 96)
+    monkeypatch.setattr(devices, "shared_memory_free", lambda: 2 * 2**30)
+    settings = dict(workers=None, batch_size=32, eval_batch_size=64)
+    plan = devices.loader_plan(settings, gpu, 224)
+    for name, batch in (("train", 32), ("eval", 64)):
+        workers, in_flight = plan[name]
+        assert 1 <= workers and 8 * (workers + 1) <= 96, plan  # a core each, main processes too
+        assert 8 * workers * in_flight * batch * 3 * 224 * 224 * 4 <= 2**30, plan
+    assert plan == dict(train=(6, 1), eval=(3, 1))
+    assert said[-1].endswith("/dev/shm has 2048 MB free, 256 MB for each of this node's 8 "
+                             "processes, and they may fill half of it (a lone batch: all of it)")
+    monkeypatch.setattr(devices, "shared_memory_free", lambda: 64 * 2**20)
+    assert devices.loader_plan(settings, gpu, 224) == dict(train=(0, 1), eval=(0, 1))
+    assert said[-1] == ("loader: train 0 workers x 1 batch of 18 MB (one batch is more than all "
+                        "of it: the main process loads), eval 0 workers x 1 batch of 37 MB (one "
+                        "batch is more than all of it: the main process loads) in flight, fewer "
+                        "than asked: /dev/shm has 64 MB free, 8 MB for each of this node's 8 "
+                        "processes, and they may fill half of it (a lone batch: all of it)")
+
+
+FORKSERVER_LOADER = """
+import multiprocessing, os, resource, sys, types
+sys.path.insert(0, {repo!r})
+import torch
+from PIL import Image
+import data, train
+from harness import devices, plan
+
+if __name__ == "__main__":  # forkserver's workers import this file again
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, limit))
+    multiprocessing.set_start_method("forkserver")  # Python 3.14's default on Linux
+    multiprocessing.set_forkserver_preload(["train"])  # each worker starts with torch imported
+    devices.LOADER_START = "forkserver"  # then the dataset is pickled to each worker
+    items = []
+    for index in range({images}):
+        path = os.path.join({folder!r}, f"{{index}}.png")
+        Image.new("RGB", (6, 6), (index % 256, 7, 9)).save(path)
+        items.append(data.Item(path, index % 3, "class"))
+    split = types.SimpleNamespace(train=items)
+    settings = dict(augment=True, batch_size=500, image_cache=True)
+    runtime = devices.Runtime(torch.device("cpu"), loaders=dict(train=(2, 1), eval=(0, 2)))
+    clip = types.SimpleNamespace(visual=types.SimpleNamespace(input_resolution=8))
+    job = plan.Job("dtd", "dear", "analyse", 1, 4, "")
+    loader = train.training_loader(job, settings, split, clip, runtime)
+    for epoch in (0, 1):
+        loader.sampler.set_epoch(epoch)
+        print(epoch, sum(len(labels) for _, labels in loader), flush=True)
+"""
+
+
+def test_decoded_images_reach_forkserver_workers_under_an_open_file_limit_of_1024(tmp_path):
+    """3,000 decoded images, the training loader's 2 workers started by forkserver (which pickles
+    the dataset to each, in shared memory), `ulimit -n 1024`: two epochs load every image. One
+    buffer is one shared-memory file, where one tensor per image was 3,000 ("Too many open
+    files")."""
+    script = tmp_path / "loader.py"
+    script.write_text(FORKSERVER_LOADER.format(repo=str(REPO), images=3000, folder=str(tmp_path)))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == ["0 3000", "1 3000"]
+
+
+def test_evaluation_loaders_pin_memory_on_cuda_and_every_loader_keeps_its_workers():
+    """pin_memory follows the device, evaluation's loaders too (they were never pinned); workers
+    start as devices.LOADER_START says and live across epochs."""
+    for device, pinned in ((torch.device("cuda", 0), True), (torch.device("cpu"), False)):
+        runtime = devices.Runtime(device, loaders=dict(train=(2, 1), eval=(2, 1)))
+        loader = devices.loader_of([], dict(eval_batch_size=4), 32, runtime)
+        assert loader.pin_memory == pinned and loader.persistent_workers
+        assert loader.multiprocessing_context.get_start_method() == devices.LOADER_START
+
+
 def test_each_image_draws_its_own_augmentation_from_seed_epoch_and_index(world):
     """One file at two indices: two crops; the same index again: the same crop; another epoch or
     seed: another crop; torch's global generator left as it was."""
@@ -601,9 +684,8 @@ def test_each_image_draws_its_own_augmentation_from_seed_epoch_and_index(world):
     first, again, other = dataset[0][0], dataset[0][0], dataset[1][0]
     assert torch.equal(torch.get_rng_state(), before)
     assert torch.equal(first, again) and not torch.equal(first, other)
-    dataset.set_epoch(1)
-    assert not torch.equal(dataset[0][0], first)
-    dataset.set_epoch(0)
+    assert torch.equal(dataset[(0, 0)][0], first)  # (epoch, index), as EpochSampler asks
+    assert not torch.equal(dataset[(1, 0)][0], first)
     dataset.seed = 2
     assert not torch.equal(dataset[0][0], first)
 

@@ -1296,6 +1296,7 @@ def test_own_data_offline_names_the_flags_that_give_the_files_and_the_toy_clip_s
                          "toyworld/assets/full/bpe.txt.gz"), line
     toy = REPO / "toyworld" / "assets" / "full"
     capsys.readouterr()
+    before = set(folder.rglob("*"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert train.main(["--dataset", str(folder), "--output", str(out), "--weights",
@@ -1306,6 +1307,10 @@ def test_own_data_offline_names_the_flags_that_give_the_files_and_the_toy_clip_s
                      "class has fewer than 4 images (2 each); each draw repeats some to make the "
                      "shots, as Dassl does"], shots
     assert (out / "summary.md").is_file()
+    # The folder holds what the README says: its images and the split file; the few-shot draw is
+    # cached with the rest, in the project's cache.
+    assert set(folder.rglob("*")) - before <= {folder / "split_my_textures.json"}
+    assert len(list((tmp_path / "empty-cache" / "fewshot").glob("my_textures-*/shot_16-seed_1.json"))) == 1
 
 
 def test_own_image_folder_runs_base2novel_end_to_end_and_eval_only_reproduces_it(world, own_data, tmp_path):

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 import clip_model
-from harness import runfolder
+from harness import cli, runfolder
 import data
 import dear
 import toyworld
@@ -76,7 +76,7 @@ def path_problem(args) -> Optional[str]:
 
 
 def main(argv=None) -> int:
-    parser = data.OneLineParser(prog="python -m toyworld", description="Prepare the toy world and show what was made.")
+    parser = cli.OneLineParser(prog="python -m toyworld", description="Prepare the toy world and show what was made.")
     parser.add_argument("--scale", default="full", choices=sorted(toyworld.SCALES), help="which size of world")
     parser.add_argument("--cache-dir", default=None, help="cache root (default: $CLIP_CACHE_DIR or ~/.cache/clip-from-scratch)")
     parser.add_argument("--grid", default=None, help="write a PNG grid of sample images with captions here")
