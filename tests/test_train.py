@@ -739,6 +739,52 @@ def test_torchrun_with_two_processes_trains_and_writes_one_result(world, tmp_pat
     assert not list(out.rglob(".tmp-*"))  # no half-written file left behind
 
 
+# rank 1's loss NaN at its 2nd step, under fp16 (simulated): the other processes see only DDP's
+# averaged gradients, non-finite, which their loss scaler would skip
+NAN_ON_RANK_1 = """
+import dataclasses, os, sys, torch
+import train
+from harness import devices
+
+real_runtime, real_loss, calls = devices.setup_runtime, train.dear.dear_loss, []
+devices.setup_runtime = lambda settings: dataclasses.replace(
+    real_runtime(settings), amp_dtype=torch.float16, precision="fp16 (simulated on the CPU)")
+
+def loss(output, labels, *args, **kwargs):
+    losses = real_loss(output, labels, *args, **kwargs)
+    calls.append(1)
+    if os.environ["RANK"] == "1" and len(calls) == 2:
+        losses["total"] = losses["total"] * float("nan")
+    return losses
+
+train.dear.dear_loss = loss
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def test_torchrun_processes_stop_a_run_together_when_one_has_a_nan(world, tmp_path):
+    """Two processes (gloo), a NaN loss on rank 1 alone: the guard's state is reduced over the
+    processes at each read, so both stop seed 1 at the same step, one line says so, and both go
+    on to seed 2 (no collective left waiting for a process that stopped)."""
+    out, script = tmp_path / "ddp", tmp_path / "nan_on_rank_1.py"
+    script.write_text(NAN_ON_RANK_1)
+    args = common(world, out, "--dataset", "dtd", "--seeds", "1", "2", "--method", "dear",
+                  "--roles", "all-mixed", "--shots", "4", "--augment", "off",
+                  "--batch-size", "2")  # 12 images: 3 steps per process and epoch
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = subprocess.run([*torchrun, str(script), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1",
+                                                           PYTHONPATH=str(REPO)))
+    assert done.returncode == 1, done.stderr[-3000:]
+    said = [line for line in done.stdout.splitlines() if line.startswith("train.py: [")]
+    assert len(said) == 1 and said[0].startswith(
+        "train.py: [dtd / dear-all-mixed / seed 1] diverged at epoch 1, step 2: loss (total) not "
+        "finite (fp16, "), done.stdout
+    assert done.stderr.count("train.py: 1 of 2 runs diverged (above)") == 1, done.stderr[-3000:]
+    assert (out / "dtd/dear-all-mixed/seed2/results.json").is_file()
+    assert not (out / "dtd/dear-all-mixed/seed1/results.json").exists()
+
+
 # ------------------------------------------------------------------------------------------
 # Bad input: one line on stderr, exit status 2, no run folder
 # ------------------------------------------------------------------------------------------
@@ -1975,6 +2021,49 @@ def test_fp16s_skips_in_a_row_and_a_collapsed_scale_stop_the_run(
     assert fp16_run(world, tmp_path / "run", monkeypatch, poisoned, epochs=30) == 1
     line = next(l for l in capsys.readouterr().out.splitlines() if "diverged" in l)
     assert f": {said} (fp16, " in line
+
+
+def test_a_training_step_waits_on_the_device_only_at_the_progress_read(
+        world, tmp_path, monkeypatch):
+    """Host syncs counted in the training steps, under fp16 (simulated, its scaler on) and the
+    branch-ce row: each call from the project's code or torch's GradScaler that makes the host
+    wait on a GPU (.item(), .tolist(), .nonzero(), bool/float/int of a tensor, .cpu(), a blocking
+    copy to a device). Only the guard's read every --log-every steps and at each epoch's end may
+    sync: no scaler step reading found_inf (a plain AdamW's), no blocking label copy, no
+    nonzero() of the branches in the fusion."""
+    from test_devices import simulated
+
+    ours = (str(REPO / "train.py"), str(REPO / "dear.py"), str(REPO / "clip_model.py"),
+            str(REPO / "harness"), os.path.join("torch", "amp", "grad_scaler.py"))
+    syncs, counting = [], [False]
+
+    def counted(name, real):
+        def call(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            copy = name != "to" or (not kwargs.get("non_blocking") and any(
+                isinstance(a, (torch.device, str)) for a in (*args, kwargs.get("device"))))
+            if counting[0] and copy and any(caller.startswith(p) or p in caller for p in ours):
+                syncs.append(f"{name} from {os.path.basename(caller)}")
+            return real(self, *args, **kwargs)
+        return call
+
+    for name in ("item", "tolist", "nonzero", "__bool__", "__float__", "__int__", "cpu", "to"):
+        monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+    real_epoch, steps = monitor.Progress.epoch, []
+
+    def epoch(self, *args):  # counting inside the loop's body alone: the step and its read
+        for step, batch in real_epoch(self, *args):
+            counting[0] = True
+            yield step, batch
+            counting[0] = False
+            steps.append(step)
+    monkeypatch.setattr(monitor.Progress, "epoch", epoch)
+    simulated(monkeypatch, torch.float16)
+    assert train.main(common(world, tmp_path / "run", "--dataset", "dtd", "--method", "dear",
+                             "--ablations", "branch-ce", "--seeds", "1", "--shots", "4",
+                             "--augment", "off")) == 0
+    # 2 runs x 2 epochs x 3 steps; --log-every 2: a read at steps 2 and 3 of each epoch
+    assert len(steps) == 12 and syncs == ["tolist from monitor.py"] * 8, syncs
 
 
 def test_each_run_keeps_its_log_metrics_and_curves_across_a_resume_and_eval_only(
