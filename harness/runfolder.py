@@ -304,6 +304,19 @@ def save_checkpoint(path: str, settings: dict, epoch: int, model, optimizer, sca
     clip_model.atomic_write(path, write)  # a run killed mid-save keeps the previous epoch's
 
 
+def load_optimizer_state(optimizer, state: dict) -> None:
+    """The saved AdamW moments into this call's AdamW, fused or not as this call chose
+    (devices.fused_optimizer: the device or precision may change on --resume); a fused one keeps
+    its step counts on the parameters' device."""
+    fused = [group["fused"] for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)  # it also loads the saved run's choice: undone below
+    for group, chosen in zip(optimizer.param_groups, fused):
+        group["fused"] = chosen
+        for p in group["params"] if chosen else []:
+            if "step" in optimizer.state[p]:
+                optimizer.state[p]["step"] = optimizer.state[p]["step"].to(p.device, torch.float32)
+
+
 def resume_checkpoint(job: Job, settings, model, optimizer, scaler, runtime: Runtime) -> int:
     """--resume: the run's last checkpoint loaded (the tokens, the optimizer's moments, the
     scaler) -> the epoch it ends (0: none saved yet)."""
@@ -313,7 +326,7 @@ def resume_checkpoint(job: Job, settings, model, optimizer, scaler, runtime: Run
     if checkpoint is None:
         return 0
     model.load_learnable_state_dict(checkpoint["learnable"])
-    optimizer.load_state_dict(checkpoint["optimizer"])
+    load_optimizer_state(optimizer, checkpoint["optimizer"])
     # the precision may have changed (--amp, another GPU): a fresh scaler where none was saved;
     # after a divergence a fresh one too (a collapsed scale would take 2,000 steps a doubling)
     diverged = os.path.isfile(os.path.join(job.folder, DIVERGED_FILE))
