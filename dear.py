@@ -652,6 +652,7 @@ class DeAROutput:
     text_features: torch.Tensor  # (C, E) t_c, shared by every branch
     frozen_image_features: Optional[torch.Tensor] = None  # (B, E) plain CLIP (for L_reg)
     frozen_text_features: Optional[torch.Tensor] = None  # (C, E) plain CLIP (for L_reg)
+    fused_attributes: Optional[List[int]] = None  # the attribute branches in the fusion (1..A)
 
 
 class DeAR(nn.Module):
@@ -709,6 +710,8 @@ class DeAR(nn.Module):
         in_fusion = branches_in_fusion(self.attributes, self.blind_attributes,
                                        self.class_branch_only, first_layer)
         self.register_buffer("in_fusion", in_fusion, persistent=False)  # (1 + A,) bool
+        # listed once: branch-ce's loss reads them each step without a host sync
+        self.fused_attributes = (in_fusion[1:].nonzero().flatten() + 1).tolist()
 
     def learnable_tensors(self) -> Dict[str, nn.Parameter]:
         """{name: tensor} of everything that learns, as checkpoints hold them: the construction's
@@ -801,7 +804,8 @@ class DeAR(nn.Module):
         return DeAROutput(logits=logits, branch_logits=branch_logits, alpha=self.fusion_weights(),
                           image_features=features, text_features=t,
                           frozen_image_features=f_frozen,
-                          frozen_text_features=classes.frozen if with_frozen else None)
+                          frozen_text_features=classes.frozen if with_frozen else None,
+                          fused_attributes=self.fused_attributes)
 
     def fused_logits(self, features: torch.Tensor, text_features: torch.Tensor):
         """(B, 1 + A, E), (C, E) -> (fused (B, C), branches (B, 1 + A, C)): forward's, and
@@ -856,10 +860,9 @@ def branch_cross_entropy(output: DeAROutput, labels: torch.Tensor,
     with none in it, CE(class branch)."""
     branches = output.branch_logits.float()  # (B, 1 + A, C)
     class_term = F.cross_entropy(branches[:, 0], labels)
-    in_fusion = (output.alpha[1:] > 0).nonzero().flatten() + 1  # a branch left out has alpha 0
-    if len(in_fusion) == 0:
+    if not output.fused_attributes:  # a branch left out has alpha 0
         return class_term
-    rest = [F.cross_entropy(branches[:, k], labels) for k in in_fusion.tolist()]
+    rest = [F.cross_entropy(branches[:, k], labels) for k in output.fused_attributes]
     return class_weight * class_term + (1 - class_weight) * torch.stack(rest).mean()
 
 

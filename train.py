@@ -332,9 +332,10 @@ def train_job(job: plan.Job, settings, inputs: sources.Inputs, role_map: dear.Ro
     harness/runfolder.py's."""
     torch.manual_seed(job.seed)  # the learnable tokens' initialisation
     model = build_dear(settings, inputs, role_map, job.ablation).to(runtime.device)
-    # the tokens and fusion weights alone
+    # the tokens and fusion weights alone; fused where a step must not wait for the host
     optimizer = torch.optim.AdamW(model.learnable_parameters(), lr=settings["lr"],
-                                  weight_decay=settings["weight_decay"])
+                                  weight_decay=settings["weight_decay"],
+                                  fused=devices.fused_optimizer(runtime))
     # the loss scaler: fp16 only; bf16 needs none
     scaler = devices.grad_scaler(runtime.device, enabled=runtime.amp_dtype == torch.float16)
     # --resume: from the run's last checkpoint; the epochs [start, stop) of this call
@@ -353,19 +354,21 @@ def train_job(job: plan.Job, settings, inputs: sources.Inputs, role_map: dear.Ro
     lambda_fusion, branch_ce = change.lambda_fusion, change.branch_ce
     # the sums, the wait for data and the non-finite guard, read every --log-every steps
     progress = monitor.Progress(job, settings, runtime, model, scaler,
-                             steps=(stop - start) * len(loader), steps_per_epoch=len(loader))
+                             steps=(stop - start) * len(loader), steps_per_epoch=len(loader),
+                             kept=start)
     model.train()
     for epoch in range(start, stop):
         lr = start_epoch(epoch, job, settings, loader, optimizer)  # lr, order, seeds: epoch alone
         for step, (images, labels) in progress.epoch(epoch, loader):
             images = images.to(runtime.device, non_blocking=True)
-            labels = labels.to(runtime.device)
+            labels = labels.to(runtime.device, non_blocking=True)
             with devices.autocast(runtime):
                 output = network(images, classes, with_frozen=True)  # also frozen CLIP's, for L_reg
                 losses = dear.dear_loss(output, labels, lambda_reg, lambda_fusion, branch_ce)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(losses["total"]).backward()
-            scaler.step(optimizer)  # fp16: skipped where a gradient overflowed
+            scaler.unscale_(optimizer)  # the true gradients, for the guard's norm
+            scaler.step(optimizer)  # fp16: skipped where a gradient overflowed (fused: no sync)
             scaler.update()
             progress.step(step, lr, losses, output.logits, labels)  # a non-finite step: Diverged
         runfolder.end_epoch(job, settings, model, optimizer, scaler, progress, runtime)  # checkpoint
@@ -590,6 +593,8 @@ def run_job(job: plan.Job, settings, inputs: sources.Inputs, role_maps: dict, li
         # pictures in the run folder; the toy world's precision@10 in the result
         if model is not None:
             result["retrieval"] = checks.retrieval_check(model, job, settings, inputs, lists, runtime)
+        if model is not None and (fp16 := runfolder.fp16_record(job)):  # its skipped steps
+            result["fp16"] = fp16
         table = reports.job_table(job.label, result["metrics"])
         runfolder.write_text(os.path.join(job.folder, "results.md"), table)
         runfolder.write_json(results_path, result)  # last: its presence marks the run complete
@@ -682,6 +687,7 @@ def run(args) -> int:
                     result = run_job(job, settings, inputs, role_maps, lists, runtime)
                 except monitor.Diverged as stop:  # that run stops at its last finite checkpoint
                     runtime.log(f"train.py: {stop}")
+                    runfolder.mark_diverged(job, str(stop), runtime)  # --resume: a fresh scaler
                     diverged.append(dict(job=dataclasses.asdict(job), diverged=str(stop)))
                     continue
             if result is None:
@@ -693,8 +699,12 @@ def run(args) -> int:
         runtime.log(f"train.py: done in {devices.format_time(time.time() - started)}; tables in "
                     f"{os.path.join(settings['output'], 'summary.md')}")
     if diverged:  # the others finished; these continue from their last finite checkpoint
-        print(f"train.py: {len(diverged)} of {len(jobs)} runs diverged (above); the others' "
-              f"numbers are in the tables; continue with --resume", file=sys.stderr)
+        if runtime.main:  # as the line above it: once
+            print(f"train.py: {len(diverged)} of {len(jobs)} runs diverged (above); the others' "
+                  "numbers are in the tables; --resume as it was would diverge again: continue "
+                  f"with another --attention or --amp (python train.py --output "
+                  f"{settings['output']} --resume --attention explicit), or start again with a "
+                  "smaller --lr and another --output", file=sys.stderr)
         return 1
     return 0
 

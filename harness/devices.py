@@ -233,8 +233,13 @@ def sdpa_kernel_used(device: torch.device, dtype: Optional[torch.dtype],
     q, k, v, mask = case
     with warnings.catch_warnings():  # a backend that cannot run says why in a warning
         warnings.simplefilter("ignore")
-        with sdpa_backends(backends):
-            used = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        try:
+            with sdpa_backends(backends):
+                used = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        except RuntimeError:  # none of them runs here (torch: "No viable backend")
+            names = " or ".join(n for n, b in SDPA_BACKENDS.items() if b in (backends or []))
+            raise TrainError(f"--attention {names or 'sdpa'}: torch's fused kernel cannot run on "
+                             f"this {device.type}; use --attention auto, sdpa or explicit") from None
         for name, backend in SDPA_BACKENDS.items():
             try:
                 with sdpa_backends([backend]):
@@ -370,18 +375,30 @@ def autocast(runtime: Runtime):
     return torch.autocast(runtime.device.type, dtype=runtime.amp_dtype)  # choose_precision's
 
 
+def fused_optimizer(runtime: Runtime) -> bool:
+    """AdamW's fused kernel on CUDA and wherever fp16's loss scaler runs: the scaler then hands
+    it the step's overflow flag on the device, where a plain AdamW's step has the host read it
+    first (GradScaler.step's found_inf.item(): a host sync per step). The CPU's fp32 keeps torch's
+    default (the quick start's numbers)."""
+    return runtime.device.type == "cuda" or runtime.amp_dtype == torch.float16
+
+
 def grad_scaler(device: torch.device, enabled: bool):
     """fp16's loss scaler on the run's device (disabled: every call passes through); the CPU has
     one too (the tests run it enabled)."""
     return torch.amp.GradScaler(device.type, enabled=enabled)
 
 
-def load_scaler_state(scaler, state: dict, log: Callable[[str], None]) -> None:
+def load_scaler_state(scaler, state: dict, log: Callable[[str], None],
+                      diverged: bool = False) -> None:
     """A checkpoint's loss-scaler state into this call's scaler: the precision may change on
     --resume (--amp, another GPU). A run that had no scaler (bf16 or fp32 save {}) resumed in fp16
-    starts a fresh one; a saved scaler is left unused in bf16 or fp32. One line says which."""
+    starts a fresh one, as does a run that diverged (its state is not passed); a saved scaler is
+    left unused in bf16 or fp32. One line says which."""
     if scaler.is_enabled() and state:
         scaler.load_state_dict(state)
+    elif scaler.is_enabled() and diverged:
+        log(f"resumed in fp16 after a divergence: a fresh loss scaler ({scaler.get_scale():g})")
     elif scaler.is_enabled():
         log("resumed in fp16 from a run without a loss scaler (bf16 or fp32): a fresh scaler")
     elif state:

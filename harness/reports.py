@@ -179,6 +179,10 @@ def markdown(summary: dict, settings) -> str:
     lines += [f"Diverged (no number; --resume continues it from its last finite checkpoint): "
               f"{line}" for lines_of_row in diverged.values() for line in lines_of_row]
     lines += [""] if diverged else []
+    lines += [f"fp16's loss scaler, {label}: {r['skipped_steps']} of {r['steps']} steps skipped "
+              f"({100 * r['skipped_share']:.1f}%), final scale {r['loss_scale']:g}"
+              for label, r in summary.get("fp16", {}).items()]
+    lines += [""] if summary.get("fp16") else []
     names = {"fused": "fused", "class": "class branch alone", "clip": "CLIP"}
     lines += paragraph("Logits per test set (fused = DeAR's fusion with the weights learned on "
                        "the training classes; class branch alone = MMRL's rule for classes not "
@@ -254,6 +258,9 @@ def write_summaries(settings, results: List[dict], diverged: List[dict], attribu
     summary["diverged"] = {record["job"]["row"]: [] for record in diverged}
     for record in diverged:
         summary["diverged"][record["job"]["row"]].append(record["diverged"])
+    fp16 = {Job(**r["job"]).label: r["fp16"] for r in results if r.get("fp16")}
+    if fp16:  # fp16's loss scaler per run (fp32: no key, summary.md unchanged)
+        summary["fp16"] = fp16
     files = dict(summary=(summary, markdown(summary, settings)))
     # the toy world: attribute-conditioned retrieval
     if any(res.get("retrieval") for res in results):

@@ -304,6 +304,19 @@ def save_checkpoint(path: str, settings: dict, epoch: int, model, optimizer, sca
     clip_model.atomic_write(path, write)  # a run killed mid-save keeps the previous epoch's
 
 
+def load_optimizer_state(optimizer, state: dict) -> None:
+    """The saved AdamW moments into this call's AdamW, fused or not as this call chose
+    (devices.fused_optimizer: the device or precision may change on --resume); a fused one keeps
+    its step counts on the parameters' device."""
+    fused = [group["fused"] for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)  # it also loads the saved run's choice: undone below
+    for group, chosen in zip(optimizer.param_groups, fused):
+        group["fused"] = chosen
+        for p in group["params"] if chosen else []:
+            if "step" in optimizer.state[p]:
+                optimizer.state[p]["step"] = optimizer.state[p]["step"].to(p.device, torch.float32)
+
+
 def resume_checkpoint(job: Job, settings, model, optimizer, scaler, runtime: Runtime) -> int:
     """--resume: the run's last checkpoint loaded (the tokens, the optimizer's moments, the
     scaler) -> the epoch it ends (0: none saved yet)."""
@@ -313,12 +326,35 @@ def resume_checkpoint(job: Job, settings, model, optimizer, scaler, runtime: Run
     if checkpoint is None:
         return 0
     model.load_learnable_state_dict(checkpoint["learnable"])
-    optimizer.load_state_dict(checkpoint["optimizer"])
-    # the precision may have changed (--amp, another GPU): a fresh scaler where none was saved
-    load_scaler_state(scaler, checkpoint["scaler"],
-                      lambda line: runtime.log(f"[{job.label}] {line}"))
+    load_optimizer_state(optimizer, checkpoint["optimizer"])
+    # the precision may have changed (--amp, another GPU): a fresh scaler where none was saved;
+    # after a divergence a fresh one too (a collapsed scale would take 2,000 steps a doubling)
+    diverged = os.path.isfile(os.path.join(job.folder, DIVERGED_FILE))
+    load_scaler_state(scaler, {} if diverged else checkpoint["scaler"],
+                      lambda line: runtime.log(f"[{job.label}] {line}"), diverged)
     runtime.log(f"[{job.label}] resumed after epoch {checkpoint['epoch']}/{settings['epochs']}")
     return checkpoint["epoch"]
+
+
+# A run that diverged leaves its line in <folder>/diverged.txt until its next checkpoint: --resume
+# then starts a fresh loss scaler.
+DIVERGED_FILE = "diverged.txt"
+
+
+def mark_diverged(job: Job, line: str, runtime: Runtime) -> None:
+    if runtime.main and os.path.isdir(job.folder):
+        write_text(os.path.join(job.folder, DIVERGED_FILE), line + "\n")
+
+
+def fp16_record(job: Job) -> Optional[dict]:
+    """fp16's loss scaler over the run's epochs (metrics.jsonl): its skipped steps, their share
+    and the final scale -> results.json's "fp16" (None: no epoch ran a scaler)."""
+    epochs = [r for r in read_metrics(os.path.join(job.folder, METRICS_FILE)) if "loss_scale" in r]
+    if not epochs:
+        return None
+    skipped, steps = sum(r["skipped_steps"] for r in epochs), sum(r["steps"] for r in epochs)
+    return dict(skipped_steps=skipped, steps=steps, skipped_share=skipped / steps,
+                loss_scale=epochs[-1]["loss_scale"])
 
 
 def fusion_weights_by_branch(model: dear.DeAR) -> dict:
@@ -330,18 +366,26 @@ def end_epoch(job: Job, settings, model: dear.DeAR, optimizer, scaler, progress:
               runtime: Runtime) -> None:
     """An epoch's end, after its last read (so nothing non-finite is saved): its record appended to
     the run's metrics.jsonl, its checkpoint (rank 0 writes; every rank holds the same tokens), its
-    line in the logs, and, at each quarter of the run, a line printed."""
+    line in the logs, and, at each quarter of the run, a line printed. No checkpoint while fp16's
+    scaler is skipping steps in a row (it may be the start of a divergence, and --resume would
+    keep its collapsed scale), but the last epoch's: the finished run's tokens."""
     epoch, epochs = progress.current + 1, settings["epochs"]
     alpha = fusion_weights_by_branch(model)
     record = dict(progress.last, alpha=alpha, seconds=round(time.time() - progress.epoch_started, 3))
+    save = not progress.in_a_row_read or epoch == epochs
     if runtime.main:
         append_metrics(os.path.join(job.folder, METRICS_FILE), record)
-        save_checkpoint(os.path.join(job.folder, "checkpoint.pt"), job_settings(settings, job),
-                        epoch, model, optimizer, scaler)
+        if save:
+            save_checkpoint(os.path.join(job.folder, "checkpoint.pt"), job_settings(settings, job),
+                            epoch, model, optimizer, scaler)
+            with contextlib.suppress(FileNotFoundError):  # past a divergence now
+                os.remove(os.path.join(job.folder, DIVERGED_FILE))
+    progress.kept = epoch if save else progress.kept
+    saved = "checkpoint saved" if save else \
+        f"no checkpoint: the last {progress.in_a_row_read} steps skipped by fp16's loss scaler"
     weights = ", ".join(f"{name} {value:.2f}" for name, value in alpha.items())
     runtime.detail(f"[{job.label}] epoch {epoch}/{epochs} done in "
-                   f"{format_time(record['seconds'])}; fusion weights alpha: {weights}; "
-                   "checkpoint saved")
+                   f"{format_time(record['seconds'])}; fusion weights alpha: {weights}; {saved}")
     if epoch in {math.ceil(epochs * quarter / 4) for quarter in range(1, 5)}:
         runtime.log(f"[{job.label}] epoch {epoch}/{epochs}: {progress.summary()}")
 

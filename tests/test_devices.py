@@ -271,6 +271,25 @@ def test_the_fused_kernel_torch_runs_is_found_by_running_it():
     assert devices.sdpa_kernel_used(cpu, torch.bfloat16, ["MATH"]) == "math"
 
 
+@pytest.mark.parametrize("choice", cli.ATTENTION_CHOICES)
+def test_every_attention_choice_on_the_cpu_runs_or_is_refused_in_one_line(
+        world, tmp_path, capsys, choice):
+    """A fused kernel the CPU lacks (efficient, cudnn: CUDA's alone) is one line and exit status
+    2 before any work, not torch's traceback ("No viable backend"); every other choice runs."""
+    out = tmp_path / "run"
+    capsys.readouterr()
+    status = train.main(common(world, out, "--method", "zeroshot", "--attention", choice))
+    printed, stderr = capsys.readouterr()
+    if choice in ("efficient", "cudnn"):
+        assert status == 2 and not out.exists()
+        assert stderr.strip().splitlines() == [
+            f"train.py: error: --attention {choice}: torch's fused kernel cannot run on this cpu; "
+            "use --attention auto, sdpa or explicit"]
+    else:
+        assert status == 0 and f"train.py: attention {'explicit' if choice == 'explicit' else 'sdpa'}" \
+            in printed
+
+
 def test_train_py_with_explicit_attention_never_calls_a_fused_kernel_and_says_so(
         world, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(clip_model.F, "scaled_dot_product_attention",

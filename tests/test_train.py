@@ -739,6 +739,52 @@ def test_torchrun_with_two_processes_trains_and_writes_one_result(world, tmp_pat
     assert not list(out.rglob(".tmp-*"))  # no half-written file left behind
 
 
+# rank 1's loss NaN at its 2nd step, under fp16 (simulated): the other processes see only DDP's
+# averaged gradients, non-finite, which their loss scaler would skip
+NAN_ON_RANK_1 = """
+import dataclasses, os, sys, torch
+import train
+from harness import devices
+
+real_runtime, real_loss, calls = devices.setup_runtime, train.dear.dear_loss, []
+devices.setup_runtime = lambda settings: dataclasses.replace(
+    real_runtime(settings), amp_dtype=torch.float16, precision="fp16 (simulated on the CPU)")
+
+def loss(output, labels, *args, **kwargs):
+    losses = real_loss(output, labels, *args, **kwargs)
+    calls.append(1)
+    if os.environ["RANK"] == "1" and len(calls) == 2:
+        losses["total"] = losses["total"] * float("nan")
+    return losses
+
+train.dear.dear_loss = loss
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def test_torchrun_processes_stop_a_run_together_when_one_has_a_nan(world, tmp_path):
+    """Two processes (gloo), a NaN loss on rank 1 alone: the guard's state is reduced over the
+    processes at each read, so both stop seed 1 at the same step, one line says so, and both go
+    on to seed 2 (no collective left waiting for a process that stopped)."""
+    out, script = tmp_path / "ddp", tmp_path / "nan_on_rank_1.py"
+    script.write_text(NAN_ON_RANK_1)
+    args = common(world, out, "--dataset", "dtd", "--seeds", "1", "2", "--method", "dear",
+                  "--roles", "all-mixed", "--shots", "4", "--augment", "off",
+                  "--batch-size", "2")  # 12 images: 3 steps per process and epoch
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = subprocess.run([*torchrun, str(script), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1",
+                                                           PYTHONPATH=str(REPO)))
+    assert done.returncode == 1, done.stderr[-3000:]
+    said = [line for line in done.stdout.splitlines() if line.startswith("train.py: [")]
+    assert len(said) == 1 and said[0].startswith(
+        "train.py: [dtd / dear-all-mixed / seed 1] diverged at epoch 1, step 2: loss (total) not "
+        "finite (fp16, "), done.stdout
+    assert done.stderr.count("train.py: 1 of 2 runs diverged (above)") == 1, done.stderr[-3000:]
+    assert (out / "dtd/dear-all-mixed/seed2/results.json").is_file()
+    assert not (out / "dtd/dear-all-mixed/seed1/results.json").exists()
+
+
 # ------------------------------------------------------------------------------------------
 # Bad input: one line on stderr, exit status 2, no run folder
 # ------------------------------------------------------------------------------------------
@@ -1835,17 +1881,17 @@ def test_each_ablation_makes_exactly_its_one_change_and_the_rows_follow(tiny_cli
 # ------------------------------------------------------------------------------------------
 
 
-def poisoned_loss(monkeypatch, at_call: int, what: str, every_call_from: bool = False):
-    """dear.dear_loss as train.py calls it, with the `at_call`-th call (1-based, over the whole
-    call's runs) made non-finite: the loss term ce NaN, or (what="gradient") a finite loss whose
-    gradient is NaN (0 * d sqrt(x)/dx at x = 0), as a fused attention kernel's backward gives it.
-    every_call_from: that call and every later one."""
+def poisoned_loss(monkeypatch, poisoned, what: str):
+    """dear.dear_loss as train.py calls it, with each call n (1-based, over the whole call's runs)
+    where poisoned(n) made non-finite: the loss term ce NaN, or (what="gradient") a finite loss
+    whose gradient is NaN (0 * d sqrt(x)/dx at x = 0), as a fused attention kernel's backward
+    gives it."""
     real, calls = dear.dear_loss, []
 
     def loss(output, labels, *args, **kwargs):
         losses = real(output, labels, *args, **kwargs)
         calls.append(1)
-        if len(calls) == at_call or (every_call_from and len(calls) > at_call):
+        if poisoned(len(calls)):
             if what == "ce":
                 losses["ce"] = losses["ce"] * float("nan")
                 losses["total"] = losses["total"] + losses["ce"]
@@ -1869,7 +1915,7 @@ def test_a_non_finite_step_stops_its_run_at_its_last_finite_checkpoint_and_resum
     argv = common(world, out, "--dataset", "dtd", "--method", "dear", "--roles", "all-mixed",
                   "--seeds", "1", "2", "--shots", "4", "--epochs", "3", "--augment", "off")
     with monkeypatch.context() as patch:
-        poisoned_loss(patch, at_call=5, what=what)
+        poisoned_loss(patch, lambda n: n == 5, what=what)
         capsys.readouterr()
         assert train.main(argv) == 1
     printed, stderr = capsys.readouterr()
@@ -1879,8 +1925,12 @@ def test_a_non_finite_step_stops_its_run_at_its_last_finite_checkpoint_and_resum
     assert line == ("train.py: [dtd / dear-all-mixed / seed 1] diverged at epoch 2, step 2: "
                     f"{said} (fp32, attention sdpa ({kernel})); epoch 1's checkpoint kept; "
                     "try --attention explicit or another --amp, then --resume")
-    assert stderr.strip().splitlines()[-1] == ("train.py: 1 of 2 runs diverged (above); the others' "
-                                               "numbers are in the tables; continue with --resume")
+    # what to change, since --resume as it was repeats the divergence: the command to continue
+    assert stderr.strip().splitlines()[-1] == (
+        "train.py: 1 of 2 runs diverged (above); the others' numbers are in the tables; --resume as "
+        "it was would diverge again: continue with another --attention or --amp (python train.py "
+        f"--output {out} --resume --attention explicit), or start again with a smaller --lr and "
+        "another --output")
     checkpoint = torch.load(seed1 / "checkpoint.pt", weights_only=True)
     assert checkpoint["epoch"] == 1
     assert all(torch.isfinite(t).all() for t in checkpoint["learnable"].values())
@@ -1899,27 +1949,126 @@ def test_a_non_finite_step_stops_its_run_at_its_last_finite_checkpoint_and_resum
     assert [r["epoch"] for r in runfolder.read_metrics(str(seed1 / "metrics.jsonl"))] == [1, 2, 3]
 
 
-def test_fp16s_skipped_steps_are_counted_and_too_many_in_a_row_stop_the_run(
-        world, tmp_path, monkeypatch, capsys):
-    """fp16 with its loss scaler (simulated on the CPU): a non-finite gradient is the scaler's to
-    skip, and is counted; MAX_SKIPPED_IN_A_ROW skips in a row stop the run as a NaN would."""
+def fp16_run(world, out, monkeypatch, poisoned, epochs: int):
+    """One DeAR run of 3 steps an epoch under fp16 with its loss scaler (simulated on the CPU),
+    the steps where poisoned(n) given a NaN gradient -> train.main's exit status."""
     from test_devices import simulated
 
-    out = tmp_path / "run"
-    argv = common(world, out, "--dataset", "dtd", "--method", "dear", "--roles", "all-mixed",
-                  "--seeds", "1", "--shots", "4", "--epochs", "9", "--augment", "off")
     simulated(monkeypatch, torch.float16)
-    poisoned_loss(monkeypatch, at_call=2, what="gradient")  # one skipped step: counted, goes on
-    capsys.readouterr()
-    assert train.main([*argv, "--output", str(tmp_path / "once")]) == 0
-    log = (tmp_path / "once" / "dtd" / "dear-all-mixed" / "seed1" / "log.txt").read_text()
-    assert "1 steps skipped by fp16's loss scaler" in log
-    poisoned_loss(monkeypatch, at_call=3, what="gradient", every_call_from=True)
-    assert train.main(argv) == 1
+    poisoned_loss(monkeypatch, poisoned, what="gradient")
+    return train.main(common(world, out, "--dataset", "dtd", "--method", "dear", "--roles",
+                             "all-mixed", "--seeds", "1", "--shots", "4", "--epochs", str(epochs),
+                             "--augment", "off"))
+
+
+def test_fp16s_skipped_steps_are_counted_per_epoch_and_reported_in_results_and_summary(
+        world, tmp_path, monkeypatch):
+    """One skipped step in 27: counted in its epoch's metrics.jsonl record, and the run's share
+    and final loss scale in results.json and summary.md."""
+    out = tmp_path / "run"
+    assert fp16_run(world, out, monkeypatch, lambda n: n == 2, epochs=9) == 0
+    leaf = out / "dtd" / "dear-all-mixed" / "seed1"
+    assert "1 steps skipped by fp16's loss scaler" in (leaf / "log.txt").read_text()
+    records = runfolder.read_metrics(str(leaf / "metrics.jsonl"))
+    assert [r["skipped_steps"] for r in records] == [1] + [0] * 8  # per epoch, not per call
+    assert read(leaf / "results.json")["fp16"] == dict(skipped_steps=1, steps=27,
+                                                       skipped_share=1 / 27, loss_scale=32768.0)
+    assert ("fp16's loss scaler, dtd / dear-all-mixed / seed 1: 1 of 27 steps skipped (3.7%), "
+            "final scale 32768") in (out / "summary.md").read_text()
+
+
+def test_every_fifth_step_skipped_stops_the_run_by_its_share_of_skipped_steps(
+        world, tmp_path, monkeypatch, capsys):
+    """Every 5th step's gradient NaN (an fp16 kernel's, not an overflow): each is skipped and the
+    scale halves; past MAX_SKIPPED_SHARE of the steps (after SHARE_STEPS' allowance) the run
+    stops as diverged, never finishing with a results.json."""
+    out = tmp_path / "run"
+    assert fp16_run(world, out, monkeypatch, lambda n: n % 5 == 0, epochs=20) == 1
     line = next(l for l in capsys.readouterr().out.splitlines() if "diverged" in l)
-    first = 3 + monitor.MAX_SKIPPED_IN_A_ROW - 1  # the step where the 20th skip in a row came
-    assert (f"diverged at epoch {(first - 1) // 3 + 1}, step {(first - 1) % 3 + 1}: "
-            f"{monitor.MAX_SKIPPED_IN_A_ROW} steps in a row skipped by fp16's loss scaler (fp16, ") in line
+    assert ("diverged at epoch 19, step 2: 11 of 56 steps skipped by fp16's loss scaler (above 5%) "
+            "(fp16, ") in line and "epoch 18's checkpoint kept" in line
+    assert not (out / "dtd" / "dear-all-mixed" / "seed1" / "results.json").exists()
+
+
+def test_no_checkpoint_while_steps_are_skipped_in_a_row_and_resume_starts_a_fresh_scaler(
+        world, tmp_path, monkeypatch, capsys):
+    """Every step from the 6th on skipped: epoch 2 ends on a skip, so its checkpoint is not taken
+    (nor any later one); the run stops by its share of skips with epoch 1's checkpoint, and
+    --resume continues from it with a fresh loss scaler, not the collapsed one."""
+    out = tmp_path / "run"
+    leaf = out / "dtd" / "dear-all-mixed" / "seed1"
+    with monkeypatch.context() as patch:
+        assert fp16_run(world, out, patch, lambda n: n >= 6, epochs=9) == 1
+    line = next(l for l in capsys.readouterr().out.splitlines() if "diverged" in l)
+    assert "12 of 17 steps skipped" in line and "epoch 1's checkpoint kept" in line
+    assert torch.load(leaf / "checkpoint.pt", weights_only=True)["epoch"] == 1
+    assert "epoch 2/9 done in" in (leaf / "log.txt").read_text()
+    assert "no checkpoint: the last 1 steps skipped by fp16's loss scaler" in (leaf / "log.txt").read_text()
+    from test_devices import simulated
+
+    simulated(monkeypatch, torch.float16)
+    assert train.main(["--output", str(out), "--resume"]) == 0
+    printed = capsys.readouterr().out
+    assert "resumed in fp16 after a divergence: a fresh loss scaler (65536)" in printed
+    assert read(leaf / "results.json")["fp16"]["loss_scale"] == 65536.0
+    assert not (leaf / runfolder.DIVERGED_FILE).exists()
+
+
+@pytest.mark.parametrize("poisoned, said, off", [
+    (lambda n: n >= 3, f"{monitor.MAX_SKIPPED_IN_A_ROW} steps in a row skipped by fp16's loss "
+     "scaler", "MIN_LOSS_SCALE"),  # the 20th in a row: step 22 (the scale: 1/16)
+    (lambda n: n % 5 == 0, "fp16's loss scale fell to 0.5 (below 1)", "MAX_SKIPPED_IN_A_ROW")])
+def test_fp16s_skips_in_a_row_and_a_collapsed_scale_stop_the_run(
+        world, tmp_path, monkeypatch, capsys, poisoned, said, off):
+    """The other two bounds, each alone: the share's and the other one taken out of the way."""
+    monkeypatch.setattr(monitor, "SHARE_STEPS", 10**6)
+    monkeypatch.setattr(monitor, off, 0 if off == "MIN_LOSS_SCALE" else 10**6)
+    assert fp16_run(world, tmp_path / "run", monkeypatch, poisoned, epochs=30) == 1
+    line = next(l for l in capsys.readouterr().out.splitlines() if "diverged" in l)
+    assert f": {said} (fp16, " in line
+
+
+def test_a_training_step_waits_on_the_device_only_at_the_progress_read(
+        world, tmp_path, monkeypatch):
+    """Host syncs counted in the training steps, under fp16 (simulated, its scaler on) and the
+    branch-ce row: each call from the project's code or torch's GradScaler that makes the host
+    wait on a GPU (.item(), .tolist(), .nonzero(), bool/float/int of a tensor, .cpu(), a blocking
+    copy to a device). Only the guard's read every --log-every steps and at each epoch's end may
+    sync: no scaler step reading found_inf (a plain AdamW's), no blocking label copy, no
+    nonzero() of the branches in the fusion."""
+    from test_devices import simulated
+
+    ours = (str(REPO / "train.py"), str(REPO / "dear.py"), str(REPO / "clip_model.py"),
+            str(REPO / "harness"), os.path.join("torch", "amp", "grad_scaler.py"))
+    syncs, counting = [], [False]
+
+    def counted(name, real):
+        def call(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            copy = name != "to" or (not kwargs.get("non_blocking") and any(
+                isinstance(a, (torch.device, str)) for a in (*args, kwargs.get("device"))))
+            if counting[0] and copy and any(caller.startswith(p) or p in caller for p in ours):
+                syncs.append(f"{name} from {os.path.basename(caller)}")
+            return real(self, *args, **kwargs)
+        return call
+
+    for name in ("item", "tolist", "nonzero", "__bool__", "__float__", "__int__", "cpu", "to"):
+        monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+    real_epoch, steps = monitor.Progress.epoch, []
+
+    def epoch(self, *args):  # counting inside the loop's body alone: the step and its read
+        for step, batch in real_epoch(self, *args):
+            counting[0] = True
+            yield step, batch
+            counting[0] = False
+            steps.append(step)
+    monkeypatch.setattr(monitor.Progress, "epoch", epoch)
+    simulated(monkeypatch, torch.float16)
+    assert train.main(common(world, tmp_path / "run", "--dataset", "dtd", "--method", "dear",
+                             "--ablations", "branch-ce", "--seeds", "1", "--shots", "4",
+                             "--augment", "off")) == 0
+    # 2 runs x 2 epochs x 3 steps; --log-every 2: a read at steps 2 and 3 of each epoch
+    assert len(steps) == 12 and syncs == ["tolist from monitor.py"] * 8, syncs
 
 
 def test_each_run_keeps_its_log_metrics_and_curves_across_a_resume_and_eval_only(
