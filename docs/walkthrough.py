@@ -3,7 +3,7 @@ docs/walkthrough.py -- DeAR one step at a time on the toy world's CLIP: eleven s
 calling the library (clip_model.py, dear.py, data.py, train.py), printing what it made and
 asserting the invariant it shows. Run it and read what it prints; then read dear.py top to bottom.
 
-    python docs/walkthrough.py                  # about a minute on 2 CPU cores; no download
+    python docs/walkthrough.py                  # about 85 CPU-seconds, one thread; no download
     python docs/walkthrough.py --output DIR     # the page and its pictures in DIR, not docs/
 
 It writes docs/walkthrough.md, the page a reader sees on the repository's site: each step's code,
@@ -20,7 +20,7 @@ tokens; K text tokens; C classes; M the retrieval gallery's images.
 """
 
 # %% Setup: the toy world's CLIP, its tokenizer, description bank and task, on one CPU thread
-# A 4-layer CLIP trained on the toy world's pictures (shipped, no download), its tokenizer, the
+# A small CLIP trained on the toy world's pictures (shipped, no download), its tokenizer, the
 # labelled bank TextSpan picks from, the attributes that get a token each, and the task: 12 base
 # classes to train on, 12 novel ones to test. show, step, picture: what each step prints and
 # draws, also kept for the page (docs/walkthrough_page.py).
@@ -437,11 +437,12 @@ assert torch.allclose(f_cls, f_frozen, atol=1e-5)  # no head lets the tokens int
 # The paper's check that a token carries its attribute: rank test images by the cosine of one
 # feature and ask whether the neighbours share the query's attribute value (precision@10). The toy
 # world knows every image's colour, shape, texture and position. In the table a row is the
-# feature that ranks, a column the attribute whose value must be shared: the diagonal is each
-# token on its own attribute. On the toy no token beats the class feature on its own attribute,
-# and the colour and shape tokens fall far below it: the tokens help the class scores (step 9)
-# without carrying their attribute apart (the retrieval diagnosis, docs/TOYWORLD.md). train.py
-# ran the same check (retrieval.json): the walkthrough's numbers must be its.
+# feature that ranks, a column the attribute whose value must be shared (chance: 25%, shape 17%);
+# the diagonal is each token on its own attribute. The paper's goal is a token that retrieves its
+# attribute better than the class feature does. On the toy none does: the position and texture
+# tokens come nearest, the colour and shape tokens fall far below it (docs/TOYWORLD.md,
+# "Attribute-conditioned retrieval": the tokens learn only through the fused class logits).
+# train.py ran the same check (retrieval.json): the walkthrough's numbers must be its.
 step(11)
 gallery_items = analysis.analysis_images(list({i.path: i for i in base.test + novel.test}.values()),
                                          checks.RETRIEVAL_GALLERY, seed=0)
@@ -483,5 +484,6 @@ page = walkthrough_page.write(
     globals().get("__file__", os.path.join(HERE, "walkthrough.py")),
     "Written by `python docs/walkthrough.py` (each step's code, what it printed, its pictures); "
     f"the numbers are the machine's that ran it (torch {torch.__version__.split('+')[0]}, one CPU "
-    "thread). It takes about 80 CPU-seconds (METHOD). Run it, then read `dear.py`.")
+    "thread). It took 84 CPU-seconds from an empty cache (`/usr/bin/time`, on a shared 2-core "
+    "machine; the wall time grows with what else runs). Run it, then read `dear.py`.")
 print(f"\nwalkthrough: every step's invariant held; {page}")

@@ -1,7 +1,7 @@
 """docs/walkthrough.py runs top to bottom from a fresh cache (each of its eleven steps asserts the
 invariant it shows, so a broken step fails here), and the page in docs/ is the one it writes: the
 same steps, the same code, every picture there. A one-line bug in where encode_text puts its
-tokens stops it at the forward step. About 80 CPU-seconds, then half that."""
+tokens stops it at the forward step. About 85 CPU-seconds, then half that."""
 
 import re
 import subprocess
