@@ -10,8 +10,8 @@ a test set, and attribute-conditioned retrieval; 9. MMRL++'s token construction 
 SharedTokens); 10. bookkeeping: the argument checks, RoleMap's checks, JSON file and table,
 DeAR's checkpoint tensors. (The project's description bank is data: harness/bank.py.)
 
-The method in one page: tests/test_dear_reference.py, DeAR's forward pass one head at a time;
-this file batches it. It imports torch and clip_model.py: copy the two files together.
+The method unbatched: tests/test_dear_reference.py writes DeAR's forward pass out one head at a
+time; this file batches it. It imports torch and clip_model.py: copy the two files together.
 Clustering the picks (concepts="clusters") also needs clustering.py (HDBSCAN written out; torch
 and numpy) beside them; everything else runs without it. `first_layer` is the paper's 1-based
 J; what is stored (`HeadRole.layer`) is 0-based.
@@ -89,12 +89,15 @@ def textspan_steps(contributions: torch.Tensor, text_embeddings: torch.Tensor,
                    num_descriptions: int, rank: int) -> Iterator[Tuple[int, float]]:
     """textspan one pick at a time -> (bank index, the share of the head's variance across the
     images that removing the pick's direction takes away). The shares add up to at most 1."""
-    check_picks(num_descriptions, contributions, text_embeddings, rank)  # section 10
+    check_picks(num_descriptions, contributions, text_embeddings, rank)  # 1..min(T, n, r, E)
     data = contributions.double()
-    _, _, right = torch.linalg.svd(data, full_matrices=False)  # right: (min(n, E), E), raw data
-    span = right[:rank]  # (r, E), r = min(rank, n, E): the authors' vh[:rank], mean included
+    # The head's span from the raw contributions, not centred (the authors' order): the mean all
+    # images share is a direction the head writes too. Centring first (rank n - 1) would pick
+    # otherwise: in 16 of tests/test_textspan.py's 18 inputs (METHOD.md Sec. 3).
+    _, _, right = torch.linalg.svd(data, full_matrices=False)  # right: (min(n, E), E)
+    span = right[:rank]  # (r, E), r = min(rank, n, E): the authors' vh[:rank]
     bank = text_embeddings.double() @ span.T @ span  # (T, E): each text inside the head's span
-    data = data - data.mean(dim=0, keepdim=True)  # (n, E), centred as the authors do (picks stay)
+    data = data - data.mean(dim=0, keepdim=True)  # (n, E): centred now, for the spread only
     total = data.pow(2).sum().clamp_min(1e-300)  # the head's variance across images, times n - 1
     chosen: List[int] = []
     for _ in range(num_descriptions):
@@ -274,7 +277,8 @@ class Concepts(NamedTuple):
     """The picks' concepts, from one source (find_concepts): what concept entropy and roles read."""
     of: List[str]  # each distinct pick's concept: its label, "cluster k" or NOISE
     names: Dict[str, str]  # each concept's name: a core attribute, or not (a label: itself)
-    count: int  # K, the concepts a pick can fall on: the bank's labels, or clusters + noise picks
+    count: int  # K, the concepts a pick can fall on: the bank's labels; or each cluster, and
+    #             each pick in none, a concept of its own (as concept_entropy counts it)
     clusters: List[Cluster]  # the clusters found, named (none for labels)
 
 
@@ -294,7 +298,7 @@ def find_concepts(source: str, bank: Sequence[Description], picked: Sequence[int
         return Concepts([bank[i].concept for i in picked], {c: c for c in labels}, len(labels), [])
     texts = [bank[i].text for i in picked]
     found, clusters, centres = cluster_picks(texts, embed(texts), min_cluster_size, min_samples)
-    if all(bank[i].concept is not None for i in picked):  # a labelled bank: labels name them
+    if all(bank[i].concept is not None for i in picked):  # all labelled: the labels name them
         names = name_by_labels(found, [bank[i].concept for i in picked], attributes)
     else:  # without labels: the attributes' own names, in the same encoder's space
         names = name_by_anchors(centres, embed(list(attributes)), attributes)  # anchors (A, d)
@@ -357,13 +361,13 @@ def default_thresholds(num_picks: int, num_concepts: int):
     K = 12 -> thirds of log2(12) = 3.58 bits, 1.19 and 2.39, the floor unused."""
     top = math.log2(max(1, min(num_picks, num_concepts)))  # the most bits: picks spread evenly
     low, high = top / 3, 2 * top / 3  # under a third: specialised; over two thirds: spread
-    # The floor: a head with 3 of every 4 picks on one concept (0.81 bits) counts as specialised.
-    # A third of the top is below that while min(picks, concepts) is 3, 4 or 5 (0.53, 0.67, 0.77
-    # bits), so low rises to 0.81 there; from 6 on a third is the larger (0.86 bits at 6). At 2,
-    # high (0.67) is below 0.81 and the floor would lift low over it: it stays off.
-    three_of_four = concept_entropy(["a", "a", "a", "b"])
-    if three_of_four < high:
-        low = max(low, three_of_four)
+    # The floor: 3 of every 4 picks on one concept (0.81 bits) still make a specialist. It lifts
+    # low where a third of the top is less: min(picks, concepts) 3, 4 or 5 (0.53, 0.67, 0.77
+    # bits); from 6 on the third is more (0.86 at 6). At 2, high itself is 0.67: a floor of 0.81
+    # would put low above high, so there is none.
+    floor = concept_entropy(["a", "a", "a", "b"])  # 0.81 bits
+    if floor < high:  # min(picks, concepts) >= 3
+        low = max(low, floor)
     return low, high
 
 
@@ -469,12 +473,13 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
     picked = list(dict.fromkeys(i for head_picks in picks for i in head_picks))  # (P,), in order
     known = {entry.text: row for entry, row in zip(bank, bank_embeddings)}  # CLIP's, made above
 
-    def embed(texts: List[str]) -> torch.Tensor:  # (len(texts), d): the clustering's space
-        if embed_texts is not None:
-            return checked_embeddings(embed_texts, texts)  # section 10
-        if all(text in known for text in texts):  # the picks: their rows, encoded once
+    def embed_with_clip(texts: List[str]) -> torch.Tensor:  # (len(texts), E): the default space
+        if all(text in known for text in texts):  # the picks, bank phrases: encoded above
             return torch.stack([known[text] for text in texts])
-        return encode_descriptions(clip, tokenizer, texts).cpu()  # the attributes' names
+        return encode_descriptions(clip, tokenizer, texts).cpu()  # name_by_anchors' names
+
+    embed = embed_with_clip if embed_texts is None else (  # texts -> (len(texts), d)
+        lambda texts: checked_embeddings(embed_texts, texts))  # the user's encoder, checked
 
     if min_cluster_size is None:
         min_cluster_size = default_min_cluster_size(num_descriptions)
@@ -488,6 +493,7 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
     high = default_high if high_bits is None else high_bits
     head_concepts = [[concept_of[i] for i in head_picks] for head_picks in picks]
     entropies = [concept_entropy(c) for c in head_concepts]
+    # each head's most frequent concept, by its name ("cluster 3" -> "colour", say; a label: itself)
     dominants = [found.names[dominant_concept(c)] for c in head_concepts]
     roles = assign_roles(entropies, dominants, attributes, low, high)
     heads = [HeadRole(first + k // H, k % H, role, attribute, entropies[k],
@@ -594,10 +600,11 @@ def branches_in_fusion(attributes: List[str], blind: List[str], class_branch_onl
 # projection (W_v, E), which DeAR reads the same way.
 def default_text_tokens(tokens: str, num_attributes: int) -> int:
     """K, the one rule of it: 4 under "separate" (our choice); under "shared" the text tower
-    receives the vision tower's latent tokens, one per attribute token, so K = A (MMRL++). A row
-    without attribute tokens (the no-attribute-tokens ablation) keeps its full row's K, the text
-    tokens still learning: train.py resolves K once per call from the world's A, before any
-    ablation; DeAR under "shared" with A = 0 takes that K as num_text_tokens (unset: refused)."""
+    receives the vision tower's latent tokens, one per attribute token, so K = A (MMRL++).
+    A = 0 (the no-attribute-tokens ablation) takes away the attribute tokens alone: its text
+    tokens stay the full row's K, which train.py works out from the world's A before any
+    ablation. Under "shared" K = A would be 0, so DeAR then needs that K given as
+    num_text_tokens (check_tokens)."""
     return TEXT_TOKENS if tokens == "separate" else num_attributes
 
 
@@ -621,7 +628,9 @@ class SeparateTokens(nn.Module):
         return self.text_tokens
 
     def attribute_projection(self, proj: torch.Tensor) -> torch.Tensor:
-        """(W_v, E): the attribute tokens' own projection (CLIP's frozen proj is not read)."""
+        """(W_v, E): the attribute tokens' own projection. proj, CLIP's frozen one, is not read
+        here: it is the argument of the other construction's, which adds a residual to it
+        (SharedTokens, section 9); DeAR calls both the same way."""
         return self.attribute_proj
 
 
@@ -726,10 +735,13 @@ class DeAR(nn.Module):
         """alpha = softmax(w) over the branches in the fusion, (1 + A,); alpha[0]: the class's."""
         return self.fusion_logits.masked_fill(~self.in_fusion, float("-inf")).softmax(dim=0)
 
-    def encode_image(self, images: torch.Tensor, with_frozen: bool = False):
+    def encode_image(self, images: torch.Tensor, with_frozen: bool = False,
+                     beta: Optional[float] = None):
         """images (B, 3, R, R) -> (f_cls (B, E), f_attr (B, A, E), f_frozen (B, E) or None).
         Before J plain CLIP; from J on the attribute tokens follow the image tokens, each head
-        under its role mask."""
+        under its role mask. beta: the tokens' mixing (None: the model's; a test set may take
+        its own, test_beta)."""
+        beta = self.beta if beta is None else beta
         visual, j = self.clip.visual, self.first_layer - 1
         before, after = visual.transformer.resblocks[:j], visual.transformer.resblocks[j:]
         with torch.no_grad():  # nothing before J is learnable: keep no activations for backward
@@ -743,11 +755,11 @@ class DeAR(nn.Module):
                     plain = block(plain)
                 frozen = visual.to_embedding(plain[:, 0])  # (B, E)
         B, N, _ = x.shape
-        tokens, layer_tokens = None, self.tokens.vision_layer_tokens()  # (B, A, W_v); (L_v, A, W_v)
+        layer_tokens = self.tokens.vision_layer_tokens()  # (L_v, A, W_v): p_l of each layer
         for i, block in enumerate(after):
             fresh = layer_tokens[i].to(x.dtype).expand(B, -1, -1)  # (B, A, W_v)
             # MMRL++ rule: tokens entering layer l = beta * p_l + (1 - beta) * out_{l-1}.
-            tokens = fresh if i == 0 else self.beta * fresh + (1 - self.beta) * tokens
+            tokens = fresh if i == 0 else beta * fresh + (1 - beta) * tokens
             sequence = torch.cat([x, tokens], dim=1)  # (B, N + A, W_v)
             sequence = block(sequence, self.role_masks[i])  # masked per head
             x, tokens = sequence[:, :N], sequence[:, N:]
@@ -770,27 +782,27 @@ class DeAR(nn.Module):
             plain = block(plain, mask)
         return PreparedClasses(hidden=x, eot=eot, frozen=clip.text_to_embedding(plain, eot))
 
-    def encode_text(self, classes: PreparedClasses) -> torch.Tensor:
-        """PreparedClasses -> t_c (C, E). From J on, K learnable tokens sit right after the start
-        token (positions 1..K); the causal mask lets every later token, end-of-text included, read
-        them. Layer J inserts them; each later layer replaces them by the MMRL++ rule. They get no
-        positional embedding (CLIP adds it once, in embed_text, before layer 0; the prompt's own
-        tokens keep theirs, moved K places right)."""
+    def encode_text(self, classes: PreparedClasses, beta: Optional[float] = None) -> torch.Tensor:
+        """PreparedClasses -> t_c (C, E). As encode_image, with the K learnable tokens right after
+        the start token: from J on each layer reads [start, K tokens, the prompt's other tokens],
+        so the tokens sit at 1..K and the prompt's end-of-text token, whose state is t_c, at
+        eot + K. The causal mask lets every later token read them. They get no positional
+        embedding (CLIP adds it once, in embed_text, before layer 0; the prompt's own tokens keep
+        theirs). beta as encode_image's."""
         check_prepared(classes)
-        x, K = classes.hidden, self.num_text_tokens  # x: (C, N, W_t)
-        C = len(x)
+        beta = self.beta if beta is None else beta
+        x, K = classes.hidden, self.num_text_tokens  # x: (C, N, W_t), the frozen layers' output
+        start, words, C = x[:, :1], x[:, 1:], len(x)  # (C, 1, W_t), (C, N - 1, W_t)
         mask = clip_model.causal_mask(x.shape[1] + K, x.device, x.dtype)  # (N + K, N + K)
-        after = self.clip.transformer.resblocks[self.first_layer - 1:]
-        layer_tokens = self.tokens.text_layer_tokens()  # (L_t, K, W_t)
-        fresh = layer_tokens[0].to(x.dtype).expand(C, -1, -1)  # (C, K, W_t)
-        x = torch.cat([x[:, :1], fresh, x[:, 1:]], dim=1)  # (C, N + K, W_t): inserted at J
-        for i, block in enumerate(after):
-            if i > 0:  # MMRL++ rule: tokens entering layer l = beta * p_l + (1 - beta) * out_{l-1}
-                fresh = layer_tokens[i].to(x.dtype).expand(C, -1, -1)  # (C, K, W_t)
-                tokens = self.beta * fresh + (1 - self.beta) * x[:, 1:1 + K]
-                x = torch.cat([x[:, :1], tokens, x[:, 1 + K:]], dim=1)  # replaced
-            x = block(x, mask)
-        return self.clip.text_to_embedding(x, classes.eot + K)  # end-of-text moved K places right
+        layer_tokens = self.tokens.text_layer_tokens()  # (L_t, K, W_t): p_l of each layer
+        for i, block in enumerate(self.clip.transformer.resblocks[self.first_layer - 1:]):
+            fresh = layer_tokens[i].to(x.dtype).expand(C, -1, -1)  # (C, K, W_t)
+            # MMRL++ rule: tokens entering layer l = beta * p_l + (1 - beta) * out_{l-1}.
+            tokens = fresh if i == 0 else beta * fresh + (1 - beta) * tokens
+            sequence = torch.cat([start, tokens, words], dim=1)  # (C, N + K, W_t)
+            sequence = block(sequence, mask)
+            start, tokens, words = sequence[:, :1], sequence[:, 1:1 + K], sequence[:, 1 + K:]
+        return self.clip.text_to_embedding(sequence, classes.eot + K)  # end-of-text at eot + K
 
     def forward(self, images: torch.Tensor, classes: PreparedClasses,
                 with_frozen: bool = False) -> DeAROutput:
@@ -976,6 +988,22 @@ def scoring_logits(fusion: str, trained: bool) -> str:
     if fusion == "class-on-unseen":
         return "fused" if trained else "class"
     raise DeARError(f"fusion={fusion!r}: use fused-everywhere or class-on-unseen")
+
+
+# MMRL++ tests each cross/dg target at its own beta: its trainers/config.py (task CD), merged for
+# the target's own test call (scripts/mmrlpp/cross_datasets_test.sh: --eval-only, TASK CD) into
+# the model it builds (trainers/mmrlpp.py: design_details["beta"]).
+MMRLPP_TEST_BETA = {"imagenet": 0.9, "imagenet_v2": 0.9, "imagenet_r": 0.9, "imagenet_a": 0.8,
+                    "imagenet_sketch": 0.7, "fgvc_aircraft": 0.9, "ucf101": 0.9, "sun397": 0.7,
+                    "oxford_pets": 0.6, "caltech101": 0.6, "dtd": 0.5, "oxford_flowers": 0.4,
+                    "stanford_cars": 0.3, "eurosat": 0.3, "food101": 0.3}
+
+
+def test_beta(test_set: str, trained: bool, beta: float, per_target: bool = True) -> float:
+    """DeAR's beta on a test set (encode_image's and encode_text's): `beta`, the training one, on
+    the trained classes; elsewhere MMRL++'s for that dataset when per_target (train.py's
+    --test-beta per-target; a dataset it does not name, our choice: the training beta)."""
+    return beta if trained or not per_target else MMRLPP_TEST_BETA.get(test_set, beta)
 
 
 # The paper's check that a token carries its attribute: rank images by one token's feature.
@@ -1231,8 +1259,8 @@ def check_thresholds(low_bits: Optional[float], high_bits: Optional[float]) -> N
 
 
 def check_tokens(tokens: str, num_attributes: int, num_text_tokens: Optional[int]) -> None:
-    """tokens is a construction; under "shared" K is A, or with A = 0 (no-attribute-tokens) the
-    full row's K, given (default_text_tokens)."""
+    """tokens is a construction. Under "shared" K follows A: unset, or A itself; with A = 0 (the
+    no-attribute-tokens ablation) K must be given, the full row's (default_text_tokens)."""
     if tokens not in TOKEN_CONSTRUCTIONS:
         raise DeARError(f"tokens={tokens!r}: use {' or '.join(TOKEN_CONSTRUCTIONS)}")
     if tokens == "shared" and not num_attributes and num_text_tokens is None:

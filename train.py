@@ -90,13 +90,6 @@ MMRLPP_B2N_FS = {"imagenet": (0.9, 0.2), "fgvc_aircraft": (0.9, 2.0), "ucf101": 
                  "caltech101": (0.6, 3.0), "sun397": (0.5, 3.0), "oxford_flowers": (0.4, 7.0),
                  "eurosat": (0.2, 0.01), "food101": (0.1, 1.0)}
 MMRLPP_CD = {"imagenet": (0.9, 0.1)}
-# MMRL++ tests each cross/dg target at its own beta: the same table (CD), merged for that
-# target's own test call (scripts/mmrlpp/cross_datasets_test.sh: --eval-only, TASK CD) into
-# the model it builds (trainers/mmrlpp.py: design_details["beta"]). train.py --test-beta.
-MMRLPP_CD_TEST_BETA = {"imagenet": 0.9, "imagenet_v2": 0.9, "imagenet_r": 0.9, "imagenet_a": 0.8,
-                       "imagenet_sketch": 0.7, "fgvc_aircraft": 0.9, "ucf101": 0.9, "sun397": 0.7,
-                       "oxford_pets": 0.6, "caltech101": 0.6, "dtd": 0.5, "oxford_flowers": 0.4,
-                       "stanford_cars": 0.3, "eurosat": 0.3, "food101": 0.3}
 WARMUP_LR = 1e-5  # MMRL++'s WARMUP_CONS_LR
 WEIGHT_DECAY = 5e-4  # Dassl's OPTIM.WEIGHT_DECAY
 FEWSHOT_SHOTS = [1, 2, 4, 8, 16]  # the few-shot protocol's sweep (CoOp)
@@ -133,7 +126,7 @@ DEFAULTS = dict(
     method=["zeroshot", "dear"],  # CLIP as it is, and DeAR
     roles=["analyse"],  # DeAR's own head analysis: one role map per model and image pool, cached
     ablations=[],  # the paper's ablations (cli.ABLATIONS), a row each: none unless asked
-    test_beta="per-target",  # cross and dg: each target at MMRL++'s beta (MMRLPP_CD_TEST_BETA)
+    test_beta="per-target",  # cross and dg: each target at MMRL++'s beta (dear.test_beta)
     fusion=list(cli.FUSION_MODES),  # both rules of scoring DeAR, one table row each
     tokens="separate",  # each layer's own tokens (ours); shared = MMRL++'s (docs/METHOD.md Sec. 4)
     seeds=[1, 2, 3],  # CoOp's three seeds; the tables report the mean
@@ -288,12 +281,11 @@ def read_data(settings, jobs: List[plan.Job], datasets: Datasets) -> RunData:
 # ------------------------------------------------------------------------------------------
 
 
-def build_dear(settings, inputs: sources.Inputs, role_map: dear.RoleMap,
-               ablation: Optional[str] = None) -> dear.DeAR:
+def build_dear(settings, inputs: sources.Inputs, change: dear.Ablated) -> dear.DeAR:
     """DeAR on the frozen CLIP: the one place it is built (to train, and for --eval-only), at the
-    recipe's beta, with an ablation's change (dear.ablate). Its learnable tokens come from torch's
-    global generator: the caller seeds it."""
-    change = dear.ablate(ablation, role_map, inputs.attributes, settings["lambda_fusion"])
+    recipe's beta, from a run's dear.ablate record (its role map and attribute tokens, an
+    ablation's change made). Its learnable tokens come from torch's global generator: the caller
+    seeds it."""
     # the header already said so (blind tokens by construction, or the fallback): not per run
     said = change.role_map.source == "all-generalization" or (
         change.class_branch_fallback and dear.falls_back_to_class_branch(change.role_map))
@@ -308,7 +300,7 @@ def build_dear(settings, inputs: sources.Inputs, role_map: dear.RoleMap,
 
 
 # ------------------------------------------------------------------------------------------
-# 4. The loop: AdamW on the learnable tokens and fusion weights alone (CLIP stays frozen)
+# 4. The loop: AdamW on the tokens, the attribute projection and the fusion weights (CLIP frozen)
 # ------------------------------------------------------------------------------------------
 
 
@@ -324,15 +316,16 @@ def learning_rate(settings, epoch: int) -> float:
     return 0.5 * settings["lr"] * (1 + math.cos(math.pi * (epoch - warmup) / settings["epochs"]))
 
 
-def train_job(job: plan.Job, settings, inputs: sources.Inputs, role_map: dear.RoleMap,
+def train_job(job: plan.Job, settings, inputs: sources.Inputs, change: dear.Ablated,
               split: data.DatasetSplits, runtime: devices.Runtime) -> Optional[dear.DeAR]:
-    """Train one DeAR run, a checkpoint at every epoch end -> the model (None if
-    --max-epochs-per-call stopped it first). The loop is the paper's Sec. 3.4; several processes
-    and the per-epoch seeds are the helpers of section 6 below; resuming and checkpoints,
-    harness/runfolder.py's."""
+    """Train one DeAR run, built and its loss set from its dear.ablate record, a checkpoint at
+    every epoch end -> the model (None if --max-epochs-per-call stopped it first). The loop is
+    the paper's Sec. 3.4; several processes and the per-epoch seeds are the helpers of section 6
+    below; resuming and checkpoints, harness/runfolder.py's."""
     torch.manual_seed(job.seed)  # the learnable tokens' initialisation
-    model = build_dear(settings, inputs, role_map, job.ablation).to(runtime.device)
-    # the tokens and fusion weights alone; fused where a step must not wait for the host
+    model = build_dear(settings, inputs, change).to(runtime.device)
+    # the tokens, the attribute projection and the fusion weights: DeAR's learnable tensors;
+    # fused where a step must not wait for the host
     optimizer = torch.optim.AdamW(model.learnable_parameters(), lr=settings["lr"],
                                   weight_decay=settings["weight_decay"],
                                   fused=devices.fused_optimizer(runtime))
@@ -349,9 +342,7 @@ def train_job(job: plan.Job, settings, inputs: sources.Inputs, role_map: dear.Ro
     loader = training_loader(job, settings, split, inputs.clip, runtime)
     network = distributed(model, settings, runtime)  # DDP under torchrun, else the model itself
     lambda_reg = settings["lambda_reg"]
-    # the loss's settings, an ablation's change included
-    change = dear.ablate(job.ablation, role_map, inputs.attributes, settings["lambda_fusion"])
-    lambda_fusion, branch_ce = change.lambda_fusion, change.branch_ce
+    lambda_fusion, branch_ce = change.lambda_fusion, change.branch_ce  # an ablation's, if any
     # the sums, the wait for data and the non-finite guard, read every --log-every steps
     progress = monitor.Progress(job, settings, runtime, model, scaler,
                              steps=(stop - start) * len(loader), steps_per_epoch=len(loader),
@@ -380,29 +371,7 @@ def train_job(job: plan.Job, settings, inputs: sources.Inputs, role_map: dear.Ro
 # ------------------------------------------------------------------------------------------
 # DeAR gives two kinds of logits in one pass (fused, and the class branch alone); the fusion
 # mode (cli.FUSION_MODES) decides per test set which one is reported (dear.scoring_logits). Each
-# test set is scored at its own beta (beta_at_test): MMRL++ tests each cross/dg target at its own.
-
-
-def beta_at_test(settings, eval_set: EvalSet) -> float:
-    """DeAR's beta on a test set: the training beta on the trained classes; on a cross or dg target,
-    MMRL++'s beta for it (--test-beta per-target; our choice for a target it does not name: the
-    training beta), or the training beta (--test-beta trained)."""
-    if settings["test_beta"] != "per-target" or eval_set.trained:
-        return settings["beta"]
-    return MMRLPP_CD_TEST_BETA.get(eval_set.name, settings["beta"])
-
-
-@contextlib.contextmanager
-def beta_for_test(model: Optional[dear.DeAR], beta: Optional[float]):
-    """DeAR at `beta` inside the block, at the beta it was built with after (None: unchanged)."""
-    if model is None or beta is None:
-        yield
-        return
-    built, model.beta = model.beta, beta
-    try:
-        yield
-    finally:
-        model.beta = built
+# test set is scored at its own beta (dear.test_beta): MMRL++ tests each cross/dg target at its own.
 
 
 def zero_shot_logits(clip, image_features: torch.Tensor, text_features: torch.Tensor):
@@ -415,42 +384,39 @@ def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings, runtime: devic
              beta: Optional[float] = None) -> Dict[str, float]:
     """Top-1 accuracy (%) -> {"clip": acc} for zero-shot CLIP (model=None), or {"fused": acc,
     "class": acc} for DeAR (the class branch alone: s * cos(f_cls, t_c)), from one pass over the
-    images, DeAR's tokens mixed at `beta` (beta_at_test; None: the beta it was built with).
+    images, DeAR's tokens mixed at `beta` (dear.test_beta; None: the beta it was built with).
     Under torchrun each process takes every world-th image and the counts are summed."""
-    with beta_for_test(model, beta):
-        prompts = [eval_set.template.format(name) for name in eval_set.classnames]
-        ids = tokenizer.tokenize(prompts, clip.context_length, truncate=True).to(runtime.device)
-        with devices.autocast(runtime):  # the class prompts, once per test set
+    prompts = [eval_set.template.format(name) for name in eval_set.classnames]
+    ids = tokenizer.tokenize(prompts, clip.context_length, truncate=True).to(runtime.device)
+    with devices.autocast(runtime):  # the class prompts, once per test set
+        if model is None:
+            text = clip.encode_text(ids)  # (C, E)
+        else:
+            text = model.encode_text(model.prepare_classes(ids), beta)  # (C, E), the text tokens
+    items = eval_set.items[runtime.rank::runtime.world]
+    kinds = ["clip"] if model is None else ["fused", "class"]
+    # per kind of logits its correct predictions, then images with a non-finite logit
+    counts = torch.zeros(len(kinds) + 1, dtype=torch.long, device=runtime.device)
+    for images, labels in devices.loader_of(items, settings, clip.visual.input_resolution, runtime):
+        images, labels = images.to(runtime.device), labels.to(runtime.device)
+        # The encoders under autocast; every score in fp32 (dear.cosine_logits, fused_logits).
+        with devices.autocast(runtime):
             if model is None:
-                text = clip.encode_text(ids)  # (C, E)
+                scores = [zero_shot_logits(clip, clip.encode_image(images), text)]  # (B, C)
             else:
-                # (C, E) with the learned text tokens
-                text = model.encode_text(model.prepare_classes(ids))
-        items = eval_set.items[runtime.rank::runtime.world]
-        kinds = ["clip"] if model is None else ["fused", "class"]
-        # per kind of logits its correct predictions, then images with a non-finite logit
-        counts = torch.zeros(len(kinds) + 1, dtype=torch.long, device=runtime.device)
-        for images, labels in devices.loader_of(items, settings, clip.visual.input_resolution, runtime):
-            images, labels = images.to(runtime.device), labels.to(runtime.device)
-            # The encoders under autocast; every score in fp32 (dear.cosine_logits, fused_logits).
-            with devices.autocast(runtime):
-                if model is None:
-                    scores = [zero_shot_logits(clip, clip.encode_image(images), text)]  # (B, C)
-                else:
-                    f_cls, f_attr, _ = model.encode_image(images)  # (B, E), (B, A, E)
-                    features = torch.cat([f_cls[:, None], f_attr], dim=1)  # (B, 1 + A, E)
-                    fused, branches = model.fused_logits(features, text)  # (B, C), (B, 1 + A, C)
-                    scores = [fused, branches[:, 0]]  # (B, C) each
-            counts += torch.stack([(logits.argmax(dim=-1) == labels).sum() for logits in scores]
-                                  + [(~torch.isfinite(torch.stack(scores))).any(0).any(-1).sum()])
-        *correct, non_finite, total = devices.sum_over_processes(counts.tolist() + [len(items)],
-                                                              runtime)
-        if non_finite:  # an argmax over NaN is no prediction
-            raise monitor.Diverged(f"test {eval_set.name}: {int(non_finite)} of {int(total)} images "
-                                f"got non-finite logits ({devices.precision_name(runtime.amp_dtype)}"
-                                f", attention {runtime.attention}); try --attention explicit "
-                                "or another --amp with --eval-only")
-        return {kind: 100.0 * c / max(total, 1) for kind, c in zip(kinds, correct)}
+                f_cls, f_attr, _ = model.encode_image(images, beta=beta)  # (B, E), (B, A, E)
+                features = torch.cat([f_cls[:, None], f_attr], dim=1)  # (B, 1 + A, E)
+                fused, branches = model.fused_logits(features, text)  # (B, C), (B, 1 + A, C)
+                scores = [fused, branches[:, 0]]  # (B, C) each
+        counts += torch.stack([(logits.argmax(dim=-1) == labels).sum() for logits in scores]
+                              + [(~torch.isfinite(torch.stack(scores))).any(0).any(-1).sum()])
+    *correct, non_finite, total = devices.sum_over_processes(counts.tolist() + [len(items)], runtime)
+    if non_finite:  # an argmax over NaN is no prediction
+        raise monitor.Diverged(f"test {eval_set.name}: {int(non_finite)} of {int(total)} images "
+                               f"got non-finite logits ({devices.precision_name(runtime.amp_dtype)}"
+                               f", attention {runtime.attention}); try --attention explicit "
+                               "or another --amp with --eval-only")
+    return {kind: 100.0 * c / max(total, 1) for kind, c in zip(kinds, correct)}
 
 
 # ------------------------------------------------------------------------------------------
@@ -526,6 +492,9 @@ def start_epoch(epoch: int, job: plan.Job, settings, loader: DataLoader, optimiz
     """Epoch `epoch`'s learning rate, set; its order, augmentation and randomness seeded by
     (seed, epoch) alone, so that an epoch replays identically after --resume -> the lr."""
     loader.sampler.set_epoch(epoch)  # the sampler hands each image's number on with the epoch
+    # torch's global generator, which e.g. the loader draws its workers' base seed from: seeded
+    # by (seed, epoch) alone, so a resumed epoch draws what it drew unbroken; any epoch < 100,003
+    # (a prime), so no two (seed, epoch) pairs share a seed
     torch.manual_seed(job.seed * 100_003 + epoch)
     lr = learning_rate(settings, epoch)
     for group in optimizer.param_groups:
@@ -553,13 +522,15 @@ def run_job(job: plan.Job, settings, inputs: sources.Inputs, role_maps: dict, li
         result = dict(job=dataclasses.asdict(job), metrics=metrics,
                       settings=plan.job_settings(settings, job))
     else:
+        if job.row != "zeroshot":  # the run's role map and tokens, an ablation's change made
+            change = dear.ablate(job.ablation, role_maps[job.dataset, job.roles],
+                                 inputs.attributes, settings["lambda_fusion"])
         if job.row != "zeroshot" and settings["eval_only"]:
             checkpoint = runfolder.finished_checkpoint(job, settings)
-            role_map = role_maps[job.dataset, job.roles]
-            model = build_dear(settings, inputs, role_map, job.ablation).to(runtime.device)
+            model = build_dear(settings, inputs, change).to(runtime.device)
             model.load_learnable_state_dict(checkpoint["learnable"])
         elif job.row != "zeroshot":
-            model = train_job(job, settings, inputs, role_maps[job.dataset, job.roles],
+            model = train_job(job, settings, inputs, change,
                               lists.train[job.dataset, job.seed, job.shots], runtime)
             if model is None:
                 return None
@@ -571,7 +542,9 @@ def run_job(job: plan.Job, settings, inputs: sources.Inputs, role_maps: dict, li
         for eval_set in lists.test[job.dataset]:
             beta = None
             if model is not None:  # MMRL++'s recipe: each cross/dg target at its own beta
-                beta = betas[eval_set.name] = beta_at_test(settings, eval_set)
+                beta = betas[eval_set.name] = dear.test_beta(
+                    eval_set.name, eval_set.trained, settings["beta"],
+                    per_target=settings["test_beta"] == "per-target")
             try:
                 accuracy[eval_set.name] = evaluate(model, inputs.clip, inputs.tokenizer, eval_set,
                                                    settings, runtime, beta)

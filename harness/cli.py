@@ -64,7 +64,7 @@ ANALYSES = ("project", "paper")
 # all-MiniLM-L6-v2 unless another model is named. An optional extra, imported only when chosen.
 SBERT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 SBERT_INSTALL = "pip install -r requirements-sbert.txt"
-TEST_BETAS = ("per-target", "trained")  # cross, dg: DeAR's beta on a target (train.beta_at_test)
+TEST_BETAS = ("per-target", "trained")  # cross, dg: DeAR's beta on a target (dear.test_beta)
 AMP_CHOICES = ("on", "off", "fp16", "bf16")  # on = fp16 (devices.choose_precision)
 # The attention kernel (--attention). clip_model computes attention one of two ways: its own
 # explicit per-head maths, or torch's fused scaled_dot_product_attention ("sdpa"), which picks a

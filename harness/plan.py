@@ -70,7 +70,7 @@ def dear_rows(settings) -> List[tuple]:
     """(row, roles, ablation) of each DeAR row, in table order: each --roles choice, then each of
     --ablations on the DeAR row's roles. An ablation whose one change is a --roles map is that
     row (made once, whichever asks: no-role-mask is all-mixed's); every ablation acts through
-    dear.ablate (train.build_dear)."""
+    dear.ablate (once per run: train.run_job)."""
     rows = [(row_name(roles), roles, ROLE_ROWS.get(roles)) for roles in settings["roles"]]
     source = next((r for r in settings["roles"] if r not in ROLE_ABLATIONS), None)  # analyse/file
     for name in settings["ablations"]:

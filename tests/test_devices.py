@@ -446,7 +446,8 @@ def test_every_learnable_tensor_gets_a_gradient_or_ddp_is_told(tiny_clip, name, 
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # blind tokens, the fallback
-        model = train.build_dear(settings, inputs, role_map_of(roles), ablation)
+        change = dear.ablate(ablation, role_map_of(roles), inputs.attributes, 0.1)
+        model = train.build_dear(settings, inputs, change)
     ids = torch.randint(1, 590, (4, 16))
     ids[:, 6] = 599  # the end-of-text token, the largest id
     output = model(torch.randn(3, 3, 32, 32), model.prepare_classes(ids), with_frozen=True)

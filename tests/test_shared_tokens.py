@@ -161,8 +161,8 @@ def test_without_attribute_tokens_python_and_train_py_give_the_same_K_and_nothin
     settings = dict(tokens="shared", text_tokens=None, beta=0.3, first_layer=2, lambda_fusion=0.1)
     config.resolve_text_tokens(settings, len(ATTRIBUTES))  # train.py's K, once per call
     inputs = types.SimpleNamespace(clip=tiny_deep_clip, attributes=ATTRIBUTES)
-    by_train = train.build_dear(settings, inputs, analysed, "no-attribute-tokens")
     change = dear.ablate("no-attribute-tokens", analysed, ATTRIBUTES, 0.1)
+    by_train = train.build_dear(settings, inputs, change)
     by_python = DeAR(tiny_deep_clip, change.role_map, change.attributes, first_layer=2, beta=0.3,
                      tokens="shared", num_text_tokens=dear.default_text_tokens("shared", 3))
     assert by_train.num_text_tokens == by_python.num_text_tokens == 3

@@ -397,8 +397,8 @@ def test_each_ablation_is_a_dear_run_with_one_change_and_a_row_of_its_own(world,
     models, losses, rows = {}, [], []  # row -> its DeAR; (row, lambda_fusion, branch_ce) per step
     real_build, real_loss, real_train = train.build_dear, dear.dear_loss, train.train_job
 
-    def build(settings, inputs, role_map, ablation=None):
-        models[rows[-1]] = real_build(settings, inputs, role_map, ablation)
+    def build(settings, inputs, change):
+        models[rows[-1]] = real_build(settings, inputs, change)
         return models[rows[-1]]
 
     def loss(output, labels, lambda_reg, lambda_fusion, branch_ce=False):
@@ -1782,20 +1782,21 @@ def test_build_dear_keeps_the_recipes_beta_and_evaluate_scores_at_the_beta_it_is
     inputs = sources.Inputs(clip, tokenizer, list(dear.CORE_ATTRIBUTES), [], "labels", None, False, {})
     roles = dear.RoleMap.uniform("mixed", 3, 2, range(3))
     torch.manual_seed(0)
-    model = train.build_dear(settings, inputs, roles).eval()
+    model = train.build_dear(settings, inputs, dear.ablate(None, roles, inputs.attributes, 0.1)).eval()
     assert model.beta == 0.7
     with torch.no_grad():
         for tensor in (model.tokens.vision_tokens, model.tokens.text_tokens):
             tensor.normal_(0, 3.0)
-    at_02 = train.build_dear(dict(settings, beta=0.2), inputs, roles).eval()
+    at_02 = train.build_dear(dict(settings, beta=0.2), inputs,
+                             dear.ablate(None, roles, inputs.attributes, 0.1)).eval()
     at_02.load_learnable_state_dict(model.learnable_state_dict())
     d = data.load_dataset("dtd", world["root"], num_shots=None, subsample="new")
     novel = train.EvalSet("novel", d.test, d.classnames, d.template, False)
     options, runtime = dict(eval_batch_size=8, workers=0), devices.Runtime(torch.device("cpu"))
     seen, encode_image = [], model.encode_image  # the beta each batch's image pass ran at
-    model.encode_image = lambda images: (seen.append(model.beta), encode_image(images))[1]
+    model.encode_image = lambda images, beta=None: (seen.append(beta), encode_image(images, beta=beta))[1]
     given = train.evaluate(model, clip, tokenizer, novel, options, runtime, beta=0.2)
-    assert seen and set(seen) == {0.2} and model.beta == 0.7  # the built beta again after the pass
+    assert seen and set(seen) == {0.2} and model.beta == 0.7  # given to the pass; the model's kept
     assert given == train.evaluate(at_02, clip, tokenizer, novel, options, runtime)
 
 
@@ -1825,7 +1826,7 @@ def test_build_dear_warns_of_left_out_branches_only_where_the_header_has_not_sai
     def warned(role_map, ablation=None) -> list:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            train.build_dear(settings, inputs, role_map, ablation)
+            train.build_dear(settings, inputs, dear.ablate(ablation, role_map, attributes, 0.3))
         return [str(w.message) for w in caught if issubclass(w.category, dear.LeftOutWarning)]
 
     def measured(colour_head: bool) -> dear.RoleMap:  # every other head a generalization head
@@ -1864,10 +1865,10 @@ def test_each_ablation_makes_exactly_its_one_change_and_the_rows_follow(tiny_cli
     # Built: the map made by hand keeps every branch (without the switch it would fall back).
     settings = dict(first_layer="auto", beta=0.7, text_tokens=2, tokens="separate", lambda_fusion=0.3)
     inputs = sources.Inputs(tiny_clip, None, attributes, [], "labels", None, False, {})
-    built = train.build_dear(settings, inputs, analysed, "mask-generalization-only")
+    built = train.build_dear(settings, inputs, only)
     assert not built.class_branch_only and not dear.falls_back_to_class_branch(analysed)
     assert dear.falls_back_to_class_branch(built.role_map)  # measured, no attribute head left
-    assert train.build_dear(settings, inputs, analysed, "no-attribute-tokens").attributes == []
+    assert train.build_dear(settings, inputs, none).attributes == []
     # The rows: no-role-mask is --roles all-mixed's row; each other one the DeAR row changed.
     rows = plan.dear_rows(settings_of(common(world, tmp_path / "u", "--dataset", "dtd", "--ablations", "all")))
     assert rows == [("dear", "analyse", None), ("dear-all-mixed", "all-mixed", "no-role-mask")] + [
