@@ -287,11 +287,14 @@ def read_data(settings, jobs: List[plan.Job], datasets: Datasets) -> RunData:
 
 
 def build_dear(settings, inputs: sources.Inputs, role_map: dear.RoleMap,
-               ablation: Optional[str] = None) -> dear.DeAR:
+               ablation: Optional[str] = None, seed: int = 0,
+               true_map: Optional[dear.RoleMap] = None) -> dear.DeAR:
     """DeAR on the frozen CLIP: the one place it is built (to train, and for --eval-only), at the
-    recipe's beta, with an ablation's change (dear.ablate). Its learnable tokens come from torch's
-    global generator: the caller seeds it."""
-    change = dear.ablate(ablation, role_map, inputs.attributes, settings["lambda_fusion"])
+    recipe's beta, with an ablation's change (dear.ablate; seed: the run's, true_map: the toy's
+    true heads, runfolder.true_role_map). Its learnable tokens come from torch's global
+    generator: the caller seeds it."""
+    change = dear.ablate(ablation, role_map, inputs.attributes, settings["lambda_fusion"],
+                         settings["lambda_reg"], seed, true_map)
     # the header already said so (blind tokens by construction, or the fallback): not per run
     said = change.role_map.source == "all-generalization" or (
         change.class_branch_fallback and dear.falls_back_to_class_branch(change.role_map))
@@ -302,7 +305,8 @@ def build_dear(settings, inputs: sources.Inputs, role_map: dear.RoleMap,
                          first_layer=sources.first_layer(settings, inputs.clip),
                          beta=settings["beta"], num_text_tokens=settings["text_tokens"],
                          tokens=settings["tokens"],
-                         class_branch_fallback=change.class_branch_fallback)
+                         class_branch_fallback=change.class_branch_fallback,
+                         fuse=change.fuse, fixed_alpha=change.fixed_alpha)
 
 
 # ------------------------------------------------------------------------------------------
@@ -329,7 +333,9 @@ def train_job(job: plan.Job, settings, inputs: sources.Inputs, role_map: dear.Ro
     and the per-epoch seeds are the helpers of section 6 below; resuming and checkpoints,
     harness/runfolder.py's."""
     torch.manual_seed(job.seed)  # the learnable tokens' initialisation
-    model = build_dear(settings, inputs, role_map, job.ablation).to(runtime.device)
+    true_map = runfolder.true_role_map(settings, job, role_map)  # None but for true-heads
+    model = build_dear(settings, inputs, role_map, job.ablation, job.seed, true_map)
+    model = model.to(runtime.device)
     # the tokens and fusion weights alone
     optimizer = torch.optim.AdamW(model.learnable_parameters(), lr=settings["lr"],
                                   weight_decay=settings["weight_decay"])
@@ -345,10 +351,10 @@ def train_job(job: plan.Job, settings, inputs: sources.Inputs, role_map: dear.Ro
     classes = class_prompts(model, inputs, split, runtime)  # the frozen text side up to J, once
     loader = training_loader(job, settings, split, inputs.clip, runtime)
     network = distributed(model, settings, runtime)  # DDP under torchrun, else the model itself
-    lambda_reg = settings["lambda_reg"]
     # the loss's settings, an ablation's change included
-    change = dear.ablate(job.ablation, role_map, inputs.attributes, settings["lambda_fusion"])
-    lambda_fusion, branch_ce = change.lambda_fusion, change.branch_ce
+    change = dear.ablate(job.ablation, role_map, inputs.attributes, settings["lambda_fusion"],
+                         settings["lambda_reg"], job.seed, true_map)
+    lambda_reg, lambda_fusion, branch_ce = change.lambda_reg, change.lambda_fusion, change.branch_ce
     # the sums, the wait for data and the non-finite guard, read every --log-every steps
     progress = monitor.Progress(job, settings, runtime, model, scaler,
                              steps=(stop - start) * len(loader), steps_per_epoch=len(loader))
@@ -554,7 +560,9 @@ def run_job(job: plan.Job, settings, inputs: sources.Inputs, role_maps: dict, li
         if job.row != "zeroshot" and settings["eval_only"]:
             checkpoint = runfolder.finished_checkpoint(job, settings)
             role_map = role_maps[job.dataset, job.roles]
-            model = build_dear(settings, inputs, role_map, job.ablation).to(runtime.device)
+            model = build_dear(settings, inputs, role_map, job.ablation, job.seed,
+                               runfolder.true_role_map(settings, job, role_map))
+            model = model.to(runtime.device)
             model.load_learnable_state_dict(checkpoint["learnable"])
         elif job.row != "zeroshot":
             model = train_job(job, settings, inputs, role_maps[job.dataset, job.roles],
