@@ -867,7 +867,9 @@ def test_toyworld_runs_end_to_end_from_an_empty_cache(tmp_path):
     assert "concept entropy of every head" not in done.stdout and "causal check" not in done.stdout
     assert list(read(again / "summary.json")["tables"]["toyworld"]["rows"]) == [
         "dear-fused", "dear-class-on-unseen", "dear-all-mixed", "dear-no-attribute-tokens",
-        "dear-no-fusion-reg", "dear-mask-generalization-only", "dear-branch-ce"]
+        "dear-no-fusion-reg", "dear-mask-generalization-only", "dear-branch-ce",
+        "dear-shuffled-heads", "dear-whole-layers", "dear-true-heads", "dear-fixed-fusion",
+        "dear-feature-fusion", "dear-no-self-reg"]
     retrieval = read(again / "retrieval.json")
     assert list(retrieval["dear-no-attribute-tokens"]) == ["class", "frozen CLIP"]  # no token: none
     assert list(retrieval["dear-branch-ce"]) == ["class"] + attributes + ["frozen CLIP"]
@@ -1778,7 +1780,8 @@ def test_build_dear_warns_of_left_out_branches_only_where_the_header_has_not_sai
     class branch; a run warns (dear.LeftOutWarning) only of branches it has not said."""
 
     attributes = list(dear.CORE_ATTRIBUTES)
-    settings = dict(first_layer="auto", beta=0.7, text_tokens=2, tokens="separate", lambda_fusion=0.3)
+    settings = dict(first_layer="auto", beta=0.7, text_tokens=2, tokens="separate", lambda_fusion=0.3,
+                    lambda_reg=1.0)
     inputs = sources.Inputs(tiny_clip, None, attributes, [], "labels", None, False, {})
 
     def warned(role_map, ablation=None) -> list:
