@@ -562,7 +562,8 @@ def blind_attributes(role_masks: torch.Tensor, num_image_tokens: int,
 # follow the image's N tokens, each head under its role mask (section 4); in the text tower K tokens
 # follow the start token. Each branch (the class token, each attribute token) scores the classes
 # by cosine with the prompts' features; the fused logits weigh the branches by alpha = softmax of
-# learnable logits (paper Eq. 6-7). First what DeAR's constructor reads (J, which branches enter
+# learnable logits (paper Eq. 6-7; that alpha weighs logits, not features, is our reading:
+# METHOD.md Sec. 5). First what DeAR's constructor reads (J, which branches enter
 # the fusion, alpha's start), then the default token construction, then the model.
 def default_first_layer(depth: int) -> int:
     """The paper's J (1-based), the one default of it: the first analysed layer (9 of 12 for
@@ -809,8 +810,9 @@ class DeAR(nn.Module):
     def forward(self, images: torch.Tensor, classes: PreparedClasses,
                 with_frozen: bool = False) -> DeAROutput:
         """Paper Eq. 6-7: branch k in {cls, attr_1..attr_A} has logits_k = s * cos(f_k, t_c), s
-        CLIP's frozen scale; fused = sum_k alpha_k * logits_k, or s * cos(sum_k alpha_k f_k, t_c)
-        under fuse="features" (scoring_logits: which one a test set reports)."""
+        CLIP's frozen scale; fused = sum_k alpha_k * logits_k (our reading), or under
+        fuse="features" s * cos(sum_k alpha_k f_k / |f_k|, t_c) (scoring_logits: which one a test
+        set reports)."""
         f_cls, f_attr, f_frozen = self.encode_image(images, with_frozen)
         t = self.encode_text(classes)  # (C, E)
         features = torch.cat([f_cls[:, None], f_attr], dim=1)  # (B, 1 + A, E)
