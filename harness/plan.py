@@ -44,7 +44,7 @@ ROW_LABELS = {"zeroshot": "CLIP (zero-shot)",
               "dear-branch-ce": "DeAR + per-branch CE (MMRL's; not the paper's loss)",
               "dear-shuffled-heads": "DeAR, the analysed roles on shuffled heads",
               "dear-whole-layers": "DeAR, whole top layers mixed (as many heads open)",
-              "dear-true-heads": "DeAR, the toy's true heads (its causal check's)",
+              "dear-true-heads": "DeAR, the toy's true heads (those ablation singles out)",
               "dear-fixed-fusion": "DeAR, fusion weights fixed (MMRL's 0.7 to the class branch)",
               "dear-feature-fusion": "DeAR, features fused (one cosine), not logits",
               "dear-no-self-reg": "DeAR, no self-regularisation (lambda_reg 0)"}
