@@ -54,7 +54,9 @@ ROLES = ("attribute", "generalization", "mixed")
 CONCEPT_SOURCES = ("clusters", "labels")  # the paper's: the picks clustered; the control: labels
 PAPER_PICKS = 20  # TextSpan's picks per head, the paper's "N" (default_picks: unlabelled pools)
 ANALYSED_LAYERS = 4  # the paper analyses, and prompts, the vision tower's last four layers
-MMRL_ALPHA = 0.7  # MMRL's class-branch CE weight (yunncheng/MMRL train.py: TRAINER.MMRL.ALPHA)
+# MMRL's class-branch weight, in its loss and in its fixed logits_fusion (yunncheng/MMRL
+# trainers/mmrl.py, MMRL_Loss and CustomCLIP.forward; train.py: TRAINER.MMRL.ALPHA)
+MMRL_ALPHA = 0.7
 FUSE = ("logits", "features")  # what alpha weighs: branch logits (ours), or features (METHOD.md 5)
 TOKEN_CONSTRUCTIONS = ("separate", "shared")  # each layer's own tokens (ours), or MMRL++'s space
 TEXT_TOKENS = 4  # K under tokens="separate" (our choice); "shared": K = A (default_text_tokens)
