@@ -54,7 +54,10 @@ ROLES = ("attribute", "generalization", "mixed")
 CONCEPT_SOURCES = ("clusters", "labels")  # the paper's: the picks clustered; the control: labels
 PAPER_PICKS = 20  # TextSpan's picks per head, the paper's "N" (default_picks: unlabelled pools)
 ANALYSED_LAYERS = 4  # the paper analyses, and prompts, the vision tower's last four layers
-MMRL_ALPHA = 0.7  # MMRL's class-branch CE weight (yunncheng/MMRL train.py: TRAINER.MMRL.ALPHA)
+# MMRL's class-branch weight, in its loss and in its fixed logits_fusion (yunncheng/MMRL
+# trainers/mmrl.py, MMRL_Loss and CustomCLIP.forward; train.py: TRAINER.MMRL.ALPHA)
+MMRL_ALPHA = 0.7
+FUSE = ("logits", "features")  # what alpha weighs: branch logits (ours), or features (METHOD.md 5)
 TOKEN_CONSTRUCTIONS = ("separate", "shared")  # each layer's own tokens (ours), or MMRL++'s space
 TEXT_TOKENS = 4  # K under tokens="separate" (our choice); "shared": K = A (default_text_tokens)
 # tokens="shared", MMRL++'s ranks (yunncheng/MMRL configs/trainers/MMRLpp/vit_b16.yaml):
@@ -170,12 +173,16 @@ class RoleMap:
         return next((h for h in self.heads if h.layer == layer and h.head == head), None)
 
     @classmethod
-    def uniform(cls, role: str, vision_layers: int, num_heads: int, layers: Sequence[int],
+    def uniform(cls, role: str, vision_layers: int, num_heads: int,
+                layers: Optional[Sequence[int]] = None,
                 attributes: Sequence[str] = CORE_ATTRIBUTES) -> RoleMap:
-        """The ablations': every head "mixed" (deep prompting, no mask) or "generalization"
-        (all blind)."""
+        """The --roles all-mixed and all-generalization maps, built here alone: every head of
+        `layers` (None: the analysed ones, the last four) "mixed" (deep prompting, no mask, the
+        layer-centric view of MaPLe, PromptSRC, MMRL) or "generalization" (all blind)."""
         if role not in ("mixed", "generalization"):
             raise DeARError(f"uniform role must be 'mixed' or 'generalization', not {role!r}")
+        if layers is None:
+            layers = range(vision_layers - analysed_layers(vision_layers), vision_layers)
         heads = [HeadRole(layer, head, role) for layer in layers for head in range(num_heads)]
         return cls(vision_layers, num_heads, list(attributes), heads, source=f"all-{role}")
 
@@ -563,7 +570,8 @@ def blind_attributes(role_masks: torch.Tensor, num_image_tokens: int,
 # follow the image's N tokens, each head under its role mask (section 4); in the text tower K tokens
 # follow the start token. Each branch (the class token, each attribute token) scores the classes
 # by cosine with the prompts' features; the fused logits weigh the branches by alpha = softmax of
-# learnable logits (paper Eq. 6-7). First what DeAR's constructor reads (J, which branches enter
+# learnable logits (paper Eq. 6-7; that alpha weighs logits, not features, is our reading:
+# METHOD.md Sec. 5). First what DeAR's constructor reads (J, which branches enter
 # the fusion, alpha's start), then the default token construction, then the model.
 def default_first_layer(depth: int) -> int:
     """The paper's J (1-based), the one default of it: the first analysed layer (9 of 12 for
@@ -676,15 +684,20 @@ class DeAR(nn.Module):
     Sec. 7). class_branch_fallback=False keeps every branch of a measured map without attribute
     heads, one made so on purpose (ablate's mask-generalization-only). Without attribute tokens
     (A = 0, ablate's no-attribute-tokens): frozen CLIP's image feature, the text tokens, alpha =
-    (1,). Nothing before J learns: it runs without autograd, shared with the frozen pass, and once
-    per class list on the text side (test_dear_reference.py checks these shortcuts)."""
+    (1,). fuse: what alpha weighs, each branch's logits (the default) or its feature (fused_logits);
+    fixed_alpha: alpha_cls held there, the rest even, not learned (ablate's fixed-fusion). Nothing
+    before J learns: it runs without autograd, shared with the frozen pass, and once per class list
+    on the text side (test_dear_reference.py checks these shortcuts)."""
 
     def __init__(self, clip: clip_model.CLIP, role_map: RoleMap,
                  attributes: Optional[Sequence[str]] = None, first_layer: Optional[int] = None,
                  beta: float = 0.5, num_text_tokens: Optional[int] = None,
                  cls_fusion_weight: float = 0.5, tokens: str = "separate",
-                 latent_width: Optional[int] = None, class_branch_fallback: bool = True):
+                 latent_width: Optional[int] = None, class_branch_fallback: bool = True,
+                 fuse: str = "logits", fixed_alpha: Optional[float] = None):
         super().__init__()
+        if fuse not in FUSE:
+            raise DeARError(f"fuse={fuse!r}: use {' or '.join(FUSE)}")
         depth = len(clip.visual.transformer.resblocks)
         attributes = list(role_map.attributes if attributes is None else attributes)
         first_layer = default_first_layer(depth) if first_layer is None else first_layer
@@ -695,6 +708,7 @@ class DeAR(nn.Module):
         self.clip = clip.eval().requires_grad_(False)  # frozen: only the tensors below learn
         self.role_map, self.attributes, self.construction = role_map, attributes, tokens
         self.first_layer, self.beta, self.num_text_tokens = first_layer, beta, num_text_tokens
+        self.fuse = fuse
         L_v = depth - first_layer + 1  # vision layers from J on
         L_t = len(clip.transformer.resblocks) - first_layer + 1  # text layers from J on
         A, K = len(attributes), num_text_tokens
@@ -706,7 +720,11 @@ class DeAR(nn.Module):
             self.tokens = SeparateTokens(**sizes)
         else:  # MMRL++'s latent tokens, mapped into both towers (section 9)
             self.tokens = SharedTokens(**sizes, latent_width=latent_width)
-        self.fusion_logits = nn.Parameter(initial_fusion_logits(cls_fusion_weight, A))  # (1 + A,)
+        start = initial_fusion_logits(cls_fusion_weight if fixed_alpha is None else fixed_alpha, A)
+        if fixed_alpha is None:
+            self.fusion_logits = nn.Parameter(start)
+        else:  # held: a buffer, which no optimiser steps and no checkpoint needs
+            self.register_buffer("fusion_logits", start, persistent=False)
 
         # Each head's role mask from J on (paper Sec. 3.3), built once from the role map.
         self.num_image_tokens = 1 + clip.visual.grid_size**2  # N
@@ -726,7 +744,9 @@ class DeAR(nn.Module):
         """{name: tensor} of everything that learns, as checkpoints hold them: the construction's
         (separate: vision_tokens, text_tokens, attribute_proj; shared: latent_tokens, then each
         module's as vision_aligner.weight, ...), then fusion_logits."""
-        return {**dict(self.tokens.named_parameters()), "fusion_logits": self.fusion_logits}
+        learned = isinstance(self.fusion_logits, nn.Parameter)  # not under fixed_alpha
+        return {**dict(self.tokens.named_parameters()),
+                **({"fusion_logits": self.fusion_logits} if learned else {})}
 
     def learnable_parameters(self) -> List[nn.Parameter]:
         return list(self.learnable_tensors().values())
@@ -807,7 +827,8 @@ class DeAR(nn.Module):
     def forward(self, images: torch.Tensor, classes: PreparedClasses,
                 with_frozen: bool = False) -> DeAROutput:
         """Paper Eq. 6-7: branch k in {cls, attr_1..attr_A} has logits_k = s * cos(f_k, t_c), s
-        CLIP's frozen scale; fused = sum_k alpha_k * logits_k (scoring_logits: which one a test
+        CLIP's frozen scale; fused = sum_k alpha_k * logits_k (our reading), or under
+        fuse="features" s * cos(sum_k alpha_k f_k / |f_k|, t_c) (scoring_logits: which one a test
         set reports)."""
         f_cls, f_attr, f_frozen = self.encode_image(images, with_frozen)
         t = self.encode_text(classes)  # (C, E)
@@ -822,11 +843,16 @@ class DeAR(nn.Module):
     def fused_logits(self, features: torch.Tensor, text_features: torch.Tensor):
         """(B, 1 + A, E), (C, E) -> (fused (B, C), branches (B, 1 + A, C)): forward's, and
         evaluation's with the text encoded once. fp32 under any autocast (cosine_logits), the
-        weighted sum too."""
+        weighted sum too. fuse="features" (the other reading of the paper's summary, METHOD.md
+        Sec. 5): each branch's feature made unit length, so alpha alone weighs them, then summed."""
         scale = self.clip.logit_scale.exp()
         branch_logits = cosine_logits(features, text_features, scale)  # (B, 1 + A, C), fp32
         with torch.autocast(branch_logits.device.type, enabled=False):
             alpha = self.fusion_weights().float()  # (1 + A,)
+            if self.fuse == "features":
+                unit = F.normalize(features.float(), dim=-1)  # (B, 1 + A, E)
+                fused_feature = torch.einsum("bae,a->be", unit, alpha)  # (B, E)
+                return cosine_logits(fused_feature, text_features, scale), branch_logits
             fused = torch.einsum("bac,a->bc", branch_logits, alpha)  # a: the 1 + A branches
         return fused, branch_logits
 
@@ -899,16 +925,23 @@ def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0,
     return losses
 
 
-# ---- 7. The paper's ablations (its "Ablation Study"; METHOD.md Sec. 5) ---------------------------
+# ---- 7. The paper's ablations (its "Ablation Study"; METHOD.md Sec. 5), and the lab's controls --
 # Each ablation is the DeAR row with one change, made in ablate and nowhere else: what DeAR is
-# built from (role map, attribute tokens, the fallback) and what dear_loss reads (lambda_fusion,
-# branch_ce). branch-ce is ours, not the paper's, for the retrieval diagnosis (docs/TOYWORLD.md).
+# built from (role map, attribute tokens, the fallback, the fusion) and what dear_loss reads
+# (lambda_reg, lambda_fusion, branch_ce). branch-ce is ours, not the paper's, for the retrieval
+# diagnosis; the rest after it are ours too, controls asking the paper's question (docs/TOYWORLD.md).
 ABLATIONS = {  # name -> what train.py's --ablations help says of it
     "no-role-mask": "every head mixed: the tokens reach every head (the row of --roles all-mixed)",
     "no-attribute-tokens": "no attribute token: the class branch and the text tokens alone",
     "no-fusion-reg": "lambda_fusion = 0: nothing holds the fusion to the class branch",
     "mask-generalization-only": "the analysed map with its attribute heads made mixed",
     "branch-ce": "NOT the paper's loss: + MMRL's 0.7 CE(class) + 0.3 CE(attribute branches)",
+    "shuffled-heads": "the analysed roles permuted over its heads (seeded by the run's seed)",
+    "whole-layers": "as many heads open as the analysed map opens, as whole top layers (mixed)",
+    "true-heads": "toy world only: the heads its causal check singles out, as attribute heads",
+    "fixed-fusion": "alpha held at MMRL's 0.7 for the class branch, the rest even, not learned",
+    "feature-fusion": "alpha weighs the branches' features, then one cosine (not their logits)",
+    "no-self-reg": "lambda_reg = 0: nothing holds f_cls and t_c near frozen CLIP's",
 }
 
 
@@ -919,6 +952,9 @@ class Ablated(NamedTuple):
     class_branch_fallback: bool  # DeAR's: a measured map without attribute heads -> class branch
     lambda_fusion: float  # dear_loss's weight of the fusion regularisation
     branch_ce: bool  # dear_loss's: + MMRL's CE per branch
+    lambda_reg: float = 1.0  # dear_loss's weight of the self-regularisation
+    fuse: str = "logits"  # DeAR's: what alpha weighs (FUSE)
+    fixed_alpha: Optional[float] = None  # DeAR's: alpha_cls held there, not learned (None: learned)
 
 
 def generalization_mask_only(role_map: RoleMap) -> RoleMap:
@@ -934,10 +970,36 @@ def generalization_mask_only(role_map: RoleMap) -> RoleMap:
                    source=f"{role_map.source}; attribute heads made mixed")
 
 
-def ablate(name: Optional[str], role_map: RoleMap, attributes: List[str],
-           lambda_fusion: float) -> Ablated:
-    """The one change of ablation `name` (None: none) to the DeAR row's role map, attribute tokens
-    and loss -> Ablated; DeAR is built and dear_loss called from it, nothing else switches.
+def shuffled_heads(role_map: RoleMap, seed: int) -> RoleMap:
+    """Random heads at the analysed map's counts: each head's record (role, attribute, entropy,
+    picks) moved to another place by a permutation seeded by `seed`; every role and attribute
+    keeps its count, only which heads hold them changes."""
+    order = torch.randperm(len(role_map.heads), generator=torch.Generator().manual_seed(seed))
+    heads = [replace(role_map.heads[i], layer=place.layer, head=place.head)
+             for place, i in zip(role_map.heads, order.tolist())]
+    return replace(role_map, attributes=list(role_map.attributes), heads=heads,
+                   clusters=list(role_map.clusters),
+                   source=f"{role_map.source}; heads shuffled (seed {seed})")
+
+
+def whole_layers(role_map: RoleMap) -> RoleMap:
+    """The layer-centric view at the analysed map's openness: its heads open to the tokens
+    (attribute or mixed), counted in layers and rounded half up (6 of 8 heads: 1 layer), taken
+    from the top as whole mixed layers; every other head of its layers generalization."""
+    opened = sum(h.role != "generalization" for h in role_map.heads)
+    top = role_map.layers[::-1][:math.floor(opened / role_map.num_heads + 0.5)]
+    heads = [HeadRole(h.layer, h.head, "mixed" if h.layer in top else "generalization")
+             for h in role_map.heads]
+    return RoleMap(role_map.vision_layers, role_map.num_heads, list(role_map.attributes), heads,
+                   source=f"whole-layers: the top {len(top)} layers mixed ({opened} heads open)")
+
+
+def ablate(name: Optional[str], role_map: RoleMap, attributes: List[str], lambda_fusion: float,
+           lambda_reg: float = 1.0, seed: int = 0, true_map: Optional[RoleMap] = None) -> Ablated:
+    """The one change of ablation `name` (None: none) to the DeAR row's role map, attribute tokens,
+    fusion and loss -> Ablated; DeAR is built and dear_loss called from it, nothing else switches.
+    seed: the run's (shuffled-heads); true_map: the toy's true heads (true-heads; the caller
+    has them from the causal check, toyworld.causal.true_role_map).
 
       name                      the one change                                  where it acts
       no-role-mask              every head of the analysed layers mixed         role map (the
@@ -953,12 +1015,18 @@ def ablate(name: Optional[str], role_map: RoleMap, attributes: List[str],
                                 attribute head on purpose
       branch-ce                 + MMRL's 0.7 CE(class) + 0.3 CE(attribute       dear_loss(branch_ce)
                                 branches), not the paper's loss
+      shuffled-heads            the map's roles permuted (shuffled_heads)       role map
+      whole-layers              whole top layers mixed, as open (whole_layers)  role map
+      true-heads                true_map                                        role map
+      fixed-fusion              alpha_cls held at MMRL_ALPHA                    DeAR(fixed_alpha)
+      feature-fusion            alpha weighs the features                       DeAR(fuse)
+      no-self-reg               lambda_reg = 0                                  dear_loss
     """
-    def uniform_mixed(attributes: List[str]) -> RoleMap:  # over the map's own layers
+    def uniform_mixed(attributes: List[str]) -> RoleMap:  # --roles all-mixed's map
         return RoleMap.uniform("mixed", role_map.vision_layers, role_map.num_heads,
-                               role_map.layers, attributes)
+                               attributes=attributes)
 
-    change = Ablated(role_map, list(attributes), True, lambda_fusion, False)
+    change = Ablated(role_map, list(attributes), True, lambda_fusion, False, lambda_reg)
     if name is None:
         return change
     if name == "no-role-mask":
@@ -972,6 +1040,21 @@ def ablate(name: Optional[str], role_map: RoleMap, attributes: List[str],
                                class_branch_fallback=False)
     if name == "branch-ce":
         return change._replace(branch_ce=True)
+    if name == "shuffled-heads":
+        return change._replace(role_map=shuffled_heads(role_map, seed))
+    if name == "whole-layers":
+        return change._replace(role_map=whole_layers(role_map))
+    if name == "true-heads":
+        if true_map is None:
+            raise DeARError("ablation 'true-heads' needs true_map, the heads a causal check "
+                            "singles out (the toy world's: toyworld.causal.true_role_map)")
+        return change._replace(role_map=true_map)
+    if name == "fixed-fusion":
+        return change._replace(fixed_alpha=MMRL_ALPHA)
+    if name == "feature-fusion":
+        return change._replace(fuse="features")
+    if name == "no-self-reg":
+        return change._replace(lambda_reg=0.0)
     raise DeARError(f"ablation {name!r}: use one of {', '.join(ABLATIONS)}")
 
 

@@ -296,7 +296,8 @@ def build_dear(settings, inputs: sources.Inputs, change: dear.Ablated) -> dear.D
                          first_layer=sources.first_layer(settings, inputs.clip),
                          beta=settings["beta"], num_text_tokens=settings["text_tokens"],
                          tokens=settings["tokens"],
-                         class_branch_fallback=change.class_branch_fallback)
+                         class_branch_fallback=change.class_branch_fallback,
+                         fuse=change.fuse, fixed_alpha=change.fixed_alpha)
 
 
 # ------------------------------------------------------------------------------------------
@@ -341,8 +342,7 @@ def train_job(job: plan.Job, settings, inputs: sources.Inputs, change: dear.Abla
     classes = class_prompts(model, inputs, split, runtime)  # the frozen text side up to J, once
     loader = training_loader(job, settings, split, inputs.clip, runtime)
     network = distributed(model, settings, runtime)  # DDP under torchrun, else the model itself
-    lambda_reg = settings["lambda_reg"]
-    lambda_fusion, branch_ce = change.lambda_fusion, change.branch_ce  # an ablation's, if any
+    lambda_reg, lambda_fusion, branch_ce = change.lambda_reg, change.lambda_fusion, change.branch_ce
     # the sums, the wait for data and the non-finite guard, read every --log-every steps
     progress = monitor.Progress(job, settings, runtime, model, scaler,
                              steps=(stop - start) * len(loader), steps_per_epoch=len(loader),
@@ -523,8 +523,10 @@ def run_job(job: plan.Job, settings, inputs: sources.Inputs, role_maps: dict, li
                       settings=plan.job_settings(settings, job))
     else:
         if job.row != "zeroshot":  # the run's role map and tokens, an ablation's change made
-            change = dear.ablate(job.ablation, role_maps[job.dataset, job.roles],
-                                 inputs.attributes, settings["lambda_fusion"])
+            role_map = role_maps[job.dataset, job.roles]  # true_map: None but for true-heads
+            change = dear.ablate(job.ablation, role_map, inputs.attributes,
+                                 settings["lambda_fusion"], settings["lambda_reg"], job.seed,
+                                 runfolder.true_role_map(settings, job, role_map))
         if job.row != "zeroshot" and settings["eval_only"]:
             checkpoint = runfolder.finished_checkpoint(job, settings)
             model = build_dear(settings, inputs, change).to(runtime.device)

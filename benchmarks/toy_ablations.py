@@ -2,12 +2,13 @@
 benchmarks/toy_ablations.py -- the paper's ablation study on the toy world, and why its attribute
 tokens do not carry their attribute, measured: docs/TOYWORLD.md's tables, in one command.
 
-    python benchmarks/toy_ablations.py     # docs/TOYWORLD.md's tables: 3 seeds, 18 CPU-minutes
+    python benchmarks/toy_ablations.py     # docs/TOYWORLD.md's tables: 3 seeds
     python benchmarks/toy_ablations.py --toy-scale miniature --seeds 1 --epochs 1 --output /tmp/abl
 
 Every run is `train.py --dataset toyworld` (train.main, in this process), in a folder of its own
 under --output:
-  ablations/    the quick start's rows and the paper's ablations beside them (--ablations all)
+  ablations/    the quick start's rows, the paper's ablations and the lab's controls beside them
+                (--ablations all), the controls in a table of their own (lab_table)
   <candidate>/  the DeAR row with one training setting changed: a candidate cause of the tokens'
                 weak retrieval (beta, lambda_fusion, the epochs, the token construction that is not
                 the default: --tokens shared, MMRL++'s). The per-branch cross-entropy and
@@ -19,6 +20,7 @@ printed and written to <output>/tables.md.
 """
 
 import argparse
+import glob
 import json
 import os
 import sys
@@ -111,6 +113,37 @@ def ablation_table(summary: dict, seeds: str) -> list:
     return [title, "", *lines, ""]
 
 
+# The lab's question (docs/TOYWORLD.md): which heads the tokens may reach, how the branches are
+# fused, one loss term; each row under both scoring rules (harness.cli.FUSION_MODES).
+LAB = {"dear": "concept entropy (the analysed map)", "dear-shuffled-heads": "shuffled heads",
+       "dear-whole-layers": "whole top layers, as open", "dear-true-heads": "the true heads",
+       "dear-all-mixed": "all heads mixed", "dear-all-generalization": "all heads generalization",
+       "dear-fixed-fusion": "fusion fixed (0.7 class)", "dear-feature-fusion": "features fused",
+       "dear-no-self-reg": "no self-regularisation"}
+
+
+def lab_table(folder: str, seeds: str) -> list:
+    """The controls from each run's results.json (every run is scored under both rules), as the
+    summary's table: HM of the mean base and novel, its spread that of the seeds' own HMs."""
+    modes, rows = [], {}
+    for row, label in LAB.items():
+        paths = sorted(glob.glob(os.path.join(folder, "toyworld", row, "seed*", "results.json")))
+        runs = [json.load(open(path, encoding="utf-8"))["metrics_by_fusion"] for path in paths]
+        modes = list(runs[0]) if runs else modes
+        cells = []
+        for mode in modes if runs else []:
+            base, novel = ([run[mode][key] for run in runs] for key in ("base", "novel"))
+            hm = reports.harmonic_mean(reports.mean(base), reports.mean(novel))
+            seeds_hm = [run[mode]["hm"] for run in runs]
+            cells += [cell(reports.mean(values), reports.spread(values)) for values in (base, novel)]
+            cells.append(cell(hm, reports.spread(seeds_hm)))
+        if cells:
+            rows[label] = cells[:3] + cells[4:]  # base is fused under either rule: shown once
+    columns = ["Base"] + [f"{key} ({mode})" for mode in modes for key in ("Novel", "HM")]
+    return [f"## The paper's question: which heads, which fusion ({seeds})", "",
+            *reports.md_table("DeAR with", columns, rows), ""]
+
+
 def diagnosis_table(ablations: dict, measured: list, seeds: str, epochs: int) -> list:
     recipe = (f"toy recipe (beta {RECIPE.beta:g}, lambda_fusion {RECIPE.lambda_fusion:g}, "
               f"{epochs} epochs, CE on the fused logits)")
@@ -154,6 +187,7 @@ def main(argv=None) -> int:
         measured.append((label, run(os.path.join(args.output, folder), dear_row)))
     seeds = f"seeds {' '.join(args.seeds)}, mean ± sd"
     text = "\n".join(ablation_table(ablations["summary"], seeds)
+                     + lab_table(os.path.join(args.output, "ablations"), seeds)
                      + diagnosis_table(ablations, measured, seeds, epochs))
     runfolder.write_text(os.path.join(args.output, "tables.md"), text)
     print(f"\n{text}\ntoy_ablations.py: done in {devices.format_time(time.time() - started)}; "

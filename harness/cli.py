@@ -53,9 +53,11 @@ OLD_FUSION_NAMES = {"everywhere": "fused-everywhere", "adaptive": "class-on-unse
 # all-generalization a comparison of our own (every token blind).
 ROLE_ROWS = {"all-mixed": "no-role-mask", "all-generalization": None}
 ROLE_ABLATIONS = tuple(ROLE_ROWS)
-# The paper's ablations (--ablations), each the DeAR row with one change: dear.ABLATIONS names
-# them and says what each changes, dear.ablate makes the change.
+# The paper's ablations and the lab's controls (--ablations), each the DeAR row with one change:
+# dear.ABLATIONS names them and says what each changes, dear.ablate makes the change. true-heads
+# needs the toy world's causal check: "all" leaves it out elsewhere.
 (ABLATIONS,) = project_constants("dear", "ABLATIONS")
+TOY_ONLY_ABLATIONS = ("true-heads",)
 # The head analysis as a whole (--analysis): the project's (its labelled bank, checked on the toy
 # world against ablation) or the paper's Sec. 3.2 (config.analysis_preset; docs/METHOD.md
 # Sec. 3's table of departures).
@@ -123,7 +125,8 @@ def build_parser(book: RecipeBook) -> argparse.ArgumentParser:
     g("--roles", nargs="+", metavar="CHOICE", help="head roles, a row each: analyse (concept "
       "entropy, cached), a roles.json file, all-mixed, all-generalization")
     g("--ablations", nargs="+", choices=(*ABLATIONS, "all"), metavar="NAME",
-      help="the paper's ablations, a DeAR row each: " + ", ".join(ABLATIONS) + "; all")
+      help="the paper's ablations and the lab's controls, a DeAR row each: "
+      + ", ".join(ABLATIONS) + "; all (true-heads: toy world only)")
     g("--fusion", nargs="+", type=fusion_name, metavar="MODE", help="DeAR's scoring on unseen "
       "classes, a row each: fused-everywhere, class-on-unseen (MMRL's)")
     g("--seeds", nargs="+", type=int, metavar="N", help="seeds; the tables report the mean")

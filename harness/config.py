@@ -16,7 +16,8 @@ from typing import Dict, List, Optional
 import data
 import dear
 from .errors import TrainError
-from .cli import ABLATIONS, ROLE_ABLATIONS, RecipeBook, SBERT_MODEL, ablation_roles
+from .cli import (ABLATIONS, ROLE_ABLATIONS, TOY_ONLY_ABLATIONS, RecipeBook, SBERT_MODEL,
+                  ablation_roles)
 from .devices import pick_device
 from . import splitfiles
 
@@ -85,7 +86,8 @@ def typed_flags(args: argparse.Namespace, protocol: str, source: Optional[str],
     """The flags typed (a typed 0 or "" too), in the form settings.json stores them (--augment off
     -> False, --dataset all -> the names, each list without repeats): new and resumed runs alike."""
     stored_as = dict.fromkeys(("roles", "method", "seeds", "shots", "fusion"), _unique)
-    stored_as["ablations"] = lambda v: list(ABLATIONS) if "all" in v else _unique(v)
+    every = [a for a in ABLATIONS if args.dataset == ["toyworld"] or a not in TOY_ONLY_ABLATIONS]
+    stored_as["ablations"] = lambda v: every if "all" in v else _unique(v)
     stored_as.update(dataset=lambda v: dataset_names(v, protocol, source, book),
                      source=data.dataset_key,
                      augment=lambda v: v == "on", image_cache=lambda v: v == "on")
@@ -183,6 +185,10 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
     if ablations and "dear" not in settings["method"]:
         raise TrainError(f"--ablations {' '.join(ablations)}: each is a DeAR row; "
                          "add dear to --method")
+    toy_only = [name for name in ablations if name in TOY_ONLY_ABLATIONS and not toy]
+    if toy_only:
+        raise TrainError(f"--ablations {toy_only[0]}: the toy world's only (its causal check "
+                         "knows which heads carry an attribute); use it with --dataset toyworld")
     changed = [name for name in ablations if ablation_roles(name) is None]  # change the DeAR row
     if changed and all(choice in ROLE_ABLATIONS for choice in roles):
         raise TrainError(f"--ablations {changed[0]}: it changes the DeAR row, which --roles "

@@ -41,7 +41,13 @@ ROW_LABELS = {"zeroshot": "CLIP (zero-shot)",
               "dear-no-attribute-tokens": "DeAR, no attribute tokens (class branch, text tokens)",
               "dear-no-fusion-reg": "DeAR, no fusion regularisation (lambda_fusion 0)",
               "dear-mask-generalization-only": "DeAR, mask on the generalization heads only",
-              "dear-branch-ce": "DeAR + per-branch CE (MMRL's; not the paper's loss)"}
+              "dear-branch-ce": "DeAR + per-branch CE (MMRL's; not the paper's loss)",
+              "dear-shuffled-heads": "DeAR, the analysed roles on shuffled heads",
+              "dear-whole-layers": "DeAR, whole top layers mixed (as many heads open)",
+              "dear-true-heads": "DeAR, the toy's true heads (those ablation singles out)",
+              "dear-fixed-fusion": "DeAR, fusion weights fixed (MMRL's 0.7 to the class branch)",
+              "dear-feature-fusion": "DeAR, features fused (one cosine), not logits",
+              "dear-no-self-reg": "DeAR, no self-regularisation (lambda_reg 0)"}
 
 
 # The DeAR row once per --fusion mode; its table key and label say what the mode does.

@@ -441,6 +441,18 @@ def role_copy(settings, dataset: str, checked: bool = False) -> str:
     return path
 
 
+def true_role_map(settings, job: Job, role_map: dear.RoleMap) -> Optional[dear.RoleMap]:
+    """--ablations true-heads' map (dear.ablate's true_map), None for any other row: the heads the
+    toy world's causal check singles out, read from its copy beside the run folder's role map."""
+    if job.ablation != "true-heads":
+        return None
+    from toyworld import causal  # the toy world's alone
+
+    path = os.path.join(os.path.dirname(role_copy(settings, job.dataset)), "causal_check.json")
+    with open(path, encoding="utf-8") as f:
+        return causal.true_role_map(json.load(f), role_map)
+
+
 def copy_role_maps(settings, clip, records: dict) -> None:
     """The run folder keeps what the cache holds for each map it uses, and the masks of its own J
     (masks.png: a role map does not fix J, so it is drawn per run)."""

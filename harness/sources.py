@@ -413,10 +413,8 @@ def role_map_for(choice: str, clip, attributes: List[str],
     depth, heads = len(clip.visual.transformer.resblocks), clip.visual.transformer.heads
     if choice == "analyse":
         return analysed  # measured by train.analysed_role_maps
-    if choice in ROLE_ABLATIONS:
-        # the analysed (last four) layers, 0-based
-        layers = range(depth - dear.analysed_layers(depth), depth)
-        return dear.RoleMap.uniform(choice.split("-", 1)[1], depth, heads, layers, attributes)
+    if choice in ROLE_ABLATIONS:  # over the analysed layers (dear's one builder of them)
+        return dear.RoleMap.uniform(choice.split("-", 1)[1], depth, heads, attributes=attributes)
     try:  # dear.py's messages name arguments; say which flag the value came from
         role_map = load_role_file(choice)
         role_map.validate(depth, heads, attributes)

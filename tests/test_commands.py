@@ -98,7 +98,7 @@ NOT_RUN = {
     "python benchmarks/bench_train_step.py --device cuda --amp fp16 --batch 32": "needs a GPU",
     "python benchmarks/bench_train_step.py --tokens shared": "about a minute of ViT-B/16 on the CPU; "
                                                              "--tiny runs the same code",
-    "python benchmarks/toy_ablations.py": "half an hour (37 toy runs); the miniature one runs here",
+    "python benchmarks/toy_ablations.py": "about an hour (58 toy runs); the miniature one runs here",
     "python benchmarks/bench_startup.py --fractions 0.01 --repeats 1":
         "about a minute, mostly the head analysis; --quick runs the same code",
     "python -m pytest -q": "the test suite itself",
@@ -113,6 +113,8 @@ NOT_RUN = {
     "python train.py --dataset path/to/my_photos --weights toyworld/assets/full/clip.pt "
     "--bpe toyworld/assets/full/bpe.txt.gz --output runs/my_photos-toy": IN_ORDER,
     "python train.py --recipes": IN_ORDER,
+    "python train.py --dataset toyworld --ablations shuffled-heads whole-layers true-heads "
+    "fixed-fusion feature-fusion no-self-reg --output runs/toy-lab": IN_ORDER,
     "python benchmarks/device_check.py --device cpu --quick": "tests/test_device_check.py runs it",
     "python benchmarks/device_check.py": "needs a GPU",
     "python benchmarks/precision_table.py --device cuda": "needs a GPU",

@@ -479,7 +479,8 @@ def test_ablate_is_the_one_path_of_every_ablation_and_refuses_an_unknown_name(ti
                             num_text_tokens=2, class_branch_fallback=change.class_branch_fallback)
 
     plain, row = built(None)
-    assert plain == (measured, ATTRIBUTES, True, 0.1, False) and (row.role_masks != 0).any()
+    assert plain == (measured, ATTRIBUTES, True, 0.1, False, 1.0, "logits", None)
+    assert (row.role_masks != 0).any()
     no_mask, model = built("no-role-mask")
     assert (model.role_masks == 0).all() and model.attributes == ATTRIBUTES  # every head mixed
     assert no_mask.role_map.layers == measured.layers and no_mask.role_map.source == "all-mixed"
@@ -506,3 +507,117 @@ def test_branch_ce_adds_mmrls_per_branch_cross_entropy_of_the_branches_in_the_fu
     assert_close(ours["branch"], by_hand, 1e-5, "per-branch CE")
     assert_close(ours["total"], paper["total"] + by_hand, 1e-5, "total")
     assert (ce[1] - (ce[2] + ce[3]) / 2).abs() > 1e-3  # a blind branch counted in would show
+
+
+# ------------------------------------------------------------------------------------------
+# The lab's controls (dear.ablate): each keeps what its question holds fixed
+# ------------------------------------------------------------------------------------------
+def measured_map(spec=MIXED_MAP) -> RoleMap:
+    measured = role_map(spec)
+    for head in measured.heads:
+        head.entropy = 0.5 if head.role == "attribute" else 2.0
+    return measured
+
+
+def roles_of(m: RoleMap) -> list:
+    return [(h.layer, h.head, h.role, h.attribute) for h in m.heads]
+
+
+def test_shuffled_heads_keeps_every_role_and_attribute_count_and_moves_them_by_the_seed():
+    measured = measured_map()
+    counts = lambda m: sorted((h.role, str(h.attribute)) for h in m.heads)  # noqa: E731
+    shuffled = {seed: dear.ablate("shuffled-heads", measured, ATTRIBUTES, 0.1, seed=seed).role_map
+                for seed in (1, 2, 3)}
+    for seed, m in shuffled.items():
+        assert counts(m) == counts(measured)  # the same roles, the same attributes, as often
+        assert [(h.layer, h.head) for h in m.heads] == [(h.layer, h.head) for h in measured.heads]
+        assert roles_of(m) == roles_of(dear.shuffled_heads(measured, seed))  # the seed's alone
+    assert all(roles_of(m) != roles_of(measured) for m in shuffled.values())  # heads moved
+    assert roles_of(shuffled[1]) != roles_of(shuffled[2])  # several shuffles, one per seed
+
+
+def opening(count: int) -> dict:
+    """A map spec with `count` heads mixed (the first ones), every other head generalization."""
+    heads = [(layer, head) for layer in range(LAYERS) for head in range(HEADS)]
+    return {place: "G" for place in heads[count:]}
+
+
+@pytest.mark.parametrize("spec", [MIXED_MAP, {}, opening(1), opening(5), opening(7)])
+def test_whole_layers_opens_whole_top_layers_as_many_heads_as_the_map_opens(spec):
+    measured = measured_map(spec)
+    opened = sum(h.role != "generalization" for h in measured.heads)
+    layers = dear.ablate("whole-layers", measured, ATTRIBUTES, 0.1).role_map
+    by_layer = {layer: {h.role for h in layers.heads if h.layer == layer} for layer in layers.layers}
+    assert all(roles in ({"mixed"}, {"generalization"}) for roles in by_layer.values())  # whole
+    open_layers = [layer for layer, roles in by_layer.items() if roles == {"mixed"}]
+    assert open_layers == measured.layers[len(measured.layers) - len(open_layers):]  # the top
+    assert abs(len(open_layers) * HEADS - opened) <= HEADS / 2  # rounded to the nearest layer
+    assert layers.attributes == measured.attributes
+
+
+def test_true_heads_are_exactly_the_heads_the_causal_check_singles_out():
+    from toyworld import causal
+
+    measured = measured_map()
+    singled = {(0, 1): "shape", (2, 0): "colour", (2, 3): "colour"}
+    result = {"heads": [{"layer": h.layer, "head": h.head, "singled_out": singled.get((h.layer, h.head))}
+                        for h in measured.heads]}
+    true_map = causal.true_role_map(result, measured)
+    change = dear.ablate("true-heads", measured, ATTRIBUTES, 0.1, true_map=true_map)
+    assert {(h.layer, h.head): h.attribute for h in change.role_map.heads
+            if h.role == "attribute"} == singled
+    assert {h.role for h in change.role_map.heads if (h.layer, h.head) not in singled} == {
+        "generalization"}
+    with pytest.raises(DeARError, match="ablation 'true-heads' needs true_map"):
+        dear.ablate("true-heads", measured, ATTRIBUTES, 0.1)
+
+
+def test_fixed_fusion_holds_alpha_at_mmrls_weight_through_training(tiny_deep_clip):
+    change = dear.ablate("fixed-fusion", measured_map(), ATTRIBUTES, 0.1)
+    torch.manual_seed(0)
+    model = DeAR(tiny_deep_clip, change.role_map, change.attributes, first_layer=1,
+                 num_text_tokens=2, fixed_alpha=change.fixed_alpha)
+    before = model.fusion_weights().detach().clone()
+    assert before.tolist() == pytest.approx([dear.MMRL_ALPHA] + [0.1] * 3)  # the rest even
+    optimizer = torch.optim.AdamW(model.learnable_parameters(), lr=0.1)
+    classes = model.prepare_classes(prompts())
+    for _ in range(2):
+        output = model(images(), classes, with_frozen=True)
+        losses = dear.dear_loss(output, torch.tensor([0, 1, 2]), 1.0, change.lambda_fusion)
+        optimizer.zero_grad()
+        losses["total"].backward()
+        optimizer.step()
+    assert torch.equal(model.fusion_weights(), before)
+    assert "fusion_logits" not in model.learnable_state_dict()  # nothing of it to keep
+
+
+def test_feature_fusion_equals_logit_fusion_when_every_branch_has_the_same_feature(tiny_deep_clip):
+    change = dear.ablate("feature-fusion", measured_map(), ATTRIBUTES, 0.1)
+    models = [DeAR(tiny_deep_clip, change.role_map, change.attributes, first_layer=1,
+                   num_text_tokens=2, fuse=fuse) for fuse in ("logits", change.fuse)]
+    with torch.no_grad():
+        for model in models:
+            model.fusion_logits.copy_(torch.tensor([0.3, -1.0, 0.5, 2.0]))
+    generator = torch.Generator().manual_seed(0)
+    text, feature = torch.randn(5, 32, generator=generator), torch.randn(3, 1, 32, generator=generator)
+    same = feature.expand(3, 4, 32) * torch.tensor([1.0, 2.0, 0.5, 3.0])[:, None]  # lengths apart
+    by_logits, by_features = (model.fused_logits(same, text)[0] for model in models)
+    assert_close(by_features, by_logits, atol=1e-4)
+    apart = torch.randn(3, 4, 32, generator=generator)  # otherwise s cos(sum_k alpha_k f_k/|f_k|, t)
+    fused = torch.einsum("bae,a->be", F.normalize(apart, dim=-1), models[1].fusion_weights())
+    scale = tiny_deep_clip.logit_scale.exp()
+    assert_close(models[1].fused_logits(apart, text)[0], scale * F.normalize(fused, dim=-1)
+                 @ F.normalize(text, dim=-1).T, atol=1e-4)
+    assert not torch.allclose(models[0].fused_logits(apart, text)[0], models[1].fused_logits(apart, text)[0])
+
+
+def test_no_self_reg_leaves_no_regularisation_term_in_the_loss(tiny_deep_clip):
+    model = make(tiny_deep_clip)
+    output = model(images(), model.prepare_classes(prompts()), with_frozen=True)
+    labels = torch.tensor([0, 1, 2])
+    for name in (None, "no-self-reg"):
+        change = dear.ablate(name, measured_map(), ATTRIBUTES, 0.1)
+        losses = dear.dear_loss(output, labels, change.lambda_reg, change.lambda_fusion)
+        terms = losses["ce"] + 0.1 * losses["fusion"] + (0 if name else losses["reg"])
+        assert float(losses["reg"]) > 1e-3  # a term there would show
+        assert float(losses["total"]) == pytest.approx(float(terms), abs=1e-6)

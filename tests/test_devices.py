@@ -417,7 +417,7 @@ CONFIGURATIONS = [
     ("all heads mixed", {}, "all-mixed", None),
     ("all heads generalization", {}, "all-generalization", None),
     *[(f"ablation {name}", {}, "analysed", name) for name in dear.ABLATIONS
-      if name != "no-role-mask"],  # (the all-mixed row)
+      if name not in ("no-role-mask", "true-heads")],  # (the all-mixed row; the toy's alone)
     ("blind branch", {}, "blind", None),
     ("class-branch fallback", {}, "fallback", None),
     ("K = 0 text tokens", {"text_tokens": 0}, "analysed", None),

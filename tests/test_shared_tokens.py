@@ -158,7 +158,8 @@ def test_without_attribute_tokens_python_and_train_py_give_the_same_K_and_nothin
     full row's K = A. train.py resolves K before the ablation; from Python it is passed (unset:
     refused). With K = 0 too, no latent token and no map is built: only the fusion weight."""
     analysed = roles(["colour", "G", "M", "shape"])
-    settings = dict(tokens="shared", text_tokens=None, beta=0.3, first_layer=2, lambda_fusion=0.1)
+    settings = dict(tokens="shared", text_tokens=None, beta=0.3, first_layer=2, lambda_fusion=0.1,
+                    lambda_reg=1.0)
     config.resolve_text_tokens(settings, len(ATTRIBUTES))  # train.py's K, once per call
     inputs = types.SimpleNamespace(clip=tiny_deep_clip, attributes=ATTRIBUTES)
     change = dear.ablate("no-attribute-tokens", analysed, ATTRIBUTES, 0.1)

@@ -402,7 +402,7 @@ def test_each_ablation_is_a_dear_run_with_one_change_and_a_row_of_its_own(world,
         return models[rows[-1]]
 
     def loss(output, labels, lambda_reg, lambda_fusion, branch_ce=False):
-        losses.append((rows[-1], lambda_fusion, branch_ce))
+        losses.append((rows[-1], lambda_reg == 0, lambda_fusion, branch_ce))
         return real_loss(output, labels, lambda_reg, lambda_fusion, branch_ce)
 
     def train_job(job, *rest):
@@ -416,12 +416,15 @@ def test_each_ablation_is_a_dear_run_with_one_change_and_a_row_of_its_own(world,
     assert train.main(common(world, out, "--dataset", "dtd", "--seeds", "1", "--shots", "4",
                              "--epochs", "1", "--roles", hand_made_roles(tmp_path),
                              "--ablations", "all")) == 0
-    assert read(out / "settings.json")["settings"]["ablations"] == list(dear.ABLATIONS)
+    # all: every ablation but the toy world's true-heads
+    every = [name for name in dear.ABLATIONS if name != "true-heads"]
+    assert read(out / "settings.json")["settings"]["ablations"] == every
     summary = read(out / "summary.json")
     assert list(summary["tables"]["dtd"]["rows"]) == [
         "zeroshot", "dear-fused", "dear-class-on-unseen", "dear-all-mixed",
         "dear-no-attribute-tokens", "dear-no-fusion-reg", "dear-mask-generalization-only",
-        "dear-branch-ce"]
+        "dear-branch-ce", "dear-shuffled-heads", "dear-whole-layers", "dear-fixed-fusion",
+        "dear-feature-fusion", "dear-no-self-reg"]
     # One change each: the model (the roles, the tokens) or the loss, nothing else.
     roles_of = {row: [(h.role, h.attribute) for h in model.role_map.heads]
                 for row, model in models.items()}
@@ -433,11 +436,15 @@ def test_each_ablation_is_a_dear_run_with_one_change_and_a_row_of_its_own(world,
     assert set(roles_of["dear-all-mixed"]) == {("mixed", None)}
     assert models["dear"].attributes == list(dear.CORE_ATTRIBUTES)
     assert models["dear-no-attribute-tokens"].attributes == []
-    paper = {(0.1, False)}  # lambda_fusion, and no per-branch CE: the paper's loss
-    assert {row: {(f, b) for r, f, b in losses if r == row} for row in rows} == {
+    paper = {(False, 0.1, False)}  # L_reg, lambda_fusion, no per-branch CE: the paper's loss
+    assert {row: {(z, f, b) for r, z, f, b in losses if r == row} for row in rows} == {
         "dear": paper, "dear-all-mixed": paper, "dear-no-attribute-tokens": paper,
-        "dear-mask-generalization-only": paper, "dear-no-fusion-reg": {(0.0, False)},
-        "dear-branch-ce": {(0.1, True)}}
+        "dear-mask-generalization-only": paper, "dear-no-fusion-reg": {(False, 0.0, False)},
+        "dear-branch-ce": {(False, 0.1, True)}, "dear-shuffled-heads": paper,
+        "dear-whole-layers": paper, "dear-fixed-fusion": paper, "dear-feature-fusion": paper,
+        "dear-no-self-reg": {(True, 0.1, False)}}
+    assert models["dear-feature-fusion"].fuse == "features" and models["dear"].fuse == "logits"
+    assert "fusion_logits" not in models["dear-fixed-fusion"].learnable_tensors()
     # Each run's settings name its ablation; every DeAR run reports its learned fusion weights.
     markdown = (out / "summary.md").read_text()
     assert "## Learned fusion weights alpha (mean ± sd over seeds)" in markdown
@@ -906,7 +913,9 @@ def test_toyworld_runs_end_to_end_from_an_empty_cache(tmp_path):
     assert "concept entropy of every head" not in done.stdout and "causal check" not in done.stdout
     assert list(read(again / "summary.json")["tables"]["toyworld"]["rows"]) == [
         "dear-fused", "dear-class-on-unseen", "dear-all-mixed", "dear-no-attribute-tokens",
-        "dear-no-fusion-reg", "dear-mask-generalization-only", "dear-branch-ce"]
+        "dear-no-fusion-reg", "dear-mask-generalization-only", "dear-branch-ce",
+        "dear-shuffled-heads", "dear-whole-layers", "dear-true-heads", "dear-fixed-fusion",
+        "dear-feature-fusion", "dear-no-self-reg"]
     retrieval = read(again / "retrieval.json")
     assert list(retrieval["dear-no-attribute-tokens"]) == ["class", "frozen CLIP"]  # no token: none
     assert list(retrieval["dear-branch-ce"]) == ["class"] + attributes + ["frozen CLIP"]
@@ -1804,7 +1813,10 @@ def test_build_dear_keeps_the_recipes_beta_and_evaluate_scores_at_the_beta_it_is
 ABLATION_CHANGES = {"no-role-mask": {"role_map"}, "no-attribute-tokens": {"role_map", "attributes"},
                     "no-fusion-reg": {"lambda_fusion"},
                     "mask-generalization-only": {"role_map", "class_branch_fallback"},
-                    "branch-ce": {"branch_ce"}}
+                    "branch-ce": {"branch_ce"}, "shuffled-heads": {"role_map"},
+                    "whole-layers": {"role_map"}, "true-heads": {"role_map"},
+                    "fixed-fusion": {"fixed_alpha"}, "feature-fusion": {"fuse"},
+                    "no-self-reg": {"lambda_reg"}}
 
 
 def measured_map() -> dear.RoleMap:
@@ -1820,7 +1832,8 @@ def test_build_dear_warns_of_left_out_branches_only_where_the_header_has_not_sai
     class branch; a run warns (dear.LeftOutWarning) only of branches it has not said."""
 
     attributes = list(dear.CORE_ATTRIBUTES)
-    settings = dict(first_layer="auto", beta=0.7, text_tokens=2, tokens="separate", lambda_fusion=0.3)
+    settings = dict(first_layer="auto", beta=0.7, text_tokens=2, tokens="separate", lambda_fusion=0.3,
+                    lambda_reg=1.0)
     inputs = sources.Inputs(tiny_clip, None, attributes, [], "labels", None, False, {})
 
     def warned(role_map, ablation=None) -> list:
@@ -1846,9 +1859,10 @@ def test_each_ablation_makes_exactly_its_one_change_and_the_rows_follow(tiny_cli
     assert set(ABLATION_CHANGES) == set(dear.ABLATIONS)
     attributes, analysed = list(dear.CORE_ATTRIBUTES), measured_map()
     plain = dear.ablate(None, analysed, attributes, 0.3)
-    assert plain == (analysed, attributes, True, 0.3, False)
+    assert plain == (analysed, attributes, True, 0.3, False, 1.0, "logits", None)
+    true_map = dear.RoleMap.uniform("generalization", 3, 2, range(3))
     for name, fields in ABLATION_CHANGES.items():
-        change = dear.ablate(name, analysed, attributes, 0.3)
+        change = dear.ablate(name, analysed, attributes, 0.3, true_map=true_map)
         moved = {f for f in dear.Ablated._fields if getattr(change, f) != getattr(plain, f)}
         assert moved == fields, name
     roles_of = lambda m: [(h.layer, h.head, h.role, h.attribute) for h in m.heads]  # noqa: E731
@@ -1863,16 +1877,21 @@ def test_each_ablation_makes_exactly_its_one_change_and_the_rows_follow(tiny_cli
     assert dear.ablate("no-fusion-reg", analysed, attributes, 0.3).lambda_fusion == 0.0
     assert dear.ablate("branch-ce", analysed, attributes, 0.3).branch_ce
     # Built: the map made by hand keeps every branch (without the switch it would fall back).
-    settings = dict(first_layer="auto", beta=0.7, text_tokens=2, tokens="separate", lambda_fusion=0.3)
+    settings = dict(first_layer="auto", beta=0.7, text_tokens=2, tokens="separate", lambda_fusion=0.3,
+                    lambda_reg=1.0)
     inputs = sources.Inputs(tiny_clip, None, attributes, [], "labels", None, False, {})
     built = train.build_dear(settings, inputs, only)
     assert not built.class_branch_only and not dear.falls_back_to_class_branch(analysed)
     assert dear.falls_back_to_class_branch(built.role_map)  # measured, no attribute head left
     assert train.build_dear(settings, inputs, none).attributes == []
     # The rows: no-role-mask is --roles all-mixed's row; each other one the DeAR row changed.
+    # all: the toy world's true-heads left out elsewhere, and refused there when asked for
     rows = plan.dear_rows(settings_of(common(world, tmp_path / "u", "--dataset", "dtd", "--ablations", "all")))
     assert rows == [("dear", "analyse", None), ("dear-all-mixed", "all-mixed", "no-role-mask")] + [
-        (f"dear-{name}", "analyse", name) for name in dear.ABLATIONS if name != "no-role-mask"]
+        (f"dear-{name}", "analyse", name) for name in dear.ABLATIONS
+        if name not in ("no-role-mask", "true-heads")]
+    with pytest.raises(train.TrainError, match="--ablations true-heads: the toy world.s only"):
+        settings_of(common(world, tmp_path / "v", "--dataset", "dtd", "--ablations", "true-heads"))
     with pytest.raises(dear.DeARError, match="ablation 'no-such': use one of no-role-mask, "):
         dear.ablate("no-such", analysed, attributes, 0.3)
 

@@ -203,6 +203,18 @@ def causal_check(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer, r
     return result
 
 
+def true_role_map(result: dict, role_map: dear.RoleMap) -> dear.RoleMap:
+    """What a perfect head analysis would give (the true-heads row, dear.ablate): over the map's
+    heads, each head whose own ablation singles out an attribute an attribute head for it, every
+    other head generalization. result: causal_check's (or its causal_check.json)."""
+    singled = {(row["layer"], row["head"]): row["singled_out"] for row in result["heads"]}
+    heads = [dear.HeadRole(h.layer, h.head, "attribute" if singled.get((h.layer, h.head))
+                           else "generalization", singled.get((h.layer, h.head)))
+             for h in role_map.heads]
+    return dear.RoleMap(role_map.vision_layers, role_map.num_heads, list(role_map.attributes),
+                        heads, source="true heads (the toy world's causal check)")
+
+
 def _constant_rates(rows: list) -> dict:
     """{role: the agreement of a map that gave every scored head that role}: the floor a real
     agreement is to be read against (a map calling every head generalization agrees wherever
