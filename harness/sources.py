@@ -147,7 +147,7 @@ def check_pool(settings, bank: List[tuple], concepts: str, attributes: List[str]
     """The pool against what the analysis will ask of it, before any model is read: its labels for
     --concepts labels, and enough distinct lines for the picks (typed, else the pool's default)."""
     try:
-        dear.check_concepts(concepts, [dear.Description(*entry) for entry in bank])
+        dear.check(concepts=concepts, bank=[dear.Description(*entry) for entry in bank])
         picks = default_picks(settings, bank, attributes)
     except dear.DeARError as error:
         raise TrainError(f"--bank {settings['bank']}: {error}") from None
@@ -443,9 +443,8 @@ def check_model_fit(settings, clip, attributes: List[str]) -> None:
         raise TrainError(f"--text-tokens {settings['text_tokens']}: expected at most the model's "
                          f"context length ({clip.context_length})")
     try:  # J counts in both towers
-        dear.check_first_layer(first_layer(settings, clip),
-                               min(len(clip.visual.transformer.resblocks),
-                                                                len(clip.transformer.resblocks)))
+        depth = min(len(clip.visual.transformer.resblocks), len(clip.transformer.resblocks))
+        dear.check(first_layer=first_layer(settings, clip), depth=depth)
     except dear.DeARError as error:
         raise TrainError(f"--first-layer {settings['first_layer']}: {error}") from None
 

@@ -405,9 +405,10 @@ def test_a_role_file_for_another_architecture_is_refused(tiny_clip, tmp_path):
 
 
 def test_a_role_file_with_an_unknown_attribute_is_refused(tmp_path):
-    data = role_map({(2, 0): "colour"}).to_json()
-    data["heads"][4]["attribute"] = "smell"
     path = tmp_path / "roles.json"
+    role_map({(2, 0): "colour"}).save(str(path))
+    data = json.loads(path.read_text())
+    data["heads"][4]["attribute"] = "smell"
     path.write_text(json.dumps(data))
     with pytest.raises(DeARError) as error:
         RoleMap.load(str(path))

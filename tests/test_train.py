@@ -1477,7 +1477,7 @@ def test_textspans_pool_comes_from_the_cache_offline_or_an_error_says_where_to_p
     ("empty pool", "no descriptions in it"),
     ("not utf-8", "not UTF-8 text; save the pool as UTF-8"),
     ("too few lines", "3 distinct descriptions, and TextSpan makes 20 picks per head; give a pool of at least 20"),
-    ("labels missing", "concepts 'labels' needs a label on every description; 1 of 8 have none"),
+    ("labels missing", "concepts 'labels' needs a label on every description"),
     ("typed picks past the pool", "--descriptions 9: TextSpan can make 1..8 picks per head here (the bank has 8"),
     ("min cluster size", "--min-cluster-size 1: expected an integer >= 2"),
     ("min samples", "--min-samples 0: expected a positive integer"),
