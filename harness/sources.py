@@ -204,8 +204,7 @@ def check_sentence_encoder(encoder: str) -> None:
                          f"(e.g. all-MiniLM-L6-v2's), or a model name such as {SBERT_MODEL}")
     if importlib.util.find_spec("sentence_transformers") is None:
         raise TrainError(f"{flag}: sentence-transformers is not installed; {SBERT_INSTALL}")
-    folder = model
-    if not os.path.isabs(model):
+    if not os.path.isabs(model):  # a damaged folder is one line when the model loads
         from huggingface_hub.utils import validate_repo_id  # sentence-transformers' dependency
 
         try:
@@ -213,74 +212,6 @@ def check_sentence_encoder(encoder: str) -> None:
         except ValueError:
             raise TrainError(f"{flag}: neither a model folder nor a Hugging Face model name "
                              f"(such as {SBERT_MODEL})") from None
-        folder = cached_sbert_folder(model)  # a cached copy is opened now too
-        if folder is None:  # one not cached is fetched later, when needed
-            return
-    if problem := model_folder_problem(folder):
-        raise TrainError(f"{flag}: {folder}: {problem}; fetch the model again, or give another "
-                         "folder")
-
-
-# The files a sentence-transformers model folder cannot do without: its tokenizer's (one of these
-# sets: a fast tokenizer's file, a WordPiece vocabulary, a BPE vocabulary and its merges, a
-# SentencePiece model) and a weights file.
-TOKENIZER_FILES = (("tokenizer.json",), ("vocab.txt",), ("vocab.json", "merges.txt"),
-                   ("spiece.model",), ("sentencepiece.bpe.model",))
-
-
-WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin")
-
-
-def model_folder_problem(folder: str) -> Optional[str]:
-    """What is wrong with a sentence-transformers model folder, read without loading the model
-    (no import, a fraction of a second) -> a short phrase, or None. Its JSON files parse; a
-    weights file is there and whole (a safetensors file's header fits it and accounts for every
-    byte; a .bin file's zip index is there); a tokenizer's files are there. A damaged download or
-    copy shows here, before any work, not as a traceback in the head analysis."""
-    import zipfile
-
-    for parent, _, names in os.walk(folder):
-        for name in sorted(n for n in names if n.endswith(".json")):
-            path = os.path.join(parent, name)
-            try:
-                with open(path, encoding="utf-8") as f:
-                    json.load(f)
-            except (OSError, ValueError) as error:
-                return f"{os.path.relpath(path, folder)} is garbled ({type(error).__name__})"
-    if not any(all(os.path.isfile(os.path.join(folder, n)) for n in files)
-               for files in TOKENIZER_FILES):
-        return ("no tokenizer files (" + ", or ".join(" + ".join(files) for files in
-                                                      TOKENIZER_FILES[:3]) + ")")
-    weights = [n for n in WEIGHTS_FILES if os.path.isfile(os.path.join(folder, n))]
-    if not weights:
-        return f"no weights file ({' or '.join(WEIGHTS_FILES)})"
-    for name in weights:
-        path = os.path.join(folder, name)
-        if name.endswith(".safetensors"):
-            problem = safetensors_problem(path)
-        else:
-            problem = None if zipfile.is_zipfile(path) else "not a whole torch file"
-        if problem:
-            return f"{name} is {problem}"
-    return None
-
-
-def safetensors_problem(path: str) -> Optional[str]:
-    """A safetensors file read by its layout (8 bytes: the header's length; the header: JSON, each
-    tensor's byte range; then the bytes) -> 'cut short', 'garbled' or None."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        length = int.from_bytes(f.read(8), "little")
-        if size < 8 or length > size - 8:
-            return "cut short or garbled"
-        try:
-            header = json.loads(f.read(length))
-            ends = [entry["data_offsets"][1] for key, entry in header.items()
-                    if key != "__metadata__"]
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-            return "garbled"
-    end = 8 + length + max(ends, default=0)
-    return None if end == size else "cut short" if end > size else "garbled (extra bytes)"
 
 
 def sentence_encoder_record(encoder: str, log: Callable[[str], None]) -> dict:
@@ -351,6 +282,12 @@ def reachable(url: str, timeout: float = 10.0) -> bool:
     return True
 
 
+# A tokenizer's files, one of these sets: without them the model still loads, with a tokenizer
+# transformers makes up, and embeds otherwise (all-MiniLM-L6-v2 without its tokenizer.json).
+TOKENIZER_FILES = (("tokenizer.json",), ("vocab.txt",), ("vocab.json", "merges.txt"),
+                   ("spiece.model",), ("sentencepiece.bpe.model",))
+
+
 def sbert_embedder(record: dict, device: torch.device) -> Callable[[List[str]], torch.Tensor]:
     """SBERT from its model folder (local files only: no hub call) on the run's device, in fp32 and
     eval mode -> embed_texts for dear.analyze_heads: texts -> (n, d) on the CPU."""
@@ -363,12 +300,18 @@ def sbert_embedder(record: dict, device: torch.device) -> Callable[[List[str]], 
     from transformers.utils import logging as transformers_logging  # sentence-transformers' own
 
     transformers_logging.disable_progress_bar()  # no bar per model load in the run's log
+    folder, damaged = record["folder"], None
+    if not any(all(os.path.isfile(os.path.join(folder, name)) for name in files)
+               for files in TOKENIZER_FILES):  # it would load, with another tokenizer
+        damaged = "no tokenizer files"
     try:
-        model = SentenceTransformer(record["folder"], device=str(device), local_files_only=True)
+        model = None if damaged else SentenceTransformer(folder, device=str(device),
+                                                         local_files_only=True)
     except Exception as error:  # noqa: BLE001 -- transformers' and safetensors' errors, one line
-        raise TrainError(f"--sentence-encoder sbert:{record['model']}: cannot load the model in "
-                         f"{record['folder']} ({type(error).__name__}); give a "
-                         "sentence-transformers model folder") from None
+        damaged = f"cannot load the model ({type(error).__name__})"
+    if damaged:
+        raise TrainError(f"--sentence-encoder sbert:{record['model']}: {folder}: {damaged}; fetch "
+                         "the model again, or give another folder")
     model = model.float().eval()
 
     @torch.no_grad()
