@@ -18,7 +18,7 @@ class prompts, the loader, several processes, the per-epoch seeds), 7. one run e
 main. What surrounds them is the harness/ package, which this file calls and which never imports
 it: the flags and settings (cli, config), devices and precision (devices), the runs of a call
 (plan), the input files (sources, bank), the head analysis and its cache (analysis), the linear
-probe and the retrieval check (checks), watching a run (monitor), the run folder (runfolder),
+probe and the retrieval check (probes), watching a run (monitor), the run folder (runfolder, files),
 tables and pictures (reports, pictures). A run folder holds per dataset / row / seed a
 checkpoint.pt and results.json (a run is complete once it exists), per trained dataset the head
 roles it used (<dataset>/roles/), and at the top settings.json, summary.json and summary.md.
@@ -179,8 +179,8 @@ from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 import data  # noqa: E402
 import dear  # noqa: E402
-from harness import (analysis, checks, config, devices, errors, monitor, plan,  # noqa: E402
-                     reports, runfolder, sources)
+from harness import (analysis, config, devices, errors, files, monitor, plan,  # noqa: E402
+                     probes, reports, runfolder, sources)
 from harness.errors import TrainError  # noqa: E402
 
 # ------------------------------------------------------------------------------------------
@@ -547,7 +547,7 @@ def run_job(job: plan.Job, settings, inputs: sources.Inputs, role_maps: dict, li
     model = None
     if job.row == "linear-probe":
         split = lists.train[job.dataset, job.seed, job.shots]
-        metrics = checks.linear_probe(inputs.clip, split, lists.test[job.dataset], settings, runtime)
+        metrics = probes.linear_probe(inputs.clip, split, lists.test[job.dataset], settings, runtime)
         result = dict(job=dataclasses.asdict(job), metrics=metrics,
                       settings=plan.job_settings(settings, job))
     else:
@@ -590,10 +590,10 @@ def run_job(job: plan.Job, settings, inputs: sources.Inputs, role_maps: dict, li
     if runtime.main:
         # pictures in the run folder; the toy world's precision@10 in the result
         if model is not None:
-            result["retrieval"] = checks.retrieval_check(model, job, settings, inputs, lists, runtime)
+            result["retrieval"] = probes.retrieval_check(model, job, settings, inputs, lists, runtime)
         table = reports.job_table(job.label, result["metrics"])
-        runfolder.write_text(os.path.join(job.folder, "results.md"), table)
-        runfolder.write_json(results_path, result)  # last: its presence marks the run complete
+        files.write_text(os.path.join(job.folder, "results.md"), table)
+        files.write_json(results_path, result)  # last: its presence marks the run complete
     # the other processes wait for rank 0's retrieval check on the CPU-side group, never in the
     # next run's DDP constructor (a collective whose timeout the check may outlast)
     devices.wait_for_main(runtime, "retrieval check")
@@ -689,7 +689,7 @@ def run(args) -> int:
                 return 0  # stopped by --max-epochs-per-call; resumable
             results.append(result)
         # the call's tables: after them the call is done
-        reports.write_summaries(settings, results, diverged, inputs.attributes, checks.RETRIEVAL_K,
+        reports.write_summaries(settings, results, diverged, inputs.attributes, probes.RETRIEVAL_K,
                                  runtime)
         runtime.log(f"train.py: done in {devices.format_time(time.time() - started)}; tables in "
                     f"{os.path.join(settings['output'], 'summary.md')}")

@@ -41,7 +41,7 @@ import data  # noqa: E402
 import dear  # noqa: E402
 import toyworld  # noqa: E402
 import train  # noqa: E402
-from harness import analysis, checks, pictures  # noqa: E402
+from harness import analysis, pictures, probes  # noqa: E402
 from toyworld.task import split_scenes  # noqa: E402
 
 # The page this script writes, and what each step adds to it (bookkeeping: skip on a first read).
@@ -396,7 +396,7 @@ for name, ranking in rankings.items():
     show(f"{name:>12} " + " ".join(f"{s:9.1f}" for s in shares))
     assert all(abs(s - recorded[name][a][0]) < 1e-6 for s, a in zip(shares, attributes))
 pictures.draw_retrieval(gallery_items, {"class": rankings["class"], "position": rankings["position"]},
-                        R, checks.RETRIEVAL_QUERIES, checks.RETRIEVAL_SHOWN,
+                        R, probes.RETRIEVAL_QUERIES, probes.RETRIEVAL_SHOWN,
                         os.path.dirname(picture("retrieval_class.png")), "toyworld / dear / seed 1")
 picture("retrieval_position.png")
 for ranking in rankings.values():  # no image is its own neighbour

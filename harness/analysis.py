@@ -22,10 +22,10 @@ import torch
 import clip_model
 import dear
 import data
-from . import config, devices, pictures, plan, reports, runfolder, sources
+from . import config, devices, files, pictures, plan, reports, runfolder, sources
 from .errors import TrainError
 from .devices import ANALYSIS_LOCK_TIMEOUT, MAIN_WORK_TIMEOUT, Runtime, format_time, gpu_build, wait_for_main
-from .runfolder import unwritable_reason, waiting_lock
+from .files import lock, unwritable_reason, write_json, write_text
 
 
 def analysis_fingerprint(settings, clip, items: list, bank: list, attributes: list, picks: int,
@@ -78,9 +78,9 @@ def analysis_cache(fingerprint: str, pool: str, analyse: Callable[[str], None],
             bound = format_time(MAIN_WORK_TIMEOUT.total_seconds())
             runtime.log(f"head analysis: on rank 0 alone; the other processes wait for it up to "
                         f"{bound} (devices.MAIN_WORK_TIMEOUT)")
-        with waiting_lock(entry + ".lock", "head analysis: another process is analysing the same "
-                          f"heads ({entry}.lock); waiting for it", runtime.log,
-                          timeout=ANALYSIS_LOCK_TIMEOUT.total_seconds()):
+        with lock(entry + ".lock", "head analysis: another process is analysing the same "
+                  f"heads ({entry}.lock); waiting for it", runtime.log,
+                  timeout=ANALYSIS_LOCK_TIMEOUT.total_seconds()):
             if os.path.isfile(os.path.join(entry, "roles.json")):
                 runtime.log(f"head analysis: reusing the role map cached in {entry} ({pool})")
             else:
@@ -170,8 +170,8 @@ def run_head_analysis(settings, inputs: sources.Inputs, items: list, pool: str, 
     runtime.log(reports.concepts_line(role_map))
     runtime.detail(clusters)
     pictures.draw_heatmap(role_map, os.path.join(folder, "roles.png"))
-    runfolder.write_text(os.path.join(folder, "roles.txt"), table + "\n")
-    runfolder.write_text(os.path.join(folder, "clusters.md"), clusters)
+    write_text(os.path.join(folder, "roles.txt"), table + "\n")
+    write_text(os.path.join(folder, "clusters.md"), clusters)
     files = "roles.json, roles.txt, roles.png, clusters.md"
     if inputs.toy:
         # Toy world only: is concept entropy right? Mean-ablate each analysed head and see which
@@ -183,8 +183,8 @@ def run_head_analysis(settings, inputs: sources.Inputs, items: list, pool: str, 
         cpu_clip = clip if clip.visual.conv1.weight.is_cpu else copy.deepcopy(clip).cpu()
         result = toyworld.causal_check(cpu_clip, inputs.tokenizer, role_map, role_map.attributes,
                                        log=runtime.log)  # its summary, two lines
-        runfolder.write_text(os.path.join(folder, "causal_check.md"), result["table"] + "\n")
-        runfolder.write_json(os.path.join(folder, "causal_check.json"), result)
+        write_text(os.path.join(folder, "causal_check.md"), result["table"] + "\n")
+        write_json(os.path.join(folder, "causal_check.json"), result)
         runtime.detail(result["table"])
         files += ", causal_check.md (per head)"
     role_map.save(os.path.join(folder, "roles.json"))
@@ -196,7 +196,7 @@ def analysis_code(toy: bool) -> list:
     """The code a cached role map comes from, the one list of it: its source is part of the cache
     key (analysis.analysis_fingerprint), so that a changed line never reuses a map made before. The
     method (dear.py, clip_model.py, clustering.py: the HDBSCAN dear.py calls), the harness that
-    loads the encoder and writes the cached files (sources, reports, pictures, runfolder, this
+    loads the encoder and writes the cached files (sources, reports, pictures, files, runfolder, this
     module's run_head_analysis; the pool's words are keyed by their hash) and, in the toy
     world, the causal check written beside the map. A module the analysis comes to call is added
     here."""
@@ -204,7 +204,7 @@ def analysis_code(toy: bool) -> list:
 
     from . import analysis  # this module: the pool, the cache, run_head_analysis
 
-    code = [clip_model, dear, clustering, sources, reports, pictures, runfolder, analysis]
+    code = [clip_model, dear, clustering, sources, reports, pictures, files, runfolder, analysis]
     if toy:
         from toyworld import causal
 
@@ -247,7 +247,7 @@ def analysed_role_maps(settings, inputs: sources.Inputs, datasets, runtime: devi
 
             def analyse(folder: str) -> None:
                 run_head_analysis(settings, inputs, items, pool, picks, encoder, folder, runtime)
-                runfolder.write_json(os.path.join(folder, "analysis.json"), record)
+                write_json(os.path.join(folder, "analysis.json"), record)
 
             entry = analysis_cache(fingerprint, pool, analyse, runtime)
             path = os.path.join(entry, "roles.json")

@@ -489,8 +489,8 @@ def test_two_processes_outlast_the_group_timeout_while_rank_0_analyses(world, tm
 HOLDER = """
 import sys, time
 sys.path.insert(0, {repo!r})
-from harness import runfolder
-with runfolder.waiting_lock(sys.argv[1], "unused"):
+from harness import files
+with files.lock(sys.argv[1], "unused"):
     print("held", flush=True)
     time.sleep(20)
 """

@@ -15,7 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from harness import runfolder, reports  # noqa: E402
+from harness import files, runfolder, reports  # noqa: E402
 
 
 def test_summary_leaves_the_linear_probe_novel_and_hm_empty_and_shows_the_spread():
@@ -80,7 +80,7 @@ def test_a_second_writer_of_a_cache_entry_waits_for_the_first(tmp_path):
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     lines = []
-    with runfolder.waiting_lock(str(path), "waiting for it", lines.append):
+    with files.lock(str(path), "waiting for it", lines.append):
         assert released.exists(), "the lock was taken while the first writer held it"
     holder.wait()
     assert len(lines) == 1 and "waiting for it" in lines[0]

@@ -30,7 +30,7 @@ import clip_model  # noqa: E402
 import dear  # noqa: E402
 from harness.bank import project_bank  # noqa: E402
 import train  # noqa: E402
-from harness import (analysis, checks, cli, config, devices, monitor, plan,  # noqa: E402
+from harness import (analysis, probes, cli, config, devices, monitor, plan,  # noqa: E402
                      reports, runfolder, sources)
 from conftest import no_network, perturb_  # noqa: E402,F401 -- a fixture
 
@@ -219,12 +219,12 @@ def test_linear_probe_fits_the_training_classes_and_scores_only_sets_with_those_
         x[:, 1] = torch.randn(len(listed), generator=generator) * 3  # a large nuisance
         return x, labels
 
-    monkeypatch.setattr(checks, "image_features", fake_features)
+    monkeypatch.setattr(probes, "image_features", fake_features)
     split = train.data.DatasetSplits("x", "", items(30), items(12, 100), items(30, 200), classes, "{}")
     same = train.EvalSet("base", items(60, 300), classes, "{}", True)
     other = train.EvalSet("novel", items(60, 400), ["d", "e", "f"], "{}", False)
     runtime = type("R", (), {"log": staticmethod(lambda line: None)})()
-    metrics = checks.linear_probe(None, split, [same, other], {}, runtime)
+    metrics = probes.linear_probe(None, split, [same, other], {}, runtime)
     assert list(metrics) == ["base"]  # no classifier for unseen classes: no novel number
     assert metrics["base"] > 95.0
 
@@ -504,7 +504,7 @@ def test_an_ablation_or_test_beta_that_cannot_apply_is_refused_before_any_folder
 def test_cross_and_dg_test_each_target_at_mmrlpps_beta_or_all_at_the_trained_one(
         world, tmp_path, monkeypatch, test_beta):
     seen = []  # (test set, DeAR's beta while it was scored); then the retrieval check's
-    real_evaluate, real_retrieval = train.evaluate, checks.retrieval_check
+    real_evaluate, real_retrieval = train.evaluate, probes.retrieval_check
 
     def evaluate(model, clip, tokenizer, eval_set, settings, runtime, beta=None):
         assert model is None or model.beta == 0.2  # built at the training beta, never reassigned
@@ -516,7 +516,7 @@ def test_cross_and_dg_test_each_target_at_mmrlpps_beta_or_all_at_the_trained_one
         return real_retrieval(model, *rest)
 
     monkeypatch.setattr(train, "evaluate", evaluate)
-    monkeypatch.setattr(checks, "retrieval_check", retrieval)
+    monkeypatch.setattr(probes, "retrieval_check", retrieval)
     out = tmp_path / test_beta
     assert train.main(common(world, out, "--protocol", "dg", "--dataset", "dtd", "imagenet_sketch",
                              "--seeds", "1", "--shots", "2", "--epochs", "1", "--roles",

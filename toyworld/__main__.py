@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 import clip_model
-from harness import runfolder
+from harness import files
 import data
 import dear
 import toyworld
@@ -59,7 +59,7 @@ def path_problem(args) -> Optional[str]:
     if args.cache_dir is not None:
         if os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
             return f"--cache-dir {args.cache_dir}: is a file, not a folder"
-        if reason := runfolder.unwritable_reason(args.cache_dir):
+        if reason := files.unwritable_reason(args.cache_dir):
             return f"--cache-dir {args.cache_dir}: {reason}"
     if args.grid is not None:
         Image.init()
@@ -70,7 +70,7 @@ def path_problem(args) -> Optional[str]:
             return f"--grid {args.grid}: is a folder; give a file name (e.g. samples.png)"
         if not os.path.isdir(folder):
             return f"--grid {args.grid}: its folder does not exist (or is a file)"
-        if reason := runfolder.unwritable_reason(folder):
+        if reason := files.unwritable_reason(folder):
             return f"--grid {folder}: {reason}"
     return None
 

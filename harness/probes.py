@@ -1,4 +1,4 @@
-"""harness/checks.py -- the rows and checks beside DeAR that train.py runs for each dataset: CLIP's
+"""harness/probes.py -- the rows and checks beside DeAR that train.py runs for each dataset: CLIP's
 linear probe (a ceiling for the base column: weak training, or weak features?) and the paper's
 check that an attribute token carries its attribute (attribute-conditioned retrieval: pictures
 in the run folder; in the toy world, where every image's attributes are known, precision@10).
