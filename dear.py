@@ -344,11 +344,11 @@ def analysed_layers(depth: int) -> int:
 
 @torch.no_grad()
 def encode_descriptions(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer,
-                        texts: Sequence[str], batch_size: int = 256) -> torch.Tensor:
-    """Texts -> (T, E) normalised CLIP text embeddings."""
+                        texts: Sequence[str]) -> torch.Tensor:
+    """Texts -> (T, E) normalised CLIP text embeddings, 256 texts a batch."""
     device = clip.positional_embedding.device
-    batches = (tokenizer.tokenize(texts[s:s + batch_size], clip.context_length, truncate=True)
-               for s in range(0, len(texts), batch_size))
+    batches = (tokenizer.tokenize(texts[s:s + 256], clip.context_length, truncate=True)
+               for s in range(0, len(texts), 256))
     return torch.cat([F.normalize(clip.encode_text(b.to(device)), dim=-1) for b in batches])
 
 
@@ -822,10 +822,9 @@ def fusion_regularization_loss(alpha: torch.Tensor) -> torch.Tensor:
     return -torch.log(alpha[0])
 
 
-def branch_cross_entropy(output: DeAROutput, labels: torch.Tensor,
-                         class_weight: float = MMRL_ALPHA) -> torch.Tensor:
+def branch_cross_entropy(output: DeAROutput, labels: torch.Tensor) -> torch.Tensor:
     """Not the paper's loss (the branch-ce ablation): MMRL_Loss's ALPHA * CE(class branch) +
-    (1 - ALPHA) * CE(the rest) (yunncheng/MMRL trainers/mmrl.py), ALPHA = class_weight (not the
+    (1 - ALPHA) * CE(the rest) (yunncheng/MMRL trainers/mmrl.py), ALPHA = MMRL_ALPHA (not the
     fusion weights output.alpha), the rest = the mean CE of the attribute branches in the fusion;
     with none in it, CE(class branch)."""
     branches = output.branch_logits.float()  # (B, 1 + A, C)
@@ -834,7 +833,7 @@ def branch_cross_entropy(output: DeAROutput, labels: torch.Tensor,
     if len(in_fusion) == 0:
         return class_term
     rest = [F.cross_entropy(branches[:, k], labels) for k in in_fusion.tolist()]
-    return class_weight * class_term + (1 - class_weight) * torch.stack(rest).mean()
+    return MMRL_ALPHA * class_term + (1 - MMRL_ALPHA) * torch.stack(rest).mean()
 
 
 def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0,

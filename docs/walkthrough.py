@@ -42,6 +42,7 @@ import dear  # noqa: E402
 import toyworld  # noqa: E402
 import train  # noqa: E402
 from harness import analysis, pictures, probes  # noqa: E402
+from toyworld.causal import causal_check  # noqa: E402
 from toyworld.task import split_scenes  # noqa: E402
 
 # The page this script writes, and what each step adds to it (bookkeeping: skip on a first read).
@@ -179,7 +180,7 @@ assert sum(c.size for c in clusters.clusters) + clusters.of.count(dear.NOISE) ==
 # is a core attribute), over the high one a generalization head, in between mixed. The thresholds
 # are thirds of the bits N picks can spread over (our rule, METHOD.md Sec. 3). The toy world
 # knows each image's attributes, so ablating a head shows what it really carries
-# (toyworld.causal_check): the method's claim, measured.
+# (toyworld/causal.py's causal_check): the method's claim, measured.
 step(4)
 role_map = dear.analyze_heads(clip, images, tokenizer, bank, attributes, num_layers=L_a,
                               log=lambda line: None)  # the labels' concepts: the default
@@ -189,7 +190,7 @@ low, high = dear.default_thresholds(picks_per_head, labels.count)
 show(f"thresholds: low {low:.2f} bits, high {high:.2f} bits "
      f"(N = {picks_per_head} picks, K = {labels.count} concepts)")
 pictures.draw_heatmap(role_map, picture("roles.png"))
-check = toyworld.causal_check(clip, tokenizer, role_map, attributes, log=show)
+check = causal_check(clip, tokenizer, role_map, attributes, log=show)
 for entry in role_map.heads:  # the invariant: each role follows from its entropy alone
     assert entry.entropy == dear.concept_entropy(entry.concepts)
     (role, attribute), = dear.assign_roles([entry.entropy], [dear.dominant_concept(entry.concepts)],

@@ -178,11 +178,11 @@ def run_head_analysis(settings, inputs: sources.Inputs, items: list, pool: str, 
         # attribute's zero-shot accuracy falls (the ground truth is known here). On a CPU copy of
         # the toy CLIP (1.6M parameters): the check draws on the CPU, the same table on every
         # device.
-        import toyworld
+        from toyworld.causal import causal_check
 
         cpu_clip = clip if clip.visual.conv1.weight.is_cpu else copy.deepcopy(clip).cpu()
-        result = toyworld.causal_check(cpu_clip, inputs.tokenizer, role_map, role_map.attributes,
-                                       log=runtime.log)  # its summary, two lines
+        result = causal_check(cpu_clip, inputs.tokenizer, role_map, role_map.attributes,
+                              log=runtime.log)  # its summary, two lines
         write_text(os.path.join(folder, "causal_check.md"), result["table"] + "\n")
         write_json(os.path.join(folder, "causal_check.json"), result)
         runtime.detail(result["table"])

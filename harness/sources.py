@@ -268,15 +268,15 @@ def sbert_folder_of(name: str, log: Callable[[str], None]) -> str:
         raise TrainError(f"{offline} ({type(error).__name__})") from None
 
 
-def reachable(url: str, timeout: float = 10.0) -> bool:
-    """Whether a TCP connection to `url`'s host opens."""
+def reachable(url: str) -> bool:
+    """Whether a TCP connection to `url`'s host opens within 10 s."""
     import socket
     import urllib.parse
 
     parts = urllib.parse.urlsplit(url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
-        socket.create_connection((parts.hostname, port), timeout=timeout).close()
+        socket.create_connection((parts.hostname, port), timeout=10.0).close()
     except OSError:
         return False
     return True

@@ -33,7 +33,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-__all__ = ["ToyAssets", "prepare", "causal_check", "SCALES", "THREADS"]
+__all__ = ["ToyAssets", "prepare", "SCALES", "THREADS"]
 
 # The toy world computes on one CPU thread, whatever the machine (train.py sets it for a toy run,
 # python -m toyworld for its checks; pretraining has its own count, pretrain.CONFIGS, also 1).
@@ -49,16 +49,6 @@ SCALES = {
     "full": {"pretrain": "full", "task": {"image_size": 48, "images_per_class": (32, 8, 30)}},
     "miniature": {"pretrain": "miniature", "task": {"image_size": 16, "images_per_class": (16, 4, 4)}},
 }
-
-
-def __getattr__(name: str):
-    # `toyworld.causal_check`, imported on first use (PEP 562): importing the submodules here
-    # would make `python -m toyworld.pretrain` (.world, ...) run its module twice.
-    if name == "causal_check":
-        from toyworld.causal import causal_check
-
-        return causal_check
-    raise AttributeError(f"module 'toyworld' has no attribute {name!r}")
 
 
 @dataclass

@@ -25,16 +25,17 @@ import data
 import dear
 import toyworld
 from toyworld import world
+from toyworld.causal import causal_check
 from toyworld.pretrain import compare_with_shipped, draw_batch
 from toyworld.task import zero_shot_on_task
 
 
-def save_grid(path: str, image_size: int, rows: int = 4, columns: int = 6, seed: int = 0) -> None:
-    """A grid of freshly drawn images (pretraining style, then the task's shifted style), each
-    with its full caption underneath, enlarged so the pixels are visible."""
+def save_grid(path: str, image_size: int) -> None:
+    """A 4 x 6 grid of freshly drawn images (pretraining style, then the task's shifted style),
+    each with its full caption underneath, enlarged so the pixels are visible."""
     from PIL import Image, ImageDraw
 
-    scene_rng = random.Random(seed)
+    scene_rng, rows, columns = random.Random(0), 4, 6
     cell, text_height, zoom = 200, 40, 160 // image_size
     sheet = Image.new("RGB", (columns * cell, rows * (cell + text_height)), (255, 255, 255))
     draw = ImageDraw.Draw(sheet)
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
         roles = dear.analyze_heads(model, [images], tokenizer, assets.bank, assets.attributes, log=lambda line: None,
                                    num_layers=min(2, len(model.visual.transformer.resblocks)), num_descriptions=10)
         print(roles.table())
-        print(toyworld.causal_check(model, tokenizer, roles)["table"])
+        print(causal_check(model, tokenizer, roles)["table"])
     return 0
 
 
