@@ -54,6 +54,7 @@ ROLES = ("attribute", "generalization", "mixed")
 CONCEPT_SOURCES = ("clusters", "labels")  # the paper's: the picks clustered; the control: labels
 PAPER_PICKS = 20  # TextSpan's picks per head, the paper's "N" (default_picks: unlabelled pools)
 ANALYSED_LAYERS = 4  # the paper analyses, and prompts, the vision tower's last four layers
+ANALYSIS_SEED = 0  # analysis_images' draw: fixed, so every run of a model reads the same images
 MMRL_ALPHA = 0.7  # MMRL's class-branch CE weight (yunncheng/MMRL train.py: TRAINER.MMRL.ALPHA)
 TOKEN_CONSTRUCTIONS = ("separate", "shared")  # each layer's own tokens (ours), or MMRL++'s space
 TEXT_TOKENS = 4  # K under tokens="separate" (our choice); "shared": K = A (default_text_tokens)
@@ -282,14 +283,15 @@ def dominant_concept(pick_concepts: Sequence[str]) -> str:
     return next((c for c in pick_concepts if counts.get(c) == max(counts.values())), NOISE)
 
 
-def default_picks(bank: Sequence[Description], attributes: Sequence[str]) -> int:
+def default_picks(bank: Sequence[Description], attributes: Sequence[str],
+                  paper: bool = False) -> int:
     """Picks per head, the one default of it (our rule; METHOD.md Sec. 3). A labelled bank: the
     fewest values of a core attribute, as a pure specialist has nothing left to explain once its
     values are picked. The toy bank: colour 8, shape 6, texture 4, position 4 values -> 4 picks;
     the project's bank: shape's 16 words are the fewest -> 16. A pool without labels tells
-    nothing of its values: the paper's 20."""
+    nothing of its values, and the paper's analysis (paper=True) takes none: the paper's 20."""
     bank = [Description(*entry) for entry in bank]
-    if any(entry.concept is None for entry in bank):
+    if paper or any(entry.concept is None for entry in bank):
         return PAPER_PICKS
     values = {}
     for entry in bank:
@@ -340,6 +342,29 @@ def assign_roles(entropies: Sequence[float], dominants: Sequence[str],
 def analysed_layers(depth: int) -> int:
     """L_a: how many of a `depth`-layer vision tower's last layers the head analysis reads."""
     return min(ANALYSED_LAYERS, depth)
+
+
+def analysis_images(items: Sequence, cap: int, seed: int = ANALYSIS_SEED) -> list:
+    """Which images the head analysis reads (our choice; the paper's are ImageNet's validation
+    images): of `items` (each with a .label), at most `cap`, evenly over the classes: each class's
+    in a seeded order, then one per class in turn (the classes in a seeded order too: a cap
+    below the class count samples classes at random), never the head of a label-sorted list,
+    which covers only a large dataset's first classes."""
+    generator = torch.Generator().manual_seed(seed)
+    by_class = {}
+    for item in items:
+        by_class.setdefault(item.label, []).append(item)
+    groups = [group for _, group in sorted(by_class.items())]
+    orders = [torch.randperm(len(group), generator=generator) for group in groups]
+    longest = max(map(len, groups), default=0)
+    rounds, taken = 0, 0
+    while taken < cap and rounds < longest:  # rounds of one image per class that reach the cap
+        taken += sum(len(group) > rounds for group in groups)
+        rounds += 1
+    # Only those rounds' images are looked up (ImageNet: 2 of each class's ~1,281), round by round.
+    queues = [[group[i] for i in order[:rounds].tolist()] for group, order in zip(groups, orders)]
+    queues = [queues[i] for i in torch.randperm(len(queues), generator=generator).tolist()]
+    return [queue[depth] for depth in range(rounds) for queue in queues if depth < len(queue)][:cap]
 
 
 @torch.no_grad()

@@ -41,7 +41,7 @@ import data  # noqa: E402
 import dear  # noqa: E402
 import toyworld  # noqa: E402
 import train  # noqa: E402
-from harness import analysis, pictures, probes  # noqa: E402
+from harness import pictures, probes  # noqa: E402
 from toyworld.causal import causal_check  # noqa: E402
 from toyworld.task import split_scenes  # noqa: E402
 
@@ -92,7 +92,7 @@ def load_images(items) -> torch.Tensor:
 
 
 # The head analysis reads the base classes' training images, as train.py does (its pool).
-analysis_items = analysis.analysis_images(base.train, cap=2000, seed=analysis.ANALYSIS_SEED)
+analysis_items = dear.analysis_images(base.train, cap=2000)  # seed dear.ANALYSIS_SEED
 images = load_images(analysis_items)  # (n, 3, R, R)
 show(f"toy CLIP: {sum(p.numel() for p in clip.parameters()):,} parameters, {R} px; "
       f"{len(base.classnames)} base and {len(novel.classnames)} novel classes; "
@@ -378,10 +378,10 @@ assert torch.allclose(f_cls, f_frozen, atol=1e-5)  # no head lets the tokens int
 # world knows every image's colour, shape, texture and position. train.py ran the same check
 # (retrieval.json): the walkthrough's numbers must be its.
 step(10)
-gallery_items = analysis.analysis_images(list({i.path: i for i in base.test + novel.test}.values()),
-                                         checks.RETRIEVAL_GALLERY, seed=0)
+gallery_items = dear.analysis_images(list({i.path: i for i in base.test + novel.test}.values()),
+                                     probes.RETRIEVAL_GALLERY, seed=0)
 features = dear.retrieval_features(model, load_images(gallery_items))  # {name: (M, E)}
-rankings = {name: dear.rank_gallery(f, f, k=checks.RETRIEVAL_K, same_images=True)
+rankings = {name: dear.rank_gallery(f, f, k=probes.RETRIEVAL_K, same_images=True)
             for name, f in features.items()}  # {name: (M, k)}
 scenes = split_scenes(assets.data_root)
 images_dir = os.path.join(assets.data_root, "toyworld", "images")
@@ -389,7 +389,7 @@ values = {a: [getattr(scenes[os.path.relpath(i.path, images_dir).replace(os.sep,
               for i in gallery_items] for a in attributes}
 with open(os.path.join(RUN, "retrieval.json"), encoding="utf-8") as f:
     recorded = json.load(f)["dear"]
-show(f"precision@{checks.RETRIEVAL_K} (%) of {len(gallery_items)} test images: "
+show(f"precision@{probes.RETRIEVAL_K} (%) of {len(gallery_items)} test images: "
      f"row = the feature ranking, column = the value shared")
 show(f"{'':>12} " + " ".join(f"{a:>9}" for a in attributes))
 for name, ranking in rankings.items():

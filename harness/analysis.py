@@ -96,31 +96,6 @@ def analysis_cache(fingerprint: str, pool: str, analyse: Callable[[str], None],
     return entry  # its roles.json exists: complete
 
 
-ANALYSIS_SEED = 0  # the analysis pool's draw: fixed, so every run of a model draws the same images
-
-
-def analysis_images(items: List[data.Item], cap: int, seed: int) -> List[data.Item]:
-    """At most `cap` images, evenly over the classes: each class's images in a seeded order, then
-    one per class in turn (the classes in a seeded order too: a cap below the class count samples
-    classes at random), never the head of a label-sorted list, which covers only a large
-    dataset's first classes."""
-    generator = torch.Generator().manual_seed(seed)
-    by_class = {}
-    for item in items:
-        by_class.setdefault(item.label, []).append(item)
-    groups = [group for _, group in sorted(by_class.items())]
-    orders = [torch.randperm(len(group), generator=generator) for group in groups]
-    longest = max(map(len, groups), default=0)
-    rounds, taken = 0, 0
-    while taken < cap and rounds < longest:  # rounds of one image per class that reach the cap
-        taken += sum(len(group) > rounds for group in groups)
-        rounds += 1
-    # Only those rounds' images are looked up (ImageNet: 2 of each class's ~1,281), round by round.
-    queues = [[group[i] for i in order[:rounds].tolist()] for group, order in zip(groups, orders)]
-    queues = [queues[i] for i in torch.randperm(len(queues), generator=generator).tolist()]
-    return [queue[depth] for depth in range(rounds) for queue in queues if depth < len(queue)][:cap]
-
-
 def analysis_pool(settings, datasets, dataset: str):
     """The images `dataset`'s analysis reads (--analysis-pool, at most --analysis-images, evenly
     over the classes) and a line naming them. 'train': the whole training split (shared with the
@@ -133,7 +108,7 @@ def analysis_pool(settings, datasets, dataset: str):
         what = f"{dataset} train" + (" (base classes)" if subsample == "base" else "")
     else:
         items, what = getattr(datasets.splits(name), split), f"{name} {split}"
-    chosen = analysis_images(items, settings["analysis_images"], ANALYSIS_SEED)
+    chosen = dear.analysis_images(items, settings["analysis_images"])
     if len(chosen) < 2:  # TextSpan measures variation across images
         raise TrainError(f"--analysis-pool {settings['analysis_pool']}: {what} has "
                          f"{len(chosen)} images; the head analysis needs at least 2 "
@@ -227,7 +202,8 @@ def analysed_role_maps(settings, inputs: sources.Inputs, datasets, runtime: devi
             # TextSpan's rank, a head's width: 64 on ViT-B/16, 16 on the toy CLIP
             rank = dear.textspan_rank(inputs.clip)
             embed_dim = inputs.clip.visual.proj.shape[1]
-            default = sources.default_picks(settings, inputs.bank, inputs.attributes)
+            default = dear.default_picks(inputs.bank, inputs.attributes,
+                                         paper=settings["analysis"] == "paper")
             picks = dear.analysis_picks(settings["descriptions"], len(inputs.bank), len(items),
                                         rank=rank, embed_dim=embed_dim, default=default)
             if encoder is None:  # once per call; a named SBERT model is found (or fetched) here

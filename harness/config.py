@@ -203,7 +203,7 @@ def analysis_preset(analysis: str, toy: bool, root: Optional[str], typed: dict) 
     """--analysis paper -> the settings it gives, each unless typed: TextSpan's general pool (the
     toy world: its own bank without labels, as its tokenizer knows only toy words), concepts by
     clusters, SBERT, and ImageNet's validation images when ImageNet is under --root (else the
-    trained dataset's training images); its 20 picks are the picks' default (sources.default_picks).
+    trained dataset's training images); its 20 picks are dear.default_picks(..., paper=True).
     --analysis project: nothing (the defaults are the project's)."""
     if analysis != "paper":
         return {}

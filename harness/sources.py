@@ -148,7 +148,7 @@ def check_pool(settings, bank: List[tuple], concepts: str, attributes: List[str]
     --concepts labels, and enough distinct lines for the picks (typed, else the pool's default)."""
     try:
         dear.check(concepts=concepts, bank=[dear.Description(*entry) for entry in bank])
-        picks = default_picks(settings, bank, attributes)
+        picks = dear.default_picks(bank, attributes, paper=settings["analysis"] == "paper")
     except dear.DeARError as error:
         raise TrainError(f"--bank {settings['bank']}: {error}") from None
     if settings["descriptions"] is not None:  # typed: refused past the pool, the images, the rank
@@ -160,14 +160,6 @@ def check_pool(settings, bank: List[tuple], concepts: str, attributes: List[str]
         raise TrainError(f"--bank {settings['bank']}: {len(bank)} distinct descriptions, "
                          f"and TextSpan makes {picks} picks per head; give a pool of at least "
                          f"{picks}, or --descriptions {len(bank)} or fewer")
-
-
-def default_picks(settings, bank: List[tuple], attributes: List[str]) -> int:
-    """TextSpan's picks per head unless --descriptions says: the paper's 20 under --analysis paper,
-    else the pool's rule (dear.default_picks: a labelled pool's fewest values of an attribute)."""
-    if settings["analysis"] == "paper":
-        return dear.PAPER_PICKS
-    return dear.default_picks(bank, attributes)
 
 
 def scoring_labels(choice: str, pool: list, project_bank: list) -> Dict[str, str]:

@@ -248,6 +248,7 @@ def test_default_picks_follow_the_fewest_values_of_an_attribute():
     assert dear.default_picks(bank, ["colour", "shape"]) == 3  # colour: 3 values
     assert dear.default_picks([b[:2] for b in bank], ["colour", "shape"]) == 5  # no values: each phrase its own
     assert dear.default_picks(project_bank(), ATTRIBUTES) == 16  # shape's 16 words
+    assert dear.default_picks(project_bank(), ATTRIBUTES, paper=True) == dear.PAPER_PICKS == 20
     with pytest.raises(DeARError, match="no phrase of any attribute"):
         dear.default_picks(bank, ["texture"])
 

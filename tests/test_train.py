@@ -580,7 +580,7 @@ def test_evaluate_scores_the_fused_and_the_class_branch_logits_and_each_set_gets
 
 
 def plain_analysis_images(items, cap: int, seed: int) -> list:
-    """analysis.analysis_images as it was before: every class's whole seeded order built, then one
+    """dear.analysis_images as it was before: every class's whole seeded order built, then one
     image per class in turn, round by round (the fast one only builds the rounds it needs)."""
     generator, by_class = torch.Generator().manual_seed(seed), {}
     for item in items:
@@ -599,20 +599,20 @@ def test_the_analysis_images_are_the_plain_round_robins_at_every_cap():
     random.Random(0).shuffle(items)  # the classes' images interleaved, labels out of order
     for cap in (0, 1, 4, 6, 7, 11, 12, 13, 16, 20, 29, 30, 100):
         for seed in (0, 3):
-            assert analysis.analysis_images(items, cap, seed) == plain_analysis_images(items, cap, seed), (cap, seed)
+            assert dear.analysis_images(items, cap, seed) == plain_analysis_images(items, cap, seed), (cap, seed)
 
 
 def test_the_analysis_images_cover_every_class_evenly_and_follow_the_seed():
     items = [train.data.Item(f"c{label}/{i}.jpg", label, f"c{label}") for label in range(10) for i in range(8)]
-    chosen = analysis.analysis_images(items, 25, seed=1)
+    chosen = dear.analysis_images(items, 25, seed=1)
     per_class = [sum(item.label == c for item in chosen) for c in range(10)]
     assert len(chosen) == 25 and max(per_class) - min(per_class) <= 1 and min(per_class) == 2
     assert len({item.path for item in chosen}) == 25
-    assert analysis.analysis_images(items, 25, seed=1) == chosen  # seeded
-    assert analysis.analysis_images(items, 25, seed=2) != chosen  # ... by the run's seed
-    few = analysis.analysis_images(items, 4, seed=1)
+    assert dear.analysis_images(items, 25, seed=1) == chosen  # seeded
+    assert dear.analysis_images(items, 25, seed=2) != chosen  # ... by the run's seed
+    few = dear.analysis_images(items, 4, seed=1)
     assert len({item.label for item in few}) == 4  # a cap below the class count: one per class
-    assert sorted(analysis.analysis_images(items, 500, seed=3), key=lambda i: i.path) == sorted(items, key=lambda i: i.path)
+    assert sorted(dear.analysis_images(items, 500, seed=3), key=lambda i: i.path) == sorted(items, key=lambda i: i.path)
 
 
 # ------------------------------------------------------------------------------------------
@@ -1515,7 +1515,6 @@ def test_analysis_paper_resolves_to_the_papers_settings_and_typed_flags_win(worl
     # ImageNet under --root: its validation images, one map for the model.
     settings = settings_of(common(world, tmp_path / "a", "--dataset", "dtd", "--analysis", "paper"))
     assert [settings[k] for k in keys] == ["paper", "textspan", "clusters", paper, "imagenet:test", 6]
-    assert sources.default_picks(settings, project_bank(), dear.CORE_ATTRIBUTES) == 20  # labelled: 16
     # No ImageNet under --root: the trained dataset's training images, and the header says so.
     root = tmp_path / "data"
     root.mkdir()
@@ -1550,7 +1549,6 @@ def test_analysis_paper_resolves_to_the_papers_settings_and_typed_flags_win(worl
     # The default: the project's analysis, and its header says it is not the paper's.
     settings = settings_of(common(world, tmp_path / "d", "--dataset", "dtd"))
     assert [settings[k] for k in keys] == ["project", "project", None, "clip", "train", 6]
-    assert sources.default_picks(settings, project_bank(), dear.CORE_ATTRIBUTES) == 16
     assert config.analysis_header(settings, "labels", toy=False) == [
         "head analysis: --analysis project, the project's (not the paper's: --analysis paper): --bank "
         "project, concepts labels, --analysis-pool train"]
