@@ -60,6 +60,21 @@ def lock_run_folder(output: str, stack: contextlib.ExitStack) -> None:
                 os.remove(os.path.join(folder, name))  # a write killed half-way
 
 
+def analyse_only(settings, clip, records: dict, runtime: Runtime,
+                 stack: contextlib.ExitStack) -> int:
+    """--analyse-only: the role maps' copies in a fresh --output and a line per dataset -> 0."""
+    if runtime.main:
+        check_output_folder(settings["output"])
+        copy_role_maps(settings, clip, records)
+        open_call_log(runtime, settings["output"], stack)
+        for dataset in records:
+            runtime.log(f"train.py: head roles of {dataset} in "
+                        f"{os.path.dirname(role_copy(settings, dataset))} (roles.json, roles.txt, "
+                        "roles.png, masks.png); train with them by leaving out --analyse-only "
+                        "(the cache is reused)")
+    return 0
+
+
 def check_run_folder(settings, jobs: List[Job], stack: contextlib.ExitStack) -> None:
     """Before any work: a fresh run's --output is usable; a resumed one is locked, cleaned, and
     every results.json and checkpoint in it was made with this run's settings."""

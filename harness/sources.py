@@ -360,6 +360,13 @@ def role_map_for(choice: str, clip, attributes: List[str],
     return role_map
 
 
+def role_maps_for(jobs, inputs, analysed: dict) -> dict:
+    """{(dataset, --roles choice): RoleMap}, one per pair the jobs ask for."""
+    pairs = dict.fromkeys((job.dataset, job.roles) for job in jobs if job.roles is not None)
+    return {(dataset, roles): role_map_for(roles, inputs.clip, inputs.attributes,
+                                           analysed.get(dataset)) for dataset, roles in pairs}
+
+
 def first_layer(settings, clip) -> int:
     """The paper's 1-based J; "auto" = dear.default_first_layer."""
     auto = settings["first_layer"] == "auto"

@@ -437,7 +437,7 @@ def test_every_learnable_tensor_gets_a_gradient_or_ddp_is_told(tiny_clip, name, 
                             branch_ce=ablation == "branch-ce")
     losses["total"].backward()
     without = {n for n, p in model.learnable_tensors().items() if p.grad is None}
-    assert without == set(train.unused_learnables(model)), f"{name}: without a gradient: {without}"
+    assert not without, f"{name}: without a gradient: {without}"  # DDP looks for none
 
 
 # ------------------------------------------------------------------------------------------
