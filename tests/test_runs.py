@@ -6,6 +6,7 @@ one-line errors) are tested through the command line in tests/test_train.py.
     python -m pytest -q tests/test_runs.py
 """
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,14 @@ def test_summary_takes_hm_of_the_averages_as_the_paper_does():
     # base 70, novel 30: HM(70, 30) = 42.0, not the mean of the per-dataset HMs (18.0 and 50.0)
     assert average == [70.0, 30.0, 42.0]
     assert summary["tables"]["a"]["rows"]["dear-class-on-unseen"] == [90.0, 10.0, 18.0]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no file locks on this system")
+def test_the_lock_names_its_holder_while_held_and_leaves_no_file(tmp_path):
+    path = tmp_path / "entry.lock"
+    with files.lock(str(path)):
+        assert path.read_text().strip() == str(os.getpid())  # for a waiter's message
+    assert not path.exists()
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="no file locks on this system")
