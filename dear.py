@@ -1138,9 +1138,8 @@ ARGUMENT_RULES = [
      "concepts 'labels' needs a label on every description (give 'text<TAB>concept' lines) "
      "or let clusters find the concepts"),
     ("image_batch", lambda batch: isinstance(batch, torch.Tensor) and batch.dim() == 4,
-     "image_batches must be a (n, 3, R, R) tensor or yield (B, 3, R, R) tensors; got a "
-     "{image_batch.__class__.__name__} of another shape (a DataLoader's: pass "
-     "(x for x, _ in loader))"),
+     "image_batches must be a (n, 3, R, R) tensor or yield (B, 3, R, R) tensors, 4 dimensions; "
+     "got a {image_batch.__class__.__name__} (a DataLoader's: pass (x for x, _ in loader))"),
     ("classes", lambda classes: isinstance(classes, PreparedClasses),
      "classes must be model.prepare_classes(class_token_ids), got a {classes.__class__.__name__}; "
      "prepare each class list once, then pass the result to every step"),
