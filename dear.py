@@ -1137,6 +1137,10 @@ ARGUMENT_RULES = [
         entry.concept is not None for entry in bank),
      "concepts 'labels' needs a label on every description (give 'text<TAB>concept' lines) "
      "or let clusters find the concepts"),
+    ("rank", lambda rank: rank >= 1,
+     "rank={rank}: TextSpan keeps the top `rank` singular directions; use 1 or more"),
+    ("num_images", lambda n: n >= 2,
+     "the head analysis has {num_images} image(s); TextSpan needs at least 2 to see a head vary"),
     ("image_batch", lambda batch: isinstance(batch, torch.Tensor) and batch.dim() == 4,
      "image_batches must be a (n, 3, R, R) tensor or yield (B, 3, R, R) tensors, 4 dimensions; "
      "got a {image_batch.__class__.__name__} (a DataLoader's: pass (x for x, _ in loader))"),
@@ -1160,18 +1164,11 @@ def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *,
     """TextSpan's picks per head (the one check of it): `requested` (--descriptions) or `default`
     (default_picks), at most min(bank size, num_images, rank, embed_dim), the span's rank. A request
     above that, or below 1, is refused."""
-    if rank < 1:
-        raise DeARError(f"rank={rank}: TextSpan keeps the top `rank` singular directions; "
-                        "use 1 or more")
-    if num_images < 2:
-        raise DeARError(f"the head analysis has {num_images} image(s); "
-                        "TextSpan needs at least 2 to see a head vary")
+    check(rank=rank, num_images=num_images)
     limits = [(bank_size, f"the bank has {bank_size} descriptions"),
-              (num_images, f"the span of {num_images} images' contributions has rank <= "
-                           f"{num_images}"),
-              (rank, f"TextSpan keeps {rank} singular directions")]
-    if embed_dim is not None:
-        limits.append((embed_dim, f"the embedding has {embed_dim} dimensions"))
+              (num_images, f"the span of {num_images} images has rank <= {num_images}"),
+              (rank, f"TextSpan keeps {rank} singular directions"),
+              (embed_dim or math.inf, f"the embedding has {embed_dim} dimensions")]
     limit, why = min(limits, key=lambda entry: entry[0])
     if requested is None:
         if default > limit:
