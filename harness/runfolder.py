@@ -1,5 +1,5 @@
-"""harness/runfolder.py -- the run folder: its lock (one writer at a time), the checks that a resumed
-folder holds this run's files, the checkpoints, resuming, each run's history (log.txt,
+"""harness/runfolder.py -- the run folder: its lock (one writer at a time), the checks that a
+resumed folder holds this run's files, the checkpoints, resuming, each run's history (log.txt,
 metrics.jsonl, curves.png) and the copies of the role maps it used. Called by train.py.
 """
 
@@ -10,12 +10,10 @@ import json
 import math
 import os
 import platform
-import secrets
 import shutil
 import sys
 import time
-from pathlib import Path
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist

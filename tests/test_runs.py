@@ -1,4 +1,4 @@
-"""Tests of the harness's reports.py and runfolder.py on their own: the summary tables'
+"""Tests of the harness's reports.py and files.py on their own: the summary tables'
 arithmetic (HM of the means, empty cells, the spread), the cache lock. The
 harness's end-to-end guarantees (resume refusal, fingerprints, the folder lock, checkpoints,
 one-line errors) are tested through the command line in tests/test_train.py.
@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from harness import files, runfolder, reports  # noqa: E402
+from harness import files, reports  # noqa: E402
 
 
 def test_summary_leaves_the_linear_probe_novel_and_hm_empty_and_shows_the_spread():

@@ -28,7 +28,6 @@ sys.path.insert(0, str(REPO))
 
 import clip_model  # noqa: E402
 import dear  # noqa: E402
-from harness.bank import project_bank  # noqa: E402
 import train  # noqa: E402
 from harness import (analysis, probes, cli, config, devices, monitor, plan,  # noqa: E402
                      reports, runfolder, sources)
