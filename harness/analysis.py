@@ -170,15 +170,15 @@ def analysis_code(toy: bool) -> list:
     """The code a cached role map comes from, the one list of it: its source is part of the cache
     key (analysis.analysis_fingerprint), so that a changed line never reuses a map made before. The
     method (dear.py, clip_model.py, clustering.py: the HDBSCAN dear.py calls), the harness that
-    loads the encoder and writes the cached files (sources, reports, pictures, files, runfolder,
-    this module's run_head_analysis; the pool's words are keyed by their hash) and, in the toy
+    loads the encoder and writes the cached files (sources, reports, pictures, files, this
+    module's run_head_analysis; the pool's words are keyed by their hash) and, in the toy
     world, the causal check written beside the map. A module the analysis comes to call is added
     here."""
     import clustering  # dear.py imports it only where it clusters
 
     from . import analysis, files  # this module: the pool, the cache, run_head_analysis
 
-    code = [clip_model, dear, clustering, sources, reports, pictures, files, runfolder, analysis]
+    code = [clip_model, dear, clustering, sources, reports, pictures, files, analysis]
     if toy:
         from toyworld import causal
 

@@ -207,11 +207,10 @@ def test_the_code_fingerprint_changes_with_the_source_of_each_part_of_the_analys
     import clustering
     from toyworld import causal
 
-    from harness import pictures, reports, runfolder
+    from harness import files, pictures, reports
 
     code = analysis.analysis_code(toy=True)
-    assert code == [clip_model, dear, clustering, sources, reports, pictures, runfolder, analysis,
-                    causal]
+    assert code == [clip_model, dear, clustering, sources, reports, pictures, files, analysis, causal]
     assert analysis.analysis_code(toy=False) == code[:-1]
     before = analysis.source_fingerprint(code)
     assert analysis.source_fingerprint(code) == before
