@@ -1093,17 +1093,13 @@ class SharedTokens(nn.Module):
 # ---- 10. Bookkeeping, not the method: the argument checks, one table; RoleMap with its checks,
 # JSON file and table. Each check stands once; the harness (for train.py) calls the same before
 # any work.
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def is_real(value) -> bool:  # NaN and inf are not
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 # (the arguments a rule reads, the rule, its one line when it fails), in the order check runs them
 ARGUMENT_RULES = [
-    ("first_layer depth", lambda j, depth: is_int(j) and 1 <= j <= depth,
+    ("first_layer depth", lambda j, depth: type(j) is int and 1 <= j <= depth,
      "first_layer J={first_layer} is out of range: use 1..{depth} (1-based, as the paper's J = 9)"),
     ("beta", lambda beta: is_real(beta) and 0.0 <= beta <= 1.0,
      "beta={beta} is outside [0, 1]; beta weighs the fresh tokens against the previous layer's"),
@@ -1268,13 +1264,11 @@ class RoleMap:
     def validate(self, vision_layers: Optional[int] = None, num_heads: Optional[int] = None,
                  attributes: Optional[Sequence[str]] = None) -> None:
         """Complete, consistent, and (when the sizes are given) fits the model."""
-        rerun = "re-run the head analysis for this model"
-        if vision_layers is not None and self.vision_layers != vision_layers:
-            raise DeARError(f"made for a vision tower of {self.vision_layers} layers, "
-                            f"this model has {vision_layers}; {rerun}")
-        if num_heads is not None and self.num_heads != num_heads:
-            raise DeARError(f"made for {self.num_heads} heads per layer, "
-                            f"this model has {num_heads}; {rerun}")
+        for given, own, what in ((vision_layers, self.vision_layers, "a vision tower of {} layers"),
+                                 (num_heads, self.num_heads, "{} heads per layer")):
+            if given not in (None, own):
+                raise DeARError(f"made for {what.format(own)}, this model has {given}; "
+                                "re-run the head analysis for this model")
         if attributes is not None and list(attributes) != list(self.attributes):
             raise DeARError(f"made for attributes {', '.join(self.attributes)}, "
                             f"the model has {', '.join(attributes)}; leave DeAR's attributes out "
