@@ -1162,7 +1162,8 @@ def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *,
     above that, or below 1, is refused."""
     check(rank=rank, num_images=num_images)
     limits = [(bank_size, f"the bank has {bank_size} descriptions"),
-              (num_images, f"the span of {num_images} images has rank <= {num_images}"),
+              (num_images, f"the span of {num_images} images' contributions has rank <= "
+                           f"{num_images}"),
               (rank, f"TextSpan keeps {rank} singular directions"),
               (embed_dim or math.inf, f"the embedding has {embed_dim} dimensions")]
     limit, why = min(limits, key=lambda entry: entry[0])

@@ -261,6 +261,8 @@ def resolve_text_tokens(settings: dict, num_attributes: int) -> None:
     """K, resolved here once so that settings.json holds the number: unset, dear.default_text_tokens
     (4 under --tokens separate; A, this world's attribute tokens, under shared, where the text
     tower receives the vision tower's tokens); typed, under shared, A or refused."""
+    if (settings["text_tokens"] or 0) < 0:
+        return  # validate_settings refuses it, in the flag's words
     try:
         dear.check(tokens=settings["tokens"], num_attributes=num_attributes,
                    num_text_tokens=settings["text_tokens"])
