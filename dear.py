@@ -7,8 +7,8 @@ CVPR 2026) in the order it runs. Its sections ("section N" below; "paper Sec. N"
 with its default token construction (SeparateTokens); 6. the losses (paper Sec. 3.4). After the
 method: 7. the paper's ablations (ablate: each one's change); 8. at test time, which logits score
 a test set, and attribute-conditioned retrieval; 9. MMRL++'s token construction (tokens="shared",
-SharedTokens); 10. bookkeeping: the argument checks, RoleMap's checks, JSON file and table,
-DeAR's checkpoint tensors. (The project's description bank is data: harness/bank.py.)
+SharedTokens); 10. bookkeeping: the argument checks (one table), RoleMap with its checks, JSON
+file and table. (The project's description bank is data: harness/bank.py.)
 
 The method unbatched: tests/test_dear_reference.py writes DeAR's forward pass out one head at a
 time; this file batches it. It imports torch and clip_model.py: copy the two files together.
@@ -54,6 +54,7 @@ ROLES = ("attribute", "generalization", "mixed")
 CONCEPT_SOURCES = ("clusters", "labels")  # the paper's: the picks clustered; the control: labels
 PAPER_PICKS = 20  # TextSpan's picks per head, the paper's "N" (default_picks: unlabelled pools)
 ANALYSED_LAYERS = 4  # the paper analyses, and prompts, the vision tower's last four layers
+ANALYSIS_SEED = 0  # analysis_images' draw: fixed, so every run of a model reads the same images
 # MMRL's class-branch weight, in its loss and in its fixed logits_fusion (yunncheng/MMRL
 # trainers/mmrl.py, MMRL_Loss and CustomCLIP.forward; train.py: TRAINER.MMRL.ALPHA)
 MMRL_ALPHA = 0.7
@@ -92,7 +93,8 @@ def textspan_steps(contributions: torch.Tensor, text_embeddings: torch.Tensor,
                    num_descriptions: int, rank: int) -> Iterator[Tuple[int, float]]:
     """textspan one pick at a time -> (bank index, the share of the head's variance across the
     images that removing the pick's direction takes away). The shares add up to at most 1."""
-    check_picks(num_descriptions, contributions, text_embeddings, rank)  # 1..min(T, n, r, E)
+    analysis_picks(num_descriptions, len(text_embeddings), len(contributions), rank=rank,
+                   default=num_descriptions, embed_dim=contributions.shape[1])  # 1..min(T, n, r, E)
     data = contributions.double()
     # The head's span from the raw contributions, not centred (the authors' order): the mean all
     # images share is a direction the head writes too. Centring first (rank n - 1) would pick
@@ -151,60 +153,8 @@ class HeadRole:
     concepts: List[str] = field(default_factory=list)  # each pick's: a label, "cluster k", NOISE
 
 
-@dataclass
-class RoleMap:
-    """The role of every head of the analysed vision layers, which the mask is built from. Its
-    checks, JSON file and table are bookkeeping, written out in section 10."""
-    vision_layers: int  # depth of the vision tower it was made for
-    num_heads: int  # heads per layer of that tower
-    attributes: List[str]  # the attribute tokens' names, in token order
-    heads: List[HeadRole]  # one per (layer, head), layer-major
-    low_bits: Optional[float] = None  # the entropy thresholds that made it (None: not measured)
-    high_bits: Optional[float] = None
-    source: str = "analysis"  # "analysis" or the name of a fixed choice ("all-mixed", ...)
-    concepts: Optional[str] = None  # where the analysis took its concepts: "clusters" or "labels"
-    clusters: List[Cluster] = field(default_factory=list)  # found (concepts="clusters")
-
-    @property
-    def layers(self) -> List[int]:
-        return sorted({h.layer for h in self.heads})  # 0-based, ascending
-
-    def role_of(self, layer: int, head: int) -> Optional[HeadRole]:
-        return next((h for h in self.heads if h.layer == layer and h.head == head), None)
-
-    @classmethod
-    def uniform(cls, role: str, vision_layers: int, num_heads: int,
-                layers: Optional[Sequence[int]] = None,
-                attributes: Sequence[str] = CORE_ATTRIBUTES) -> RoleMap:
-        """The --roles all-mixed and all-generalization maps, built here alone: every head of
-        `layers` (None: the analysed ones, the last four) "mixed" (deep prompting, no mask, the
-        layer-centric view of MaPLe, PromptSRC, MMRL) or "generalization" (all blind)."""
-        if role not in ("mixed", "generalization"):
-            raise DeARError(f"uniform role must be 'mixed' or 'generalization', not {role!r}")
-        if layers is None:
-            layers = range(vision_layers - analysed_layers(vision_layers), vision_layers)
-        heads = [HeadRole(layer, head, role) for layer in layers for head in range(num_heads)]
-        return cls(vision_layers, num_heads, list(attributes), heads, source=f"all-{role}")
-
-    def validate(self, vision_layers: Optional[int] = None, num_heads: Optional[int] = None,
-                 attributes: Optional[Sequence[str]] = None) -> None:
-        """Complete, consistent, and (when the sizes are given) fits the model (section 10)."""
-        validate_role_map(self, vision_layers, num_heads, attributes)
-
-    def to_json(self) -> dict:
-        return role_map_json(self)
-
-    def save(self, path: str) -> None:
-        save_role_map(self, path)
-
-    @classmethod
-    def load(cls, path: str) -> RoleMap:
-        """Read a role file; each problem is one DeARError line that names the file (section 10)."""
-        return load_role_map(path)
-
-    def table(self) -> str:
-        """A row per layer (1-based), a cell per head: A:col (attribute head for colour), G, M."""
-        return role_table(self)
+# RoleMap, the role of every head (what sections 3-7 pass around), with its checks, JSON file
+# and table: section 10.
 
 
 # ---- 2. Concepts: the heads' picks clustered, or their labels (paper Sec. 3.2, METHOD.md Sec. 3) -
@@ -340,14 +290,15 @@ def dominant_concept(pick_concepts: Sequence[str]) -> str:
     return next((c for c in pick_concepts if counts.get(c) == max(counts.values())), NOISE)
 
 
-def default_picks(bank: Sequence[Description], attributes: Sequence[str]) -> int:
+def default_picks(bank: Sequence[Description], attributes: Sequence[str],
+                  paper: bool = False) -> int:
     """Picks per head, the one default of it (our rule; METHOD.md Sec. 3). A labelled bank: the
     fewest values of a core attribute, as a pure specialist has nothing left to explain once its
     values are picked. The toy bank: colour 8, shape 6, texture 4, position 4 values -> 4 picks;
     the project's bank: shape's 16 words are the fewest -> 16. A pool without labels tells
-    nothing of its values: the paper's 20."""
+    nothing of its values, and the paper's analysis (paper=True) takes none: the paper's 20."""
     bank = [Description(*entry) for entry in bank]
-    if any(entry.concept is None for entry in bank):
+    if paper or any(entry.concept is None for entry in bank):
         return PAPER_PICKS
     values = {}
     for entry in bank:
@@ -383,7 +334,7 @@ def assign_roles(entropies: Sequence[float], dominants: Sequence[str],
     """Heads -> [(role, attribute or None)]: each head's entropy and its dominant concept's name.
     H <= low: an attribute head for that concept if it is a core attribute, else (e.g. "style":
     no token) generalization; H >= high: generalization; between: mixed."""
-    check_thresholds(low_bits, high_bits)  # section 10
+    check(low_bits=low_bits, high_bits=high_bits)  # section 10
     roles = []
     for entropy, dominant in zip(entropies, dominants):
         if entropy <= low_bits and dominant in attributes:
@@ -400,13 +351,36 @@ def analysed_layers(depth: int) -> int:
     return min(ANALYSED_LAYERS, depth)
 
 
+def analysis_images(items: Sequence, cap: int, seed: int = ANALYSIS_SEED) -> list:
+    """Which images the head analysis reads (our choice; the paper's are ImageNet's validation
+    images): of `items` (each with a .label), at most `cap`, evenly over the classes: each class's
+    in a seeded order, then one per class in turn (the classes in a seeded order too: a cap
+    below the class count samples classes at random), never the head of a label-sorted list,
+    which covers only a large dataset's first classes."""
+    generator = torch.Generator().manual_seed(seed)
+    by_class = {}
+    for item in items:
+        by_class.setdefault(item.label, []).append(item)
+    groups = [group for _, group in sorted(by_class.items())]
+    orders = [torch.randperm(len(group), generator=generator) for group in groups]
+    longest = max(map(len, groups), default=0)
+    rounds, taken = 0, 0
+    while taken < cap and rounds < longest:  # rounds of one image per class that reach the cap
+        taken += sum(len(group) > rounds for group in groups)
+        rounds += 1
+    # Only those rounds' images are looked up (ImageNet: 2 of each class's ~1,281), round by round.
+    queues = [[group[i] for i in order[:rounds].tolist()] for group, order in zip(groups, orders)]
+    queues = [queues[i] for i in torch.randperm(len(queues), generator=generator).tolist()]
+    return [queue[depth] for depth in range(rounds) for queue in queues if depth < len(queue)][:cap]
+
+
 @torch.no_grad()
 def encode_descriptions(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer,
-                        texts: Sequence[str], batch_size: int = 256) -> torch.Tensor:
-    """Texts -> (T, E) normalised CLIP text embeddings."""
+                        texts: Sequence[str]) -> torch.Tensor:
+    """Texts -> (T, E) normalised CLIP text embeddings, 256 texts a batch."""
     device = clip.positional_embedding.device
-    batches = (tokenizer.tokenize(texts[s:s + batch_size], clip.context_length, truncate=True)
-               for s in range(0, len(texts), batch_size))
+    batches = (tokenizer.tokenize(texts[s:s + 256], clip.context_length, truncate=True)
+               for s in range(0, len(texts), 256))
     return torch.cat([F.normalize(clip.encode_text(b.to(device)), dim=-1) for b in batches])
 
 
@@ -418,7 +392,7 @@ def normalised_contributions(clip: clip_model.CLIP, image_batches, num_layers: i
     device = clip.visual.conv1.weight.device
     batches = image_batches.split(64) if isinstance(image_batches, torch.Tensor) else image_batches
     for batch in batches:
-        check_image_batch(batch)  # section 10
+        check(image_batch=batch)  # section 10
         parts = clip_model.head_contributions(clip, batch.to(device), num_layers)
         norms = parts.total().norm(dim=-1)[:, None, None, None]  # (B, 1, 1, 1)
         per_image.append((parts.heads / norms).cpu())  # (B, L_a, H, E)
@@ -452,7 +426,7 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
     the clusters are given."""
     bank = [Description(*entry) for entry in bank]  # (text, concept, value) triples also do
     source = default_concepts(bank) if concepts is None else concepts  # "clusters" or "labels"
-    check_concepts(source, bank)
+    check(concepts=source, bank=bank)  # section 10
     depth = len(clip.visual.transformer.resblocks)
     rank = textspan_rank(clip) if rank is None else rank
     if num_layers is None:  # else head_contributions checks it
@@ -701,8 +675,11 @@ class DeAR(nn.Module):
         depth = len(clip.visual.transformer.resblocks)
         attributes = list(role_map.attributes if attributes is None else attributes)
         first_layer = default_first_layer(depth) if first_layer is None else first_layer
-        check_model_settings(clip, role_map, attributes, first_layer, beta, num_text_tokens,
-                             cls_fusion_weight, tokens, latent_width)
+        check(first_layer=first_layer, depth=min(depth, len(clip.transformer.resblocks)),
+              beta=beta, tokens=tokens, num_attributes=len(attributes),
+              num_text_tokens=num_text_tokens, latent_width=latent_width,
+              cls_fusion_weight=cls_fusion_weight)  # section 10
+        role_map.validate(depth, clip.visual.transformer.heads, attributes)
         if num_text_tokens is None:
             num_text_tokens = default_text_tokens(tokens, len(attributes))
         self.clip = clip.eval().requires_grad_(False)  # frozen: only the tensors below learn
@@ -809,7 +786,7 @@ class DeAR(nn.Module):
         eot + K. The causal mask lets every later token read them. They get no positional
         embedding (CLIP adds it once, in embed_text, before layer 0; the prompt's own tokens keep
         theirs). beta as encode_image's."""
-        check_prepared(classes)
+        check(classes=classes)  # section 10
         beta = self.beta if beta is None else beta
         x, K = classes.hidden, self.num_text_tokens  # x: (C, N, W_t), the frozen layers' output
         start, words, C = x[:, :1], x[:, 1:], len(x)  # (C, 1, W_t), (C, N - 1, W_t)
@@ -856,22 +833,40 @@ class DeAR(nn.Module):
             fused = torch.einsum("bac,a->bc", branch_logits, alpha)  # a: the 1 + A branches
         return fused, branch_logits
 
-    # Bookkeeping (section 10): the checkpoint's tensors and the parameter counts.
+    # Bookkeeping, not the method: the checkpoint's tensors and the parameter counts.
     def learnable_state_dict(self) -> dict:
         """Only what training changes; a checkpoint needs nothing else (CLIP is frozen)."""
         return {name: t.detach().cpu().clone() for name, t in self.learnable_tensors().items()}
 
+    @torch.no_grad()
     def load_learnable_state_dict(self, state: dict) -> None:
-        load_learnable_tensors(self, state)
+        """Each checkpoint tensor into the model's, or one line naming the one that does not fit."""
+        tensors = self.learnable_tensors()
+        for name, value in state.items():
+            expected = tuple(tensors[name].shape) if name in tensors else "no such tensor"
+            if expected != tuple(value.shape):
+                raise DeARError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, this "
+                                f"model (tokens {self.construction!r}) expects {expected}; it was "
+                                "made with other settings")
+            tensors[name].copy_(value)
 
     def parameter_counts(self) -> Dict[str, int]:
-        """{component: its learnable parameters}, e.g. on ViT-B/16 at J = 9 under
-        "shared": latent_tokens 2,560, vision_aligner 416,768, text_aligner 280,576,
+        """{component (a name's part before any "."): its learnable parameters}, e.g. on ViT-B/16 at
+        J = 9 under "shared": latent_tokens 2,560, vision_aligner 416,768, text_aligner 280,576,
         attribute_proj_residual 81,920, fusion_logits 6."""
-        return component_parameter_counts(self)
+        counts = Counter()
+        for name, tensor in self.learnable_tensors().items():
+            counts[name.split(".")[0]] += tensor.numel()
+        return dict(counts)
 
     def parameter_summary(self) -> str:
-        return parameter_summary(self)
+        """The learnable tensors, their count and share, in one line."""
+        learnable = sum(p.numel() for p in self.learnable_parameters())
+        frozen = sum(p.numel() for p in self.clip.parameters())
+        tensors = self.learnable_tensors().items()
+        parts = ", ".join(f"{name} {tuple(t.shape)}" for name, t in tensors)
+        return (f"learnable {learnable:,} parameters ({parts}); frozen CLIP {frozen:,} "
+                f"({100 * learnable / (learnable + frozen):.2f}% learnable)")
 
 
 # ---- 6. The losses (paper Sec. 3.4, METHOD.md Sec. 5) --------------------------------------------
@@ -890,10 +885,9 @@ def fusion_regularization_loss(alpha: torch.Tensor) -> torch.Tensor:
     return -torch.log(alpha[0])
 
 
-def branch_cross_entropy(output: DeAROutput, labels: torch.Tensor,
-                         class_weight: float = MMRL_ALPHA) -> torch.Tensor:
+def branch_cross_entropy(output: DeAROutput, labels: torch.Tensor) -> torch.Tensor:
     """Not the paper's loss (the branch-ce ablation): MMRL_Loss's ALPHA * CE(class branch) +
-    (1 - ALPHA) * CE(the rest) (yunncheng/MMRL trainers/mmrl.py), ALPHA = class_weight (not the
+    (1 - ALPHA) * CE(the rest) (yunncheng/MMRL trainers/mmrl.py), ALPHA = MMRL_ALPHA (not the
     fusion weights output.alpha), the rest = the mean CE of the attribute branches in the fusion;
     with none in it, CE(class branch)."""
     branches = output.branch_logits.float()  # (B, 1 + A, C)
@@ -901,7 +895,7 @@ def branch_cross_entropy(output: DeAROutput, labels: torch.Tensor,
     if not output.fused_attributes:  # a branch left out has alpha 0
         return class_term
     rest = [F.cross_entropy(branches[:, k], labels) for k in output.fused_attributes]
-    return class_weight * class_term + (1 - class_weight) * torch.stack(rest).mean()
+    return MMRL_ALPHA * class_term + (1 - MMRL_ALPHA) * torch.stack(rest).mean()
 
 
 def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0,
@@ -1206,26 +1200,82 @@ class SharedTokens(nn.Module):
         return proj + self.attribute_proj_residual()
 
 
-# ---- 10. Bookkeeping, not the method: its argument checks; RoleMap's checks, JSON file and table;
-# DeAR's checkpoint tensors. Each check stands once, at a public function's entry or here; the
-# harness (for train.py) calls the same ones before any work.
+# ---- 10. Bookkeeping, not the method: the argument checks, one table; RoleMap with its checks,
+# JSON file and table. Each check stands once; the harness (for train.py) calls the same before
+# any work.
+def is_real(value) -> bool:  # NaN and inf are not
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# (the arguments a rule reads, the rule, its one line when it fails), in the order check runs them
+ARGUMENT_RULES = [
+    ("first_layer depth", lambda j, depth: type(j) is int and 1 <= j <= depth,
+     "first_layer J={first_layer} is out of range: use 1..{depth} (1-based, as the paper's J = 9)"),
+    ("beta", lambda beta: is_real(beta) and 0.0 <= beta <= 1.0,
+     "beta={beta} is outside [0, 1]; beta weighs the fresh tokens against the previous layer's"),
+    ("low_bits", lambda low: low is None or is_real(low) and low >= 0,
+     "low_bits={low_bits}: expected a finite entropy in bits, >= 0"),
+    ("high_bits", lambda high: high is None or is_real(high) and high >= 0,
+     "high_bits={high_bits}: expected a finite entropy in bits, >= 0"),
+    ("low_bits high_bits", lambda low, high: None in (low, high) or low <= high,
+     "low_bits={low_bits:g} is above high_bits={high_bits:g}; make the low threshold the smaller"),
+    ("tokens", lambda tokens: tokens in TOKEN_CONSTRUCTIONS,
+     "tokens={tokens!r}: use " + " or ".join(TOKEN_CONSTRUCTIONS)),
+    ("tokens num_attributes num_text_tokens",  # K under "shared": default_text_tokens
+     lambda tokens, A, K: tokens != "shared" or A or K is not None,
+     "tokens 'shared' without attribute tokens: give num_text_tokens, the latent tokens the text "
+     "tower alone receives (the full row's K, default_text_tokens('shared', A), as train.py "
+     "passes it)"),
+    ("tokens num_attributes num_text_tokens",
+     lambda tokens, A, K: tokens != "shared" or not A or K in (None, A),
+     "K = {num_text_tokens} text tokens: under tokens 'shared' the text tower receives the "
+     "A = {num_attributes} tokens of the vision tower; leave K unset (it follows A)"),
+    ("num_text_tokens", lambda K: K is None or K >= 0,
+     "num_text_tokens={num_text_tokens} must be 0 or more"),
+    ("latent_width tokens",
+     lambda width, tokens: width is None or tokens == "shared" and width >= 1,
+     "latent_width={latent_width}: the latent tokens' width, 1 or more, for tokens='shared' only"),
+    ("cls_fusion_weight", lambda weight: 0.0 < weight < 1.0,
+     "cls_fusion_weight={cls_fusion_weight} must be in (0, 1)"),
+    ("concepts", lambda concepts: concepts in CONCEPT_SOURCES,
+     "concepts={concepts!r}: use " + " or ".join(CONCEPT_SOURCES)),
+    ("concepts bank", lambda concepts, bank: concepts != "labels" or all(
+        entry.concept is not None for entry in bank),
+     "concepts 'labels' needs a label on every description (give 'text<TAB>concept' lines) "
+     "or let clusters find the concepts"),
+    ("rank", lambda rank: rank >= 1,
+     "rank={rank}: TextSpan keeps the top `rank` singular directions; use 1 or more"),
+    ("num_images", lambda n: n >= 2,
+     "the head analysis has {num_images} image(s); TextSpan needs at least 2 to see a head vary"),
+    ("image_batch", lambda batch: isinstance(batch, torch.Tensor) and batch.dim() == 4,
+     "image_batches must be a (n, 3, R, R) tensor or yield (B, 3, R, R) tensors, 4 dimensions; "
+     "got a {image_batch.__class__.__name__} (a DataLoader's: pass (x for x, _ in loader))"),
+    ("classes", lambda classes: isinstance(classes, PreparedClasses),
+     "classes must be model.prepare_classes(class_token_ids), got a {classes.__class__.__name__}; "
+     "prepare each class list once, then pass the result to every step"),
+]
+
+
+def check(**given) -> None:
+    """The argument checks in one pass: each rule of ARGUMENT_RULES whose arguments are all given;
+    the first that fails is one DeARError line, e.g. check(beta=2.0)."""
+    for names, holds, message in ARGUMENT_RULES:
+        if all(name in given for name in names.split()):
+            if not holds(*(given[name] for name in names.split())):
+                raise DeARError(message.format(**given))
+
+
 def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *, rank: int,
                    default: int, embed_dim: Optional[int] = None) -> int:
     """TextSpan's picks per head (the one check of it): `requested` (--descriptions) or `default`
     (default_picks), at most min(bank size, num_images, rank, embed_dim), the span's rank. A request
     above that, or below 1, is refused."""
-    if rank < 1:
-        raise DeARError(f"rank={rank}: TextSpan keeps the top `rank` singular directions; "
-                        "use 1 or more")
-    if num_images < 2:
-        raise DeARError(f"the head analysis has {num_images} image(s); "
-                        "TextSpan needs at least 2 to see a head vary")
-    span = f"the span of {num_images} images' contributions has rank <= {num_images}"
+    check(rank=rank, num_images=num_images)
     limits = [(bank_size, f"the bank has {bank_size} descriptions"),
-              (num_images, span),
-              (rank, f"TextSpan keeps {rank} singular directions")]
-    if embed_dim is not None:
-        limits.append((embed_dim, f"the embedding has {embed_dim} dimensions"))
+              (num_images, f"the span of {num_images} images' contributions has rank <= "
+                           f"{num_images}"),
+              (rank, f"TextSpan keeps {rank} singular directions"),
+              (embed_dim or math.inf, f"the embedding has {embed_dim} dimensions")]
     limit, why = min(limits, key=lambda entry: entry[0])
     if requested is None:
         if default > limit:
@@ -1239,34 +1289,18 @@ def analysis_picks(requested: Optional[int], bank_size: int, num_images: int, *,
     return requested
 
 
-def check_picks(num_descriptions: int, contributions: torch.Tensor,
-                text_embeddings: torch.Tensor, rank: int) -> None:
-    """textspan's guard: analysis_picks' limits on a requested count, for one head's
-    contributions (n, E) and the bank (T, E)."""
-    analysis_picks(num_descriptions, len(text_embeddings), len(contributions), rank=rank,
-                   default=num_descriptions, embed_dim=contributions.shape[1])
-
-
-def clustering_module():
-    """clustering.py (HDBSCAN), imported only when the picks are clustered: dear.py runs without
-    it, and without it clustering is one line saying what it needs."""
+def hdbscan(points: torch.Tensor, min_cluster_size: int,
+            min_samples: Optional[int] = None) -> torch.Tensor:
+    """clustering.hdbscan, imported only when the picks are clustered (dear.py runs without
+    clustering.py): (P, d) -> (P,) cluster ids, -1 = noise; its ClusteringError as DeARError."""
     try:  # beside dear.py: in a package the relative import, at the top level the other
         from . import clustering
     except ImportError:
         try:
             import clustering
-        except ImportError as error:
-            raise DeARError(f"clustering the picks needs clustering.py (HDBSCAN; torch and numpy): "
-                            f"copy clustering.py beside dear.py, or use concepts='labels' "
-                            f"({error})") from None
-    return clustering
-
-
-def hdbscan(points: torch.Tensor, min_cluster_size: int,
-            min_samples: Optional[int] = None) -> torch.Tensor:
-    """clustering.hdbscan, imported only here: (P, d) -> (P,) cluster ids, -1 = noise. Its
-    ClusteringError comes back as DeARError; without clustering.py, one line says what it needs."""
-    clustering = clustering_module()
+        except ImportError:
+            raise DeARError("clustering the picks needs clustering.py (HDBSCAN; torch and numpy): "
+                            "copy clustering.py beside dear.py, or use concepts='labels'") from None
     try:
         return clustering.hdbscan(points, min_cluster_size, min_samples)
     except clustering.ClusteringError as error:
@@ -1282,97 +1316,16 @@ def clusters_line(found: List[str], clusters: List[Cluster], min_cluster_size: i
                "own and no head is specialised"))
 
 
-def check_image_batch(batch) -> None:
-    if not isinstance(batch, torch.Tensor) or batch.dim() != 4:
-        shape = f" of shape {tuple(batch.shape)}" if isinstance(batch, torch.Tensor) else ""
-        raise DeARError("image_batches must be a (n, 3, R, R) tensor or yield (B, 3, R, R) "
-                        f"tensors; got a {type(batch).__name__}{shape} "
-                        "(a DataLoader's: pass (x for x, _ in loader))")
-
-
-def check_concepts(concepts: str, bank: Sequence[Description]) -> None:
-    """concepts is "clusters" or "labels"; labels need every description labelled."""
-    if concepts not in CONCEPT_SOURCES:
-        raise DeARError(f"concepts={concepts!r}: use {' or '.join(CONCEPT_SOURCES)}")
-    unlabelled = sum(entry.concept is None for entry in bank)
-    if concepts == "labels" and unlabelled:
-        raise DeARError(f"concepts 'labels' needs a label on every description; {unlabelled} of "
-                        f"{len(bank)} have none (give 'text<TAB>concept' lines) "
-                        "or let clusters find the concepts")
-
-
 def checked_embeddings(embed_texts: Callable[[List[str]], torch.Tensor],
                        texts: List[str]) -> torch.Tensor:
     """embed_texts(texts) as a (len(texts), d) float tensor on the CPU, or one line saying what
     came back."""
-    embedded = embed_texts(texts)
-    if not isinstance(embedded, torch.Tensor):
-        embedded = torch.as_tensor(embedded)  # e.g. a numpy array (sentence-transformers' default)
+    embedded = torch.as_tensor(embed_texts(texts))  # e.g. a numpy array (sentence-transformers')
     if embedded.dim() != 2 or len(embedded) != len(texts) or not embedded.is_floating_point():
         raise DeARError(f"embed_texts returned a {embedded.dtype} tensor of shape "
                         f"{tuple(embedded.shape)} for {len(texts)} texts; "
                         f"it must return ({len(texts)}, D) floats")
     return embedded.detach().float().cpu()
-
-
-def check_first_layer(first_layer: int, depth: int) -> None:
-    """J counts in both towers: 1..depth, depth = the shallower tower's layers."""
-    is_int = isinstance(first_layer, int) and not isinstance(first_layer, bool)
-    if not is_int or not 1 <= first_layer <= depth:
-        raise DeARError(f"first_layer J={first_layer} is out of range: "
-                        f"use 1..{depth} (1-based, as the paper's J = 9)")
-
-
-def check_beta(beta: float) -> None:
-    if not (isinstance(beta, (int, float)) and 0.0 <= beta <= 1.0):  # NaN fails both comparisons
-        raise DeARError(f"beta={beta} is outside [0, 1]; "
-                        "beta weighs the fresh tokens against the previous layer's")
-
-
-def check_thresholds(low_bits: Optional[float], high_bits: Optional[float]) -> None:
-    """Entropy thresholds in bits: finite, >= 0, low <= high (None = the default rule's)."""
-    for name, value in (("low_bits", low_bits), ("high_bits", high_bits)):
-        if value is None:
-            continue
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-            raise DeARError(f"{name}={value}: expected a finite entropy in bits, >= 0")
-    if None not in (low_bits, high_bits) and low_bits > high_bits:
-        raise DeARError(f"low_bits={low_bits:g} is above high_bits={high_bits:g}; "
-                        "make the low threshold the smaller")
-
-
-def check_tokens(tokens: str, num_attributes: int, num_text_tokens: Optional[int]) -> None:
-    """tokens is a construction. Under "shared" K follows A: unset, or A itself; with A = 0 (the
-    no-attribute-tokens ablation) K must be given, the full row's (default_text_tokens)."""
-    if tokens not in TOKEN_CONSTRUCTIONS:
-        raise DeARError(f"tokens={tokens!r}: use {' or '.join(TOKEN_CONSTRUCTIONS)}")
-    if tokens == "shared" and not num_attributes and num_text_tokens is None:
-        raise DeARError("tokens 'shared' without attribute tokens: give num_text_tokens, the "
-                        "latent tokens the text tower alone receives (the full row's K, "
-                        "default_text_tokens('shared', A), as train.py passes it)")
-    if tokens == "shared" and num_attributes and num_text_tokens not in (None, num_attributes):
-        raise DeARError(f"K = {num_text_tokens} text tokens: under tokens 'shared' the text tower "
-                        f"receives the A = {num_attributes} tokens of the vision tower; leave K "
-                        "unset (it follows A)")
-
-
-def check_model_settings(clip: clip_model.CLIP, role_map: RoleMap, attributes: List[str],
-                         first_layer: int, beta: float, num_text_tokens: Optional[int],
-                         cls_fusion_weight: float, tokens: str,
-                         latent_width: Optional[int]) -> None:
-    """DeAR's arguments against the model, before anything is built."""
-    depth_v, depth_t = len(clip.visual.transformer.resblocks), len(clip.transformer.resblocks)
-    check_first_layer(first_layer, min(depth_v, depth_t))
-    check_beta(beta)
-    check_tokens(tokens, len(attributes), num_text_tokens)
-    if num_text_tokens is not None and num_text_tokens < 0:
-        raise DeARError(f"num_text_tokens={num_text_tokens} must be 0 or more")
-    if latent_width is not None and not (tokens == "shared" and latent_width >= 1):
-        raise DeARError(f"latent_width={latent_width}: the latent tokens' width, 1 or more, "
-                        "for tokens='shared' only")
-    if not 0.0 < cls_fusion_weight < 1.0:
-        raise DeARError(f"cls_fusion_weight={cls_fusion_weight} must be in (0, 1)")
-    role_map.validate(depth_v, clip.visual.transformer.heads, attributes)
 
 
 def warn_left_out(blind: List[str], class_branch_only: bool, first_layer: int) -> None:
@@ -1388,157 +1341,127 @@ def warn_left_out(blind: List[str], class_branch_only: bool, first_layer: int) -
                       LeftOutWarning)
 
 
-def check_prepared(classes) -> None:
-    """encode_text takes prepare_classes' record (a cheap type check, kept per call: a test
-    asks for it)."""
-    if not isinstance(classes, PreparedClasses):  # e.g. token ids, as an older version took
-        raise DeARError(f"classes must be model.prepare_classes(class_token_ids), got a "
-                        f"{type(classes).__name__}; "
-                        "prepare each class list once, then pass the result to every step")
+@dataclass
+class RoleMap:
+    """The role of every head of the analysed vision layers, which the mask is built from (the
+    record sections 3-7 pass around), with its checks, JSON file and table."""
+    vision_layers: int  # depth of the vision tower it was made for
+    num_heads: int  # heads per layer of that tower
+    attributes: List[str]  # the attribute tokens' names, in token order
+    heads: List[HeadRole]  # one per (layer, head), layer-major
+    low_bits: Optional[float] = None  # the entropy thresholds that made it (None: not measured)
+    high_bits: Optional[float] = None
+    source: str = "analysis"  # "analysis" or the name of a fixed choice ("all-mixed", ...)
+    concepts: Optional[str] = None  # where the analysis took its concepts: "clusters" or "labels"
+    clusters: List[Cluster] = field(default_factory=list)  # found (concepts="clusters")
 
+    @property
+    def layers(self) -> List[int]:
+        return sorted({h.layer for h in self.heads})  # 0-based, ascending
 
-@torch.no_grad()
-def load_learnable_tensors(model: DeAR, state: dict) -> None:
-    """DeAR.load_learnable_state_dict: each tensor of a checkpoint into the model's, or one line
-    saying which does not fit."""
-    tensors = model.learnable_tensors()
-    for name, value in state.items():
-        target = tensors.get(name)
-        if target is None:
-            raise DeARError(f"checkpoint tensor {name} is not a learnable tensor of this model "
-                            f"(tokens {model.construction!r}); it was made with other settings")
-        if tuple(value.shape) != tuple(target.shape):
-            raise DeARError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, "
-                            f"the model expects {tuple(target.shape)}; "
-                            "it was made with other settings")
-        target.copy_(value)
+    def role_of(self, layer: int, head: int) -> Optional[HeadRole]:
+        return next((h for h in self.heads if h.layer == layer and h.head == head), None)
 
+    @classmethod
+    def uniform(cls, role: str, vision_layers: int, num_heads: int,
+                layers: Optional[Sequence[int]] = None,
+                attributes: Sequence[str] = CORE_ATTRIBUTES) -> RoleMap:
+        """The --roles all-mixed and all-generalization maps, built here alone: every head of
+        `layers` (None: the analysed ones, the last four) "mixed" (deep prompting, no mask, the
+        layer-centric view of MaPLe, PromptSRC, MMRL) or "generalization" (all blind)."""
+        if role not in ("mixed", "generalization"):
+            raise DeARError(f"uniform role must be 'mixed' or 'generalization', not {role!r}")
+        if layers is None:
+            layers = range(vision_layers - analysed_layers(vision_layers), vision_layers)
+        heads = [HeadRole(layer, head, role) for layer in layers for head in range(num_heads)]
+        return cls(vision_layers, num_heads, list(attributes), heads, source=f"all-{role}")
 
-def component_parameter_counts(model: DeAR) -> Dict[str, int]:
-    """DeAR.parameter_counts: {component (a name's part before any "."): its parameters}."""
-    counts = {}
-    for name, tensor in model.learnable_tensors().items():
-        component = name.split(".")[0]
-        counts[component] = counts.get(component, 0) + tensor.numel()
-    return counts
+    def validate(self, vision_layers: Optional[int] = None, num_heads: Optional[int] = None,
+                 attributes: Optional[Sequence[str]] = None) -> None:
+        """Complete, consistent, and (when the sizes are given) fits the model."""
+        for given, own, what in ((vision_layers, self.vision_layers, "a vision tower of {} layers"),
+                                 (num_heads, self.num_heads, "{} heads per layer")):
+            if given not in (None, own):
+                raise DeARError(f"made for {what.format(own)}, this model has {given}; "
+                                "re-run the head analysis for this model")
+        if attributes is not None and list(attributes) != list(self.attributes):
+            raise DeARError(f"made for attributes {', '.join(self.attributes)}, "
+                            f"the model has {', '.join(attributes)}; leave DeAR's attributes out "
+                            "(it then takes the map's) or re-run the analysis with these")
+        for entry in self.heads:
+            where = f"layer {entry.layer + 1} (index {entry.layer}), head {entry.head}"
+            if not (0 <= entry.layer < self.vision_layers and 0 <= entry.head < self.num_heads):
+                raise DeARError(f"{where} is outside a tower of {self.vision_layers} layers "
+                                f"x {self.num_heads} heads")
+            if entry.role not in ROLES:
+                raise DeARError(f"{where} has role {entry.role!r}; roles are {', '.join(ROLES)}")
+            if entry.role == "attribute" and entry.attribute not in self.attributes:
+                raise DeARError(f"{where} is an attribute head for {entry.attribute!r}, which is "
+                                f"not one of the attributes ({', '.join(self.attributes)})")
+        for layer in self.layers:
+            present = sorted(h.head for h in self.heads if h.layer == layer)
+            if present != list(range(self.num_heads)):
+                raise DeARError(f"layer {layer + 1} (index {layer}) lists heads {present}, "
+                                f"expected each of 0..{self.num_heads - 1} once")
 
+    def save(self, path: str) -> None:
+        data = {"what": "DeAR head roles (layer and head are 0-based; the paper's layer = "
+                        "layer + 1)", "source": self.source, "vision_layers": self.vision_layers,
+                "num_heads": self.num_heads, "attributes": list(self.attributes),
+                "thresholds_bits": {"low": self.low_bits, "high": self.high_bits},
+                "concepts": self.concepts, "clusters": [asdict(c) for c in self.clusters],
+                "heads": [asdict(h) for h in self.heads]}
+        text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+        clip_model.atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
-def parameter_summary(model: DeAR) -> str:
-    """DeAR.parameter_summary: the learnable tensors, their count and share, in one line."""
-    learnable = sum(p.numel() for p in model.learnable_parameters())
-    frozen = sum(p.numel() for p in model.clip.parameters())
-    tensors = model.learnable_tensors().items()
-    parts = ", ".join(f"{name} {tuple(t.shape)}" for name, t in tensors)
-    return (f"learnable {learnable:,} parameters ({parts}); frozen CLIP {frozen:,} "
-            f"({100 * learnable / (learnable + frozen):.2f}% learnable)")
-
-
-def validate_role_map(role_map: RoleMap, vision_layers: Optional[int] = None,
-                      num_heads: Optional[int] = None,
-                      attributes: Optional[Sequence[str]] = None) -> None:
-    """RoleMap.validate: complete, consistent, and (when the sizes are given) fits the model."""
-    m, rerun = role_map, "re-run the head analysis for this model"
-    if vision_layers is not None and m.vision_layers != vision_layers:
-        raise DeARError(f"made for a vision tower of {m.vision_layers} layers, "
-                        f"this model has {vision_layers}; " + rerun)
-    if num_heads is not None and m.num_heads != num_heads:
-        raise DeARError(f"made for {m.num_heads} heads per layer, "
-                        f"this model has {num_heads}; {rerun}")
-    if attributes is not None and list(attributes) != list(m.attributes):
-        raise DeARError(f"made for attributes {', '.join(m.attributes)}, "
-                        f"the model has {', '.join(attributes)}; leave DeAR's attributes out "
-                        "(it then takes the map's) or re-run the analysis with these")
-    for entry in m.heads:
-        where = f"layer {entry.layer + 1} (index {entry.layer}), head {entry.head}"
-        if not (0 <= entry.layer < m.vision_layers and 0 <= entry.head < m.num_heads):
-            raise DeARError(f"{where} is outside a tower of {m.vision_layers} layers "
-                            f"x {m.num_heads} heads")
-        if entry.role not in ROLES:
-            raise DeARError(f"{where} has role {entry.role!r}; roles are {', '.join(ROLES)}")
-        if entry.role == "attribute" and entry.attribute not in m.attributes:
-            raise DeARError(f"{where} is an attribute head for {entry.attribute!r}, which is not "
-                            f"one of the attributes ({', '.join(m.attributes)})")
-    for layer in m.layers:
-        present = sorted(h.head for h in m.heads if h.layer == layer)
-        if present != list(range(m.num_heads)):
-            raise DeARError(f"layer {layer + 1} (index {layer}) lists heads {present}, "
-                            f"expected each of 0..{m.num_heads - 1} once")
-
-
-def role_map_json(role_map: RoleMap) -> dict:
-    m = role_map
-    return {"what": "DeAR head roles (layer and head are 0-based; the paper's layer = layer + 1)",
-            "source": m.source, "vision_layers": m.vision_layers, "num_heads": m.num_heads,
-            "attributes": list(m.attributes),
-            "thresholds_bits": {"low": m.low_bits, "high": m.high_bits},
-            "concepts": m.concepts, "clusters": [asdict(c) for c in m.clusters],
-            "heads": [asdict(h) for h in m.heads]}
-
-
-def save_role_map(role_map: RoleMap, path: str) -> None:
-    text = json.dumps(role_map_json(role_map), indent=2, ensure_ascii=False)
-
-    def write(tmp: str) -> None:
-        Path(tmp).write_text(text + "\n", encoding="utf-8")  # closes it
-
-    clip_model.atomic_write(path, write)
-
-
-def load_role_map(path: str) -> RoleMap:
-    """RoleMap.load: every problem is one DeARError line that names the file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        thresholds = data.get("thresholds_bits") or {}
-        role_map = RoleMap(int(data["vision_layers"]), int(data["num_heads"]),
-                           list(data["attributes"]),
-                           [HeadRole(**entry) for entry in data["heads"]],
+    @classmethod
+    def load(cls, path: str) -> RoleMap:
+        """Read a role file; each problem is one DeARError line that names the file."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            thresholds = data.get("thresholds_bits") or {}
+            role_map = cls(int(data["vision_layers"]), int(data["num_heads"]),
+                           list(data["attributes"]), [HeadRole(**h) for h in data["heads"]],
                            thresholds.get("low"), thresholds.get("high"),
                            data.get("source", "analysis"), data.get("concepts"),
-                           [Cluster(**entry) for entry in data.get("clusters") or []])
-    except FileNotFoundError:
-        raise DeARError(f"{path}: no such role file; run the head analysis first (analyze_heads, "
-                        "then RoleMap.save) or use RoleMap.uniform('mixed', ...) "
-                        "(no mask)") from None
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise DeARError(f"{path}: not a DeAR role file ({type(error).__name__}: "
-                        f"{' '.join(str(error).split())[:80]}); re-run the head analysis") from None
-    try:
-        role_map.validate()
-    except DeARError as error:
-        raise DeARError(f"{path}: {error}") from None
-    return role_map
+                           [Cluster(**c) for c in data.get("clusters") or []])
+            role_map.validate()
+        except FileNotFoundError:
+            raise DeARError(f"{path}: no such role file; run the head analysis first "
+                            "(analyze_heads, then RoleMap.save) or use "
+                            "RoleMap.uniform('mixed', ...) (no mask)") from None
+        except DeARError as error:
+            raise DeARError(f"{path}: {error}") from None
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise DeARError(f"{path}: not a DeAR role file ({type(error).__name__}: "
+                            f"{' '.join(str(error).split())[:80]}); "
+                            "re-run the head analysis") from None
+        return role_map
 
+    def table(self) -> str:
+        """A row per layer (1-based), a cell per head: A:col (attribute head for colour), G, M,
+        each with its entropy in bits."""
+        def cell(entry: HeadRole) -> str:  # e.g. "A:col 0.00"
+            tag = {"attribute": f"A:{(entry.attribute or '')[:3]}", "generalization": "G",
+                   "mixed": "M"}[entry.role]
+            return (tag + ("" if entry.entropy is None else f" {entry.entropy:.2f}")).rjust(9)
 
-def role_table(role_map: RoleMap) -> str:
-    """RoleMap.table: a row per layer (1-based), a cell per head: A:col (attribute head for
-    colour), G, M; bits."""
-    m = role_map
-
-    def bits(value: Optional[float]) -> str:
-        return "-" if value is None else f"{value:.2f}"
-
-    def cell(entry: HeadRole) -> str:  # e.g. "A:col 0.00"
-        attribute = f"A:{(entry.attribute or '')[:3]}"
-        tags = {"attribute": attribute, "generalization": "G", "mixed": "M"}
-        entropy = "" if entry.entropy is None else f" {entry.entropy:.2f}"
-        return f"{tags[entry.role]}{entropy}".rjust(9)
-
-    lines = [f"Head roles ({m.source})",
-             f"layers 1-based (the paper's), heads 0-based; A:col attribute head for colour, G "
-             f"generalization, M mixed, then the entropy; low {bits(m.low_bits)}, high "
-             f"{bits(m.high_bits)} bits",
-             "layer | " + " ".join(f"{'h' + str(h):>9}" for h in range(m.num_heads))]
-    for layer in m.layers:
-        cells = [cell(m.role_of(layer, head)) for head in range(m.num_heads)]
-        lines.append(f"{layer + 1:>5} | " + " ".join(cells))
-    counts = Counter(f"attribute:{h.attribute}" if h.role == "attribute" else h.role
-                     for h in m.heads)
-    lines.append("counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-    if falls_back_to_class_branch(m):
-        lines.append("no attribute head: no head is specialised enough (entropy <= low); "
-                     "DeAR falls back to the class branch alone (falls_back_to_class_branch)")
-    return "\n".join(lines)
+        bits = ["-" if v is None else f"{v:.2f}" for v in (self.low_bits, self.high_bits)]
+        lines = [f"Head roles ({self.source})",
+                 f"layers 1-based (the paper's), heads 0-based; A:col attribute head for colour, G "
+                 f"generalization, M mixed, then the entropy; low {bits[0]}, high {bits[1]} bits",
+                 "layer | " + " ".join(f"{'h' + str(h):>9}" for h in range(self.num_heads))]
+        for layer in self.layers:
+            cells = [cell(self.role_of(layer, head)) for head in range(self.num_heads)]
+            lines.append(f"{layer + 1:>5} | " + " ".join(cells))
+        counts = Counter(f"attribute:{h.attribute}" if h.role == "attribute" else h.role
+                         for h in self.heads)
+        lines.append("counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+        if falls_back_to_class_branch(self):
+            lines.append("no attribute head: no head is specialised enough (entropy <= low); "
+                         "DeAR falls back to the class branch alone (falls_back_to_class_branch)")
+        return "\n".join(lines)
 
 
 def format_head_mask(mask: torch.Tensor, num_image_tokens: int, attributes: Sequence[str]) -> str:

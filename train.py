@@ -18,7 +18,7 @@ class prompts, the loader, several processes, the per-epoch seeds), 7. one run e
 main. What surrounds them is the harness/ package, which this file calls and which never imports
 it: the flags and settings (cli, config), devices and precision (devices), the runs of a call
 (plan), the input files (sources, bank), the head analysis and its cache (analysis), the linear
-probe and the retrieval check (checks), watching a run (monitor), the run folder (runfolder),
+probe and the retrieval check (probes), watching a run (monitor), the run folder (runfolder, files),
 tables and pictures (reports, pictures). A run folder holds per dataset / row / seed a
 checkpoint.pt and results.json (a run is complete once it exists), per trained dataset the head
 roles it used (<dataset>/roles/), and at the top settings.json, summary.json and summary.md.
@@ -46,9 +46,7 @@ from typing import Dict, List, NamedTuple, Optional
 
 from harness import cli  # the command line: argparse alone (no torch), for --help's sake
 
-# ------------------------------------------------------------------------------------------
-# 1. The recipes: every default, written once, with its source (docs/METHOD.md Sec. 7)
-# ------------------------------------------------------------------------------------------
+# ---- 1. The recipes: every default, written once, with its source (docs/METHOD.md Sec. 7) --------
 # Where the paper is silent: MMRL++ (yunncheng/MMRL), DeAR's nearest relative;
 # harness/cli.py makes flags of these.
 
@@ -173,15 +171,11 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 import data  # noqa: E402
 import dear  # noqa: E402
-from harness import (analysis, checks, config, devices, errors, imagecache, monitor,  # noqa: E402
-                     plan, reports, runfolder, sources, splitfiles)
+from harness import (analysis, config, devices, errors, files, imagecache, monitor,  # noqa: E402
+                     plan, probes, reports, runfolder, sources, splitfiles)
 from harness.errors import TrainError  # noqa: E402
 
-# ------------------------------------------------------------------------------------------
-# 2. Data: what each protocol trains on and tests on (docs/METHOD.md Sec. 6)
-# ------------------------------------------------------------------------------------------
-
-
+# ---- 2. Data: what each protocol trains on and tests on (docs/METHOD.md Sec. 6) ------------------
 @dataclass
 class EvalSet:
     name: str  # column of the table: "base", "novel", "all", or a dataset name
@@ -276,11 +270,7 @@ def read_data(settings, jobs: List[plan.Job], datasets: Datasets) -> RunData:
     return RunData(train, test)
 
 
-# ------------------------------------------------------------------------------------------
-# 3. Model: the frozen CLIP (or the toy world's), read once per call; DeAR on top, per run
-# ------------------------------------------------------------------------------------------
-
-
+# ---- 3. Model: the frozen CLIP (or the toy world's), read once per call; DeAR on top, per run ----
 def build_dear(settings, inputs: sources.Inputs, change: dear.Ablated) -> dear.DeAR:
     """DeAR on the frozen CLIP: the one place it is built (to train, and for --eval-only), at the
     recipe's beta, from a run's dear.ablate record (its role map and attribute tokens, an
@@ -300,11 +290,7 @@ def build_dear(settings, inputs: sources.Inputs, change: dear.Ablated) -> dear.D
                          fuse=change.fuse, fixed_alpha=change.fixed_alpha)
 
 
-# ------------------------------------------------------------------------------------------
-# 4. The loop: AdamW on the tokens, the attribute projection and the fusion weights (CLIP frozen)
-# ------------------------------------------------------------------------------------------
-
-
+# ---- 4. The loop: AdamW on the tokens, the attribute projection and the fusion weights ----------
 def learning_rate(settings, epoch: int) -> float:
     """Dassl's schedule for epoch `epoch` (0-based), set once per epoch: the constant warm-up lr
     for warmup_epochs, then cosine annealing over `epochs` whose count restarts after the warm-up
@@ -336,7 +322,7 @@ def train_job(job: plan.Job, settings, inputs: sources.Inputs, change: dear.Abla
     start = (runfolder.resume_checkpoint(job, settings, model, optimizer, scaler, runtime)
              if settings["resume"] else 0)
     stop = min(settings["epochs"], start + (settings["max_epochs_per_call"] or settings["epochs"]))
-    describe(job, model, split, runtime)
+    monitor.describe(job, model, split, runtime)  # the run in two lines
     if start >= settings["epochs"]:
         return model
     classes = class_prompts(model, inputs, split, runtime)  # the frozen text side up to J, once
@@ -366,9 +352,7 @@ def train_job(job: plan.Job, settings, inputs: sources.Inputs, change: dear.Abla
     return runfolder.finish_job(job, settings, model, stop, runtime)  # None: stopped early
 
 
-# ------------------------------------------------------------------------------------------
-# 5. Evaluation: top-1 accuracy under each fusion rule
-# ------------------------------------------------------------------------------------------
+# ---- 5. Evaluation: top-1 accuracy under each fusion rule ----------------------------------------
 # DeAR gives two kinds of logits in one pass (fused, and the class branch alone); the fusion
 # mode (cli.FUSION_MODES) decides per test set which one is reported (dear.scoring_logits). Each
 # test set is scored at its own beta (dear.test_beta): MMRL++ tests each cross/dg target at its own.
@@ -419,27 +403,7 @@ def evaluate(model, clip, tokenizer, eval_set: EvalSet, settings, runtime: devic
     return {kind: 100.0 * c / max(total, 1) for kind, c in zip(kinds, correct)}
 
 
-# ------------------------------------------------------------------------------------------
-# 6. What the loop calls: the class prompts, the loader, several processes, the per-epoch seeds
-# ------------------------------------------------------------------------------------------
-
-
-def describe(job: plan.Job, model: dear.DeAR, split: data.DatasetSplits,
-             runtime: devices.Runtime) -> None:
-    """The run in two lines: its data, J and the fallback; the learnable parameters (per
-    component of the token construction, and their shapes, in the log files)."""
-    alone = "; the class branch alone (no attribute head)" if model.class_branch_only else ""
-    runtime.log(f"[{job.label}] {len(split.train)} training images, {len(split.classnames)} "
-                f"classes; attribute tokens from layer J={model.first_layer} (1-based){alone}")
-    counts = model.parameter_counts()
-    frozen = sum(p.numel() for p in model.clip.parameters())
-    runtime.log(f"[{job.label}] learnable ({model.construction} tokens): "
-                f"{sum(counts.values()):,} ({100 * sum(counts.values()) / frozen:.2f}% of CLIP)")
-    runtime.detail(f"[{job.label}] learnable: "
-                   + " + ".join(f"{name} {n:,}" for name, n in counts.items()))
-    runtime.detail(f"[{job.label}] {model.parameter_summary()}")
-
-
+# ---- 6. What the loop calls: the class prompts, the loader, several processes, the per-epoch seeds
 def class_prompts(model: dear.DeAR, inputs: sources.Inputs, split: data.DatasetSplits,
                   runtime: devices.Runtime):
     """The class prompts' frozen text side, once per run (the text tokens enter at layer J)."""
@@ -476,16 +440,9 @@ def distributed(model: dear.DeAR, settings, runtime: devices.Runtime):
         return model
     return torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
-        broadcast_buffers=False, find_unused_parameters=bool(unused_learnables(model)))
-
-
-def unused_learnables(model: dear.DeAR) -> List[str]:
-    """The learnable tensors that get no gradient in a step, which DDP must be told of
-    (find_unused_parameters; telling it of none that exist costs a graph walk per step): none,
-    in every configuration (tests/test_devices.py checks each). The empty tensors of A = 0 and
-    K = 0 get empty gradients; blind branches and the class-branch fallback, weighed by
-    alpha = 0, gradients of zeros. A construction that leaves a tensor out names it here."""
-    return []
+        # every learnable tensor gets a gradient in every configuration (tests/test_devices.py):
+        # none for DDP to look for (find_unused_parameters would cost a graph walk per step)
+        broadcast_buffers=False, find_unused_parameters=False)
 
 
 def start_epoch(epoch: int, job: plan.Job, settings, loader: DataLoader, optimizer) -> float:
@@ -502,11 +459,7 @@ def start_epoch(epoch: int, job: plan.Job, settings, loader: DataLoader, optimiz
     return lr
 
 
-# ------------------------------------------------------------------------------------------
-# 7. One run end to end: DeAR trained (or loaded), each test set scored, the retrieval check
-# ------------------------------------------------------------------------------------------
-
-
+# ---- 7. One run end to end: DeAR trained (or loaded), each test set scored, the retrieval check --
 def run_job(job: plan.Job, settings, inputs: sources.Inputs, role_maps: dict, lists: RunData,
             runtime: devices.Runtime) -> Optional[dict]:
     """Train (or load) and evaluate one job, then write its results.json -> its results, or None
@@ -518,7 +471,7 @@ def run_job(job: plan.Job, settings, inputs: sources.Inputs, role_maps: dict, li
     model = None
     if job.row == "linear-probe":
         split = lists.train[job.dataset, job.seed, job.shots]
-        metrics = checks.linear_probe(inputs.clip, split, lists.test[job.dataset], settings, runtime)
+        metrics = probes.linear_probe(inputs.clip, split, lists.test[job.dataset], settings, runtime)
         result = dict(job=dataclasses.asdict(job), metrics=metrics,
                       settings=plan.job_settings(settings, job))
     else:
@@ -567,23 +520,19 @@ def run_job(job: plan.Job, settings, inputs: sources.Inputs, role_maps: dict, li
     if runtime.main:
         # pictures in the run folder; the toy world's precision@10 in the result
         if model is not None:
-            result["retrieval"] = checks.retrieval_check(model, job, settings, inputs, lists, runtime)
+            result["retrieval"] = probes.retrieval_check(model, job, settings, inputs, lists, runtime)
         if model is not None and (fp16 := runfolder.fp16_record(job)):  # its skipped steps
             result["fp16"] = fp16
         table = reports.job_table(job.label, result["metrics"])
-        runfolder.write_text(os.path.join(job.folder, "results.md"), table)
-        runfolder.write_json(results_path, result)  # last: its presence marks the run complete
+        files.write_text(os.path.join(job.folder, "results.md"), table)
+        files.write_json(results_path, result)  # last: its presence marks the run complete
     # the other processes wait for rank 0's retrieval check on the CPU-side group, never in the
     # next run's DDP constructor (a collective whose timeout the check may outlast)
     devices.wait_for_main(runtime, "retrieval check")
     return result
 
 
-# ------------------------------------------------------------------------------------------
-# main: every check first, then the run folder, the runs in order, the tables
-# ------------------------------------------------------------------------------------------
-
-
+# ---- main: every check first, then the run folder, the runs in order, the tables -----------------
 def main(argv: Optional[List[str]] = None) -> int:
     cli.answer_at_once(sys.argv[1:] if argv is None else argv, BOOK)  # --help, --recipes
     args = cli.build_parser(BOOK).parse_args(argv)
@@ -624,34 +573,14 @@ def run(args) -> int:
         if fresh:
             settings["role_maps"] = records or None
         settings = types.MappingProxyType(settings)  # read-only from here on
-        if settings["analyse_only"]:
-            if runtime.main:
-                runfolder.check_output_folder(settings["output"])
-                runfolder.copy_role_maps(settings, inputs.clip, records)
-                runfolder.open_call_log(runtime, settings["output"], stack)
-                for dataset in records:
-                    folder = os.path.dirname(runfolder.role_copy(settings, dataset))
-                    runtime.log(f"train.py: head roles of {dataset} in {folder} "
-                                "(roles.json, roles.txt, roles.png, masks.png); "
-                                "train with them by leaving out --analyse-only "
-                                "(the cache is reused)")
-            return 0
+        if settings["analyse_only"]:  # the role maps' copies in a fresh --output, no run
+            return runfolder.analyse_only(settings, inputs.clip, records, runtime, stack)
         if runtime.main and fresh:  # from here on the run folder exists
             runfolder.start_run_folder(settings, inputs.clip, runtime.world, stack)
         runfolder.open_call_log(runtime, settings["output"], stack)  # <output>/log.txt, appended
-        processes = f" x {runtime.world} processes" if runtime.world > 1 else ""
-        runtime.log(f"train.py: {settings['protocol']} on {', '.join(settings['dataset'])}, "
-                    f"{len(jobs)} runs; output {settings['output']} (log.txt: every line)")
-        runtime.log(f"train.py: device {runtime.device}{processes}, {runtime.precision}, {threads}")
-        runtime.log(f"train.py: attention {runtime.attention_why}")
-        runtime.log("train.py: rows " + ", ".join(dict.fromkeys(job.row for job in jobs)))
-        for line in plan.rows_said(jobs):  # what a comparison row does by construction, once
+        for line in plan.call_header(settings, jobs, runtime, threads):  # what runs where, rows
             runtime.log(line)
-        # one role map per (dataset, --roles) the jobs ask for
-        pairs = dict.fromkeys((j.dataset, j.roles) for j in jobs if j.roles is not None)
-        role_maps = {(dataset, roles): sources.role_map_for(roles, inputs.clip, inputs.attributes,
-                                                         analysed.get(dataset))
-                     for dataset, roles in pairs}
+        role_maps = sources.role_maps_for(jobs, inputs, analysed)  # per (dataset, --roles) asked
         started, results, diverged = time.time(), [], []
         for index, job in enumerate(jobs, 1):  # a run is done once its results.json is written
             when = ("already finished" if runfolder.finished(job, settings) else
@@ -669,7 +598,7 @@ def run(args) -> int:
                 return 0  # stopped by --max-epochs-per-call; resumable
             results.append(result)
         # the call's tables: after them the call is done
-        reports.write_summaries(settings, results, diverged, inputs.attributes, checks.RETRIEVAL_K,
+        reports.write_summaries(settings, results, diverged, inputs.attributes, probes.RETRIEVAL_K,
                                  runtime)
         runtime.log(f"train.py: done in {devices.format_time(time.time() - started)}; tables in "
                     f"{os.path.join(settings['output'], 'summary.md')}")

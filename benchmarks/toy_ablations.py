@@ -29,7 +29,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dear  # noqa: E402
-from harness import devices, runfolder, reports  # noqa: E402
+from harness import devices, files, reports  # noqa: E402
 import train  # noqa: E402
 
 RECIPE = train.RECIPES["base2novel"]["toyworld"]  # the toy's beta, lambda_fusion, epochs: one place
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     text = "\n".join(ablation_table(ablations["summary"], seeds)
                      + lab_table(os.path.join(args.output, "ablations"), seeds)
                      + diagnosis_table(ablations, measured, seeds, epochs))
-    runfolder.write_text(os.path.join(args.output, "tables.md"), text)
+    files.write_text(os.path.join(args.output, "tables.md"), text)
     print(f"\n{text}\ntoy_ablations.py: done in {devices.format_time(time.time() - started)}; "
           f"tables in {os.path.join(args.output, 'tables.md')}")
     return 0

@@ -43,7 +43,8 @@ import data  # noqa: E402
 import dear  # noqa: E402
 import toyworld  # noqa: E402
 import train  # noqa: E402
-from harness import analysis, checks, pictures  # noqa: E402
+from harness import pictures, probes  # noqa: E402
+from toyworld.causal import causal_check  # noqa: E402
 from toyworld.task import split_scenes  # noqa: E402
 from walkthrough_page import picture, show, step  # noqa: E402
 
@@ -67,7 +68,7 @@ def load_images(items) -> torch.Tensor:
 
 
 # The head analysis reads the base classes' training images, as train.py does (its pool).
-analysis_items = analysis.analysis_images(base.train, cap=2000, seed=analysis.ANALYSIS_SEED)
+analysis_items = dear.analysis_images(base.train, cap=2000)  # seed dear.ANALYSIS_SEED
 images = load_images(analysis_items)  # (n, 3, R, R)
 show(f"toy CLIP: {sum(p.numel() for p in clip.parameters()):,} parameters, {R} px; "
       f"{len(base.classnames)} base and {len(novel.classnames)} novel classes; "
@@ -160,7 +161,7 @@ assert sum(c.size for c in clusters.clusters) + clusters.of.count(dear.NOISE) ==
 # the most N picks over K concepts can spread, with a floor: low is at least 0.81 bits, 3 of 4
 # picks on one concept. On the toy (N = 4, K = 7) the thirds are 0.67 and 1.33, the floor lifts low
 # to 0.81, and the three attribute heads sit on it. The toy world knows each image's attributes,
-# so ablating a head shows what it really carries (toyworld.causal_check): the claim, measured.
+# so ablating a head shows what it really carries (toyworld/causal.py's causal_check): the claim, measured.
 step(4)
 role_map = dear.analyze_heads(clip, images, tokenizer, bank, attributes, num_layers=L_a,
                               log=lambda line: None)  # the labels' concepts: the default
@@ -170,7 +171,7 @@ low, high = dear.default_thresholds(picks_per_head, labels.count)
 show(f"thresholds: low {low:.2f} bits, high {high:.2f} bits "
      f"(N = {picks_per_head} picks, K = {labels.count} concepts)")
 pictures.draw_heatmap(role_map, picture("roles.png"))
-check = toyworld.causal_check(clip, tokenizer, role_map, attributes, log=show)
+check = causal_check(clip, tokenizer, role_map, attributes, log=show)
 for entry in role_map.heads:  # the invariant: each role follows from its entropy alone
     assert entry.entropy == dear.concept_entropy(entry.concepts)
     (role, attribute), = dear.assign_roles([entry.entropy], [dear.dominant_concept(entry.concepts)],
@@ -444,10 +445,10 @@ assert torch.allclose(f_cls, f_frozen, atol=1e-5)  # no head lets the tokens int
 # "Attribute-conditioned retrieval": the tokens learn only through the fused class logits).
 # train.py ran the same check (retrieval.json): the walkthrough's numbers must be its.
 step(11)
-gallery_items = analysis.analysis_images(list({i.path: i for i in base.test + novel.test}.values()),
-                                         checks.RETRIEVAL_GALLERY, seed=0)
+gallery_items = dear.analysis_images(list({i.path: i for i in base.test + novel.test}.values()),
+                                     probes.RETRIEVAL_GALLERY, seed=0)
 features = dear.retrieval_features(model, load_images(gallery_items))  # {name: (M, E)}
-rankings = {name: dear.rank_gallery(f, f, k=checks.RETRIEVAL_K, same_images=True)
+rankings = {name: dear.rank_gallery(f, f, k=probes.RETRIEVAL_K, same_images=True)
             for name, f in features.items()}  # {name: (M, k)}
 scenes = split_scenes(assets.data_root)
 images_dir = os.path.join(assets.data_root, "toyworld", "images")
@@ -455,7 +456,7 @@ values = {a: [getattr(scenes[os.path.relpath(i.path, images_dir).replace(os.sep,
               for i in gallery_items] for a in attributes}
 with open(os.path.join(RUN, "retrieval.json"), encoding="utf-8") as f:
     recorded = json.load(f)["dear"]
-show(f"precision@{checks.RETRIEVAL_K} (%) of {len(gallery_items)} test images: "
+show(f"precision@{probes.RETRIEVAL_K} (%) of {len(gallery_items)} test images: "
      f"row = the feature ranking, column = the value shared")
 show(f"{'':>12} " + " ".join(f"{a:>9}" for a in attributes))
 for name, ranking in rankings.items():
@@ -468,7 +469,7 @@ show("each token on its own attribute, against the class feature: " + ", ".join(
     f"{a} {p:.1f} vs {100 * dear.precision_at_k(rankings['class'], values[a], values[a]):.1f}"
     for a, p in own.items()))
 pictures.draw_retrieval(gallery_items, {"class": rankings["class"], "position": rankings["position"]},
-                        R, checks.RETRIEVAL_QUERIES, checks.RETRIEVAL_SHOWN,
+                        R, probes.RETRIEVAL_QUERIES, probes.RETRIEVAL_SHOWN,
                         os.path.dirname(picture("retrieval_class.png")), "toyworld / dear / seed 1")
 picture("retrieval_position.png")
 for ranking in rankings.values():  # no image is its own neighbour

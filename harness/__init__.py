@@ -13,13 +13,16 @@ this package for everything around the method and the loop, one concern per modu
                   the sentence encoder, fingerprints
     bank.py       the project's labelled description bank and the pool-file reader (data)
     monitor.py    one run's training watched: running sums, the wait for data, the non-finite guard
-    runfolder.py  the run folder: whole files, the lock, checkpoints, resuming, each run's history
+    files.py      files written whole, folders tried for writing, the file lock (a leaf)
+    runfolder.py  the run folder: its lock, checkpoints, resuming, each run's history
     analysis.py   the head analysis as train.py runs it: pool, fingerprint, cache
-    checks.py     the other rows and checks: the linear probe, attribute-conditioned retrieval
+    probes.py     the rows beside DeAR: CLIP's linear probe, attribute-conditioned retrieval
     reports.py    results.json records, the paper-shaped tables, clusters.md
     pictures.py   roles.png, masks.png, curves.png, retrieval_*.png
     errors.py     TrainError and the one-line errors of train.py's main
 
-Imports run one way: train.py -> harness -> dear.py, data.py, clip_model.py, clustering.py; no
-module here imports train.py (train.py hands its tables over in a cli.RecipeBook).
+Imports run one way: train.py -> harness -> toyworld -> dear.py, data.py, clip_model.py,
+clustering.py; toyworld takes its files from files.py, which imports errors.py and clip_model.py
+alone; no module here imports train.py (train.py hands its tables over in a cli.RecipeBook);
+tests/test_imports.py fails on any import circle.
 """

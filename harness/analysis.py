@@ -15,17 +15,16 @@ import json
 import os
 import shutil
 import time
-from typing import Callable, List
+from typing import Callable
 
 import torch
 
 import clip_model
 import dear
-import data
 from . import config, devices, pictures, plan, reports, runfolder, sources
 from .errors import TrainError
 from .devices import ANALYSIS_LOCK_TIMEOUT, MAIN_WORK_TIMEOUT, Runtime, format_time, gpu_build, wait_for_main
-from .runfolder import unwritable_reason, waiting_lock
+from .files import lock, unwritable_reason, write_json, write_text
 
 
 def analysis_fingerprint(settings, clip, items: list, bank: list, attributes: list, picks: int,
@@ -78,9 +77,9 @@ def analysis_cache(fingerprint: str, pool: str, analyse: Callable[[str], None],
             bound = format_time(MAIN_WORK_TIMEOUT.total_seconds())
             runtime.log(f"head analysis: on rank 0 alone; the other processes wait for it up to "
                         f"{bound} (devices.MAIN_WORK_TIMEOUT)")
-        with waiting_lock(entry + ".lock", "head analysis: another process is analysing the same "
-                          f"heads ({entry}.lock); waiting for it", runtime.log,
-                          timeout=ANALYSIS_LOCK_TIMEOUT.total_seconds()):
+        with lock(entry + ".lock", "head analysis: another process is analysing the same "
+                  f"heads ({entry}.lock); waiting for it", runtime.log,
+                  timeout=ANALYSIS_LOCK_TIMEOUT.total_seconds()):
             if os.path.isfile(os.path.join(entry, "roles.json")):
                 runtime.log(f"head analysis: reusing the role map cached in {entry} ({pool})")
             else:
@@ -96,31 +95,6 @@ def analysis_cache(fingerprint: str, pool: str, analyse: Callable[[str], None],
     return entry  # its roles.json exists: complete
 
 
-ANALYSIS_SEED = 0  # the analysis pool's draw: fixed, so every run of a model draws the same images
-
-
-def analysis_images(items: List[data.Item], cap: int, seed: int) -> List[data.Item]:
-    """At most `cap` images, evenly over the classes: each class's images in a seeded order, then
-    one per class in turn (the classes in a seeded order too: a cap below the class count samples
-    classes at random), never the head of a label-sorted list, which covers only a large
-    dataset's first classes."""
-    generator = torch.Generator().manual_seed(seed)
-    by_class = {}
-    for item in items:
-        by_class.setdefault(item.label, []).append(item)
-    groups = [group for _, group in sorted(by_class.items())]
-    orders = [torch.randperm(len(group), generator=generator) for group in groups]
-    longest = max(map(len, groups), default=0)
-    rounds, taken = 0, 0
-    while taken < cap and rounds < longest:  # rounds of one image per class that reach the cap
-        taken += sum(len(group) > rounds for group in groups)
-        rounds += 1
-    # Only those rounds' images are looked up (ImageNet: 2 of each class's ~1,281), round by round.
-    queues = [[group[i] for i in order[:rounds].tolist()] for group, order in zip(groups, orders)]
-    queues = [queues[i] for i in torch.randperm(len(queues), generator=generator).tolist()]
-    return [queue[depth] for depth in range(rounds) for queue in queues if depth < len(queue)][:cap]
-
-
 def analysis_pool(settings, datasets, dataset: str):
     """The images `dataset`'s analysis reads (--analysis-pool, at most --analysis-images, evenly
     over the classes) and a line naming them. 'train': the whole training split (shared with the
@@ -133,7 +107,7 @@ def analysis_pool(settings, datasets, dataset: str):
         what = f"{dataset} train" + (" (base classes)" if subsample == "base" else "")
     else:
         items, what = getattr(datasets.splits(name), split), f"{name} {split}"
-    chosen = analysis_images(items, settings["analysis_images"], ANALYSIS_SEED)
+    chosen = dear.analysis_images(items, settings["analysis_images"])
     if len(chosen) < 2:  # TextSpan measures variation across images
         raise TrainError(f"--analysis-pool {settings['analysis_pool']}: {what} has "
                          f"{len(chosen)} images; the head analysis needs at least 2 "
@@ -170,21 +144,21 @@ def run_head_analysis(settings, inputs: sources.Inputs, items: list, pool: str, 
     runtime.log(reports.concepts_line(role_map))
     runtime.detail(clusters)
     pictures.draw_heatmap(role_map, os.path.join(folder, "roles.png"))
-    runfolder.write_text(os.path.join(folder, "roles.txt"), table + "\n")
-    runfolder.write_text(os.path.join(folder, "clusters.md"), clusters)
+    write_text(os.path.join(folder, "roles.txt"), table + "\n")
+    write_text(os.path.join(folder, "clusters.md"), clusters)
     files = "roles.json, roles.txt, roles.png, clusters.md"
     if inputs.toy:
         # Toy world only: is concept entropy right? Mean-ablate each analysed head and see which
         # attribute's zero-shot accuracy falls (the ground truth is known here). On a CPU copy of
         # the toy CLIP (1.6M parameters): the check draws on the CPU, the same table on every
         # device.
-        import toyworld
+        from toyworld.causal import causal_check
 
         cpu_clip = clip if clip.visual.conv1.weight.is_cpu else copy.deepcopy(clip).cpu()
-        result = toyworld.causal_check(cpu_clip, inputs.tokenizer, role_map, role_map.attributes,
-                                       log=runtime.log)  # its summary, two lines
-        runfolder.write_text(os.path.join(folder, "causal_check.md"), result["table"] + "\n")
-        runfolder.write_json(os.path.join(folder, "causal_check.json"), result)
+        result = causal_check(cpu_clip, inputs.tokenizer, role_map, role_map.attributes,
+                              log=runtime.log)  # its summary, two lines
+        write_text(os.path.join(folder, "causal_check.md"), result["table"] + "\n")
+        write_json(os.path.join(folder, "causal_check.json"), result)
         runtime.detail(result["table"])
         files += ", causal_check.md (per head)"
     role_map.save(os.path.join(folder, "roles.json"))
@@ -196,15 +170,15 @@ def analysis_code(toy: bool) -> list:
     """The code a cached role map comes from, the one list of it: its source is part of the cache
     key (analysis.analysis_fingerprint), so that a changed line never reuses a map made before. The
     method (dear.py, clip_model.py, clustering.py: the HDBSCAN dear.py calls), the harness that
-    loads the encoder and writes the cached files (sources, reports, pictures, runfolder, this
+    loads the encoder and writes the cached files (sources, reports, pictures, files, this
     module's run_head_analysis; the pool's words are keyed by their hash) and, in the toy
     world, the causal check written beside the map. A module the analysis comes to call is added
     here."""
     import clustering  # dear.py imports it only where it clusters
 
-    from . import analysis  # this module: the pool, the cache, run_head_analysis
+    from . import analysis, files  # this module: the pool, the cache, run_head_analysis
 
-    code = [clip_model, dear, clustering, sources, reports, pictures, runfolder, analysis]
+    code = [clip_model, dear, clustering, sources, reports, pictures, files, analysis]
     if toy:
         from toyworld import causal
 
@@ -227,7 +201,8 @@ def analysed_role_maps(settings, inputs: sources.Inputs, datasets, runtime: devi
             # TextSpan's rank, a head's width: 64 on ViT-B/16, 16 on the toy CLIP
             rank = dear.textspan_rank(inputs.clip)
             embed_dim = inputs.clip.visual.proj.shape[1]
-            default = sources.default_picks(settings, inputs.bank, inputs.attributes)
+            default = dear.default_picks(inputs.bank, inputs.attributes,
+                                         paper=settings["analysis"] == "paper")
             picks = dear.analysis_picks(settings["descriptions"], len(inputs.bank), len(items),
                                         rank=rank, embed_dim=embed_dim, default=default)
             if encoder is None:  # once per call; a named SBERT model is found (or fetched) here
@@ -247,7 +222,7 @@ def analysed_role_maps(settings, inputs: sources.Inputs, datasets, runtime: devi
 
             def analyse(folder: str) -> None:
                 run_head_analysis(settings, inputs, items, pool, picks, encoder, folder, runtime)
-                runfolder.write_json(os.path.join(folder, "analysis.json"), record)
+                write_json(os.path.join(folder, "analysis.json"), record)
 
             entry = analysis_cache(fingerprint, pool, analyse, runtime)
             path = os.path.join(entry, "roles.json")

@@ -211,7 +211,7 @@ def analysis_preset(analysis: str, toy: bool, root: Optional[str], typed: dict) 
     """--analysis paper -> the settings it gives, each unless typed: TextSpan's general pool (the
     toy world: its own bank without labels, as its tokenizer knows only toy words), concepts by
     clusters, SBERT, and ImageNet's validation images when ImageNet is under --root (else the
-    trained dataset's training images); its 20 picks are the picks' default (sources.default_picks).
+    trained dataset's training images); its 20 picks are dear.default_picks(..., paper=True).
     --analysis project: nothing (the defaults are the project's)."""
     if analysis != "paper":
         return {}
@@ -269,8 +269,11 @@ def resolve_text_tokens(settings: dict, num_attributes: int) -> None:
     """K, resolved here once so that settings.json holds the number: unset, dear.default_text_tokens
     (4 under --tokens separate; A, this world's attribute tokens, under shared, where the text
     tower receives the vision tower's tokens); typed, under shared, A or refused."""
+    if (settings["text_tokens"] or 0) < 0:
+        return  # validate_settings refuses it, in the flag's words
     try:
-        dear.check_tokens(settings["tokens"], num_attributes, settings["text_tokens"])
+        dear.check(tokens=settings["tokens"], num_attributes=num_attributes,
+                   num_text_tokens=settings["text_tokens"])
     except dear.DeARError as error:
         raise TrainError(f"--text-tokens {settings['text_tokens']}: {error}") from None
     if settings["text_tokens"] is None:
@@ -295,7 +298,7 @@ def validate_settings(settings: dict) -> None:
     def is_int(value) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
 
-    # (key, least value, None or "auto" allowed): dear.check_first_layer checks J's top once the
+    # (key, least value, None or "auto" allowed): dear.check checks J's top once the
     # model is read
     for key, least, optional in (("epochs", 1, 0), ("batch_size", 1, 0), ("eval_batch_size", 1, 0),
                                  ("log_every", 1, 0), ("analysis_images", 1, 0),
@@ -323,13 +326,10 @@ def validate_settings(settings: dict) -> None:
         if not (finite and (value > 0 if key == "lr" else value >= 0)):
             refuse(key, expected)
     # dear.py's message, under the flag
-    for key, check, values in (("beta", dear.check_beta, [settings["beta"]]),
-                               ("low_bits", dear.check_thresholds, [settings["low_bits"], None]),
-                               ("high_bits", dear.check_thresholds, [None, settings["high_bits"]]),
-                               ("low_bits", dear.check_thresholds,
-                                [settings["low_bits"], settings["high_bits"]])):
+    for key, given in (("beta", ["beta"]), ("low_bits", ["low_bits"]), ("high_bits", ["high_bits"]),
+                       ("low_bits", ["low_bits", "high_bits"])):
         try:
-            check(*values)
+            dear.check(**{name: settings[name] for name in given})
         except dear.DeARError as error:
             refuse(key, str(error))
     analysis_pool_of(settings["analysis_pool"])  # a malformed pool stops here

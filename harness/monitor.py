@@ -1,7 +1,7 @@
 """harness/monitor.py -- one run's training, watched (Progress): the loss terms' and the
 accuracy's running sums kept on the device and read every --log-every steps, the wait for
-data, and the guard that stops a run at a non-finite loss or gradient (Diverged). Called by
-train.train_job's loop.
+data, and the guard that stops a run at a non-finite loss or gradient (Diverged); before it, the
+run in two lines (describe). Called by train.train_job.
 """
 
 from __future__ import annotations
@@ -184,3 +184,18 @@ class Progress:
         return (f"[{self.job.label}] diverged at epoch {epoch + 1}, step {step + 1}: {what} "
                 f"({precision_name(self.runtime.amp_dtype)}, attention {self.runtime.attention}); "
                 f"{kept}; try --attention explicit or another --amp, then --resume")
+
+
+def describe(job: Job, model: dear.DeAR, split, runtime: Runtime) -> None:
+    """The run in two lines: its data, J and the fallback; the learnable parameters (per
+    component of the token construction, and their shapes, in the log files)."""
+    alone = "; the class branch alone (no attribute head)" if model.class_branch_only else ""
+    runtime.log(f"[{job.label}] {len(split.train)} training images, {len(split.classnames)} "
+                f"classes; attribute tokens from layer J={model.first_layer} (1-based){alone}")
+    counts = model.parameter_counts()
+    frozen = sum(p.numel() for p in model.clip.parameters())
+    runtime.log(f"[{job.label}] learnable ({model.construction} tokens): "
+                f"{sum(counts.values()):,} ({100 * sum(counts.values()) / frozen:.2f}% of CLIP)")
+    runtime.detail(f"[{job.label}] learnable: "
+                   + " + ".join(f"{name} {n:,}" for name, n in counts.items()))
+    runtime.detail(f"[{job.label}] {model.parameter_summary()}")

@@ -62,9 +62,16 @@ ROWS_SAID = {"dear-all-mixed": "dear-all-mixed: every head mixed, no mask (deep 
              "read the image, so the class branch alone scores (by construction, no warning)"}
 
 
-def rows_said(jobs: List[Job]) -> List[str]:
-    return [f"train.py: {ROWS_SAID[row]}" for row in dict.fromkeys(job.row for job in jobs)
-            if row in ROWS_SAID]
+def call_header(settings, jobs: List[Job], runtime, threads: str) -> List[str]:
+    """The lines that open a call's runs: what runs where, its rows, and what a comparison row does
+    by construction (said once)."""
+    processes = f" x {runtime.world} processes" if runtime.world > 1 else ""
+    rows = list(dict.fromkeys(job.row for job in jobs))
+    return [f"train.py: {settings['protocol']} on {', '.join(settings['dataset'])}, {len(jobs)} "
+            f"runs; output {settings['output']} (log.txt: every line)",
+            f"train.py: device {runtime.device}{processes}, {runtime.precision}, {threads}",
+            f"train.py: attention {runtime.attention_why}", "train.py: rows " + ", ".join(rows)] \
+        + [f"train.py: {ROWS_SAID[row]}" for row in rows if row in ROWS_SAID]
 
 
 def row_name(roles: str) -> str:

@@ -16,7 +16,8 @@ import dear
 from .devices import Runtime
 from .plan import Job, job_settings, row_label, table_rows
 from .sources import encoder_line
-from .runfolder import fusion_weights_by_branch, write_json, write_text
+from .files import write_json, write_text
+from .runfolder import fusion_weights_by_branch
 
 
 DG_NAMES = {"imagenet": "ImageNet", "imagenet_v2": "-V2", "imagenet_sketch": "-Sketch",

@@ -1,7 +1,6 @@
-"""harness/runfolder.py -- the run folder: files written whole (a temporary name, then a rename), the
-lock (one writer at a time), the checks that a resumed folder holds this run's files, the
-checkpoints, resuming, each run's history (log.txt, metrics.jsonl, curves.png) and the copies of
-the role maps it used. Called by train.py.
+"""harness/runfolder.py -- the run folder: its lock (one writer at a time), the checks that a
+resumed folder holds this run's files, the checkpoints, resuming, each run's history (log.txt,
+metrics.jsonl, curves.png) and the copies of the role maps it used. Called by train.py.
 """
 
 from __future__ import annotations
@@ -11,12 +10,10 @@ import json
 import math
 import os
 import platform
-import secrets
 import shutil
 import sys
 import time
-from pathlib import Path
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,6 +21,7 @@ import torch.distributed as dist
 import clip_model
 import dear
 from .errors import TrainError
+from .files import lock, unwritable_reason, write_json, write_text
 from .config import RUN_FORMAT, role_file_of
 from .devices import Runtime, format_time, load_scaler_state
 from .plan import Job, job_settings
@@ -33,84 +31,6 @@ from .monitor import Progress
 
 
 CHECKPOINT_FORMAT = "dear-from-scratch checkpoint, version 1"  # checked on load: not some other .pt
-
-
-# whole or not at all, the file closed before the rename
-def write_text(path: str, text: str) -> None:
-    clip_model.atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
-
-
-def write_json(path: str, value) -> None:
-    write_text(path, json.dumps(value, indent=2, allow_nan=False) + "\n")  # NaN is not JSON
-
-
-def unwritable_reason(path: str) -> Optional[str]:
-    """None if files can be made in `path` (or the nearest existing folder above it, where a later
-    makedirs writes), else the reason in a short phrase. Tried by writing a probe file: os.access
-    is not enough (root, read-only mounts)."""
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)  # up to the folder a makedirs would start from
-    if not os.path.isdir(existing):
-        return f"lies under {existing}, which is a file"
-    probe = os.path.join(existing, f".tmp-write-test-{secrets.token_hex(6)}")
-    try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        os.remove(probe)  # nothing is left behind by the check
-    except OSError as error:
-        return f"cannot write in {existing} ({error.strerror or error})"
-    return None
-
-
-@contextlib.contextmanager
-def waiting_lock(path: str, waiting_message: str, log: Callable[[str], None] = print,
-                 timeout: Optional[float] = None):
-    """An exclusive lock on the file `path` around a cache entry checked, then written; its
-    holder's pid is written in the file. A second process logs `waiting_message` and the holder
-    once, and waits until the first leaves (then finds the entry made), or for at most `timeout`
-    seconds: then one line naming the holder (TrainError). The OS drops the lock however its
-    holder ends; no lock where fcntl is missing (Windows)."""
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    with open(path, "a+", encoding="utf-8") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            handle.seek(0)
-            holder = handle.read().strip() or "unknown"  # the pid its holder wrote
-            bound = f", at most {format_time(timeout)}" if timeout is not None else ""
-            log(f"{waiting_message} (held by pid {holder}{bound})")
-            if not flock_within(handle, timeout):
-                raise TrainError(f"{path}: held by another process (pid {holder}) for more "
-                                 f"than {format_time(timeout)}; let it finish, or end it if it "
-                                 "is stuck, then run again") from None
-        handle.truncate(0)  # ours now: our pid, for the next caller ("a+": writes go to the end)
-        handle.write(f"{os.getpid()}\n")
-        handle.flush()
-        yield
-
-
-def flock_within(handle, timeout: Optional[float]) -> bool:
-    """Take the exclusive lock on an open file, waiting at most `timeout` seconds (None: as long
-    as it takes) -> whether it was taken. flock has no timeout of its own: it is tried each
-    second."""
-    import fcntl
-
-    if timeout is None:
-        fcntl.flock(handle, fcntl.LOCK_EX)  # blocks until the holder's block ends
-        return True
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except OSError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(min(1.0, max(deadline - time.monotonic(), 0.01)))
 
 
 def check_output_folder(output: str) -> None:
@@ -127,32 +47,30 @@ def check_output_folder(output: str) -> None:
 
 
 def lock_run_folder(output: str, stack: contextlib.ExitStack) -> None:
-    """One writer per run folder: an exclusive lock on <output>/.lock held until the call ends
-    (the OS drops it when the process dies, even by SIGKILL: no stale lock to clean), then the
+    """One writer per run folder: <output>/.lock held until the call ends (files.lock), then the
     .tmp-* files of a write killed half-way removed (no other process can be writing them)."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: no lock; do not start two calls on one folder there
-        return
-    handle = open(os.path.join(output, ".lock"), "a+", encoding="utf-8")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        holder = handle.read().strip()  # the pid its holder wrote
-        handle.close()
-        raise TrainError(f"{output}: in use by another train.py "
-                         f"process{f' (pid {holder})' if holder else ''}; wait for it to end, or "
-                         "choose another --output") from None
-    # ours now: our pid, for the next caller's message ("a+": writes go to the end)
-    handle.truncate(0)
-    handle.write(f"{os.getpid()}\n")
-    handle.flush()
-    stack.callback(handle.close)  # closing the file releases the lock
+    stack.enter_context(lock(os.path.join(output, ".lock"), timeout=0, busy=(
+        f"{output}: in use by another train.py process (pid {{holder}}); wait for it to end, or "
+        "choose another --output")))
     for folder, _, files in os.walk(output):
         for name in files:
             if name.startswith(".tmp-"):
                 os.remove(os.path.join(folder, name))  # a write killed half-way
+
+
+def analyse_only(settings, clip, records: dict, runtime: Runtime,
+                 stack: contextlib.ExitStack) -> int:
+    """--analyse-only: the role maps' copies in a fresh --output and a line per dataset -> 0."""
+    if runtime.main:
+        check_output_folder(settings["output"])
+        copy_role_maps(settings, clip, records)
+        open_call_log(runtime, settings["output"], stack)
+        for dataset in records:
+            runtime.log(f"train.py: head roles of {dataset} in "
+                        f"{os.path.dirname(role_copy(settings, dataset))} (roles.json, roles.txt, "
+                        "roles.png, masks.png); train with them by leaving out --analyse-only "
+                        "(the cache is reused)")
+    return 0
 
 
 def check_run_folder(settings, jobs: List[Job], stack: contextlib.ExitStack) -> None:

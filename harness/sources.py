@@ -147,8 +147,8 @@ def check_pool(settings, bank: List[tuple], concepts: str, attributes: List[str]
     """The pool against what the analysis will ask of it, before any model is read: its labels for
     --concepts labels, and enough distinct lines for the picks (typed, else the pool's default)."""
     try:
-        dear.check_concepts(concepts, [dear.Description(*entry) for entry in bank])
-        picks = default_picks(settings, bank, attributes)
+        dear.check(concepts=concepts, bank=[dear.Description(*entry) for entry in bank])
+        picks = dear.default_picks(bank, attributes, paper=settings["analysis"] == "paper")
     except dear.DeARError as error:
         raise TrainError(f"--bank {settings['bank']}: {error}") from None
     if settings["descriptions"] is not None:  # typed: refused past the pool, the images, the rank
@@ -160,14 +160,6 @@ def check_pool(settings, bank: List[tuple], concepts: str, attributes: List[str]
         raise TrainError(f"--bank {settings['bank']}: {len(bank)} distinct descriptions, "
                          f"and TextSpan makes {picks} picks per head; give a pool of at least "
                          f"{picks}, or --descriptions {len(bank)} or fewer")
-
-
-def default_picks(settings, bank: List[tuple], attributes: List[str]) -> int:
-    """TextSpan's picks per head unless --descriptions says: the paper's 20 under --analysis paper,
-    else the pool's rule (dear.default_picks: a labelled pool's fewest values of an attribute)."""
-    if settings["analysis"] == "paper":
-        return dear.PAPER_PICKS
-    return dear.default_picks(bank, attributes)
 
 
 def scoring_labels(choice: str, pool: list, project_bank: list) -> Dict[str, str]:
@@ -204,8 +196,7 @@ def check_sentence_encoder(encoder: str) -> None:
                          f"(e.g. all-MiniLM-L6-v2's), or a model name such as {SBERT_MODEL}")
     if importlib.util.find_spec("sentence_transformers") is None:
         raise TrainError(f"{flag}: sentence-transformers is not installed; {SBERT_INSTALL}")
-    folder = model
-    if not os.path.isabs(model):
+    if not os.path.isabs(model):  # a damaged folder is one line when the model loads
         from huggingface_hub.utils import validate_repo_id  # sentence-transformers' dependency
 
         try:
@@ -213,74 +204,6 @@ def check_sentence_encoder(encoder: str) -> None:
         except ValueError:
             raise TrainError(f"{flag}: neither a model folder nor a Hugging Face model name "
                              f"(such as {SBERT_MODEL})") from None
-        folder = cached_sbert_folder(model)  # a cached copy is opened now too
-        if folder is None:  # one not cached is fetched later, when needed
-            return
-    if problem := model_folder_problem(folder):
-        raise TrainError(f"{flag}: {folder}: {problem}; fetch the model again, or give another "
-                         "folder")
-
-
-# The files a sentence-transformers model folder cannot do without: its tokenizer's (one of these
-# sets: a fast tokenizer's file, a WordPiece vocabulary, a BPE vocabulary and its merges, a
-# SentencePiece model) and a weights file.
-TOKENIZER_FILES = (("tokenizer.json",), ("vocab.txt",), ("vocab.json", "merges.txt"),
-                   ("spiece.model",), ("sentencepiece.bpe.model",))
-
-
-WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin")
-
-
-def model_folder_problem(folder: str) -> Optional[str]:
-    """What is wrong with a sentence-transformers model folder, read without loading the model
-    (no import, a fraction of a second) -> a short phrase, or None. Its JSON files parse; a
-    weights file is there and whole (a safetensors file's header fits it and accounts for every
-    byte; a .bin file's zip index is there); a tokenizer's files are there. A damaged download or
-    copy shows here, before any work, not as a traceback in the head analysis."""
-    import zipfile
-
-    for parent, _, names in os.walk(folder):
-        for name in sorted(n for n in names if n.endswith(".json")):
-            path = os.path.join(parent, name)
-            try:
-                with open(path, encoding="utf-8") as f:
-                    json.load(f)
-            except (OSError, ValueError) as error:
-                return f"{os.path.relpath(path, folder)} is garbled ({type(error).__name__})"
-    if not any(all(os.path.isfile(os.path.join(folder, n)) for n in files)
-               for files in TOKENIZER_FILES):
-        return ("no tokenizer files (" + ", or ".join(" + ".join(files) for files in
-                                                      TOKENIZER_FILES[:3]) + ")")
-    weights = [n for n in WEIGHTS_FILES if os.path.isfile(os.path.join(folder, n))]
-    if not weights:
-        return f"no weights file ({' or '.join(WEIGHTS_FILES)})"
-    for name in weights:
-        path = os.path.join(folder, name)
-        if name.endswith(".safetensors"):
-            problem = safetensors_problem(path)
-        else:
-            problem = None if zipfile.is_zipfile(path) else "not a whole torch file"
-        if problem:
-            return f"{name} is {problem}"
-    return None
-
-
-def safetensors_problem(path: str) -> Optional[str]:
-    """A safetensors file read by its layout (8 bytes: the header's length; the header: JSON, each
-    tensor's byte range; then the bytes) -> 'cut short', 'garbled' or None."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        length = int.from_bytes(f.read(8), "little")
-        if size < 8 or length > size - 8:
-            return "cut short or garbled"
-        try:
-            header = json.loads(f.read(length))
-            ends = [entry["data_offsets"][1] for key, entry in header.items()
-                    if key != "__metadata__"]
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-            return "garbled"
-    end = 8 + length + max(ends, default=0)
-    return None if end == size else "cut short" if end > size else "garbled (extra bytes)"
 
 
 def sentence_encoder_record(encoder: str, log: Callable[[str], None]) -> dict:
@@ -337,18 +260,24 @@ def sbert_folder_of(name: str, log: Callable[[str], None]) -> str:
         raise TrainError(f"{offline} ({type(error).__name__})") from None
 
 
-def reachable(url: str, timeout: float = 10.0) -> bool:
-    """Whether a TCP connection to `url`'s host opens."""
+def reachable(url: str) -> bool:
+    """Whether a TCP connection to `url`'s host opens within 10 s."""
     import socket
     import urllib.parse
 
     parts = urllib.parse.urlsplit(url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
-        socket.create_connection((parts.hostname, port), timeout=timeout).close()
+        socket.create_connection((parts.hostname, port), timeout=10.0).close()
     except OSError:
         return False
     return True
+
+
+# A tokenizer's files, one of these sets: without them the model still loads, with a tokenizer
+# transformers makes up, and embeds otherwise (all-MiniLM-L6-v2 without its tokenizer.json).
+TOKENIZER_FILES = (("tokenizer.json",), ("vocab.txt",), ("vocab.json", "merges.txt"),
+                   ("spiece.model",), ("sentencepiece.bpe.model",))
 
 
 def sbert_embedder(record: dict, device: torch.device) -> Callable[[List[str]], torch.Tensor]:
@@ -363,12 +292,18 @@ def sbert_embedder(record: dict, device: torch.device) -> Callable[[List[str]], 
     from transformers.utils import logging as transformers_logging  # sentence-transformers' own
 
     transformers_logging.disable_progress_bar()  # no bar per model load in the run's log
+    folder, damaged = record["folder"], None
+    if not any(all(os.path.isfile(os.path.join(folder, name)) for name in files)
+               for files in TOKENIZER_FILES):  # it would load, with another tokenizer
+        damaged = "no tokenizer files"
     try:
-        model = SentenceTransformer(record["folder"], device=str(device), local_files_only=True)
+        model = None if damaged else SentenceTransformer(folder, device=str(device),
+                                                         local_files_only=True)
     except Exception as error:  # noqa: BLE001 -- transformers' and safetensors' errors, one line
-        raise TrainError(f"--sentence-encoder sbert:{record['model']}: cannot load the model in "
-                         f"{record['folder']} ({type(error).__name__}); give a "
-                         "sentence-transformers model folder") from None
+        damaged = f"cannot load the model ({type(error).__name__})"
+    if damaged:
+        raise TrainError(f"--sentence-encoder sbert:{record['model']}: {folder}: {damaged}; fetch "
+                         "the model again, or give another folder")
     model = model.float().eval()
 
     @torch.no_grad()
@@ -423,6 +358,13 @@ def role_map_for(choice: str, clip, attributes: List[str],
     return role_map
 
 
+def role_maps_for(jobs, inputs, analysed: dict) -> dict:
+    """{(dataset, --roles choice): RoleMap}, one per pair the jobs ask for."""
+    pairs = dict.fromkeys((job.dataset, job.roles) for job in jobs if job.roles is not None)
+    return {(dataset, roles): role_map_for(roles, inputs.clip, inputs.attributes,
+                                           analysed.get(dataset)) for dataset, roles in pairs}
+
+
 def first_layer(settings, clip) -> int:
     """The paper's 1-based J; "auto" = dear.default_first_layer."""
     auto = settings["first_layer"] == "auto"
@@ -441,9 +383,8 @@ def check_model_fit(settings, clip, attributes: List[str]) -> None:
         raise TrainError(f"--text-tokens {settings['text_tokens']}: expected at most the model's "
                          f"context length ({clip.context_length})")
     try:  # J counts in both towers
-        dear.check_first_layer(first_layer(settings, clip),
-                               min(len(clip.visual.transformer.resblocks),
-                                                                len(clip.transformer.resblocks)))
+        depth = min(len(clip.visual.transformer.resblocks), len(clip.transformer.resblocks))
+        dear.check(first_layer=first_layer(settings, clip), depth=depth)
     except dear.DeARError as error:
         raise TrainError(f"--first-layer {settings['first_layer']}: {error}") from None
 

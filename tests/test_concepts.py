@@ -153,12 +153,12 @@ def test_an_encoder_of_the_wrong_shape_is_one_line(tiny_clip):
 
 
 def test_labels_need_every_description_labelled():
-    with pytest.raises(dear.DeARError, match="1 of 3 have none"):
-        dear.check_concepts("labels", [dear.Description("a", "colour"), dear.Description("b"),
-                                       dear.Description("c", "shape")])
+    with pytest.raises(dear.DeARError, match="needs a label on every description"):
+        dear.check(concepts="labels", bank=[dear.Description("a", "colour"), dear.Description("b"),
+                                            dear.Description("c", "shape")])
     with pytest.raises(dear.DeARError, match="use clusters or labels"):
-        dear.check_concepts("topics", [])
-    dear.check_concepts("clusters", [dear.Description("b")])  # clusters need no label
+        dear.check(concepts="topics", bank=[])
+    dear.check(concepts="clusters", bank=[dear.Description("b")])  # clusters need no label
 
 
 # ---- description pools: the file format and its errors ---------------------------------------

@@ -248,6 +248,7 @@ def test_default_picks_follow_the_fewest_values_of_an_attribute():
     assert dear.default_picks(bank, ["colour", "shape"]) == 3  # colour: 3 values
     assert dear.default_picks([b[:2] for b in bank], ["colour", "shape"]) == 5  # no values: each phrase its own
     assert dear.default_picks(project_bank(), ATTRIBUTES) == 16  # shape's 16 words
+    assert dear.default_picks(project_bank(), ATTRIBUTES, paper=True) == dear.PAPER_PICKS == 20
     with pytest.raises(DeARError, match="no phrase of any attribute"):
         dear.default_picks(bank, ["texture"])
 
@@ -405,9 +406,10 @@ def test_a_role_file_for_another_architecture_is_refused(tiny_clip, tmp_path):
 
 
 def test_a_role_file_with_an_unknown_attribute_is_refused(tmp_path):
-    data = role_map({(2, 0): "colour"}).to_json()
-    data["heads"][4]["attribute"] = "smell"
     path = tmp_path / "roles.json"
+    role_map({(2, 0): "colour"}).save(str(path))
+    data = json.loads(path.read_text())
+    data["heads"][4]["attribute"] = "smell"
     path.write_text(json.dumps(data))
     with pytest.raises(DeARError) as error:
         RoleMap.load(str(path))

@@ -457,7 +457,7 @@ def test_every_learnable_tensor_gets_a_gradient_or_ddp_is_told(tiny_clip, name, 
                             branch_ce=ablation == "branch-ce")
     losses["total"].backward()
     without = {n for n, p in model.learnable_tensors().items() if p.grad is None}
-    assert without == set(train.unused_learnables(model)), f"{name}: without a gradient: {without}"
+    assert not without, f"{name}: without a gradient: {without}"  # DDP looks for none
 
 
 # ------------------------------------------------------------------------------------------
@@ -509,8 +509,8 @@ def test_two_processes_outlast_the_group_timeout_while_rank_0_analyses(world, tm
 HOLDER = """
 import sys, time
 sys.path.insert(0, {repo!r})
-from harness import runfolder
-with runfolder.waiting_lock(sys.argv[1], "unused"):
+from harness import files
+with files.lock(sys.argv[1], "unused"):
     print("held", flush=True)
     time.sleep(20)
 """

@@ -1,4 +1,4 @@
-"""Tests of the harness's reports.py and runfolder.py on their own: the summary tables'
+"""Tests of the harness's reports.py and files.py on their own: the summary tables'
 arithmetic (HM of the means, empty cells, the spread), the cache lock. The
 harness's end-to-end guarantees (resume refusal, fingerprints, the folder lock, checkpoints,
 one-line errors) are tested through the command line in tests/test_train.py.
@@ -6,6 +6,7 @@ one-line errors) are tested through the command line in tests/test_train.py.
     python -m pytest -q tests/test_runs.py
 """
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from harness import runfolder, reports  # noqa: E402
+from harness import files, reports  # noqa: E402
 
 
 def test_summary_leaves_the_linear_probe_novel_and_hm_empty_and_shows_the_spread():
@@ -72,6 +73,14 @@ def test_summary_takes_hm_of_the_averages_as_the_paper_does():
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="no file locks on this system")
+def test_the_lock_names_its_holder_while_held_and_leaves_no_file(tmp_path):
+    path = tmp_path / "entry.lock"
+    with files.lock(str(path)):
+        assert path.read_text().strip() == str(os.getpid())  # for a waiter's message
+    assert not path.exists()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no file locks on this system")
 def test_a_second_writer_of_a_cache_entry_waits_for_the_first(tmp_path):
     path, released = tmp_path / "entry.lock", tmp_path / "released"
     holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
@@ -80,7 +89,7 @@ def test_a_second_writer_of_a_cache_entry_waits_for_the_first(tmp_path):
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     lines = []
-    with runfolder.waiting_lock(str(path), "waiting for it", lines.append):
+    with files.lock(str(path), "waiting for it", lines.append):
         assert released.exists(), "the lock was taken while the first writer held it"
     holder.wait()
     assert len(lines) == 1 and "waiting for it" in lines[0]

@@ -18,11 +18,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dear  # noqa: E402
 from harness import cli, sources, analysis  # noqa: E402
+from harness.errors import TrainError  # noqa: E402
 import train  # noqa: E402
 from conftest import closed_port  # noqa: E402
 
@@ -205,11 +207,10 @@ def test_the_code_fingerprint_changes_with_the_source_of_each_part_of_the_analys
     import clustering
     from toyworld import causal
 
-    from harness import pictures, reports, runfolder
+    from harness import files, pictures, reports
 
     code = analysis.analysis_code(toy=True)
-    assert code == [clip_model, dear, clustering, sources, reports, pictures, runfolder, analysis,
-                    causal]
+    assert code == [clip_model, dear, clustering, sources, reports, pictures, files, analysis, causal]
     assert analysis.analysis_code(toy=False) == code[:-1]
     before = analysis.source_fingerprint(code)
     assert analysis.source_fingerprint(code) == before
@@ -287,41 +288,16 @@ def damaged_copy(folder: str, where: Path, damage: str) -> Path:
     return where
 
 
-@pytest.mark.parametrize("damage, problem", [
-    ("truncated weights", "model.safetensors is cut short"),
-    ("garbled weights header", "model.safetensors is garbled"),
-    ("garbled weights length", "model.safetensors is cut short or garbled"),
-    ("no weights", "no weights file (model.safetensors or pytorch_model.bin)"),
-    ("garbled config", "config.json is garbled (JSONDecodeError)"),
-    ("garbled pooling config", "1_Pooling/config.json is garbled"),
-    ("no tokenizer", "no tokenizer files (tokenizer.json, or vocab.txt, or vocab.json + merges.txt)"),
-])
-def test_a_damaged_model_folder_is_one_line_before_any_work(sbert_folder, tmp_path, capsys,
-                                                             monkeypatch, no_network, damage,
-                                                             problem):
-    """Given as a folder, or found by name in the Hugging Face cache: opened during the cheap
-    checks, so a damaged file is one line naming the folder and what to do, exit status 2, no run
-    folder, nothing analysed (not even the toy world made), never a traceback from the library."""
-    from huggingface_hub import constants
-
-    monkeypatch.setenv("DEAR_CACHE_DIR", str(tmp_path / "cache"))
-    flags = ["--analyse-only", "--bank", "project-unlabelled", "--concepts", "clusters"]
+@pytest.mark.parametrize("damage", ["truncated weights", "garbled weights header",
+                                    "garbled weights length", "no weights", "garbled config",
+                                    "garbled pooling config", "no tokenizer"])
+def test_a_damaged_model_folder_is_one_line_naming_it_and_what_to_do(sbert_folder, tmp_path, damage):
+    """An interrupted download or copy: loading the model is one line naming the folder and what
+    to do, never a traceback from the library."""
     folder = damaged_copy(sbert_folder, tmp_path / "minilm", damage)
-    line = refused(capsys, toy(tmp_path / "run", *flags, "--sentence-encoder", f"sbert:{folder}"),
-                   problem)
-    assert line.endswith(f"--sentence-encoder sbert:{folder}: {folder}: {problem}"
-                         + line.split(problem, 1)[1])
+    with pytest.raises(TrainError) as error:
+        sources.sbert_embedder({"model": "all-MiniLM-L6-v2", "folder": str(folder)}, torch.device("cpu"))
+    line = str(error.value)
+    problem = "no tokenizer files" if damage == "no tokenizer" else "cannot load the model"
+    assert "\n" not in line and f": {folder}: {problem}" in line
     assert line.endswith("; fetch the model again, or give another folder")
-    snapshot = tmp_path / "hub" / "models--sentence-transformers--all-MiniLM-L6-v2" / "snapshots"
-    damaged_copy(sbert_folder, snapshot / "0123abcd", damage)
-    (snapshot.parent / "refs").mkdir()
-    (snapshot.parent / "refs" / "main").write_text("0123abcd")
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    refused(capsys, toy(tmp_path / "run", *flags, "--sentence-encoder", "sbert"),
-            f"{snapshot / '0123abcd'}: {problem}")
-    assert not (tmp_path / "cache").exists() and no_network == []
-
-
-def test_the_whole_model_folder_passes_the_check_and_each_check_reads_what_it_names(sbert_folder):
-    assert sources.model_folder_problem(sbert_folder) is None
-    assert sources.safetensors_problem(os.path.join(sbert_folder, "model.safetensors")) is None

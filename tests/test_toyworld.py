@@ -425,7 +425,7 @@ def test_causal_check_returns_a_well_formed_table(mini_model):
     model, tokenizer = mini_model
     heads = [dear.HeadRole(1, 0, "attribute", "colour", 0.5), dear.HeadRole(1, 1, "generalization", None, 2.0)]
     role_map = dear.RoleMap(2, 2, list(world.ATTRIBUTES), heads)
-    result = toyworld.causal_check(model, tokenizer, role_map, n_images=64, log=lambda line: None)
+    result = causal.causal_check(model, tokenizer, role_map, n_images=64, log=lambda line: None)
     assert set(result["baseline"]) == set(world.ATTRIBUTES) and result["measure"] == "log_prob"
     assert [(row["layer"], row["head"]) for row in result["heads"]] == [(1, 0), (1, 1)]
     for row in result["heads"]:
@@ -461,8 +461,8 @@ def test_a_heads_direct_path_alone_is_its_term_of_the_decomposed_embedding_set_t
     # from seed 2): a wrong sign, a missing mean, or another head's or layer's term gives other drops.
     model, tokenizer = mini_model
     heads = [dear.HeadRole(layer, head, "generalization", None, 2.0) for layer in (0, 1) for head in (0, 1)]
-    result = toyworld.causal_check(model, tokenizer, dear.RoleMap(2, 2, list(world.ATTRIBUTES), heads), n_images=32,
-                                   log=lambda line: None)
+    result = causal.causal_check(model, tokenizer, dear.RoleMap(2, 2, list(world.ATTRIBUTES), heads), n_images=32,
+                                 log=lambda line: None)
     size = model.visual.input_resolution
     (images, scenes), (reference, _) = pretrain.draw_batch(1, 32, size), pretrain.draw_batch(2, 32, size)
     text = pretrain.prompt_features(model, tokenizer, world.ATTRIBUTES)

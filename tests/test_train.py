@@ -28,9 +28,8 @@ sys.path.insert(0, str(REPO))
 
 import clip_model  # noqa: E402
 import dear  # noqa: E402
-from harness.bank import project_bank  # noqa: E402
 import train  # noqa: E402
-from harness import (analysis, checks, cli, config, devices, monitor, plan,  # noqa: E402
+from harness import (analysis, probes, cli, config, devices, monitor, plan,  # noqa: E402
                      reports, runfolder, sources)
 from conftest import no_network, perturb_  # noqa: E402,F401 -- a fixture
 
@@ -219,12 +218,12 @@ def test_linear_probe_fits_the_training_classes_and_scores_only_sets_with_those_
         x[:, 1] = torch.randn(len(listed), generator=generator) * 3  # a large nuisance
         return x, labels
 
-    monkeypatch.setattr(checks, "image_features", fake_features)
+    monkeypatch.setattr(probes, "image_features", fake_features)
     split = train.data.DatasetSplits("x", "", items(30), items(12, 100), items(30, 200), classes, "{}")
     same = train.EvalSet("base", items(60, 300), classes, "{}", True)
     other = train.EvalSet("novel", items(60, 400), ["d", "e", "f"], "{}", False)
     runtime = type("R", (), {"log": staticmethod(lambda line: None)})()
-    metrics = checks.linear_probe(None, split, [same, other], {}, runtime)
+    metrics = probes.linear_probe(None, split, [same, other], {}, runtime)
     assert list(metrics) == ["base"]  # no classifier for unseen classes: no novel number
     assert metrics["base"] > 95.0
 
@@ -511,7 +510,7 @@ def test_an_ablation_or_test_beta_that_cannot_apply_is_refused_before_any_folder
 def test_cross_and_dg_test_each_target_at_mmrlpps_beta_or_all_at_the_trained_one(
         world, tmp_path, monkeypatch, test_beta):
     seen = []  # (test set, DeAR's beta while it was scored); then the retrieval check's
-    real_evaluate, real_retrieval = train.evaluate, checks.retrieval_check
+    real_evaluate, real_retrieval = train.evaluate, probes.retrieval_check
 
     def evaluate(model, clip, tokenizer, eval_set, settings, runtime, beta=None):
         assert model is None or model.beta == 0.2  # built at the training beta, never reassigned
@@ -523,7 +522,7 @@ def test_cross_and_dg_test_each_target_at_mmrlpps_beta_or_all_at_the_trained_one
         return real_retrieval(model, *rest)
 
     monkeypatch.setattr(train, "evaluate", evaluate)
-    monkeypatch.setattr(checks, "retrieval_check", retrieval)
+    monkeypatch.setattr(probes, "retrieval_check", retrieval)
     out = tmp_path / test_beta
     assert train.main(common(world, out, "--protocol", "dg", "--dataset", "dtd", "imagenet_sketch",
                              "--seeds", "1", "--shots", "2", "--epochs", "1", "--roles",
@@ -587,7 +586,7 @@ def test_evaluate_scores_the_fused_and_the_class_branch_logits_and_each_set_gets
 
 
 def plain_analysis_images(items, cap: int, seed: int) -> list:
-    """analysis.analysis_images as it was before: every class's whole seeded order built, then one
+    """dear.analysis_images as it was before: every class's whole seeded order built, then one
     image per class in turn, round by round (the fast one only builds the rounds it needs)."""
     generator, by_class = torch.Generator().manual_seed(seed), {}
     for item in items:
@@ -606,20 +605,20 @@ def test_the_analysis_images_are_the_plain_round_robins_at_every_cap():
     random.Random(0).shuffle(items)  # the classes' images interleaved, labels out of order
     for cap in (0, 1, 4, 6, 7, 11, 12, 13, 16, 20, 29, 30, 100):
         for seed in (0, 3):
-            assert analysis.analysis_images(items, cap, seed) == plain_analysis_images(items, cap, seed), (cap, seed)
+            assert dear.analysis_images(items, cap, seed) == plain_analysis_images(items, cap, seed), (cap, seed)
 
 
 def test_the_analysis_images_cover_every_class_evenly_and_follow_the_seed():
     items = [train.data.Item(f"c{label}/{i}.jpg", label, f"c{label}") for label in range(10) for i in range(8)]
-    chosen = analysis.analysis_images(items, 25, seed=1)
+    chosen = dear.analysis_images(items, 25, seed=1)
     per_class = [sum(item.label == c for item in chosen) for c in range(10)]
     assert len(chosen) == 25 and max(per_class) - min(per_class) <= 1 and min(per_class) == 2
     assert len({item.path for item in chosen}) == 25
-    assert analysis.analysis_images(items, 25, seed=1) == chosen  # seeded
-    assert analysis.analysis_images(items, 25, seed=2) != chosen  # ... by the run's seed
-    few = analysis.analysis_images(items, 4, seed=1)
+    assert dear.analysis_images(items, 25, seed=1) == chosen  # seeded
+    assert dear.analysis_images(items, 25, seed=2) != chosen  # ... by the run's seed
+    few = dear.analysis_images(items, 4, seed=1)
     assert len({item.label for item in few}) == 4  # a cap below the class count: one per class
-    assert sorted(analysis.analysis_images(items, 500, seed=3), key=lambda i: i.path) == sorted(items, key=lambda i: i.path)
+    assert sorted(dear.analysis_images(items, 500, seed=3), key=lambda i: i.path) == sorted(items, key=lambda i: i.path)
 
 
 # ------------------------------------------------------------------------------------------
@@ -1537,7 +1536,7 @@ def test_textspans_pool_comes_from_the_cache_offline_or_an_error_says_where_to_p
     ("empty pool", "no descriptions in it"),
     ("not utf-8", "not UTF-8 text; save the pool as UTF-8"),
     ("too few lines", "3 distinct descriptions, and TextSpan makes 20 picks per head; give a pool of at least 20"),
-    ("labels missing", "concepts 'labels' needs a label on every description; 1 of 8 have none"),
+    ("labels missing", "concepts 'labels' needs a label on every description"),
     ("typed picks past the pool", "--descriptions 9: TextSpan can make 1..8 picks per head here (the bank has 8"),
     ("min cluster size", "--min-cluster-size 1: expected an integer >= 2"),
     ("min samples", "--min-samples 0: expected a positive integer"),
@@ -1575,7 +1574,6 @@ def test_analysis_paper_resolves_to_the_papers_settings_and_typed_flags_win(worl
     # ImageNet under --root: its validation images, one map for the model.
     settings = settings_of(common(world, tmp_path / "a", "--dataset", "dtd", "--analysis", "paper"))
     assert [settings[k] for k in keys] == ["paper", "textspan", "clusters", paper, "imagenet:test", 6]
-    assert sources.default_picks(settings, project_bank(), dear.CORE_ATTRIBUTES) == 20  # labelled: 16
     # No ImageNet under --root: the trained dataset's training images, and the header says so.
     root = tmp_path / "data"
     root.mkdir()
@@ -1610,7 +1608,6 @@ def test_analysis_paper_resolves_to_the_papers_settings_and_typed_flags_win(worl
     # The default: the project's analysis, and its header says it is not the paper's.
     settings = settings_of(common(world, tmp_path / "d", "--dataset", "dtd"))
     assert [settings[k] for k in keys] == ["project", "project", None, "clip", "train", 6]
-    assert sources.default_picks(settings, project_bank(), dear.CORE_ATTRIBUTES) == 16
     assert config.analysis_header(settings, "labels", toy=False) == [
         "head analysis: --analysis project, the project's (not the paper's: --analysis paper): --bank "
         "project, concepts labels, --analysis-pool train"]

@@ -33,7 +33,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-__all__ = ["ToyAssets", "prepare", "causal_check", "SCALES", "THREADS"]
+__all__ = ["ToyAssets", "prepare", "SCALES", "THREADS"]
 
 # The toy world computes on one CPU thread, whatever the machine (train.py sets it for a toy run,
 # python -m toyworld for its checks; pretraining has its own count, pretrain.CONFIGS, also 1).
@@ -49,16 +49,6 @@ SCALES = {
     "full": {"pretrain": "full", "task": {"image_size": 48, "images_per_class": (32, 8, 30)}},
     "miniature": {"pretrain": "miniature", "task": {"image_size": 16, "images_per_class": (16, 4, 4)}},
 }
-
-
-def __getattr__(name: str):
-    # `toyworld.causal_check`, imported on first use (PEP 562): importing the submodules here
-    # would make `python -m toyworld.pretrain` (.world, ...) run its module twice.
-    if name == "causal_check":
-        from toyworld.causal import causal_check
-
-        return causal_check
-    raise AttributeError(f"module 'toyworld' has no attribute {name!r}")
 
 
 @dataclass
@@ -84,7 +74,7 @@ def prepare(scale: str = "full", cache_dir: Optional[str] = None,
     rebuild=True, are built in <cache_dir>/toyworld/<scale>/ (cache_dir: default
     clip_model.default_cache_dir()), where the task is written too. A cache that is missing,
     incomplete, corrupt or made with other settings is rebuilt, with a line saying why."""
-    from harness import runfolder
+    from harness import files
     from toyworld import world
     from toyworld.pretrain import CONFIGS, cache_folder, pretrained_clip
     from toyworld.task import TaskConfig, write_task
@@ -98,8 +88,8 @@ def prepare(scale: str = "full", cache_dir: Optional[str] = None,
     # One builder at a time (two would build twice, or clean away each other's half-built
     # task); the others wait, then reuse.
     os.makedirs(os.path.dirname(folder), exist_ok=True)
-    with runfolder.waiting_lock(os.path.join(os.path.dirname(folder), ".lock"),
-                           f"toy world: another process is preparing {os.path.dirname(folder)}; waiting for it", log):
+    with files.lock(os.path.join(os.path.dirname(folder), ".lock"), f"toy world: another process "
+                    f"is preparing {os.path.dirname(folder)}; waiting for it", log):
         # A task build killed half-way leaves its temporary folder; no one else is building now.
         for leftover in glob.glob(os.path.join(glob.escape(data_root), ".toyworld-building-*")):
             shutil.rmtree(leftover, ignore_errors=True)

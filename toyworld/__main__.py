@@ -20,21 +20,22 @@ from typing import Optional
 import torch
 
 import clip_model
-from harness import cli, runfolder
+from harness import cli, files
 import data
 import dear
 import toyworld
 from toyworld import world
+from toyworld.causal import causal_check
 from toyworld.pretrain import compare_with_shipped, draw_batch
 from toyworld.task import zero_shot_on_task
 
 
-def save_grid(path: str, image_size: int, rows: int = 4, columns: int = 6, seed: int = 0) -> None:
-    """A grid of freshly drawn images (pretraining style, then the task's shifted style), each
-    with its full caption underneath, enlarged so the pixels are visible."""
+def save_grid(path: str, image_size: int) -> None:
+    """A 4 x 6 grid of freshly drawn images (pretraining style, then the task's shifted style),
+    each with its full caption underneath, enlarged so the pixels are visible."""
     from PIL import Image, ImageDraw
 
-    scene_rng = random.Random(seed)
+    scene_rng, rows, columns = random.Random(0), 4, 6
     cell, text_height, zoom = 200, 40, 160 // image_size
     sheet = Image.new("RGB", (columns * cell, rows * (cell + text_height)), (255, 255, 255))
     draw = ImageDraw.Draw(sheet)
@@ -59,7 +60,7 @@ def path_problem(args) -> Optional[str]:
     if args.cache_dir is not None:
         if os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
             return f"--cache-dir {args.cache_dir}: is a file, not a folder"
-        if reason := runfolder.unwritable_reason(args.cache_dir):
+        if reason := files.unwritable_reason(args.cache_dir):
             return f"--cache-dir {args.cache_dir}: {reason}"
     if args.grid is not None:
         Image.init()
@@ -70,7 +71,7 @@ def path_problem(args) -> Optional[str]:
             return f"--grid {args.grid}: is a folder; give a file name (e.g. samples.png)"
         if not os.path.isdir(folder):
             return f"--grid {args.grid}: its folder does not exist (or is a file)"
-        if reason := runfolder.unwritable_reason(folder):
+        if reason := files.unwritable_reason(folder):
             return f"--grid {folder}: {reason}"
     return None
 
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
         roles = dear.analyze_heads(model, [images], tokenizer, assets.bank, assets.attributes, log=lambda line: None,
                                    num_layers=min(2, len(model.visual.transformer.resblocks)), num_descriptions=10)
         print(roles.table())
-        print(toyworld.causal_check(model, tokenizer, roles)["table"])
+        print(causal_check(model, tokenizer, roles)["table"])
     return 0
 
 

@@ -26,6 +26,7 @@ import clip_model
 
 VERSION_LINE = "#version: toy world BPE (dear-from-scratch toyworld/bpe.py)"
 _BYTE_ENCODER = clip_model.bytes_to_unicode()  # byte value -> printable character
+MAX_MERGES = 2000  # train_bpe stops there (the toy corpus runs out of pairs long before)
 
 
 # ---- 1. Pre-tokenisation: exactly what SimpleTokenizer.encode does before its merges -----
@@ -38,12 +39,12 @@ def words_of(text: str) -> list[str]:
 
 
 # ---- 2. Training -------------------------------------------------------------------------
-def train_bpe(texts: Iterable[str], max_merges: int = 2000) -> list[tuple[str, str]]:
+def train_bpe(texts: Iterable[str]) -> list[tuple[str, str]]:
     """Learn merges from `texts`, most useful first.
 
     Each distinct word starts as its characters, the last one marked as a word end
     ("red" -> r, e, d</w>), the form SimpleTokenizer.bpe starts from. Then, until no word has
-    two symbols left (or max_merges is reached): count every adjacent pair, weighted by how
+    two symbols left (or MAX_MERGES are made): count every adjacent pair, weighted by how
     often its word occurs; merge the most frequent pair everywhere (by SimpleTokenizer's own
     rule, clip_model.merge_pair); record it. Ties go to the alphabetically smallest pair, so
     the same corpus always gives the same file.
@@ -51,7 +52,7 @@ def train_bpe(texts: Iterable[str], max_merges: int = 2000) -> list[tuple[str, s
     word_counts = Counter(word for text in texts for word in words_of(text))
     spelled = {tuple(word[:-1]) + (word[-1] + "</w>",): count for word, count in word_counts.items()}
     merges: list[tuple[str, str]] = []
-    while len(merges) < max_merges:
+    while len(merges) < MAX_MERGES:
         pair_counts: Counter = Counter()
         for symbols, count in spelled.items():
             for pair in zip(symbols, symbols[1:]):

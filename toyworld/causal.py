@@ -12,12 +12,12 @@ What is measured per head and attribute: the drop in zero-shot *accuracy* (as a 
 0.05 = 5 points) and in the mean *log-probability* of the true value (in nats). Accuracy
 saturates: when colour is recognised at 100% by a wide margin, removing one colour head rarely
 flips a prediction, though it visibly lowers the model's confidence. So agreement is decided on
-the log-probability drops by default (measure="log_prob"), or on accuracy (measure="accuracy").
+the log-probability drops.
 
 Agreement, as defined here (our choice; the paper runs no such test):
-    A head's drops *single out* an attribute when its largest drop is at least `min_drop`
-    (default 0.05 nats, or 0.02 = 2 points for accuracy) and at least `dominance` times
-    (default 2x) the second largest drop (a negative second drop counts as 0).
+    A head's drops *single out* an attribute when its largest drop is at least MIN_DROP
+    (0.05 nats) and at least DOMINANCE (2) times the second largest drop (a negative second
+    drop counts as 0).
       - an attribute head for `a` agrees  iff  its drops single out `a`;
       - a generalization head agrees      iff  its drops single out no attribute;
       - a mixed head is reported but not scored (it is by definition in between).
@@ -48,6 +48,7 @@ import dear
 from toyworld import world
 from toyworld.pretrain import draw_batch, prompt_features, zero_shot_scores
 
+MIN_DROP, DOMINANCE = 0.05, 2.0  # nats of log-probability; times the second drop (see above)
 
 # ---- 1. Reading and replacing one head's output ------------------------------------------
 @torch.no_grad()
@@ -125,27 +126,21 @@ def _rate(units: list[dict]) -> tuple[Optional[float], int]:
 @torch.no_grad()
 def causal_check(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer, role_map: dear.RoleMap,
                  attributes: Sequence[str] = tuple(world.ATTRIBUTES), n_images: int = 512,
-                 style: str = "pretrain", seed: int = 1, measure: str = "log_prob",
-                 min_drop: Optional[float] = None, dominance: float = 2.0,
                  log: Callable[[str], None] = print) -> dict:
     """Mean-ablate every head the RoleMap covers, and groups of them, and compare the drops
-    with the roles, on n_images fresh toy images in `style` (another n_images for the means).
+    with the roles, on n_images fresh toy images (another n_images for the means).
     Returns {"baseline": {attribute: {"accuracy", "log_prob"}}, "heads": [one dict per head:
     layer (0-based), head, role, attribute, entropy, drops {attribute: accuracy lost, as a
     fraction}, log_prob_drops {attribute: nats lost}, top_attribute (largest drop by
-    `measure`), singled_out (attribute or None), agrees (True/False, None for mixed), direct (the
+    log-probability), singled_out (attribute or None), agrees (True/False, None for mixed), direct (the
     same for its direct path alone)], "agreement_rate": float or None, "scored": int,
     "direct_agreement_rate", "groups" (the same per group, with name, heads, expects),
     "group_agreement_rate", "groups_scored", "measure", "min_drop", "dominance", "table": markdown}.
     """
-    if measure not in ("log_prob", "accuracy"):
-        raise ValueError(f"measure={measure!r}: expected 'log_prob' or 'accuracy'")
-    min_drop = min_drop if min_drop is not None else (0.05 if measure == "log_prob" else 0.02)
-    decisive_key = "log_prob_drops" if measure == "log_prob" else "drops"
     clip = clip.eval()
     size = clip.visual.input_resolution
-    images, scenes = draw_batch(seed, n_images, size, style)
-    reference, _ = draw_batch(seed + 1, n_images, size, style)
+    images, scenes = draw_batch(1, n_images, size, "pretrain")  # seed 1; the means' seed 2
+    reference, _ = draw_batch(2, n_images, size, "pretrain")
     text = prompt_features(clip, tokenizer, attributes)  # the text side is never ablated
     baseline = zero_shot_scores(clip, images, scenes, text)
     means = mean_head_outputs(clip, reference, role_map.layers)
@@ -158,9 +153,9 @@ def causal_check(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer, r
         """The drops from the baseline to `scores`, and the attribute they single out."""
         drops = {"drops": {name: baseline[name]["accuracy"] - scores[name]["accuracy"] for name in attributes},
                  "log_prob_drops": {name: baseline[name]["log_prob"] - scores[name]["log_prob"] for name in attributes}}
-        decisive = drops[decisive_key]
+        decisive = drops["log_prob_drops"]
         return {**drops, "top_attribute": max(decisive, key=decisive.get),
-                "singled_out": _singled_out(decisive, min_drop, dominance)}
+                "singled_out": _singled_out(decisive, MIN_DROP, DOMINANCE)}
 
     def ablated(heads: Sequence[tuple[int, int]]) -> dict:
         with ablate_heads(clip, heads, means):
@@ -195,7 +190,7 @@ def causal_check(clip: clip_model.CLIP, tokenizer: clip_model.SimpleTokenizer, r
     result = {"baseline": baseline, "heads": rows, "agreement_rate": rate, "scored": scored,
               "direct_agreement_rate": _rate([row["direct"] for row in rows])[0], "groups": groups,
               "group_agreement_rate": group_rate, "groups_scored": groups_scored,
-              "measure": measure, "min_drop": min_drop, "dominance": dominance}
+              "measure": "log_prob", "min_drop": MIN_DROP, "dominance": DOMINANCE}
     result["constant_rates"] = _constant_rates(rows)
     result["table"] = causal_table(result, attributes)
     for line in summary_lines(result, n_images):
@@ -281,8 +276,6 @@ def causal_table(result: dict, attributes: Sequence[str]) -> str:
         named = " (named for it)" if row["attribute"] == row["singled_out"] else ""
         lines.append(f"| {row['layer'] + 1}.{row['head']} | {row['singled_out']} | {whole:+.3f} / {direct:+.3f} | "
                      f"{_role(row, entropy=True)}{named} |")
-    unit = "nats" if result["measure"] == "log_prob" else "accuracy points"
-    threshold = result["min_drop"] if result["measure"] == "log_prob" else 100 * result["min_drop"]
     lines.append("")
     lines.append(f"Agreement: {_percent(result['agreement_rate'])} of {result['scored']} scored heads "
                  f"({_percent(result['direct_agreement_rate'])} when only their direct paths are removed), "
@@ -292,7 +285,7 @@ def causal_table(result: dict, attributes: Sequence[str]) -> str:
                  f"Cells: accuracy points / nats of log-probability lost when the head is mean-ablated; its direct "
                  f"path alone: its term of the decomposed embedding set to its mean, what concept entropy reads. "
                  f"Attribute heads agree when their attribute is singled out, generalization heads when none "
-                 f"is; singled out = largest {result['measure']} drop >= {threshold:g} {unit} and >= "
+                 f"is; singled out = largest {result['measure']} drop >= {result['min_drop']:g} nats and >= "
                  f"{result['dominance']:g}x the second; mixed heads are not scored. "
                  f"A group of an attribute's heads agrees when removing them singles it out, the generalization "
                  f"group when it singles out none; mixed heads and all attribute heads together are not scored.")

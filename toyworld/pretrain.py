@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 import clip_model
 import data
-from harness import runfolder
+from harness import files
 from toyworld import world
 from toyworld.bpe import write_bpe
 
@@ -383,7 +383,7 @@ def pretrained_clip(config: PretrainConfig, cache_dir: Optional[str] = None,
                      "clip_model.SimpleTokenizer('bpe.txt.gz')",
         "head_width": config.head_width, "vocab_size": vocab_size, "config": asdict(config),
         "world": world.fingerprint(), "report": report}, indent=2, ensure_ascii=False) + "\n"
-    runfolder.write_text(os.path.join(folder, "config.json"), text)  # atomic, the file closed before the rename
+    files.write_text(os.path.join(folder, "config.json"), text)  # atomic, the file closed before the rename
     return CachedCLIP(weights, bpe, config.head_width, report)
 
 

@@ -264,12 +264,12 @@ def describes(scene: Scene, named: Iterable[str], other: Scene) -> bool:
     return all(scene.value(name) == other.value(name) for name in named)
 
 
-def attribute_prompts(attribute: str, prefix: str = "a photo of a") -> list[str]:
+def attribute_prompts(attribute: str) -> list[str]:
     """Zero-shot prompts for one attribute, one per value, in the table's order:
     attribute_prompts("texture") -> ["a photo of a solid object", "a photo of a striped
     object", ...]. Built with `caption` so they are exactly the training phrasing."""
     template = Scene("red", "circle", "solid", "top left")
-    return [caption(replace(template, **{attribute: value}), [attribute], prefix) for value in VALUES[attribute]]
+    return [caption(replace(template, **{attribute: value}), [attribute], "a photo of a") for value in VALUES[attribute]]
 
 
 # ---- 5. The description bank (for the head analysis, docs/METHOD.md Sec. 3) --------------

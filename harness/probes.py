@@ -1,4 +1,4 @@
-"""harness/checks.py -- the rows and checks beside DeAR that train.py runs for each dataset: CLIP's
+"""harness/probes.py -- the rows and checks beside DeAR that train.py runs for each dataset: CLIP's
 linear probe (a ceiling for the base column: weak training, or weak features?) and the paper's
 check that an attribute token carries its attribute (attribute-conditioned retrieval: pictures
 in the run folder; in the toy world, where every image's attributes are known, precision@10).
@@ -16,7 +16,6 @@ import torch.nn.functional as F
 import data
 import dear
 from . import devices, pictures, plan, sources
-from .analysis import analysis_images
 
 
 RETRIEVAL_GALLERY = 2000  # test images at most in the retrieval check (our choice: cost)
@@ -91,7 +90,7 @@ def retrieval_check(model: dear.DeAR, job: plan.Job, settings, inputs: sources.I
     names = ("base", "novel", "all", job.dataset)  # the trained dataset's own test split
     own = [s for s in lists.test[job.dataset] if s.name in names]
     items = list({item.path: item for s in own for item in s.items}.values())  # each image once
-    gallery = analysis_images(items, RETRIEVAL_GALLERY, seed=0)
+    gallery = dear.analysis_images(items, RETRIEVAL_GALLERY, seed=0)
     size = inputs.clip.visual.input_resolution
     batches = devices.loader_of(gallery, settings, size, runtime)
     parts = [dear.retrieval_features(model, x.to(runtime.device)) for x, _ in batches]
