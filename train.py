@@ -170,9 +170,10 @@ BOOK = cli.RecipeBook(RECIPES, PROTOCOL_RECIPES, DEFAULTS, TOY_DEFAULTS, PAPER_D
                        DG_TARGETS, FEWSHOT_SHOTS, WARMUP_LR, WEIGHT_DECAY, attribute_tokens)
 
 # --help and --recipes are answered here, before torch and the method are imported: in a moment,
-# not the seconds torch takes to load.
+# not the seconds torch takes to load; so is every refusal that needs no tensor (cli.early_checks).
 if __name__ == "__main__":
     cli.answer_at_once(sys.argv[1:], BOOK)
+    cli.refuse_at_once(sys.argv[1:], BOOK)
 
 import torch  # noqa: E402 -- below --help's answer, on purpose
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
@@ -612,6 +613,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def run(args) -> int:
+    cli.early_checks(args, BOOK)  # names, numbers, paths (as a script: before torch, too)
     settings = config.resolve_settings(args, BOOK)  # flags (or the saved run) -> settings, checked
     jobs = plan.plan_jobs(settings)
     fresh = not (settings["resume"] or settings["eval_only"])

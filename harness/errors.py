@@ -1,16 +1,13 @@
 """harness/errors.py -- the harness's one error, TrainError (bad input: one line naming the flag or
 file and what to do), and how train.py's main turns every known error into that one line, exit
-status 2.
+status 2. It imports no torch at the top: cli.py's early refusals raise TrainError before torch
+is loaded.
 """
 
 from __future__ import annotations
 
 import sys
 from typing import Callable
-
-import clip_model
-import data
-import dear
 
 
 class TrainError(Exception):
@@ -21,6 +18,8 @@ def one_line_errors(call: Callable[[], int]) -> int:
     """call() -> its exit status; a known error is one line on stderr and exit status 2, before
     any work where the checks come first (and --resume continues after one that came later)."""
     import warnings
+
+    import clip_model, data, dear  # noqa: E401 -- their errors; by now torch is loaded anyway
 
     # data.py's warnings (a class with fewer than K images, a rebuilt cache) as one line each.
     warnings.formatwarning = lambda message, category, *rest: f"warning: {message}\n"
