@@ -662,6 +662,7 @@ def run(args) -> int:
         if runtime.main and fresh:  # from here on the run folder exists
             runfolder.start_run_folder(settings, inputs.clip, runtime.world, stack)
         runfolder.open_call_log(runtime, settings["output"], stack)  # <output>/log.txt, appended
+        stack.enter_context(runfolder.said_on_interrupt(runtime, settings))  # Ctrl-C: what next
         processes = f" x {runtime.world} processes" if runtime.world > 1 else ""
         runtime.log(f"train.py: {settings['protocol']} on {', '.join(settings['dataset'])}, "
                     f"{len(jobs)} runs; output {settings['output']} (log.txt: every line)")

@@ -30,9 +30,10 @@ def one_line_errors(call: Callable[[], int]) -> int:
     except OSError as error:  # a full disk, a folder made read-only mid-run: one line too
         where = f"{error.filename}: " if error.filename else ""
         message = f"{where}{error.strerror or error}; fix it, then continue with --resume"
-    except KeyboardInterrupt:
-        print("train.py: interrupted; the last finished epoch is saved: continue with --resume",
-              file=sys.stderr)
+    except KeyboardInterrupt as stop:  # with the run folder's command: runfolder.said_on_interrupt
+        if not getattr(stop, "said", False):
+            print("train.py: interrupted before any run started; give the same command again",
+                  file=sys.stderr)
         return 130
     print(f"train.py: error: {message}", file=sys.stderr)
     return 2

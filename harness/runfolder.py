@@ -12,6 +12,7 @@ import math
 import os
 import platform
 import secrets
+import shlex
 import shutil
 import sys
 import time
@@ -127,16 +128,20 @@ def check_output_folder(output: str) -> None:
 
 
 def lock_run_folder(output: str, stack: contextlib.ExitStack) -> None:
-    """One writer per run folder: an exclusive lock on <output>/.lock held until the call ends
-    (the OS drops it when the process dies, even by SIGKILL: no stale lock to clean), then the
+    """One writer per run folder: an exclusive lock on <output>/.lock held until the call ends,
+    which removes the file (the OS drops the lock when the process dies, even by SIGKILL: a file
+    left then is no stale lock), then the
     .tmp-* files of a write killed half-way removed (no other process can be writing them)."""
     try:
         import fcntl
     except ImportError:  # Windows: no lock; do not start two calls on one folder there
         return
-    handle = open(os.path.join(output, ".lock"), "a+", encoding="utf-8")
+    path = os.path.join(output, ".lock")
+    handle = open(path, "a+", encoding="utf-8")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.fstat(handle.fileno()).st_ino != os.stat(path).st_ino:
+            raise OSError  # its holder removed it as we opened it (below): held till a moment ago
     except OSError:
         handle.seek(0)
         holder = handle.read().strip()  # the pid its holder wrote
@@ -148,7 +153,13 @@ def lock_run_folder(output: str, stack: contextlib.ExitStack) -> None:
     handle.truncate(0)
     handle.write(f"{os.getpid()}\n")
     handle.flush()
-    stack.callback(handle.close)  # closing the file releases the lock
+
+    def release() -> None:  # removed while still held (no .lock left behind), then closed
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        handle.close()  # closing the file releases the lock
+
+    stack.callback(release)
     for folder, _, files in os.walk(output):
         for name in files:
             if name.startswith(".tmp-"):
@@ -245,6 +256,19 @@ def run_log(runtime: Runtime, folder: str):
             yield
         finally:
             runtime.run_log = None
+
+
+@contextlib.contextmanager
+def said_on_interrupt(runtime: Runtime, settings):
+    """Ctrl-C: the command that continues the call, printed and kept in log.txt."""
+    try:
+        yield
+    except KeyboardInterrupt as stop:
+        again = "--eval-only" if settings["eval_only"] else "--resume"
+        runtime.log("train.py: interrupted; every finished epoch is saved; continue with: "
+                    f"python train.py --output {shlex.quote(settings['output'])} {again}")
+        stop.said = True  # errors.one_line_errors says nothing more
+        raise
 
 
 def open_call_log(runtime: Runtime, output: str, stack: contextlib.ExitStack) -> None:

@@ -14,8 +14,11 @@ import json
 import os
 import random
 import re
+import shlex
+import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -1140,8 +1143,6 @@ def test_a_running_call_holds_the_folder_and_its_death_releases_it(world, tmp_pa
         for _ in range(1200):  # training has started once the first checkpoint exists
             if checkpoint.exists() or holder.poll() is not None:
                 break
-            import time
-
             time.sleep(0.1)
         assert holder.poll() is None, holder.stderr.read()
         # (--max-epochs-per-call: were it not refused, it would still end)
@@ -1154,6 +1155,33 @@ def test_a_running_call_holds_the_folder_and_its_death_releases_it(world, tmp_pa
     (out / "dtd/dear-all-mixed/seed1/.tmp-x-checkpoint.pt").write_bytes(b"half a file")  # a killed write
     assert train.main(["--output", str(out), "--resume", "--max-epochs-per-call", "1"]) == 0  # the lock is free
     assert not list(out.rglob(".tmp-*")), "a killed write's temporary file was left"
+    assert not (out / ".lock").exists(), "a finished call left its .lock"
+
+
+def test_ctrl_c_prints_the_command_that_continues_keeps_it_in_the_log_and_that_command_works(world, tmp_path):
+    out = tmp_path / "run"
+    caller = subprocess.Popen([sys.executable, "train.py", *common(world, out, "--dataset", "dtd", "--seeds", "1",
+                                                                   "--method", "dear", "--roles", "all-mixed",
+                                                                   "--shots", "4", "--epochs", "100000")],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        for _ in range(1200):  # training has started once the first checkpoint exists
+            if (out / "dtd/dear-all-mixed/seed1/checkpoint.pt").exists() or caller.poll() is not None:
+                break
+            time.sleep(0.1)
+        caller.send_signal(signal.SIGINT)
+        stdout, stderr = caller.communicate(timeout=120)
+    finally:
+        caller.kill()
+    assert caller.returncode == 130 and stderr == "", stderr
+    said = stdout.splitlines()[-1]
+    assert said.startswith("train.py: interrupted; every finished epoch is saved; continue with: python train.py ")
+    assert said in (out / "log.txt").read_text().splitlines()
+    command = shlex.split(said.split("continue with: ")[1])
+    assert command[:2] == ["python", "train.py"] and command[2:] == ["--output", str(out), "--resume"]
+    assert not (out / ".lock").exists()
+    assert train.main([*command[2:], "--max-epochs-per-call", "1"]) == 0  # the command continues the run
 
 
 # ------------------------------------------------------------------------------------------
