@@ -43,7 +43,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional
 
-from harness import cli  # the command line: argparse alone (no torch), for --help's sake
+from harness import cli, errors  # the command line: argparse alone (no torch), for --help's sake
 
 # ------------------------------------------------------------------------------------------
 # 1. The recipes: every default, written once, with its source (docs/METHOD.md Sec. 7)
@@ -178,9 +178,10 @@ if __name__ == "__main__":
 import torch  # noqa: E402 -- below --help's answer, on purpose
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
+errors.matching_torchvision()  # data.py's torchvision, built for this torch: else one line
 import data  # noqa: E402
 import dear  # noqa: E402
-from harness import (analysis, checks, config, devices, errors, monitor, plan,  # noqa: E402
+from harness import (analysis, checks, config, devices, monitor, plan,  # noqa: E402
                      reports, runfolder, sources)
 from harness.errors import TrainError  # noqa: E402
 

@@ -37,3 +37,24 @@ def one_line_errors(call: Callable[[], int]) -> int:
         return 130
     print(f"train.py: error: {message}", file=sys.stderr)
     return 2
+
+
+def matching_torchvision() -> None:
+    """torchvision (data.py's transforms) built for this torch, or one line naming both versions
+    and the fix, exit status 2: a CPU-only torch beside a CUDA torchvision dies in `import
+    torchvision` with a 22-line traceback ending 'operator torchvision::nms does not exist'."""
+    try:
+        import torchvision  # noqa: F401
+    except (RuntimeError, ImportError, OSError) as error:
+        import torch
+        from importlib import metadata
+
+        try:
+            found = f"torchvision {metadata.version('torchvision')}"
+        except metadata.PackageNotFoundError:
+            found = "no torchvision"
+        cause = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        print(f"train.py: error: {found} does not work with torch {torch.__version__} ({cause}); "
+              "install both from the same index, e.g. pip install torch torchvision --index-url "
+              "https://download.pytorch.org/whl/cpu", file=sys.stderr)
+        raise SystemExit(2) from None

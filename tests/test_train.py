@@ -1028,6 +1028,22 @@ def test_a_refusal_that_needs_no_tensor_comes_before_torch_is_imported(argv, mes
     assert message in lines[0] and lines[1:] == ["exit status 2", "torch imported: False"], done.stderr
 
 
+def test_a_torchvision_built_for_another_torch_is_one_line_naming_both_versions_and_the_fix(tmp_path):
+    """A CPU-only torch beside a CUDA torchvision fails in `import torchvision` (here faked: a
+    torchvision that raises what the real one raised): one line, exit status 2, no traceback."""
+    fake = tmp_path / "fake" / "torchvision"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")\n')
+    done = subprocess.run([sys.executable, "train.py", "--dataset", "toyworld", "--output", str(tmp_path / "run")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(fake.parent)))
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+    assert re.match(r"train.py: error: torchvision \S+ does not work with torch \S+ \(operator torchvision::nms "
+                    r"does not exist\); install both from the same index", lines[0]), lines[0]
+    assert not (tmp_path / "run").exists()
+
+
 def test_each_protocol_trains_with_the_lineages_recipe_and_its_per_dataset_values():
     """MMRL++ (yunncheng/MMRL): the protocol's yaml (configs/trainers/MMRLpp/), then
     trainers/config.py's beta and regularisation weight per dataset, which MMRL's train.py
