@@ -106,6 +106,8 @@ NOT_RUN = {
     "python benchmarks/device_check.py --device cpu --quick": "tests/test_device_check.py runs it",
     "python benchmarks/device_check.py": "needs a GPU",
     "python benchmarks/device_check.py --peak-tflops 312": "needs a GPU",
+    "python benchmarks/bench_refusal.py": "seconds, mostly importing torch to compare; tests/test_train.py "
+                                          "checks that each refusal comes before torch",
     "python benchmarks/golden_spread.py": "about 3 minutes: the golden run 7 times, in subprocesses",
     "python benchmarks/precision_table.py": "minutes: the toy trained in fp32, fp16 and bf16; "
                                             "tests/test_device_check.py runs it in two epochs",
