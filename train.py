@@ -682,6 +682,7 @@ def run(args) -> int:
             when = ("already finished" if runfolder.finished(job, settings) else
                     f"elapsed {devices.format_time(time.time() - started)}")
             runtime.log(f"== run {index}/{len(jobs)}: {job.label} ({when}) ==")
+            runtime.runs_after = sum(runfolder.trains(later, settings) for later in jobs[index:])
             with runfolder.run_log(runtime, job.folder):  # its lines also in its folder's log.txt
                 try:
                     result = run_job(job, settings, inputs, role_maps, lists, runtime)

@@ -223,9 +223,9 @@ def analysis_header(settings, concepts: str, toy: bool) -> List[str]:
     encoder = f", --sentence-encoder {settings['sentence_encoder']}" if concepts == "clusters" \
         else ""
     if settings["analysis"] != "paper":
-        return [f"head analysis: --analysis project, the project's (not the paper's: --analysis "
-                f"paper): --bank {settings['bank']}, concepts {concepts}{encoder}, "
-                f"--analysis-pool {settings['analysis_pool']}"]
+        return [f"head analysis: the project's, not the paper's (--analysis paper): --bank "
+                f"{settings['bank']}, concepts {concepts}{encoder}, --analysis-pool "
+                f"{settings['analysis_pool']}"]
     preset = analysis_preset("paper", toy, settings["root"], {})
     if concepts != "clusters":  # typed labels: no encoder runs
         del preset["sentence_encoder"]

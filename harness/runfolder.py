@@ -367,7 +367,7 @@ def end_epoch(job: Job, settings, model: dear.DeAR, optimizer, scaler, progress:
                    f"{format_time(record['seconds'])}; fusion weights alpha: {weights}; "
                    "checkpoint saved")
     if epoch in {math.ceil(epochs * quarter / 4) for quarter in range(1, 5)}:
-        runtime.log(f"[{job.label}] epoch {epoch}/{epochs}: {progress.summary()}")
+        runtime.log(f"[{job.label}] epoch {epoch}/{epochs}: {progress.brief()}")
 
 
 def finish_job(job: Job, settings, model: dear.DeAR, stop: int, runtime: Runtime):
@@ -390,6 +390,12 @@ def finished(job: Job, settings) -> bool:
     """The run's results.json is there (an earlier call finished it) and the call does not
     evaluate it again (--eval-only)."""
     return os.path.isfile(os.path.join(job.folder, "results.json")) and not settings["eval_only"]
+
+
+def trains(job: Job, settings) -> bool:
+    """Whether the run trains in this call (the progress lines' estimate of the call's time)."""
+    return job.row not in ("zeroshot", "linear-probe") and not settings["eval_only"] \
+        and not finished(job, settings)
 
 
 def finished_checkpoint(job: Job, settings) -> dict:

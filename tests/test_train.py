@@ -813,6 +813,7 @@ def test_toyworld_runs_end_to_end_from_an_empty_cache(tmp_path):
     assert len(re.findall(r"causal check: \d+ heads ablated", done.stdout)) == 1
     assert "reusing the role map" not in done.stdout
     assert re.search(r"head analysis: done in \d+:\d\d:\d\d", done.stdout)
+    assert max(map(len, done.stdout.splitlines())) <= 160  # the pretraining's header included
 
     summary = read(out / "summary.json")
     table = summary["tables"]["toyworld"]
@@ -1619,8 +1620,8 @@ def test_analysis_paper_resolves_to_the_papers_settings_and_typed_flags_win(worl
     assert [settings[k] for k in keys] == ["project", "project", None, "clip", "train", 6]
     assert sources.default_picks(settings, project_bank(), dear.CORE_ATTRIBUTES) == 16
     assert config.analysis_header(settings, "labels", toy=False) == [
-        "head analysis: --analysis project, the project's (not the paper's: --analysis paper): --bank "
-        "project, concepts labels, --analysis-pool train"]
+        "head analysis: the project's, not the paper's (--analysis paper): --bank project, concepts labels, "
+        "--analysis-pool train"]
 
 
 def test_analysis_paper_offline_without_textspans_pool_is_one_line(world, tmp_path, capsys, monkeypatch,
