@@ -694,8 +694,9 @@ def run(args) -> int:
                 return 0  # stopped by --max-epochs-per-call; resumable
             results.append(result)
         # the call's tables: after them the call is done
-        reports.write_summaries(settings, results, diverged, inputs.attributes, checks.RETRIEVAL_K,
-                                 runtime)
+        notes = reports.small_data_notes(lists)  # a column near a given, shots repeated
+        reports.write_summaries(settings, results, diverged, notes, inputs.attributes,
+                                checks.RETRIEVAL_K, runtime)
         runtime.log(f"train.py: done in {devices.format_time(time.time() - started)}; tables in "
                     f"{os.path.join(settings['output'], 'summary.md')}")
     if diverged:  # the others finished; these continue from their last finite checkpoint

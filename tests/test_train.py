@@ -1376,6 +1376,33 @@ def test_own_data_offline_names_the_flags_that_give_the_files_and_the_toy_clip_s
     assert (out / "summary.md").is_file()
 
 
+def test_a_small_folder_says_under_its_table_what_its_columns_and_shots_can_mean(world, tmp_path, capsys):
+    """3 classes x 6 images: 2 base and 1 novel class (a novel column of one class is 100% by
+    construction) and 3 training images per class for 16 shots: said under the table, in
+    summary.md and on screen; the retrieval pictures show the 5 neighbours there are, not 8."""
+    folder = tmp_path / "three"
+    for label, name in enumerate(["red", "green", "blue"]):
+        for i in range(6):
+            write_image(folder / name / f"{name}{i}.png", (80 * label, 20 * i, 200 - 60 * label))
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert train.main(common(world, out, "--dataset", str(folder), "--seeds", "1", "--epochs", "1",
+                             "--method", "zeroshot", "dear", "--roles", "all-mixed")[2:]) == 0
+    notes = ["three's base column scores among 2 classes: chance is 50%.",
+             "three's novel column scores among 1 class: every image has one answer, so 100% is a given, "
+             "not a result.",
+             "three: 16 shots asked, but each class holds only 3 distinct training images; the draw repeats "
+             "them to make the shots."]
+    printed, summary = capsys.readouterr().out, (out / "summary.md").read_text()
+    block = ["Notes on the data:", *(f"- {note}" for note in notes)]
+    for text in (summary, printed):
+        lines = text.splitlines()
+        assert lines[lines.index(block[0]):][:4] == block
+    assert read(out / "summary.json")["notes"] == notes
+    with Image.open(out / "three/dear-all-mixed/seed1/retrieval_class.png") as picture:
+        assert picture.width == 12 + (1 + 5) * (64 + 4) + 8  # the query and its 5 neighbours, 64-px tiles
+
+
 def test_own_image_folder_runs_base2novel_end_to_end_and_eval_only_reproduces_it(world, own_data, tmp_path):
     out = tmp_path / "run"
     args = common(world, out, "--dataset", own_data["folder"], "--seeds", "1", "--shots", "2", "--epochs", "1",
