@@ -32,7 +32,8 @@ def measure(command: list) -> tuple:
                              stderr=subprocess.DEVNULL)
     _, status, usage = os.wait4(child.pid, 0)  # the child's own usage, not all children's
     wall = time.perf_counter() - started
-    return os.waitstatus_to_exitcode(status), wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
+    cpu = usage.ru_utime + usage.ru_stime
+    return os.waitstatus_to_exitcode(status), wall, cpu, usage.ru_maxrss / 1024  # KB -> MB
 
 
 def main() -> None:

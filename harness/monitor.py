@@ -132,7 +132,8 @@ class Progress:
         elapsed = time.time() - self.started
         left = elapsed / self.done * (self.steps - self.done)
         call = left + self.runtime.runs_after * (elapsed + left)
-        return f"elapsed {format_time(elapsed)}, ~{format_time(left)} left (call ~{format_time(call)})"
+        return (f"elapsed {format_time(elapsed)}, ~{format_time(left)} left "
+                f"(call ~{format_time(call)})")
 
     def brief(self) -> str:
         """The printed line's few words (the rest is in log.txt): loss, accuracy, speed, times."""

@@ -168,6 +168,20 @@ def draw_curves(records: List[dict], title: str, epochs: int, path: str) -> None
     clip_model.atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))
 
 
+def fitted(draw, text: str, width: int) -> List[str]:
+    """`text` in lines no wider than `width` pixels, broken between words (a word too long for
+    one line is cut)."""
+    lines: List[str] = []
+    for word in text.split():
+        if lines and draw.textlength(f"{lines[-1]} {word}") <= width:
+            lines[-1] += f" {word}"
+        else:
+            while len(word) > 1 and draw.textlength(word) > width:
+                word = word[:-1]
+            lines.append(word)
+    return lines
+
+
 def round_ticks(high: float, count: int = 4) -> List[float]:
     """0 to at least `high` in steps of a round size (1, 2, 2.5 or 5 x 10^n), at most `count`:
     0, 0.5, 1, 1.5 rather than 0, 0.399, 0.798, 1.2."""
@@ -192,7 +206,7 @@ def draw_retrieval(gallery: list, rankings: Dict[str, torch.Tensor], size: int, 
         feature = {"class": "the class feature", "frozen CLIP": "frozen CLIP's image feature"}.get(
             name, f"the {name} token's feature")
         rows, found = min(queries, len(gallery)), min(shown, ranking.shape[1])  # a small gallery
-        image = Image.new("RGB", (12 + (1 + found) * (tile + 4) + 8, 56 + rows * (tile + 18)),
+        image = Image.new("RGB", (12 + (1 + found) * (tile + 4) + 8, 56 + rows * (tile + 30)),
                           "white")
         draw = ImageDraw.Draw(image)
         draw.text((8, 6), f"{label}: retrieval by {feature}", fill="black")
@@ -200,10 +214,11 @@ def draw_retrieval(gallery: list, rankings: Dict[str, torch.Tensor], size: int, 
                   f"images by cosine, nearest first; under each, its class", fill="black")
         for row in range(rows):
             for column, index in enumerate([row] + ranking[row, :found].tolist()):
-                x, y = 12 + column * (tile + 4), 44 + row * (tile + 18)
+                x, y = 12 + column * (tile + 4), 44 + row * (tile + 30)
                 picture = pictures[index][0].resize((tile, tile), Image.NEAREST)
                 image.paste(picture, (x, y))
-                draw.text((x, y + tile + 2), gallery[index].classname[:tile // 6], fill="black")
+                for line, words in enumerate(fitted(draw, gallery[index].classname, tile)[:2]):
+                    draw.text((x, y + tile + 1 + 12 * line), words, fill="black")
                 if column == 0:
                     draw.rectangle([x - 2, y - 2, x + tile + 1, y + tile + 1], outline=(220, 30, 30),
                                    width=2)
