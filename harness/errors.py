@@ -19,7 +19,9 @@ def one_line_errors(call: Callable[[], int]) -> int:
     any work where the checks come first (and --resume continues after one that came later)."""
     import warnings
 
-    import clip_model, data, dear  # noqa: E401 -- their errors; by now torch is loaded anyway
+    import clip_model  # their errors: imported here, as torch is loaded by now anyway
+    import data
+    import dear
 
     # data.py's warnings (a class with fewer than K images, a rebuilt cache) as one line each.
     warnings.formatwarning = lambda message, category, *rest: f"warning: {message}\n"

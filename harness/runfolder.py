@@ -130,8 +130,8 @@ def check_output_folder(output: str) -> None:
 def lock_run_folder(output: str, stack: contextlib.ExitStack) -> None:
     """One writer per run folder: an exclusive lock on <output>/.lock held until the call ends,
     which removes the file (the OS drops the lock when the process dies, even by SIGKILL: a file
-    left then is no stale lock), then the
-    .tmp-* files of a write killed half-way removed (no other process can be writing them)."""
+    left then is no stale lock), then the .tmp-* files of a write killed half-way removed (no
+    other process can be writing them)."""
     try:
         import fcntl
     except ImportError:  # Windows: no lock; do not start two calls on one folder there

@@ -1031,6 +1031,10 @@ def test_a_refusal_that_needs_no_tensor_comes_before_torch_is_imported(argv, mes
     assert message in lines[0] and lines[1:] == ["exit status 2", "torch imported: False"], done.stderr
 
 
+def test_the_names_checked_before_torch_are_data_pys_registry():
+    assert cli.registry_names() == list(train.data.DATASETS)  # read from its source, not imported
+
+
 def test_a_torchvision_built_for_another_torch_is_one_line_naming_both_versions_and_the_fix(tmp_path):
     """A CPU-only torch beside a CUDA torchvision fails in `import torchvision` (here faked: a
     torchvision that raises what the real one raised): one line, exit status 2, no traceback."""
