@@ -356,7 +356,8 @@ def early_checks(args: argparse.Namespace, book: RecipeBook) -> None:
             raise TrainError(f"{flag} {value}: not a dataset name; {nearest(value, names)}")
     real = [v for v in args.dataset or []
             if registry_key(v) in (*names, "all") and registry_key(v) != "toyworld"]
-    if real and not (args.root and os.path.isdir(args.root)):
+    fresh = not (args.resume or args.eval_only)  # (a resumed run keeps its saved --root)
+    if real and fresh and not (args.root and os.path.isdir(args.root)):
         where = f"--root {args.root}: no such folder" if args.root else "--root is not given"
         raise TrainError(f"{where}; --dataset {real[0]} is read from it: set DATA to the folder "
                          "of CoOp's datasets (export DATA=/path/to/your/datasets) and give "

@@ -691,7 +691,7 @@ def test_analyse_only_writes_the_roles_and_pictures_then_stops_and_training_reus
      "the head analysis has 1 image(s)"),
     (["--analysis-pool", "imagenet_sketch:train"], "imagenet_sketch is a test set only; use imagenet_sketch:test"),
     (["--analysis-pool", "imagenet"], "expected 'train' or DATASET:SPLIT"),
-    (["--analysis-pool", "imagenett:test"], "unknown dataset 'imagenett'"),
+    (["--analysis-pool", "imagenett:test"], "--analysis-pool imagenett: not a dataset name; did you mean imagenet?"),
     (["--dataset", "dtd", "imagenet", "--protocol", "cross"], "--dataset imagenet: it is the --source"),
 ])
 def test_an_analysis_its_images_cannot_support_is_refused_before_any_work(world, tmp_path, capsys,
