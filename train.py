@@ -44,7 +44,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional
 
-from harness import cli  # the command line: argparse alone (no torch), for --help's sake
+from harness import cli, errors  # the command line: argparse alone (no torch), for --help's sake
 
 # ---- 1. The recipes: every default, written once, with its source (docs/METHOD.md Sec. 7) --------
 # Where the paper is silent: MMRL++ (yunncheng/MMRL), DeAR's nearest relative;
@@ -162,16 +162,18 @@ BOOK = cli.RecipeBook(RECIPES, PROTOCOL_RECIPES, DEFAULTS, TOY_DEFAULTS, PAPER_D
                        DG_TARGETS, FEWSHOT_SHOTS, WARMUP_LR, WEIGHT_DECAY, attribute_tokens)
 
 # --help and --recipes are answered here, before torch and the method are imported: in a moment,
-# not the seconds torch takes to load.
+# not the seconds torch takes to load; so is every refusal that needs no tensor (cli.early_checks).
 if __name__ == "__main__":
     cli.answer_at_once(sys.argv[1:], BOOK)
+    cli.refuse_at_once(sys.argv[1:], BOOK)
 
 import torch  # noqa: E402 -- below --help's answer, on purpose
 from torch.utils.data import DataLoader  # noqa: E402
 
+errors.matching_torchvision()  # data.py's torchvision, built for this torch: else one line
 import data  # noqa: E402
 import dear  # noqa: E402
-from harness import (analysis, config, devices, errors, files, imagecache, monitor,  # noqa: E402
+from harness import (analysis, config, devices, files, imagecache, monitor,  # noqa: E402
                      plan, probes, reports, runfolder, sources, splitfiles)
 from harness.errors import TrainError  # noqa: E402
 
@@ -540,6 +542,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def run(args) -> int:
+    cli.early_checks(args, BOOK)  # names, numbers, paths (as a script: before torch, too)
     settings = config.resolve_settings(args, BOOK)  # flags (or the saved run) -> settings, checked
     jobs = plan.plan_jobs(settings)
     fresh = not (settings["resume"] or settings["eval_only"])
@@ -578,6 +581,7 @@ def run(args) -> int:
         if runtime.main and fresh:  # from here on the run folder exists
             runfolder.start_run_folder(settings, inputs.clip, runtime.world, stack)
         runfolder.open_call_log(runtime, settings["output"], stack)  # <output>/log.txt, appended
+        stack.enter_context(runfolder.said_on_interrupt(runtime, settings))  # Ctrl-C: what next
         for line in plan.call_header(settings, jobs, runtime, threads):  # what runs where, rows
             runtime.log(line)
         role_maps = sources.role_maps_for(jobs, inputs, analysed)  # per (dataset, --roles) asked
@@ -586,6 +590,7 @@ def run(args) -> int:
             when = ("already finished" if runfolder.finished(job, settings) else
                     f"elapsed {devices.format_time(time.time() - started)}")
             runtime.log(f"== run {index}/{len(jobs)}: {job.label} ({when}) ==")
+            runtime.runs_after = sum(runfolder.trains(later, settings) for later in jobs[index:])
             with runfolder.run_log(runtime, job.folder):  # its lines also in its folder's log.txt
                 try:
                     result = run_job(job, settings, inputs, role_maps, lists, runtime)
@@ -598,8 +603,9 @@ def run(args) -> int:
                 return 0  # stopped by --max-epochs-per-call; resumable
             results.append(result)
         # the call's tables: after them the call is done
-        reports.write_summaries(settings, results, diverged, inputs.attributes, probes.RETRIEVAL_K,
-                                 runtime)
+        notes = reports.small_data_notes(lists)  # a column near a given, shots repeated
+        reports.write_summaries(settings, results, diverged, notes, inputs.attributes,
+                                probes.RETRIEVAL_K, runtime)
         runtime.log(f"train.py: done in {devices.format_time(time.time() - started)}; tables in "
                     f"{os.path.join(settings['output'], 'summary.md')}")
     if diverged:  # the others finished; these continue from their last finite checkpoint

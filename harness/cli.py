@@ -9,19 +9,28 @@ from __future__ import annotations
 
 import argparse
 import ast
+import difflib
 import functools
+import math
 import os
+import sys
 from dataclasses import fields
 from typing import Callable, List, NamedTuple, Optional
+
+from .errors import TrainError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @functools.lru_cache(maxsize=None)  # each module's source parsed once, however many names
-def top_level_assignments(module: str) -> dict:
+def module_tree(module: str) -> ast.Module:
     with open(os.path.join(REPO, f"{module}.py"), encoding="utf-8") as f:
-        tree = ast.parse(f.read())
-    return {target.id: node.value for node in tree.body if isinstance(node, ast.Assign)
+        return ast.parse(f.read())
+
+
+def top_level_assignments(module: str) -> dict:
+    return {target.id: node.value for node in module_tree(module).body
+            if isinstance(node, ast.Assign)
             for target in node.targets if isinstance(target, ast.Name)}
 
 
@@ -36,6 +45,14 @@ TEXT_TOKENS, TOKEN_CONSTRUCTIONS, CONCEPT_SOURCES = project_constants(
     "dear", "TEXT_TOKENS", "TOKEN_CONSTRUCTIONS", "CONCEPT_SOURCES")
 (OWN_TEMPLATE,) = project_constants("harness/splitfiles", "OWN_TEMPLATE")
 (OPENAI_HEAD_WIDTH,) = project_constants("clip_model", "OPENAI_HEAD_WIDTH")
+
+
+def registry_names() -> List[str]:
+    """data.DATASETS' names, read from its rows' source: DatasetSpec("oxford_pets", ...)."""
+    return [node.args[0].value for node in ast.walk(module_tree("data"))
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "DatasetSpec"
+            and node.args and isinstance(node.args[0], ast.Constant)]
+
 
 # What a call can ask for.
 PROTOCOLS = ("base2novel", "fewshot", "cross", "dg")
@@ -105,6 +122,8 @@ class OneLineParser(argparse.ArgumentParser):
     (data.py keeps a copy of its own: it stands alone.)"""
 
     def error(self, message: str):
+        if "--root: expected one argument" in message:  # `--root $DATA` with $DATA unset
+            message += "; is $DATA set? export DATA=/path/to/your/datasets"
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
@@ -289,3 +308,132 @@ def sentence_encoder_name(value: str) -> str:
     if model.startswith(("/", ".", "~")) or os.path.isdir(model):  # a folder, not a hub name
         return "sbert:" + os.path.abspath(os.path.expanduser(model))
     return "sbert:" + (model if "/" in model else f"sentence-transformers/{model}")
+
+
+# ------------------------------------------------------------------------------------------
+# The refusals that need no tensor: before train.py imports torch (a second, not ten and 800 MB)
+# ------------------------------------------------------------------------------------------
+
+
+def refuse_at_once(argv: List[str], book: RecipeBook) -> None:
+    """train.py as a script: the flags parsed and early_checks run before torch is imported; a
+    refusal is the one line train.main would print, exit status 2."""
+    try:
+        early_checks(build_parser(book).parse_args(argv), book)
+    except TrainError as error:
+        print(f"train.py: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def early_checks(args: argparse.Namespace, book: RecipeBook) -> None:
+    """Every check of the typed flags that reads no file's contents: names, numbers, paths that do
+    not exist, --resume's folder. config.resolve_settings checks the rest (run by train.run after
+    this)."""
+    if args.resume or args.eval_only:
+        if args.resume and args.eval_only:
+            raise TrainError("--resume and --eval-only: give one (--resume finishes the runs, "
+                             "--eval-only evaluates the finished runs again)")
+        if not args.output:
+            raise TrainError("--resume and --eval-only need --output, the run folder to continue "
+                             "(train.py printed it: 'output <folder>')")
+        if args.analyse_only:
+            raise TrainError("--analyse-only starts nothing to resume; drop --resume / --eval-only")
+        if not os.path.isdir(args.output):
+            raise TrainError(f"--output {args.output}: no such folder; --resume and --eval-only "
+                             "continue a run folder made by train.py")
+    elif not args.dataset:
+        raise TrainError("--dataset is required (e.g. --dataset toyworld, --dataset oxford_pets "
+                         "--root $DATA, --dataset all)")
+    names = registry_names()
+    for value in args.dataset or []:
+        if registry_key(value) in (*names, "all") or os.path.exists(value):
+            continue
+        if "/" in value or os.sep in value or value.lower().endswith(".json"):  # a path, as data.py
+            raise TrainError(f"--dataset {value}: not found; expected a folder of class folders "
+                             "(PATH/<class>/<image>) or a split file in CoOp's format (.json)")
+        raise TrainError(f"--dataset {value}: not a dataset name, nor a folder or split file of "
+                         f"your own; {nearest(value, names)}")
+    pool, colon, _ = (args.analysis_pool or "").partition(":")  # DATASET:SPLIT
+    for flag, value in (("--source", args.source), ("--analysis-pool", colon and pool)):
+        if value and registry_key(value) not in names:
+            raise TrainError(f"{flag} {value}: not a dataset name; {nearest(value, names)}")
+    real = [v for v in args.dataset or []
+            if registry_key(v) in (*names, "all") and registry_key(v) != "toyworld"]
+    fresh = not (args.resume or args.eval_only)  # (a resumed run keeps its saved --root)
+    if real and fresh and not (args.root and os.path.isdir(args.root)):
+        where = f"--root {args.root}: no such folder" if args.root else "--root is not given"
+        raise TrainError(f"{where}; --dataset {real[0]} is read from it: set DATA to the folder "
+                         "of CoOp's datasets (export DATA=/path/to/your/datasets) and give "
+                         "--root $DATA")
+    for choice in args.roles or []:
+        if choice not in ("analyse", "analyze", *ROLE_ABLATIONS) and not os.path.isfile(choice):
+            raise TrainError(f"--roles {choice}: no such file; give a roles JSON written by the "
+                             "head analysis, 'analyse', "
+                             f"{' or '.join(repr(r) for r in ROLE_ABLATIONS)}")
+    check_values({key: value for key, value in vars(args).items() if value is not None})
+
+
+def registry_key(name: str) -> str:
+    """data.dataset_key's rule: case, spaces around and "-" vs "_" do not matter."""
+    return str(name).strip().lower().replace("-", "_")
+
+
+def nearest(value: str, names: List[str]) -> str:
+    """'did you mean oxford_pets?', or the list where no name is near."""
+    near = difflib.get_close_matches(registry_key(value), names, n=1)
+    return f"did you mean {near[0]}?" if near else f"the names: {', '.join(names)}"
+
+
+# numpy's range; the per-epoch seeds are derived from it (seed * 100003 + epoch)
+MAX_SEED = 2**32 - 1
+
+
+def check_values(values: dict) -> None:
+    """Every number in range and finite, and the template well-formed, among `values` (the typed
+    flags, then config.validate_settings' complete settings; a key absent is not checked). The
+    method's own ranges are dear.py's checks (config.validate_settings)."""
+    def refuse(key: str, expected: str):
+        value = values[key]
+        shown = " ".join(map(str, value)) if isinstance(value, list) else value
+        raise TrainError(f"--{key.replace('_', '-')} {shown}: {expected}")
+
+    def is_int(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    # (key, least value, None or "auto" allowed): dear.check checks J's top once the
+    # model is read
+    for key, least, optional in (("epochs", 1, 0), ("batch_size", 1, 0), ("eval_batch_size", 1, 0),
+                                 ("log_every", 1, 0), ("analysis_images", 1, 0),
+                                 ("warmup_epochs", 0, 0),
+                                 ("text_tokens", 0, 0), ("head_width", 1, 1), ("workers", 0, 1),
+                                 ("max_epochs_per_call", 1, 1), ("descriptions", 1, 1),
+                                 ("first_layer", 1, 1),
+                                 ("min_cluster_size", 2, 1), ("min_samples", 1, 1)):
+        if key in values and not (optional and values[key] in (None, "auto")
+                                  or is_int(values[key]) and values[key] >= least):
+            refuse(key, f"expected an integer >= {least}" if least != 1
+                   else "expected a positive integer")
+    if "seeds" in values and not (values["seeds"] and all(is_int(s) and 0 <= s <= MAX_SEED
+                                                          for s in values["seeds"])):
+        refuse("seeds", f"expected integers from 0 to {MAX_SEED}")
+    if "shots" in values and not (values["shots"] and all(is_int(k) and k >= 1
+                                                          for k in values["shots"])):
+        refuse("shots", "expected positive integers")
+    # an inf lr trains on NaN; a NaN weight is not even valid JSON
+    weight = "expected a finite weight >= 0"
+    for key, expected in (("lr", "expected a positive, finite learning rate"),
+                          ("lambda_reg", weight),
+                          ("lambda_fusion", weight)):
+        value = values.get(key)
+        finite = isinstance(value, (int, float)) and math.isfinite(value)
+        if key in values and not (finite and (value > 0 if key == "lr" else value >= 0)):
+            refuse(key, expected)
+    template = values.get("template")
+    try:
+        well_formed = template is None or template.format("x") != template.format("y")
+    # '{0}{1}', '{x}', '{', '{.x}', '{[a]}'
+    except (IndexError, KeyError, ValueError, AttributeError, TypeError):
+        well_formed = False
+    if not well_formed:
+        raise TrainError(f"--template {template!r}: expected a prompt with one '{{}}' for the "
+                         f"class name, e.g. 'a photo of a {{}}, a kind of flower.'")

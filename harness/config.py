@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 from typing import Dict, List, Optional
 
@@ -17,13 +16,9 @@ import data
 import dear
 from .errors import TrainError
 from .cli import (ABLATIONS, ROLE_ABLATIONS, TOY_ONLY_ABLATIONS, RecipeBook, SBERT_MODEL,
-                  ablation_roles)
+                  ablation_roles, check_values)
 from .devices import pick_device
 from . import splitfiles
-
-
-# numpy's range; the per-epoch seeds are derived from it (seed * 100003 + epoch)
-MAX_SEED = 2**32 - 1
 
 
 # Every setting of a run, in settings.json's order.
@@ -110,9 +105,6 @@ def dataset_names(typed: List[str], protocol: str, source: Optional[str],
 def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str, object]:
     """A new run: the flags + the trained dataset's recipe + the defaults -> every setting,
     explicit."""
-    if not args.dataset:
-        raise TrainError("--dataset is required (e.g. --dataset toyworld, --dataset oxford_pets "
-                         "--root $DATA, --dataset all)")
     protocol = _default(args.protocol, book.defaults["protocol"])
     typed = typed_flags(args, protocol, args.source, book)
     names = typed["dataset"]
@@ -171,12 +163,7 @@ def settings_from_flags(args: argparse.Namespace, book: RecipeBook) -> Dict[str,
                 for key in SETTING_KEYS}  # (copied: no list shared with the book)
     resolve_text_tokens(settings, len(book.attributes(toy)))
     settings.update(analysis_preset(settings["analysis"], toy, settings["root"], typed))
-    roles = settings["roles"]
-    for choice in roles:
-        if choice not in ("analyse", *ROLE_ABLATIONS) and not os.path.isfile(choice):
-            raise TrainError(f"--roles {choice}: no such file; give a roles JSON written by the "
-                             "head analysis, 'analyse', "
-                             f"{' or '.join(repr(r) for r in ROLE_ABLATIONS)}")
+    roles = settings["roles"]  # each an existing file or a choice (cli.early_checks)
     if sum(choice not in ROLE_ABLATIONS for choice in roles) > 1:
         raise TrainError(f"--roles {' '.join(roles)}: give at most one of 'analyse' or a roles "
                          "file (both make the DeAR row); add the ablations all-mixed / "
@@ -243,9 +230,9 @@ def analysis_header(settings, concepts: str, toy: bool) -> List[str]:
     encoder = f", --sentence-encoder {settings['sentence_encoder']}" if concepts == "clusters" \
         else ""
     if settings["analysis"] != "paper":
-        return [f"head analysis: --analysis project, the project's (not the paper's: --analysis "
-                f"paper): --bank {settings['bank']}, concepts {concepts}{encoder}, "
-                f"--analysis-pool {settings['analysis_pool']}"]
+        return [f"head analysis: the project's, not the paper's (--analysis paper): --bank "
+                f"{settings['bank']}, concepts {concepts}{encoder}, --analysis-pool "
+                f"{settings['analysis_pool']}"]
     preset = analysis_preset("paper", toy, settings["root"], {})
     if concepts != "clusters":  # typed labels: no encoder runs
         del preset["sentence_encoder"]
@@ -289,72 +276,23 @@ def register_own_data(dataset_paths: Dict[str, str], output: str) -> None:
 
 def validate_settings(settings: dict) -> None:
     """Every number in range and finite, before anything is read or written (resumed calls too:
-    they may change the run-control flags). The method's own ranges are dear.py's checks."""
-    def refuse(key: str, expected: str):
-        value = settings[key]
-        shown = " ".join(map(str, value)) if isinstance(value, list) else value
-        raise TrainError(f"--{key.replace('_', '-')} {shown}: {expected}")
-
-    def is_int(value) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
-
-    # (key, least value, None or "auto" allowed): dear.check checks J's top once the
-    # model is read
-    for key, least, optional in (("epochs", 1, 0), ("batch_size", 1, 0), ("eval_batch_size", 1, 0),
-                                 ("log_every", 1, 0), ("analysis_images", 1, 0),
-                                 ("warmup_epochs", 0, 0),
-                                 ("text_tokens", 0, 0), ("head_width", 1, 1), ("workers", 0, 1),
-                                 ("max_epochs_per_call", 1, 1), ("descriptions", 1, 1),
-                                 ("first_layer", 1, 1),
-                                 ("min_cluster_size", 2, 1), ("min_samples", 1, 1)):
-        if not (optional and settings[key] in (None, "auto") or is_int(settings[key])
-                and settings[key] >= least):
-            refuse(key, f"expected an integer >= {least}" if least != 1
-                   else "expected a positive integer")
-    if not settings["seeds"] or not all(is_int(s) and 0 <= s <= MAX_SEED
-                                        for s in settings["seeds"]):
-        refuse("seeds", f"expected integers from 0 to {MAX_SEED}")
-    if not settings["shots"] or not all(is_int(k) and k >= 1 for k in settings["shots"]):
-        refuse("shots", "expected positive integers")
-    # an inf lr trains on NaN; a NaN weight is not even valid JSON
-    weight = "expected a finite weight >= 0"
-    for key, expected in (("lr", "expected a positive, finite learning rate"),
-                          ("lambda_reg", weight),
-                          ("lambda_fusion", weight)):
-        value = settings[key]
-        finite = isinstance(value, (int, float)) and math.isfinite(value)
-        if not (finite and (value > 0 if key == "lr" else value >= 0)):
-            refuse(key, expected)
-    # dear.py's message, under the flag
+    they may change the run-control flags): cli.check_values, then the method's own ranges,
+    dear.py's checks."""
+    check_values(settings)
     for key, given in (("beta", ["beta"]), ("low_bits", ["low_bits"]), ("high_bits", ["high_bits"]),
                        ("low_bits", ["low_bits", "high_bits"])):
         try:
             dear.check(**{name: settings[name] for name in given})
-        except dear.DeARError as error:
-            refuse(key, str(error))
+        except dear.DeARError as error:  # dear.py's message, under the flag
+            raise TrainError(f"--{key.replace('_', '-')} {settings[key]}: {error}") from None
     analysis_pool_of(settings["analysis_pool"])  # a malformed pool stops here
-    template = settings["template"]
-    try:
-        well_formed = template is None or template.format("x") != template.format("y")
-    # '{0}{1}', '{x}', '{', '{.x}', '{[a]}'
-    except (IndexError, KeyError, ValueError, AttributeError, TypeError):
-        well_formed = False
-    if not well_formed:
-        raise TrainError(f"--template {template!r}: expected a prompt with one '{{}}' for the "
-                         f"class name, e.g. 'a photo of a {{}}, a kind of flower.'")
     pick_device(settings["device"])  # an unknown or absent device stops here
 
 
 def settings_from_run_folder(args: argparse.Namespace, book: RecipeBook) -> Dict[str, object]:
     """--resume / --eval-only: the run folder's saved settings; a flag that would change what is
-    computed is refused (it would silently mix two experiments in one folder)."""
-    if args.resume and args.eval_only:
-        raise TrainError("--resume and --eval-only: give one (--resume finishes the runs, "
-                         "--eval-only evaluates the finished runs again)")
-    if not args.output:
-        raise TrainError("--resume and --eval-only need --output, the run folder to continue")
-    if args.analyse_only:
-        raise TrainError("--analyse-only starts nothing to resume; drop --resume / --eval-only")
+    computed is refused (it would silently mix two experiments in one folder). The flags' own
+    checks came first (cli.early_checks)."""
     path = os.path.join(args.output, "settings.json")
     try:
         with open(path, encoding="utf-8") as f:

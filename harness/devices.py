@@ -45,6 +45,7 @@ class Runtime:
     call_log: Optional[object] = None  # <output>/log.txt, open while the run folder exists
     run_log: Optional[object] = None  # the current run's <folder>/log.txt
     pending: List[str] = field(default_factory=list)  # lines before the run folder existed
+    runs_after: int = 0  # the call's runs after the current one that train (its time left)
 
     @property
     def main(self) -> bool:  # rank 0 alone prints and writes files

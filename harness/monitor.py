@@ -60,7 +60,7 @@ class Progress:
         self.job, self.settings, self.runtime, self.model = job, settings, runtime, model
         self.fp16 = scaler.is_enabled()  # non-finite gradients: skipped steps, not a stop
         self.steps, self.steps_per_epoch, self.done = steps, steps_per_epoch, 0
-        self.started = time.time()  # for the time left of this call
+        self.started = time.time()  # for the time left of this run and the call (times)
         device = runtime.device
         self.parameters = model.learnable_parameters()  # fixed for the run: listed once
         self.zero = torch.zeros((), device=device)
@@ -141,10 +141,25 @@ class Progress:
                          images_per_second=self.images * self.runtime.world / elapsed,
                          data_wait=self.waited / elapsed, skipped_steps=self.skipped_steps,
                          **(dict(steps=step, loss_scale=self.loss_scale) if self.fp16 else {}))
-        left = (time.time() - self.started) / self.done * (self.steps - self.done)
         self.runtime.detail(f"[{self.job.label}] epoch {self.current + 1}/"
                             f"{self.settings['epochs']} step {step}/{self.steps_per_epoch} "
-                            + self.summary() + f", {format_time(left)} left")
+                            + self.summary() + f"; {self.times()}")
+
+    def times(self) -> str:
+        """This run's time so far, and about how long it and the call have left (the later runs
+        that train, Runtime.runs_after, taken to last as long as this one; evaluations not
+        counted): 'elapsed 0:00:12, ~0:00:36 left (call ~0:05:00)'."""
+        elapsed = time.time() - self.started
+        left = elapsed / self.done * (self.steps - self.done)
+        call = left + self.runtime.runs_after * (elapsed + left)
+        return (f"elapsed {format_time(elapsed)}, ~{format_time(left)} left "
+                f"(call ~{format_time(call)})")
+
+    def brief(self) -> str:
+        """The printed line's few words (the rest is in log.txt): loss, accuracy, speed, times."""
+        last = self.last
+        return (f"loss {last['loss']['total']:.3f} acc {last['train_accuracy']:.1f}%, "
+                f"{last['images_per_second']:.0f} img/s; {self.times()}")
 
     def summary(self) -> str:
         """The last read in a few words: losses, training accuracy, lr, speed, data wait."""

@@ -5,6 +5,7 @@ role masks (masks.png), a run's training curves (curves.png) and its retrieval
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Dict, List, Optional
 
@@ -135,18 +136,18 @@ def draw_curves(records: List[dict], title: str, epochs: int, path: str) -> None
             [("loss (mean over the epoch's images)", losses, 0.0, None), ("%", shares, 0, 100)]):
         left = 70 + panel * 480
         values = [v for ys in series.values() for v in ys if v is not None]
-        high = high if high is not None else max(max(values, default=1.0), 1e-6) * 1.05
+        ticks = round_ticks(high or max(max(values, default=1.0), 1e-6))  # the y axis
+        high = ticks[-1]
 
         def point(epoch: float, value: float) -> tuple:
             return (left + (epoch - 1) / max(epochs - 1, 1) * plot_w,
                     top + plot_h - (value - low) / (high - low) * plot_h)
 
         draw.rectangle([left, top, left + plot_w, top + plot_h], outline="black")
-        for tick in range(5):  # the y axis: five values
-            value = low + (high - low) * tick / 4
+        for value in ticks:
             y = point(1, value)[1]
             draw.line([left - 4, y, left, y], fill="black")
-            draw.text((left - 46, y - 6), f"{value:.3g}", fill="black")
+            draw.text((left - 46, y - 6), f"{value:g}", fill="black")
         for epoch in sorted({1, epochs, *range(5, epochs, 5)}):  # the x axis
             tick_x = point(epoch, low)[0]
             draw.line([tick_x, top + plot_h, tick_x, top + plot_h + 4], fill="black")
@@ -167,6 +168,28 @@ def draw_curves(records: List[dict], title: str, epochs: int, path: str) -> None
     clip_model.atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))
 
 
+def fitted(draw, text: str, width: int) -> List[str]:
+    """`text` in lines no wider than `width` pixels, broken between words (a word too long for
+    one line is cut)."""
+    lines: List[str] = []
+    for word in text.split():
+        if lines and draw.textlength(f"{lines[-1]} {word}") <= width:
+            lines[-1] += f" {word}"
+        else:
+            while len(word) > 1 and draw.textlength(word) > width:
+                word = word[:-1]
+            lines.append(word)
+    return lines
+
+
+def round_ticks(high: float, count: int = 4) -> List[float]:
+    """0 to at least `high` in steps of a round size (1, 2, 2.5 or 5 x 10^n), at most `count`:
+    0, 0.5, 1, 1.5 rather than 0, 0.399, 0.798, 1.2."""
+    unit = 10 ** math.floor(math.log10(high / count))
+    step = next(m * unit for m in (1, 2, 2.5, 5, 10) if m * unit * count >= high)
+    return [round(step * i, 10) for i in range(math.ceil(high / step - 1e-9) + 1)]
+
+
 def draw_retrieval(gallery: list, rankings: Dict[str, torch.Tensor], size: int, queries: int,
                    shown: int, folder: str, label: str) -> None:
     """retrieval_<feature>.png in `folder`, one per feature that ranks the gallery: a title
@@ -182,18 +205,20 @@ def draw_retrieval(gallery: list, rankings: Dict[str, torch.Tensor], size: int, 
     for name, ranking in rankings.items():
         feature = {"class": "the class feature", "frozen CLIP": "frozen CLIP's image feature"}.get(
             name, f"the {name} token's feature")
-        rows = min(queries, len(gallery))
-        image = Image.new("RGB", (12 + (1 + shown) * (tile + 4) + 8, 56 + rows * (tile + 4)),
+        rows, found = min(queries, len(gallery)), min(shown, ranking.shape[1])  # a small gallery
+        image = Image.new("RGB", (12 + (1 + found) * (tile + 4) + 8, 56 + rows * (tile + 30)),
                           "white")
         draw = ImageDraw.Draw(image)
         draw.text((8, 6), f"{label}: retrieval by {feature}", fill="black")
-        draw.text((8, 22), f"each row: a test image (red frame), then its {shown} nearest test "
-                  f"images by cosine, nearest first", fill="black")
+        draw.text((8, 22), f"each row: a test image (red frame), then its {found} nearest test "
+                  f"images by cosine, nearest first; under each, its class", fill="black")
         for row in range(rows):
-            for column, index in enumerate([row] + ranking[row, :shown].tolist()):
-                x, y = 12 + column * (tile + 4), 44 + row * (tile + 4)
+            for column, index in enumerate([row] + ranking[row, :found].tolist()):
+                x, y = 12 + column * (tile + 4), 44 + row * (tile + 30)
                 picture = pictures[index][0].resize((tile, tile), Image.NEAREST)
                 image.paste(picture, (x, y))
+                for line, words in enumerate(fitted(draw, gallery[index].classname, tile)[:2]):
+                    draw.text((x, y + tile + 1 + 12 * line), words, fill="black")
                 if column == 0:
                     draw.rectangle([x - 2, y - 2, x + tile + 1, y + tile + 1], outline=(220, 30, 30),
                                    width=2)

@@ -177,6 +177,8 @@ def markdown(summary: dict, settings) -> str:
                               for v, d in zip(values, spreads.get(row, [None] * len(values)))]
                  for row, values in table["rows"].items()}
         lines += [f"## {name}", "", *md_table("Method", table["columns"], cells), ""]
+    lines += ["Notes on the data:", *(f"- {note}" for note in summary["notes"]), ""] \
+        if summary.get("notes") else []
     lines += [f"Diverged (no number; --resume continues it from its last finite checkpoint): "
               f"{line}" for lines_of_row in diverged.values() for line in lines_of_row]
     lines += [""] if diverged else []
@@ -251,11 +253,44 @@ def retrieval_summary(results: List[dict], attributes: List[str], k: int):
     return summary, text
 
 
-def write_summaries(settings, results: List[dict], diverged: List[dict], attributes: List[str],
-                    k: int, runtime: Runtime) -> None:
+# A test column over fewer classes than this is said to be near a given (our choice): one class
+# scores 100% whatever the model, two are a coin's choice.
+FEW_CLASSES = 3
+
+
+def small_data_notes(lists) -> List[str]:
+    """What a small dataset does to the table, said under it (train.RunData `lists`): a column
+    over fewer than FEW_CLASSES classes, and draws whose classes hold fewer distinct images than
+    the shots asked (the draw repeats them: data.sample_few_shot)."""
+    notes = []
+    for dataset, eval_sets in lists.test.items():
+        for eval_set in eval_sets:
+            n = len(eval_set.classnames)
+            if n < FEW_CLASSES:
+                meaning = ("every image has one answer, so 100% is a given, not a result" if n == 1
+                           else f"chance is {100 / n:.0f}%")
+                notes.append(f"{dataset}'s {eval_set.name} column scores among {n} "
+                             f"class{'es' * (n > 1)}: {meaning}.")
+    short = {}  # (dataset, shots) -> the fewest and most distinct images of a class, any seed
+    for (dataset, _, shots), split in lists.train.items():
+        distinct = Counter(item.label for item in set(split.train)).values()  # per class
+        if distinct and min(distinct) < shots:
+            low, high = short.get((dataset, shots), (shots, 0))
+            short[dataset, shots] = min(low, *distinct), max(high, *distinct)
+    return notes + [f"{dataset}: {shots} shots asked, but "
+                    + (f"each class holds only {low}" if low == high else
+                       f"its classes hold {low} to {high}")
+                    + " distinct training images; the draw repeats them to make the shots."
+                    for (dataset, shots), (low, high) in short.items()]
+
+
+def write_summaries(settings, results: List[dict], diverged: List[dict], notes: List[str],
+                    attributes: List[str], k: int, runtime: Runtime) -> None:
     """summary.json / .md (and, where a run measured retrieval, retrieval.json / .md), printed
-    too. A diverged run has no number: its row says so, and the means are over the others."""
+    too. A diverged run has no number: its row says so, and the means are over the others. The
+    notes (small_data_notes) follow the tables."""
     summary = summarise(settings, results)
+    summary["notes"] = notes
     summary["diverged"] = {record["job"]["row"]: [] for record in diverged}
     for record in diverged:
         summary["diverged"][record["job"]["row"]].append(record["diverged"])

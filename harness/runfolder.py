@@ -10,6 +10,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import shutil
 import sys
 import time
@@ -165,6 +166,19 @@ def run_log(runtime: Runtime, folder: str):
             runtime.run_log = None
 
 
+@contextlib.contextmanager
+def said_on_interrupt(runtime: Runtime, settings):
+    """Ctrl-C: the command that continues the call, printed and kept in log.txt."""
+    try:
+        yield
+    except KeyboardInterrupt as stop:
+        again = "--eval-only" if settings["eval_only"] else "--resume"
+        runtime.log("train.py: interrupted; every finished epoch is saved; continue with: "
+                    f"python train.py --output {shlex.quote(settings['output'])} {again}")
+        stop.said = True  # errors.one_line_errors says nothing more
+        raise
+
+
 def open_call_log(runtime: Runtime, output: str, stack: contextlib.ExitStack) -> None:
     """From here to the call's end its lines (and those printed before, kept) are appended to
     <output>/log.txt."""
@@ -305,7 +319,7 @@ def end_epoch(job: Job, settings, model: dear.DeAR, optimizer, scaler, progress:
     runtime.detail(f"[{job.label}] epoch {epoch}/{epochs} done in "
                    f"{format_time(record['seconds'])}; fusion weights alpha: {weights}; {saved}")
     if epoch in {math.ceil(epochs * quarter / 4) for quarter in range(1, 5)}:
-        runtime.log(f"[{job.label}] epoch {epoch}/{epochs}: {progress.summary()}")
+        runtime.log(f"[{job.label}] epoch {epoch}/{epochs}: {progress.brief()}")
 
 
 def finish_job(job: Job, settings, model: dear.DeAR, stop: int, runtime: Runtime):
@@ -328,6 +342,12 @@ def finished(job: Job, settings) -> bool:
     """The run's results.json is there (an earlier call finished it) and the call does not
     evaluate it again (--eval-only)."""
     return os.path.isfile(os.path.join(job.folder, "results.json")) and not settings["eval_only"]
+
+
+def trains(job: Job, settings) -> bool:
+    """Whether the run trains in this call (the progress lines' estimate of the call's time)."""
+    return job.row not in ("zeroshot", "linear-probe") and not settings["eval_only"] \
+        and not finished(job, settings)
 
 
 def finished_checkpoint(job: Job, settings) -> dict:

@@ -117,6 +117,8 @@ NOT_RUN = {
     "fixed-fusion feature-fusion no-self-reg --output runs/toy-lab": IN_ORDER,
     "python benchmarks/device_check.py --device cpu --quick": "tests/test_device_check.py runs it",
     "python benchmarks/device_check.py": "needs a GPU",
+    "python benchmarks/bench_refusal.py": "seconds, mostly importing torch to compare; tests/test_train.py "
+                                          "checks that each refusal comes before torch",
     "python benchmarks/precision_table.py --device cuda": "needs a GPU",
 }
 

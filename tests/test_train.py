@@ -14,8 +14,11 @@ import json
 import os
 import random
 import re
+import shlex
+import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -694,7 +697,7 @@ def test_analyse_only_writes_the_roles_and_pictures_then_stops_and_training_reus
      "the head analysis has 1 image(s)"),
     (["--analysis-pool", "imagenet_sketch:train"], "imagenet_sketch is a test set only; use imagenet_sketch:test"),
     (["--analysis-pool", "imagenet"], "expected 'train' or DATASET:SPLIT"),
-    (["--analysis-pool", "imagenett:test"], "unknown dataset 'imagenett'"),
+    (["--analysis-pool", "imagenett:test"], "--analysis-pool imagenett: not a dataset name; did you mean imagenet?"),
     (["--dataset", "dtd", "imagenet", "--protocol", "cross"], "--dataset imagenet: it is the --source"),
 ])
 def test_an_analysis_its_images_cannot_support_is_refused_before_any_work(world, tmp_path, capsys,
@@ -805,8 +808,9 @@ def wrong_roles_file(tmp_path):
 
 
 @pytest.mark.parametrize("case, message", [
-    ("unknown dataset", "unknown dataset 'oxford_pet'; expected one of: imagenet"),
-    ("missing root", "data root (--root) not found"),
+    ("unknown dataset", "--dataset oxford_pet: not a dataset name, nor a folder or split file of your own; "
+                        "did you mean oxford_pets?"),
+    ("missing root", "nowhere: no such folder; --dataset dtd is read from it: set DATA"),
     ("missing weights", "neither a model name"),
     ("roles for another model", "made for a vision tower of 12 layers, this model has 3"),
     ("unknown flag value", "argument --protocol: invalid choice: 'base2new'"),
@@ -861,6 +865,9 @@ def test_toyworld_runs_end_to_end_from_an_empty_cache(tmp_path):
     assert len(re.findall(r"causal check: \d+ heads ablated", done.stdout)) == 1
     assert "reusing the role map" not in done.stdout
     assert re.search(r"head analysis: done in \d+:\d\d:\d\d", done.stdout)
+    # No line over 160 columns (the pretraining's header included), the folders as the quick start's
+    printed = done.stdout.replace(str(cache), "~/.cache/clip-from-scratch").replace(str(out), "runs/toy")
+    assert max(map(len, printed.splitlines())) <= 160, max(printed.splitlines(), key=len)
 
     summary = read(out / "summary.json")
     table = summary["tables"]["toyworld"]
@@ -1035,7 +1042,7 @@ sys.argv = ["train.py", *sys.argv[1:]]
 try:
     runpy.run_path("train.py", run_name="__main__")
 except SystemExit as stop:
-    assert stop.code in (0, None), stop.code
+    print("exit status", stop.code or 0, file=sys.stderr)
 print("torch imported:", "torch" in sys.modules, file=sys.stderr)
 """
 
@@ -1046,14 +1053,56 @@ def test_help_and_recipes_answer_without_importing_torch_in_under_120_lines(flag
     seconds torch takes), the help in under 120 lines, none past 120 columns."""
     done = subprocess.run([sys.executable, "-c", HELP_ALONE, flag], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stderr.strip().endswith("torch imported: False"), done.stderr[-2000:]
+    assert done.stderr.strip().endswith("exit status 0\ntorch imported: False"), done.stderr[-2000:]
     lines = done.stdout.splitlines()
     if flag == "--help":
         assert 60 < len(lines) < 120 and max(map(len, lines)) <= 120
         assert lines[0] == "usage: python train.py --dataset NAME|all|toyworld|PATH [options]"
     else:
         assert lines[0].startswith("Recipes") and any(l.startswith("  oxford_pets") for l in lines)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dataset", "oxford_pet"], "--dataset oxford_pet: not a dataset name, nor a folder or split file of "
+                                  "your own; did you mean oxford_pets?"),
+    (["--dataset", "toyworld", "--protocol", "fewshoot"], "argument --protocol: invalid choice: 'fewshoot'"),
+    (["--dataset", "toyworld", "--epochs", "0"], "--epochs 0: expected a positive integer"),
+    (["--dataset", "toyworld", "--seeds", "one"], "argument --seeds: invalid int value: 'one'"),
+    (["--dataset", "oxford_pets", "--root"], "--root: expected one argument; is $DATA set? export DATA="),
+    (["--dataset", "oxford_pets"], "--root is not given; --dataset oxford_pets is read from it"),
+    (["--dataset", "toyworld", "--source", "imagenett"], "--source imagenett: not a dataset name; did you mean"),
+    (["--dataset", "toyworld", "--resume"], "--resume and --eval-only need --output"),
+    (["--output", "no/such/run", "--eval-only"], "--output no/such/run: no such folder"),
+    (["--dataset", "toyworld", "--roles", "no/such/roles.json"], "--roles no/such/roles.json: no such file"),
+])
+def test_a_refusal_that_needs_no_tensor_comes_before_torch_is_imported(argv, message):
+    """A misspelled name, a wrong choice, a bad number or a missing path costs a moment, not the
+    seconds and the 800 MB of importing torch: one line, exit status 2, torch never imported."""
+    done = subprocess.run([sys.executable, "-c", HELP_ALONE, *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 3 and lines[0].startswith("train.py: error:"), done.stderr[-2000:]
+    assert message in lines[0] and lines[1:] == ["exit status 2", "torch imported: False"], done.stderr
+
+
+def test_the_names_checked_before_torch_are_data_pys_registry():
+    assert cli.registry_names() == list(train.data.DATASETS)  # read from its source, not imported
+
+
+def test_a_torchvision_built_for_another_torch_is_one_line_naming_both_versions_and_the_fix(tmp_path):
+    """A CPU-only torch beside a CUDA torchvision fails in `import torchvision` (here faked: a
+    torchvision that raises what the real one raised): one line, exit status 2, no traceback."""
+    fake = tmp_path / "fake" / "torchvision"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")\n')
+    done = subprocess.run([sys.executable, "train.py", "--dataset", "toyworld", "--output", str(tmp_path / "run")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(fake.parent)))
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+    assert re.match(r"train.py: error: torchvision \S+ does not work with torch \S+ \(operator torchvision::nms "
+                    r"does not exist\); install both from the same index", lines[0]), lines[0]
+    assert not (tmp_path / "run").exists()
 
 
 def test_each_protocol_trains_with_the_lineages_recipe_and_its_per_dataset_values():
@@ -1171,8 +1220,6 @@ def test_a_running_call_holds_the_folder_and_its_death_releases_it(world, tmp_pa
         for _ in range(1200):  # training has started once the first checkpoint exists
             if checkpoint.exists() or holder.poll() is not None:
                 break
-            import time
-
             time.sleep(0.1)
         assert holder.poll() is None, holder.stderr.read()
         # (--max-epochs-per-call: were it not refused, it would still end)
@@ -1185,6 +1232,33 @@ def test_a_running_call_holds_the_folder_and_its_death_releases_it(world, tmp_pa
     (out / "dtd/dear-all-mixed/seed1/.tmp-x-checkpoint.pt").write_bytes(b"half a file")  # a killed write
     assert train.main(["--output", str(out), "--resume", "--max-epochs-per-call", "1"]) == 0  # the lock is free
     assert not list(out.rglob(".tmp-*")), "a killed write's temporary file was left"
+    assert not (out / ".lock").exists(), "a finished call left its .lock"
+
+
+def test_ctrl_c_prints_the_command_that_continues_keeps_it_in_the_log_and_that_command_works(world, tmp_path):
+    out = tmp_path / "run"
+    caller = subprocess.Popen([sys.executable, "train.py", *common(world, out, "--dataset", "dtd", "--seeds", "1",
+                                                                   "--method", "dear", "--roles", "all-mixed",
+                                                                   "--shots", "4", "--epochs", "100000")],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        for _ in range(1200):  # training has started once the first checkpoint exists
+            if (out / "dtd/dear-all-mixed/seed1/checkpoint.pt").exists() or caller.poll() is not None:
+                break
+            time.sleep(0.1)
+        caller.send_signal(signal.SIGINT)
+        stdout, stderr = caller.communicate(timeout=120)
+    finally:
+        caller.kill()
+    assert caller.returncode == 130 and stderr == "", stderr
+    said = stdout.splitlines()[-1]
+    assert said.startswith("train.py: interrupted; every finished epoch is saved; continue with: python train.py ")
+    assert said in (out / "log.txt").read_text().splitlines()
+    command = shlex.split(said.split("continue with: ")[1])
+    assert command[:2] == ["python", "train.py"] and command[2:] == ["--output", str(out), "--resume"]
+    assert not (out / ".lock").exists()
+    assert train.main([*command[2:], "--max-epochs-per-call", "1"]) == 0  # the command continues the run
 
 
 # ------------------------------------------------------------------------------------------
@@ -1365,6 +1439,33 @@ def test_own_data_offline_names_the_flags_that_give_the_files_and_the_toy_clip_s
     # cached with the rest, in the project's cache.
     assert set(folder.rglob("*")) - before <= {folder / "split_my_textures.json"}
     assert len(list((tmp_path / "empty-cache" / "fewshot").glob("my_textures-*/shot_16-seed_1.json"))) == 1
+
+
+def test_a_small_folder_says_under_its_table_what_its_columns_and_shots_can_mean(world, tmp_path, capsys):
+    """3 classes x 6 images: 2 base and 1 novel class (a novel column of one class is 100% by
+    construction) and 3 training images per class for 16 shots: said under the table, in
+    summary.md and on screen; the retrieval pictures show the 5 neighbours there are, not 8."""
+    folder = tmp_path / "three"
+    for label, name in enumerate(["red", "green", "blue"]):
+        for i in range(6):
+            write_image(folder / name / f"{name}{i}.png", (80 * label, 20 * i, 200 - 60 * label))
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert train.main(common(world, out, "--dataset", str(folder), "--seeds", "1", "--epochs", "1",
+                             "--method", "zeroshot", "dear", "--roles", "all-mixed")[2:]) == 0
+    notes = ["three's base column scores among 2 classes: chance is 50%.",
+             "three's novel column scores among 1 class: every image has one answer, so 100% is a given, "
+             "not a result.",
+             "three: 16 shots asked, but each class holds only 3 distinct training images; the draw repeats "
+             "them to make the shots."]
+    printed, summary = capsys.readouterr().out, (out / "summary.md").read_text()
+    block = ["Notes on the data:", *(f"- {note}" for note in notes)]
+    for text in (summary, printed):
+        lines = text.splitlines()
+        assert lines[lines.index(block[0]):][:4] == block
+    assert read(out / "summary.json")["notes"] == notes
+    with Image.open(out / "three/dear-all-mixed/seed1/retrieval_class.png") as picture:
+        assert picture.width == 12 + (1 + 5) * (64 + 4) + 8  # the query and its 5 neighbours, 64-px tiles
 
 
 def test_own_image_folder_runs_base2novel_end_to_end_and_eval_only_reproduces_it(world, own_data, tmp_path):
@@ -1609,8 +1710,8 @@ def test_analysis_paper_resolves_to_the_papers_settings_and_typed_flags_win(worl
     settings = settings_of(common(world, tmp_path / "d", "--dataset", "dtd"))
     assert [settings[k] for k in keys] == ["project", "project", None, "clip", "train", 6]
     assert config.analysis_header(settings, "labels", toy=False) == [
-        "head analysis: --analysis project, the project's (not the paper's: --analysis paper): --bank "
-        "project, concepts labels, --analysis-pool train"]
+        "head analysis: the project's, not the paper's (--analysis paper): --bank project, concepts labels, "
+        "--analysis-pool train"]
 
 
 def test_analysis_paper_offline_without_textspans_pool_is_one_line(world, tmp_path, capsys, monkeypatch,

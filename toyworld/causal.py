@@ -229,13 +229,13 @@ def summary_lines(result: dict, n_images: int) -> list:
     heads = ", ".join(f"{row['layer'] + 1}.{row['head']} {row['singled_out']}" for row in singled)
     roles = {row["role"] for row in rows if row["agrees"] is not None}
     constant = result["constant_rates"]["generalization"]
-    verdict = ("; every scored head has the same role, so this agreement says nothing about "
-               "concept entropy" if len(roles) == 1 else "")
+    verdict = ["causal check: every scored head has the same role, so this agreement says nothing "
+               "about concept entropy"] if len(roles) == 1 else []
     return [f"causal check: {len(rows)} heads ablated on {n_images} images; ablation singles out "
             f"{len(singled)} ({heads or 'none'}), concept entropy names {named} of them",
             f"causal check: agreement {_percent(result['agreement_rate'])} of {result['scored']} "
-            f"scored heads; calling every head generalization would score {_percent(constant)}"
-            + verdict]
+            f"scored heads; calling every head generalization would score {_percent(constant)}",
+            *verdict]
 
 
 # ---- 3. The table ------------------------------------------------------------------------

@@ -229,9 +229,9 @@ def pretrain(config: PretrainConfig, tokenizer: clip_model.SimpleTokenizer,
         log(f"toy CLIP '{config.name}': {n_parameters:,} parameters; {config.image_size}px images, "
             f"patch {config.patch_size}, vision {config.vision_layers} layers x "
             f"{config.vision_width // config.head_width} heads of {config.head_width}, text "
-            f"{config.text_layers} layers, vocabulary {tokenizer.vocab_size}; "
-            f"{config.max_steps} steps of {config.batch_size} images on {config.threads} thread(s), "
-            f"{'bf16 autocast' if config.bf16 else 'fp32'}")
+            f"{config.text_layers} layers, vocabulary {tokenizer.vocab_size}")
+        log(f"toy CLIP '{config.name}': {config.max_steps} steps of {config.batch_size} images on "
+            f"{config.threads} thread(s), {'bf16 autocast' if config.bf16 else 'fp32'}")
 
         # No weight decay on 1-D tensors (gains, biases, the temperature), nor on the embeddings
         # (timm's rule for pos_embed / cls_token): decay pulls the positional embedding, the only
