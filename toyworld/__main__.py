@@ -21,7 +21,6 @@ import torch
 
 import clip_model
 from harness import cli, files
-import data
 import dear
 import toyworld
 from toyworld import world
