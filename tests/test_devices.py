@@ -155,9 +155,9 @@ def test_evaluate_under_bf16_autocast_scores_as_fp32_does(tiny_clip, tmp_path):
     tiny_clip.encode_text = lambda ids: text
     tiny_clip.encode_image = lambda images: features[:len(images), 0]
     model.prepare_classes = lambda ids: None
-    model.encode_text = lambda classes: text
-    model.encode_image = lambda images: (features[:len(images), 0], features[:len(images), 1:],
-                                         None)
+    model.encode_text = lambda classes, beta=None: text
+    model.encode_image = lambda images, beta=None: (features[:len(images), 0],
+                                                    features[:len(images), 1:], None)
     settings = dict(eval_batch_size=64, workers=0)
     cpu = torch.device("cpu")
     for which in (None, model):

@@ -9,7 +9,7 @@ number (a rename, a reordering, a module split) provably moves none.
 Recorded in tests/golden/: each run's printed lines (times, speeds and paths masked), roles.json,
 the tables (summary.md, retrieval.md), per run folder the numbers of its results.json, and
 environment.json: where the record was made (torch's version, the CPU kernels torch chose, the
-toy world's thread count, the platform).
+CPU's instruction sets, the toy world's thread count, the platform).
 
 Two strengths of comparison, one said once in the test output (a line per run):
   * on the recording machine (every field of environment.json the same): exact. The printed
@@ -32,6 +32,7 @@ the recording machine):
 To try the comparison of another machine on this one: DEAR_GOLDEN_ELSEWHERE=1.
 """
 
+import hashlib
 import json
 import os
 import platform
@@ -70,10 +71,22 @@ SAID = []  # the comparison's line, printed once
 ROUNDING = 1e-6  # bits: an entropy this close to a threshold (but not on it) may fall either side
 
 
+def cpu_flags() -> str:
+    """The CPU's instruction sets, hashed (Linux; elsewhere its name): two CPUs of one capability
+    (AVX512) still differed in a retrieval cell's last digit, 29.4 against 29.5."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next(line for line in f if line.startswith("flags")).split(":")[1].split()
+    except (OSError, StopIteration, IndexError):
+        return platform.processor()
+    return hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:12]
+
+
 def environment() -> dict:
     """Where the numbers are made: what decides their last digits."""
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "threads": toyworld.THREADS, "platform": f"{platform.system()} {platform.machine()}"}
+            "cpu_flags": cpu_flags(), "threads": toyworld.THREADS,
+            "platform": f"{platform.system()} {platform.machine()}"}
 
 
 def recorded_environment() -> dict:
