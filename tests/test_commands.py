@@ -10,6 +10,7 @@ that only drops flags from one that runs is COVERED by it.) About a minute on 2 
 """
 
 import ast
+import concurrent.futures
 import os
 import re
 import shutil
@@ -156,13 +157,27 @@ def scratch(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("command", sorted(RUN))
-def test_advertised_command_exits_0(command, scratch):
+def run_command(command: str, scratch: Path) -> subprocess.CompletedProcess:
     shell = command.replace("/tmp/", f"{scratch}/").replace("path/to/", f"{scratch}/")
     shell = shell.replace("samples.png", f"{scratch}/samples.png")
     shell = re.sub(r"(^|&& )python ", lambda m: f"{m.group(1)}{sys.executable} ", shell)
     env = subprocess_env(scratch / "cache", PYTHONPATH=str(ROOT))
-    done = subprocess.run(shell, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(shell, shell=True, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.fixture(scope="module")
+def started(scratch):
+    """Every command of RUN started at once, two at a time: each computes on one thread (the
+    tests' count), so two fill the two cores a CI machine has; the shared cache is made under
+    its locks, as by two users' calls. -> {command: its future}."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        yield {command: pool.submit(run_command, command, scratch) for command in sorted(RUN)}
+
+
+@pytest.mark.parametrize("command", sorted(RUN))
+def test_advertised_command_exits_0(command, started):
+    done = started[command].result()
     assert done.returncode == 0, f"{command!r} exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
 
