@@ -82,7 +82,7 @@ def row_name(roles: str) -> str:
 def dear_rows(settings) -> List[tuple]:
     """(row, roles, ablation) of each DeAR row, in table order: each --roles choice, then each of
     --ablations on the DeAR row's roles. An ablation whose one change is a --roles map is that
-    row (made once, whichever asks: no-role-mask is all-mixed's); every ablation acts through
+    row (one row, whichever asks: no-role-mask is all-mixed's); every ablation acts through
     dear.ablate (once per run: train.run_job)."""
     rows = [(row_name(roles), roles, ROLE_ROWS.get(roles)) for roles in settings["roles"]]
     source = next((r for r in settings["roles"] if r not in ROLE_ABLATIONS), None)  # analyse/file
