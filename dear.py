@@ -123,6 +123,27 @@ def textspan_rank(clip: clip_model.CLIP) -> int:
     return clip.visual.transformer.resblocks[0].attn.head_dim
 
 
+def default_picks(bank: Sequence[Description], attributes: Sequence[str],
+                  paper: bool = False) -> int:
+    """TextSpan's N, the picks per head: the one default of it (our rule; METHOD.md Sec. 3). A
+    labelled bank: the fewest values of a core attribute, as a pure specialist has nothing left
+    to explain once its values are picked. The toy bank: colour 8, shape 6, texture 4, position 4 values -> 4 picks;
+    the project's bank: shape's 16 words are the fewest -> 16. A pool without labels tells
+    nothing of its values, and the paper's analysis (paper=True) takes none: the paper's 20."""
+    bank = [Description(*entry) for entry in bank]
+    if paper or any(entry.concept is None for entry in bank):
+        return PAPER_PICKS
+    values = {}
+    for entry in bank:
+        if entry.concept in attributes:
+            value = entry.value if entry.value is not None else entry.text
+            values.setdefault(entry.concept, set()).add(value)
+    if not values:
+        raise DeARError(f"the bank has no phrase of any attribute ({', '.join(attributes)}); "
+                        "label phrases with them")
+    return min(len(v) for v in values.values())
+
+
 # ---- The records the method passes around (defined before the code that takes them) -------------
 class Description(NamedTuple):
     """One phrase of a description pool (METHOD.md Sec. 3), for TextSpan to choose from: its concept
@@ -288,27 +309,6 @@ def dominant_concept(pick_concepts: Sequence[str]) -> str:
     if not counts:
         return NOISE
     return next((c for c in pick_concepts if counts.get(c) == max(counts.values())), NOISE)
-
-
-def default_picks(bank: Sequence[Description], attributes: Sequence[str],
-                  paper: bool = False) -> int:
-    """Picks per head, the one default of it (our rule; METHOD.md Sec. 3). A labelled bank: the
-    fewest values of a core attribute, as a pure specialist has nothing left to explain once its
-    values are picked. The toy bank: colour 8, shape 6, texture 4, position 4 values -> 4 picks;
-    the project's bank: shape's 16 words are the fewest -> 16. A pool without labels tells
-    nothing of its values, and the paper's analysis (paper=True) takes none: the paper's 20."""
-    bank = [Description(*entry) for entry in bank]
-    if paper or any(entry.concept is None for entry in bank):
-        return PAPER_PICKS
-    values = {}
-    for entry in bank:
-        if entry.concept in attributes:
-            value = entry.value if entry.value is not None else entry.text
-            values.setdefault(entry.concept, set()).add(value)
-    if not values:
-        raise DeARError(f"the bank has no phrase of any attribute ({', '.join(attributes)}); "
-                        "label phrases with them")
-    return min(len(v) for v in values.values())
 
 
 def default_thresholds(num_picks: int, num_concepts: int):
