@@ -24,8 +24,9 @@ LOSS_TERMS = ("total", "ce", "reg", "fusion", "branch")  # dear.dear_loss's (bra
 
 # fp16: when the loss scaler's skipped steps stop a run, as a NaN would (our choices). A skipped
 # step is an overflow or a kernel's NaN, and the scaler cannot tell them apart; a healthy run
-# skips a handful at the start while the scale settles, then about one per growth_interval
-# (2,000) steps (the toy world under simulated fp16 skipped 1 of 480 steps: docs/MEASURED.md).
+# skips a handful at the start while the scale settles, then at most one each time the scale
+# grows (every 2,000 steps): the toy world under simulated fp16 skipped 1 or 2 of each run's 480
+# steps, all in its first 52 (docs/MEASURED.md, "Healthy skips").
 MAX_SKIPPED_IN_A_ROW = 20  # the scale has then halved 20 times, from 65,536 to 1/16
 MAX_SKIPPED_SHARE = 0.05  # of the call's steps, counted over at least SHARE_STEPS steps
 SHARE_STEPS = 200  # so the first 200 steps may skip 10 (the scale's settling, with room)
