@@ -416,19 +416,18 @@ def class_prompts(model: dear.DeAR, inputs: sources.Inputs, split: data.DatasetS
 
 def training_loader(job: plan.Job, settings, split: data.DatasetSplits, clip,
                     runtime: devices.Runtime):
-    """The few-shot images, augmented unless --augment off. A DistributedSampler (EpochSampler)
-    also in one process: its order is a pure function of (seed, epoch), and each image's
-    augmentation is drawn from its own generator seeded by (seed, epoch, image), whatever
-    --workers: what makes --resume land on the same result as an unbroken run."""
+    """The few-shot images, augmented unless --augment off, in EpochSampler's order: a pure
+    function of (seed, epoch), and each image's augmentation is drawn from its own generator
+    seeded by (seed, epoch, image), whatever --workers: what makes --resume land on the same
+    result as an unbroken run. Under torchrun each process reads (and decodes) its own shard."""
     size, workers = clip.visual.input_resolution, runtime.loaders["train"][0]
+    sampler = imagecache.EpochSampler(len(split.train), runtime.world, runtime.rank, job.seed)
     if settings["image_cache"]:  # decoded once (imagecache), by the loader's processes
         dataset = imagecache.DecodedImages(split.train, size, settings["augment"], job.seed,
-                                           workers)
+                                           workers, only=sampler.shard)
     else:  # decoded (and resampled) again each epoch
         transform = data.train_transform if settings["augment"] else data.test_transform
         dataset = data.ImageDataset(split.train, transform(size), seed=job.seed)
-    sampler = imagecache.EpochSampler(dataset, num_replicas=runtime.world, rank=runtime.rank,
-                                      shuffle=True, seed=job.seed)
     # Dassl's rule (dassl/data/data_manager.py, build_data_loader): a short last batch is dropped,
     # unless it is the only one; per process (len(sampler)), so that no process has no step.
     drop_last = len(sampler) >= settings["batch_size"]

@@ -13,6 +13,7 @@ resampling, flip, normalise), and decoded once (imagecache.DecodedImages, train.
 crop, flip and normalisation of a kept uint8 tensor; the decoding itself is not timed). The GPU
 side: bench_train_step.step_flops, the FLOPs of one DeAR training step on ViT-B/16 at batch
 32, over an H200's dense bf16 peak at a model FLOP utilisation of 40% (a good one for this step).
+Last, the memory and time of decoding them once in one process of 1 and of 8 (torchrun's shards).
 """
 
 import argparse
@@ -92,6 +93,12 @@ def main(argv=None) -> int:
                 rate = images_per_second(items, workers, cached=cached)
                 per = f" ({rate / workers:.0f} per worker)" if workers else ""
                 print(f"  workers {workers}: {rate:.0f} images/s{per}", flush=True)
+        for world in (1, 8):  # under torchrun a process decodes its shard alone (EpochSampler)
+            started, shard = time.perf_counter(), imagecache.EpochSampler(len(items), world).shard
+            kept = imagecache.DecodedImages(items, 224, augment=True, only=shard).buffer.numel()
+            print(f"decoded once by 1 of {world} processes: {kept / 2**20:.0f} MB kept "
+                  f"({kept / len(set(shard)) / 2**20:.2f} MB an image), decoded in "
+                  f"{time.perf_counter() - started:.1f} s", flush=True)
     for classes in (100, 1000):
         print(f"GPU, estimated: H200 at {UTILISATION:.0%} of its bf16 peak trains DeAR (ViT-B/16, "
               f"batch 32, {classes} classes) at {gpu_images_per_second(classes):,.0f} images/s")

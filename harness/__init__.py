@@ -6,7 +6,7 @@ this package for everything around the method and the loop, one concern per modu
     cli.py        the command line: flags, choices, help, --recipes (imports no torch)
     config.py     the parsed flags -> a run's settings, checked once (presets, K, ranges, resume)
     devices.py    device, precision, attention kernel, threads, loaders, processes; Runtime
-    imagecache.py the few-shot training images decoded once into one buffer; the epoch's sampler
+    imagecache.py the few-shot training images decoded once into one buffer; the training order
     splitfiles.py your own folders' reader and split, the few-shot cache on disk
     plan.py       a call's runs (Job), the table rows and their labels
     sources.py    the files a call reads, checked first: CLIP, BPE, role files, description pools,

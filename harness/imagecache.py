@@ -1,6 +1,7 @@
 """harness/imagecache.py -- the few-shot training images decoded once into one uint8 buffer
-(DecodedImages, train.py's --image-cache on), and the sampler that tells the loading processes
-the epoch (EpochSampler), so that they live across epochs.
+(DecodedImages, train.py's --image-cache on), and the training order (EpochSampler), which tells
+the loading processes the epoch, so that they live across epochs, and under torchrun gives each
+process a shard of its own, so that it decodes only those images.
 
 A few-shot training set is small (16 shots of 1,000 classes: 16,000 images) and read every epoch.
 Decoding a photo and resampling it again each time costs a loading process about 3 ms an image,
@@ -11,9 +12,11 @@ faster per process (docs/MEASURED.md, "The loader").
 
 from __future__ import annotations
 
+import math
+
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, Sampler, Subset
 from torchvision import transforms as T
 
 import data
@@ -56,50 +59,77 @@ def normalised(image: torch.Tensor) -> torch.Tensor:
 
 
 class DecodedImages(data.ImageDataset):
-    """ImageDataset with every image decoded once, up front (`workers` processes), kept in memory
-    as uint8 (kept_transform: 256 px on the shorter side for 224: 16,000 take about 3.9 GiB).
+    """ImageDataset with every image (or those numbered in `only`) decoded once, up front
+    (`workers` processes), kept in memory as uint8 (kept_transform: 256 px on the shorter side
+    for 224: 16,000 take about 3.9 GiB).
     Augmented: train_transform's random resized crop (bicubic, antialiased) and flip, on the
     kept tensor; not: the test transform's result exactly. The augmentation is seeded per image,
     epoch and seed as ImageDataset's.
 
-    The images lie end to end in one buffer (offsets, shapes: image i is buffer[offsets[i]:...]
-    seen as shapes[i]): three tensors to hand a loading process, one shared-memory file each
+    The images lie end to end in one buffer (image i is buffer[offsets[i]:...] seen as
+    shapes[i]): three tensors to hand a loading process, one shared-memory file each
     where the dataset is pickled to it (forkserver, spawn), not one per image (16,000 open files
     against a common limit of 1,024)."""
 
     def __init__(self, items: list[data.Item], size: int, augment: bool, seed: int | None = None,
-                 workers: int = 0):
+                 workers: int = 0, only: list[int] | None = None):
         crop = T.RandomResizedCrop(size, scale=(0.5, 1.0), antialias=True,
                                    interpolation=T.InterpolationMode.BICUBIC)
         transform = (T.Compose([crop, T.RandomHorizontalFlip(), normalised]) if augment
                      else normalised)
         super().__init__(items, transform, seed)
-        reader = data.ImageDataset(self.items, kept_transform(size, augment))  # in `workers`
-        # The buffer, sized from the files' headers, filled as the images arrive: each comes
-        # in a shared-memory file of its own, copied in at once (thousands held would fill
-        # /dev/shm and the open-file limit).
-        self.buffer = torch.empty(sum(kept_size(item.path, size, augment) for item in self.items),
+        # the images this process reads: all, or under torchrun its shard (EpochSampler.shard)
+        held = sorted(set(range(len(self.items)) if only is None else only))
+        reader = Subset(data.ImageDataset(self.items, kept_transform(size, augment)), held)
+        # The buffer, sized from the files' headers, filled as the images arrive (decoded in
+        # `workers`): each comes in a shared-memory file of its own, copied in at once (thousands
+        # held would fill /dev/shm and the open-file limit).
+        self.buffer = torch.empty(sum(kept_size(self.items[i].path, size, augment) for i in held),
                                   dtype=torch.uint8)
-        shapes, offsets = [], [0]
-        start = devices.LOADER_START if workers else None
-        for image, _ in DataLoader(reader, batch_size=None, num_workers=workers,
-                                   multiprocessing_context=start):
-            self.buffer[offsets[-1]:offsets[-1] + image.numel()] = image.flatten()
-            shapes.append(image.shape)
-            offsets.append(offsets[-1] + image.numel())
-        self.shapes = torch.tensor(shapes).reshape(-1, 3)  # (n, 3)
-        self.offsets = torch.tensor(offsets)  # (n + 1,): image i is buffer[offsets[i]:offsets[i+1]]
+        self.shapes = torch.zeros(len(self.items), 3, dtype=torch.long)  # (n, 3), 0s: not held
+        self.offsets = torch.zeros(len(self.items), dtype=torch.long)  # (n,): where image i starts
+        start, end = devices.LOADER_START if workers else None, 0
+        for i, (image, _) in zip(held, DataLoader(reader, batch_size=None, num_workers=workers,
+                                                  multiprocessing_context=start)):
+            self.buffer[end:end + image.numel()] = image.flatten()
+            self.shapes[i], self.offsets[i], end = torch.tensor(image.shape), end, end + image.numel()
 
     def image(self, index: int) -> torch.Tensor:  # the kept tensor, in place of the file
-        start, stop = self.offsets[index:index + 2].tolist()
-        return self.buffer[start:stop].view(self.shapes[index].tolist())
+        shape, start = self.shapes[index].tolist(), int(self.offsets[index])
+        if not shape[0]:  # a sampler that is not the one DecodedImages was made for
+            raise IndexError(f"image {index} was not decoded by this process (not in `only`)")
+        return self.buffer[start:start + math.prod(shape)].view(shape)
 
 
-class EpochSampler(DistributedSampler):
-    """DistributedSampler's order (a pure function of seed and epoch, set_epoch), each image's
-    number handed on with the epoch, (epoch, number): the loading processes, kept across epochs
-    (persistent_workers), read the epoch of each image's augmentation from what they are asked
-    for, not from their copy of the dataset, made when they started."""
+class EpochSampler(Sampler):
+    """The training order, each image's number handed on with the epoch, (epoch, number): the
+    loading processes, kept across epochs (persistent_workers), read the epoch of each image's
+    augmentation from what they are asked for, not from their copy of the dataset, made when they
+    started. Each epoch's order is a permutation drawn from (seed + epoch) alone (set_epoch), so
+    that an epoch replays after --resume; in one process it is DistributedSampler's, exactly.
+
+    Under torchrun (`world` processes) each process reads a shard of its own, the same in every
+    epoch: positions rank, rank + world, ... of one permutation drawn from the seed, topped up from
+    its start to equal lengths (as DistributedSampler tops up: every process takes as many steps).
+    So a process decodes and holds its shard alone (DecodedImages(only=shard)): 1/world of the
+    images (DistributedSampler deals every image to every process over the epochs, so each would
+    hold them all: 8 x 3.9 GiB on a node of 8 GPUs for ImageNet's 16 shots). Each step's batch
+    then takes batch/world images from each shard: an unbiased draw all the same (our choice;
+    webdataset deals its shards so, webdataset/shardlists.py split_by_node)."""
+
+    def __init__(self, count: int, world: int = 1, rank: int = 0, seed: int = 0):
+        self.seed, self.epoch, length = seed, 0, -(-count // world)  # length: ceil(count / world)
+        order = (torch.randperm(count, generator=torch.Generator().manual_seed(seed)).tolist()
+                 if world > 1 else list(range(count)))
+        self.shard = (order * -(-length * world // count))[:length * world][rank::world]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.shard)
 
     def __iter__(self):
-        return ((self.epoch, index) for index in super().__iter__())
+        shuffled = torch.randperm(len(self.shard),
+                                  generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        return ((self.epoch, self.shard[position]) for position in shuffled.tolist())

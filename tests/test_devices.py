@@ -733,3 +733,43 @@ def test_training_drops_a_short_last_batch_unless_it_is_a_processs_only_one(worl
     for rank in range(world_size):
         loader, _, _ = loader_for(world, 0, batch, images, world_size, rank)
         assert [len(b) for b in loader.batch_sampler] == batches
+
+
+def test_one_process_reads_distributed_samplers_order_and_torchrun_processes_shards_of_their_own():
+    """One process: DistributedSampler's order, exactly (what the golden record and --resume
+    stand on). 3 processes, 10 images: shards of 4 (2 topped up), the same every epoch, together
+    every image; each epoch a new order of each shard."""
+    from harness import imagecache
+    from torch.utils.data import DistributedSampler
+
+    ours, theirs = imagecache.EpochSampler(10, seed=3), DistributedSampler(range(10), 1, 0, seed=3)
+    for epoch in (0, 1):
+        ours.set_epoch(epoch), theirs.set_epoch(epoch)
+        assert [index for _, index in ours] == list(theirs)
+    shards = [imagecache.EpochSampler(10, 3, rank, seed=3) for rank in range(3)]
+    assert [len(shard) for shard in shards] == [4, 4, 4]
+    assert set().union(*(shard.shard for shard in shards)) == set(range(10))
+    for sampler in shards:
+        orders = []
+        for epoch in (0, 1):
+            sampler.set_epoch(epoch)
+            orders.append([index for e, index in sampler if e == epoch])
+        assert sorted(orders[0]) == sorted(orders[1]) == sorted(sampler.shard)
+        assert orders[0] != orders[1]
+
+
+def test_under_torchrun_each_process_decodes_only_the_images_it_reads(world):
+    """2 processes, 12 images: each decodes its 6 (half the one-process buffer), and an image it
+    holds is augmented as in one process (the seed is the image's number in the split); an image
+    it does not hold is an error, not an empty tensor."""
+    one = loader_for(world, 0, images=12, image_cache=True)[0].dataset
+    for rank in (0, 1):
+        loader = loader_for(world, 0, images=12, world_size=2, rank=rank, image_cache=True)[0]
+        dataset, shard = loader.dataset, loader.sampler.shard
+        assert dataset.buffer.numel() * 2 == one.buffer.numel()
+        for index in range(12):
+            if index in shard:
+                assert torch.equal(dataset[(1, index)][0], one[(1, index)][0])
+            else:
+                with pytest.raises(IndexError, match=f"image {index} was not decoded"):
+                    dataset[(1, index)]
