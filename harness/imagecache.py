@@ -92,7 +92,8 @@ class DecodedImages(data.ImageDataset):
         for i, (image, _) in zip(held, DataLoader(reader, batch_size=None, num_workers=workers,
                                                   multiprocessing_context=start)):
             self.buffer[end:end + image.numel()] = image.flatten()
-            self.shapes[i], self.offsets[i], end = torch.tensor(image.shape), end, end + image.numel()
+            self.shapes[i], self.offsets[i] = torch.tensor(image.shape), end
+            end += image.numel()
 
     def image(self, index: int) -> torch.Tensor:  # the kept tensor, in place of the file
         shape, start = self.shapes[index].tolist(), int(self.offsets[index])
