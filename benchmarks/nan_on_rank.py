@@ -5,7 +5,8 @@
 In fp16 with a loss scaler the NaN reaches the other processes only as DDP's averaged gradients,
 non-finite, which their scaler skips as it skips fp16's healthy overflows: only the guard's state,
 reduced over the processes at each read (harness/monitor.py), stops every process at the same
-step. Run by tests/test_train.py and benchmarks/device_check.py, whose one-process check of NaN
+step. (In fp32 or bf16 every process would stop on its own non-finite gradients: nothing to
+prove.) Run by tests/test_train.py and benchmarks/device_check.py, whose one-process check of NaN
 losses (every 5th) uses nan_loss too.
 """
 
@@ -26,7 +27,8 @@ RANK, STEP = 1, 2  # the script's: whose loss turns NaN, at which of its steps
 def nan_loss(at):
     """train.py in this process with its loss NaN at each step where at(step) (1, 2, ...: counted
     over the process's runs), in fp16 with a loss scaler: forced where the device is not CUDA (CPU
-    autocast simulates it); on CUDA train.py's own choice, whose default (--amp on) is that one."""
+    autocast simulates it); on CUDA train.py's own choice stands, its default (--amp on) being that
+    very fp16, the GPU's own arithmetic, which a forced simulation would hide."""
     real_precision, real_loss, steps = devices.choose_precision, train.dear.dear_loss, [0]
 
     def precision(device_type: str, amp: str, capability):
