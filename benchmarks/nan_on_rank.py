@@ -27,8 +27,8 @@ RANK, STEP = 1, 2  # the script's: whose loss turns NaN, at which of its steps
 def nan_loss(at):
     """train.py in this process with its loss NaN at each step where at(step) (1, 2, ...: counted
     over the process's runs), in fp16 with a loss scaler: forced where the device is not CUDA (CPU
-    autocast simulates it); on CUDA train.py's own choice stands, its default (--amp on) being that
-    very fp16, the GPU's own arithmetic, which a forced simulation would hide."""
+    autocast simulates it); on CUDA train.py's own choice stands: its default (--amp on) is that
+    fp16 already, and an --amp given is obeyed."""
     real_precision, real_loss, steps = devices.choose_precision, train.dear.dear_loss, [0]
 
     def precision(device_type: str, amp: str, capability):
