@@ -1,9 +1,8 @@
 """One command that proves the GPU path and measures it: `python benchmarks/device_check.py`.
 
-It prints one table, a row per check (pass, fail, skip, or info: figures alone), writes it as
-Markdown and JSON in --output, and exits 1 if a check fails. The checks run train.py's
-precisions (fp16 autocast with a loss scaler; bf16 from compute capability 8.0); on the CPU,
-CPU autocast simulates them.
+It prints one table, a row per check (pass, fail, skip, or info: figures alone), writes it as Markdown
+and JSON in --output, and exits 1 if a check fails. The checks run train.py's precisions (fp16
+autocast with a loss scaler; bf16 from compute capability 8.0); on the CPU, autocast simulates them.
 
   1. parity     features on the device against the CPU in fp32 (TF32 off); the head decomposition
   2. scores     DeAR's scores under autocast: fp32, and fp32's predictions exactly
@@ -11,7 +10,8 @@ CPU autocast simulates them.
                 explicit fp32 path: DeAR's masks, text lengths around 64, PyTorch issue 196678's
                 inputs; the verdicts kept for --attention auto (devices.attention_record)
   4. steps      DeAR steps in fp16 + loss scaler and in bf16: finite, learnables moved, CLIP not
-  5. train.py   the toy world against the CPU; stop and --resume; torchrun x 2; NaN losses
+  5. train.py   the toy world against the CPU; stop and --resume; torchrun x 2: a run, and a NaN
+                loss on rank 1 alone (both must stop at one step); every 5th loss NaN, one process
   6. precision  benchmarks/precision_table.py on the device
 
     python benchmarks/device_check.py                         # CUDA: a few minutes
@@ -22,7 +22,6 @@ The speeds, on the device too: bench_train_step.py (its MFU), bench_clip.py, ben
 
 import argparse
 import contextlib
-import itertools
 import json
 import math
 import os
@@ -43,18 +42,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import clip_model  # noqa: E402
 import dear  # noqa: E402
 from harness import devices, runfolder  # noqa: E402
+import toyworld  # noqa: E402
 import train  # noqa: E402
 from bench_train_step import B16, TINY, class_prompts, mixed_roles  # noqa: E402
-from precision_table import forced_precision, measure  # noqa: E402
+from precision_table import measure  # noqa: E402
+import nan_on_rank  # noqa: E402
 
 TOLERANCE_FP32 = 1e-3  # max abs difference of features, device vs CPU, both fp32 (TF32 off)
-# Accuracy points the toy run on the device may differ from the same run on the CPU in any cell:
-# a test column of the miniature toy holds 48 images (2.08 points each), its logits near ties;
-# fp32 may move 2 images, autocast one more (bf16 on the CPU moved 1: docs/MEASURED.md).
-TOLERANCE_POINTS_AMP = 6.3
-# The toy's predictions with half-precision encoders changed at most 1 of 360 per set in the CPU
-# simulation (docs/MEASURED.md); 3 allows another summation order on a GPU.
-TOY_CHANGES_BOUND = 3
+TOLERANCE_POINTS_AMP = 6.3  # accuracy points the toy run on the device may differ from the same run
+# on the CPU in any cell: a test column of the miniature toy holds 48 images (2.08 points each), its
+# logits near ties; fp32 may move 2 images, autocast one more (bf16 on the CPU moved 1: docs/MEASURED.md).
+TOY_CHANGES_BOUND = 3  # the toy's predictions with half-precision encoders changed at most 1 of 360
+# per set in the CPU simulation (docs/MEASURED.md); 3 allows another summation order on a GPU.
 
 
 def row(name: str, ok, figures: str, **values) -> tuple:
@@ -241,13 +240,9 @@ def check_attention(config: dict, device: torch.device) -> list:
 
 def keep_verdicts(build: str, verdicts: dict) -> None:
     """{backend: ok | wrong | unavailable} for this GPU and build into devices.attention_record."""
-    path = devices.attention_record()
-    try:
-        with open(path, encoding="utf-8") as f:
-            record = dict(json.load(f))
-    except (OSError, ValueError, TypeError):  # none yet, or damaged: started again
-        record = {}
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    path, record = devices.attention_record(), {}  # none yet, or damaged: started again
+    with contextlib.suppress(OSError, ValueError, TypeError), open(path, encoding="utf-8") as f:
+        record = dict(json.load(f))
     runfolder.write_json(path, {**record, build: verdicts})
 
 
@@ -311,14 +306,23 @@ def check_amp_steps(clip, config: dict, device: torch.device, quick: bool) -> li
 
 # 5. train.py end to end ---------------------------------------------------------------------
 
-def train_py(logs: str, tag: str, *argv, launcher=None) -> int:
-    """train.py's exit status, its output in logs/<tag>.txt: under `launcher` (torchrun) in a
-    subprocess, else through train.main in this process (the command line's code)."""
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+TORCHRUN_TIMEOUT = 300  # seconds; a process left waiting on a collective: a failed row, not a hang
+
+
+def train_py(logs: str, tag: str, *argv, script=None) -> int:
+    """train.py's exit status (124: timed out), its output in logs/<tag>.txt: `script` (train.py or
+    a wrapper) in 2 processes under torchrun, else train.main in this process (the command's code)."""
     with open(os.path.join(logs, f"{tag}.txt"), "a", encoding="utf-8") as log:
-        if launcher is not None:
-            env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-            return subprocess.run([*launcher, "train.py", *argv], cwd=REPO, env=env, stdout=log,
-                                  stderr=subprocess.STDOUT).returncode
+        if script is not None:
+            with subprocess.Popen([*TORCHRUN, script, *argv], cwd=REPO, env={"OMP_NUM_THREADS": "1",
+                                  **os.environ}, stdout=log, stderr=subprocess.STDOUT) as child:
+                try:
+                    return child.wait(TORCHRUN_TIMEOUT)
+                except subprocess.TimeoutExpired:  # SIGTERM: torchrun ends its processes
+                    child.terminate()  # and the with waits for it
+            print(f"device_check: timed out after {TORCHRUN_TIMEOUT} s", file=log, flush=True)
+            return 124
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             try:
                 return train.main(list(argv))
@@ -327,12 +331,12 @@ def train_py(logs: str, tag: str, *argv, launcher=None) -> int:
                 return 1
 
 
-def log_line(folder: str, name: str, containing: str = "") -> str:
-    """The first line of <folder>/<name>.txt containing `containing`; without it, the last line."""
+def log_lines(folder: str, name: str, containing: str = "") -> list:
+    """The lines of <folder>/<name>.txt containing `containing`, stripped, cut at 200 characters."""
     path = os.path.join(folder, f"{name}.txt")
     with open(path if os.path.isfile(path) else os.devnull, encoding="utf-8", errors="replace") as f:
-        lines = [line.strip() for line in f if line.strip() and containing in line]
-    return lines[0 if containing else -1][:200] if lines else "(no such line)"
+        lines = [line.strip()[:200] for line in f if line.strip() and containing in line]
+    return lines or ["(no such line)"]
 
 
 def table_cells(folder: str) -> list:
@@ -347,21 +351,18 @@ def learnable_tensors(folder: str) -> dict:
 
 
 def check_train_py(device: torch.device, quick: bool, scratch: str, logs: str) -> list:
-    import toyworld
-
     assets, kind = toyworld.prepare("miniature", log=lambda line: None), device.type
-    # (a) The toy world end to end in train.py's precision, against the CPU; (b) the same run
-    # stopped after one epoch and resumed: bit-identical on the CPU, on a GPU within 1e-3 (sums
-    # in no fixed order).
+    # (a) The toy world end to end in train.py's precision, against the CPU; (b) the same run stopped
+    # after one epoch and resumed: bit-identical on the CPU, on a GPU within 1e-3 (sums in no fixed order).
     toy = ["--dataset", "toyworld", "--toy-scale", "miniature", "--seeds", "1",
            "--epochs", "2" if quick else "5"]
     toy += ["--method", "zeroshot", "dear", "--roles", "analyse"] * quick
     folder, cpu = os.path.join(scratch, "toy"), os.path.join(scratch, "toy-cpu")
     code = train_py(logs, "toy", *toy, "--device", str(device), "--output", folder)
     if code != 0:
-        return [row(f"5. train.py toy world on {kind}", False, f"exit {code}: {log_line(logs, 'toy')}")]
+        return [row(f"5. train.py toy world on {kind}", False, f"exit {code}: {log_lines(logs, 'toy')[-1]}")]
     if kind != "cpu" and train_py(logs, "toy-cpu", *toy, "--device", "cpu", "--output", cpu) != 0:
-        return [row("5. train.py toy world on the CPU", False, log_line(logs, "toy-cpu"))]
+        return [row("5. train.py toy world on the CPU", False, log_lines(logs, "toy-cpu")[-1])]
     found, reference = table_cells(folder), table_cells(cpu if kind != "cpu" else folder)
     gap = max((abs(a - b) for a, b in zip(found, reference) if a is not None), default=0.0) \
         if [a is None for a in found] == [b is None for b in reference] else math.inf
@@ -379,49 +380,49 @@ def check_train_py(device: torch.device, quick: bool, scratch: str, logs: str) -
                      unbroken.items() for key, tensor in tensors.items()) if same else math.inf
     figures = "bit-identical" if difference == 0 else f"differ by {difference:.1e}"
     rows.append(row(f"5. resume after a stop = unbroken run, {kind}", difference <= (kind == "cuda") * 1e-3,
-                    f"learnable tensors {figures}" if same else log_line(logs, "toy-broken"),
+                    f"learnable tensors {figures}" if same else log_lines(logs, "toy-broken")[-1],
                     difference=difference, bit_identical=difference == 0))
-    # (c) train.py in 2 processes (NCCL with 2 GPUs, gloo on the CPU), 2 steps each, rank 0
-    # analysing the heads alone; the toy world's task as a CoOp dataset ('dtd'): 1 process only.
+    rows += guarded("5. fp16, every 5th loss NaN", check_nan_stop, device, scratch, logs)
+    # (c) train.py in 2 processes (NCCL with 2 GPUs, gloo on the CPU), the toy world's task as a CoOp
+    # dataset ('dtd'): 2 steps each, rank 0 analysing the heads alone; rank 1's loss NaN at its 2nd step
+    # (nan_on_rank.py): both stop seed 1 at one step, go on to seed 2 together (no collective left waiting).
+    names = (f"5. torchrun x 2 train.py on {kind}, the analysis on rank 0",
+             f"5. torchrun x 2, a NaN loss on rank 1 alone: both stop at the same step, {kind}")
     if kind == "cuda" and torch.cuda.device_count() < 2:
-        return rows + [row("5. torchrun x 2 train.py", "info", "one GPU: NCCL across processes not checked")]
+        return rows + [row(name, "info", "one GPU: NCCL across processes not checked") for name in names]
     root = os.path.join(scratch, "data", "dtd")
     os.makedirs(root)
     os.symlink(os.path.join(assets.data_root, "toyworld", "images"), os.path.join(root, "images"))
     os.symlink(os.path.join(assets.data_root, "toyworld", "split_toyworld.json"),
                os.path.join(root, "split_zhou_DescribableTextures.json"))
+    common = ["--dataset", "dtd", "--root", os.path.dirname(root), "--weights", assets.weights, "--bpe",
+              assets.bpe, "--head-width", str(assets.head_width), "--method", "dear", "--epochs", "1",
+              "--device", kind]
     folder = os.path.join(scratch, "torchrun-2")
-    code = train_py(logs, "torchrun-2", "--dataset", "dtd", "--root", os.path.dirname(root), "--weights",
-                    assets.weights, "--bpe", assets.bpe, "--head-width", str(assets.head_width), "--method",
-                    "dear", "--roles", "analyse", "--descriptions", "4", "--seeds", "1", "--shots", "1",
-                    "--epochs", "1", "--batch-size", "3", "--device", kind, "--output", folder,
-                    launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone",
-                              "--nproc_per_node=2"])
-    steps = "step 2/2 " in log_line(os.path.join(folder, "dtd", "dear", "seed1"), "log", "step 2/2 ")
-    rows.append(row(f"5. torchrun x 2 train.py on {kind}, the analysis on rank 0", code == 0 and steps,
-                    f"exit {code}, 2 steps per process" if steps else log_line(logs, "torchrun-2")))
-    return rows + guarded("5. fp16, every 5th loss NaN", check_nan_stop, device, scratch, logs)
+    code = train_py(logs, "torchrun-2", *common, "--roles", "analyse", "--descriptions", "4", "--seeds",
+                    "1", "--shots", "1", "--batch-size", "3", "--output", folder, script="train.py")
+    steps = "step 2/2 " in log_lines(os.path.join(folder, "dtd", "dear", "seed1"), "log", "step 2/2 ")[0]
+    rows.append(row(names[0], code == 0 and steps,
+                    f"exit {code}, 2 steps per process" if steps else log_lines(logs, "torchrun-2")[-1]))
+    folder = os.path.join(scratch, "torchrun-nan")
+    code = train_py(logs, "torchrun-nan", *common, "--roles", "all-mixed", "--seeds", "1", "2", "--shots",
+                    "4", "--augment", "off", "--batch-size", "2", "--output", folder,
+                    script=nan_on_rank.__file__)
+    said = log_lines(logs, "torchrun-nan", "train.py: [")  # rank 0 alone prints: one line, the divergence
+    went_on = os.path.isfile(os.path.join(folder, "dtd", "dear-all-mixed", "seed2", "results.json"))
+    return rows + [row(names[1], code == 1 and len(said) == 1 and "diverged at epoch" in said[0] and went_on,
+                       f"exit {code}: {'; '.join(line.split(';')[0] for line in said)}; seed 2 "
+                       + ("finished" if went_on else "NOT finished"))]
 
 
 def check_nan_stop(device: torch.device, scratch: str, logs: str) -> list:
-    """Every 5th loss NaN, in fp16 with the loss scaler (forced on the CPU): the run must end as
+    """Every 5th loss NaN in fp16 with the loss scaler (nan_on_rank.nan_loss): the run must end as
     diverged (exit 1, a 'diverged' line: at the NaN, or past the bound on skipped steps)."""
     argv = ["--dataset", "toyworld", "--toy-scale", "miniature", "--method", "dear", "--roles", "all-mixed",
-            "--seeds", "1", "--shots", "4", "--epochs", "5", "--batch-size", "4", "--device", str(device),
-            "--output", os.path.join(scratch, "nan")]
-    real, calls = dear.dear_loss, itertools.count(1)
-
-    def poisoned(*args, **kwargs):
-        losses = real(*args, **kwargs)
-        return {**losses, "total": losses["total"] * float("nan")} if next(calls) % 5 == 0 else losses
-
-    dear.dear_loss = poisoned  # what train.py calls: dear.dear_loss
-    try:
-        with forced_precision(torch.float16) if device.type != "cuda" else contextlib.nullcontext():
-            stopped = train_py(logs, "nan", *argv)
-    finally:
-        dear.dear_loss = real
-    line = log_line(logs, "nan", "diverged at epoch")
+            "--seeds", "1", "--shots", "4", "--epochs", "5", "--batch-size", "4", "--device", str(device)]
+    with nan_on_rank.nan_loss(lambda step: step % 5 == 0):
+        stopped = train_py(logs, "nan", *argv, "--output", os.path.join(scratch, "nan"))
+    line = log_lines(logs, "nan", "diverged at epoch")[0]
     return [row(f"5. fp16, every 5th loss NaN: the run ends as diverged, {device.type}",
                 stopped == 1 and "diverged at epoch" in line, f"exit {stopped}: {line}")]
 
@@ -451,9 +452,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("device_check.py: error: --device cuda: no CUDA device here; use --device cpu --quick",
-              file=sys.stderr)
-        return 2
+        parser.exit(2, "device_check.py: error: --device cuda: no CUDA device here; use --device cpu "
+                       "--quick\n")
     started, config = time.time(), TINY if args.quick else B16
     if args.quick:  # the tiny model gains nothing from more threads: fewer wait on a busy machine
         torch.set_num_threads(1)

@@ -121,6 +121,8 @@ NOT_RUN = {
     "python benchmarks/bench_refusal.py": "seconds, mostly importing torch to compare; tests/test_train.py "
                                           "checks that each refusal comes before torch",
     "python benchmarks/precision_table.py --device cuda": "needs a GPU",
+    "torchrun --standalone --nproc_per_node=2 benchmarks/nan_on_rank.py <train.py's flags>":
+        "tests/test_train.py runs it with its flags (torchrun's module: python -m torch.distributed.run)",
 }
 
 

@@ -10,6 +10,7 @@ name as a GPU reports it.
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +42,7 @@ def test_quick_mode_runs_every_check_on_the_cpu_quietly_and_writes_the_table_it_
 
     record = json.loads((out / "device_check_cpu_quick.json").read_text())
     rows = record["checks"]
-    counts = {"1.": 2, "2.": 2, "3.": 5, "4.": 2, "5.": 4, "6.": 3}
+    counts = {"1.": 2, "2.": 2, "3.": 5, "4.": 2, "5.": 5, "6.": 3}
     assert [row["check"][:2] for row in rows] == [n for n, k in counts.items() for _ in range(k)]
     for row in rows:  # nothing may be skipped here but a kernel the CPU lacks
         unavailable = row["check"].startswith("3. fused") and row["values"].get("available") == 0
@@ -58,11 +59,28 @@ def test_quick_mode_runs_every_check_on_the_cpu_quietly_and_writes_the_table_it_
     steps = [row for row in rows if row["check"].startswith("4. DeAR steps")]
     assert not steps[0]["values"]["unmoved"] and not steps[1]["values"]["clip_changed"]
     assert next(row for row in rows if row["check"].startswith("5. resume"))["values"]["bit_identical"]
+    nan = next(row for row in rows if "NaN loss on rank 1" in row["check"])  # nan_on_rank.py's step
+    assert "seed 1] diverged at epoch 1, step 2: loss (total) not finite" in nan["figures"]
     precision = {row["values"]["precision"]: row["values"] for row in rows if row["check"].startswith("6.")}
     assert precision["fp32"]["max_logit_change"] == 0 and precision["fp16"]["max_logit_change"] > 0
     # The printed table is the Markdown file's table, line for line.
     table = (out / "device_check_cpu_quick.md").read_text().split("\n\n", 1)[1].strip()
     assert table in done.stdout
+
+
+def test_a_torchrun_run_that_hangs_is_stopped_with_its_processes_and_exit_status_124(tmp_path, monkeypatch):
+    """A process left waiting on a collective must not hang device_check: past TORCHRUN_TIMEOUT
+    torchrun gets SIGTERM, which it passes on to its processes (SIGKILL would leave them running)."""
+    script = tmp_path / "hang.py"
+    script.write_text("import os, time\nwith open(os.environ['PIDS'] + os.environ['RANK'], 'w') as f:\n"
+                      "    f.write(str(os.getpid()))\ntime.sleep(60)\n")
+    monkeypatch.setattr(device_check, "TORCHRUN_TIMEOUT", 10)  # its processes start in seconds
+    monkeypatch.setenv("PIDS", str(tmp_path / "pid"))
+    assert device_check.train_py(str(tmp_path), "hang", script=str(script)) == 124
+    assert (tmp_path / "hang.txt").read_text().endswith("device_check: timed out after 10 s\n")
+    for rank in "01":
+        with pytest.raises(ProcessLookupError):  # no such process: ended, not left behind
+            os.kill(int((tmp_path / f"pid{rank}").read_text()), 0)
 
 
 @pytest.fixture

@@ -748,42 +748,19 @@ def test_torchrun_with_two_processes_trains_and_writes_one_result(world, tmp_pat
     assert not list(out.rglob(".tmp-*"))  # no half-written file left behind
 
 
-# rank 1's loss NaN at its 2nd step, under fp16 (simulated): the other processes see only DDP's
-# averaged gradients, non-finite, which their loss scaler would skip
-NAN_ON_RANK_1 = """
-import dataclasses, os, sys, torch
-import train
-from harness import devices
-
-real_runtime, real_loss, calls = devices.setup_runtime, train.dear.dear_loss, []
-devices.setup_runtime = lambda settings: dataclasses.replace(
-    real_runtime(settings), amp_dtype=torch.float16, precision="fp16 (simulated on the CPU)")
-
-def loss(output, labels, *args, **kwargs):
-    losses = real_loss(output, labels, *args, **kwargs)
-    calls.append(1)
-    if os.environ["RANK"] == "1" and len(calls) == 2:
-        losses["total"] = losses["total"] * float("nan")
-    return losses
-
-train.dear.dear_loss = loss
-sys.exit(train.main(sys.argv[1:]))
-"""
-
-
 def test_torchrun_processes_stop_a_run_together_when_one_has_a_nan(world, tmp_path):
     """Two processes (gloo), a NaN loss on rank 1 alone: the guard's state is reduced over the
     processes at each read, so both stop seed 1 at the same step, one line says so, and both go
-    on to seed 2 (no collective left waiting for a process that stopped)."""
-    out, script = tmp_path / "ddp", tmp_path / "nan_on_rank_1.py"
-    script.write_text(NAN_ON_RANK_1)
+    on to seed 2 (no collective left waiting for a process that stopped). fp16 (simulated on the
+    CPU): the other process sees only DDP's averaged gradients, non-finite, which its loss scaler
+    would skip (benchmarks/nan_on_rank.py)."""
+    out = tmp_path / "ddp"
     args = common(world, out, "--dataset", "dtd", "--seeds", "1", "2", "--method", "dear",
                   "--roles", "all-mixed", "--shots", "4", "--augment", "off",
                   "--batch-size", "2")  # 12 images: 3 steps per process and epoch
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    done = subprocess.run([*torchrun, str(script), *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1",
-                                                           PYTHONPATH=str(REPO)))
+    done = subprocess.run([*torchrun, "benchmarks/nan_on_rank.py", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 1, done.stderr[-3000:]
     said = [line for line in done.stdout.splitlines() if line.startswith("train.py: [")]
     assert len(said) == 1 and said[0].startswith(
