@@ -51,13 +51,11 @@ class CLIPError(ValueError):
 
 # ---- 1. Building blocks -------------------------------------------------------------------
 
-
 class LayerNorm(nn.LayerNorm):
     """torch's LayerNorm, computed and returned in fp32 whatever comes in: what CUDA's autocast
     does with it (and OpenAI's subclass, inside their fp16 model). The CPU's autocast would keep
     it in bf16; so with this, a half-precision run on the CPU has a GPU run's dtypes, op for op
-    (not its kernels' summation order). In fp32 it is torch's LayerNorm exactly (the same kernel
-    on the same tensor)."""
+    (not its kernels' summation order). In fp32 it is torch's LayerNorm exactly."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x.float())
@@ -85,9 +83,8 @@ class AttentionDetails(NamedTuple):
 
 
 # How the attention is computed (MultiHeadAttention.kernel; set_attention sets a whole model's):
-#   "sdpa"      F.scaled_dot_product_attention: one fused kernel of torch's choosing (the caller
-#               may narrow the choice with torch.nn.attention.sdpa_kernel); the (B, H, N, N)
-#               matrix is never stored. The default.
+#   "sdpa"      the default: F.scaled_dot_product_attention, one fused kernel of torch's choosing
+#               (torch.nn.attention.sdpa_kernel may narrow the choice).
 #   "explicit"  the maths written out below, every intermediate a tensor: slower and keeps the
 #               (B, H, N, N) weights for backward, but it is the reference, and it avoids a fused
 #               kernel that misbehaves on some GPU and torch build.
@@ -179,8 +176,7 @@ class ResidualAttentionBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), attn_mask)  # (B, N, W)
-        x = x + self.mlp(self.ln_2(x))  # (B, N, W)
-        return x
+        return x + self.mlp(self.ln_2(x))  # (B, N, W)
 
 
 class Transformer(nn.Module):
@@ -212,12 +208,10 @@ def set_attention(model: nn.Module, kernel: str) -> nn.Module:
 
 # ---- 2. The two towers --------------------------------------------------------------------
 
-
 class VisionTransformer(nn.Module):
-    """Images (B, 3, R, R) -> embeddings (B, E). A stride-`patch_size` conv embeds each of the
-    G x G patches (G = R / patch_size); a class token goes in front, positions are added; after
-    the transformer, the class token's final state through ln_post and `proj` (W -> E) is the
-    embedding."""
+    """Images (B, 3, R, R) -> embeddings (B, E). The G x G patches (G = R / patch_size) and a
+    class token in front go through the transformer; the class token's final state, through
+    ln_post and `proj` (W -> E), is the embedding."""
 
     def __init__(self, *, input_resolution: int, patch_size: int, width: int, layers: int,
                  heads: int, output_dim: int, activation: str = "quick_gelu"):
@@ -275,7 +269,6 @@ def causal_mask(num_tokens: int, device=None, dtype=torch.float32) -> torch.Tens
 
 
 # ---- 3. CLIP ------------------------------------------------------------------------------
-
 
 class CLIP(nn.Module):
     """The two towers and the temperature. The text tower's parts (`token_embedding`,
@@ -342,8 +335,7 @@ class CLIP(nn.Module):
 
     def encode_text(self, text: torch.Tensor) -> torch.Tensor:
         """Token ids (B, N) -> (B, E), not normalised, read at the end-of-text token: its id is
-        the vocabulary's largest (the special tokens come last), so argmax finds it (OpenAI's
-        trick)."""
+        the vocabulary's largest (the specials come last), so argmax finds it (OpenAI's trick)."""
         x = self.embed_text(text)  # (B, N, W)
         x = self.transformer(x, causal_mask(x.shape[1], x.device, x.dtype))  # (B, N, W)
         return self.text_to_embedding(x, text.argmax(dim=-1))  # (B, E)
@@ -376,7 +368,6 @@ class CLIP(nn.Module):
 #  4. proj is linear too, so the embedding is a sum of one term per head, per MLP, the rest:
 #         ln_post(r) @ proj = sum_t [gamma * (t - mean(t)) / s] @ proj + b @ proj
 # head_contributions splits out the last L layers; z and the earlier layers stay one term.
-
 
 class HeadContributions(NamedTuple):
     """Direct contributions to each image embedding (all in embedding space, E):
@@ -446,7 +437,6 @@ def head_contributions(model: CLIP, images: torch.Tensor, num_layers: int = 4) -
 
 # ---- 5. build_model: the architecture read off the tensors --------------------------------
 
-
 class CLIPFileError(CLIPError, RuntimeError):
     """A checkpoint or BPE file that cannot be found, fetched or read; one line naming it."""
 
@@ -468,9 +458,8 @@ def build_model(state_dict: dict, head_width: Optional[int] = None,
     """A CLIP shaped like `state_dict`, its weights loaded strictly, in eval mode, float32.
     Every size is read off a tensor, as OpenAI's build_model does (ViT-B/32, B/16, L/14 and any
     model saved with the same keys). What no tensor tells, and what changes every output when
-    wrong: the heads per tower (the file's entries, else `vision_heads` / `text_heads` /
-    `head_width`, else 64-channel heads) and the MLP activation (the file's, else the argument,
-    else "quick_gelu"; open_clip's models without "-quickgelu" use "gelu")."""
+    wrong: the heads per tower (the file's, else the arguments, else 64 wide: `_heads`) and the
+    MLP activation (the file's, else the argument, else "quick_gelu"; see ACTIVATIONS)."""
     state_dict = dict(state_dict)
     stored = {k: state_dict.pop(k) for k in _METADATA_KEYS if k in state_dict}
     if any(k.startswith(("visual.layer1.", "visual.attnpool.")) for k in state_dict):
@@ -497,20 +486,13 @@ def build_model(state_dict: dict, head_width: Optional[int] = None,
                           head_width)
     text_heads = _heads("text", transformer_width, stored.get("text_heads"), text_heads,
                         head_width)
-    model = CLIP(
-        embed_dim=embed_dim,
-        image_resolution=vision_patch_size * grid_size,
-        vision_layers=vision_layers,
-        vision_width=vision_width,
-        vision_patch_size=vision_patch_size,
-        vision_heads=vision_heads,
-        context_length=context_length,
-        vocab_size=vocab_size,
-        transformer_width=transformer_width,
-        transformer_heads=text_heads,
-        transformer_layers=transformer_layers,
-        activation=activation or stored.get("activation", "quick_gelu"),
-    )
+    model = CLIP(embed_dim=embed_dim, image_resolution=vision_patch_size * grid_size,
+                 vision_layers=vision_layers, vision_width=vision_width,
+                 vision_patch_size=vision_patch_size, vision_heads=vision_heads,
+                 context_length=context_length, vocab_size=vocab_size,
+                 transformer_width=transformer_width, transformer_heads=text_heads,
+                 transformer_layers=transformer_layers,
+                 activation=activation or stored.get("activation", "quick_gelu"))
     try:  # the strict load checks every key and shape; torch's message, on one line
         model.load_state_dict({k: v.float() for k, v in state_dict.items()})
     except RuntimeError as error:
@@ -541,11 +523,9 @@ def _heads(what: str, width: int, stored, heads, head_width) -> int:
         raise CLIPFileError(f"the {what} width {width} is not a multiple of {OPENAI_HEAD_WIDTH} "
                             "(OpenAI's head width); pass the head_width "
                             "(or vision_heads/text_heads) the model was trained with")
-    if heads is not None:
-        return heads
-    if stored is not None:
-        return int(stored)
-    return width // OPENAI_HEAD_WIDTH
+    if heads is None:
+        heads = int(stored) if stored is not None else width // OPENAI_HEAD_WIDTH
+    return heads
 
 
 # ---- 6. Image preprocessing (OpenAI's test transform) -------------------------------------
@@ -561,17 +541,11 @@ def _to_rgb(image):  # a function, not a lambda, so that DataLoader workers can 
 
 
 def image_transform(resolution: int = 224):
-    """OpenAI's `preprocess`: short side to `resolution` (bicubic), centre crop, RGB, tensor,
-    CLIP's mean/std."""
+    """OpenAI's `preprocess`: short side to R = `resolution`, centre crop; image -> (3, R, R)."""
     from torchvision import transforms as T  # torchvision is needed only here
-
-    return T.Compose([
-        T.Resize(resolution, interpolation=T.InterpolationMode.BICUBIC),
-        T.CenterCrop(resolution),
-        _to_rgb,
-        T.ToTensor(),
-        T.Normalize(CLIP_MEAN, CLIP_STD),
-    ])
+    return T.Compose([T.Resize(resolution, interpolation=T.InterpolationMode.BICUBIC),
+                      T.CenterCrop(resolution), _to_rgb, T.ToTensor(),
+                      T.Normalize(CLIP_MEAN, CLIP_STD)])
 
 
 # ---- 7. Tokenizer: CLIP's byte-level BPE --------------------------------------------------
@@ -612,7 +586,6 @@ def basic_clean(text: str) -> str:
 
 
 def whitespace_clean(text: str) -> str:
-    """Collapse every run of whitespace to one space."""
     return " ".join(text.split())
 
 
@@ -679,8 +652,7 @@ class SimpleTokenizer:
         return len(self.encoder)
 
     def check_fits(self, model: CLIP, weights: str) -> None:
-        """One line unless this is the model's vocabulary (else: ids past its table, or other
-        words)."""
+        """One line unless this is the model's vocabulary (else: ids past its table, or others)."""
         model_size = model.token_embedding.num_embeddings
         if self.vocab_size != model_size:
             raise CLIPFileError(f"{self.bpe_path}: gives a vocabulary of {self.vocab_size} "
@@ -748,8 +720,7 @@ def tokenize(texts: Union[str, Sequence[str]], context_length: int = 77, truncat
 
 
 # ---- 8. Files: load, save, downloads (SHA-256 checked) and the cache ----------------------
-# The plumbing OpenAI keeps in clip/clip.py. Downloads go to $CLIP_CACHE_DIR (default
-# ~/.cache/clip-from-scratch; the older $DEAR_CACHE_DIR too); $CLIP_BPE_PATH names a BPE file.
+# The plumbing OpenAI keeps in clip/clip.py (the cache: default_cache_dir; BPE: find_bpe_file).
 
 # OpenAI's published ViT checkpoints; the hex folder in each address is the file's SHA-256.
 _OPENAI_URL = "https://openaipublic.azureedge.net/clip/models/"
@@ -939,9 +910,8 @@ def _main(argv=None) -> int:
                         "(default: $CLIP_BPE_PATH, the cache, a download)")
     parser.add_argument("--image", required=True, help="an image file")
     parser.add_argument("--texts", nargs="+", required=True, help="candidate captions")
-    parser.add_argument("--head-width", type=int, help="channels per head, for a foreign "
-                        "checkpoint whose heads are not 64 wide (files written by save carry "
-                        "theirs)")
+    parser.add_argument("--head-width", type=int, help="channels per head, for a foreign checkpoint "
+                        "whose heads are not 64 wide (files written by save carry theirs)")
     parser.add_argument("--activation", choices=sorted(ACTIVATIONS), help="MLP activation of a "
                         "foreign checkpoint: gelu for open_clip's without -quickgelu (default: "
                         "the file's, else quick_gelu)")
