@@ -83,8 +83,7 @@ def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
              num_descriptions: int, rank: int) -> List[int]:
     """TextSpan (Gandelsman et al., ICLR 2024, Alg. 1), picking what its authors' code picks, in
     order. contributions (n, E), one head's direct contributions to the image embeddings; the bank
-    (T, E); rank: textspan_rank(clip) -> indices into the bank. Each pick is the text varying most
-    across the images; it is then removed from the head and from the bank."""
+    (T, E); rank: textspan_rank(clip) -> indices into the bank."""
     return [pick for pick, _ in textspan_steps(contributions, text_embeddings, num_descriptions,
                                                rank)]
 
@@ -126,25 +125,25 @@ def textspan_rank(clip: clip_model.CLIP) -> int:
 def default_picks(bank: Sequence[Description], attributes: Sequence[str],
                   paper: bool = False) -> int:
     """TextSpan's N, the picks per head: the one default of it (our rule; METHOD.md Sec. 3). A
-    labelled bank: the fewest values of a core attribute, as a pure specialist has nothing left
-    to explain once its values are picked. The toy bank: colour 8, shape 6, texture 4, position 4 values -> 4 picks;
-    the project's bank: shape's 16 words are the fewest -> 16. A pool without labels tells
-    nothing of its values, and the paper's analysis (paper=True) takes none: the paper's 20."""
+    labelled bank: the fewest values of a core attribute, as a pure specialist has nothing left to
+    explain once its values are picked (the toy bank: texture's and position's 4; the project's:
+    shape's 16). A pool without labels tells nothing of its values, nor does paper=True read them:
+    the paper's 20."""
     bank = [Description(*entry) for entry in bank]
     if paper or any(entry.concept is None for entry in bank):
         return PAPER_PICKS
-    values = {}
-    for entry in bank:
-        if entry.concept in attributes:
-            value = entry.value if entry.value is not None else entry.text
-            values.setdefault(entry.concept, set()).add(value)
+    values = {}  # attribute -> its distinct values (a phrase without a value word: its text)
+    for text, concept, value in bank:
+        if concept in attributes:
+            values.setdefault(concept, set()).add(text if value is None else value)
     if not values:
         raise DeARError(f"the bank has no phrase of any attribute ({', '.join(attributes)}); "
                         "label phrases with them")
     return min(len(v) for v in values.values())
 
 
-# ---- The records the method passes around (defined before the code that takes them) -------------
+
+# ---- The records the method passes around (RoleMap, the role of every head: section 10) ---------
 class Description(NamedTuple):
     """One phrase of a description pool (METHOD.md Sec. 3), for TextSpan to choose from: its concept
     when the pool is labelled (None: clusters find it), its value word ("red") when known."""
@@ -174,18 +173,11 @@ class HeadRole:
     concepts: List[str] = field(default_factory=list)  # each pick's: a label, "cluster k", NOISE
 
 
-# RoleMap, the role of every head (what sections 3-7 pass around), with its checks, JSON file
-# and table: section 10.
-
-
 # ---- 2. Concepts: the heads' picks clustered, or their labels (paper Sec. 3.2, METHOD.md Sec. 3) -
 # The paper labels no description: the picks of every analysed head are embedded by a sentence
 # encoder (SBERT in the paper; CLIP's own text tower by default here, our choice) and clustered
-# with HDBSCAN, and each cluster is a concept. A labelled bank's labels can stand in for the
-# clusters (concepts="labels"): the control that the toy laboratory measures the clusters against.
-# HDBSCAN itself is written out in clustering.py, a tool the method calls. Below, "concept source"
-# is "clusters" or "labels", and a head's "pick concepts" name the concept of each of its picks;
-# find_concepts, at the end of this section, gives them from either source, named, as one record.
+# with HDBSCAN (clustering.py), each cluster a concept. A labelled bank's labels can stand in for
+# the clusters (concepts="labels"): the toy laboratory's control. find_concepts gives either.
 NOISE = "noise"  # the concept of a pick that HDBSCAN leaves in no cluster
 CENTRAL_SHOWN = 5  # phrases shown per cluster (its most central ones)
 
@@ -225,14 +217,11 @@ def name_by_labels(found: Sequence[str], labels: Sequence[str],
     """A labelled pool: each cluster is named by its phrases' most common label when that is a core
     attribute, else "other" (the labels name the concepts; which picks go together stays HDBSCAN's).
     found: each distinct pick's concept, as cluster_picks gives it; labels: each one's label."""
-    by_cluster: Dict[str, Counter] = {}
-    for concept, label in zip(found, labels):
-        by_cluster.setdefault(concept, Counter())[label] += 1
     names = {}
-    for concept, counts in by_cluster.items():
-        if concept != NOISE:
-            label = counts.most_common(1)[0][0]
-            names[concept] = label if label in attributes else "other"
+    for concept in dict.fromkeys(c for c in found if c != NOISE):  # each cluster, as first found
+        counts = Counter(label for c, label in zip(found, labels) if c == concept)
+        label = counts.most_common(1)[0][0]
+        names[concept] = label if label in attributes else "other"
     return names
 
 
@@ -240,8 +229,7 @@ def name_by_anchors(centres: torch.Tensor, anchors: torch.Tensor,
                     attributes: Sequence[str]) -> Dict[str, str]:
     """A pool without labels: cluster means (clusters, d) and the attributes' names embedded (A, d)
     -> each attribute names the cluster nearest it if it is that cluster's nearest attribute too
-    (mutual nearest by cosine; our choice): at most one cluster per attribute, as the paper's
-    five."""
+    (mutual nearest by cosine; our choice): at most one cluster per attribute."""
     similarity = F.normalize(centres.double(), dim=-1) @ F.normalize(anchors.double(), dim=-1).T
     names = {f"cluster {k}": "other" for k in range(len(centres))}  # similarity: (clusters, A)
     for a, attribute in enumerate(attributes):
@@ -265,12 +253,10 @@ def find_concepts(source: str, bank: Sequence[Description], picked: Sequence[int
                   min_cluster_size: int, min_samples: Optional[int] = None,
                   cluster_names: Optional[Dict[int, str]] = None,
                   log: Callable[[str], None] = print) -> Concepts:
-    """The concepts of the distinct picks (picked: (P,) bank indices). source "labels" (the
-    control): each pick's label, named by itself, K = the bank's distinct labels. "clusters" (the
-    paper's): HDBSCAN over the picks, embedded by embed (texts -> (P, d)); each cluster named by its
-    phrases' most common label in a labelled bank, else by the attribute whose name (embedded the
-    same way) is mutually nearest; cluster_names ({id: name}) overrides any; K = clusters + picks
-    in none (each a concept of its own)."""
+    """The concepts of the distinct picks (picked: (P,) bank indices). "labels": each pick's label,
+    named by itself, K = the bank's distinct labels. "clusters": HDBSCAN over the picks, embedded
+    by embed (texts -> (P, d)), named by name_by_labels in a labelled bank, else name_by_anchors;
+    cluster_names ({id: name}) overrides any; K = clusters + picks in none (each its own)."""
     if source == "labels":
         labels = {entry.concept for entry in bank}
         return Concepts([bank[i].concept for i in picked], {c: c for c in labels}, len(labels), [])
@@ -314,19 +300,18 @@ def dominant_concept(pick_concepts: Sequence[str]) -> str:
 def default_thresholds(num_picks: int, num_concepts: int):
     """(low_bits, high_bits), our rule (METHOD.md Sec. 3), in absolute bits: thirds of the
     entropies that the picks of one head can take over these concepts. The toy: N = 4 picks over
-    K = 7 concepts spread over at most log2(4) = 2 bits, thirds 0.67 and 1.33; the floor raises
-    low to 0.81 (3 of 4 picks on one concept): 0.81 and 1.33 bits. The project's bank: N = 16,
-    K = 12 -> thirds of log2(12) = 3.58 bits, 1.19 and 2.39, the floor unused."""
+    K = 7 concepts, at most log2(4) = 2 bits: 0.81 (the floor) and 1.33 bits. The project's bank:
+    N = 16, K = 12 -> thirds of log2(12) = 3.58 bits, 1.19 and 2.39, the floor unused."""
     top = math.log2(max(1, min(num_picks, num_concepts)))  # the most bits: picks spread evenly
     low, high = top / 3, 2 * top / 3  # under a third: specialised; over two thirds: spread
     # The floor: 3 of every 4 picks on one concept (0.81 bits) still make a specialist. It lifts
     # low where a third of the top is less: min(picks, concepts) 3, 4 or 5 (0.53, 0.67, 0.77
-    # bits); from 6 on the third is more (0.86 at 6). At 2, high itself is 0.67: a floor of 0.81
-    # would put low above high, so there is none.
+    # bits). At 2, high itself is 0.67: a floor would put low above high, so there is none.
     floor = concept_entropy(["a", "a", "a", "b"])  # 0.81 bits
     if floor < high:  # min(picks, concepts) >= 3
         low = max(low, floor)
     return low, high
+
 
 
 def assign_roles(entropies: Sequence[float], dominants: Sequence[str],
@@ -354,9 +339,8 @@ def analysed_layers(depth: int) -> int:
 def analysis_images(items: Sequence, cap: int, seed: int = ANALYSIS_SEED) -> list:
     """Which images the head analysis reads (our choice; the paper's are ImageNet's validation
     images): of `items` (each with a .label), at most `cap`, evenly over the classes: each class's
-    in a seeded order, then one per class in turn (the classes in a seeded order too: a cap
-    below the class count samples classes at random), never the head of a label-sorted list,
-    which covers only a large dataset's first classes."""
+    in a seeded order, then one per class in turn (the classes in a seeded order too: a cap below
+    the class count samples classes at random), never a label-sorted list's first classes alone."""
     generator = torch.Generator().manual_seed(seed)
     by_class = {}
     for item in items:
@@ -404,8 +388,7 @@ def normalised_contributions(clip: clip_model.CLIP, image_batches, num_layers: i
 
 @torch.no_grad()
 def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iterable[torch.Tensor]],
-                  tokenizer: clip_model.SimpleTokenizer,
-                  bank: Sequence[Description],
+                  tokenizer: clip_model.SimpleTokenizer, bank: Sequence[Description],
                   attributes: Sequence[str] = CORE_ATTRIBUTES, num_layers: Optional[int] = None,
                   num_descriptions: Optional[int] = None, rank: Optional[int] = None,
                   low_bits: Optional[float] = None, high_bits: Optional[float] = None,
@@ -416,14 +399,11 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
                   log: Callable[[str], None] = print) -> RoleMap:
     """The head analysis (paper Sec. 3.2) -> RoleMap. image_batches: (n, 3, R, R) or an iterable of
     (B, 3, R, R); bank: the descriptions TextSpan picks from (Description, or (text, concept,
-    value) triples; the project's: harness/bank.py); num_layers: L_a, default analysed_layers;
-    num_descriptions: default default_picks(bank); rank: default textspan_rank(clip). For each
-    head of the last L_a layers: its direct contributions (over each embedding's norm, as
-    TextSpan does) and TextSpan's picks; then the concepts (concepts="clusters": the picks
-    clustered, embedded by embed_texts, default CLIP's text tower; "labels": the bank's; default:
-    default_concepts(bank); find_concepts), each head's concept entropy and role (low_bits,
-    high_bits: default default_thresholds). cluster_names: {cluster id: name} overrides the names
-    the clusters are given."""
+    value) triples; the project's: harness/bank.py). For each head of the last L_a = num_layers
+    layers: TextSpan's picks; then the concepts (find_concepts; "clusters": the picks embedded by
+    embed_texts, default CLIP's text tower; "labels": the bank's), each head's concept entropy and
+    role. A None takes its default_* (analysed_layers, textspan_rank, default_picks, ...);
+    cluster_names: {cluster id: name} overrides the names the clusters are given."""
     bank = [Description(*entry) for entry in bank]  # (text, concept, value) triples also do
     source = default_concepts(bank) if concepts is None else concepts  # "clusters" or "labels"
     check(concepts=source, bank=bank)  # section 10
@@ -522,9 +502,7 @@ def build_role_masks(role_map: RoleMap, first_layer: int, depth: int,
     for i, layer in enumerate(range(first_layer - 1, depth)):
         for head in range(role_map.num_heads):
             entry = role_map.role_of(layer, head) or HeadRole(layer, head, "mixed")
-            index = None
-            if entry.role == "attribute":
-                index = role_map.attributes.index(entry.attribute)
+            index = role_map.attributes.index(entry.attribute) if entry.role == "attribute" else None
             masks[i, head] = head_mask(entry.role, index, num_image_tokens, A)
     return masks
 
@@ -545,8 +523,7 @@ def blind_attributes(role_masks: torch.Tensor, num_image_tokens: int,
 # follow the start token. Each branch (the class token, each attribute token) scores the classes
 # by cosine with the prompts' features; the fused logits weigh the branches by alpha = softmax of
 # learnable logits (paper Eq. 6-7; that alpha weighs logits, not features, is our reading:
-# METHOD.md Sec. 5). First what DeAR's constructor reads (J, which branches enter
-# the fusion, alpha's start), then the default token construction, then the model.
+# METHOD.md Sec. 5).
 def default_first_layer(depth: int) -> int:
     """The paper's J (1-based), the one default of it: the first analysed layer (9 of 12 for
     ViT-B/16); train.py's --first-layer auto is this."""
@@ -570,23 +547,28 @@ def branches_in_fusion(attributes: List[str], blind: List[str], class_branch_onl
                        first_layer: int) -> torch.Tensor:
     """(1 + A,) bool: the class branch, and the attribute branches that can read the image (none on
     the fallback to the class branch, our choice: METHOD.md Sec. 3); warns of what is left out."""
-    warn_left_out(blind, class_branch_only, first_layer)  # section 10
+    if class_branch_only:
+        warnings.warn("DeAR: the head analysis names no attribute head (no head is specialised "
+                      "enough); falling back to the class branch alone "
+                      "(the attribute branches leave the fusion)", LeftOutWarning)
+    elif blind:
+        plural = "s" if len(blind) > 1 else ""
+        warnings.warn(f"DeAR: no head from layer J={first_layer} lets the {', '.join(blind)} "
+                      f"token{plural} read the image; left out of the fusion (a per-class bias)",
+                      LeftOutWarning)
     left_out = attributes if class_branch_only else blind
     return torch.tensor([True] + [a not in left_out for a in attributes])
 
 
 # The token construction (METHOD.md Sec. 4): where each layer's fresh tokens p_l come from. The
 # default, SeparateTokens below: each layer from J and each tower its own tokens. MMRL++'s,
-# SharedTokens (section 9): one set of latent tokens mapped into both towers. Either gives DeAR
-# each layer's vision tokens (L_v, A, W_v), text tokens (L_t, K, W_t) and the attribute tokens'
-# projection (W_v, E), which DeAR reads the same way.
+# SharedTokens (section 9): one set of latent tokens mapped into both towers. DeAR reads both the
+# same way.
 def default_text_tokens(tokens: str, num_attributes: int) -> int:
     """K, the one rule of it: 4 under "separate" (our choice); under "shared" the text tower
-    receives the vision tower's latent tokens, one per attribute token, so K = A (MMRL++).
-    A = 0 (the no-attribute-tokens ablation) takes away the attribute tokens alone: its text
-    tokens stay the full row's K, which train.py works out from the world's A before any
-    ablation. Under "shared" K = A would be 0, so DeAR then needs that K given as
-    num_text_tokens (check_tokens)."""
+    receives the vision tower's latent tokens, one per attribute token, so K = A (MMRL++). A = 0
+    (ablate's no-attribute-tokens) keeps the full row's K, which DeAR must then be given under
+    "shared" (num_text_tokens; train.py works it out from the world's A before any ablation)."""
     return TEXT_TOKENS if tokens == "separate" else num_attributes
 
 
@@ -601,19 +583,16 @@ class SeparateTokens(nn.Module):
         self.text_tokens = nn.Parameter(torch.randn(*text) * 0.02)  # (L_t, K, W_t)
         self.attribute_proj = nn.Parameter(proj.detach().clone())  # (W_v, E), starts as proj
 
-    def vision_layer_tokens(self) -> torch.Tensor:
-        """p_l, the fresh tokens of each vision layer from J on: (L_v, A, W_v)."""
+    def vision_layer_tokens(self) -> torch.Tensor:  # p_l of each vision layer from J: (L_v, A, W_v)
         return self.vision_tokens
 
-    def text_layer_tokens(self) -> torch.Tensor:
-        """p_l, the fresh tokens of each text layer from J on: (L_t, K, W_t)."""
+    def text_layer_tokens(self) -> torch.Tensor:  # p_l of each text layer from J: (L_t, K, W_t)
         return self.text_tokens
 
     def attribute_projection(self, proj: torch.Tensor) -> torch.Tensor:
-        """(W_v, E): the attribute tokens' own projection. proj, CLIP's frozen one, is not read
-        here: it is the argument of the other construction's, which adds a residual to it
-        (SharedTokens, section 9); DeAR calls both the same way."""
+        """(W_v, E), learned; proj (CLIP's) is read by SharedTokens' alone, called the same way."""
         return self.attribute_proj
+
 
 
 def cosine_logits(features: torch.Tensor, text_features: torch.Tensor,
@@ -920,10 +899,9 @@ def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0,
 
 
 # ---- 7. The paper's ablations (its "Ablation Study"; METHOD.md Sec. 5), and the lab's controls --
-# Each ablation is the DeAR row with one change, made in ablate and nowhere else: what DeAR is
-# built from (role map, attribute tokens, the fallback, the fusion) and what dear_loss reads
-# (lambda_reg, lambda_fusion, branch_ce). branch-ce is ours, not the paper's, for the retrieval
-# diagnosis; the rest after it are ours too, controls asking the paper's question (docs/TOYWORLD.md).
+# Each ablation is the DeAR row with one change, made in ablate and nowhere else. branch-ce is
+# ours, not the paper's, for the retrieval diagnosis; the rest after it are ours too, controls
+# asking the paper's question (docs/TOYWORLD.md).
 ABLATIONS = {  # name -> what train.py's --ablations help says of it
     "no-role-mask": "every head mixed: the tokens reach every head (the row of --roles all-mixed)",
     "no-attribute-tokens": "no attribute token: the class branch and the text tokens alone",
@@ -953,10 +931,8 @@ class Ablated(NamedTuple):
 
 def generalization_mask_only(role_map: RoleMap) -> RoleMap:
     """The paper's "mask on the generalization heads only": every attribute head made mixed, so
-    every token reads the image through it. Only the roles and the source change: each head's
-    entropy, picks and their concepts, the thresholds, the concept source and the clusters stay as
-    measured. Such a map has no attribute head on purpose: build its DeAR with
-    class_branch_fallback=False (ablate does)."""
+    every token reads the image through it; all else stays as measured. Such a map has no
+    attribute head on purpose: build its DeAR with class_branch_fallback=False (ablate does)."""
     heads = [replace(h, role="mixed", attribute=None) if h.role == "attribute" else replace(h)
              for h in role_map.heads]
     return replace(role_map, attributes=list(role_map.attributes), heads=heads,
@@ -992,30 +968,9 @@ def ablate(name: Optional[str], role_map: RoleMap, attributes: List[str], lambda
            lambda_reg: float = 1.0, seed: int = 0, true_map: Optional[RoleMap] = None) -> Ablated:
     """The one change of ablation `name` (None: none) to the DeAR row's role map, attribute tokens,
     fusion and loss -> Ablated; DeAR is built and dear_loss called from it, nothing else switches.
-    seed: the run's (shuffled-heads); true_map: the toy's true heads (true-heads; the caller
-    has them from the causal check, toyworld.causal.true_role_map).
-
-      name                      the one change                                  where it acts
-      no-role-mask              every head of the analysed layers mixed         role map (the
-                                (deep prompting, no mask)                       all-mixed row)
-      no-attribute-tokens       A = 0: no attribute token; a uniform mixed      DeAR(attributes),
-                                map over the same layers (DeAR refuses a map    role map
-                                with attributes that A = 0 cannot hold); the
-                                text tokens stay (K: default_text_tokens)
-      no-fusion-reg             lambda_fusion = 0                               dear_loss
-      mask-generalization-only  the analysed map with its attribute heads       role map,
-                                made mixed (generalization_mask_only); DeAR     DeAR(class_branch_
-                                without the fallback: the map has no            fallback=False)
-                                attribute head on purpose
-      branch-ce                 + MMRL's 0.7 CE(class) + 0.3 CE(attribute       dear_loss(branch_ce)
-                                branches), not the paper's loss
-      shuffled-heads            the map's roles permuted (shuffled_heads)       role map
-      whole-layers              whole top layers mixed, as open (whole_layers)  role map
-      true-heads                true_map                                        role map
-      fixed-fusion              alpha_cls held at MMRL_ALPHA                    DeAR(fixed_alpha)
-      feature-fusion            alpha weighs the features                       DeAR(fuse)
-      no-self-reg               lambda_reg = 0                                  dear_loss
-    """
+    seed: the run's (shuffled-heads); true_map: the toy's true heads (true-heads; the caller has
+    them from the causal check, toyworld.causal.true_role_map). One branch below per ablation: its
+    name, its change, and where it acts (the field it replaces)."""
     def uniform_mixed(attributes: List[str]) -> RoleMap:  # --roles all-mixed's map
         return RoleMap.uniform("mixed", role_map.vision_layers, role_map.num_heads,
                                attributes=attributes)
@@ -1023,16 +978,16 @@ def ablate(name: Optional[str], role_map: RoleMap, attributes: List[str], lambda
     change = Ablated(role_map, list(attributes), True, lambda_fusion, False, lambda_reg)
     if name is None:
         return change
-    if name == "no-role-mask":
+    if name == "no-role-mask":  # every analysed head mixed: deep prompting, the all-mixed row
         return change._replace(role_map=uniform_mixed(list(attributes)))
-    if name == "no-attribute-tokens":
+    if name == "no-attribute-tokens":  # A = 0 (DeAR refuses a map naming attributes); K stays
         return change._replace(role_map=uniform_mixed([]), attributes=[])
     if name == "no-fusion-reg":
         return change._replace(lambda_fusion=0.0)
     if name == "mask-generalization-only":
         return change._replace(role_map=generalization_mask_only(role_map),
-                               class_branch_fallback=False)
-    if name == "branch-ce":
+                               class_branch_fallback=False)  # no attribute head, on purpose
+    if name == "branch-ce":  # not the paper's loss (branch_cross_entropy)
         return change._replace(branch_ce=True)
     if name == "shuffled-heads":
         return change._replace(role_map=shuffled_heads(role_map, seed))
@@ -1086,8 +1041,7 @@ def test_beta(test_set: str, trained: bool, beta: float, per_target: bool = True
 # The paper's check that a token carries its attribute: rank images by one token's feature.
 @torch.no_grad()
 def retrieval_features(model: DeAR, images: torch.Tensor) -> dict:
-    """images (B, 3, R, R) -> {"class", each attribute but the blind, "frozen CLIP": (B, E)},
-    normalised."""
+    """images (B, 3, R, R) -> {"class", each attribute but the blind, "frozen CLIP"}: unit (B, E)"""
     f_cls, f_attr, f_frozen = model.encode_image(images, with_frozen=True)
     features = {"class": f_cls, **dict(zip(model.attributes, f_attr.unbind(dim=1))),
                 "frozen CLIP": f_frozen}
@@ -1107,8 +1061,7 @@ def rank_gallery(queries: torch.Tensor, gallery: torch.Tensor, k: int,
 
 def precision_at_k(ranking: torch.Tensor, query_values: Sequence,
                    gallery_values: Sequence) -> float:
-    """ranking (Q, k) -> the share of retrieved images whose value (e.g. colour) is their
-    query's."""
+    """ranking (Q, k) -> the share of retrieved images whose value (e.g. colour) is the query's."""
     hits = [sum(gallery_values[j] == query_values[q] for j in row) / len(row)
             for q, row in enumerate(ranking.tolist())]
     return sum(hits) / len(hits)
@@ -1200,9 +1153,9 @@ class SharedTokens(nn.Module):
         return proj + self.attribute_proj_residual()
 
 
-# ---- 10. Bookkeeping, not the method: the argument checks, one table; RoleMap with its checks,
-# JSON file and table. Each check stands once; the harness (for train.py) calls the same before
-# any work.
+# ---- 10. Bookkeeping, not the method: the argument checks, one table (the harness calls the same
+# before any work); RoleMap with its checks, JSON file and table.
+
 def is_real(value) -> bool:  # NaN and inf are not
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -1327,18 +1280,6 @@ def checked_embeddings(embed_texts: Callable[[List[str]], torch.Tensor],
                         f"it must return ({len(texts)}, D) floats")
     return embedded.detach().float().cpu()
 
-
-def warn_left_out(blind: List[str], class_branch_only: bool, first_layer: int) -> None:
-    """branches_in_fusion's warning: the fallback to the class branch, or the blind branches."""
-    if class_branch_only:
-        warnings.warn("DeAR: the head analysis names no attribute head (no head is specialised "
-                      "enough); falling back to the class branch alone "
-                      "(the attribute branches leave the fusion)", LeftOutWarning)
-    elif blind:
-        plural = "s" if len(blind) > 1 else ""
-        warnings.warn(f"DeAR: no head from layer J={first_layer} lets the {', '.join(blind)} "
-                      f"token{plural} read the image; left out of the fusion (a per-class bias)",
-                      LeftOutWarning)
 
 
 @dataclass
