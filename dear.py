@@ -520,10 +520,7 @@ def blind_attributes(role_masks: torch.Tensor, num_image_tokens: int,
 # ---- 5. The model (paper Sec. 3.3-3.4, METHOD.md Sec. 4) -----------------------------------------
 # DeAR is frozen CLIP plus learnable tokens from layer J on: in the vision tower A attribute tokens
 # follow the image's N tokens, each head under its role mask (section 4); in the text tower K tokens
-# follow the start token. Each branch (the class token, each attribute token) scores the classes
-# by cosine with the prompts' features; the fused logits weigh the branches by alpha = softmax of
-# learnable logits (paper Eq. 6-7; that alpha weighs logits, not features, is our reading:
-# METHOD.md Sec. 5).
+# follow the start token. DeAR.forward fuses the branches' logits (paper Eq. 6-7).
 def default_first_layer(depth: int) -> int:
     """The paper's J (1-based), the one default of it: the first analysed layer (9 of 12 for
     ViT-B/16); train.py's --first-layer auto is this."""
@@ -638,9 +635,8 @@ class DeAR(nn.Module):
     heads, one made so on purpose (ablate's mask-generalization-only). Without attribute tokens
     (A = 0, ablate's no-attribute-tokens): frozen CLIP's image feature, the text tokens, alpha =
     (1,). fuse: what alpha weighs, each branch's logits (the default) or its feature (fused_logits);
-    fixed_alpha: alpha_cls held there, the rest even, not learned (ablate's fixed-fusion). Nothing
-    before J learns: it runs without autograd, shared with the frozen pass, and once per class list
-    on the text side (test_dear_reference.py checks these shortcuts)."""
+    fixed_alpha: alpha_cls held there, the rest even, not learned (ablate's fixed-fusion)."""
+
 
     def __init__(self, clip: clip_model.CLIP, role_map: RoleMap,
                  attributes: Optional[Sequence[str]] = None, first_layer: Optional[int] = None,
@@ -1074,11 +1070,10 @@ def precision_at_k(ranking: torch.Tensor, query_values: Sequence,
 class TowerAligner(nn.Module):
     """One tower's map of the latent tokens into its L token layers (L_v or L_t, the tower's layers
     from J on; W its width, W_v or W_t), MMRL++'s Shared_Residual_Representation_Aligner (one
-    Residual_Aligner per layer):  p_l = z (M + a_l b_l)^T + c_l.
-    z (K, W_z) the latent tokens; M (W, W_z) one linear map for every layer (torch's nn.Linear
-    initialisation, learned); a_l (W, Q) Kaiming-uniform and b_l (Q, W_z) zero, layer l's rank-Q
-    residual, so every layer starts from the same map; c_l (W,) each layer's own bias, all starting
-    from the linear's."""
+    Residual_Aligner per layer):  p_l = z (M + a_l b_l)^T + c_l. z (K, W_z) the latent tokens;
+    M (W, W_z) one linear map for every layer (torch's nn.Linear initialisation, learned); a_l
+    (W, Q) Kaiming-uniform and b_l (Q, W_z) zero, layer l's rank-Q residual, so every layer starts
+    from the same map; c_l (W,) each layer's own bias, all starting from the linear's."""
 
     def __init__(self, latent_width: int, width: int, layers: int, rank: int):
         super().__init__()
@@ -1118,9 +1113,8 @@ class SharedTokens(nn.Module):
     W_t, 512 on ViT-B/16 as MMRL++'s) mapped into each token layer of the vision tower (W_z -> W_v)
     and of the text tower (W_z -> W_t), one TowerAligner each: the same tokens enter both towers,
     so K = A (default_text_tokens). The attribute projection is proj, frozen, plus a
-    LowRankResidual. A tensor is built only where it acts: without attribute tokens (A = 0) no
-    vision map and no residual (the latent tokens reach the text tower alone); without text
-    tokens (K = 0) no latent token and no text map. Same arguments as SeparateTokens."""
+    LowRankResidual. A tensor is built only where it acts: A = 0, no vision map and no residual;
+    K = 0, no latent token and no text map. Same arguments as SeparateTokens."""
 
     def __init__(self, *, vision: Sequence[int], text: Sequence[int], proj: torch.Tensor,
                  latent_width: Optional[int] = None):
@@ -1134,17 +1128,16 @@ class SharedTokens(nn.Module):
         self.vision_shape, self.text_shape = tuple(vision), tuple(text)
         self.register_buffer("empty", torch.zeros(0), persistent=False)  # empty tokens' device
 
-    def vision_layer_tokens(self) -> torch.Tensor:
-        """p_l, z through the vision tower's map of each layer: (L_v, A, W_v); A = 0: empty."""
-        if self.vision_aligner is None:
+    def vision_layer_tokens(self) -> torch.Tensor:  # p_l, z through each layer's map: (L_v, A, W_v)
+        if self.vision_aligner is None:  # A = 0: empty
             return self.empty.new_zeros(self.vision_shape)
         return self.vision_aligner(self.latent_tokens)
 
-    def text_layer_tokens(self) -> torch.Tensor:
-        """p_l, z through the text tower's map of each layer: (L_t, K, W_t); K = 0: empty."""
-        if self.text_aligner is None:
+    def text_layer_tokens(self) -> torch.Tensor:  # p_l, z through each layer's map: (L_t, K, W_t)
+        if self.text_aligner is None:  # K = 0: empty
             return self.empty.new_zeros(self.text_shape)
         return self.text_aligner(self.latent_tokens)
+
 
     def attribute_projection(self, proj: torch.Tensor) -> torch.Tensor:
         """(W_v, E): CLIP's frozen proj plus the learnable residual (MMRL++'s proj + A @ B)."""
@@ -1155,7 +1148,6 @@ class SharedTokens(nn.Module):
 
 # ---- 10. Bookkeeping, not the method: the argument checks, one table (the harness calls the same
 # before any work); RoleMap with its checks, JSON file and table.
-
 def is_real(value) -> bool:  # NaN and inf are not
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
