@@ -1,14 +1,12 @@
 """dear.py -- DeAR (Ma et al., "Fine-Grained VLM Adaptation by Decomposing Attention Head Roles",
-CVPR 2026) in the order it runs. Its sections ("section N" below; "paper Sec. N" is the paper's,
-"METHOD.md Sec. N" docs/METHOD.md's, which has the choices where the paper is silent):
-1. TextSpan, then the records (Description, Cluster, HeadRole, RoleMap) the rest takes;
-2. concepts (the picks clustered, or their labels: find_concepts); 3. concept entropy's head roles
-(paper Sec. 3.2; analyze_heads runs 1-3); 4. the role-based mask (paper Sec. 3.3); 5. the model,
-with its default token construction (SeparateTokens); 6. the losses (paper Sec. 3.4). After the
-method: 7. the paper's ablations (ablate: each one's change); 8. at test time, which logits score
-a test set, and attribute-conditioned retrieval; 9. MMRL++'s token construction (tokens="shared",
-SharedTokens); 10. bookkeeping: the argument checks (one table), RoleMap with its checks, JSON
-file and table. (The project's description bank is data: harness/bank.py.)
+CVPR 2026) in the order it runs: 1. TextSpan, and the records the rest takes; 2. concepts (the
+picks clustered, or their labels); 3. concept entropy's head roles (paper Sec. 3.2; analyze_heads
+runs 1-3); 4. the role-based mask (paper Sec. 3.3); 5. the model (DeAR, SeparateTokens); 6. the
+losses (paper Sec. 3.4). After the method: 7. the paper's ablations (ablate); 8. at test time,
+which logits score a test set, and retrieval; 9. MMRL++'s token construction (tokens="shared");
+10. bookkeeping: the argument checks (one table), RoleMap with its checks, JSON file and table.
+"paper Sec. N" is the paper's, "METHOD.md Sec. N" docs/METHOD.md's, which has our choices where
+the paper is silent. The project's description bank is data (harness/bank.py).
 
 The method unbatched: tests/test_dear_reference.py writes DeAR's forward pass out one head at a
 time; this file batches it. It imports torch and clip_model.py: copy the two files together.
@@ -17,14 +15,13 @@ and numpy) beside them; everything else runs without it. `first_layer` is the pa
 J; what is stored (`HeadRole.layer`) is 0-based.
 
 Shapes, the project's letters: B images in a batch; C classes; N tokens of a sequence (an image:
-1 + G*G, the class token and the patches; a text: its length); G the patch grid's side; R the
-image resolution; W the width of a tower's residual stream (W_v vision, W_t text; W_z the latent
-tokens' under tokens="shared"); H heads; D a head's width; E the joint embedding's width; L_v
-and L_t the vision and the text tower's layers from J on; L_a the analysed layers (the vision
-tower's last four); A attribute tokens; K learnable text tokens; Q a low-rank term's rank
-(tokens="shared"); n images of the analysis; T descriptions in the bank; P distinct picks; d an
-encoder's width (clustering's points are the P picks). Einsum strings use the same letters in
-lower case.
+1 + G*G, the class token and the patches; a text: its length); G the patch grid's side; R the image
+resolution; W the width of a tower's residual stream (W_v vision, W_t text; W_z the latent tokens'
+under tokens="shared"); H heads; D a head's width; E the joint embedding's width; L_v and L_t the
+vision and the text tower's layers from J on; L_a the analysed layers (the vision tower's last
+four); A attribute tokens; K learnable text tokens; Q a low-rank term's rank (tokens="shared");
+n images of the analysis; T descriptions in the bank; P distinct picks; d an encoder's width
+(clustering's points are the P picks). Einsum strings use the same letters in lower case.
 
 Try it on a random small CLIP:  python dear.py
 """
@@ -243,8 +240,7 @@ class Concepts(NamedTuple):
     """The picks' concepts, from one source (find_concepts): what concept entropy and roles read."""
     of: List[str]  # each distinct pick's concept: its label, "cluster k" or NOISE
     names: Dict[str, str]  # each concept's name: a core attribute, or not (a label: itself)
-    count: int  # K, the concepts a pick can fall on: the bank's labels; or each cluster, and
-    #             each pick in none, a concept of its own (as concept_entropy counts it)
+    count: int  # K, the concepts a pick can fall on: the labels; or the clusters + picks in none
     clusters: List[Cluster]  # the clusters found, named (none for labels)
 
 
@@ -660,7 +656,7 @@ class DeAR(nn.Module):
         self.clip = clip.eval().requires_grad_(False)  # frozen: only the tensors below learn
         self.role_map, self.attributes, self.construction = role_map, attributes, tokens
         self.first_layer, self.beta, self.num_text_tokens = first_layer, beta, num_text_tokens
-        self.fuse = fuse
+        self.fuse = fuse  # what alpha weighs (fused_logits)
         L_v = depth - first_layer + 1  # vision layers from J on
         L_t = len(clip.transformer.resblocks) - first_layer + 1  # text layers from J on
         A, K = len(attributes), num_text_tokens
@@ -710,9 +706,7 @@ class DeAR(nn.Module):
     def encode_image(self, images: torch.Tensor, with_frozen: bool = False,
                      beta: Optional[float] = None):
         """images (B, 3, R, R) -> (f_cls (B, E), f_attr (B, A, E), f_frozen (B, E) or None).
-        Before J plain CLIP; from J on the attribute tokens follow the image tokens, each head
-        under its role mask. beta: the tokens' mixing (None: the model's; a test set may take
-        its own, test_beta)."""
+        beta: the tokens' mixing (None: the model's; a test set may take its own, test_beta)."""
         beta = self.beta if beta is None else beta
         visual, j = self.clip.visual, self.first_layer - 1
         before, after = visual.transformer.resblocks[:j], visual.transformer.resblocks[j:]
@@ -794,14 +788,12 @@ class DeAR(nn.Module):
 
     def fused_logits(self, features: torch.Tensor, text_features: torch.Tensor):
         """(B, 1 + A, E), (C, E) -> (fused (B, C), branches (B, 1 + A, C)): forward's, and
-        evaluation's with the text encoded once. fp32 under any autocast (cosine_logits), the
-        weighted sum too. fuse="features" (the other reading of the paper's summary, METHOD.md
-        Sec. 5): each branch's feature made unit length, so alpha alone weighs them, then summed."""
+        evaluation's with the text encoded once; fp32 under any autocast, the weighted sum too."""
         scale = self.clip.logit_scale.exp()
         branch_logits = cosine_logits(features, text_features, scale)  # (B, 1 + A, C), fp32
         with torch.autocast(branch_logits.device.type, enabled=False):
             alpha = self.fusion_weights().float()  # (1 + A,)
-            if self.fuse == "features":
+            if self.fuse == "features":  # unit features, so that alpha alone weighs them
                 unit = F.normalize(features.float(), dim=-1)  # (B, 1 + A, E)
                 fused_feature = torch.einsum("bae,a->be", unit, alpha)  # (B, E)
                 return cosine_logits(fused_feature, text_features, scale), branch_logits
@@ -844,9 +836,7 @@ class DeAR(nn.Module):
                 f"({100 * learnable / (learnable + frozen):.2f}% learnable)")
 
 
-# ---- 6. The losses (paper Sec. 3.4, METHOD.md Sec. 5) --------------------------------------------
-# CE on the fused logits, plus L_reg, which keeps the class feature and the class texts near plain
-# CLIP's, plus L_fusion, which keeps the class branch's weight from vanishing (dear_loss).
+# ---- 6. The losses (paper Sec. 3.4, METHOD.md Sec. 5): dear_loss adds them ----------------------
 def self_regularization_loss(f_cls: torch.Tensor, f_cls_frozen: torch.Tensor, t: torch.Tensor,
                              t_frozen: torch.Tensor) -> torch.Tensor:
     """L_reg = mean_i (1 - cos(f_cls_i, f_cls_frozen_i)) + mean_c (1 - cos(t_c, t_c_frozen)): near
@@ -862,9 +852,8 @@ def fusion_regularization_loss(alpha: torch.Tensor) -> torch.Tensor:
 
 def branch_cross_entropy(output: DeAROutput, labels: torch.Tensor) -> torch.Tensor:
     """Not the paper's loss (the branch-ce ablation): MMRL_Loss's ALPHA * CE(class branch) +
-    (1 - ALPHA) * CE(the rest) (yunncheng/MMRL trainers/mmrl.py), ALPHA = MMRL_ALPHA (not the
-    fusion weights output.alpha), the rest = the mean CE of the attribute branches in the fusion;
-    with none in it, CE(class branch)."""
+    (1 - ALPHA) * the mean CE of the attribute branches in the fusion (yunncheng/MMRL
+    trainers/mmrl.py), ALPHA = MMRL_ALPHA, not output.alpha; with none, CE(class branch)."""
     branches = output.branch_logits.float()  # (B, 1 + A, C)
     class_term = F.cross_entropy(branches[:, 0], labels)
     if not output.fused_attributes:  # a branch left out has alpha 0
@@ -1009,8 +998,7 @@ def scoring_logits(fusion: str, trained: bool) -> str:
     each fusion rule (METHOD.md Sec. 5: the paper does not say which its tables use).
     trained: the test classes are the trained ones, in the trained domain (a base split).
       fused-everywhere: the fused logits on every test set (weights learned on the trained classes);
-      class-on-unseen:  fused where trained, the class branch alone on classes not trained (novel
-                        classes, other datasets, variants): MMRL's code."""
+      class-on-unseen:  fused where trained, the class branch alone elsewhere (MMRL's code)."""
     if fusion == "fused-everywhere":
         return "fused"
     if fusion == "class-on-unseen":
