@@ -123,9 +123,8 @@ def default_picks(bank: Sequence[Description], attributes: Sequence[str],
                   paper: bool = False) -> int:
     """TextSpan's N, the picks per head: the one default of it (our rule; METHOD.md Sec. 3). A
     labelled bank: the fewest values of a core attribute, as a pure specialist has nothing left to
-    explain once its values are picked (the toy bank: texture's and position's 4; the project's:
-    shape's 16). A pool without labels tells nothing of its values, nor does paper=True read them:
-    the paper's 20."""
+    explain once its values are picked (the toy bank's 4, the project's 16). Without labels, or
+    paper=True: the paper's 20."""
     bank = [Description(*entry) for entry in bank]
     if paper or any(entry.concept is None for entry in bank):
         return PAPER_PICKS
@@ -137,7 +136,6 @@ def default_picks(bank: Sequence[Description], attributes: Sequence[str],
         raise DeARError(f"the bank has no phrase of any attribute ({', '.join(attributes)}); "
                         "label phrases with them")
     return min(len(v) for v in values.values())
-
 
 
 # ---- The records the method passes around (RoleMap, the role of every head: section 10) ---------
@@ -271,9 +269,8 @@ def find_concepts(source: str, bank: Sequence[Description], picked: Sequence[int
 
 
 # ---- 3. Roles: entropy -> attribute / generalization / mixed (paper Sec. 3.2, METHOD.md Sec. 3) --
-# A head whose picks fall on one concept is a specialist (low entropy): an attribute head if that
-# concept is a core attribute. A head whose picks spread over many concepts is general (high
-# entropy). Between the two: mixed. analyze_heads, at the end of this section, runs sections 1-3.
+# A head whose picks fall on one concept is a specialist (low entropy), one whose picks spread is
+# general (high entropy; assign_roles). analyze_heads, at this section's end, runs sections 1-3.
 def concept_entropy(pick_concepts: Sequence[str]) -> float:
     """Paper Eq. 2: H = -sum_c P(c) log2 P(c), P(c) the share of a head's picks about concept c:
     0 bits for a specialist. A pick in no cluster (NOISE) is a concept of its own (our choice,
@@ -307,7 +304,6 @@ def default_thresholds(num_picks: int, num_concepts: int):
     if floor < high:  # min(picks, concepts) >= 3
         low = max(low, floor)
     return low, high
-
 
 
 def assign_roles(entropies: Sequence[float], dominants: Sequence[str],
@@ -425,18 +421,16 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
                                   rank))
         log(f"  head analysis: layer {first + li + 1} (index {first + li}) done")
 
-    # 2. The concepts of the distinct picks (a phrase picked by several heads counts once), from
-    #    the bank's labels or from the clusters of all heads' picks, named.
+    # 2. The concepts of the distinct picks (a phrase picked by several heads counts once).
     picked = list(dict.fromkeys(i for head_picks in picks for i in head_picks))  # (P,), in order
     known = {entry.text: row for entry, row in zip(bank, bank_embeddings)}  # CLIP's, made above
 
-    def embed_with_clip(texts: List[str]) -> torch.Tensor:  # (len(texts), E): the default space
+    def embed(texts: List[str]) -> torch.Tensor:  # texts -> (len(texts), d)
+        if embed_texts is not None:  # the user's encoder, checked
+            return checked_embeddings(embed_texts, texts)
         if all(text in known for text in texts):  # the picks, bank phrases: encoded above
             return torch.stack([known[text] for text in texts])
         return encode_descriptions(clip, tokenizer, texts).cpu()  # name_by_anchors' names
-
-    embed = embed_with_clip if embed_texts is None else (  # texts -> (len(texts), d)
-        lambda texts: checked_embeddings(embed_texts, texts))  # the user's encoder, checked
 
     if min_cluster_size is None:
         min_cluster_size = default_min_cluster_size(num_descriptions)
@@ -553,10 +547,8 @@ def branches_in_fusion(attributes: List[str], blind: List[str], class_branch_onl
     return torch.tensor([True] + [a not in left_out for a in attributes])
 
 
-# The token construction (METHOD.md Sec. 4): where each layer's fresh tokens p_l come from. The
-# default, SeparateTokens below: each layer from J and each tower its own tokens. MMRL++'s,
-# SharedTokens (section 9): one set of latent tokens mapped into both towers. DeAR reads both the
-# same way.
+# The token construction (METHOD.md Sec. 4), where each layer's fresh tokens p_l come from:
+# SeparateTokens (the default) or SharedTokens (MMRL++'s, section 9), which DeAR reads the same way.
 def default_text_tokens(tokens: str, num_attributes: int) -> int:
     """K, the one rule of it: 4 under "separate" (our choice); under "shared" the text tower
     receives the vision tower's latent tokens, one per attribute token, so K = A (MMRL++). A = 0
@@ -585,7 +577,6 @@ class SeparateTokens(nn.Module):
     def attribute_projection(self, proj: torch.Tensor) -> torch.Tensor:
         """(W_v, E), learned; proj (CLIP's) is read by SharedTokens' alone, called the same way."""
         return self.attribute_proj
-
 
 
 def cosine_logits(features: torch.Tensor, text_features: torch.Tensor,
@@ -690,8 +681,8 @@ class DeAR(nn.Module):
 
     def learnable_tensors(self) -> Dict[str, nn.Parameter]:
         """{name: tensor} of everything that learns, as checkpoints hold them: the construction's
-        (separate: vision_tokens, text_tokens, attribute_proj; shared: latent_tokens, then each
-        module's as vision_aligner.weight, ...), then fusion_logits."""
+        (e.g. vision_tokens, or latent_tokens, vision_aligner.weight, ...), then fusion_logits."""
+
         learned = isinstance(self.fusion_logits, nn.Parameter)  # not under fixed_alpha
         return {**dict(self.tokens.named_parameters()),
                 **({"fusion_logits": self.fusion_logits} if learned else {})}
@@ -927,8 +918,7 @@ def generalization_mask_only(role_map: RoleMap) -> RoleMap:
 
 def shuffled_heads(role_map: RoleMap, seed: int) -> RoleMap:
     """Random heads at the analysed map's counts: each head's record (role, attribute, entropy,
-    picks) moved to another place by a permutation seeded by `seed`; every role and attribute
-    keeps its count, only which heads hold them changes."""
+    picks) moved to another place by a permutation seeded by `seed`."""
     order = torch.randperm(len(role_map.heads), generator=torch.Generator().manual_seed(seed))
     heads = [replace(role_map.heads[i], layer=place.layer, head=place.head)
              for place, i in zip(role_map.heads, order.tolist())]
@@ -1251,15 +1241,13 @@ def clusters_line(found: List[str], clusters: List[Cluster], min_cluster_size: i
 
 def checked_embeddings(embed_texts: Callable[[List[str]], torch.Tensor],
                        texts: List[str]) -> torch.Tensor:
-    """embed_texts(texts) as a (len(texts), d) float tensor on the CPU, or one line saying what
-    came back."""
+    """embed_texts(texts) as a (len(texts), d) float CPU tensor, or one line saying what came."""
     embedded = torch.as_tensor(embed_texts(texts))  # e.g. a numpy array (sentence-transformers')
     if embedded.dim() != 2 or len(embedded) != len(texts) or not embedded.is_floating_point():
         raise DeARError(f"embed_texts returned a {embedded.dtype} tensor of shape "
                         f"{tuple(embedded.shape)} for {len(texts)} texts; "
                         f"it must return ({len(texts)}, D) floats")
     return embedded.detach().float().cpu()
-
 
 
 @dataclass
