@@ -297,9 +297,9 @@ def default_thresholds(num_picks: int, num_concepts: int):
     N = 16, K = 12 -> thirds of log2(12) = 3.58 bits, 1.19 and 2.39, the floor unused."""
     top = math.log2(max(1, min(num_picks, num_concepts)))  # the most bits: picks spread evenly
     low, high = top / 3, 2 * top / 3  # under a third: specialised; over two thirds: spread
-    # The floor: 3 of every 4 picks on one concept (0.81 bits) still make a specialist. It lifts
-    # low where a third of the top is less: min(picks, concepts) 3, 4 or 5 (0.53, 0.67, 0.77
-    # bits). At 2, high itself is 0.67: a floor would put low above high, so there is none.
+    # The floor: 3 of every 4 picks on one concept (0.81 bits) still make a specialist; it lifts low
+    # where min(picks, concepts) is 3, 4 or 5. At 2, high itself is 0.67: there is no floor.
+
     floor = concept_entropy(["a", "a", "a", "b"])  # 0.81 bits
     if floor < high:  # min(picks, concepts) >= 3
         low = max(low, floor)
@@ -458,9 +458,7 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
 # Tokens from layer J on: [the image's N tokens (CLS and patches), A attribute tokens]. Each head
 # has its own additive mask (0 = may attend, -inf = may not):
 #   generalization head: image and attribute tokens never see each other; each attribute token sees
-#                        only itself. Within the layer, its output at the image tokens ignores the
-#                        attribute tokens (not across layers: earlier heads wrote into what it
-#                        reads).
+#                        only itself (within the layer: earlier heads wrote into what it reads).
 #   attribute head (a):  attribute token a and the image tokens see each other; the other
 #                        attribute tokens see only themselves.
 #   mixed head:          no restriction.
@@ -612,9 +610,8 @@ class DeAROutput:
 class DeAR(nn.Module):
     """Frozen CLIP (in place, no copy) + learnable tokens from layer J on (paper Sec. 3.3-3.4);
     attributes default to the map's, J to the first analysed layer. Learnable:
-      tokens         the token construction (tokens="separate": SeparateTokens, the default;
-                     "shared": MMRL++'s SharedTokens, section 9): each layer's vision tokens
-                     (L_v, A, W_v), text tokens (L_t, K, W_t) and the attribute projection (W_v, E)
+      tokens         SeparateTokens (tokens="separate", the default) or SharedTokens ("shared"):
+                     each layer's vision tokens, text tokens and the attribute projection
       fusion_logits  (1 + A,): alpha = softmax over the class branch and those reading the image
     num_text_tokens: K, default default_text_tokens. beta = 0.5 is the library's choice for a
     small model; train.py passes the recipe's (MMRL++'s 0.9 and its per-dataset values, METHOD.md
@@ -637,10 +634,9 @@ class DeAR(nn.Module):
         depth = len(clip.visual.transformer.resblocks)
         attributes = list(role_map.attributes if attributes is None else attributes)
         first_layer = default_first_layer(depth) if first_layer is None else first_layer
-        check(first_layer=first_layer, depth=min(depth, len(clip.transformer.resblocks)),
-              beta=beta, tokens=tokens, num_attributes=len(attributes),
-              num_text_tokens=num_text_tokens, latent_width=latent_width,
-              cls_fusion_weight=cls_fusion_weight)  # section 10
+        check(first_layer=first_layer, depth=min(depth, len(clip.transformer.resblocks)), beta=beta,
+              tokens=tokens, num_attributes=len(attributes), num_text_tokens=num_text_tokens,
+              latent_width=latent_width, cls_fusion_weight=cls_fusion_weight)  # section 10
         role_map.validate(depth, clip.visual.transformer.heads, attributes)
         if num_text_tokens is None:
             num_text_tokens = default_text_tokens(tokens, len(attributes))
@@ -742,10 +738,8 @@ class DeAR(nn.Module):
     def encode_text(self, classes: PreparedClasses, beta: Optional[float] = None) -> torch.Tensor:
         """PreparedClasses -> t_c (C, E). As encode_image, with the K learnable tokens right after
         the start token: from J on each layer reads [start, K tokens, the prompt's other tokens],
-        so the tokens sit at 1..K and the prompt's end-of-text token, whose state is t_c, at
-        eot + K. The causal mask lets every later token read them. They get no positional
-        embedding (CLIP adds it once, in embed_text, before layer 0; the prompt's own tokens keep
-        theirs). beta as encode_image's."""
+        so t_c, the end-of-text token's state, sits at eot + K; every later token reads the tokens
+        (causal mask). They get no positional embedding (CLIP adds it once, before layer 0)."""
         check(classes=classes)  # section 10
         beta = self.beta if beta is None else beta
         x, K = classes.hidden, self.num_text_tokens  # x: (C, N, W_t), the frozen layers' output
@@ -772,8 +766,7 @@ class DeAR(nn.Module):
         features = torch.cat([f_cls[:, None], f_attr], dim=1)  # (B, 1 + A, E)
         logits, branch_logits = self.fused_logits(features, t)
         return DeAROutput(logits=logits, branch_logits=branch_logits, alpha=self.fusion_weights(),
-                          image_features=features, text_features=t,
-                          frozen_image_features=f_frozen,
+                          image_features=features, text_features=t, frozen_image_features=f_frozen,
                           frozen_text_features=classes.frozen if with_frozen else None,
                           fused_attributes=self.fused_attributes)
 
@@ -821,8 +814,7 @@ class DeAR(nn.Module):
         """The learnable tensors, their count and share, in one line."""
         learnable = sum(p.numel() for p in self.learnable_parameters())
         frozen = sum(p.numel() for p in self.clip.parameters())
-        tensors = self.learnable_tensors().items()
-        parts = ", ".join(f"{name} {tuple(t.shape)}" for name, t in tensors)
+        parts = ", ".join(f"{n} {tuple(t.shape)}" for n, t in self.learnable_tensors().items())
         return (f"learnable {learnable:,} parameters ({parts}); frozen CLIP {frozen:,} "
                 f"({100 * learnable / (learnable + frozen):.2f}% learnable)")
 
@@ -875,9 +867,8 @@ def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0,
 
 
 # ---- 7. The paper's ablations (its "Ablation Study"; METHOD.md Sec. 5), and the lab's controls --
-# Each ablation is the DeAR row with one change, made in ablate and nowhere else. branch-ce is
-# ours, not the paper's, for the retrieval diagnosis; the rest after it are ours too, controls
-# asking the paper's question (docs/TOYWORLD.md).
+# Each ablation is the DeAR row with one change, made in ablate alone. branch-ce (for the
+# retrieval diagnosis) and the rest after it are ours, controls asking the paper's question.
 ABLATIONS = {  # name -> what train.py's --ablations help says of it
     "no-role-mask": "every head mixed: the tokens reach every head (the row of --roles all-mixed)",
     "no-attribute-tokens": "no attribute token: the class branch and the text tokens alone",
@@ -996,9 +987,8 @@ def scoring_logits(fusion: str, trained: bool) -> str:
     raise DeARError(f"fusion={fusion!r}: use fused-everywhere or class-on-unseen")
 
 
-# MMRL++ tests each cross/dg target at its own beta: its trainers/config.py (task CD), merged for
-# the target's own test call (scripts/mmrlpp/cross_datasets_test.sh: --eval-only, TASK CD) into
-# the model it builds (trainers/mmrlpp.py: design_details["beta"]).
+# MMRL++ tests each cross/dg target at its own beta: trainers/config.py (task CD), merged by the
+# target's test call (scripts/mmrlpp/cross_datasets_test.sh) into trainers/mmrlpp.py's model.
 MMRLPP_TEST_BETA = {"imagenet": 0.9, "imagenet_v2": 0.9, "imagenet_r": 0.9, "imagenet_a": 0.8,
                     "imagenet_sketch": 0.7, "fgvc_aircraft": 0.9, "ucf101": 0.9, "sun397": 0.7,
                     "oxford_pets": 0.6, "caltech101": 0.6, "dtd": 0.5, "oxford_flowers": 0.4,
@@ -1327,8 +1317,7 @@ class RoleMap:
     def load(cls, path: str) -> RoleMap:
         """Read a role file; each problem is one DeARError line that names the file."""
         try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
             thresholds = data.get("thresholds_bits") or {}
             role_map = cls(int(data["vision_layers"]), int(data["num_heads"]),
                            list(data["attributes"]), [HeadRole(**h) for h in data["heads"]],
@@ -1377,9 +1366,8 @@ def format_head_mask(mask: torch.Tensor, num_image_tokens: int, attributes: Sequ
     """An (N + A, N + A) role mask as text, the image tokens (alike by construction) folded into
     one: '#' = may attend."""
     N, names = num_image_tokens, ["image"] + [a[:8] for a in attributes]
-    top = torch.cat([mask[:1, :1], mask[:1, N:]], 1)
-    bottom = torch.cat([mask[N:, :1], mask[N:, N:]], 1)
-    folded = torch.cat([top, bottom])  # (1 + A, 1 + A)
+    kept = [0] + list(range(N, len(mask)))  # the class token stands for the image tokens
+    folded = mask[kept][:, kept]  # (1 + A, 1 + A)
     rows = [f"{name:>11} " + " ".join(f"{'#' if v == 0 else '.':>8}" for v in row)
             for name, row in zip(names, folded)]
     return "\n".join(["query \\ key " + " ".join(f"{n:>8}" for n in names)] + rows)
