@@ -73,9 +73,8 @@ class LeftOutWarning(UserWarning):
 
 
 # ---- 1. TextSpan: which descriptions explain a head (paper Sec. 3.2, METHOD.md Sec. 3) ----------
-# A head writes a direct contribution into each image's embedding (clip_model.head_contributions).
-# TextSpan names what it writes: from a bank of descriptions it picks, one at a time, the text
-# along which the head's contributions vary most across images, then projects that text out.
+# TextSpan names what a head writes into the image embeddings (clip_model.head_contributions): from
+# a bank it picks, one at a time, the text along which the head varies most, then projects it out.
 def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
              num_descriptions: int, rank: int) -> List[int]:
     """TextSpan (Gandelsman et al., ICLR 2024, Alg. 1), picking what its authors' code picks, in
@@ -169,10 +168,10 @@ class HeadRole:
 
 
 # ---- 2. Concepts: the heads' picks clustered, or their labels (paper Sec. 3.2, METHOD.md Sec. 3) -
-# The paper labels no description: the picks of every analysed head are embedded by a sentence
-# encoder (SBERT in the paper; CLIP's own text tower by default here, our choice) and clustered
-# with HDBSCAN (clustering.py), each cluster a concept. A labelled bank's labels can stand in for
-# the clusters (concepts="labels"): the toy laboratory's control. find_concepts gives either.
+# The paper labels no description: every analysed head's picks are embedded by a sentence encoder
+# (SBERT in the paper; CLIP's text tower by default here, our choice), clustered with HDBSCAN
+# (clustering.py), each cluster a concept; concepts="labels" (the toy's control) takes the labels.
+
 NOISE = "noise"  # the concept of a pick that HDBSCAN leaves in no cluster
 CENTRAL_SHOWN = 5  # phrases shown per cluster (its most central ones)
 
@@ -330,9 +329,8 @@ def analysed_layers(depth: int) -> int:
 
 def analysis_images(items: Sequence, cap: int, seed: int = ANALYSIS_SEED) -> list:
     """Which images the head analysis reads (our choice; the paper's are ImageNet's validation
-    images): of `items` (each with a .label), at most `cap`, evenly over the classes: each class's
-    in a seeded order, then one per class in turn (the classes in a seeded order too: a cap below
-    the class count samples classes at random), never a label-sorted list's first classes alone."""
+    images): of `items` (each with a .label), at most `cap`, one per class in turn, each class's and
+    the classes in a seeded order: never a label-sorted list's first classes alone."""
     generator = torch.Generator().manual_seed(seed)
     by_class = {}
     for item in items:
@@ -362,8 +360,7 @@ def encode_descriptions(clip: clip_model.CLIP, tokenizer: clip_model.SimpleToken
 
 def normalised_contributions(clip: clip_model.CLIP, image_batches, num_layers: int,
                              log: Callable[[str], None]) -> torch.Tensor:
-    """Each image's direct head contributions over its embedding's norm (TextSpan) ->
-    (n, L_a, H, E), L_a = num_layers, the analysed layers."""
+    """Head contributions over each image embedding's norm (as TextSpan does): (n, L_a, H, E)."""
     per_image = []
     device = clip.visual.conv1.weight.device
     batches = image_batches.split(64) if isinstance(image_batches, torch.Tensor) else image_batches
@@ -394,8 +391,8 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
     value) triples; the project's: harness/bank.py). For each head of the last L_a = num_layers
     layers: TextSpan's picks; then the concepts (find_concepts; "clusters": the picks embedded by
     embed_texts, default CLIP's text tower; "labels": the bank's), each head's concept entropy and
-    role. A None takes its default_* (analysed_layers, textspan_rank, default_picks, ...);
-    cluster_names: {cluster id: name} overrides the names the clusters are given."""
+    role. A None takes its default_* (analysed_layers, textspan_rank, default_picks, ...)."""
+
     bank = [Description(*entry) for entry in bank]  # (text, concept, value) triples also do
     source = default_concepts(bank) if concepts is None else concepts  # "clusters" or "labels"
     check(concepts=source, bank=bank)  # section 10
@@ -490,8 +487,8 @@ def build_role_masks(role_map: RoleMap, first_layer: int, depth: int,
     for i, layer in enumerate(range(first_layer - 1, depth)):
         for head in range(role_map.num_heads):
             entry = role_map.role_of(layer, head) or HeadRole(layer, head, "mixed")
-            index = role_map.attributes.index(entry.attribute) if entry.role == "attribute" else None
-            masks[i, head] = head_mask(entry.role, index, num_image_tokens, A)
+            a = role_map.attributes.index(entry.attribute) if entry.role == "attribute" else None
+            masks[i, head] = head_mask(entry.role, a, num_image_tokens, A)
     return masks
 
 
@@ -548,10 +545,9 @@ def branches_in_fusion(attributes: List[str], blind: List[str], class_branch_onl
 # The token construction (METHOD.md Sec. 4), where each layer's fresh tokens p_l come from:
 # SeparateTokens (the default) or SharedTokens (MMRL++'s, section 9), which DeAR reads the same way.
 def default_text_tokens(tokens: str, num_attributes: int) -> int:
-    """K, the one rule of it: 4 under "separate" (our choice); under "shared" the text tower
-    receives the vision tower's latent tokens, one per attribute token, so K = A (MMRL++). A = 0
-    (ablate's no-attribute-tokens) keeps the full row's K, which DeAR must then be given under
-    "shared" (num_text_tokens; train.py works it out from the world's A before any ablation)."""
+    """K, the one rule of it: 4 under "separate" (our choice); K = A under "shared", whose text
+    tower receives the vision tower's latent tokens (MMRL++). A = 0 (ablate's no-attribute-tokens)
+    keeps the full row's K, which "shared" must be given (num_text_tokens, as train.py does)."""
     return TEXT_TOKENS if tokens == "separate" else num_attributes
 
 
@@ -609,17 +605,16 @@ class DeAROutput:
 
 class DeAR(nn.Module):
     """Frozen CLIP (in place, no copy) + learnable tokens from layer J on (paper Sec. 3.3-3.4);
-    attributes default to the map's, J to the first analysed layer. Learnable:
+    attributes default to the map's, J to the first analysed layer, K to default_text_tokens':
       tokens         SeparateTokens (tokens="separate", the default) or SharedTokens ("shared"):
                      each layer's vision tokens, text tokens and the attribute projection
       fusion_logits  (1 + A,): alpha = softmax over the class branch and those reading the image
-    num_text_tokens: K, default default_text_tokens. beta = 0.5 is the library's choice for a
-    small model; train.py passes the recipe's (MMRL++'s 0.9 and its per-dataset values, METHOD.md
-    Sec. 7). class_branch_fallback=False keeps every branch of a measured map without attribute
-    heads, one made so on purpose (ablate's mask-generalization-only). Without attribute tokens
-    (A = 0, ablate's no-attribute-tokens): frozen CLIP's image feature, the text tokens, alpha =
-    (1,). fuse: what alpha weighs, each branch's logits (the default) or its feature (fused_logits);
-    fixed_alpha: alpha_cls held there, the rest even, not learned (ablate's fixed-fusion)."""
+    beta = 0.5 is the library's choice for a small model; train.py passes the recipe's (MMRL++'s
+    0.9 and its per-dataset values, METHOD.md Sec. 7). class_branch_fallback=False keeps every
+    branch of a measured map without attribute heads, one made so on purpose (ablate's
+    mask-generalization-only). Without attribute tokens (A = 0): frozen CLIP's image feature, the
+    text tokens, alpha = (1,). fuse: what alpha weighs, each branch's logits (the default) or its
+    feature (fused_logits); fixed_alpha: alpha_cls held there, the rest even, not learned."""
 
 
     def __init__(self, clip: clip_model.CLIP, role_map: RoleMap,
@@ -935,42 +930,33 @@ def ablate(name: Optional[str], role_map: RoleMap, attributes: List[str], lambda
     """The one change of ablation `name` (None: none) to the DeAR row's role map, attribute tokens,
     fusion and loss -> Ablated; DeAR is built and dear_loss called from it, nothing else switches.
     seed: the run's (shuffled-heads); true_map: the toy's true heads (true-heads; the caller has
-    them from the causal check, toyworld.causal.true_role_map). One branch below per ablation: its
-    name, its change, and where it acts (the field it replaces)."""
+    them from the causal check, toyworld.causal.true_role_map). `changes` below holds one row per
+    ablation: its name, its change, and where it acts (the fields it replaces)."""
     def uniform_mixed(attributes: List[str]) -> RoleMap:  # --roles all-mixed's map
         return RoleMap.uniform("mixed", role_map.vision_layers, role_map.num_heads,
                                attributes=attributes)
 
+    changes = {  # name -> the fields of the DeAR row it replaces, made only when asked
+        "no-role-mask": lambda: dict(role_map=uniform_mixed(list(attributes))),  # all-mixed's row
+        "no-attribute-tokens": lambda: dict(role_map=uniform_mixed([]), attributes=[]),  # K stays
+        "no-fusion-reg": lambda: dict(lambda_fusion=0.0),
+        "mask-generalization-only": lambda: dict(role_map=generalization_mask_only(role_map),
+                                                 class_branch_fallback=False),  # on purpose
+        "branch-ce": lambda: dict(branch_ce=True),  # not the paper's loss (branch_cross_entropy)
+        "shuffled-heads": lambda: dict(role_map=shuffled_heads(role_map, seed)),
+        "whole-layers": lambda: dict(role_map=whole_layers(role_map)),
+        "true-heads": lambda: dict(role_map=true_map),
+        "fixed-fusion": lambda: dict(fixed_alpha=MMRL_ALPHA),
+        "feature-fusion": lambda: dict(fuse="features"),
+        "no-self-reg": lambda: dict(lambda_reg=0.0),
+    }
+    if name is not None and name not in changes:
+        raise DeARError(f"ablation {name!r}: use one of {', '.join(ABLATIONS)}")
+    if name == "true-heads" and true_map is None:
+        raise DeARError("ablation 'true-heads' needs true_map, the heads a causal check "
+                        "singles out (the toy world's: toyworld.causal.true_role_map)")
     change = Ablated(role_map, list(attributes), True, lambda_fusion, False, lambda_reg)
-    if name is None:
-        return change
-    if name == "no-role-mask":  # every analysed head mixed: deep prompting, the all-mixed row
-        return change._replace(role_map=uniform_mixed(list(attributes)))
-    if name == "no-attribute-tokens":  # A = 0 (DeAR refuses a map naming attributes); K stays
-        return change._replace(role_map=uniform_mixed([]), attributes=[])
-    if name == "no-fusion-reg":
-        return change._replace(lambda_fusion=0.0)
-    if name == "mask-generalization-only":
-        return change._replace(role_map=generalization_mask_only(role_map),
-                               class_branch_fallback=False)  # no attribute head, on purpose
-    if name == "branch-ce":  # not the paper's loss (branch_cross_entropy)
-        return change._replace(branch_ce=True)
-    if name == "shuffled-heads":
-        return change._replace(role_map=shuffled_heads(role_map, seed))
-    if name == "whole-layers":
-        return change._replace(role_map=whole_layers(role_map))
-    if name == "true-heads":
-        if true_map is None:
-            raise DeARError("ablation 'true-heads' needs true_map, the heads a causal check "
-                            "singles out (the toy world's: toyworld.causal.true_role_map)")
-        return change._replace(role_map=true_map)
-    if name == "fixed-fusion":
-        return change._replace(fixed_alpha=MMRL_ALPHA)
-    if name == "feature-fusion":
-        return change._replace(fuse="features")
-    if name == "no-self-reg":
-        return change._replace(lambda_reg=0.0)
-    raise DeARError(f"ablation {name!r}: use one of {', '.join(ABLATIONS)}")
+    return change if name is None else change._replace(**changes[name]())
 
 
 # ---- 8. At test time: the logits that score a test set (METHOD.md Sec. 5); retrieval -------------
@@ -1036,12 +1022,12 @@ def precision_at_k(ranking: torch.Tensor, query_values: Sequence,
 # vit_b16.yaml) learns one set of latent tokens and maps it into the token layers of both towers.
 # SharedTokens gives DeAR what SeparateTokens (section 5) gives, so DeAR reads both the same way.
 class TowerAligner(nn.Module):
-    """One tower's map of the latent tokens into its L token layers (L_v or L_t, the tower's layers
-    from J on; W its width, W_v or W_t), MMRL++'s Shared_Residual_Representation_Aligner (one
-    Residual_Aligner per layer):  p_l = z (M + a_l b_l)^T + c_l. z (K, W_z) the latent tokens;
-    M (W, W_z) one linear map for every layer (torch's nn.Linear initialisation, learned); a_l
-    (W, Q) Kaiming-uniform and b_l (Q, W_z) zero, layer l's rank-Q residual, so every layer starts
-    from the same map; c_l (W,) each layer's own bias, all starting from the linear's."""
+    """One tower's map of the latent tokens into its L token layers (L_v or L_t; W its width),
+    MMRL++'s Shared_Residual_Representation_Aligner (a Residual_Aligner per layer):
+    p_l = z (M + a_l b_l)^T + c_l. z (K, W_z) the latent tokens; M (W, W_z) one linear map for every
+    layer (an nn.Linear's start, learned); a_l (W, Q) Kaiming-uniform and b_l (Q, W_z) zero, layer
+    l's rank-Q residual, so every layer starts from M; c_l (W,) each layer's bias (the linear's)."""
+
 
     def __init__(self, latent_width: int, width: int, layers: int, rank: int):
         super().__init__()
@@ -1063,8 +1049,7 @@ class TowerAligner(nn.Module):
 
 class LowRankResidual(nn.Module):
     """The attribute projection's learnable part, a b with a (W_v, Q) Kaiming-uniform and b (Q, E)
-    zero (MMRL++'s VisionTransformer.A, .B in clip/model_mmrlpp.py: proj + A @ B), so the
-    projection starts as proj itself."""
+    zero, so that proj + a b starts as proj (MMRL++'s VisionTransformer.A, .B: proj + A @ B)."""
 
     def __init__(self, rows: int, cols: int, rank: int):
         super().__init__()
@@ -1078,11 +1063,10 @@ class LowRankResidual(nn.Module):
 
 class SharedTokens(nn.Module):
     """tokens="shared": latent tokens z (K, W_z) (normal, std 0.02; W_z = latent_width, default
-    W_t, 512 on ViT-B/16 as MMRL++'s) mapped into each token layer of the vision tower (W_z -> W_v)
-    and of the text tower (W_z -> W_t), one TowerAligner each: the same tokens enter both towers,
-    so K = A (default_text_tokens). The attribute projection is proj, frozen, plus a
-    LowRankResidual. A tensor is built only where it acts: A = 0, no vision map and no residual;
-    K = 0, no latent token and no text map. Same arguments as SeparateTokens."""
+    W_t, 512 on ViT-B/16 as MMRL++'s) mapped into each token layer of both towers, one TowerAligner
+    each, so K = A; the attribute projection is proj, frozen, plus a LowRankResidual. A tensor is
+    built only where it acts: A = 0, no vision map and no residual; K = 0, no latent token and no
+    text map. Same arguments as SeparateTokens."""
 
     def __init__(self, *, vision: Sequence[int], text: Sequence[int], proj: torch.Tensor,
                  latent_width: Optional[int] = None):
@@ -1242,8 +1226,7 @@ def checked_embeddings(embed_texts: Callable[[List[str]], torch.Tensor],
 
 @dataclass
 class RoleMap:
-    """The role of every head of the analysed vision layers, which the mask is built from (the
-    record sections 3-7 pass around), with its checks, JSON file and table."""
+    """The role of every head of the analysed vision layers: the record sections 3-7 pass around."""
     vision_layers: int  # depth of the vision tower it was made for
     num_heads: int  # heads per layer of that tower
     attributes: List[str]  # the attribute tokens' names, in token order
@@ -1363,10 +1346,9 @@ class RoleMap:
 
 
 def format_head_mask(mask: torch.Tensor, num_image_tokens: int, attributes: Sequence[str]) -> str:
-    """An (N + A, N + A) role mask as text, the image tokens (alike by construction) folded into
-    one: '#' = may attend."""
+    """An (N + A, N + A) role mask as text, the image tokens folded into one: '#' = may attend."""
     N, names = num_image_tokens, ["image"] + [a[:8] for a in attributes]
-    kept = [0] + list(range(N, len(mask)))  # the class token stands for the image tokens
+    kept = [0] + list(range(N, len(mask)))  # the image tokens' rows are alike by construction
     folded = mask[kept][:, kept]  # (1 + A, 1 + A)
     rows = [f"{name:>11} " + " ".join(f"{'#' if v == 0 else '.':>8}" for v in row)
             for name, row in zip(names, folded)]
