@@ -171,7 +171,6 @@ class HeadRole:
 # The paper labels no description: every analysed head's picks are embedded by a sentence encoder
 # (SBERT in the paper; CLIP's text tower by default here, our choice), clustered with HDBSCAN
 # (clustering.py), each cluster a concept; concepts="labels" (the toy's control) takes the labels.
-
 NOISE = "noise"  # the concept of a pick that HDBSCAN leaves in no cluster
 CENTRAL_SHOWN = 5  # phrases shown per cluster (its most central ones)
 
@@ -298,7 +297,6 @@ def default_thresholds(num_picks: int, num_concepts: int):
     low, high = top / 3, 2 * top / 3  # under a third: specialised; over two thirds: spread
     # The floor: 3 of every 4 picks on one concept (0.81 bits) still make a specialist; it lifts low
     # where min(picks, concepts) is 3, 4 or 5. At 2, high itself is 0.67: there is no floor.
-
     floor = concept_entropy(["a", "a", "a", "b"])  # 0.81 bits
     if floor < high:  # min(picks, concepts) >= 3
         low = max(low, floor)
@@ -392,7 +390,6 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
     layers: TextSpan's picks; then the concepts (find_concepts; "clusters": the picks embedded by
     embed_texts, default CLIP's text tower; "labels": the bank's), each head's concept entropy and
     role. A None takes its default_* (analysed_layers, textspan_rank, default_picks, ...)."""
-
     bank = [Description(*entry) for entry in bank]  # (text, concept, value) triples also do
     source = default_concepts(bank) if concepts is None else concepts  # "clusters" or "labels"
     check(concepts=source, bank=bank)  # section 10
@@ -569,7 +566,7 @@ class SeparateTokens(nn.Module):
         return self.text_tokens
 
     def attribute_projection(self, proj: torch.Tensor) -> torch.Tensor:
-        """(W_v, E), learned; proj (CLIP's) is read by SharedTokens' alone, called the same way."""
+        """(W_v, E), learned. proj, CLIP's, is read by SharedTokens' alone (DeAR calls both alike)."""
         return self.attribute_proj
 
 
@@ -605,7 +602,7 @@ class DeAROutput:
 
 class DeAR(nn.Module):
     """Frozen CLIP (in place, no copy) + learnable tokens from layer J on (paper Sec. 3.3-3.4);
-    attributes default to the map's, J to the first analysed layer, K to default_text_tokens':
+    attributes default to the map's, J to the first analysed layer, K default_text_tokens. Learnable:
       tokens         SeparateTokens (tokens="separate", the default) or SharedTokens ("shared"):
                      each layer's vision tokens, text tokens and the attribute projection
       fusion_logits  (1 + A,): alpha = softmax over the class branch and those reading the image
@@ -615,7 +612,6 @@ class DeAR(nn.Module):
     mask-generalization-only). Without attribute tokens (A = 0): frozen CLIP's image feature, the
     text tokens, alpha = (1,). fuse: what alpha weighs, each branch's logits (the default) or its
     feature (fused_logits); fixed_alpha: alpha_cls held there, the rest even, not learned."""
-
 
     def __init__(self, clip: clip_model.CLIP, role_map: RoleMap,
                  attributes: Optional[Sequence[str]] = None, first_layer: Optional[int] = None,
@@ -673,7 +669,6 @@ class DeAR(nn.Module):
     def learnable_tensors(self) -> Dict[str, nn.Parameter]:
         """{name: tensor} of everything that learns, as checkpoints hold them: the construction's
         (e.g. vision_tokens, or latent_tokens, vision_aligner.weight, ...), then fusion_logits."""
-
         learned = isinstance(self.fusion_logits, nn.Parameter)  # not under fixed_alpha
         return {**dict(self.tokens.named_parameters()),
                 **({"fusion_logits": self.fusion_logits} if learned else {})}
@@ -1028,7 +1023,6 @@ class TowerAligner(nn.Module):
     layer (an nn.Linear's start, learned); a_l (W, Q) Kaiming-uniform and b_l (Q, W_z) zero, layer
     l's rank-Q residual, so every layer starts from M; c_l (W,) each layer's bias (the linear's)."""
 
-
     def __init__(self, latent_width: int, width: int, layers: int, rank: int):
         super().__init__()
         linear = nn.Linear(latent_width, width)  # MMRL++'s fresh nn.Linear: its random start
@@ -1089,7 +1083,6 @@ class SharedTokens(nn.Module):
         if self.text_aligner is None:  # K = 0: empty
             return self.empty.new_zeros(self.text_shape)
         return self.text_aligner(self.latent_tokens)
-
 
     def attribute_projection(self, proj: torch.Tensor) -> torch.Tensor:
         """(W_v, E): CLIP's frozen proj plus the learnable residual (MMRL++'s proj + A @ B)."""
