@@ -566,7 +566,7 @@ class SeparateTokens(nn.Module):
         return self.text_tokens
 
     def attribute_projection(self, proj: torch.Tensor) -> torch.Tensor:
-        """(W_v, E), learned. proj, CLIP's, is read by SharedTokens' alone (DeAR calls both alike)."""
+        """(W_v, E), learned; CLIP's proj is read by SharedTokens' alone (DeAR calls both alike)."""
         return self.attribute_proj
 
 
@@ -601,8 +601,8 @@ class DeAROutput:
 
 
 class DeAR(nn.Module):
-    """Frozen CLIP (in place, no copy) + learnable tokens from layer J on (paper Sec. 3.3-3.4);
-    attributes default to the map's, J to the first analysed layer, K default_text_tokens. Learnable:
+    """Frozen CLIP (in place, no copy) + learnable tokens from layer J on (paper Sec. 3.3-3.4); by
+    default the map's attributes, J the first analysed layer, K default_text_tokens. Learnable:
       tokens         SeparateTokens (tokens="separate", the default) or SharedTokens ("shared"):
                      each layer's vision tokens, text tokens and the attribute projection
       fusion_logits  (1 + A,): alpha = softmax over the class branch and those reading the image
