@@ -1015,7 +1015,6 @@ def precision_at_k(ranking: torch.Tensor, query_values: Sequence,
 # ---- 9. The other token construction: MMRL++'s shared space (tokens="shared", METHOD.md Sec. 4) --
 # MMRL++ (yunncheng/MMRL trainers/mmrlpp.py, clip/model_mmrlpp.py; configs/trainers/MMRLpp/
 # vit_b16.yaml) learns one set of latent tokens and maps it into the token layers of both towers.
-# SharedTokens gives DeAR what SeparateTokens (section 5) gives, so DeAR reads both the same way.
 class TowerAligner(nn.Module):
     """One tower's map of the latent tokens into its L token layers (L_v or L_t; W its width),
     MMRL++'s Shared_Residual_Representation_Aligner (a Residual_Aligner per layer):
