@@ -1,14 +1,12 @@
 """dear.py -- DeAR (Ma et al., "Fine-Grained VLM Adaptation by Decomposing Attention Head Roles",
-CVPR 2026) in the order it runs. Its sections ("section N" below; "paper Sec. N" is the paper's,
-"METHOD.md Sec. N" docs/METHOD.md's, which has the choices where the paper is silent):
-1. TextSpan, then the records (Description, Cluster, HeadRole, RoleMap) the rest takes;
-2. concepts (the picks clustered, or their labels: find_concepts); 3. concept entropy's head roles
-(paper Sec. 3.2; analyze_heads runs 1-3); 4. the role-based mask (paper Sec. 3.3); 5. the model,
-with its default token construction (SeparateTokens); 6. the losses (paper Sec. 3.4). After the
-method: 7. the paper's ablations (ablate: each one's change); 8. at test time, which logits score
-a test set, and attribute-conditioned retrieval; 9. MMRL++'s token construction (tokens="shared",
-SharedTokens); 10. bookkeeping: the argument checks (one table), RoleMap with its checks, JSON
-file and table. (The project's description bank is data: harness/bank.py.)
+CVPR 2026) in the order it runs: 1. TextSpan, and the records the rest takes; 2. concepts (the
+picks clustered, or their labels); 3. concept entropy's head roles (paper Sec. 3.2; analyze_heads
+runs 1-3); 4. the role-based mask (paper Sec. 3.3); 5. the model (DeAR, SeparateTokens); 6. the
+losses (paper Sec. 3.4). After the method: 7. the paper's ablations (ablate); 8. at test time,
+which logits score a test set, and retrieval; 9. MMRL++'s token construction (tokens="shared");
+10. bookkeeping: the argument checks (one table), RoleMap with its checks, JSON file and table.
+"paper Sec. N" is the paper's, "METHOD.md Sec. N" docs/METHOD.md's, which has our choices where
+the paper is silent. The project's description bank is data (harness/bank.py).
 
 The method unbatched: tests/test_dear_reference.py writes DeAR's forward pass out one head at a
 time; this file batches it. It imports torch and clip_model.py: copy the two files together.
@@ -17,14 +15,13 @@ and numpy) beside them; everything else runs without it. `first_layer` is the pa
 J; what is stored (`HeadRole.layer`) is 0-based.
 
 Shapes, the project's letters: B images in a batch; C classes; N tokens of a sequence (an image:
-1 + G*G, the class token and the patches; a text: its length); G the patch grid's side; R the
-image resolution; W the width of a tower's residual stream (W_v vision, W_t text; W_z the latent
-tokens' under tokens="shared"); H heads; D a head's width; E the joint embedding's width; L_v
-and L_t the vision and the text tower's layers from J on; L_a the analysed layers (the vision
-tower's last four); A attribute tokens; K learnable text tokens; Q a low-rank term's rank
-(tokens="shared"); n images of the analysis; T descriptions in the bank; P distinct picks; d an
-encoder's width (clustering's points are the P picks). Einsum strings use the same letters in
-lower case.
+1 + G*G, the class token and the patches; a text: its length); G the patch grid's side; R the image
+resolution; W the width of a tower's residual stream (W_v vision, W_t text; W_z the latent tokens'
+under tokens="shared"); H heads; D a head's width; E the joint embedding's width; L_v and L_t the
+vision and the text tower's layers from J on; L_a the analysed layers (the vision tower's last
+four); A attribute tokens; K learnable text tokens; Q a low-rank term's rank (tokens="shared");
+n images of the analysis; T descriptions in the bank; P distinct picks; d an encoder's width
+(clustering's points are the P picks). Einsum strings use the same letters in lower case.
 
 Try it on a random small CLIP:  python dear.py
 """
@@ -76,15 +73,13 @@ class LeftOutWarning(UserWarning):
 
 
 # ---- 1. TextSpan: which descriptions explain a head (paper Sec. 3.2, METHOD.md Sec. 3) ----------
-# A head writes a direct contribution into each image's embedding (clip_model.head_contributions).
-# TextSpan names what it writes: from a bank of descriptions it picks, one at a time, the text
-# along which the head's contributions vary most across images, then projects that text out.
+# TextSpan names what a head writes into the image embeddings (clip_model.head_contributions): from
+# a bank it picks, one at a time, the text along which the head varies most, then projects it out.
 def textspan(contributions: torch.Tensor, text_embeddings: torch.Tensor,
              num_descriptions: int, rank: int) -> List[int]:
     """TextSpan (Gandelsman et al., ICLR 2024, Alg. 1), picking what its authors' code picks, in
     order. contributions (n, E), one head's direct contributions to the image embeddings; the bank
-    (T, E); rank: textspan_rank(clip) -> indices into the bank. Each pick is the text varying most
-    across the images; it is then removed from the head and from the bank."""
+    (T, E); rank: textspan_rank(clip) -> indices into the bank."""
     return [pick for pick, _ in textspan_steps(contributions, text_embeddings, num_descriptions,
                                                rank)]
 
@@ -126,25 +121,23 @@ def textspan_rank(clip: clip_model.CLIP) -> int:
 def default_picks(bank: Sequence[Description], attributes: Sequence[str],
                   paper: bool = False) -> int:
     """TextSpan's N, the picks per head: the one default of it (our rule; METHOD.md Sec. 3). A
-    labelled bank: the fewest values of a core attribute, as a pure specialist has nothing left
-    to explain once its values are picked. The toy bank: colour 8, shape 6, texture 4, position 4 values -> 4 picks;
-    the project's bank: shape's 16 words are the fewest -> 16. A pool without labels tells
-    nothing of its values, and the paper's analysis (paper=True) takes none: the paper's 20."""
+    labelled bank: the fewest values of a core attribute, as a pure specialist has nothing left to
+    explain once its values are picked (the toy bank's 4, the project's 16). Without labels, or
+    paper=True: the paper's 20."""
     bank = [Description(*entry) for entry in bank]
     if paper or any(entry.concept is None for entry in bank):
         return PAPER_PICKS
-    values = {}
-    for entry in bank:
-        if entry.concept in attributes:
-            value = entry.value if entry.value is not None else entry.text
-            values.setdefault(entry.concept, set()).add(value)
+    values = {}  # attribute -> its distinct values (a phrase without a value word: its text)
+    for text, concept, value in bank:
+        if concept in attributes:
+            values.setdefault(concept, set()).add(text if value is None else value)
     if not values:
         raise DeARError(f"the bank has no phrase of any attribute ({', '.join(attributes)}); "
                         "label phrases with them")
     return min(len(v) for v in values.values())
 
 
-# ---- The records the method passes around (defined before the code that takes them) -------------
+# ---- The records the method passes around (RoleMap, the role of every head: section 10) ---------
 class Description(NamedTuple):
     """One phrase of a description pool (METHOD.md Sec. 3), for TextSpan to choose from: its concept
     when the pool is labelled (None: clusters find it), its value word ("red") when known."""
@@ -174,18 +167,10 @@ class HeadRole:
     concepts: List[str] = field(default_factory=list)  # each pick's: a label, "cluster k", NOISE
 
 
-# RoleMap, the role of every head (what sections 3-7 pass around), with its checks, JSON file
-# and table: section 10.
-
-
 # ---- 2. Concepts: the heads' picks clustered, or their labels (paper Sec. 3.2, METHOD.md Sec. 3) -
-# The paper labels no description: the picks of every analysed head are embedded by a sentence
-# encoder (SBERT in the paper; CLIP's own text tower by default here, our choice) and clustered
-# with HDBSCAN, and each cluster is a concept. A labelled bank's labels can stand in for the
-# clusters (concepts="labels"): the control that the toy laboratory measures the clusters against.
-# HDBSCAN itself is written out in clustering.py, a tool the method calls. Below, "concept source"
-# is "clusters" or "labels", and a head's "pick concepts" name the concept of each of its picks;
-# find_concepts, at the end of this section, gives them from either source, named, as one record.
+# The paper labels no description: every analysed head's picks are embedded by a sentence encoder
+# (SBERT in the paper; CLIP's text tower by default here, our choice), clustered with HDBSCAN
+# (clustering.py), each cluster a concept; concepts="labels" (the toy's control) takes the labels.
 NOISE = "noise"  # the concept of a pick that HDBSCAN leaves in no cluster
 CENTRAL_SHOWN = 5  # phrases shown per cluster (its most central ones)
 
@@ -225,14 +210,11 @@ def name_by_labels(found: Sequence[str], labels: Sequence[str],
     """A labelled pool: each cluster is named by its phrases' most common label when that is a core
     attribute, else "other" (the labels name the concepts; which picks go together stays HDBSCAN's).
     found: each distinct pick's concept, as cluster_picks gives it; labels: each one's label."""
-    by_cluster: Dict[str, Counter] = {}
-    for concept, label in zip(found, labels):
-        by_cluster.setdefault(concept, Counter())[label] += 1
     names = {}
-    for concept, counts in by_cluster.items():
-        if concept != NOISE:
-            label = counts.most_common(1)[0][0]
-            names[concept] = label if label in attributes else "other"
+    for concept in dict.fromkeys(c for c in found if c != NOISE):  # each cluster, as first found
+        counts = Counter(label for c, label in zip(found, labels) if c == concept)
+        label = counts.most_common(1)[0][0]
+        names[concept] = label if label in attributes else "other"
     return names
 
 
@@ -240,8 +222,7 @@ def name_by_anchors(centres: torch.Tensor, anchors: torch.Tensor,
                     attributes: Sequence[str]) -> Dict[str, str]:
     """A pool without labels: cluster means (clusters, d) and the attributes' names embedded (A, d)
     -> each attribute names the cluster nearest it if it is that cluster's nearest attribute too
-    (mutual nearest by cosine; our choice): at most one cluster per attribute, as the paper's
-    five."""
+    (mutual nearest by cosine; our choice): at most one cluster per attribute."""
     similarity = F.normalize(centres.double(), dim=-1) @ F.normalize(anchors.double(), dim=-1).T
     names = {f"cluster {k}": "other" for k in range(len(centres))}  # similarity: (clusters, A)
     for a, attribute in enumerate(attributes):
@@ -255,8 +236,7 @@ class Concepts(NamedTuple):
     """The picks' concepts, from one source (find_concepts): what concept entropy and roles read."""
     of: List[str]  # each distinct pick's concept: its label, "cluster k" or NOISE
     names: Dict[str, str]  # each concept's name: a core attribute, or not (a label: itself)
-    count: int  # K, the concepts a pick can fall on: the bank's labels; or each cluster, and
-    #             each pick in none, a concept of its own (as concept_entropy counts it)
+    count: int  # K, the concepts a pick can fall on: the labels; or the clusters + picks in none
     clusters: List[Cluster]  # the clusters found, named (none for labels)
 
 
@@ -265,12 +245,10 @@ def find_concepts(source: str, bank: Sequence[Description], picked: Sequence[int
                   min_cluster_size: int, min_samples: Optional[int] = None,
                   cluster_names: Optional[Dict[int, str]] = None,
                   log: Callable[[str], None] = print) -> Concepts:
-    """The concepts of the distinct picks (picked: (P,) bank indices). source "labels" (the
-    control): each pick's label, named by itself, K = the bank's distinct labels. "clusters" (the
-    paper's): HDBSCAN over the picks, embedded by embed (texts -> (P, d)); each cluster named by its
-    phrases' most common label in a labelled bank, else by the attribute whose name (embedded the
-    same way) is mutually nearest; cluster_names ({id: name}) overrides any; K = clusters + picks
-    in none (each a concept of its own)."""
+    """The concepts of the distinct picks (picked: (P,) bank indices). "labels": each pick's label,
+    named by itself, K = the bank's distinct labels. "clusters": HDBSCAN over the picks, embedded
+    by embed (texts -> (P, d)), named by name_by_labels in a labelled bank, else name_by_anchors;
+    cluster_names ({id: name}) overrides any; K = clusters + picks in none (each its own)."""
     if source == "labels":
         labels = {entry.concept for entry in bank}
         return Concepts([bank[i].concept for i in picked], {c: c for c in labels}, len(labels), [])
@@ -289,9 +267,8 @@ def find_concepts(source: str, bank: Sequence[Description], picked: Sequence[int
 
 
 # ---- 3. Roles: entropy -> attribute / generalization / mixed (paper Sec. 3.2, METHOD.md Sec. 3) --
-# A head whose picks fall on one concept is a specialist (low entropy): an attribute head if that
-# concept is a core attribute. A head whose picks spread over many concepts is general (high
-# entropy). Between the two: mixed. analyze_heads, at the end of this section, runs sections 1-3.
+# A head whose picks fall on one concept is a specialist (low entropy), one whose picks spread is
+# general (high entropy; assign_roles). analyze_heads, at this section's end, runs sections 1-3.
 def concept_entropy(pick_concepts: Sequence[str]) -> float:
     """Paper Eq. 2: H = -sum_c P(c) log2 P(c), P(c) the share of a head's picks about concept c:
     0 bits for a specialist. A pick in no cluster (NOISE) is a concept of its own (our choice,
@@ -314,15 +291,12 @@ def dominant_concept(pick_concepts: Sequence[str]) -> str:
 def default_thresholds(num_picks: int, num_concepts: int):
     """(low_bits, high_bits), our rule (METHOD.md Sec. 3), in absolute bits: thirds of the
     entropies that the picks of one head can take over these concepts. The toy: N = 4 picks over
-    K = 7 concepts spread over at most log2(4) = 2 bits, thirds 0.67 and 1.33; the floor raises
-    low to 0.81 (3 of 4 picks on one concept): 0.81 and 1.33 bits. The project's bank: N = 16,
-    K = 12 -> thirds of log2(12) = 3.58 bits, 1.19 and 2.39, the floor unused."""
+    K = 7 concepts, at most log2(4) = 2 bits: 0.81 (the floor) and 1.33 bits. The project's bank:
+    N = 16, K = 12 -> thirds of log2(12) = 3.58 bits, 1.19 and 2.39, the floor unused."""
     top = math.log2(max(1, min(num_picks, num_concepts)))  # the most bits: picks spread evenly
     low, high = top / 3, 2 * top / 3  # under a third: specialised; over two thirds: spread
-    # The floor: 3 of every 4 picks on one concept (0.81 bits) still make a specialist. It lifts
-    # low where a third of the top is less: min(picks, concepts) 3, 4 or 5 (0.53, 0.67, 0.77
-    # bits); from 6 on the third is more (0.86 at 6). At 2, high itself is 0.67: a floor of 0.81
-    # would put low above high, so there is none.
+    # The floor: 3 of every 4 picks on one concept (0.81 bits) still make a specialist; it lifts low
+    # where min(picks, concepts) is 3, 4 or 5. At 2, high itself is 0.67: there is no floor.
     floor = concept_entropy(["a", "a", "a", "b"])  # 0.81 bits
     if floor < high:  # min(picks, concepts) >= 3
         low = max(low, floor)
@@ -353,10 +327,8 @@ def analysed_layers(depth: int) -> int:
 
 def analysis_images(items: Sequence, cap: int, seed: int = ANALYSIS_SEED) -> list:
     """Which images the head analysis reads (our choice; the paper's are ImageNet's validation
-    images): of `items` (each with a .label), at most `cap`, evenly over the classes: each class's
-    in a seeded order, then one per class in turn (the classes in a seeded order too: a cap
-    below the class count samples classes at random), never the head of a label-sorted list,
-    which covers only a large dataset's first classes."""
+    images): of `items` (each with a .label), at most `cap`, one per class in turn, each class's and
+    the classes in a seeded order: never a label-sorted list's first classes alone."""
     generator = torch.Generator().manual_seed(seed)
     by_class = {}
     for item in items:
@@ -386,8 +358,7 @@ def encode_descriptions(clip: clip_model.CLIP, tokenizer: clip_model.SimpleToken
 
 def normalised_contributions(clip: clip_model.CLIP, image_batches, num_layers: int,
                              log: Callable[[str], None]) -> torch.Tensor:
-    """Each image's direct head contributions over its embedding's norm (TextSpan) ->
-    (n, L_a, H, E), L_a = num_layers, the analysed layers."""
+    """Head contributions over each image embedding's norm (as TextSpan does): (n, L_a, H, E)."""
     per_image = []
     device = clip.visual.conv1.weight.device
     batches = image_batches.split(64) if isinstance(image_batches, torch.Tensor) else image_batches
@@ -404,8 +375,7 @@ def normalised_contributions(clip: clip_model.CLIP, image_batches, num_layers: i
 
 @torch.no_grad()
 def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iterable[torch.Tensor]],
-                  tokenizer: clip_model.SimpleTokenizer,
-                  bank: Sequence[Description],
+                  tokenizer: clip_model.SimpleTokenizer, bank: Sequence[Description],
                   attributes: Sequence[str] = CORE_ATTRIBUTES, num_layers: Optional[int] = None,
                   num_descriptions: Optional[int] = None, rank: Optional[int] = None,
                   low_bits: Optional[float] = None, high_bits: Optional[float] = None,
@@ -416,14 +386,10 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
                   log: Callable[[str], None] = print) -> RoleMap:
     """The head analysis (paper Sec. 3.2) -> RoleMap. image_batches: (n, 3, R, R) or an iterable of
     (B, 3, R, R); bank: the descriptions TextSpan picks from (Description, or (text, concept,
-    value) triples; the project's: harness/bank.py); num_layers: L_a, default analysed_layers;
-    num_descriptions: default default_picks(bank); rank: default textspan_rank(clip). For each
-    head of the last L_a layers: its direct contributions (over each embedding's norm, as
-    TextSpan does) and TextSpan's picks; then the concepts (concepts="clusters": the picks
-    clustered, embedded by embed_texts, default CLIP's text tower; "labels": the bank's; default:
-    default_concepts(bank); find_concepts), each head's concept entropy and role (low_bits,
-    high_bits: default default_thresholds). cluster_names: {cluster id: name} overrides the names
-    the clusters are given."""
+    value) triples; the project's: harness/bank.py). For each head of the last L_a = num_layers
+    layers: TextSpan's picks; then the concepts (find_concepts; "clusters": the picks embedded by
+    embed_texts, default CLIP's text tower; "labels": the bank's), each head's concept entropy and
+    role. A None takes its default_* (analysed_layers, textspan_rank, default_picks, ...)."""
     bank = [Description(*entry) for entry in bank]  # (text, concept, value) triples also do
     source = default_concepts(bank) if concepts is None else concepts  # "clusters" or "labels"
     check(concepts=source, bank=bank)  # section 10
@@ -449,18 +415,16 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
                                   rank))
         log(f"  head analysis: layer {first + li + 1} (index {first + li}) done")
 
-    # 2. The concepts of the distinct picks (a phrase picked by several heads counts once), from
-    #    the bank's labels or from the clusters of all heads' picks, named.
+    # 2. The concepts of the distinct picks (a phrase picked by several heads counts once).
     picked = list(dict.fromkeys(i for head_picks in picks for i in head_picks))  # (P,), in order
     known = {entry.text: row for entry, row in zip(bank, bank_embeddings)}  # CLIP's, made above
 
-    def embed_with_clip(texts: List[str]) -> torch.Tensor:  # (len(texts), E): the default space
+    def embed(texts: List[str]) -> torch.Tensor:  # texts -> (len(texts), d)
+        if embed_texts is not None:  # the user's encoder, checked
+            return checked_embeddings(embed_texts, texts)
         if all(text in known for text in texts):  # the picks, bank phrases: encoded above
             return torch.stack([known[text] for text in texts])
         return encode_descriptions(clip, tokenizer, texts).cpu()  # name_by_anchors' names
-
-    embed = embed_with_clip if embed_texts is None else (  # texts -> (len(texts), d)
-        lambda texts: checked_embeddings(embed_texts, texts))  # the user's encoder, checked
 
     if min_cluster_size is None:
         min_cluster_size = default_min_cluster_size(num_descriptions)
@@ -488,9 +452,7 @@ def analyze_heads(clip: clip_model.CLIP, image_batches: Union[torch.Tensor, Iter
 # Tokens from layer J on: [the image's N tokens (CLS and patches), A attribute tokens]. Each head
 # has its own additive mask (0 = may attend, -inf = may not):
 #   generalization head: image and attribute tokens never see each other; each attribute token sees
-#                        only itself. Within the layer, its output at the image tokens ignores the
-#                        attribute tokens (not across layers: earlier heads wrote into what it
-#                        reads).
+#                        only itself (within the layer: earlier heads wrote into what it reads).
 #   attribute head (a):  attribute token a and the image tokens see each other; the other
 #                        attribute tokens see only themselves.
 #   mixed head:          no restriction.
@@ -522,10 +484,8 @@ def build_role_masks(role_map: RoleMap, first_layer: int, depth: int,
     for i, layer in enumerate(range(first_layer - 1, depth)):
         for head in range(role_map.num_heads):
             entry = role_map.role_of(layer, head) or HeadRole(layer, head, "mixed")
-            index = None
-            if entry.role == "attribute":
-                index = role_map.attributes.index(entry.attribute)
-            masks[i, head] = head_mask(entry.role, index, num_image_tokens, A)
+            a = role_map.attributes.index(entry.attribute) if entry.role == "attribute" else None
+            masks[i, head] = head_mask(entry.role, a, num_image_tokens, A)
     return masks
 
 
@@ -542,11 +502,7 @@ def blind_attributes(role_masks: torch.Tensor, num_image_tokens: int,
 # ---- 5. The model (paper Sec. 3.3-3.4, METHOD.md Sec. 4) -----------------------------------------
 # DeAR is frozen CLIP plus learnable tokens from layer J on: in the vision tower A attribute tokens
 # follow the image's N tokens, each head under its role mask (section 4); in the text tower K tokens
-# follow the start token. Each branch (the class token, each attribute token) scores the classes
-# by cosine with the prompts' features; the fused logits weigh the branches by alpha = softmax of
-# learnable logits (paper Eq. 6-7; that alpha weighs logits, not features, is our reading:
-# METHOD.md Sec. 5). First what DeAR's constructor reads (J, which branches enter
-# the fusion, alpha's start), then the default token construction, then the model.
+# follow the start token. DeAR.forward fuses the branches' logits (paper Eq. 6-7).
 def default_first_layer(depth: int) -> int:
     """The paper's J (1-based), the one default of it: the first analysed layer (9 of 12 for
     ViT-B/16); train.py's --first-layer auto is this."""
@@ -570,23 +526,25 @@ def branches_in_fusion(attributes: List[str], blind: List[str], class_branch_onl
                        first_layer: int) -> torch.Tensor:
     """(1 + A,) bool: the class branch, and the attribute branches that can read the image (none on
     the fallback to the class branch, our choice: METHOD.md Sec. 3); warns of what is left out."""
-    warn_left_out(blind, class_branch_only, first_layer)  # section 10
+    if class_branch_only:
+        warnings.warn("DeAR: the head analysis names no attribute head (no head is specialised "
+                      "enough); falling back to the class branch alone "
+                      "(the attribute branches leave the fusion)", LeftOutWarning)
+    elif blind:
+        plural = "s" if len(blind) > 1 else ""
+        warnings.warn(f"DeAR: no head from layer J={first_layer} lets the {', '.join(blind)} "
+                      f"token{plural} read the image; left out of the fusion (a per-class bias)",
+                      LeftOutWarning)
     left_out = attributes if class_branch_only else blind
     return torch.tensor([True] + [a not in left_out for a in attributes])
 
 
-# The token construction (METHOD.md Sec. 4): where each layer's fresh tokens p_l come from. The
-# default, SeparateTokens below: each layer from J and each tower its own tokens. MMRL++'s,
-# SharedTokens (section 9): one set of latent tokens mapped into both towers. Either gives DeAR
-# each layer's vision tokens (L_v, A, W_v), text tokens (L_t, K, W_t) and the attribute tokens'
-# projection (W_v, E), which DeAR reads the same way.
+# The token construction (METHOD.md Sec. 4), where each layer's fresh tokens p_l come from:
+# SeparateTokens (the default) or SharedTokens (MMRL++'s, section 9), which DeAR reads the same way.
 def default_text_tokens(tokens: str, num_attributes: int) -> int:
-    """K, the one rule of it: 4 under "separate" (our choice); under "shared" the text tower
-    receives the vision tower's latent tokens, one per attribute token, so K = A (MMRL++).
-    A = 0 (the no-attribute-tokens ablation) takes away the attribute tokens alone: its text
-    tokens stay the full row's K, which train.py works out from the world's A before any
-    ablation. Under "shared" K = A would be 0, so DeAR then needs that K given as
-    num_text_tokens (check_tokens)."""
+    """K, the one rule of it: 4 under "separate" (our choice); K = A under "shared", whose text
+    tower receives the vision tower's latent tokens (MMRL++). A = 0 (ablate's no-attribute-tokens)
+    keeps the full row's K, which "shared" must be given (num_text_tokens, as train.py does)."""
     return TEXT_TOKENS if tokens == "separate" else num_attributes
 
 
@@ -601,18 +559,14 @@ class SeparateTokens(nn.Module):
         self.text_tokens = nn.Parameter(torch.randn(*text) * 0.02)  # (L_t, K, W_t)
         self.attribute_proj = nn.Parameter(proj.detach().clone())  # (W_v, E), starts as proj
 
-    def vision_layer_tokens(self) -> torch.Tensor:
-        """p_l, the fresh tokens of each vision layer from J on: (L_v, A, W_v)."""
+    def vision_layer_tokens(self) -> torch.Tensor:  # p_l of each vision layer from J: (L_v, A, W_v)
         return self.vision_tokens
 
-    def text_layer_tokens(self) -> torch.Tensor:
-        """p_l, the fresh tokens of each text layer from J on: (L_t, K, W_t)."""
+    def text_layer_tokens(self) -> torch.Tensor:  # p_l of each text layer from J: (L_t, K, W_t)
         return self.text_tokens
 
     def attribute_projection(self, proj: torch.Tensor) -> torch.Tensor:
-        """(W_v, E): the attribute tokens' own projection. proj, CLIP's frozen one, is not read
-        here: it is the argument of the other construction's, which adds a residual to it
-        (SharedTokens, section 9); DeAR calls both the same way."""
+        """(W_v, E), learned; CLIP's proj is read by SharedTokens' alone (DeAR calls both alike)."""
         return self.attribute_proj
 
 
@@ -647,21 +601,17 @@ class DeAROutput:
 
 
 class DeAR(nn.Module):
-    """Frozen CLIP (in place, no copy) + learnable tokens from layer J on (paper Sec. 3.3-3.4);
-    attributes default to the map's, J to the first analysed layer. Learnable:
-      tokens         the token construction (tokens="separate": SeparateTokens, the default;
-                     "shared": MMRL++'s SharedTokens, section 9): each layer's vision tokens
-                     (L_v, A, W_v), text tokens (L_t, K, W_t) and the attribute projection (W_v, E)
+    """Frozen CLIP (in place, no copy) + learnable tokens from layer J on (paper Sec. 3.3-3.4); by
+    default the map's attributes, J the first analysed layer, K default_text_tokens. Learnable:
+      tokens         SeparateTokens (tokens="separate", the default) or SharedTokens ("shared"):
+                     each layer's vision tokens, text tokens and the attribute projection
       fusion_logits  (1 + A,): alpha = softmax over the class branch and those reading the image
-    num_text_tokens: K, default default_text_tokens. beta = 0.5 is the library's choice for a
-    small model; train.py passes the recipe's (MMRL++'s 0.9 and its per-dataset values, METHOD.md
-    Sec. 7). class_branch_fallback=False keeps every branch of a measured map without attribute
-    heads, one made so on purpose (ablate's mask-generalization-only). Without attribute tokens
-    (A = 0, ablate's no-attribute-tokens): frozen CLIP's image feature, the text tokens, alpha =
-    (1,). fuse: what alpha weighs, each branch's logits (the default) or its feature (fused_logits);
-    fixed_alpha: alpha_cls held there, the rest even, not learned (ablate's fixed-fusion). Nothing
-    before J learns: it runs without autograd, shared with the frozen pass, and once per class list
-    on the text side (test_dear_reference.py checks these shortcuts)."""
+    beta = 0.5 is the library's choice for a small model; train.py passes the recipe's (MMRL++'s
+    0.9 and its per-dataset values, METHOD.md Sec. 7). class_branch_fallback=False keeps every
+    branch of a measured map without attribute heads, one made so on purpose (ablate's
+    mask-generalization-only). Without attribute tokens (A = 0): frozen CLIP's image feature, the
+    text tokens, alpha = (1,). fuse: what alpha weighs, each branch's logits (the default) or its
+    feature (fused_logits); fixed_alpha: alpha_cls held there, the rest even, not learned."""
 
     def __init__(self, clip: clip_model.CLIP, role_map: RoleMap,
                  attributes: Optional[Sequence[str]] = None, first_layer: Optional[int] = None,
@@ -675,17 +625,16 @@ class DeAR(nn.Module):
         depth = len(clip.visual.transformer.resblocks)
         attributes = list(role_map.attributes if attributes is None else attributes)
         first_layer = default_first_layer(depth) if first_layer is None else first_layer
-        check(first_layer=first_layer, depth=min(depth, len(clip.transformer.resblocks)),
-              beta=beta, tokens=tokens, num_attributes=len(attributes),
-              num_text_tokens=num_text_tokens, latent_width=latent_width,
-              cls_fusion_weight=cls_fusion_weight)  # section 10
+        check(first_layer=first_layer, depth=min(depth, len(clip.transformer.resblocks)), beta=beta,
+              tokens=tokens, num_attributes=len(attributes), num_text_tokens=num_text_tokens,
+              latent_width=latent_width, cls_fusion_weight=cls_fusion_weight)  # section 10
         role_map.validate(depth, clip.visual.transformer.heads, attributes)
         if num_text_tokens is None:
             num_text_tokens = default_text_tokens(tokens, len(attributes))
         self.clip = clip.eval().requires_grad_(False)  # frozen: only the tensors below learn
         self.role_map, self.attributes, self.construction = role_map, attributes, tokens
         self.first_layer, self.beta, self.num_text_tokens = first_layer, beta, num_text_tokens
-        self.fuse = fuse
+        self.fuse = fuse  # what alpha weighs (fused_logits)
         L_v = depth - first_layer + 1  # vision layers from J on
         L_t = len(clip.transformer.resblocks) - first_layer + 1  # text layers from J on
         A, K = len(attributes), num_text_tokens
@@ -719,8 +668,7 @@ class DeAR(nn.Module):
 
     def learnable_tensors(self) -> Dict[str, nn.Parameter]:
         """{name: tensor} of everything that learns, as checkpoints hold them: the construction's
-        (separate: vision_tokens, text_tokens, attribute_proj; shared: latent_tokens, then each
-        module's as vision_aligner.weight, ...), then fusion_logits."""
+        (e.g. vision_tokens, or latent_tokens, vision_aligner.weight, ...), then fusion_logits."""
         learned = isinstance(self.fusion_logits, nn.Parameter)  # not under fixed_alpha
         return {**dict(self.tokens.named_parameters()),
                 **({"fusion_logits": self.fusion_logits} if learned else {})}
@@ -735,9 +683,7 @@ class DeAR(nn.Module):
     def encode_image(self, images: torch.Tensor, with_frozen: bool = False,
                      beta: Optional[float] = None):
         """images (B, 3, R, R) -> (f_cls (B, E), f_attr (B, A, E), f_frozen (B, E) or None).
-        Before J plain CLIP; from J on the attribute tokens follow the image tokens, each head
-        under its role mask. beta: the tokens' mixing (None: the model's; a test set may take
-        its own, test_beta)."""
+        beta: the tokens' mixing (None: the model's; a test set may take its own, test_beta)."""
         beta = self.beta if beta is None else beta
         visual, j = self.clip.visual, self.first_layer - 1
         before, after = visual.transformer.resblocks[:j], visual.transformer.resblocks[j:]
@@ -782,10 +728,8 @@ class DeAR(nn.Module):
     def encode_text(self, classes: PreparedClasses, beta: Optional[float] = None) -> torch.Tensor:
         """PreparedClasses -> t_c (C, E). As encode_image, with the K learnable tokens right after
         the start token: from J on each layer reads [start, K tokens, the prompt's other tokens],
-        so the tokens sit at 1..K and the prompt's end-of-text token, whose state is t_c, at
-        eot + K. The causal mask lets every later token read them. They get no positional
-        embedding (CLIP adds it once, in embed_text, before layer 0; the prompt's own tokens keep
-        theirs). beta as encode_image's."""
+        so t_c, the end-of-text token's state, sits at eot + K; every later token reads the tokens
+        (causal mask). They get no positional embedding (CLIP adds it once, before layer 0)."""
         check(classes=classes)  # section 10
         beta = self.beta if beta is None else beta
         x, K = classes.hidden, self.num_text_tokens  # x: (C, N, W_t), the frozen layers' output
@@ -812,21 +756,18 @@ class DeAR(nn.Module):
         features = torch.cat([f_cls[:, None], f_attr], dim=1)  # (B, 1 + A, E)
         logits, branch_logits = self.fused_logits(features, t)
         return DeAROutput(logits=logits, branch_logits=branch_logits, alpha=self.fusion_weights(),
-                          image_features=features, text_features=t,
-                          frozen_image_features=f_frozen,
+                          image_features=features, text_features=t, frozen_image_features=f_frozen,
                           frozen_text_features=classes.frozen if with_frozen else None,
                           fused_attributes=self.fused_attributes)
 
     def fused_logits(self, features: torch.Tensor, text_features: torch.Tensor):
         """(B, 1 + A, E), (C, E) -> (fused (B, C), branches (B, 1 + A, C)): forward's, and
-        evaluation's with the text encoded once. fp32 under any autocast (cosine_logits), the
-        weighted sum too. fuse="features" (the other reading of the paper's summary, METHOD.md
-        Sec. 5): each branch's feature made unit length, so alpha alone weighs them, then summed."""
+        evaluation's with the text encoded once; fp32 under any autocast, the weighted sum too."""
         scale = self.clip.logit_scale.exp()
         branch_logits = cosine_logits(features, text_features, scale)  # (B, 1 + A, C), fp32
         with torch.autocast(branch_logits.device.type, enabled=False):
             alpha = self.fusion_weights().float()  # (1 + A,)
-            if self.fuse == "features":
+            if self.fuse == "features":  # unit features, so that alpha alone weighs them
                 unit = F.normalize(features.float(), dim=-1)  # (B, 1 + A, E)
                 fused_feature = torch.einsum("bae,a->be", unit, alpha)  # (B, E)
                 return cosine_logits(fused_feature, text_features, scale), branch_logits
@@ -863,15 +804,12 @@ class DeAR(nn.Module):
         """The learnable tensors, their count and share, in one line."""
         learnable = sum(p.numel() for p in self.learnable_parameters())
         frozen = sum(p.numel() for p in self.clip.parameters())
-        tensors = self.learnable_tensors().items()
-        parts = ", ".join(f"{name} {tuple(t.shape)}" for name, t in tensors)
+        parts = ", ".join(f"{n} {tuple(t.shape)}" for n, t in self.learnable_tensors().items())
         return (f"learnable {learnable:,} parameters ({parts}); frozen CLIP {frozen:,} "
                 f"({100 * learnable / (learnable + frozen):.2f}% learnable)")
 
 
-# ---- 6. The losses (paper Sec. 3.4, METHOD.md Sec. 5) --------------------------------------------
-# CE on the fused logits, plus L_reg, which keeps the class feature and the class texts near plain
-# CLIP's, plus L_fusion, which keeps the class branch's weight from vanishing (dear_loss).
+# ---- 6. The losses (paper Sec. 3.4, METHOD.md Sec. 5): dear_loss adds them ----------------------
 def self_regularization_loss(f_cls: torch.Tensor, f_cls_frozen: torch.Tensor, t: torch.Tensor,
                              t_frozen: torch.Tensor) -> torch.Tensor:
     """L_reg = mean_i (1 - cos(f_cls_i, f_cls_frozen_i)) + mean_c (1 - cos(t_c, t_c_frozen)): near
@@ -887,9 +825,8 @@ def fusion_regularization_loss(alpha: torch.Tensor) -> torch.Tensor:
 
 def branch_cross_entropy(output: DeAROutput, labels: torch.Tensor) -> torch.Tensor:
     """Not the paper's loss (the branch-ce ablation): MMRL_Loss's ALPHA * CE(class branch) +
-    (1 - ALPHA) * CE(the rest) (yunncheng/MMRL trainers/mmrl.py), ALPHA = MMRL_ALPHA (not the
-    fusion weights output.alpha), the rest = the mean CE of the attribute branches in the fusion;
-    with none in it, CE(class branch)."""
+    (1 - ALPHA) * the mean CE of the attribute branches in the fusion (yunncheng/MMRL
+    trainers/mmrl.py), ALPHA = MMRL_ALPHA, not output.alpha; with none, CE(class branch)."""
     branches = output.branch_logits.float()  # (B, 1 + A, C)
     class_term = F.cross_entropy(branches[:, 0], labels)
     if not output.fused_attributes:  # a branch left out has alpha 0
@@ -920,10 +857,8 @@ def dear_loss(output: DeAROutput, labels: torch.Tensor, lambda_reg: float = 1.0,
 
 
 # ---- 7. The paper's ablations (its "Ablation Study"; METHOD.md Sec. 5), and the lab's controls --
-# Each ablation is the DeAR row with one change, made in ablate and nowhere else: what DeAR is
-# built from (role map, attribute tokens, the fallback, the fusion) and what dear_loss reads
-# (lambda_reg, lambda_fusion, branch_ce). branch-ce is ours, not the paper's, for the retrieval
-# diagnosis; the rest after it are ours too, controls asking the paper's question (docs/TOYWORLD.md).
+# Each ablation is the DeAR row with one change, made in ablate alone. branch-ce (for the
+# retrieval diagnosis) and the rest after it are ours, controls asking the paper's question.
 ABLATIONS = {  # name -> what train.py's --ablations help says of it
     "no-role-mask": "every head mixed: the tokens reach every head (the row of --roles all-mixed)",
     "no-attribute-tokens": "no attribute token: the class branch and the text tokens alone",
@@ -953,10 +888,8 @@ class Ablated(NamedTuple):
 
 def generalization_mask_only(role_map: RoleMap) -> RoleMap:
     """The paper's "mask on the generalization heads only": every attribute head made mixed, so
-    every token reads the image through it. Only the roles and the source change: each head's
-    entropy, picks and their concepts, the thresholds, the concept source and the clusters stay as
-    measured. Such a map has no attribute head on purpose: build its DeAR with
-    class_branch_fallback=False (ablate does)."""
+    every token reads the image through it; all else stays as measured. Such a map has no
+    attribute head on purpose: build its DeAR with class_branch_fallback=False (ablate does)."""
     heads = [replace(h, role="mixed", attribute=None) if h.role == "attribute" else replace(h)
              for h in role_map.heads]
     return replace(role_map, attributes=list(role_map.attributes), heads=heads,
@@ -966,8 +899,7 @@ def generalization_mask_only(role_map: RoleMap) -> RoleMap:
 
 def shuffled_heads(role_map: RoleMap, seed: int) -> RoleMap:
     """Random heads at the analysed map's counts: each head's record (role, attribute, entropy,
-    picks) moved to another place by a permutation seeded by `seed`; every role and attribute
-    keeps its count, only which heads hold them changes."""
+    picks) moved to another place by a permutation seeded by `seed`."""
     order = torch.randperm(len(role_map.heads), generator=torch.Generator().manual_seed(seed))
     heads = [replace(role_map.heads[i], layer=place.layer, head=place.head)
              for place, i in zip(role_map.heads, order.tolist())]
@@ -992,64 +924,34 @@ def ablate(name: Optional[str], role_map: RoleMap, attributes: List[str], lambda
            lambda_reg: float = 1.0, seed: int = 0, true_map: Optional[RoleMap] = None) -> Ablated:
     """The one change of ablation `name` (None: none) to the DeAR row's role map, attribute tokens,
     fusion and loss -> Ablated; DeAR is built and dear_loss called from it, nothing else switches.
-    seed: the run's (shuffled-heads); true_map: the toy's true heads (true-heads; the caller
-    has them from the causal check, toyworld.causal.true_role_map).
-
-      name                      the one change                                  where it acts
-      no-role-mask              every head of the analysed layers mixed         role map (the
-                                (deep prompting, no mask)                       all-mixed row)
-      no-attribute-tokens       A = 0: no attribute token; a uniform mixed      DeAR(attributes),
-                                map over the same layers (DeAR refuses a map    role map
-                                with attributes that A = 0 cannot hold); the
-                                text tokens stay (K: default_text_tokens)
-      no-fusion-reg             lambda_fusion = 0                               dear_loss
-      mask-generalization-only  the analysed map with its attribute heads       role map,
-                                made mixed (generalization_mask_only); DeAR     DeAR(class_branch_
-                                without the fallback: the map has no            fallback=False)
-                                attribute head on purpose
-      branch-ce                 + MMRL's 0.7 CE(class) + 0.3 CE(attribute       dear_loss(branch_ce)
-                                branches), not the paper's loss
-      shuffled-heads            the map's roles permuted (shuffled_heads)       role map
-      whole-layers              whole top layers mixed, as open (whole_layers)  role map
-      true-heads                true_map                                        role map
-      fixed-fusion              alpha_cls held at MMRL_ALPHA                    DeAR(fixed_alpha)
-      feature-fusion            alpha weighs the features                       DeAR(fuse)
-      no-self-reg               lambda_reg = 0                                  dear_loss
-    """
+    seed: the run's (shuffled-heads); true_map: the toy's true heads (true-heads; the caller has
+    them from the causal check, toyworld.causal.true_role_map). `changes` below holds one row per
+    ablation: its name, its change, and where it acts (the fields it replaces)."""
     def uniform_mixed(attributes: List[str]) -> RoleMap:  # --roles all-mixed's map
         return RoleMap.uniform("mixed", role_map.vision_layers, role_map.num_heads,
                                attributes=attributes)
 
+    changes = {  # name -> the fields of the DeAR row it replaces, made only when asked
+        "no-role-mask": lambda: dict(role_map=uniform_mixed(list(attributes))),  # all-mixed's row
+        "no-attribute-tokens": lambda: dict(role_map=uniform_mixed([]), attributes=[]),  # K stays
+        "no-fusion-reg": lambda: dict(lambda_fusion=0.0),
+        "mask-generalization-only": lambda: dict(role_map=generalization_mask_only(role_map),
+                                                 class_branch_fallback=False),  # on purpose
+        "branch-ce": lambda: dict(branch_ce=True),  # not the paper's loss (branch_cross_entropy)
+        "shuffled-heads": lambda: dict(role_map=shuffled_heads(role_map, seed)),
+        "whole-layers": lambda: dict(role_map=whole_layers(role_map)),
+        "true-heads": lambda: dict(role_map=true_map),
+        "fixed-fusion": lambda: dict(fixed_alpha=MMRL_ALPHA),
+        "feature-fusion": lambda: dict(fuse="features"),
+        "no-self-reg": lambda: dict(lambda_reg=0.0),
+    }
+    if name is not None and name not in changes:
+        raise DeARError(f"ablation {name!r}: use one of {', '.join(ABLATIONS)}")
+    if name == "true-heads" and true_map is None:
+        raise DeARError("ablation 'true-heads' needs true_map, the heads a causal check "
+                        "singles out (the toy world's: toyworld.causal.true_role_map)")
     change = Ablated(role_map, list(attributes), True, lambda_fusion, False, lambda_reg)
-    if name is None:
-        return change
-    if name == "no-role-mask":
-        return change._replace(role_map=uniform_mixed(list(attributes)))
-    if name == "no-attribute-tokens":
-        return change._replace(role_map=uniform_mixed([]), attributes=[])
-    if name == "no-fusion-reg":
-        return change._replace(lambda_fusion=0.0)
-    if name == "mask-generalization-only":
-        return change._replace(role_map=generalization_mask_only(role_map),
-                               class_branch_fallback=False)
-    if name == "branch-ce":
-        return change._replace(branch_ce=True)
-    if name == "shuffled-heads":
-        return change._replace(role_map=shuffled_heads(role_map, seed))
-    if name == "whole-layers":
-        return change._replace(role_map=whole_layers(role_map))
-    if name == "true-heads":
-        if true_map is None:
-            raise DeARError("ablation 'true-heads' needs true_map, the heads a causal check "
-                            "singles out (the toy world's: toyworld.causal.true_role_map)")
-        return change._replace(role_map=true_map)
-    if name == "fixed-fusion":
-        return change._replace(fixed_alpha=MMRL_ALPHA)
-    if name == "feature-fusion":
-        return change._replace(fuse="features")
-    if name == "no-self-reg":
-        return change._replace(lambda_reg=0.0)
-    raise DeARError(f"ablation {name!r}: use one of {', '.join(ABLATIONS)}")
+    return change if name is None else change._replace(**changes[name]())
 
 
 # ---- 8. At test time: the logits that score a test set (METHOD.md Sec. 5); retrieval -------------
@@ -1058,8 +960,7 @@ def scoring_logits(fusion: str, trained: bool) -> str:
     each fusion rule (METHOD.md Sec. 5: the paper does not say which its tables use).
     trained: the test classes are the trained ones, in the trained domain (a base split).
       fused-everywhere: the fused logits on every test set (weights learned on the trained classes);
-      class-on-unseen:  fused where trained, the class branch alone on classes not trained (novel
-                        classes, other datasets, variants): MMRL's code."""
+      class-on-unseen:  fused where trained, the class branch alone elsewhere (MMRL's code)."""
     if fusion == "fused-everywhere":
         return "fused"
     if fusion == "class-on-unseen":
@@ -1067,9 +968,8 @@ def scoring_logits(fusion: str, trained: bool) -> str:
     raise DeARError(f"fusion={fusion!r}: use fused-everywhere or class-on-unseen")
 
 
-# MMRL++ tests each cross/dg target at its own beta: its trainers/config.py (task CD), merged for
-# the target's own test call (scripts/mmrlpp/cross_datasets_test.sh: --eval-only, TASK CD) into
-# the model it builds (trainers/mmrlpp.py: design_details["beta"]).
+# MMRL++ tests each cross/dg target at its own beta: trainers/config.py (task CD), merged by the
+# target's test call (scripts/mmrlpp/cross_datasets_test.sh) into trainers/mmrlpp.py's model.
 MMRLPP_TEST_BETA = {"imagenet": 0.9, "imagenet_v2": 0.9, "imagenet_r": 0.9, "imagenet_a": 0.8,
                     "imagenet_sketch": 0.7, "fgvc_aircraft": 0.9, "ucf101": 0.9, "sun397": 0.7,
                     "oxford_pets": 0.6, "caltech101": 0.6, "dtd": 0.5, "oxford_flowers": 0.4,
@@ -1086,8 +986,7 @@ def test_beta(test_set: str, trained: bool, beta: float, per_target: bool = True
 # The paper's check that a token carries its attribute: rank images by one token's feature.
 @torch.no_grad()
 def retrieval_features(model: DeAR, images: torch.Tensor) -> dict:
-    """images (B, 3, R, R) -> {"class", each attribute but the blind, "frozen CLIP": (B, E)},
-    normalised."""
+    """images (B, 3, R, R) -> {"class", each attribute but the blind, "frozen CLIP"}: unit (B, E)"""
     f_cls, f_attr, f_frozen = model.encode_image(images, with_frozen=True)
     features = {"class": f_cls, **dict(zip(model.attributes, f_attr.unbind(dim=1))),
                 "frozen CLIP": f_frozen}
@@ -1107,8 +1006,7 @@ def rank_gallery(queries: torch.Tensor, gallery: torch.Tensor, k: int,
 
 def precision_at_k(ranking: torch.Tensor, query_values: Sequence,
                    gallery_values: Sequence) -> float:
-    """ranking (Q, k) -> the share of retrieved images whose value (e.g. colour) is their
-    query's."""
+    """ranking (Q, k) -> the share of retrieved images whose value (e.g. colour) is the query's."""
     hits = [sum(gallery_values[j] == query_values[q] for j in row) / len(row)
             for q, row in enumerate(ranking.tolist())]
     return sum(hits) / len(hits)
@@ -1117,15 +1015,12 @@ def precision_at_k(ranking: torch.Tensor, query_values: Sequence,
 # ---- 9. The other token construction: MMRL++'s shared space (tokens="shared", METHOD.md Sec. 4) --
 # MMRL++ (yunncheng/MMRL trainers/mmrlpp.py, clip/model_mmrlpp.py; configs/trainers/MMRLpp/
 # vit_b16.yaml) learns one set of latent tokens and maps it into the token layers of both towers.
-# SharedTokens gives DeAR what SeparateTokens (section 5) gives, so DeAR reads both the same way.
 class TowerAligner(nn.Module):
-    """One tower's map of the latent tokens into its L token layers (L_v or L_t, the tower's layers
-    from J on; W its width, W_v or W_t), MMRL++'s Shared_Residual_Representation_Aligner (one
-    Residual_Aligner per layer):  p_l = z (M + a_l b_l)^T + c_l.
-    z (K, W_z) the latent tokens; M (W, W_z) one linear map for every layer (torch's nn.Linear
-    initialisation, learned); a_l (W, Q) Kaiming-uniform and b_l (Q, W_z) zero, layer l's rank-Q
-    residual, so every layer starts from the same map; c_l (W,) each layer's own bias, all starting
-    from the linear's."""
+    """One tower's map of the latent tokens into its L token layers (L_v or L_t; W its width),
+    MMRL++'s Shared_Residual_Representation_Aligner (a Residual_Aligner per layer):
+    p_l = z (M + a_l b_l)^T + c_l. z (K, W_z) the latent tokens; M (W, W_z) one linear map for every
+    layer (an nn.Linear's start, learned); a_l (W, Q) Kaiming-uniform and b_l (Q, W_z) zero, layer
+    l's rank-Q residual, so every layer starts from M; c_l (W,) each layer's bias (the linear's)."""
 
     def __init__(self, latent_width: int, width: int, layers: int, rank: int):
         super().__init__()
@@ -1147,8 +1042,7 @@ class TowerAligner(nn.Module):
 
 class LowRankResidual(nn.Module):
     """The attribute projection's learnable part, a b with a (W_v, Q) Kaiming-uniform and b (Q, E)
-    zero (MMRL++'s VisionTransformer.A, .B in clip/model_mmrlpp.py: proj + A @ B), so the
-    projection starts as proj itself."""
+    zero, so that proj + a b starts as proj (MMRL++'s VisionTransformer.A, .B: proj + A @ B)."""
 
     def __init__(self, rows: int, cols: int, rank: int):
         super().__init__()
@@ -1162,12 +1056,10 @@ class LowRankResidual(nn.Module):
 
 class SharedTokens(nn.Module):
     """tokens="shared": latent tokens z (K, W_z) (normal, std 0.02; W_z = latent_width, default
-    W_t, 512 on ViT-B/16 as MMRL++'s) mapped into each token layer of the vision tower (W_z -> W_v)
-    and of the text tower (W_z -> W_t), one TowerAligner each: the same tokens enter both towers,
-    so K = A (default_text_tokens). The attribute projection is proj, frozen, plus a
-    LowRankResidual. A tensor is built only where it acts: without attribute tokens (A = 0) no
-    vision map and no residual (the latent tokens reach the text tower alone); without text
-    tokens (K = 0) no latent token and no text map. Same arguments as SeparateTokens."""
+    W_t, 512 on ViT-B/16 as MMRL++'s) mapped into each token layer of both towers, one TowerAligner
+    each, so K = A; the attribute projection is proj, frozen, plus a LowRankResidual. A tensor is
+    built only where it acts: A = 0, no vision map and no residual; K = 0, no latent token and no
+    text map. Same arguments as SeparateTokens."""
 
     def __init__(self, *, vision: Sequence[int], text: Sequence[int], proj: torch.Tensor,
                  latent_width: Optional[int] = None):
@@ -1181,15 +1073,13 @@ class SharedTokens(nn.Module):
         self.vision_shape, self.text_shape = tuple(vision), tuple(text)
         self.register_buffer("empty", torch.zeros(0), persistent=False)  # empty tokens' device
 
-    def vision_layer_tokens(self) -> torch.Tensor:
-        """p_l, z through the vision tower's map of each layer: (L_v, A, W_v); A = 0: empty."""
-        if self.vision_aligner is None:
+    def vision_layer_tokens(self) -> torch.Tensor:  # p_l, z through each layer's map: (L_v, A, W_v)
+        if self.vision_aligner is None:  # A = 0: empty
             return self.empty.new_zeros(self.vision_shape)
         return self.vision_aligner(self.latent_tokens)
 
-    def text_layer_tokens(self) -> torch.Tensor:
-        """p_l, z through the text tower's map of each layer: (L_t, K, W_t); K = 0: empty."""
-        if self.text_aligner is None:
+    def text_layer_tokens(self) -> torch.Tensor:  # p_l, z through each layer's map: (L_t, K, W_t)
+        if self.text_aligner is None:  # K = 0: empty
             return self.empty.new_zeros(self.text_shape)
         return self.text_aligner(self.latent_tokens)
 
@@ -1200,9 +1090,8 @@ class SharedTokens(nn.Module):
         return proj + self.attribute_proj_residual()
 
 
-# ---- 10. Bookkeeping, not the method: the argument checks, one table; RoleMap with its checks,
-# JSON file and table. Each check stands once; the harness (for train.py) calls the same before
-# any work.
+# ---- 10. Bookkeeping, not the method: the argument checks, one table (the harness calls the same
+# before any work); RoleMap with its checks, JSON file and table.
 def is_real(value) -> bool:  # NaN and inf are not
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -1232,8 +1121,7 @@ ARGUMENT_RULES = [
      "A = {num_attributes} tokens of the vision tower; leave K unset (it follows A)"),
     ("num_text_tokens", lambda K: K is None or K >= 0,
      "num_text_tokens={num_text_tokens} must be 0 or more"),
-    ("latent_width tokens",
-     lambda width, tokens: width is None or tokens == "shared" and width >= 1,
+    ("latent_width tokens", lambda width, tokens: width is None or tokens == "shared" and width >= 1,
      "latent_width={latent_width}: the latent tokens' width, 1 or more, for tokens='shared' only"),
     ("cls_fusion_weight", lambda weight: 0.0 < weight < 1.0,
      "cls_fusion_weight={cls_fusion_weight} must be in (0, 1)"),
@@ -1318,8 +1206,7 @@ def clusters_line(found: List[str], clusters: List[Cluster], min_cluster_size: i
 
 def checked_embeddings(embed_texts: Callable[[List[str]], torch.Tensor],
                        texts: List[str]) -> torch.Tensor:
-    """embed_texts(texts) as a (len(texts), d) float tensor on the CPU, or one line saying what
-    came back."""
+    """embed_texts(texts) as a (len(texts), d) float CPU tensor, or one line saying what came."""
     embedded = torch.as_tensor(embed_texts(texts))  # e.g. a numpy array (sentence-transformers')
     if embedded.dim() != 2 or len(embedded) != len(texts) or not embedded.is_floating_point():
         raise DeARError(f"embed_texts returned a {embedded.dtype} tensor of shape "
@@ -1328,23 +1215,9 @@ def checked_embeddings(embed_texts: Callable[[List[str]], torch.Tensor],
     return embedded.detach().float().cpu()
 
 
-def warn_left_out(blind: List[str], class_branch_only: bool, first_layer: int) -> None:
-    """branches_in_fusion's warning: the fallback to the class branch, or the blind branches."""
-    if class_branch_only:
-        warnings.warn("DeAR: the head analysis names no attribute head (no head is specialised "
-                      "enough); falling back to the class branch alone "
-                      "(the attribute branches leave the fusion)", LeftOutWarning)
-    elif blind:
-        plural = "s" if len(blind) > 1 else ""
-        warnings.warn(f"DeAR: no head from layer J={first_layer} lets the {', '.join(blind)} "
-                      f"token{plural} read the image; left out of the fusion (a per-class bias)",
-                      LeftOutWarning)
-
-
 @dataclass
 class RoleMap:
-    """The role of every head of the analysed vision layers, which the mask is built from (the
-    record sections 3-7 pass around), with its checks, JSON file and table."""
+    """The role of every head of the analysed vision layers: the record sections 3-7 pass around."""
     vision_layers: int  # depth of the vision tower it was made for
     num_heads: int  # heads per layer of that tower
     attributes: List[str]  # the attribute tokens' names, in token order
@@ -1418,8 +1291,7 @@ class RoleMap:
     def load(cls, path: str) -> RoleMap:
         """Read a role file; each problem is one DeARError line that names the file."""
         try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
             thresholds = data.get("thresholds_bits") or {}
             role_map = cls(int(data["vision_layers"]), int(data["num_heads"]),
                            list(data["attributes"]), [HeadRole(**h) for h in data["heads"]],
@@ -1465,12 +1337,10 @@ class RoleMap:
 
 
 def format_head_mask(mask: torch.Tensor, num_image_tokens: int, attributes: Sequence[str]) -> str:
-    """An (N + A, N + A) role mask as text, the image tokens (alike by construction) folded into
-    one: '#' = may attend."""
+    """An (N + A, N + A) role mask as text, the image tokens folded into one: '#' = may attend."""
     N, names = num_image_tokens, ["image"] + [a[:8] for a in attributes]
-    top = torch.cat([mask[:1, :1], mask[:1, N:]], 1)
-    bottom = torch.cat([mask[N:, :1], mask[N:, N:]], 1)
-    folded = torch.cat([top, bottom])  # (1 + A, 1 + A)
+    kept = [0] + list(range(N, len(mask)))  # the image tokens' rows are alike by construction
+    folded = mask[kept][:, kept]  # (1 + A, 1 + A)
     rows = [f"{name:>11} " + " ".join(f"{'#' if v == 0 else '.':>8}" for v in row)
             for name, row in zip(names, folded)]
     return "\n".join(["query \\ key " + " ".join(f"{n:>8}" for n in names)] + rows)
