@@ -13,13 +13,15 @@ Run the whole suite with:  python -m pytest -q
 
 import os
 import socket
+import subprocess
 import sys
 
 import pytest
 import torch
 
 # The project's modules live at the repository root, next to this tests/ folder.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
 import clip_model  # noqa: E402
 
@@ -159,6 +161,24 @@ def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]  # the socket closes on leaving the block
+
+
+def torchrun(script, *args, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`script` (train.py or a wrapper, from the repository) in 2 processes under torchrun (gloo on
+    the CPU), one thread each, its output captured. A timeout (a process left waiting on a
+    collective) ends torchrun by SIGTERM, which it passes on to its processes, each in a session of
+    its own, before the test fails: subprocess.run would SIGKILL torchrun and leave them running."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(script), *map(str, args)]
+    with subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=dict(os.environ, OMP_NUM_THREADS="1")) as child:
+        try:
+            stdout, stderr = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            child.terminate()
+            child.communicate()
+            raise
+    return subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, what: str = "") -> None:

@@ -36,7 +36,7 @@ import data  # noqa: E402
 import dear  # noqa: E402
 from harness import analysis, cli, config, devices, errors, plan, runfolder  # noqa: E402
 import train  # noqa: E402
-from conftest import perturb_  # noqa: E402
+from conftest import perturb_, torchrun  # noqa: E402
 from test_train import merges_for  # noqa: E402
 
 CLASSES = ["banded", "blotchy", "braided", "bubbly", "cracked"]  # 3 base, 2 novel
@@ -495,10 +495,7 @@ def test_two_processes_outlast_the_group_timeout_while_rank_0_analyses(world, tm
     out = tmp_path / "ddp"
     args = common(world, out, "--method", "dear", "--roles", "analyse", "--text-tokens", "0",
                   "--batch-size", "2", "--epochs", "1")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    done = subprocess.run([*torchrun, str(driver), *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env=env)
+    done = torchrun(driver, *args)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "the other processes wait for it up to 2:00:00 (devices.MAIN_WORK_TIMEOUT)" in done.stdout
     assert "x 2 processes" in done.stdout and done.stdout.count("train.py: done") == 1

@@ -34,7 +34,7 @@ import dear  # noqa: E402
 import train  # noqa: E402
 from harness import (analysis, probes, cli, config, devices, monitor, plan,  # noqa: E402
                      reports, runfolder, sources)
-from conftest import no_network, perturb_  # noqa: E402,F401 -- a fixture
+from conftest import no_network, perturb_, torchrun  # noqa: E402,F401 -- a fixture
 
 
 @pytest.fixture(autouse=True)
@@ -736,9 +736,7 @@ def test_torchrun_with_two_processes_trains_and_writes_one_result(world, tmp_pat
     out = tmp_path / "ddp"
     args = common(world, out, "--dataset", "dtd", "--seeds", "1", "--method", "dear", "--roles", "analyse",
                   "--shots", "4")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "train.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    done = torchrun("train.py", *args)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("train.py: done") == 1  # rank 0 alone prints
     assert "x 2 processes" in done.stdout
@@ -758,9 +756,7 @@ def test_torchrun_processes_stop_a_run_together_when_one_has_a_nan(world, tmp_pa
     args = common(world, out, "--dataset", "dtd", "--seeds", "1", "2", "--method", "dear",
                   "--roles", "all-mixed", "--shots", "4", "--augment", "off",
                   "--batch-size", "2")  # 12 images: 3 steps per process and epoch
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    done = subprocess.run([*torchrun, "benchmarks/nan_on_rank.py", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    done = torchrun("benchmarks/nan_on_rank.py", *args)
     assert done.returncode == 1, done.stderr[-3000:]
     said = [line for line in done.stdout.splitlines() if line.startswith("train.py: [")]
     assert len(said) == 1 and said[0].startswith(
@@ -1818,10 +1814,7 @@ def test_torchrun_trains_shared_tokens_with_blind_branches_and_no_attribute_toke
                   "--tokens", "shared", "--roles", hand_made_roles(tmp_path), "all-generalization",
                   "--ablations", "no-attribute-tokens",
                   "--shots", "4")  # 12 images: 2 steps per process and epoch
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    done = subprocess.run([*torchrun, "train.py", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env=env)
+    done = torchrun("train.py", *args)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "x 2 processes" in done.stdout and done.stdout.count("train.py: done") == 1
     for row in ("dear", "dear-all-generalization", "dear-no-attribute-tokens"):
