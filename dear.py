@@ -210,12 +210,12 @@ def name_by_labels(found: Sequence[str], labels: Sequence[str],
     """A labelled pool: each cluster is named by its phrases' most common label when that is a core
     attribute, else "other" (the labels name the concepts; which picks go together stays HDBSCAN's).
     found: each distinct pick's concept, as cluster_picks gives it; labels: each one's label."""
-    names = {}
-    for concept in dict.fromkeys(c for c in found if c != NOISE):  # each cluster, as first found
-        counts = Counter(label for c, label in zip(found, labels) if c == concept)
-        label = counts.most_common(1)[0][0]
-        names[concept] = label if label in attributes else "other"
-    return names
+    counts: Dict[str, Counter] = {}  # cluster -> its phrases' labels, counted in one pass
+    for concept, label in zip(found, labels):
+        if concept != NOISE:
+            counts.setdefault(concept, Counter())[label] += 1
+    names = {concept: c.most_common(1)[0][0] for concept, c in counts.items()}
+    return {concept: name if name in attributes else "other" for concept, name in names.items()}
 
 
 def name_by_anchors(centres: torch.Tensor, anchors: torch.Tensor,

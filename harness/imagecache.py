@@ -119,10 +119,11 @@ class EpochSampler(Sampler):
     webdataset deals its shards so, webdataset/shardlists.py split_by_node)."""
 
     def __init__(self, count: int, world: int = 1, rank: int = 0, seed: int = 0):
-        self.seed, self.epoch, length = seed, 0, -(-count // world)  # length: ceil(count / world)
+        self.seed, self.epoch, length = seed, 0, math.ceil(count / world)  # each shard's length
         order = (torch.randperm(count, generator=torch.Generator().manual_seed(seed)).tolist()
                  if world > 1 else list(range(count)))
-        self.shard = (order * -(-length * world // count))[:length * world][rank::world]
+        topped_up = (order * math.ceil(length * world / count))[:length * world]
+        self.shard = topped_up[rank::world]
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
